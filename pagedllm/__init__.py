@@ -1,0 +1,34 @@
+"""pagedllm: LLM inference and serving with a paged KV-cache.
+
+Public API (imported lazily so ``import pagedllm.core`` needs no torch)::
+
+    from pagedllm import LLM, SamplingParams
+    llm = LLM(model="smollm2-135m-instruct", enable_prefix_caching=True)
+    outputs = llm.generate(["Hello"], SamplingParams(temperature=0.7, top_p=0.9))
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "pagedllm.llm",
+    "SamplingParams": "pagedllm.sampling_params",
+    "RequestOutputKind": "pagedllm.sampling_params",
+    "RequestOutput": "pagedllm.outputs",
+    "CompletionOutput": "pagedllm.outputs",
+    "Logprob": "pagedllm.outputs",
+    "EngineConfig": "pagedllm.config",
+    "LLMEngine": "pagedllm.engine.llm_engine",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

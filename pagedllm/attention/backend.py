@@ -1,0 +1,98 @@
+"""Attention backend interface, per-step metadata, and the forward context.
+
+KV-cache layout, per layer: ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]``
+(index 0 = keys, 1 = values). A token at position p of a request lives in slot
+``block_table[p // block_size] * block_size + p % block_size`` — that slot number is the
+one definition of "slot" in this project (``slot_mapping`` carries it per new token).
+
+The metadata for a step travels in a context object set by :func:`set_forward_context`
+for the duration of one forward pass, not in module globals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """The flat ragged batch of one step, as the attention layers see it.
+
+    Requests are ordered decodes first (query length 1), then prefills (query length
+    > 1, including chunks), so backends can treat the two groups separately.
+
+    Shapes and dtypes (T = tokens this step, B = requests this step):
+        slot_mapping:    [T] int64  — cache slot each new token's K/V is written to
+        query_start_loc: [B+1] int32 — request b's tokens are rows qsl[b]:qsl[b+1]
+        seq_lens:        [B] int32  — context length after this step (cached + new)
+        block_tables:    [B, max_num_blocks] int32 — physical block ids, padded with 0
+        num_decodes:     requests (the first ones) with exactly one query token
+        num_decode_tokens: == num_decodes
+        max_query_len, max_seq_len: maxima over the batch (tokens)
+        query_start_loc_cpu, seq_lens_cpu: host copies (lists) for backends that
+            need Python ints without a device sync
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_decodes: int
+    num_decode_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(Protocol):
+    """Writes new K/V into the paged cache and computes causal attention.
+
+    ``forward(query, key, value, kv_cache, metadata, scale)``:
+        query: [T, num_heads, head_dim]; key/value: [T, num_kv_heads, head_dim]
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (written in place)
+        returns: [T, num_heads, head_dim], dtype of ``query``.
+    Grouped-query attention: query head h reads KV head h // (num_heads // num_kv_heads).
+    """
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor: ...
+
+
+@dataclass
+class ForwardContext:
+    """What every attention layer needs during one forward pass."""
+
+    attn_metadata: AttentionMetadata | None
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def set_forward_context(attn_metadata: AttentionMetadata | None) -> Iterator[ForwardContext]:
+    """Make ``attn_metadata`` visible to the attention layers for one forward pass."""
+    prev = getattr(_local, "ctx", None)
+    ctx = ForwardContext(attn_metadata)
+    _local.ctx = ctx
+    try:
+        yield ctx
+    finally:
+        _local.ctx = prev
+
+
+def get_forward_context() -> ForwardContext:
+    """The context set by :func:`set_forward_context`. Raises RuntimeError outside one."""
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
+        raise RuntimeError("attention called outside set_forward_context()")
+    return ctx

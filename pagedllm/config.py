@@ -1,0 +1,135 @@
+"""Engine configuration: one frozen dataclass, validated in ``__post_init__``.
+
+``LLM(**kwargs)`` and the command-line flags of ``pagedllm serve|generate`` are both
+derived from the fields of :class:`EngineConfig` (see ``engine_arg_names`` and
+``pagedllm.entrypoints.cli``), so the two cannot drift apart.
+
+This module imports no torch: the core (scheduler, KV-cache manager) reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+          "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(value: int | float | str, field_name: str = "kv_cache_memory") -> int:
+    """Parse a byte size such as ``4294967296``, ``"4GiB"``, ``"512MB"`` or ``"1.5g"``.
+
+    Returns the size in bytes (int). Raises ValueError naming ``field_name`` when the
+    value cannot be parsed or is not positive.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{field_name} must be a byte count or a size like '4GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        num = float(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{field_name} must be a byte count or a size like '4GiB', got {value!r}")
+        num = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if num <= 0:
+        raise ValueError(f"{field_name} must be positive, got {value!r}")
+    return int(num)
+
+
+def _f(default, help: str, **kw):
+    """A dataclass field carrying its command-line help text."""
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine option. Units: tokens unless stated; memory in bytes.
+
+    Raises ValueError from ``__post_init__`` naming the field for any invalid value.
+    ``max_model_len=None`` is resolved from the model's config when the engine loads
+    it (``dataclasses.replace``).
+    """
+
+    model: str = _f(DEFAULT_MODEL, "model alias, path to a .gguf file, or a Hugging Face model folder")
+    tokenizer: str | None = _f(None, "tokenizer folder or .gguf (default: the model's own)")
+    dtype: str = _f("auto", "weights and activations dtype: auto, float32, bfloat16, float16 (auto = float32 on CPU, bfloat16 on CUDA)")
+    device: str = _f("auto", "auto, cpu or cuda")
+    seed: int = _f(0, "global random seed (requests without their own seed)")
+    max_model_len: int | None = _f(None, "maximum tokens per sequence, prompt + output (default: the model's context length)")
+    block_size: int = _f(16, "tokens per KV-cache block (power of two, 1..256)")
+    gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory the engine may use (CUDA only)")
+    kv_cache_memory: int | str | None = _f(None, "KV pool size on CPU in bytes or like '2GiB' (default 1GiB)")
+    num_kv_blocks: int | None = _f(None, "override the number of KV blocks (tests, benchmarks)")
+    enable_prefix_caching: bool = _f(True, "share KV blocks between requests with a common prompt prefix")
+    enable_chunked_prefill: bool = _f(True, "split long prompts across steps under the token budget")
+    max_num_seqs: int = _f(128, "most sequences running at once")
+    max_num_batched_tokens: int | None = _f(None, "token budget per step (default 2048 with chunked prefill, else max_model_len)")
+    scheduling_policy: str = _f("fcfs", "fcfs or priority")
+    batching: str = _f("continuous", "continuous, or static (admit a batch, wait for all of it; benchmarks only)")
+    max_logprobs: int = _f(20, "largest logprobs / prompt_logprobs a request may ask for")
+    max_waiting_requests: int | None = _f(None, "reject new requests (HTTP 503) beyond this many waiting")
+    debug_integrity_checks: bool = _f(False, "check block pool and scheduler invariants after every step (slow)")
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1 or bs > 256 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a power of two from 1 to 256, got {bs!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None:
+            parse_bytes(self.kv_cache_memory)
+        self._positive("max_model_len", allow_none=True)
+        self._positive("num_kv_blocks", allow_none=True)
+        self._positive("max_num_seqs")
+        self._positive("max_num_batched_tokens", allow_none=True)
+        self._positive("max_waiting_requests", allow_none=True)
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if (self.max_num_batched_tokens is not None and self.max_model_len is not None
+                and not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when enable_chunked_prefill is off, or a long prompt could never run")
+
+    def _positive(self, name: str, allow_none: bool = False) -> None:
+        v = getattr(self, name)
+        if v is None and allow_none:
+            return
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+    @property
+    def kv_cache_memory_bytes(self) -> int:
+        """The CPU KV pool budget in bytes (default 1 GiB)."""
+        return parse_bytes(self.kv_cache_memory) if self.kv_cache_memory is not None else 1024**3
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens the scheduler may schedule in one step (``max_num_batched_tokens`` resolved)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if self.enable_chunked_prefill:
+            return 2048
+        assert self.max_model_len is not None, "max_model_len must be resolved first"
+        return max(self.max_model_len, 2048)
+
+    def replace(self, **changes) -> "EngineConfig":
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def engine_arg_names() -> list[str]:
+    """Names of every EngineConfig field: the keyword arguments ``LLM`` accepts."""
+    return [f.name for f in dataclasses.fields(EngineConfig)]

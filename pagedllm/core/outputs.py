@@ -1,0 +1,95 @@
+"""The two seams of the engine step, as plain dataclasses of ints and lists.
+
+``SchedulerOutput`` goes from the scheduler to the model runner; ``ModelRunnerOutput``
+comes back. No tensors and no model references cross this seam.
+
+The model runner keeps per-request state (token ids, block table, sampling params)
+between steps, keyed by request id:
+
+1. It first drops the state of every id in ``finished_req_ids`` (finished, aborted or
+   preempted since the previous step).
+2. ``scheduled_new_reqs`` carry everything about a request the runner has not seen, or
+   sees again after preemption (then ``token_ids`` = prompt + output so far).
+3. ``scheduled_cached_reqs`` carry only what changed: new block ids appended to the
+   block table, and ``num_computed_tokens`` (the scheduler's count, the authority).
+4. A request samples this step when, after this step's tokens, its KV covers every
+   known token: ``num_computed_tokens + num_scheduled_tokens == len(token_ids)``; the
+   runner then appends the sampled id to its own copy of ``token_ids``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner sees for the first time (or again after preemption)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the whole block table
+    num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit), before this step
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed since the last step."""
+
+    req_id: str
+    new_block_ids: list[int]  # appended to its block table
+    num_computed_tokens: int  # before this step
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner computes this step."""
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens this step
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)  # drop runner state (finished/aborted/preempted)
+    preempted_req_ids: set[str] = field(default_factory=set)  # subset of the above, for stats
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class SampleLogprobs:
+    """Logprobs of one sampled position: the top-k and the sampled token's own.
+
+    ``token_ids``/``logprobs`` are the top-k in descending order; ``sampled_token_id``'s
+    logprob and rank (1 = most likely) are always present, even outside the top-k.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_token_id: int
+    sampled_logprob: float
+    sampled_rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced.
+
+    ``req_ids`` lists requests that sampled this step (in batch order) and
+    ``sampled_token_ids[i]`` their new tokens (one per step without speculation).
+    ``logprobs[req_id]`` is present for requests that asked for logprobs;
+    ``prompt_logprobs[req_id]`` holds the prompt positions computed this step (one entry
+    per prompt token, ``None`` for the first prompt token). ``failed`` maps a request id
+    to an error message for requests that failed in this step (others are unaffected).
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[SampleLogprobs | None]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)

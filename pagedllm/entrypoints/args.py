@@ -1,0 +1,40 @@
+"""Command-line flags derived from :class:`EngineConfig` fields (never listed twice)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from pagedllm.config import EngineConfig
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",)) -> None:
+    """Add one ``--flag`` per EngineConfig field (except ``skip``) to ``parser``."""
+    hints = typing.get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine options")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in skip:
+            continue
+        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        hint = hints[f.name]
+        if hint is bool:
+            group.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=f.default, help=help_text)
+        elif hint in (int, int | None):
+            group.add_argument(_flag(f.name), dest=f.name, type=int, default=f.default, help=help_text)
+        elif hint in (float, float | None):
+            group.add_argument(_flag(f.name), dest=f.name, type=float, default=f.default, help=help_text)
+        else:
+            group.add_argument(_flag(f.name), dest=f.name, type=str, default=f.default, help=help_text)
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """Build the EngineConfig from parsed flags (``overrides`` win). Raises ValueError."""
+    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    kwargs.update(overrides)
+    return EngineConfig(**kwargs)

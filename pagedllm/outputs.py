@@ -1,0 +1,71 @@
+"""User-facing outputs: RequestOutput, CompletionOutput, Logprob (vLLM-compatible)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token at one position.
+
+    ``logprob``: natural log (float, ≤ 0); ``rank``: 1 = most likely;
+    ``decoded_token``: the token's text, when the engine decoded it.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per position: token id -> Logprob (top-k plus the chosen token).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class RequestMetrics:
+    """Timings of one request, in seconds since the epoch (``time.time()``)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """TTFT in seconds, or None before the first token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (index i of a request's n samples)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
+    stop_reason: int | str | None = None  # the stop token id or string that matched
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The output of one request (all n samples), streamed or final."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None
+    error: str | None = None  # set when the request failed inside the engine
