@@ -1,0 +1,265 @@
+"""LLMEngine: add requests, step, get outputs. Synchronous and single-threaded.
+
+One step is three calls — ``Scheduler.schedule()`` → ``ModelRunner.execute_model()`` →
+``Scheduler.update_from_output()`` — followed by detokenization in the OutputProcessor.
+The engine knows nothing of HTTP; the async server front drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+PromptType = str | list[int] | dict
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine for metrics and status lines (counts; usage as a 0..1 fraction)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_used_blocks: int
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions_total: int
+    prompt_tokens_total: int  # prompt tokens computed (excludes prefix-cache hits)
+    generation_tokens_total: int
+    num_steps: int
+
+
+class LLMEngine:
+    """The synchronous engine. Construct with an :class:`EngineConfig`.
+
+    Raises ValueError (from loading or sizing) when the model cannot be found or the
+    KV cache cannot hold one sequence of ``max_model_len`` tokens.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        from pagedllm.loader import load_model_files
+        from pagedllm.models.registry import get_model_class
+        from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+
+        t0 = time.perf_counter()
+        files = load_model_files(config.model, config.tokenizer)
+        config = self._resolve_max_model_len(config, files.max_model_len)
+        self.config = config
+        self.model_files = files
+        self.tokenizer = files.tokenizer
+        self.model_name = config.model
+        self.eos_token_id = files.eos_token_id
+        self.extra_stop_token_ids = [t for t in files.stop_token_ids if t != files.eos_token_id]
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        torch.manual_seed(config.seed)
+        model_cls = get_model_class(files.hf_config)
+        with torch.device(device):
+            model = model_cls(files.hf_config, dtype=dtype, device=device)
+        model.load_weights(files.weights(dtype))
+        model.eval()
+        self.vocab_size = int(files.hf_config.vocab_size)
+        self.runner = ModelRunner(config, model, device, dtype, self.vocab_size, self.eos_token_id)
+        self.kv_cache_spec = self.runner.initialize_kv_cache()
+        self.scheduler = Scheduler(config, self.kv_cache_spec.num_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        logger.info("engine ready: model %s (%s, %s on %s) in %.1f s; %s", config.model, files.format,
+                    str(dtype).replace("torch.", ""), device, time.perf_counter() - t0, self.kv_cache_spec.describe())
+
+    @staticmethod
+    def _resolve_max_model_len(config: EngineConfig, model_len: int) -> EngineConfig:
+        if config.max_model_len is None:
+            return config.replace(max_model_len=model_len)
+        if config.max_model_len > model_len:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length {model_len}")
+        return config
+
+    # ------------------------------------------------------------------ prompts
+    def tokenize_prompt(self, prompt: PromptType) -> list[int]:
+        """Token ids of a text prompt, a token-id list, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": str}``.
+
+        Raises ValueError for an empty prompt, a wrong type, or a token id outside the vocabulary.
+        """
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string, a list of token ids, or a dict; got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt must not be empty (it has 0 tokens)")
+        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt contains token id {bad[0]}, outside the vocabulary (size {self.vocab_size})")
+        return ids
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> list[int]:
+        """Render a conversation with the model's chat template and tokenize it.
+
+        Messages are ``{"role": "system"|"user"|"assistant"|"tool"|"developer", "content": str |
+        [{"type": "text", "text": ...}, ...]}``. The rendered text already contains the
+        template's special tokens, so it is tokenized with ``add_special_tokens=False``
+        (no doubled BOS). Raises ValueError for an empty conversation, an unknown role,
+        non-text content, or a model without a chat template.
+        """
+        from pagedllm.engine.chat import normalize_conversation
+
+        messages = normalize_conversation(conversation)
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError("this model has no chat template; pass chat_template= or use a plain prompt")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template,
+                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0, prompt_text: str | None = None) -> str:
+        """Queue a request (``params.n`` sequences). Returns its id.
+
+        Raises ValueError — and queues nothing — for an empty prompt, a token id outside
+        the vocabulary, a prompt (+ ``max_tokens``) longer than ``max_model_len``, a
+        duplicate id, or sampling parameters the model cannot honour.
+        """
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize_prompt(prompt)
+        if prompt_text is None and isinstance(prompt, str):
+            prompt_text = prompt
+        params.validate_for_model(self.vocab_size, self.config.max_logprobs)
+        max_tokens = self._resolve_max_tokens(len(ids), params)
+        if params.bad_words and not params.bad_words_token_ids:
+            params.bad_words_token_ids = self._bad_words_ids(params.bad_words)
+        params = self._with_extra_stop_ids(params)
+        arrival = time.time() if arrival_time is None else arrival_time
+        children = [
+            Request(request_id if params.n == 1 else f"{i}_{request_id}", ids,
+                    params if params.n == 1 else params.child(i), self.eos_token_id, arrival, priority,
+                    max_tokens=max_tokens, parent_id=request_id if params.n > 1 else None)
+            for i in range(params.n)
+        ]
+        for i, child in enumerate(children):
+            try:
+                self.scheduler.add_request(child)
+            except ValueError:
+                self.scheduler.abort_request([c.request_id for c in children[:i]])
+                raise
+        self.output_processor.add_request(request_id, prompt_text, children, params, arrival)
+        return request_id
+
+    def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
+        limit = self.config.max_model_len
+        if num_prompt >= limit:
+            raise ValueError(f"This model's maximum context length is {limit} tokens, but the prompt has "
+                             f"{num_prompt} tokens (at least one token must be left for the output)")
+        if params.max_tokens is None:
+            return limit - num_prompt
+        if num_prompt + params.max_tokens > limit:
+            raise ValueError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                             f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, "
+                             f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.")
+        return params.max_tokens
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, with and without a leading space (as vLLM does)."""
+        out = []
+        for w in words:
+            for variant in {w, " " + w.lstrip()}:
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+    def _with_extra_stop_ids(self, params: SamplingParams) -> SamplingParams:
+        """Add the model's extra EOS ids (generation config) to stop_token_ids unless ignore_eos."""
+        if params.ignore_eos or not self.extra_stop_token_ids:
+            return params
+        missing = [t for t in self.extra_stop_token_ids if t not in params.stop_token_ids]
+        if not missing:
+            return params
+        params = params.clone()
+        params.stop_token_ids = params.stop_token_ids + missing
+        return params
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Abort user requests (unknown ids are ignored); their blocks are freed at once."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        child_ids = []
+        for rid in request_ids:
+            child_ids.extend(self.output_processor.remove_request(rid))
+        if child_ids:
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the outputs of the requests it advanced."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self._execute(scheduler_output)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        processed = self.output_processor.process(updated, runner_output)
+        if processed.stop_string_finished:
+            self.scheduler.finish_requests(processed.stop_string_finished, RequestStatus.FINISHED_STOPPED)
+        self._count(scheduler_output, runner_output)
+        return processed.outputs
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the model; an exception fails only this step's requests, and the engine keeps serving."""
+        try:
+            return self.runner.execute_model(so)
+        except Exception as e:  # noqa: BLE001
+            logger.exception("step failed; failing its %d requests", len(so.num_scheduled_tokens))
+            self.runner.requests.clear()  # runner state may be half-updated: rebuilt from the scheduler
+            msg = f"{type(e).__name__}: {e}"
+            return ModelRunnerOutput(failed={rid: msg for rid in so.num_scheduled_tokens})
+
+    def _count(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> None:
+        self.num_steps += 1
+        self.generation_tokens_total += len(ro.req_ids)
+        self.prompt_tokens_total += so.total_num_scheduled_tokens - len(ro.req_ids)
+        if self.config.debug_integrity_checks:
+            self.scheduler.check_integrity()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished()
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler.get_stats()
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
+            num_used_blocks=s.num_used_blocks, num_free_blocks=s.num_free_blocks,
+            num_total_blocks=self.kv_cache_spec.num_blocks,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions_total=s.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total, num_steps=self.num_steps)

@@ -1,0 +1,141 @@
+"""``pagedllm generate | chat | serve``: the command line.
+
+Engine flags are derived from EngineConfig (``pagedllm.entrypoints.args``), so they match
+``LLM(**kwargs)`` exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from pagedllm.config import DEFAULT_MODEL
+from pagedllm.entrypoints.args import add_engine_args, engine_config_from_args
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="most new tokens per answer")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", dest="sample_seed", type=int, default=None,
+                   help="per-request sampling seed (--seed is the engine's global seed)")
+    g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling_params(args):
+    from pagedllm.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.sample_seed, n=args.n, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference with a paged KV cache")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one or more prompts and print the answers")
+    g.add_argument("prompts", nargs="+", help="prompt text (several: one request each, batched)")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    g.add_argument("--system", default=None, help="system message (with --chat)")
+    g.add_argument("-m", "--model", default=DEFAULT_MODEL, help="model alias, .gguf path or HF folder")
+    _add_sampling_args(g)
+    add_engine_args(g)
+
+    c = sub.add_parser("chat", help="interactive chat that keeps the conversation")
+    c.add_argument("-m", "--model", default=DEFAULT_MODEL)
+    c.add_argument("--system", default=None)
+    _add_sampling_args(c)
+    add_engine_args(c)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="model alias, .gguf path or HF folder")
+    try:
+        from pagedllm.entrypoints.openai.api_server import add_server_args
+        add_server_args(s)
+    except ImportError:  # the server module is optional at import time of the CLI
+        pass
+    add_engine_args(s)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "chat":
+            return _chat(args)
+        from pagedllm.entrypoints.openai.api_server import run_server
+        run_server(args)
+        return 0
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _generate(args) -> int:
+    from pagedllm.llm import LLM
+
+    config = engine_config_from_args(args)
+    llm = LLM(**vars(config))
+    params = _sampling_params(args)
+    t0 = time.perf_counter()
+    if args.chat:
+        convs = [_conversation(args.system, p) for p in args.prompts]
+        outputs = llm.chat(convs, params, use_tqdm=len(convs) > 1)
+    else:
+        outputs = llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1)
+    elapsed = time.perf_counter() - t0
+    num_tokens = 0
+    for prompt, out in zip(args.prompts, outputs):
+        for comp in out.outputs:
+            num_tokens += len(comp.token_ids)
+            if len(args.prompts) > 1 or len(out.outputs) > 1:
+                print(f"--- prompt: {prompt!r} [sample {comp.index}, finish_reason={comp.finish_reason}]")
+            print(comp.text)
+    print(f"[{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f} s = {num_tokens / elapsed:.1f} tok/s]",
+          file=sys.stderr)
+    return 0
+
+
+def _conversation(system: str | None, user: str) -> list[dict]:
+    msgs = [{"role": "system", "content": system}] if system else []
+    return msgs + [{"role": "user", "content": user}]
+
+
+def _chat(args) -> int:
+    from pagedllm.llm import LLM
+
+    llm = LLM(**vars(engine_config_from_args(args)))
+    params = _sampling_params(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("pagedllm chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        history.append({"role": "user", "content": line})
+        out = llm.chat(history, params, use_tqdm=False)[0]
+        answer = out.outputs[0].text
+        print(f"assistant> {answer}  [{out.num_cached_tokens} prompt tokens from the prefix cache]")
+        history.append({"role": "assistant", "content": answer})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""LLM: the offline entry point (``generate`` and ``chat``), vLLM-compatible."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from pagedllm.config import DEFAULT_MODEL, EngineConfig, engine_arg_names
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+PromptInput = str | list[int] | dict
+
+
+class LLM:
+    """Generate text for many prompts at once through the paged KV cache.
+
+    ``LLM(model="smollm2-135m-instruct", gpu_memory_utilization=0.9,
+    enable_prefix_caching=True, block_size=16, max_model_len=..., max_num_seqs=...,
+    max_num_batched_tokens=..., kv_cache_memory="2GiB", dtype="float32", seed=0)`` —
+    every keyword is a field of :class:`pagedllm.config.EngineConfig`.
+
+    Raises:
+        TypeError: for an unknown keyword argument.
+        ValueError: for an invalid option value, an unknown model, or a KV cache too small.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs) -> None:
+        from pagedllm.engine.llm_engine import LLMEngine
+
+        unknown = sorted(set(kwargs) - set(engine_arg_names()))
+        if unknown:
+            raise TypeError(f"LLM() got unknown options {unknown}; valid options: {', '.join(engine_arg_names())}")
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        """The model's tokenizer (a transformers PreTrainedTokenizerFast)."""
+        return self.llm_engine.tokenizer
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate completions; returns one finished RequestOutput per prompt, in input order.
+
+        ``prompts``: a string, a list of token ids wrapped as ``{"prompt_token_ids": [...]}``,
+        or a list of either. ``sampling_params``: one for all, or one per prompt.
+        Raises ValueError (before anything runs) for an invalid prompt or parameter; the
+        engine stays usable.
+        """
+        prompt_list = self._as_prompt_list(prompts)
+        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
+        ids = self._add_all(prompt_list, params_list, priority)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        Raises ValueError for an empty conversation or an unknown role.
+        """
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not convs:
+            raise ValueError("messages must not be empty")
+        engine = self.llm_engine
+        prompts = []
+        for conv in convs:
+            ids = engine.apply_chat_template(conv, add_generation_prompt, chat_template)
+            prompts.append({"prompt_token_ids": ids, "prompt": engine.tokenizer.decode(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _as_prompt_list(prompts) -> list[PromptInput]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]  # one prompt given as bare token ids
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts must not be empty")
+        return prompts
+
+    @staticmethod
+    def _as_params_list(sp, n: int) -> list[SamplingParams]:
+        if sp is None:
+            sp = SamplingParams()
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise ValueError(f"got {len(sp)} sampling_params for {n} prompts")
+        return sp
+
+    def _add_all(self, prompts, params_list, priority) -> list[str]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params_list)):
+                sp = sp.clone()
+                sp.output_kind = RequestOutputKind.FINAL_ONLY
+                rid = str(self._next_id)
+                self._next_id += 1
+                text = prompt.get("prompt") if isinstance(prompt, dict) else None
+                engine.add_request(rid, prompt, sp, priority=priority[i] if priority else 0, prompt_text=text)
+                ids.append(rid)
+        except ValueError as e:
+            engine.abort_request(ids)  # nothing half-submitted stays behind
+            raise ValueError(f"prompt {len(ids)}: {e}") from None
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(ids)) if use_tqdm else None
+        t0, num_out = time.perf_counter(), 0
+        try:
+            while pending and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        done[out.request_id] = out
+                        num_out += sum(len(c.token_ids) for c in out.outputs)
+                        if bar is not None:
+                            bar.update(1)
+                            bar.set_postfix_str(f"{num_out / (time.perf_counter() - t0):.1f} tok/s output")
+        except BaseException:
+            engine.abort_request(list(pending))  # Ctrl-C or a crash must not leak blocks
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids if i in done]
+
+
+def _progress_bar(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)

@@ -1,0 +1,393 @@
+"""ModelRunner: the only owner of device tensors (weights, KV cache, step inputs).
+
+Each step it turns a :class:`SchedulerOutput` into one flat ragged batch (no padding):
+``input_ids[T]``, ``positions[T]``, ``slot_mapping[T]``, ``query_start_loc[B+1]``,
+``seq_lens[B]``, ``block_tables[B, max_blocks]``, runs the model, computes logits only for
+the rows that need them (the last scheduled token of each request that samples this step,
+plus prompt positions of requests that asked for prompt logprobs), samples, and returns
+a :class:`ModelRunnerOutput`.
+
+Per-request state persists between steps in host-side numpy buffers indexed by a row
+number per request (token ids ``[max_num_seqs, max_model_len]`` and block tables
+``[max_num_seqs, max_blocks_per_seq]``), so building the inputs is a handful of vectorized
+gathers, never a Python loop per token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pagedllm.attention.backend import AttentionMetadata, set_forward_context
+from pagedllm.config import EngineConfig
+from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → cuda when available, else cpu. Raises ValueError for cuda without a GPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available; use device='cpu'")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` → float32 on CPU (exact greedy parity), bfloat16 on CUDA."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass
+class CachedRequestState:
+    """What the runner remembers about one running request between steps."""
+
+    req_id: str
+    row: int  # row in the persistent token / block-table buffers
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+    num_prompt_logprob_positions_done: int = 0  # prompt positions already reported
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+@dataclass
+class KVCacheSpec:
+    """Sizes of the paged KV cache (bytes, tokens) as decided at start-up."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def max_concurrency(self) -> float:
+        """Sequences of ``max_model_len`` tokens that fit at once."""
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        return self.num_blocks / blocks_per_seq
+
+    def describe(self) -> str:
+        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
+                f"{self.num_bytes / 2**30:.2f} GiB; max concurrency {self.max_concurrency:.2f} "
+                f"sequences at max_model_len {self.max_model_len}")
+
+
+@dataclass
+class _StepBatch:
+    """Host-side description of one step's batch, in batch order (decodes first)."""
+
+    req_ids: list[str]
+    num_scheduled: np.ndarray  # [B] int64
+    num_computed: np.ndarray  # [B] int64, before this step
+    rows: np.ndarray  # [B] int64
+    sample_mask: np.ndarray  # [B] bool: request samples this step
+    prompt_logprob_reqs: list[int] = field(default_factory=list)  # batch indices asking for prompt logprobs
+
+
+class ModelRunner:
+    """Owns the model, the KV cache and per-request device-side state.
+
+    Args:
+        config: resolved EngineConfig (``max_model_len`` set).
+        model: a model with ``forward(input_ids, positions)``, ``compute_logits(hidden)``,
+            ``bind_kv_caches(list)`` and ``num_layers``/``num_kv_heads``/``head_dim``.
+        device, dtype: where and in what precision it runs.
+        eos_token_id: the model's EOS id (for min_tokens masking).
+    """
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device,
+                 dtype: torch.dtype, vocab_size: int, eos_token_id: int | None) -> None:
+        from pagedllm.worker.sampler import Sampler
+
+        self.config = config
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self.token_buf = np.zeros((config.max_num_seqs, self.max_model_len), dtype=np.int64)
+        self.block_table_buf = np.zeros((config.max_num_seqs, self.max_blocks_per_seq), dtype=np.int64)
+        self.kv_caches: list[torch.Tensor] = []
+        self.kv_spec: KVCacheSpec | None = None
+        # Test hook (case C06): called with each sampling request id; raising fails that request only.
+        self.fault_injector: Callable[[str], None] | None = None
+
+    # ------------------------------------------------------------------ KV cache sizing
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers: 2 (K, V) × layers × block_size × kv_heads × head_dim × dtype size."""
+        m = self.model
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        """Number of KV blocks: ``num_kv_blocks`` if set; on CPU ``kv_cache_memory`` bytes;
+        on CUDA ``gpu_memory_utilization`` × device memory − weights − profiled peak activations.
+
+        Raises ValueError when the pool cannot hold one sequence of ``max_model_len`` tokens.
+        """
+        per_block = self.bytes_per_block()
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        elif self.device.type == "cuda":
+            num_blocks = self._profile_cuda_num_blocks(per_block)
+        else:
+            num_blocks = cfg.kv_cache_memory_bytes // per_block
+        needed = self.max_blocks_per_seq
+        if num_blocks < needed:
+            source = ("num_kv_blocks" if cfg.num_kv_blocks is not None else
+                      "gpu_memory_utilization" if self.device.type == "cuda" else "kv_cache_memory")
+            raise ValueError(
+                f"{source} too small: the KV cache holds {num_blocks} blocks ({num_blocks * self.block_size} tokens, "
+                f"{num_blocks * per_block / 2**20:.1f} MiB) but one sequence of max_model_len={self.max_model_len} "
+                f"tokens needs {needed} blocks ({needed * per_block / 2**20:.1f} MiB); raise {source} or lower "
+                f"max_model_len")
+        return num_blocks
+
+    def _profile_cuda_num_blocks(self, per_block: int) -> int:
+        """Run one forward at ``token_budget`` tokens, measure peak memory, size the pool from what is left."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.token_budget, self.max_model_len)
+        self._dummy_forward(num_tokens)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        _, total = torch.cuda.mem_get_info(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - peak
+        logger.info("memory profile: peak %.2f GiB (weights + activations at %d tokens), budget for KV %.2f GiB",
+                    peak / 2**30, num_tokens, budget / 2**30)
+        return max(budget // per_block, 0)
+
+    def _dummy_forward(self, num_tokens: int) -> None:
+        """One prefill of ``num_tokens`` tokens through a temporary KV cache (memory profiling)."""
+        num_blocks = -(-num_tokens // self.block_size)
+        caches = self._new_kv_caches(num_blocks)
+        self.model.bind_kv_caches(caches)
+        block_table = torch.arange(num_blocks, dtype=torch.int32, device=self.device).view(1, -1)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_tables=block_table, num_decodes=0, num_decode_tokens=0,
+            max_query_len=num_tokens, max_seq_len=num_tokens,
+            query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens])
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        pos = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
+        with torch.inference_mode(), set_forward_context(meta):
+            hidden = self.model(ids, pos)
+            self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])
+        self.model.bind_kv_caches([])
+        del caches
+
+    def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        m = self.model
+        shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        # zeros, not empty: padded block-table entries point at block 0, whose values are
+        # masked out but must not be NaN (0 × NaN would poison the weighted sum).
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_layers)]
+
+    def initialize_kv_cache(self) -> KVCacheSpec:
+        """Size and allocate the KV cache; bind it to the model's attention layers. Logs the sizes."""
+        num_blocks = self.determine_num_blocks()
+        self.kv_caches = self._new_kv_caches(num_blocks)
+        self.model.bind_kv_caches(self.kv_caches)
+        self.kv_spec = KVCacheSpec(num_blocks, self.block_size, self.bytes_per_block(), self.max_model_len)
+        logger.info(self.kv_spec.describe())
+        return self.kv_spec
+
+    # ------------------------------------------------------------------ request state
+    def _update_states(self, so: SchedulerOutput) -> None:
+        """Drop finished/preempted requests, add new ones, append new blocks to cached ones."""
+        for req_id in so.finished_req_ids:
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self._free_rows.append(state.row)
+        for new in so.scheduled_new_reqs:
+            if new.req_id in self.requests:  # resumed within the same step it was preempted
+                self._free_rows.append(self.requests.pop(new.req_id).row)
+            row = self._free_rows.pop()
+            params = new.sampling_params
+            gen = torch.Generator(device=self.device) if params.seed is not None else None
+            prompt = list(new.token_ids[:new.num_prompt_tokens])
+            output = list(new.token_ids[new.num_prompt_tokens:])
+            state = CachedRequestState(new.req_id, row, prompt, output, params, list(new.block_ids),
+                                       new.num_computed_tokens, gen)
+            n = len(new.token_ids)
+            self.token_buf[row, :n] = new.token_ids
+            self.block_table_buf[row, :len(new.block_ids)] = new.block_ids
+            self.requests[new.req_id] = state
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            if cached.new_block_ids:
+                start = len(state.block_ids)
+                state.block_ids.extend(cached.new_block_ids)
+                self.block_table_buf[state.row, start:start + len(cached.new_block_ids)] = cached.new_block_ids
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    @staticmethod
+    def _reseed(state: CachedRequestState) -> None:
+        """Seed a seeded request's generator from (seed, output position).
+
+        The draw for output token i then depends only on the request's seed and i: the
+        same tokens whatever else is in the batch, its order, or a preemption and resume
+        in between (a running stream of draws would not survive a recompute).
+        """
+        seed = state.sampling_params.seed
+        state.generator.manual_seed((seed * 1_000_003 + len(state.output_token_ids)) % (2**63 - 1))
+
+    # ------------------------------------------------------------------ input preparation
+    def _order_batch(self, so: SchedulerOutput) -> _StepBatch:
+        """Batch order: decodes (1 query token) first, then prefills, as AttentionMetadata requires."""
+        req_ids = list(so.num_scheduled_tokens)
+        num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        order = np.argsort(num_sched > 1, kind="stable")
+        req_ids = [req_ids[i] for i in order]
+        num_sched = num_sched[order]
+        states = [self.requests[r] for r in req_ids]
+        num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
+        sample_mask = num_computed + num_sched >= num_tokens
+        plp = [i for i, s in enumerate(states) if s.sampling_params.prompt_logprobs is not None
+               and num_computed[i] < len(s.prompt_token_ids)]
+        return _StepBatch(req_ids, num_sched, num_computed, rows, sample_mask, plp)
+
+    def _prepare_inputs(self, b: _StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
+        """Vectorized: flat token ids, positions, slot mapping and attention metadata."""
+        total = int(b.num_sched.sum())
+        cu = np.zeros(len(b.req_ids) + 1, dtype=np.int64)
+        np.cumsum(b.num_sched, out=cu[1:])
+        req_idx = np.repeat(np.arange(len(b.req_ids)), b.num_sched)  # [T] batch index of each token
+        positions = np.arange(total, dtype=np.int64) - cu[req_idx] + b.num_computed[req_idx]
+        rows = b.rows[req_idx]
+        input_ids = self.token_buf[rows, positions]
+        block_ids = self.block_table_buf[rows, positions // self.block_size]
+        slot_mapping = block_ids * self.block_size + positions % self.block_size
+        seq_lens = b.num_computed + b.num_sched
+        max_blocks = int(-(-seq_lens.max() // self.block_size))
+        block_tables = self.block_table_buf[b.rows, :max_blocks]
+        num_decodes = int((b.num_sched == 1).sum())
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
+            num_decodes=num_decodes, num_decode_tokens=num_decodes,
+            max_query_len=int(b.num_sched.max()), max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=cu.tolist(), seq_lens_cpu=seq_lens.tolist())
+        return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta, cu)
+
+    # ------------------------------------------------------------------ the step
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. Returns sampled ids (and logprobs) for requests that sample this step."""
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput()
+        b = self._order_batch(so)
+        input_ids, positions, meta, cu = self._prepare_inputs(b)
+        with set_forward_context(meta):
+            hidden = self.model(input_ids, positions)  # (T, hidden)
+        out = ModelRunnerOutput()
+        self._compute_prompt_logprobs(b, hidden, cu, out)
+        self._sample(b, hidden, cu, out)
+        return out
+
+    def _sample(self, b: _StepBatch, hidden: torch.Tensor, cu: np.ndarray, out: ModelRunnerOutput) -> None:
+        from pagedllm.worker.sampling_metadata import SamplingMetadata
+
+        idx = np.nonzero(b.sample_mask)[0]
+        states = [self.requests[b.req_ids[i]] for i in idx]
+        keep = []
+        for i, s in zip(idx, states):
+            try:
+                if self.fault_injector is not None:
+                    self.fault_injector(s.req_id)
+                keep.append(i)
+            except Exception as e:  # noqa: BLE001 — one request's failure must not fail the batch
+                out.failed[s.req_id] = f"{type(e).__name__}: {e}"
+        if not keep:
+            return
+        idx = np.asarray(keep, dtype=np.int64)
+        states = [self.requests[b.req_ids[i]] for i in idx]
+        for s in states:
+            if s.generator is not None:
+                self._reseed(s)
+        logits_rows = torch.from_numpy(cu[idx + 1] - 1).to(self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, logits_rows))  # (N, vocab) float32
+        md = SamplingMetadata.build(
+            params=[s.sampling_params for s in states],
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            generators=[s.generator for s in states],
+            eos_token_ids=[self.eos_token_id] * len(states),
+            vocab_size=self.vocab_size, device=self.device)
+        so = self.sampler(logits, md)
+        sampled = so.sampled_token_ids.tolist()
+        lp_list = None
+        if so.logprobs is not None:
+            lp_list = so.logprobs.to_sample_logprobs([s.sampling_params.logprobs for s in states])
+        for j, (s, tok) in enumerate(zip(states, sampled)):
+            pos = s.num_tokens
+            if pos < self.max_model_len:
+                self.token_buf[s.row, pos] = tok
+            s.output_token_ids.append(tok)
+            out.req_ids.append(s.req_id)
+            out.sampled_token_ids.append([tok])
+            if lp_list is not None and lp_list[j] is not None:
+                out.logprobs[s.req_id] = lp_list[j]
+
+    def _compute_prompt_logprobs(self, b: _StepBatch, hidden: torch.Tensor, cu: np.ndarray,
+                                 out: ModelRunnerOutput) -> None:
+        """Logprobs of each prompt token given its prefix, for the prompt positions computed this step.
+
+        Entry j of a request's list is prompt token j (the first is None: nothing predicts it).
+        """
+        from pagedllm.worker.sampler import compute_prompt_logprobs
+
+        for i in b.prompt_logprob_reqs:
+            s = self.requests[b.req_ids[i]]
+            start, n = int(b.num_computed[i]), int(b.num_sched[i])
+            num_prompt = len(s.prompt_token_ids)
+            entries: list = [None] if start == 0 else []
+            # hidden row of position p predicts token p + 1; keep targets inside the prompt
+            last = min(start + n, num_prompt - 1)
+            if last > start:
+                rows = torch.arange(int(cu[i]), int(cu[i]) + (last - start), device=self.device)
+                targets = torch.tensor(s.prompt_token_ids[start + 1:last + 1], dtype=torch.int64, device=self.device)
+                logits = self.model.compute_logits(hidden.index_select(0, rows))
+                lpt = compute_prompt_logprobs(logits, targets, s.sampling_params.prompt_logprobs)
+                entries.extend(lpt.to_sample_logprobs([s.sampling_params.prompt_logprobs] * (last - start)))
+            out.prompt_logprobs[s.req_id] = entries
