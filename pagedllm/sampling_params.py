@@ -5,7 +5,9 @@ OpenAI API), so users can bring their settings unchanged. No torch import here.
 
 Conventions (documented choices where engines differ):
 
-- ``temperature == 0`` is greedy (argmax); top-k/top-p/min-p are then ignored.
+- ``temperature == 0`` is greedy (argmax); top-k/top-p/min-p are then ignored. Temperatures
+  below ``SAMPLING_EPS`` (1e-5) are treated as greedy too: dividing logits by them would
+  overflow float32 to inf and softmax to NaN.
 - ``top_k``: 0 or -1 disable it; values above the vocabulary size mean "no top-k".
 - ``top_p`` must lie in (0, 1]; 0 is rejected (an empty candidate set has no meaning).
   A tiny top_p such as 1e-9 keeps only the most likely token (= greedy).
@@ -23,10 +25,14 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 _MAX_SEED = 2**63 - 1
+
+# Temperatures below this are greedy (argmax): logits / 1e-6 overflows float32.
+SAMPLING_EPS = 1e-5
 
 
 class RequestOutputKind(enum.Enum):
@@ -77,11 +83,13 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.bad_words = list(self.bad_words or [])
+            self.stop = _as_list("stop", self.stop)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids or [])
+        self.bad_words = _as_list("bad_words", self.bad_words or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids)
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            self.logit_bias = _parse_logit_bias(self.logit_bias)
         self._validate()
 
     # ---- validation -----------------------------------------------------------------
@@ -122,6 +130,10 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty")
             for t in self.allowed_token_ids:
                 _int("allowed_token_ids", t, lo=0)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
@@ -146,8 +158,8 @@ class SamplingParams:
     # ---- derived --------------------------------------------------------------------
     @property
     def is_greedy(self) -> bool:
-        """True when sampling reduces to argmax (temperature 0, or top_k 1)."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when sampling reduces to argmax (temperature < SAMPLING_EPS, or top_k 1)."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def clone(self) -> "SamplingParams":
         """A deep copy (children of an ``n > 1`` request each get one)."""
@@ -165,6 +177,29 @@ class SamplingParams:
         return p
 
 
+def _as_list(name: str, value: Any) -> list:
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be a list, got {value!r}")
+    return list(value)
+
+
+def _parse_logit_bias(value: Any) -> dict[int, float]:
+    """{token id: bias}; keys may be numeric strings (OpenAI JSON sends string keys)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {value!r}")
+    out: dict[int, float] = {}
+    for k, v in value.items():
+        try:
+            tok = int(k)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+        if isinstance(k, bool) or (isinstance(k, float) and k != tok):
+            raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+        _num("logit_bias", v)
+        out[tok] = float(v)
+    return out
+
+
 def _int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -176,8 +211,8 @@ def _int(name: str, value: Any, lo: int | None = None, hi: int | None = None) ->
 
 def _num(name: str, value: Any, lo: float | None = None, hi: float | None = None,
          lo_open: bool = False) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     if lo is not None and (value < lo or (lo_open and value == lo)):
         raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}")
     if hi is not None and value > hi:

@@ -1,0 +1,303 @@
+"""SamplingMetadata: the per-request sampling parameters of one step, as batched tensors.
+
+The model runner builds one :class:`SamplingMetadata` per step with
+:meth:`SamplingMetadata.build`, one row per request that samples this step (the row order
+is the order of the logits handed to :class:`~pagedllm.worker.sampler.Sampler`). Every
+per-row parameter becomes a tensor on the logits' device, and batch-wide flags
+(``all_greedy``, ``no_top_p``, ...) let the sampler skip whole stages without looking at
+the tensors (no device sync).
+
+Row conventions (chosen so that one batched pass treats every row alike):
+
+- A *greedy* row (``temperature < SAMPLING_EPS`` or ``top_k == 1``) gets
+  ``temperature = 1``, top-k off, ``top_p = 1`` and ``min_p = 0``: nothing divides its
+  logits and no truncation touches them; the sampler takes its argmax.
+- Top-k "off" (0, -1 or ``>= vocab_size``) is stored as ``vocab_size``.
+- Token-level masks and biases are stored sparsely as (row, token) index pairs; only the
+  repetition/frequency/presence penalties need dense ``[N, V]`` tensors, built only when
+  some row uses them, and only from the tokens of those rows.
+
+Building is host-side Python over the requests (not over the vocabulary): the number of
+Python operations is O(N + tokens of rows that use penalties + banned words).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.sampling_params import SAMPLING_EPS, SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    """Batched sampling parameters for N rows over a vocabulary of V tokens.
+
+    Tensors (all on the logits' device):
+        temperature: float32 [N] — divisor of the logits of random rows; 1.0 for greedy rows.
+        is_greedy: bool [N] — the row takes the argmax of its processed logits.
+        top_k: int64 [N] or None — tokens kept per row; ``V`` where off. None when no row uses top-k.
+        top_p: float32 [N] or None — nucleus mass in (0, 1]; 1.0 where off. None when unused.
+        min_p: float32 [N] or None — in [0, 1]; 0.0 where off. None when unused.
+        presence_penalties, frequency_penalties, repetition_penalties: float32 [N] or None
+            (None when ``no_penalties``); neutral rows hold 0, 0, 1.
+        output_token_counts: int32 [N, V] or None — occurrences of each token in the row's
+            output so far (only rows with a presence/frequency penalty are filled).
+        repetition_mask: bool [N, V] or None — token occurs in the row's prompt or output
+            (only rows with a repetition penalty are filled).
+        logit_bias_rows, logit_bias_token_ids: int64 [B]; logit_bias_values: float32 [B]
+            — added to the logits (None when ``no_logit_bias``).
+        allowed_rows: int64 [A] and disallowed_mask: bool [A, V] — for the A rows that set
+            ``allowed_token_ids``, True marks a token to mask (None when no row sets it).
+        blocked_rows, blocked_token_ids: int64 [M] — (row, token) pairs masked to -inf:
+            bad-words completions and, while ``min_tokens`` is not reached, EOS and
+            ``stop_token_ids`` (None when nothing is blocked this step).
+
+    Host-side values:
+        generators: row index -> the request's ``torch.Generator`` (seeded rows only; must
+            live on the logits' device). Unseeded rows draw from torch's default generator.
+        max_num_logprobs: the largest ``logprobs`` requested in the batch, or None when no
+            row asked for logprobs.
+        all_greedy, all_random, no_top_k, no_top_p, no_min_p, no_penalties, no_logit_bias:
+            batch-wide flags that let the sampler skip a stage.
+    """
+
+    temperature: torch.Tensor
+    is_greedy: torch.Tensor
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    generators: dict[int, torch.Generator]
+    max_num_logprobs: int | None
+    no_penalties: bool
+    presence_penalties: torch.Tensor | None
+    frequency_penalties: torch.Tensor | None
+    repetition_penalties: torch.Tensor | None
+    output_token_counts: torch.Tensor | None
+    repetition_mask: torch.Tensor | None
+    no_logit_bias: bool
+    logit_bias_rows: torch.Tensor | None
+    logit_bias_token_ids: torch.Tensor | None
+    logit_bias_values: torch.Tensor | None
+    allowed_rows: torch.Tensor | None
+    disallowed_mask: torch.Tensor | None
+    blocked_rows: torch.Tensor | None
+    blocked_token_ids: torch.Tensor | None
+    vocab_size: int
+    num_logprobs_per_row: list[int | None] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.temperature.shape[0])
+
+    @property
+    def no_top_k(self) -> bool:
+        return self.top_k is None
+
+    @property
+    def no_top_p(self) -> bool:
+        return self.top_p is None
+
+    @property
+    def no_min_p(self) -> bool:
+        return self.min_p is None
+
+    # ------------------------------------------------------------------------ build
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        eos_token_ids: list[int | None],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> "SamplingMetadata":
+        """Batch the sampling parameters of the N requests that sample this step.
+
+        Args:
+            params: each row's SamplingParams.
+            prompt_token_ids: each row's prompt (repetition penalty scope, with the output).
+            output_token_ids: each row's output so far (penalties, bad words, min_tokens).
+            generators: each row's generator (seeded requests; the caller keeps it across
+                steps and seeds it from ``params.seed``), or None.
+            eos_token_ids: each row's EOS id (masked while ``min_tokens`` is not reached
+                unless ``ignore_eos``), or None.
+            vocab_size: V, the width of the logits.
+            device: where the logits live.
+
+        Raises:
+            ValueError: naming the argument, when the lists differ in length or a token id
+                (logit_bias, allowed_token_ids, stop_token_ids, bad words) is outside
+                ``[0, vocab_size)``.
+        """
+        n = len(params)
+        for name, lst in (("prompt_token_ids", prompt_token_ids), ("output_token_ids", output_token_ids),
+                          ("generators", generators), ("eos_token_ids", eos_token_ids)):
+            if len(lst) != n:
+                raise ValueError(f"{name} has {len(lst)} rows, params has {n}")
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size must be > 0, got {vocab_size}")
+        device = torch.device(device)
+        V = vocab_size
+
+        greedy = [p.temperature < SAMPLING_EPS or p.top_k == 1 for p in params]
+        all_greedy = all(greedy)
+        all_random = not any(greedy)
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        temperature = f32([1.0 if g else float(p.temperature) for p, g in zip(params, greedy)])
+        is_greedy = torch.tensor(greedy, dtype=torch.bool, device=device)
+
+        top_k = top_p = min_p = None
+        if not all_greedy:
+            ks = [V if g or p.top_k <= 0 or p.top_k >= V else p.top_k for p, g in zip(params, greedy)]
+            ps = [1.0 if g else float(p.top_p) for p, g in zip(params, greedy)]
+            mps = [0.0 if g else float(p.min_p) for p, g in zip(params, greedy)]
+            if any(k < V for k in ks):
+                top_k = torch.tensor(ks, dtype=torch.int64, device=device)
+            if any(x < 1.0 for x in ps):
+                top_p = f32(ps)
+            if any(x > 0.0 for x in mps):
+                min_p = f32(mps)
+
+        gens = {i: g for i, (g, is_g) in enumerate(zip(generators, greedy)) if g is not None and not is_g}
+        nums = [p.logprobs for p in params]
+        requested = [x for x in nums if x is not None]
+        max_num_logprobs = max(requested) if requested else None
+
+        pen = _build_penalties(params, prompt_token_ids, output_token_ids, V, device)
+        bias = _build_logit_bias(params, V, device)
+        allowed = _build_allowed(params, V, device)
+        blocked = _build_blocked(params, output_token_ids, eos_token_ids, V, device)
+
+        return cls(
+            temperature=temperature, is_greedy=is_greedy, all_greedy=all_greedy, all_random=all_random,
+            top_k=top_k, top_p=top_p, min_p=min_p, generators=gens, max_num_logprobs=max_num_logprobs,
+            no_penalties=pen is None,
+            presence_penalties=pen[0] if pen else None, frequency_penalties=pen[1] if pen else None,
+            repetition_penalties=pen[2] if pen else None, output_token_counts=pen[3] if pen else None,
+            repetition_mask=pen[4] if pen else None,
+            no_logit_bias=bias is None,
+            logit_bias_rows=bias[0] if bias else None, logit_bias_token_ids=bias[1] if bias else None,
+            logit_bias_values=bias[2] if bias else None,
+            allowed_rows=allowed[0] if allowed else None, disallowed_mask=allowed[1] if allowed else None,
+            blocked_rows=blocked[0] if blocked else None, blocked_token_ids=blocked[1] if blocked else None,
+            vocab_size=V, num_logprobs_per_row=nums,
+        )
+
+
+def _check_ids(name: str, ids: list[int], vocab_size: int) -> None:
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{name} contains token id {t}, outside the vocabulary [0, {vocab_size})")
+
+
+def _row_token_index(rows_tokens: list[tuple[int, list[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten [(row, [tok, ...]), ...] into (row_ids, token_ids) int64 tensors, without padding."""
+    lengths = [len(toks) for _, toks in rows_tokens]
+    rows = torch.repeat_interleave(torch.tensor([r for r, _ in rows_tokens], dtype=torch.int64),
+                                   torch.tensor(lengths, dtype=torch.int64))
+    toks = torch.tensor(list(itertools.chain.from_iterable(t for _, t in rows_tokens)), dtype=torch.int64)
+    return rows.to(device), toks.to(device)
+
+
+def _build_penalties(params, prompt_token_ids, output_token_ids, V, device):
+    """(presence [N], frequency [N], repetition [N], output counts int32 [N,V], repetition mask bool [N,V]) or None."""
+    uses_freq = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
+    uses_rep = [p.repetition_penalty != 1.0 for p in params]
+    if not any(uses_freq) and not any(uses_rep):
+        return None
+    n = len(params)
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device)
+    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device)
+    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
+
+    counts = torch.zeros(n, V, dtype=torch.int32, device=device)
+    out_rows = [(i, output_token_ids[i]) for i in range(n) if (uses_freq[i] or uses_rep[i]) and output_token_ids[i]]
+    if out_rows:
+        for i, toks in out_rows:
+            _check_ids("output_token_ids", toks, V)
+        r, t = _row_token_index(out_rows, device)
+        counts.index_put_((r, t), torch.ones_like(t, dtype=torch.int32), accumulate=True)
+    rep_mask = counts > 0
+    # Rows with only a repetition penalty must not see frequency/presence effects: their
+    # penalties are 0, so their counts are harmless; rows with only presence/frequency
+    # have repetition 1 so their mask is harmless too.
+    prompt_rows = [(i, prompt_token_ids[i]) for i in range(n) if uses_rep[i] and prompt_token_ids[i]]
+    if prompt_rows:
+        for i, toks in prompt_rows:
+            _check_ids("prompt_token_ids", toks, V)
+        r, t = _row_token_index(prompt_rows, device)
+        rep_mask[r, t] = True
+    return presence, frequency, repetition, counts, rep_mask
+
+
+def _build_logit_bias(params, V, device):
+    """(rows int64 [B], token ids int64 [B], values float32 [B]) or None."""
+    rows, toks, vals = [], [], []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            _check_ids("logit_bias", list(p.logit_bias), V)
+            rows.extend([i] * len(p.logit_bias))
+            toks.extend(p.logit_bias.keys())
+            vals.extend(p.logit_bias.values())
+    if not rows:
+        return None
+    return (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(toks, dtype=torch.int64, device=device),
+            torch.tensor(vals, dtype=torch.float32, device=device))
+
+
+def _build_allowed(params, V, device):
+    """(rows int64 [A], disallowed bool [A, V]) for rows with allowed_token_ids, or None."""
+    rows_tokens = [(i, list(p.allowed_token_ids)) for i, p in enumerate(params) if p.allowed_token_ids]
+    if not rows_tokens:
+        return None
+    for _, toks in rows_tokens:
+        _check_ids("allowed_token_ids", toks, V)
+    mask = torch.ones(len(rows_tokens), V, dtype=torch.bool)
+    local = [(j, toks) for j, (_, toks) in enumerate(rows_tokens)]
+    r, t = _row_token_index(local, torch.device("cpu"))
+    mask[r, t] = False
+    rows = torch.tensor([i for i, _ in rows_tokens], dtype=torch.int64, device=device)
+    return rows, mask.to(device)
+
+
+def _banned_by_bad_words(bad_words_token_ids: list[list[int]], output: list[int]) -> list[int]:
+    """Last tokens of banned sequences whose preceding tokens equal the tail of ``output``.
+
+    A one-token bad word is always banned; a longer one only completes when its prefix has
+    just been generated (vLLM's ``bad_words`` semantics: output tokens only).
+    """
+    banned = []
+    for seq in bad_words_token_ids:
+        if not seq:
+            continue
+        prefix = seq[:-1]
+        if not prefix or (len(output) >= len(prefix) and output[len(output) - len(prefix):] == prefix):
+            banned.append(seq[-1])
+    return banned
+
+
+def _build_blocked(params, output_token_ids, eos_token_ids, V, device):
+    """(rows int64 [M], token ids int64 [M]) to mask to -inf (bad words, min_tokens), or None."""
+    rows_tokens = []
+    for i, p in enumerate(params):
+        toks = _banned_by_bad_words(p.bad_words_token_ids, output_token_ids[i]) if p.bad_words_token_ids else []
+        if len(output_token_ids[i]) < p.min_tokens:
+            if eos_token_ids[i] is not None and not p.ignore_eos:
+                toks.append(eos_token_ids[i])
+            toks.extend(p.stop_token_ids or [])
+        if toks:
+            _check_ids("bad_words_token_ids/stop_token_ids/eos_token_ids", toks, V)
+            rows_tokens.append((i, toks))
+    if not rows_tokens:
+        return None
+    return _row_token_index(rows_tokens, device)
