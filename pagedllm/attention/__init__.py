@@ -1,0 +1,85 @@
+"""Paged attention: the backend interface, backends, and the attention layer models use.
+
+- :func:`get_attention_backend` picks a backend for a device.
+- :class:`Attention` is the ``nn.Module`` a model puts in each layer: it holds that layer's
+  KV cache (bound by the model runner) and reads the step's
+  :class:`~pagedllm.attention.backend.AttentionMetadata` from the forward context.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention.backend import (AttentionBackend, AttentionMetadata, ForwardContext, get_forward_context,
+                                        set_forward_context)
+from pagedllm.attention.torch_paged import TorchPagedAttention
+
+__all__ = ["Attention", "AttentionBackend", "AttentionMetadata", "ForwardContext", "TorchPagedAttention",
+           "get_attention_backend", "get_forward_context", "set_forward_context"]
+
+_BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"
+
+
+def get_attention_backend(device: torch.device | str) -> AttentionBackend:
+    """The attention backend for ``device`` (``"cpu"``, ``"cuda"``, ``torch.device``).
+
+    Today every device gets :class:`TorchPagedAttention` (PyTorch ops; on CUDA they run as
+    CUDA kernels). The environment variable ``PAGEDLLM_ATTENTION_BACKEND=torch`` forces it
+    explicitly; any other value raises ValueError naming the supported ones.
+    """
+    device = torch.device(device)
+    choice = os.environ.get(_BACKEND_ENV, "auto").lower()
+    if choice not in ("auto", "torch"):
+        raise ValueError(f"{_BACKEND_ENV} must be 'auto' or 'torch', got {choice!r}")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"no attention backend for device type {device.type!r} (supported: cpu, cuda)")
+    return TorchPagedAttention()
+
+
+class Attention(nn.Module):
+    """Causal self-attention over the paged KV cache of one layer (no weights).
+
+    Args:
+        num_heads: query heads; num_kv_heads: key/value heads (divides ``num_heads``);
+        head_dim: size of each head; scale: softmax scale;
+        backend: shared :class:`AttentionBackend` (one per model is enough).
+
+    ``kv_cache`` is ``None`` until the runner binds a
+    ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` tensor.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.backend = backend
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """query: (T, num_heads, head_dim); key/value: (T, num_kv_heads, head_dim) -> (T, num_heads, head_dim).
+
+        With step metadata in the forward context, K/V are written to the bound cache and
+        each request attends to its own cached context. With ``attn_metadata=None`` (memory
+        profiling, quick checks) the T tokens are one causal sequence and no cache is touched.
+        Raises RuntimeError when metadata is present but no cache is bound, or outside
+        :func:`set_forward_context`.
+        """
+        metadata = get_forward_context().attn_metadata
+        if metadata is None:
+            out = F.scaled_dot_product_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+                                                 is_causal=True, scale=self.scale, enable_gqa=True)
+            return out.transpose(0, 1)  # (T, num_heads, head_dim)
+        if self.kv_cache is None:
+            raise RuntimeError("attention metadata given but no KV cache bound: call model.bind_kv_caches() first")
+        return self.backend.forward(query, key, value, self.kv_cache, metadata, self.scale)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"

@@ -1,0 +1,222 @@
+"""Reference paged-attention backend in plain PyTorch: runs on CPU and CUDA, fp32/bf16/fp16.
+
+One call of :meth:`TorchPagedAttention.forward` does, for a flat ragged batch:
+
+1. **KV write.** The new tokens' keys and values go into the paged cache at
+   ``slot_mapping`` (slot = block_id × block_size + offset), one ``index_copy_`` each.
+2. **Decode** (the first ``num_decodes`` requests, one query token each): batched with
+   no Python loop over requests. Each request's blocks are gathered through its block
+   table up to the longest decode context (one ``index_select`` for K and V together, into
+   a reusable workspace), keys past each request's ``seq_len`` are masked, and one
+   ``scaled_dot_product_attention`` call computes all of them. Grouped-query attention is
+   done by folding the ``num_heads // num_kv_heads`` query heads of a group into the
+   query-length axis (``q: (B, num_kv_heads, group, head_dim)``), so K/V are never
+   repeated per query head — the single-query-token analogue of vLLM's GQA decode kernel.
+3. **Prefill** (the remaining requests; few per step, so a Python loop is fine): causal
+   within the request. A request whose earlier tokens are already cached (chunked prefill,
+   prefix-cache hit) reads them from its blocks, with a bottom-right-aligned causal mask.
+
+The algorithm is PagedAttention (Kwon et al., SOSP 2023, "Efficient Memory Management for
+Large Language Model Serving with PagedAttention"), expressed with gathers + SDPA.
+
+Decode cost on CPU is dominated by the gather (it copies every context token's K/V once);
+the workspace avoids re-faulting fresh pages for that copy on every layer, and very large
+decode batches are processed in groups so the workspace stays bounded
+(``max_workspace_bytes``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backend import AttentionMetadata
+
+_DEFAULT_MAX_WORKSPACE_BYTES = 64 * 1024**2
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Write new keys/values into the paged cache, in place.
+
+    Args:
+        key, value: (T, num_kv_heads, head_dim), any float dtype (cast to the cache's).
+        kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim), contiguous.
+        slot_mapping: (T,) int64, each in [0, num_blocks * block_size). Negative slots are
+            not supported (the runner never pads).
+    """
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # (num_slots, num_kv_heads, head_dim)
+    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)  # (num_slots, num_kv_heads, head_dim)
+    key_cache.index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    value_cache.index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``seq_len`` tokens' K and V of one request, read through its block table.
+
+    Args:
+        kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim).
+        block_table: (>= ceil(seq_len / block_size),) int32/int64 physical block ids.
+        seq_len: tokens to read.
+    Returns:
+        keys, values: each (seq_len, num_kv_heads, head_dim), new contiguous tensors.
+    """
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_blocks = -(-seq_len // block_size)
+    kv = kv_cache.index_select(1, block_table[:num_blocks])  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv = kv.view(2, num_blocks * block_size, num_kv_heads, head_dim)[:, :seq_len]  # (2, seq_len, num_kv_heads, head_dim)
+    return kv[0], kv[1]
+
+
+class TorchPagedAttention:
+    """Paged attention with PyTorch ops (the :class:`~pagedllm.attention.backend.AttentionBackend`).
+
+    Stateless apart from a reusable decode workspace (one per instance, so one instance
+    may be shared by every layer of a model but not by two threads running forwards at
+    the same time).
+
+    Args:
+        max_workspace_bytes: cap on the decode gather buffer; decode batches needing more
+            are processed in groups of requests. Default 64 MiB.
+    """
+
+    def __init__(self, max_workspace_bytes: int = _DEFAULT_MAX_WORKSPACE_BYTES) -> None:
+        if max_workspace_bytes <= 0:
+            raise ValueError(f"max_workspace_bytes must be positive, got {max_workspace_bytes}")
+        self.max_workspace_bytes = max_workspace_bytes
+        self._workspace: torch.Tensor | None = None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Write this step's K/V into ``kv_cache`` and return causal attention per request.
+
+        Args:
+            query: (T, num_heads, head_dim); key, value: (T, num_kv_heads, head_dim).
+                Row t belongs to the request b with ``query_start_loc[b] <= t < query_start_loc[b+1]``
+                and sits at position ``seq_lens[b] - (query_start_loc[b+1] - t)`` of it.
+            kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim); written in place.
+            metadata: the step's :class:`AttentionMetadata` (decodes first, then prefills).
+            scale: softmax scale, usually ``head_dim ** -0.5``.
+        Returns:
+            (T, num_heads, head_dim), dtype of ``query``.
+        Raises:
+            ValueError: if the cache layout does not match the key/value heads or head_dim,
+                or ``num_heads`` is not a multiple of ``num_kv_heads``.
+        """
+        _check_shapes(query, key, kv_cache)
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        output = torch.empty_like(query)
+        num_decodes = metadata.num_decodes
+        if num_decodes > 0:
+            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, scale)
+        qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+        for b in range(num_decodes, metadata.num_reqs):
+            start, end = qsl[b], qsl[b + 1]
+            output[start:end] = _prefill_one(query[start:end], key[start:end], value[start:end], kv_cache,
+                                             metadata.block_tables[b], seq_lens[b], scale)
+        return output
+
+    __call__ = forward
+
+    # -- decode ----------------------------------------------------------------------------
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """Attention of the decode requests. query: (D, num_heads, head_dim) -> same shape."""
+        num_decodes = query.shape[0]
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        max_seq_len = max(metadata.seq_lens_cpu[:num_decodes])
+        num_blocks = -(-max_seq_len // block_size)
+        bytes_per_req = 2 * num_blocks * block_size * num_kv_heads * head_dim * kv_cache.element_size()
+        group = max(1, min(num_decodes, self.max_workspace_bytes // bytes_per_req))
+        workspace = self._get_workspace(group * bytes_per_req // kv_cache.element_size(), kv_cache)
+        block_tables = metadata.block_tables[:num_decodes, :num_blocks]
+        seq_lens = metadata.seq_lens[:num_decodes]
+        if group >= num_decodes:
+            return _decode_group(query, kv_cache, block_tables, seq_lens, scale, workspace)
+        outputs = [
+            _decode_group(query[i:i + group], kv_cache, block_tables[i:i + group], seq_lens[i:i + group],
+                          scale, workspace)
+            for i in range(0, num_decodes, group)
+        ]
+        return torch.cat(outputs)
+
+    def _get_workspace(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A flat buffer of at least ``numel`` elements of ``like``'s dtype and device (reused)."""
+        ws = self._workspace
+        if ws is None or ws.numel() < numel or ws.dtype != like.dtype or ws.device != like.device:
+            ws = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._workspace = ws
+        return ws[:numel]
+
+
+def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, scale: float, workspace: torch.Tensor) -> torch.Tensor:
+    """Batched decode attention for D requests with one query token each.
+
+    Args:
+        query: (D, num_heads, head_dim).
+        kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim).
+        block_tables: (D, nb) int32 — every request's first nb blocks (padding entries are
+            any valid block id; they are masked out).
+        seq_lens: (D,) int32 context lengths (including the token being decoded).
+        workspace: at least 2 * D * nb * block_size * num_kv_heads * head_dim elements.
+    Returns:
+        (D, num_heads, head_dim).
+    """
+    num_reqs, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    nb = block_tables.shape[1]
+    max_len = nb * block_size
+    group_size = num_heads // num_kv_heads
+    kv = workspace.view(2, num_reqs * nb, block_size, num_kv_heads, head_dim)
+    torch.index_select(kv_cache, 1, block_tables.reshape(-1), out=kv)
+    kv = kv.view(2, num_reqs, max_len, num_kv_heads, head_dim)
+    keys = kv[0].transpose(1, 2).to(query.dtype)  # (D, num_kv_heads, max_len, head_dim), a view
+    values = kv[1].transpose(1, 2).to(query.dtype)  # (D, num_kv_heads, max_len, head_dim), a view
+    positions = torch.arange(max_len, device=query.device)
+    mask = (positions < seq_lens.unsqueeze(1)).view(num_reqs, 1, 1, max_len)  # True = attend
+    # Query head h reads KV head h // group_size: fold a group's heads into the query axis.
+    q = query.view(num_reqs, num_kv_heads, group_size, head_dim)  # (D, num_kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(num_reqs, num_heads, head_dim)  # (D, num_heads, head_dim)
+
+
+def _prefill_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    """Causal attention of one request's Q new tokens, the last Q of its ``seq_len``.
+
+    query: (Q, num_heads, head_dim); key/value: (Q, num_kv_heads, head_dim) (already in the
+    cache). With no earlier context the fresh K/V are used directly; otherwise all
+    ``seq_len`` tokens are read back through ``block_table``. Returns (Q, num_heads, head_dim).
+    """
+    query_len = query.shape[0]
+    num_context = seq_len - query_len
+    q = query.transpose(0, 1)  # (num_heads, Q, head_dim)
+    if num_context == 0:
+        k, v = key.transpose(0, 1), value.transpose(0, 1)  # (num_kv_heads, Q, head_dim)
+        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale,
+                                             enable_gqa=True)
+        return out.transpose(0, 1)  # (Q, num_heads, head_dim)
+    keys, values = gather_kv(kv_cache, block_table, seq_len)  # (seq_len, num_kv_heads, head_dim)
+    # Bottom-right causal mask: query i (position num_context + i) sees keys 0..num_context + i.
+    key_pos = torch.arange(seq_len, device=query.device)
+    query_pos = torch.arange(num_context, seq_len, device=query.device)
+    mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # (Q, seq_len)
+    out = F.scaled_dot_product_attention(q, keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype),
+                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)  # (Q, num_heads, head_dim)
+
+
+def _check_shapes(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """Cheap host-side layout checks (no device sync). Raises ValueError naming the mismatch."""
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got shape {tuple(kv_cache.shape)}")
+    if tuple(kv_cache.shape[3:]) != tuple(key.shape[1:]):
+        raise ValueError(f"kv_cache (num_kv_heads, head_dim)={tuple(kv_cache.shape[3:])} does not match "
+                         f"key {tuple(key.shape[1:])}")
+    if query.shape[2] != key.shape[2] or query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads/head_dim {tuple(query.shape[1:])} incompatible with key "
+                         f"{tuple(key.shape[1:])}: num_heads must be a multiple of num_kv_heads")

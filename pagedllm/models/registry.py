@@ -1,0 +1,43 @@
+"""Model registry: Hugging Face architecture name → pagedllm model class.
+
+Entries are ``"module:Class"`` strings imported on first use, so listing or checking the
+supported architectures imports no model code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from torch import nn
+
+# config.architectures[0] -> "module:Class"
+_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
+}
+# config.model_type -> architecture, for configs without ``architectures`` (e.g. built from GGUF metadata)
+_MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    """Architecture names :func:`get_model_class` accepts, sorted."""
+    return sorted(_ARCHITECTURES)
+
+
+def get_model_class(hf_config: Any) -> type[nn.Module]:
+    """The model class for a transformers config.
+
+    Looks up ``hf_config.architectures[0]`` first, then ``hf_config.model_type``.
+    Raises ValueError naming the config's architecture and listing the supported ones.
+    """
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    model_type = getattr(hf_config, "model_type", None)
+    candidates = architectures[:1] + ([_MODEL_TYPES[model_type]] if model_type in _MODEL_TYPES else [])
+    for arch in candidates:
+        if arch in _ARCHITECTURES:
+            module_name, class_name = _ARCHITECTURES[arch].split(":")
+            return getattr(importlib.import_module(module_name), class_name)
+    raise ValueError(f"unsupported model architecture {architectures or model_type!r}; "
+                     f"supported: {', '.join(supported_architectures())}")
