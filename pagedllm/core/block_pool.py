@@ -1,0 +1,317 @@
+"""BlockPool: the physical KV-cache blocks, their reference counts, the prefix cache.
+
+The pool owns every block of the KV cache (one pool for all layers: block ``i`` is the
+same slot range ``[i * block_size, (i + 1) * block_size)`` in every layer's cache). It
+owns three pieces of state and nothing else:
+
+* ``ref_cnt`` per block: how many block tables hold it.
+* The free queue, a doubly linked list of every block with ``ref_cnt == 0``. It is also
+  the eviction order: allocation takes blocks from its head. O(1) removal from the
+  middle lets a prefix-cache hit take a cached-but-free block back out of it.
+* The prefix cache, a map ``block hash → block`` for full blocks whose K/V is computed.
+
+Which of a request's blocks are shared, cached or freeable (block_size 4, prompt of 10
+tokens, 2 of them shared with an earlier request)::
+
+    block table   [ 7 ][ 3 ][ 9 ]
+    tokens         0-3  4-7  8-9 (partial)
+    hash           h0   h1   -          h_i = H(h_{i-1}, tokens of block i, extra keys)
+    ref_cnt        2    1    1          7 is shared with the earlier request
+    after free     7 → ref 1 (still in use), 3 → free queue, cached (hash h1 kept),
+                   9 → free queue, no hash (nothing worth keeping: reused first)
+
+A freed block that carries a hash stays reusable through the prefix cache until an
+allocation takes it from the head of the free queue; that eviction drops its hash. The
+partial tail block of a request never carries a hash (its content is still growing).
+
+Free-queue order (a documented choice): blocks that carry a hash are appended at the
+*tail* (least recently used first, as in vLLM), blocks without a hash are pushed at the
+*head*, so an allocation consumes content-free blocks before it evicts anything a later
+request could hit.
+
+Block hash (chained, as in vLLM's automatic prefix caching): ``sha256(parent hash ‖
+token ids as 8-byte little-endian integers ‖ extra keys)``. Token ids are hashed at full
+width (ids 65 and 321 differ, case C03). A hit is additionally verified against the
+stored parent hash and token ids of the block, so even a hash collision cannot hand a
+request another prompt's K/V.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from typing import Iterable, Iterator, Sequence
+
+# Parent hash of the first block of every sequence: a fixed, documented constant (not a
+# per-process random seed, so hashes are reproducible across runs and processes).
+ROOT_BLOCK_HASH = hashlib.sha256(b"pagedllm-prefix-cache-root").digest()
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
+                      extra_keys: tuple | None = None) -> bytes:
+    """Chained hash of one full block.
+
+    Args:
+        parent_hash: hash of the previous block of the sequence, or None for the first
+            block (then :data:`ROOT_BLOCK_HASH` is used).
+        token_ids: the block's token ids (full width; each must fit in a signed 64-bit int).
+        extra_keys: anything else that changes the K/V (cache salt, LoRA id...): a tuple
+            of str/int, hashed through its ``repr``; None for none.
+
+    Returns:
+        The 32-byte SHA-256 digest of ``parent ‖ int64-LE token ids ‖ repr(extra_keys)``.
+    """
+    h = hashlib.sha256(ROOT_BLOCK_HASH if parent_hash is None else parent_hash)
+    ids = array("q", token_ids)  # 8 bytes per id: no truncation, ever
+    if _BIG_ENDIAN:
+        ids.byteswap()
+    h.update(ids.tobytes())
+    if extra_keys:
+        h.update(b"\x00extra:")
+        h.update(repr(extra_keys).encode())
+    return h.digest()
+
+
+class KVCacheBlock:
+    """One physical block: its id, reference count, prefix-cache identity, queue links."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "token_ids", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        # Set while the block is published in the prefix cache (full block, K/V computed).
+        self.block_hash: bytes | None = None
+        self.parent_hash: bytes | None = None
+        self.token_ids: tuple[int, ...] | None = None
+        # Links of the free queue (None when not in it; the sentinels are never None-linked).
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={h})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) append, push-front, pop-front, remove.
+
+    The head is the next block to be handed out (and evicted, if it carries a hash).
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)  # sentinels
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put ``block`` at the tail (evicted last)."""
+        self._link(block, self._tail.prev_free, self._tail)
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """Put ``block`` at the head (handed out next)."""
+        self._link(block, self._head, self._head.next_free)
+
+    def popleft(self) -> KVCacheBlock:
+        """Remove and return the head block. Raises ValueError when empty."""
+        block = self._head.next_free
+        if block is self._tail:
+            raise ValueError("no free blocks left")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink ``block`` from anywhere in the queue in O(1)."""
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        b = self._head.next_free
+        while b is not self._tail:
+            yield b
+            b = b.next_free
+
+    def block_ids(self) -> list[int]:
+        """Free block ids from head (next out) to tail."""
+        return [b.block_id for b in self]
+
+    def _link(self, block: KVCacheBlock, prev: KVCacheBlock, nxt: KVCacheBlock) -> None:
+        if block.prev_free is not None or block.next_free is not None:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        block.prev_free, block.next_free = prev, nxt
+        prev.next_free = block
+        nxt.prev_free = block
+        self.num_free_blocks += 1
+
+
+class BlockPool:
+    """All physical KV blocks: reference counts, free queue (= LRU order), prefix cache.
+
+    Args:
+        num_blocks: number of physical blocks (>= 1).
+        block_size: tokens per block, a power of two from 1 to 256.
+        enable_caching: keep full blocks in the prefix cache (else hashes are never stored).
+
+    Raises:
+        ValueError: naming the argument, for a bad ``num_blocks`` or ``block_size``.
+
+    Not thread-safe: one scheduler thread owns it.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        if (not isinstance(block_size, int) or isinstance(block_size, bool) or not 1 <= block_size <= 256
+                or block_size & (block_size - 1)):
+            raise ValueError(f"block_size must be a power of two from 1 to 256, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        self.num_used_blocks = 0  # blocks with ref_cnt > 0
+        self.num_cached_free_blocks = 0  # blocks with ref_cnt == 0 that carry a hash
+
+    # ---- usage figures ---------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take: free without a hash plus cached-but-evictable."""
+        return self.free_block_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use (ref_cnt > 0); cached-but-free blocks do not count."""
+        return self.num_used_blocks / self.num_blocks
+
+    # ---- prefix cache ----------------------------------------------------------------
+    def get_cached_block(self, block_hash: bytes, parent_hash: bytes | None,
+                         token_ids: Sequence[int]) -> KVCacheBlock | None:
+        """The published block for ``block_hash`` if its stored parent hash and token ids
+        equal the given ones (a mismatch — a hash collision — is a miss), else None.
+        Changes nothing (call :meth:`touch` to take a reference)."""
+        block = self.cached_block_hash_to_block.get(block_hash)
+        if block is None or block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes, parent_hash: bytes | None,
+                         token_ids: Sequence[int]) -> bool:
+        """Publish a full, computed block under ``block_hash``.
+
+        A hash maps to at most one block: when another block already holds this hash
+        (identical prompts computed in the same step, case C01) this block stays
+        unpublished and False is returned. No-op (False) when caching is off.
+        """
+        if not self.enable_caching or block.block_hash is not None:
+            return False
+        if block_hash in self.cached_block_hash_to_block:
+            return False
+        if block.ref_cnt == 0:
+            raise ValueError(f"block {block.block_id} is free; only blocks in use can be published")
+        block.block_hash = block_hash
+        block.parent_hash = parent_hash
+        block.token_ids = tuple(token_ids)
+        self.cached_block_hash_to_block[block_hash] = block
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every hash (benchmarks, weight reloads). Only when no block is in use;
+        returns False (and changes nothing) otherwise."""
+        if self.num_used_blocks:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            self._drop_hash(block)
+        self.cached_block_hash_to_block.clear()
+        self.num_cached_free_blocks = 0
+        return True
+
+    # ---- allocation ------------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` blocks from the head of the free queue, evicting their
+        hashes, each with ``ref_cnt = 1``. Raises ValueError if fewer are free."""
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(f"cannot allocate {num_blocks} blocks, only {self.num_free_blocks} free")
+        new_blocks = []
+        for _ in range(num_blocks):
+            block = self.free_block_queue.popleft()
+            if block.block_hash is not None:  # evict: never hand out a block still mapped
+                del self.cached_block_hash_to_block[block.block_hash]
+                self._drop_hash(block)
+                self.num_cached_free_blocks -= 1
+            block.ref_cnt = 1
+            new_blocks.append(block)
+        self.num_used_blocks += num_blocks
+        return new_blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference on each block (a prefix hit or a shared prefix); a
+        free cached block leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+                self.num_used_blocks += 1
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks -= 1
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each block, in the given order (first freed = first
+        evicted among blocks that carry a hash). Raises ValueError on a free block."""
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"block {block.block_id} freed more often than it was taken")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.num_used_blocks -= 1
+                if block.block_hash is not None:
+                    self.free_block_queue.append(block)
+                    self.num_cached_free_blocks += 1
+                else:
+                    self.free_block_queue.appendleft(block)
+
+    @staticmethod
+    def _drop_hash(block: KVCacheBlock) -> None:
+        block.block_hash = block.parent_hash = block.token_ids = None
+
+    # ---- invariants ------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless: free + in use == total; every free-queue block has
+        ref_cnt 0 and every other block ref_cnt > 0; every hash in the map points at a
+        block carrying that hash, and every block carrying a hash is in the map; the
+        counters match a recount."""
+        free_ids = self.free_block_queue.block_ids()
+        free_set = set(free_ids)
+        assert len(free_set) == len(free_ids), "a block is twice in the free queue"
+        assert len(free_ids) == self.free_block_queue.num_free_blocks, "free-queue count is off"
+        num_used = 0
+        for block in self.blocks:
+            assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
+            if block.block_id in free_set:
+                assert block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}"
+            else:
+                assert block.ref_cnt > 0, f"block {block.block_id} is neither free nor referenced"
+                num_used += 1
+            if block.block_hash is not None:
+                assert self.enable_caching, "a hash is stored with caching off"
+                assert self.cached_block_hash_to_block.get(block.block_hash) is block, \
+                    f"block {block.block_id} carries a hash the map does not point back from"
+                assert block.token_ids is not None and len(block.token_ids) == self.block_size, \
+                    f"published block {block.block_id} is not full"
+        for h, block in self.cached_block_hash_to_block.items():
+            assert block.block_hash == h, f"map entry points at block {block.block_id} with another hash"
+        assert num_used + len(free_ids) == self.num_blocks, "free + in use != total"
+        assert num_used == self.num_used_blocks, "num_used_blocks counter is off"
+        assert self.num_cached_free_blocks == sum(1 for b in self.blocks if b.ref_cnt == 0 and b.block_hash), \
+            "num_cached_free_blocks counter is off"

@@ -1,0 +1,461 @@
+"""Scheduler: which requests run each step, how many tokens each computes.
+
+Iteration-level (continuous) batching under a token budget, in the style of vLLM's v1
+scheduler. The scheduler owns only queues, budgets and the preemption policy; memory
+goes through :class:`~pagedllm.core.kv_cache_manager.KVCacheManager`.
+
+One step is ``schedule()`` → model runner → ``update_from_output()``. Progress is one
+number per request: each step a request computes ``num_tokens - num_computed_tokens``
+tokens, capped by what is left of the budget (chunked prefill). Prefill, chunked
+prefill, prefix hits, resumption after preemption and decode are all that one rule.
+
+Policies (documented choices):
+
+* **Order inside a step.** Running requests first — decodes (one token each) before
+  unfinished prefill chunks, so a long prompt being chunked never starves the decodes
+  already running — then waiting requests in FCFS order (or ``(priority,
+  arrival_time)`` order under ``scheduling_policy="priority"``; lower value first).
+* **Head-of-line blocking (case C12): strict order, no bypass** (vLLM's policy). The
+  waiting loop stops at the first request that cannot be admitted — not enough free
+  blocks, or (chunked prefill off) a prompt larger than what is left of the token
+  budget. Nothing passes a blocked head, so no request starves; the price is idle
+  capacity while a large head waits for memory. Held ``n > 1`` siblings (below) are
+  the one exception: they are skipped, not blocking.
+* **Preemption by recompute.** When ``allocate_slots`` fails for a running request the
+  victim is the running request with the lowest priority (largest value) and, among
+  equals, the latest arrival (under FCFS priority is ignored: the latest arrival). Its
+  blocks are freed, its output kept, ``num_computed_tokens`` reset to 0, and it goes
+  back to the head of the waiting queue; when re-admitted it recomputes prompt + output
+  (hitting its own published blocks if prefix caching is on). No request is admitted
+  in a step that preempted. If the victim is the request being scheduled, the running
+  phase stops.
+* **n > 1 groups** (children sharing ``parent_id`` and the prompt): the first child to
+  be admitted computes the prompt; the others are held in the waiting queue until a
+  running sibling has computed the prompt's full blocks, then are admitted with those
+  blocks by reference (ref_cnt n while all run) and compute only the tail — whether or
+  not prefix caching is on. If no sibling is running, a child is admitted on its own.
+* **Static batching** (``batching="static"``, for benchmarks): the same code with two
+  rules changed — requests are admitted only when nothing is running, each reserving
+  blocks for its worst case (prompt + max_tokens, capped at max_model_len) up front, so
+  a batch never preempts and admits nothing new until all of it finished.
+* **Stop conditions** (checked per sampled token, in this order): EOS (unless
+  ``ignore_eos``) or a ``stop_token_ids`` member ends it as FINISHED_STOPPED, but only
+  once ``num_output_tokens >= min_tokens``; then ``max_tokens`` or ``max_model_len``
+  ends it as FINISHED_LENGTH_CAPPED. ``stop_reason`` is the stop token id, or None for
+  EOS and length (as vLLM). The stopping token stays in ``output_token_ids``.
+
+Not thread-safe; the engine calls it from one thread, never ``schedule()`` twice
+without ``update_from_output()`` in between.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import Counter
+from typing import Iterable
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.stats import SchedulerStats
+
+
+class Scheduler:
+    """Continuous-batching scheduler with chunked prefill, prefix caching and preemption.
+
+    Args:
+        config: the engine configuration; reads ``block_size``, ``enable_prefix_caching``,
+            ``enable_chunked_prefill``, ``max_num_seqs``, ``token_budget``,
+            ``max_model_len`` (must be resolved), ``scheduling_policy`` and ``batching``.
+        num_kv_blocks: physical KV blocks available.
+        record_trace: keep ``step_trace``, one ``{request_id: num_tokens}`` dict per
+            step (tests, benchmarks; grows without bound, so off by default).
+
+    Raises:
+        ValueError: when ``config.max_model_len`` is None or ``num_kv_blocks`` < 1.
+    """
+
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, record_trace: bool = False) -> None:
+        if config.max_model_len is None:
+            raise ValueError("config.max_model_len must be resolved before building the Scheduler")
+        self.config = config
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.token_budget = config.token_budget
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.is_priority = config.scheduling_policy == "priority"
+        self.is_static = config.batching == "static"
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                               config.max_model_len)
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: list[Request] = []  # head first
+        self.running: list[Request] = []  # admission order
+        self.num_preemptions = 0
+        self.step_trace: list[dict[str, int]] | None = [] if record_trace else None
+        self._groups: dict[str, list[Request]] = {}  # parent_id -> unfinished children
+        self._arrival_seq: dict[str, int] = {}  # tie-breaker for equal arrival times
+        self._next_seq = 0
+        self._known_to_runner: set[str] = set()  # scheduled since (re)admission
+        self._finished_req_ids: set[str] = set()  # runner state to drop at the next step
+
+    # ---- requests in -----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue ``request`` (status WAITING).
+
+        Raises:
+            ValueError: empty prompt; prompt longer than ``max_model_len``; a request
+                whose worst case (prompt + max_tokens, capped at max_model_len) needs
+                more blocks than the whole pool; a duplicate request id; a child whose
+                prompt differs from its siblings'.
+        """
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in the scheduler")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {rid!r}: the prompt is empty (at least one token is needed)")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens is longer than "
+                             f"max_model_len ({self.max_model_len})")
+        kv = self.kv_cache_manager
+        worst = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        if kv.num_blocks_for(worst) > kv.num_total_blocks:
+            raise ValueError(f"request {rid!r}: {worst} tokens (prompt {request.num_prompt_tokens} + max_tokens "
+                             f"{request.max_tokens}, capped at max_model_len {self.max_model_len}) need "
+                             f"{kv.num_blocks_for(worst)} KV blocks of {self.block_size} tokens, but the pool has "
+                             f"only {kv.num_total_blocks}")
+        if request.parent_id is not None:
+            siblings = self._groups.setdefault(request.parent_id, [])
+            if siblings and siblings[0].prompt_token_ids != request.prompt_token_ids:
+                raise ValueError(f"request {rid!r}: children of {request.parent_id!r} must share one prompt")
+            siblings.append(request)
+        request.status = RequestStatus.WAITING
+        self.requests[rid] = request
+        self._arrival_seq[rid] = self._next_seq
+        self._next_seq += 1
+        if self.is_priority:
+            bisect.insort(self.waiting, request, key=self._priority_key)
+        else:
+            self.waiting.append(request)
+
+    # ---- the step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch. See the module docstring for the policies.
+
+        Changes: admits waiting requests (status RUNNING, prefix hits applied to
+        ``num_computed_tokens``), allocates their slots, may preempt. Does not advance
+        ``num_computed_tokens`` for the tokens scheduled (``update_from_output`` does).
+        """
+        kv = self.kv_cache_manager
+        budget = self.token_budget
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        preempted: list[Request] = []
+
+        # Phase 1: running requests. Decodes first, then unfinished prefill chunks.
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for req in order:
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    continue
+                num_new = budget
+            if num_new <= 0:
+                continue
+            while True:
+                block_ids = kv.allocate_slots(req, num_new)
+                if block_ids is not None:
+                    break
+                victim = self._pick_victim()
+                if victim.request_id in num_scheduled:  # scheduled earlier this step: undo
+                    budget += num_scheduled.pop(victim.request_id)
+                    new_block_ids.pop(victim.request_id)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if block_ids is None:
+                break
+            num_scheduled[req.request_id] = num_new
+            new_block_ids[req.request_id] = block_ids
+            budget -= num_new
+
+        # Phase 2: waiting requests, in queue order, with their prefix hits.
+        admitted: list[Request] = []
+        can_admit = not preempted and not (self.is_static and self.running)
+        i = 0
+        while can_admit and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[i]
+            donor = None
+            if req.parent_id is not None and not self.is_static:
+                donor, is_held = self._find_sibling_donor(req)
+                if is_held:  # a sibling is computing the shared prompt: wait for it, don't block
+                    i += 1
+                    continue
+            computed_ids, num_computed = kv.get_computed_blocks(req)
+            if donor is not None:
+                shared_ids, num_shared = kv.get_shared_prefix_blocks(req, donor)
+                if num_shared > num_computed:
+                    computed_ids, num_computed = shared_ids, num_shared
+            num_new = req.num_tokens - num_computed
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break  # admitted whole or waits; nothing passes it
+                num_new = budget
+            lookahead = 0
+            if self.is_static:  # reserve the worst case now: the batch never grows again
+                worst = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
+                lookahead = max(0, worst - num_computed - num_new)
+            block_ids = kv.allocate_slots(req, num_new, computed_ids, num_computed, lookahead)
+            if block_ids is None:
+                break  # head-of-line: waits for memory; nothing passes it
+            self.waiting.pop(i)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.time()
+            self.running.append(req)
+            admitted.append(req)
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+
+        # Phase 3: the output for the model runner.
+        out = SchedulerOutput(num_scheduled_tokens=num_scheduled,
+                              total_num_scheduled_tokens=self.token_budget - budget)
+        for rid in num_scheduled:
+            req = self.requests[rid]
+            if rid in self._known_to_runner:
+                out.scheduled_cached_reqs.append(CachedRequestData(rid, new_block_ids[rid], req.num_computed_tokens))
+            else:
+                out.scheduled_new_reqs.append(NewRequestData(
+                    rid, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params,
+                    kv.get_block_ids(req), req.num_computed_tokens))
+                self._known_to_runner.add(rid)
+        out.preempted_req_ids = {r.request_id for r in preempted}
+        out.finished_req_ids = self._finished_req_ids
+        self._finished_req_ids = set()
+        if self.step_trace is not None:
+            self.step_trace.append(dict(num_scheduled))
+        return out
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[Request]:
+        """Apply one step's results.
+
+        For every request scheduled: advance ``num_computed_tokens``, publish its newly
+        computed full blocks, append its sampled tokens and check the stop conditions;
+        free finished requests. Requests in ``model_runner_output.failed`` end as
+        FINISHED_ERROR (their blocks freed, not published). Requests aborted since
+        ``schedule()`` are ignored.
+
+        Returns:
+            Every request that got new tokens or finished this step (batch order).
+
+        Raises:
+            ValueError: the runner sampled for a request whose K/V does not yet cover
+                all its tokens, or did not sample for one whose K/V does (the contract
+                of ``pagedllm.core.outputs``).
+        """
+        kv = self.kv_cache_manager
+        sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
+        failed = model_runner_output.failed
+        changed: list[Request] = []
+        any_finished = False
+        for rid, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or finished between schedule() and now
+            req.num_computed_tokens += num_tokens
+            if rid in failed:
+                self._finish(req, RequestStatus.FINISHED_ERROR, in_running=True)
+                changed.append(req)
+                any_finished = True
+                continue
+            kv.cache_blocks(req)
+            token_ids = sampled.get(rid)
+            is_complete = req.num_computed_tokens == req.num_tokens
+            if not token_ids:
+                if is_complete:
+                    raise ValueError(f"request {rid!r} computed all {req.num_tokens} tokens but the runner "
+                                     f"sampled nothing for it")
+                continue
+            if not is_complete:
+                raise ValueError(f"runner sampled for request {rid!r} mid-prefill "
+                                 f"({req.num_computed_tokens} of {req.num_tokens} tokens computed)")
+            if req.first_token_time is None:
+                req.first_token_time = time.time()
+            for token_id in token_ids:
+                req.append_output_token_ids([token_id])
+                if self._check_stop(req, token_id):
+                    kv.free(req)
+                    self._forget(req)
+                    any_finished = True
+                    break
+            changed.append(req)
+        for rid in failed:  # failures of requests not scheduled this step (defensive)
+            req = self.requests.get(rid)
+            if req is not None and rid not in scheduler_output.num_scheduled_tokens:
+                self._finish(req, RequestStatus.FINISHED_ERROR, in_running=req.status == RequestStatus.RUNNING)
+                changed.append(req)
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return changed
+
+    # ---- requests out ------------------------------------------------------------------
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> list[Request]:
+        """End requests in any state with ``finished_status`` (stop strings, aborts),
+        freeing every block they hold. Unknown or already finished ids are ignored.
+
+        Returns the requests that were ended. Raises ValueError for a non-finished status.
+        """
+        if not finished_status.is_finished:
+            raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ended = []
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            self._finish(req, finished_status, in_running=req.status == RequestStatus.RUNNING)
+            ended.append(req)
+        return ended
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[Request]:
+        """Abort requests in any state (FINISHED_ABORTED, blocks freed); unknown ids are a no-op."""
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def has_finished_requests(self) -> bool:
+        """Whether the runner still has state to drop (sent with the next schedule())."""
+        return bool(self._finished_req_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block hash; only possible while no block is in use."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- figures and invariants --------------------------------------------------------
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), num_preemptions=self.num_preemptions,
+            kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits, num_used_blocks=kv.num_used_blocks,
+            num_cached_blocks=kv.num_cached_free_blocks, num_free_blocks=kv.num_free_or_evictable_blocks,
+            num_total_blocks=kv.num_total_blocks)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless the KV cache is consistent and every unfinished
+        request is in exactly one queue with a matching status; only running requests
+        hold blocks, enough to cover their computed tokens; at most max_num_seqs run."""
+        kv = self.kv_cache_manager
+        kv.check_integrity()
+        running_ids = [r.request_id for r in self.running]
+        waiting_ids = [r.request_id for r in self.waiting]
+        counts = Counter(running_ids + waiting_ids)
+        assert all(c == 1 for c in counts.values()), f"a request is queued twice: {counts.most_common(3)}"
+        assert set(counts) == set(self.requests), "queues and the request map disagree"
+        assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > max_num_seqs"
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING, f"{r} is in running"
+            assert r.num_computed_tokens <= r.num_tokens <= self.max_model_len, f"{r} overflows"
+            assert len(kv.get_block_ids(r)) * self.block_size >= r.num_computed_tokens, f"{r} lacks blocks"
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r} is in waiting"
+            assert r.num_computed_tokens == 0, f"waiting {r} has computed tokens"
+        assert set(kv.req_to_blocks) <= set(running_ids), "a request that is not running holds blocks"
+        for parent_id, children in self._groups.items():
+            assert children and all(c.request_id in self.requests for c in children), f"group {parent_id} stale"
+
+    # ---- internals ---------------------------------------------------------------------
+    def _priority_key(self, req: Request) -> tuple:
+        return (req.priority, req.arrival_time, self._arrival_seq[req.request_id])
+
+    def _pick_victim(self) -> Request:
+        """Lowest priority (largest value), latest arrival among running (FCFS: latest)."""
+        if self.is_priority:
+            return max(self.running, key=self._priority_key)
+        return max(self.running, key=lambda r: (r.arrival_time, self._arrival_seq[r.request_id]))
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: free all blocks, keep the output, back to the queue head."""
+        self.running.remove(req)
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        if req.request_id in self._known_to_runner:
+            self._known_to_runner.discard(req.request_id)
+            self._finished_req_ids.add(req.request_id)
+        if self.is_priority:  # head among its equals: earlier arrival than later requests
+            bisect.insort(self.waiting, req, key=self._priority_key)
+        else:
+            self.waiting.insert(0, req)
+
+    def _find_sibling_donor(self, req: Request) -> tuple[Request | None, bool]:
+        """(a running sibling holding the computed prompt blocks, or None; whether
+        ``req`` should wait because a running sibling is still computing them)."""
+        num_shareable = min(req.num_prompt_tokens, req.num_tokens - 1) // self.block_size * self.block_size
+        if num_shareable == 0 or req.sampling_params.prompt_logprobs is not None:
+            return None, False
+        is_held = False
+        for sibling in self._groups.get(req.parent_id, ()):
+            if sibling is req or sibling.status != RequestStatus.RUNNING:
+                continue
+            if sibling.num_computed_tokens >= num_shareable:
+                return sibling, False
+            is_held = True
+        return None, is_held
+
+    def _check_stop(self, req: Request, token_id: int) -> bool:
+        """Set the finished status and stop_reason if ``token_id`` ends ``req``."""
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token_id == req.eos_token_id and not params.ignore_eos:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token_id
+                return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _finish(self, req: Request, status: RequestStatus, in_running: bool) -> None:
+        """End ``req`` outside the normal stop path: dequeue, set status, free."""
+        if in_running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv_cache_manager.free(req)
+        self._forget(req)
+
+    def _forget(self, req: Request) -> None:
+        """Drop a finished request's bookkeeping (its blocks are already freed)."""
+        rid = req.request_id
+        del self.requests[rid]
+        del self._arrival_seq[rid]
+        if rid in self._known_to_runner:
+            self._known_to_runner.discard(rid)
+            self._finished_req_ids.add(rid)
+        if req.parent_id is not None:
+            siblings = self._groups[req.parent_id]
+            siblings.remove(req)
+            if not siblings:
+                del self._groups[req.parent_id]

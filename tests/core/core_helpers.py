@@ -1,0 +1,109 @@
+"""Test helpers for the core: request/config factories and a fake model runner.
+
+``FakeRunner`` plays the model runner's side of the ``pagedllm.core.outputs`` contract
+without a model: it keeps per-request token ids and block tables from the
+SchedulerOutputs alone, "writes K/V" (the token id) into a slot store through the block
+table, and before sampling checks that every position of the sequence reads back the
+right token through the block table — so a wrong prefix hit, a block handed out while
+still in use, or a write into a shared block is caught where it happens. The sampled
+token is a deterministic function of the sequence (like greedy decoding), so outputs
+can be compared against a reference run.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.request import Request
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.sampling_params import SamplingParams
+
+EOS = 2
+_clock = itertools.count()
+
+
+def make_config(**kw) -> EngineConfig:
+    base = dict(block_size=4, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=8)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def make_request(rid: str, prompt: list[int], max_tokens: int = 4, *, priority: int = 0,
+                 arrival_time: float | None = None, parent_id: str | None = None, **sp) -> Request:
+    sp.setdefault("ignore_eos", True)
+    params = SamplingParams(max_tokens=max_tokens, **sp)
+    t = float(next(_clock)) if arrival_time is None else arrival_time  # distinct, increasing
+    return Request(rid, prompt, params, eos_token_id=EOS, arrival_time=t, priority=priority, parent_id=parent_id)
+
+
+def next_token(tokens: list[int]) -> int:
+    """A deterministic 'greedy model': the next token is a function of the sequence."""
+    return (tokens[-1] * 7 + len(tokens) * 3 + (tokens[-2] if len(tokens) > 1 else 0)) % 23 + 3
+
+
+@dataclass
+class _RunnerState:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class FakeRunner:
+    scheduler: Scheduler
+    token_fn: Callable[[list[int]], int] = next_token
+    states: dict[str, _RunnerState] = field(default_factory=dict)
+    slots: dict[int, int] = field(default_factory=dict)  # slot -> token id whose "K/V" is there
+
+    def execute(self, so: SchedulerOutput, failed: dict[str, str] | None = None) -> ModelRunnerOutput:
+        bs = self.scheduler.block_size
+        pool = self.scheduler.kv_cache_manager.block_pool
+        for rid in so.finished_req_ids:
+            self.states.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            assert new.req_id not in self.states, f"{new.req_id} sent as new twice"
+            self.states[new.req_id] = _RunnerState(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
+        for cached in so.scheduled_cached_reqs:
+            st = self.states[cached.req_id]
+            assert st.num_computed_tokens == cached.num_computed_tokens, cached
+            st.block_ids.extend(cached.new_block_ids)
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+        out = ModelRunnerOutput(failed=dict(failed or {}))
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self.states[rid]
+            start, end = st.num_computed_tokens, st.num_computed_tokens + n
+            assert 0 < n and end <= len(st.token_ids), (rid, start, n, len(st.token_ids))
+            assert len(st.block_ids) * bs >= end, f"{rid}: block table too short for {end} tokens"
+            for p in range(start, end):
+                block_id = st.block_ids[p // bs]
+                # Shared blocks are immutable: a write may only go to a block this request owns alone.
+                assert pool.blocks[block_id].ref_cnt == 1, f"{rid} writes into shared block {block_id}"
+                self.slots[block_id * bs + p % bs] = st.token_ids[p]
+            for p in range(end):  # attention reads the whole context through the block table
+                got = self.slots.get(st.block_ids[p // bs] * bs + p % bs)
+                assert got == st.token_ids[p], f"{rid}: position {p} reads token {got}, expected {st.token_ids[p]}"
+            st.num_computed_tokens = end
+            if end == len(st.token_ids) and rid not in out.failed:
+                tok = self.token_fn(st.token_ids)
+                st.token_ids.append(tok)
+                out.req_ids.append(rid)
+                out.sampled_token_ids.append([tok])
+        return out
+
+    def step(self, failed: dict[str, str] | None = None) -> tuple[SchedulerOutput, list[Request]]:
+        so = self.scheduler.schedule()
+        changed = self.scheduler.update_from_output(so, self.execute(so, failed))
+        self.scheduler.check_integrity()
+        return so, changed
+
+
+def run_to_completion(runner: FakeRunner, max_steps: int = 1000) -> list[SchedulerOutput]:
+    outs = []
+    while runner.scheduler.has_unfinished_requests():
+        assert len(outs) < max_steps, "scheduler made no progress"
+        outs.append(runner.step()[0])
+    return outs
