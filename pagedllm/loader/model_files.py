@@ -1,0 +1,152 @@
+"""One entry point for every model format: :func:`load_model_files` → :class:`ModelFiles`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Literal
+
+import torch
+from transformers import PretrainedConfig, PreTrainedTokenizerFast
+
+from pagedllm.loader import gguf as gguf_loader
+from pagedllm.loader import hf as hf_loader
+from pagedllm.loader.resolve import ResolvedModel, resolve_model
+from pagedllm.loader.tokenizer import (chat_template_of, gguf_end_of_generation_ids, load_gguf_tokenizer,
+                                       load_hf_tokenizer)
+
+WeightsFn = Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]]
+
+# Config fields that bound the context length, as vLLM's _get_and_verify_max_len reads them.
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                 "max_sequence_length", "max_seq_length", "seq_len")
+
+
+@dataclass
+class ModelFiles:
+    """Everything the engine needs from a model's files, weights read lazily.
+
+    Attributes:
+        hf_config: transformers config with ``architectures`` set (e.g. ``LlamaConfig``,
+            ``["LlamaForCausalLM"]``).
+        tokenizer: fast tokenizer; its ``chat_template`` is set when the model has one.
+        chat_template: Jinja source of the chat template, or None.
+        eos_token_id: the model's end-of-sequence id, or None.
+        stop_token_ids: further ids that end generation (GGUF: llama.cpp's end-of-generation
+            tokens such as eot ids; HF folder: generation_config.json's extra eos ids), sorted,
+            without ``eos_token_id``.
+        max_model_len: the model's context length in tokens.
+        source: resolved path (the .gguf file or the HF folder).
+        format: ``"gguf"`` or ``"hf"``.
+    """
+
+    hf_config: PretrainedConfig = field(repr=False)
+    tokenizer: PreTrainedTokenizerFast = field(repr=False)
+    chat_template: str | None = field(repr=False)
+    eos_token_id: int | None
+    stop_token_ids: list[int]
+    max_model_len: int
+    source: str
+    format: Literal["gguf", "hf"]
+    _weights_fn: WeightsFn = field(repr=False)
+
+    def weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_parameter_name, tensor)`` one at a time, dense, in ``dtype``, on CPU.
+
+        Names follow transformers (``model.embed_tokens.weight``,
+        ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight`` only if untied).
+        GGUF tensors are dequantized and their Q/K rows un-permuted. Only one tensor is
+        materialized at a time, so the caller can copy it into place and drop it. Raises
+        ValueError if ``dtype`` is not a floating-point torch dtype.
+        """
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        return self._weights_fn(dtype)
+
+
+def load_model_files(model: str, tokenizer: str | None = None) -> ModelFiles:
+    """Resolve ``model`` (alias, .gguf path, HF folder) and load its config and tokenizer.
+
+    ``tokenizer`` optionally names a different tokenizer source (a .gguf file, a folder, or an
+    alias); by default the model's own is used. Weights are not read until
+    :meth:`ModelFiles.weights` is iterated. Never contacts a model hub.
+
+    Raises :class:`pagedllm.loader.ModelNotFoundError` (a FileNotFoundError and ValueError)
+    saying what to install or where to put files; ValueError for unsupported architectures or
+    malformed files.
+    """
+    resolved = resolve_model(model)
+    files = _load_gguf(resolved) if resolved.format == "gguf" else _load_hf(resolved)
+    if tokenizer is not None:
+        _replace_tokenizer(files, resolve_model(tokenizer))
+    return files
+
+
+def _load_gguf(resolved: ResolvedModel) -> ModelFiles:
+    reader = gguf_loader.open_gguf(resolved.path)
+    metadata = gguf_loader.metadata_of(reader)
+    config = gguf_loader.gguf_config(metadata, {t.name for t in reader.tensors})
+    tokenizer = load_gguf_tokenizer(resolved.path)
+    eos, stops = gguf_end_of_generation_ids(
+        metadata, metadata.get("tokenizer.ggml.tokens", []), metadata.get("tokenizer.ggml.token_type", []))
+    return ModelFiles(
+        hf_config=config, tokenizer=tokenizer, chat_template=chat_template_of(tokenizer),
+        eos_token_id=eos, stop_token_ids=stops, max_model_len=max_model_len_of(config),
+        source=str(resolved.path), format="gguf",
+        _weights_fn=lambda dtype: gguf_loader.iter_gguf_weights(reader, config, dtype))
+
+
+def _load_hf(resolved: ResolvedModel) -> ModelFiles:
+    folder = resolved.path
+    config = hf_loader.load_hf_config(folder)
+    hf_loader.safetensors_files(folder)  # fail now, not at weight-loading time, if weights are missing
+    tokenizer = load_hf_tokenizer(folder)
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        config_eos = getattr(config, "eos_token_id", None)
+        eos = config_eos[0] if isinstance(config_eos, list) and config_eos else config_eos
+    stops = sorted(set(hf_loader.load_generation_eos_ids(folder)) - {eos})
+    return ModelFiles(
+        hf_config=config, tokenizer=tokenizer, chat_template=chat_template_of(tokenizer),
+        eos_token_id=eos, stop_token_ids=stops, max_model_len=max_model_len_of(config),
+        source=str(folder), format="hf",
+        _weights_fn=lambda dtype: hf_loader.iter_safetensors_weights(folder, config, dtype))
+
+
+def _replace_tokenizer(files: ModelFiles, resolved: ResolvedModel) -> None:
+    if resolved.format == "gguf":
+        files.tokenizer = load_gguf_tokenizer(resolved.path)
+    else:
+        files.tokenizer = load_hf_tokenizer(resolved.path)
+    files.chat_template = chat_template_of(files.tokenizer) or files.chat_template
+    if files.chat_template and not getattr(files.tokenizer, "chat_template", None):
+        files.tokenizer.chat_template = files.chat_template
+
+
+def max_model_len_of(config: PretrainedConfig) -> int:
+    """The context length a config allows, in tokens.
+
+    The smallest of the length fields vLLM reads (``max_position_embeddings``, ``n_positions``,
+    ...), multiplied by the rope scaling factor for ``linear``/``dynamic``/``yarn`` scaling
+    (yarn: from ``original_max_position_embeddings``), following vLLM's
+    ``_get_and_verify_max_len``. Raises ValueError if the config names no length.
+    """
+    config = getattr(config, "text_config", None) or config
+    lengths = [getattr(config, k) for k in _MAX_LEN_KEYS if isinstance(getattr(config, k, None), int)]
+    if not lengths:
+        raise ValueError(f"the model config has none of {_MAX_LEN_KEYS}; pass max_model_len explicitly")
+    length = min(lengths)
+    rope = _rope_params(config)
+    factor = rope.get("factor")
+    if rope.get("rope_type") in ("linear", "dynamic", "yarn") and factor:
+        if rope.get("rope_type") == "yarn":
+            length = rope.get("original_max_position_embeddings", length)
+        length = int(length * factor)
+    return length
+
+
+def _rope_params(config: PretrainedConfig) -> dict:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if "rope_type" not in rope and "type" not in rope:
+        rope = rope.get("full_attention", {}) if isinstance(rope.get("full_attention"), dict) else {}
+    return {**rope, "rope_type": rope.get("rope_type", rope.get("type"))}

