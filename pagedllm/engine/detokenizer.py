@@ -1,0 +1,333 @@
+"""Incremental detokenization and stop strings, one ``IncrementalDetokenizer`` per sequence.
+
+Each engine step appends the newly sampled token ids of a sequence; the detokenizer
+extends the sequence's text by only the new characters, checks the stop strings on the
+text (across token boundaries), and hands the output processor the text that is safe to
+stream.
+
+Contract (what the tests pin):
+
+- **Text is the tokenizer's own decode.** ``output_text`` always equals
+  ``tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens,
+  spaces_between_special_tokens=params.spaces_between_special_tokens,
+  clean_up_tokenization_spaces=False)`` of the delivered output ids (minus the stop token
+  that ended the sequence, and cut at a matched stop string). Nothing is decoded by hand:
+  a window of recent ids is decoded with the tokenizer's ``decode``, so byte-level BPE
+  ("Ġ" → space), SentencePiece "▁" and byte fallback, special tokens and
+  ``skip_special_tokens`` behave exactly as in Hugging Face. The prompt is *not* used as
+  decoding context (vLLM does, which makes its text differ from ``decode(output ids)`` by
+  a leading space on SentencePiece models); a leading space of the first output token is
+  kept when the tokenizer's decode keeps it (byte-level BPE: ``[33662]`` → ``" hello"``).
+  ``clean_up_tokenization_spaces`` is off: it rewrites across token boundaries (" ." →
+  ".") and transformers 5 ignores it for BPE anyway. ``spaces_between_special_tokens``
+  is passed through to ``decode``; transformers 5 and all fast tokenizers ignore it, so
+  it changes nothing there (as in vLLM's fast path).
+- **Incomplete characters are held back.** A multi-byte UTF-8 character split across
+  tokens (emoji, CJK) decodes to a trailing run of U+FFFD until its last byte arrives;
+  that run is never appended to ``output_text``. Text before it is final (UTF-8 decoding
+  with replacement is left to right). If the sequence finishes while bytes are still
+  incomplete, or the model emitted a genuinely invalid byte sequence, the text gets what
+  ``decode`` gives for those bytes (U+FFFD per the tokenizer's replacement rule), so the
+  "text == decode(ids)" contract holds even then.
+- **Stop strings** are matched on the text, so a stop string may span token boundaries
+  and start inside a token. The sequence stops at the earliest point at which any stop
+  string is complete (smallest end offset; ties go to the longest string) and
+  ``output_text`` is cut before it, or after it with ``include_stop_str_in_output``.
+- **min_tokens.** Output tokens are counted as they are delivered to :meth:`update`
+  (1-based, every id, special or not, excluding a stop token passed with
+  ``stop_terminated``). The text of token number k can complete a stop string only when
+  k > ``min_tokens``; a match may *start* in earlier text. This is the same floor the
+  sampler applies to EOS and ``stop_token_ids`` (they are masked for tokens 1..min_tokens).
+- **Streaming never leaks.** While unfinished, :meth:`get_next_output_text` holds back
+  the longest suffix of the text that is a proper prefix of a stop string (only when stop
+  strings are excluded from the output), and releases it once it can no longer become
+  one. Concatenating every delta gives the final ``output_text``, always.
+
+Cost per step is O(new tokens): only a short window of recent ids is decoded (one
+``decode`` call per new token, of at most about ``_MAX_WINDOW_TOKENS`` ids; the window
+restarts at the last character boundary), plus O(L²) character compares for stop strings
+of length at most L.
+
+Algorithm: the prefix/read-offset scheme of vLLM's ``detokenize_incrementally``
+(vllm/transformers_utils/detokenizer_utils.py), itself from Hugging Face TGI's
+``decode_token``, reduced to one ``decode`` per token by caching what the window already
+emitted.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from typing import Any
+
+from pagedllm.sampling_params import SamplingParams
+
+_REPLACEMENT_CHAR = "\ufffd"
+# Above this many ids the decode window restarts at the last character boundary. It only
+# bounds the cost per token; any value >= 2 gives the same text.
+_MAX_WINDOW_TOKENS = 8
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's output token ids into text, step by step, and finds stop strings.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (``decode(ids, skip_special_tokens=...)``,
+            ``convert_ids_to_tokens``); the one the model was trained with.
+        prompt_token_ids: the prompt's ids. Kept for the record (``num_prompt_tokens``);
+            not used as decoding context, by design (see the module docstring).
+        params: the sequence's sampling parameters; reads ``stop``,
+            ``include_stop_str_in_output``, ``min_tokens``, ``skip_special_tokens`` and
+            ``spaces_between_special_tokens``.
+
+    Attributes:
+        output_text: all text decoded so far, complete characters only; the final text
+            once finished (after a stop-string match, ``update(..., stop_terminated=True)``
+            or ``get_next_output_text(finished=True)``).
+        token_ids: the output ids delivered so far (a stop token passed with
+            ``stop_terminated`` included; ids after a matched stop string excluded).
+        stop_reason: the stop string that matched, or None.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self._decode_kwargs = dict(
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+        self.token_ids: list[int] = []
+        self.output_text = ""
+        self.stop_reason: str | None = None
+        self.is_finished = False
+        self._num_text_tokens = 0  # ids decoded into text (token_ids minus a stop token)
+        # Decode window: ids[_prefix_offset:] are decoded together each step. The window
+        # starts at a character boundary; _window_emitted chars of its text are already in
+        # output_text; _last_clean_offset is the latest boundary inside it (context for a
+        # restart, so decoders that strip a leading space at the window start see one).
+        self._prefix_offset = 0
+        self._last_clean_offset = 0
+        self._window_emitted = 0
+        self._num_emitted_chars = 0  # chars handed out by get_next_output_text
+        self._stop: list[str] = list(params.stop or [])
+        self._max_stop_len = max((len(s) for s in self._stop), default=0)
+        # Proper prefixes of stop strings: a text suffix equal to one may still become a match.
+        self._stop_prefixes = {s[:k] for s in self._stop for k in range(1, len(s))}
+        self._hold_back = bool(self._stop) and not params.include_stop_str_in_output
+
+    # ---- per step --------------------------------------------------------------------
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
+        """Append newly sampled ids, extend ``output_text``, and check stop strings.
+
+        Args:
+            new_token_ids: the ids sampled for this sequence since the last call, in order.
+            stop_terminated: True when the last id of ``new_token_ids`` is the EOS or a
+                ``stop_token_ids`` id that ended the sequence. That id is recorded in
+                ``token_ids`` but never decoded into the text (special or not), and the
+                detokenizer finishes: incomplete bytes are flushed (see :meth:`flush`).
+
+        Returns:
+            The matched stop string, or None. On a match ``output_text`` is cut before the
+            string (after it with ``include_stop_str_in_output``), the sequence is
+            finished, and ids after the matching one in ``new_token_ids`` are dropped.
+
+        Raises:
+            ValueError: ``stop_terminated`` with an empty ``new_token_ids``.
+            RuntimeError: called after the sequence finished.
+        """
+        if self.is_finished:
+            raise RuntimeError("IncrementalDetokenizer.update() called after the sequence finished")
+        if stop_terminated and not new_token_ids:
+            raise ValueError("stop_terminated=True needs the stop token as the last of new_token_ids")
+        text_ids = new_token_ids[:-1] if stop_terminated else new_token_ids
+        for token_id in text_ids:
+            self.token_ids.append(token_id)
+            self._num_text_tokens += 1
+            num_chars_before = len(self.output_text)
+            self._decode_next()
+            if (self._stop and self._num_text_tokens > self.params.min_tokens
+                    and len(self.output_text) > num_chars_before):
+                stop = self._check_stop_strings(num_chars_before)
+                if stop is not None:
+                    return stop
+        if stop_terminated:
+            self.token_ids.append(new_token_ids[-1])
+            self.flush()
+        return None
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        """The text to emit now: everything safe so far, or only its new part.
+
+        Args:
+            finished: the sequence has ended (stop, length, abort): everything is
+                released, after :meth:`flush`.
+            delta: return only the text not returned by earlier calls (else all safe text).
+
+        While unfinished, the longest suffix of ``output_text`` that is a proper prefix of
+        some stop string is held back (unless ``include_stop_str_in_output``); incomplete
+        characters never reach ``output_text``. Successive results only grow, so the
+        concatenation of all deltas equals the final ``output_text``.
+        """
+        if finished:
+            self.flush()
+            safe_len = len(self.output_text)
+        else:
+            safe_len = max(len(self.output_text) - self._num_held_chars(), self._num_emitted_chars)
+        start = self._num_emitted_chars
+        self._num_emitted_chars = safe_len
+        return self.output_text[start:safe_len] if delta else self.output_text[:safe_len]
+
+    def flush(self) -> None:
+        """Finish the text: decode bytes still held as an incomplete character.
+
+        They get what the tokenizer's ``decode`` gives (U+FFFD for invalid or truncated
+        UTF-8). Stop strings are not checked on this text. Idempotent; after it
+        ``output_text`` is final and :meth:`update` raises.
+        """
+        if self.is_finished:
+            return
+        window_text = self._decode(self.token_ids[self._prefix_offset:self._num_text_tokens])
+        self.output_text += window_text[self._window_emitted:]
+        self._window_emitted = len(window_text)
+        self.is_finished = True
+
+    # ---- logprobs --------------------------------------------------------------------
+    def decode_token(self, token_id: int) -> str:
+        """Text of one token, for ``Logprob.decoded_token``.
+
+        Byte-level aware: a byte-level BPE token is shown with real spaces ("Ġhello" →
+        " hello"), a special token as its content ("<|im_end|>"). A token whose bytes are
+        not valid UTF-8 on their own (part of an emoji) is shown with backslash escapes
+        for the invalid bytes ("\\xf0\\x9f"), as the OpenAI API shows such tokens; the
+        raw bytes are :func:`token_bytes`. Cached per tokenizer.
+        """
+        return _tokenizer_info(self.tokenizer).token_text(token_id)
+
+    # ---- internals -------------------------------------------------------------------
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, **self._decode_kwargs)
+
+    def _decode_next(self) -> None:
+        """Decode the window including the newest id and append its new complete text."""
+        end = self._num_text_tokens
+        window_text = self._decode(self.token_ids[self._prefix_offset:end])
+        stable_len = len(window_text.rstrip(_REPLACEMENT_CHAR))
+        if stable_len > self._window_emitted:
+            self.output_text += window_text[self._window_emitted:stable_len]
+            self._window_emitted = stable_len
+        if stable_len < len(window_text):
+            return  # ends inside a character: not a boundary, the window keeps growing
+        if end - self._prefix_offset > _MAX_WINDOW_TOKENS and self._last_clean_offset > self._prefix_offset:
+            # Restart the window at the previous boundary, keeping >= 1 id of context (with
+            # text: a decoder that strips a leading space must strip it from the context).
+            context_text = self._decode(self.token_ids[self._last_clean_offset:end])
+            if context_text:
+                self._prefix_offset = self._last_clean_offset
+                self._window_emitted = len(context_text)
+        self._last_clean_offset = end
+
+    def _check_stop_strings(self, num_chars_before: int) -> str | None:
+        """Find the earliest stop string ending in text appended after ``num_chars_before``."""
+        text = self.output_text
+        best: tuple[int, int, str] | None = None  # (end, -len, stop)
+        for stop in self._stop:
+            index = text.find(stop, max(0, num_chars_before - len(stop) + 1))
+            if index != -1:
+                key = (index + len(stop), -len(stop), stop)
+                best = key if best is None or key < best else best
+        if best is None:
+            return None
+        end, neg_len, stop = best
+        self.output_text = text[:end] if self.params.include_stop_str_in_output else text[:end + neg_len]
+        self.stop_reason = stop
+        self.is_finished = True
+        return stop
+
+    def _num_held_chars(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        if not self._hold_back:
+            return 0
+        text = self.output_text
+        for k in range(min(self._max_stop_len - 1, len(text)), 0, -1):
+            if text[-k:] in self._stop_prefixes:
+                return k
+        return 0
+
+
+# ---- per-tokenizer token facts (for logprobs) ------------------------------------------
+class _TokenizerInfo:
+    """Per-token bytes and display text of one tokenizer, computed once per id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        decoder_types = _decoder_types(tokenizer)
+        self.byte_decoder: dict[str, int] | None = None
+        if "ByteLevel" in decoder_types:
+            from transformers.convert_slow_tokenizer import bytes_to_unicode  # the GPT-2 byte table
+
+            self.byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+        self.has_byte_fallback = "ByteFallback" in decoder_types
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self.added_ids = set(int(i) for i in added)
+        self._text_cache: dict[int, str] = {}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        token = self.tokenizer.convert_ids_to_tokens(token_id)
+        if token is None:
+            raise ValueError(f"token_id {token_id} is not in the vocabulary")
+        if token_id in self.added_ids:
+            return token.encode("utf-8")
+        if self.byte_decoder is not None and all(c in self.byte_decoder for c in token):
+            return bytes(self.byte_decoder[c] for c in token)
+        if self.has_byte_fallback and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            return bytes([int(token[3:5], 16)])
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def token_text(self, token_id: int) -> str:
+        text = self._text_cache.get(token_id)
+        if text is None:
+            raw = self.token_bytes(token_id)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = raw.decode("utf-8", errors="backslashreplace")
+            self._text_cache[token_id] = text
+        return text
+
+
+def _decoder_types(tokenizer: Any) -> set[str]:
+    """Type names of the fast tokenizer's decoder (and its parts, for a Sequence)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return set()
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+    return {p.get("type") for p in parts}
+
+
+_INFO_CACHE: "weakref.WeakKeyDictionary[Any, _TokenizerInfo]" = weakref.WeakKeyDictionary()
+
+
+def _tokenizer_info(tokenizer: Any) -> _TokenizerInfo:
+    try:
+        info = _INFO_CACHE.get(tokenizer)
+    except TypeError:  # not weak-referenceable
+        return _TokenizerInfo(tokenizer)
+    if info is None:
+        info = _INFO_CACHE[tokenizer] = _TokenizerInfo(tokenizer)
+    return info
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """Raw bytes of one token (for the OpenAI ``logprobs[].bytes`` field).
+
+    Byte-level BPE tokens map through the GPT-2 byte table, SentencePiece byte-fallback
+    tokens ``<0xNN>`` give that byte, added/special tokens their UTF-8 content, others the
+    UTF-8 of ``decode([token_id])``.
+
+    Raises:
+        ValueError: ``token_id`` is outside the vocabulary.
+    """
+    return _tokenizer_info(tokenizer).token_bytes(token_id)
