@@ -1,0 +1,274 @@
+"""The OpenAI-compatible HTTP server: ``pagedllm serve [MODEL] --host --port --api-key ...``.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health`` (200 empty body, 503 + error body when the engine is dead or its steps
+fail), ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
+(Prometheus, see :mod:`pagedllm.metrics`).
+
+Errors are OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for
+invalid input (pydantic validation errors, malformed JSON, SamplingParams and engine
+ValueErrors, prompt + max_tokens beyond the context), 401 for a missing or wrong API key
+(``--api-key`` or ``PAGEDLLM_API_KEY``; ``/health``, ``/metrics`` and ``/version`` stay
+open for probes and scrapers), 404 for an unknown model or route, 503 when the waiting
+queue is full or the engine is down, 500 (without a traceback) for failures inside the
+engine. Run it with :func:`run_server` or ``python -m pagedllm.entrypoints.openai.api_server``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedllm
+from pagedllm.config import DEFAULT_MODEL
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineUnhealthyError
+from pagedllm.entrypoints.openai.errors import APIError, error_response, to_api_error
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+    TokenizeRequest, TokenizeResponse)
+from pagedllm.entrypoints.openai.serving_base import json_response
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.metrics import CONTENT_TYPE_LATEST
+
+logger = logging.getLogger("pagedllm.server")
+
+_OPEN_PATHS = ("/health", "/metrics", "/version", "/ping")
+_REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+
+
+class APIKeyMiddleware:
+    """Pure-ASGI check of ``Authorization: Bearer <key>`` (streaming-safe, unlike BaseHTTPMiddleware).
+
+    Runs before the body is read, so a wrong key gets 401 whatever the body holds.
+    """
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and not scope["path"].startswith(_OPEN_PATHS):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A one-line message (and the offending field) from pydantic's error list."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return "Malformed JSON in the request body: " + str(first.get("ctx", {}).get("error", first.get("msg"))), None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    field = loc[0] if loc else None
+    where = ".".join(loc) if loc else "body"
+    if first.get("type") == "missing":
+        return f"{where}: field required", field
+    value = first.get("input")
+    shown = "" if isinstance(value, (dict, list)) else f", got {value!r}"
+    return f"{where}: {first.get('msg', 'invalid value')}{shown}"[:500], field
+
+
+def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None, *, api_key: str | None = None,
+              chat_template: str | None = None, max_n: int = 16) -> FastAPI:
+    """The FastAPI app serving ``engine`` (started in the app's lifespan, stopped at its end).
+
+    Args:
+        engine: the AsyncLLMEngine (its thread starts with the app).
+        served_model_names: names accepted as ``model``; default the engine's model name.
+        api_key: require ``Authorization: Bearer <api_key>`` on the API routes.
+        chat_template: Jinja chat template overriding the model's.
+        max_n: largest ``n`` per request.
+    """
+    names = list(served_model_names or [engine.model_name])
+    completions = OpenAIServingCompletion(engine, names, max_n=max_n)
+    chat = OpenAIServingChat(engine, names, max_n=max_n, chat_template=chat_template)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan)
+    app.state.engine = engine
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    # ------------------------------------------------------------------ error handlers
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, field = _validation_message(exc)
+        return error_response(400, message, field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _any_error(_: Request, exc: Exception) -> JSONResponse:
+        err = to_api_error(exc, _REQUEST_FIELDS)
+        if err.status == 500:
+            logger.exception("unhandled error", exc_info=exc)
+        return error_response(err.status, err.message, err.param)
+
+    async def handle(coro) -> Response:
+        """Run a handler; map its exceptions to OpenAI error responses (never a traceback)."""
+        try:
+            return await coro
+        except Exception as e:  # noqa: BLE001
+            err = to_api_error(e, _REQUEST_FIELDS)
+            if err.status == 500:
+                logger.exception("request failed", exc_info=e)
+            return error_response(err.status, err.message, err.param)
+
+    # ------------------------------------------------------------------ routes
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+        return await handle(completions.create_completion(body, raw_request))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await handle(chat.create_chat_completion(body, raw_request))
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        cards = [ModelCard(id=name, root=engine.config.model, max_model_len=engine.config.max_model_len)
+                 for name in names]
+        return json_response(ModelList(data=cards))
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await engine.check_health()
+        except (EngineDeadError, EngineUnhealthyError) as e:
+            return error_response(503, str(e))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": pagedllm.__version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if engine.metrics is None:
+            return error_response(404, "metrics are disabled")
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        async def run() -> Response:
+            completions.check_model(body.model)
+            if (body.prompt is None) == (body.messages is None):
+                raise APIError(400, "give exactly one of prompt or messages", "prompt")
+            if body.messages is not None:
+                ids = await chat.render([m.model_dump(exclude_none=True) for m in body.messages],
+                                        body.add_generation_prompt)
+            else:
+                text, special = body.prompt, body.add_special_tokens
+                ids = await engine.call(lambda e: e.tokenizer.encode(text, add_special_tokens=special))
+            return json_response(TokenizeResponse(tokens=ids, count=len(ids),
+                                                  max_model_len=engine.config.max_model_len))
+        return await handle(run())
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        async def run() -> Response:
+            completions.check_model(body.model)
+            bad = [t for t in body.tokens if t < 0 or t >= engine.vocab_size]
+            if bad:
+                raise APIError(400, f"tokens contains token id {bad[0]}, outside the vocabulary "
+                                    f"(size {engine.vocab_size})", "tokens")
+            text = engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
+            return json_response(DetokenizeResponse(prompt=text))
+        return await handle(run())
+
+    return app
+
+
+# ---------------------------------------------------------------------------- command line
+def add_server_args(parser: argparse.ArgumentParser, include_engine_args: bool = True) -> argparse.ArgumentParser:
+    """Add the ``serve`` flags: MODEL (positional, optional), --host, --port, --api-key,
+    --served-model-name, --chat-template, --max-n, --log-level, --disable-log-requests,
+    --stats-log-interval, and (unless already present) one flag per EngineConfig field."""
+    from pagedllm.entrypoints.args import add_engine_args
+
+    if not any(a.dest == "model" for a in parser._actions):
+        parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                            help=f"model alias, .gguf file or Hugging Face folder (default: {DEFAULT_MODEL})")
+    group = parser.add_argument_group("server options")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' (default: $PAGEDLLM_API_KEY, else none)")
+    group.add_argument("--served-model-name", nargs="+", default=None,
+                       help="model name(s) clients use in 'model' (default: the model argument)")
+    group.add_argument("--chat-template", default=None, help="file with a Jinja chat template overriding the model's")
+    group.add_argument("--max-n", type=int, default=16, help="largest n (samples per request) accepted (default: 16)")
+    group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    group.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    group.add_argument("--stats-log-interval", type=float, default=10.0,
+                       help="seconds between engine status log lines, 0 = off (default: 10)")
+    if include_engine_args and not any(a.dest == "block_size" for a in parser._actions):
+        add_engine_args(parser)
+    return parser
+
+
+def build_app_from_args(args: argparse.Namespace) -> FastAPI:
+    """Load the engine named by ``args`` (blocking) and build the app."""
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.args import engine_config_from_args
+    from pagedllm.metrics import EngineMetrics
+
+    config = engine_config_from_args(args, model=args.model)
+    engine = LLMEngine(config)
+    names = args.served_model_name or [args.model]
+    async_engine = AsyncLLMEngine(engine, metrics=EngineMetrics(names[0]), log_requests=not args.disable_log_requests,
+                                  stats_log_interval_s=args.stats_log_interval)
+    chat_template = None
+    if args.chat_template:
+        with open(args.chat_template, encoding="utf-8") as f:
+            chat_template = f.read()
+    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    return build_app(async_engine, names, api_key=api_key, chat_template=chat_template, max_n=args.max_n)
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Load the model and serve until interrupted (blocking). Raises ValueError on bad options."""
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pagedllm").setLevel(args.log_level.upper())
+    app = build_app_from_args(args)
+    logger.info("serving %s on http://%s:%d", args.served_model_name or args.model, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pagedllm serve", description=__doc__.splitlines()[0])
+    add_server_args(parser)
+    run_server(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

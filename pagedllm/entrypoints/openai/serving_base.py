@@ -1,0 +1,180 @@
+"""What the completions and chat handlers share: model check, request ids, stream merging,
+token strings for logprobs, SSE framing, and collecting final outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
+from pagedllm.entrypoints.openai.errors import APIError, to_api_error
+from pagedllm.outputs import RequestOutput
+
+logger = logging.getLogger("pagedllm.server")
+
+_DISCONNECT_POLL_S = 0.5
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was ready."""
+
+
+class OpenAIServing:
+    """Base of the endpoint handlers.
+
+    Args:
+        engine: the running AsyncLLMEngine.
+        served_model_names: names clients may pass as ``model`` (the first is reported).
+        max_n: largest ``n`` a request may ask for (requests beyond it get a 400).
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], max_n: int = 16) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.max_n = max_n
+        self._token_text: dict[int, str] = {}
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        """Raise a 404 APIError naming the served models when ``model`` is not one of them."""
+        if model is None or model in self.served_model_names:
+            return
+        served = ", ".join(self.served_model_names)
+        raise APIError(404, f"The model `{model}` does not exist. Served models: {served}", "model")
+
+    def check_n(self, n: int) -> None:
+        if isinstance(n, int) and n > self.max_n:
+            raise APIError(400, f"n must be <= {self.max_n} (server option --max-n), got {n}", "n")
+
+    @staticmethod
+    def new_id(prefix: str, requested: str | None = None) -> str:
+        return requested or f"{prefix}-{uuid.uuid4().hex}"
+
+    def token_text(self, token_id: int, as_token_id: bool = False) -> str:
+        """The text of one token for logprobs (``token_id:N`` when asked for ids)."""
+        if as_token_id:
+            return f"token_id:{token_id}"
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    async def add_requests(self, base_id: str, prompts: list[tuple[Any, str | None]], params: Any,
+                           priority: int = 0) -> list[RequestStream]:
+        """Add one engine request per prompt; on any failure abort the ones already added."""
+        streams: list[RequestStream] = []
+        try:
+            for i, (prompt, prompt_text) in enumerate(prompts):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                streams.append(await self.engine.add_request(rid, prompt, params, priority=priority,
+                                                             prompt_text=prompt_text))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
+
+    async def collect_final(self, streams: list[RequestStream], raw_request: Request | None
+                            ) -> list[RequestOutput]:
+        """Wait for the final output of every stream; abort all if the client disconnects.
+
+        Raises ClientDisconnected, EngineDeadError, or APIError(500) when a request failed
+        inside the engine.
+        """
+        finals: list[RequestOutput | None] = [None] * len(streams)
+
+        async def consume() -> None:
+            async for i, out in merge_streams(streams):
+                finals[i] = out
+
+        task = asyncio.ensure_future(consume())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+                if done:
+                    break
+                if raw_request is not None and await raw_request.is_disconnected():
+                    raise ClientDisconnected()
+            task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+            for s in streams:
+                s.abort()
+        for out in finals:
+            if out is not None and out.error is not None:
+                raise APIError(500, f"the request failed inside the engine: {out.error}")
+        return [out for out in finals if out is not None]
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as ``(stream index, output)`` in arrival order.
+
+    Leaving the iteration early (or an error in one stream) aborts every stream.
+    """
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].abort()
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                q.put_nowait((i, out))
+            q.put_nowait((i, end))
+        except Exception as e:  # noqa: BLE001 - forwarded to the consumer
+            q.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await q.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+def sse(payload: str) -> str:
+    """One server-sent event carrying a JSON payload."""
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def json_response(model: Any, status_code: int = 200) -> Response:
+    """A JSON response from a pydantic model (non-finite floats serialize as null)."""
+    return Response(content=model.model_dump_json(), status_code=status_code, media_type="application/json")
+
+
+def stream_error_event(exc: BaseException) -> str:
+    """The SSE error event for a failure after the stream started."""
+    from pagedllm.entrypoints.openai.errors import sse_error
+
+    err = to_api_error(exc)
+    if err.status >= 500:
+        logger.error("stream failed: %s", exc, exc_info=exc if err.status == 500 else None)
+    return sse_error(err.status, err.message, err.param)

@@ -1,0 +1,139 @@
+"""``POST /v1/chat/completions`` with the model's chat template (or ``--chat-template FILE``).
+
+The conversation is rendered and tokenized by the engine (``apply_chat_template``:
+roles checked, text parts joined, tokenized without adding special tokens again, so
+there is exactly one BOS/``<|im_start|>``). ``max_completion_tokens`` wins over
+``max_tokens``; both absent means "up to the context length".
+
+Streaming follows OpenAI's delta protocol: for each choice a first chunk with
+``delta = {"role": "assistant", "content": ""}`` is sent as soon as the request has been
+accepted, then content deltas; each choice gets exactly one chunk with a non-null
+``finish_reason``; with ``stream_options.include_usage`` a last chunk with empty
+``choices`` carries the usage; the stream ends with ``data: [DONE]``.
+
+Logprobs: ``logprobs: true`` reports the chosen token's logprob per position, and
+``top_logprobs: k`` the k most likely tokens, most likely first (the chosen token is not
+added to that list when outside it; its own value is in ``logprob``). ``bytes`` are the
+UTF-8 bytes of the token's decoded text (a token that ends inside a multi-byte character
+decodes to U+FFFD).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from pagedllm.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
+    ChatCompletionStreamResponse, ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob,
+    DeltaMessage, finite_logprob, make_usage)
+from pagedllm.entrypoints.openai.serving_base import (
+    SSE_DONE, OpenAIServing, json_response, merge_streams, sse, stream_error_event)
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Handler of ``/v1/chat/completions``.
+
+    Args (beyond OpenAIServing's): chat_template: a Jinja template overriding the
+    model's own (the contents of ``--chat-template FILE``), or None.
+    """
+
+    def __init__(self, *args, chat_template: str | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.chat_template = chat_template
+
+    async def render(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Prompt token ids of a conversation (raises APIError 400 naming ``messages``)."""
+        template = self.chat_template
+        try:
+            return await self.engine.call(lambda e: e.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, chat_template=template))
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request | None = None
+                                     ) -> Response:
+        """Validate, submit and answer one chat request (JSON or SSE). Raises APIError."""
+        self.check_model(req.model)
+        self.check_n(req.n)
+        params = req.to_sampling_params()
+        if not req.messages:
+            raise APIError(400, "messages must be a non-empty list", "messages")
+        prompt_ids = await self.render(req.conversation(), req.add_generation_prompt)
+        request_id = self.new_id("chatcmpl", req.request_id)
+        streams = await self.add_requests(request_id, [(prompt_ids, None)], params, req.priority)
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(self._stream(req, request_id, created, streams),
+                                     media_type="text/event-stream")
+        (final,) = await self.collect_final(streams, raw_request)
+        return json_response(self._response(req, request_id, created, final))
+
+    def _response(self, req: ChatCompletionRequest, request_id: str, created: int, out: RequestOutput
+                  ) -> ChatCompletionResponse:
+        choices = []
+        for c in out.outputs:
+            choices.append(ChatCompletionChoice(
+                index=c.index, message=ChatResponseMessage(content=c.text),
+                logprobs=self._logprobs(req, c) if req.logprobs else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        num_completion = sum(len(c.token_ids) for c in out.outputs)
+        return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
+                                      usage=make_usage(len(out.prompt_token_ids), num_completion,
+                                                       out.num_cached_tokens))
+
+    def _logprobs(self, req: ChatCompletionRequest, c: CompletionOutput) -> ChatChoiceLogprobs:
+        entries = c.logprobs or []
+        content = []
+        k = req.top_logprobs or 0
+        as_ids = req.return_tokens_as_token_ids
+        for j, tid in enumerate(c.token_ids):
+            entry: PositionLogprobs = entries[j] if j < len(entries) else {}
+            chosen = entry.get(tid)
+            text = self.token_text(tid, as_ids)
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)
+            top = [(t, l) for t, l in ranked if l.rank is None or l.rank <= k][:k]
+            content.append(ChatTokenLogprob(
+                token=text, logprob=finite_logprob(chosen.logprob) if chosen else finite_logprob(float("-inf")),
+                bytes=list(text.encode("utf-8")),
+                top_logprobs=[ChatTopLogprob(token=self.token_text(t, as_ids), logprob=finite_logprob(l.logprob),
+                                             bytes=list(self.token_text(t, as_ids).encode("utf-8")))
+                              for t, l in top]))
+        return ChatChoiceLogprobs(content=content)
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int, streams: list
+                      ) -> AsyncIterator[str]:
+        def chunk(choices: list[ChatStreamChoice], usage=None) -> str:
+            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                                                    choices=choices, usage=usage).model_dump_json())
+
+        num_prompt = num_cached = num_completion = 0
+        try:
+            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                         for i in range(req.n)])
+            async for _, out in merge_streams(streams):
+                if out.error is not None:
+                    raise APIError(500, f"the request failed inside the engine: {out.error}")
+                num_prompt, num_cached = len(out.prompt_token_ids), out.num_cached_tokens
+                choices = []
+                for c in out.outputs:
+                    num_completion += len(c.token_ids)
+                    choices.append(ChatStreamChoice(
+                        index=c.index, delta=DeltaMessage(content=c.text),
+                        logprobs=self._logprobs(req, c) if req.logprobs else None,
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                if choices:
+                    yield chunk(choices)
+            if req.include_usage_in_stream:
+                yield chunk([], make_usage(num_prompt, num_completion, num_cached))
+        except Exception as e:  # noqa: BLE001 - reported in-band: the headers are gone
+            yield stream_error_event(e)
+        finally:
+            for s in streams:
+                s.abort()
+        yield SSE_DONE

@@ -1,0 +1,196 @@
+"""``POST /v1/completions``: prompts as text, texts, token ids or lists of token ids.
+
+Everything that can be wrong with a request (model, parameters, prompt length, token
+ids) is checked, and the requests are accepted by the engine, before the first byte of a
+streamed response: a bad streamed request gets a plain 400, never an SSE error.
+
+Choices are numbered ``prompt_index * n + sample_index``. With ``echo`` the prompt text
+leads the first choice text of each sample, and with ``echo`` + ``logprobs`` the
+logprobs cover prompt tokens too (``token_logprobs[0]`` is null: the first token has no
+context). ``top_logprobs`` maps token text → logprob, most likely first, and also holds
+the chosen token when it falls outside the top ``logprobs``. ``text_offset`` is the
+character offset of each token in the returned text, from the concatenated per-token
+texts (as vLLM and OpenAI do). Logprobs are those the engine reports (see
+``SamplingParams``); non-finite values are clamped to ``LOGPROB_FLOOR``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, CompletionStreamResponse,
+    finite_logprob, make_usage)
+from pagedllm.entrypoints.openai.serving_base import (
+    SSE_DONE, OpenAIServing, json_response, merge_streams, sse, stream_error_event)
+from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Handler of ``/v1/completions``."""
+
+    async def create_completion(self, req: CompletionRequest, raw_request: Request | None = None) -> Response:
+        """Validate, submit and answer one completions request (JSON or SSE).
+
+        Raises APIError (404 unknown model, 400 invalid input, 503 overloaded or engine
+        down, 500 failure inside the engine) before any streamed byte.
+        """
+        self.check_model(req.model)
+        self.check_n(req.n)
+        params = req.to_sampling_params()
+        prompts = await self._engine_prompts(req)
+        request_id = self.new_id("cmpl", req.request_id)
+        streams = await self.add_requests(request_id, prompts, params, req.priority)
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(self._stream(req, request_id, created, streams, prompts),
+                                     media_type="text/event-stream")
+        finals = await self.collect_final(streams, raw_request)
+        return json_response(self._response(req, request_id, created, finals, prompts))
+
+    async def _engine_prompts(self, req: CompletionRequest) -> list[tuple[Any, str | None]]:
+        """``(prompt for the engine, prompt text or None)`` per prompt of the request."""
+        p = req.prompt
+        if isinstance(p, str):
+            items: list[Any] = [p]
+        elif not p:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        elif isinstance(p[0], int):
+            items = [p]
+        else:
+            items = list(p)
+        out = []
+        for item in items:
+            if isinstance(item, str) and not req.add_special_tokens:
+                ids = await self.engine.call(lambda e, s=item: e.tokenizer.encode(s, add_special_tokens=False))
+                out.append(({"prompt_token_ids": ids}, item))
+            elif isinstance(item, str):
+                out.append((item, item))
+            else:
+                out.append((list(item), None))
+        return out
+
+    # ------------------------------------------------------------------ non-streaming
+    def _response(self, req: CompletionRequest, request_id: str, created: int, finals: list[RequestOutput],
+                  prompts: list[tuple[Any, str | None]]) -> CompletionResponse:
+        choices = []
+        num_prompt = num_completion = num_cached = 0
+        for i, out in enumerate(finals):
+            prompt_text = self._prompt_text(out, prompts[i][1])
+            num_prompt += len(out.prompt_token_ids)
+            num_cached += out.num_cached_tokens
+            for c in out.outputs:
+                num_completion += len(c.token_ids)
+                text = (prompt_text + c.text) if req.echo else c.text
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = CompletionLogprobs()
+                    if req.echo:
+                        self._add_prompt_logprobs(logprobs, out, req)
+                    self._add_logprobs(logprobs, c.token_ids, c.logprobs, req)
+                choices.append(CompletionChoice(index=i * req.n + c.index, text=text, logprobs=logprobs,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        choices.sort(key=lambda ch: ch.index)
+        return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
+                                  usage=make_usage(num_prompt, num_completion, num_cached))
+
+    def _prompt_text(self, out: RequestOutput, given: str | None) -> str:
+        if given is not None:
+            return given
+        if out.prompt is not None:
+            return out.prompt
+        return self.engine.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+    # ------------------------------------------------------------------ logprobs
+    def _add_prompt_logprobs(self, lp: CompletionLogprobs, out: RequestOutput, req: CompletionRequest) -> None:
+        entries = out.prompt_logprobs or []
+        for j, tid in enumerate(out.prompt_token_ids):
+            entry = entries[j] if j < len(entries) else None
+            chosen = entry.get(tid) if entry else None
+            self._append(lp, tid, None if chosen is None else chosen.logprob, entry, req)
+
+    def _add_logprobs(self, lp: CompletionLogprobs, token_ids: list[int], entries: list[PositionLogprobs] | None,
+                      req: CompletionRequest) -> None:
+        entries = entries or []
+        for k, tid in enumerate(token_ids):
+            entry = entries[k] if k < len(entries) else None
+            chosen = entry.get(tid) if entry else None
+            self._append(lp, tid, None if chosen is None else chosen.logprob, entry, req)
+
+    def _append(self, lp: CompletionLogprobs, tid: int, logprob: float | None, entry: PositionLogprobs | None,
+                req: CompletionRequest) -> None:
+        as_ids = req.return_tokens_as_token_ids
+        text = self.token_text(tid, as_ids)
+        offset = lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else 0
+        lp.tokens.append(text)
+        lp.text_offset.append(offset)
+        lp.token_logprobs.append(finite_logprob(logprob))
+        if entry is None:
+            lp.top_logprobs.append(None)
+            return
+        top: dict[str, float] = {}
+        for t, l in sorted(entry.items(), key=lambda kv: -kv[1].logprob):
+            key = self.token_text(t, as_ids)
+            if key not in top:  # two ids may decode to the same text: keep the likelier
+                top[key] = finite_logprob(l.logprob)
+        lp.top_logprobs.append(top)
+
+    # ------------------------------------------------------------------ streaming
+    async def _stream(self, req: CompletionRequest, request_id: str, created: int, streams: list,
+                      prompts: list[tuple[Any, str | None]]) -> AsyncIterator[str]:
+        n = req.n
+        num_prompt = [0] * len(streams)
+        num_cached = [0] * len(streams)
+        num_completion = 0
+        offsets: dict[int, int] = {}  # choice index -> text offset of the next token
+        started: set[int] = set()
+        try:
+            async for i, out in merge_streams(streams):
+                if out.error is not None:
+                    raise APIError(500, f"the request failed inside the engine: {out.error}")
+                num_prompt[i] = len(out.prompt_token_ids)
+                num_cached[i] = out.num_cached_tokens
+                choices = []
+                for c in out.outputs:
+                    index = i * n + c.index
+                    num_completion += len(c.token_ids)
+                    choices.append(self._stream_choice(req, out, c, index, prompts[i][1], started, offsets))
+                if choices:
+                    chunk = CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                                                     choices=choices)
+                    yield sse(chunk.model_dump_json())
+            if req.include_usage_in_stream:
+                chunk = CompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[],
+                                                 usage=make_usage(sum(num_prompt), num_completion, sum(num_cached)))
+                yield sse(chunk.model_dump_json())
+        except Exception as e:  # noqa: BLE001 - reported in-band: the headers are gone
+            yield stream_error_event(e)
+        finally:
+            for s in streams:
+                s.abort()
+        yield SSE_DONE
+
+    def _stream_choice(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, index: int,
+                       prompt_text: str | None, started: set[int], offsets: dict[int, int]) -> CompletionChoice:
+        text = c.text
+        logprobs = None
+        first = index not in started
+        started.add(index)
+        if req.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            base = offsets.get(index, 0)
+            if first and req.echo:
+                self._add_prompt_logprobs(logprobs, out, req)
+            self._add_logprobs(logprobs, c.token_ids, c.logprobs, req)
+            logprobs.text_offset = [o + base for o in logprobs.text_offset]
+            if logprobs.tokens:
+                offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+        if first and req.echo:
+            text = self._prompt_text(out, prompt_text) + text
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason)

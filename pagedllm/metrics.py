@@ -1,0 +1,138 @@
+"""Prometheus metrics of the serving engine, named as vLLM names them (``vllm:`` → ``pagedllm:``).
+
+Existing vLLM dashboards work after replacing the prefix. Every metric carries a
+``model_name`` label. prometheus_client appends ``_total`` to counters in the
+exposition, so the counter ``pagedllm:prompt_tokens`` is scraped as
+``pagedllm:prompt_tokens_total`` (as in vLLM).
+
+Gauges and token counters are fed from :class:`~pagedllm.engine.llm_engine.EngineStats`
+snapshots (the engine keeps cumulative totals; :meth:`EngineMetrics.record_stats` adds
+the increase since the previous snapshot). Per-request histograms are fed by the async
+engine when a request produces tokens or finishes. All methods are thread-safe
+(prometheus_client metrics are), so the engine thread records while the HTTP thread
+scrapes.
+
+Each :class:`EngineMetrics` owns its own ``CollectorRegistry`` so several servers can
+live in one process (tests) without duplicate-registration errors.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["EngineMetrics", "CONTENT_TYPE_LATEST"]
+
+# Buckets as in vLLM's v1 loggers (seconds).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class EngineMetrics:
+    """The server's Prometheus metrics.
+
+    Args:
+        model_name: value of the ``model_name`` label (the served model name).
+        registry: where to register; default a fresh ``CollectorRegistry``.
+    """
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        r, lbl = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"pagedllm:{name}", doc, lbl, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"pagedllm:{name}", doc, lbl, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Any:
+            return Histogram(f"pagedllm:{name}", doc, lbl, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage: fraction of blocks in use (0..1).")
+        self.num_kv_blocks_used = gauge("num_kv_blocks_used", "KV-cache blocks referenced by a request.")
+        self.num_kv_blocks_total = gauge("num_kv_blocks_total", "KV-cache blocks in the pool.")
+        self.engine_healthy = gauge("engine_healthy", "1 while the engine loop is alive and its last step succeeded.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self._success = Counter("pagedllm:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        for reason in FINISH_REASONS:  # expose zeros from the start, as vLLM does
+            self._success.labels(model_name, reason)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token (s).", _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens (s).",
+                             _ITL_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request (s).", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish (s).", _LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled (s).",
+                                    _LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt length per request (tokens).",
+                                               _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Generated tokens per request (all n sequences).",
+                                                   _TOKEN_BUCKETS)
+        self._lock = threading.Lock()
+        self._last_totals: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ engine snapshots
+    def record_stats(self, stats: Any) -> None:
+        """Update gauges from an EngineStats snapshot and add counter increases since the last one."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(float(stats.kv_cache_usage))
+        self.num_kv_blocks_used.set(stats.num_used_blocks)
+        self.num_kv_blocks_total.set(stats.num_total_blocks)
+        with self._lock:
+            for name, metric in (("prefix_cache_queries", self.prefix_cache_queries),
+                                 ("prefix_cache_hits", self.prefix_cache_hits),
+                                 ("num_preemptions_total", self.num_preemptions),
+                                 ("prompt_tokens_total", self.prompt_tokens),
+                                 ("generation_tokens_total", self.generation_tokens)):
+                total = int(getattr(stats, name))
+                increase = total - self._last_totals.get(name, 0)
+                if increase > 0:
+                    metric.inc(increase)
+                self._last_totals[name] = total
+
+    def set_healthy(self, is_healthy: bool) -> None:
+        self.engine_healthy.set(1 if is_healthy else 0)
+
+    # ------------------------------------------------------------------ per request
+    def record_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(max(ttft_s, 0.0))
+
+    def record_inter_token(self, itl_s: float) -> None:
+        self.itl.observe(max(itl_s, 0.0))
+
+    def record_finished(self, finish_reason: str, e2e_s: float, queue_s: float | None,
+                        num_prompt_tokens: int, num_generation_tokens: int, tpot_s: float | None) -> None:
+        """One finished (or aborted / failed) request."""
+        self._success.labels(self.model_name, finish_reason or "abort").inc()
+        self.e2e.observe(max(e2e_s, 0.0))
+        if queue_s is not None:
+            self.queue_time.observe(max(queue_s, 0.0))
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generation_tokens)
+        if tpot_s is not None:
+            self.tpot.observe(max(tpot_s, 0.0))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,437 @@
+"""AsyncLLMEngine against a small fake engine with LLMEngine's API (fast, deterministic).
+
+The fake generates letters: child ``i`` of a request starts at ``'a' + i`` and counts up
+the alphabet, one token per step; it ends by length. It accounts KV blocks (block size
+4) so aborts and leaks are visible, and can fail a step or die on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.async_engine import (
+    AsyncLLMEngine, EngineDeadError, EngineOverloadedError, EngineUnhealthyError, merge_request_output)
+from pagedllm.metrics import EngineMetrics
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+BLOCK_SIZE = 4
+
+
+class FakeTokenizer:
+    """Character-level: id = ord(c) for ASCII; 0, 1, 2 are special (<eos>, <bos>, <end>)."""
+
+    specials = {0: "<eos>", 1: "<bos>", 2: "<end>"}
+    chat_template = "fake"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) if 3 <= ord(c) < 128 else ord("?") for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        out = []
+        for t in ids:
+            if t in self.specials:
+                if not skip_special_tokens:
+                    out.append(self.specials[t])
+            else:
+                out.append(chr(t))
+        return "".join(out)
+
+
+@dataclass
+class FakeStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_used_blocks: int = 0
+    num_free_blocks: int = 64
+    num_total_blocks: int = 64
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_steps: int = 0
+
+
+class _Seq:
+    def __init__(self, index: int, prompt_ids: list[int]) -> None:
+        self.index = index
+        self.token_ids: list[int] = []
+        self.next_id = ord("a") + index
+        self.finish_reason: str | None = None
+        self.prompt_len = len(prompt_ids)
+
+
+class _Req:
+    def __init__(self, request_id, prompt, prompt_ids, params, arrival) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seqs = [_Seq(i, prompt_ids) for i in range(params.n)]
+        self.metrics = RequestMetrics(arrival)
+        self.max_tokens = params.max_tokens
+
+
+class FakeEngine:
+    """LLMEngine's API on a letter generator. Not thread-safe, like the real one."""
+
+    def __init__(self, max_model_len: int = 64, num_blocks: int = 64, max_num_seqs: int = 64,
+                 step_s: float = 0.0, max_waiting_requests: int | None = None, max_logprobs: int = 5) -> None:
+        self.config = EngineConfig(model="fake-model", max_model_len=max_model_len, num_kv_blocks=num_blocks,
+                                   block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs,
+                                   max_waiting_requests=max_waiting_requests, max_logprobs=max_logprobs)
+        self.tokenizer = FakeTokenizer()
+        self.model_name = "fake-model"
+        self.vocab_size = 128
+        self.num_blocks = num_blocks
+        self.step_s = step_s
+        self.requests: dict[str, _Req] = {}
+        self.order: list[str] = []
+        self.fail_steps = 0  # the next N steps fail every request in them
+        self.die = False  # the next step raises
+        self.step_thread: threading.Thread | None = None
+        self.stats = FakeStats(num_total_blocks=num_blocks, num_free_blocks=num_blocks)
+        self.prompt_seen: list[list[int]] = []
+
+    # ---- prompts
+    def tokenize_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, dict):
+            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty (it has 0 tokens)")
+        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt contains token id {bad[0]}, outside the vocabulary (size {self.vocab_size})")
+        return ids
+
+    def apply_chat_template(self, conversation, add_generation_prompt=True, chat_template=None) -> list[int]:
+        from pagedllm.engine.chat import normalize_conversation
+
+        msgs = normalize_conversation(conversation)
+        text = "".join(f"[{m['role']}]{m['content']}" for m in msgs) + ("[assistant]" if add_generation_prompt else "")
+        return [1] + self.tokenizer.encode(text)
+
+    # ---- requests
+    def add_request(self, request_id, prompt, params=None, arrival_time=None, priority=0, prompt_text=None):
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize_prompt(prompt)
+        params.validate_for_model(self.vocab_size, self.config.max_logprobs)
+        limit = self.config.max_model_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+        if len(ids) + max_tokens > limit:
+            raise ValueError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                             f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
+                             f"completion).")
+        req = _Req(request_id, prompt_text if prompt_text is not None else (prompt if isinstance(prompt, str) else None),
+                   ids, params, time.time() if arrival_time is None else arrival_time)
+        req.max_tokens = max_tokens
+        self.requests[request_id] = req
+        self.order.append(request_id)
+        self.prompt_seen.append(ids)
+        return request_id
+
+    def abort_request(self, request_ids) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            if self.requests.pop(rid, None) is not None:
+                self.order.remove(rid)
+        self._update_stats()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        self.step_thread = threading.current_thread()
+        if self.die:
+            raise RuntimeError("injected engine death")
+        if self.step_s:
+            time.sleep(self.step_s)
+        running = self.order[:self.config.max_num_seqs]
+        outputs = []
+        failing = self.fail_steps > 0
+        self.fail_steps = max(0, self.fail_steps - 1)
+        now = time.time()
+        for rid in list(running):
+            req = self.requests[rid]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            if failing:
+                outs = [CompletionOutput(s.index, "", [], None, None, "error") for s in req.seqs]
+                outputs.append(RequestOutput(rid, req.prompt, req.prompt_ids, outs, True, metrics=req.metrics,
+                                             error="RuntimeError: injected step failure"))
+                self._remove(rid)
+                continue
+            outs = []
+            for s in req.seqs:
+                if s.finish_reason is not None:
+                    continue
+                tid = s.next_id
+                s.next_id = ord("a") + (tid - ord("a") + 1) % 26
+                s.token_ids.append(tid)
+                self.stats.generation_tokens_total += 1
+                if len(s.token_ids) >= req.max_tokens:
+                    s.finish_reason = "length"
+                lp = None
+                if req.params.logprobs is not None:
+                    lp = [{tid: Logprob(-0.25, 1, chr(tid)), ord("Z"): Logprob(-1.5, 2, "Z")}]
+                outs.append(CompletionOutput(s.index, chr(tid), [tid], None, lp, s.finish_reason))
+            finished = all(s.finish_reason is not None for s in req.seqs)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            prompt_lps = None
+            if req.params.prompt_logprobs is not None:
+                prompt_lps = [None] + [{t: Logprob(-2.0, 1, chr(t))} for t in req.prompt_ids[1:]]
+            outputs.append(RequestOutput(rid, req.prompt, req.prompt_ids, outs, finished, prompt_lps,
+                                         metrics=req.metrics))
+            if finished:
+                req.metrics.finished_time = now
+                self._remove(rid)
+        self.stats.num_steps += 1
+        self._update_stats()
+        return outputs
+
+    def _remove(self, rid: str) -> None:
+        self.requests.pop(rid)
+        self.order.remove(rid)
+
+    def used_blocks(self) -> int:
+        return sum(math.ceil((len(r.prompt_ids) + len(s.token_ids)) / BLOCK_SIZE)
+                   for r in self.requests.values() for s in r.seqs)
+
+    def _update_stats(self) -> None:
+        used = self.used_blocks()
+        s = self.stats
+        s.num_running = min(len(self.order), self.config.max_num_seqs)
+        s.num_waiting = max(0, len(self.order) - self.config.max_num_seqs)
+        s.num_used_blocks, s.num_free_blocks = used, self.num_blocks - used
+        s.kv_cache_usage = used / self.num_blocks
+
+    def get_stats(self) -> FakeStats:
+        self._update_stats()
+        return FakeStats(**vars(self.stats))
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+async def _collect(engine: AsyncLLMEngine, prompt, params: SamplingParams, rid: str) -> list[RequestOutput]:
+    return [out async for out in engine.generate(prompt, params, rid)]
+
+
+async def _stop(engine: AsyncLLMEngine) -> None:
+    await engine.shutdown()
+
+
+# ---------------------------------------------------------------------------- tests
+def test_delta_cumulative_and_final_only_shapes():
+    async def main():
+        eng = AsyncLLMEngine(FakeEngine(), stats_log_interval_s=0)
+        delta = await _collect(eng, "hi", SamplingParams(max_tokens=3, output_kind=RequestOutputKind.DELTA), "d")
+        cum = await _collect(eng, "hi", SamplingParams(max_tokens=3), "c")
+        final = await _collect(eng, "hi", SamplingParams(max_tokens=3, output_kind=RequestOutputKind.FINAL_ONLY), "f")
+        await _stop(eng)
+        return delta, cum, final
+
+    delta, cum, final = run(main())
+    assert [o.outputs[0].text for o in delta] == ["a", "b", "c"]
+    assert [o.finished for o in delta] == [False, False, True]
+    assert [o.outputs[0].text for o in cum] == ["a", "ab", "abc"]
+    assert cum[-1].outputs[0].token_ids == [97, 98, 99]
+    assert len(final) == 1 and final[0].outputs[0].text == "abc" and final[0].outputs[0].finish_reason == "length"
+    assert final[0].prompt_token_ids == [ord("h"), ord("i")]
+
+
+def test_n_children_merge_by_index():
+    async def main():
+        eng = AsyncLLMEngine(FakeEngine(), stats_log_interval_s=0)
+        outs = await _collect(eng, "x", SamplingParams(n=3, max_tokens=2, logprobs=1,
+                                                       output_kind=RequestOutputKind.FINAL_ONLY), "n")
+        await _stop(eng)
+        return outs
+
+    (final,) = run(main())
+    assert [c.index for c in final.outputs] == [0, 1, 2]
+    assert [c.text for c in final.outputs] == ["ab", "bc", "cd"]
+    assert [len(c.logprobs) for c in final.outputs] == [2, 2, 2]
+
+
+def test_merge_request_output_appends_and_replaces():
+    d1 = RequestOutput("r", "p", [1], [CompletionOutput(0, "a", [5], -0.1, None, None),
+                                       CompletionOutput(1, "x", [7], -0.2, None, None)], False)
+    d2 = RequestOutput("r", "p", [1], [CompletionOutput(1, "y", [8], -0.5, None, "stop", 8)], False)
+    d3 = RequestOutput("r", "p", [1], [CompletionOutput(0, "b", [6], -0.3, None, "length")], True)
+    acc = merge_request_output(None, d1)
+    acc = merge_request_output(acc, d2)
+    acc = merge_request_output(acc, d3)
+    assert [(c.text, c.token_ids, c.finish_reason) for c in acc.outputs] == [
+        ("ab", [5, 6], "length"), ("xy", [7, 8], "stop")]
+    assert acc.outputs[1].stop_reason == 8 and acc.finished
+    assert d1.outputs[0].text == "a"  # the deltas themselves are untouched
+
+
+def test_validation_errors_raise_before_streaming_and_engine_keeps_serving():
+    async def main():
+        eng = AsyncLLMEngine(FakeEngine(max_model_len=16), stats_log_interval_s=0)
+        errors = []
+        for prompt, params in [("", SamplingParams()), ([200], SamplingParams()),
+                               ("x" * 10, SamplingParams(max_tokens=10)),
+                               ("x", SamplingParams(logprobs=6))]:
+            with pytest.raises(ValueError) as e:
+                await eng.add_request(f"bad{len(errors)}", prompt, params)
+            errors.append(str(e.value))
+        ok = await _collect(eng, "ok", SamplingParams(max_tokens=2, output_kind=RequestOutputKind.FINAL_ONLY), "ok")
+        await _stop(eng)
+        return errors, ok
+
+    errors, ok = run(main())
+    assert "empty" in errors[0]
+    assert "200" in errors[1] and "128" in errors[1]
+    assert "16" in errors[2] and "20" in errors[2]
+    assert "logprobs" in errors[3]
+    assert ok[0].outputs[0].text == "ab"
+
+
+def test_engine_runs_in_one_background_thread():
+    async def main():
+        fake = FakeEngine()
+        eng = AsyncLLMEngine(fake, stats_log_interval_s=0)
+        await _collect(eng, "a", SamplingParams(max_tokens=1), "t")
+        await _stop(eng)
+        return fake.step_thread
+
+    thread = run(main())
+    assert thread is not threading.main_thread() and thread.name == "pagedllm-engine"
+
+
+def test_cancelled_consumer_aborts_within_one_step_and_frees_blocks():
+    async def main():
+        fake = FakeEngine(step_s=0.02, max_model_len=512)
+        eng = AsyncLLMEngine(fake, stats_log_interval_s=0)
+        gen = eng.generate("abcdefgh", SamplingParams(max_tokens=400, output_kind=RequestOutputKind.DELTA), "long")
+        first = await gen.__anext__()
+        assert fake.used_blocks() > 0
+        steps_before = fake.stats.num_steps
+        t0 = time.monotonic()
+        await gen.aclose()  # what a client disconnect does
+        while fake.requests and time.monotonic() - t0 < 2:
+            await asyncio.sleep(0.005)
+        elapsed_steps = fake.stats.num_steps - steps_before
+        await asyncio.sleep(0.05)
+        stats = eng.stats
+        await _stop(eng)
+        return first, fake, elapsed_steps, stats
+
+    first, fake, elapsed_steps, stats = run(main())
+    assert first.outputs[0].text == "a"
+    assert not fake.requests and fake.used_blocks() == 0
+    assert elapsed_steps <= 1
+    assert stats.num_used_blocks == 0
+
+
+def test_step_failure_fails_only_that_step_then_health_probe_recovers():
+    async def main():
+        fake = FakeEngine()
+        eng = AsyncLLMEngine(fake, stats_log_interval_s=0)
+        fake.fail_steps = 1
+        failed = await _collect(eng, "a", SamplingParams(max_tokens=2), "f")
+        degraded = eng.is_healthy
+        await eng.check_health()  # runs a probe; the fake no longer fails
+        healthy = eng.is_healthy
+        ok = await _collect(eng, "a", SamplingParams(max_tokens=2), "g")
+        await _stop(eng)
+        return failed, degraded, healthy, ok
+
+    failed, degraded, healthy, ok = run(main())
+    assert failed[-1].finished and failed[-1].error and failed[-1].outputs[0].finish_reason == "error"
+    assert degraded is False and healthy is True
+    assert ok[-1].outputs[0].text == "ab"
+
+
+def test_permanent_step_failure_makes_health_check_fail():
+    async def main():
+        fake = FakeEngine()
+        eng = AsyncLLMEngine(fake, stats_log_interval_s=0)
+        fake.fail_steps = 10**9
+        await _collect(eng, "a", SamplingParams(max_tokens=2), "f")
+        with pytest.raises(EngineUnhealthyError):
+            await eng.check_health()
+        await _stop(eng)
+
+    run(main())
+
+
+def test_engine_death_fails_pending_and_new_requests_promptly():
+    async def main():
+        fake = FakeEngine(step_s=0.01, max_model_len=512)
+        eng = AsyncLLMEngine(fake, stats_log_interval_s=0)
+        gen = eng.generate("a", SamplingParams(max_tokens=400, output_kind=RequestOutputKind.DELTA), "victim")
+        await gen.__anext__()
+        fake.die = True
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            async for _ in gen:
+                pass
+        took = time.monotonic() - t0
+        with pytest.raises(EngineDeadError):
+            await eng.add_request("late", "a", SamplingParams())
+        with pytest.raises(EngineDeadError):
+            await eng.check_health()
+        return took, eng.is_healthy
+
+    took, healthy = run(main())
+    assert took < 1.0 and healthy is False
+
+
+def test_backpressure_rejects_beyond_max_waiting_requests():
+    async def main():
+        fake = FakeEngine(max_num_seqs=1, step_s=0.01, max_model_len=512)
+        eng = AsyncLLMEngine(fake, max_waiting_requests=2, stats_log_interval_s=0)
+        params = SamplingParams(max_tokens=200, output_kind=RequestOutputKind.FINAL_ONLY)
+        streams = [await eng.add_request(f"r{i}", "a", params) for i in range(3)]  # 1 running + 2 waiting
+        await asyncio.sleep(0.05)  # a step refreshes the stats snapshot
+        with pytest.raises(EngineOverloadedError):
+            await eng.add_request("r3", "a", params)
+        for s in streams:
+            s.abort()
+        await asyncio.sleep(0.05)
+        again = await eng.add_request("r4", "a", SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY))
+        out = [o async for o in again]
+        await _stop(eng)
+        return out
+
+    out = run(main())
+    assert out[0].outputs[0].text == "a"
+
+
+def test_metrics_recorded_per_request():
+    async def main():
+        metrics = EngineMetrics("fake-model")
+        eng = AsyncLLMEngine(FakeEngine(), metrics=metrics, stats_log_interval_s=0)
+        await _collect(eng, "hello", SamplingParams(max_tokens=3), "m1")
+        await _collect(eng, "hello", SamplingParams(max_tokens=2), "m2")
+        await asyncio.sleep(0.05)
+        await _stop(eng)
+        return metrics.render().decode()
+
+    text = run(main())
+    assert 'pagedllm:request_success_total{finished_reason="length",model_name="fake-model"} 2.0' in text
+    assert 'pagedllm:time_to_first_token_seconds_count{model_name="fake-model"} 2.0' in text
+    # 3 + 2 tokens, one TTFT each: 2 + 1 inter-token gaps
+    assert 'pagedllm:inter_token_latency_seconds_count{model_name="fake-model"} 3.0' in text
+    assert 'pagedllm:generation_tokens_total{model_name="fake-model"} 5.0' in text
+    assert 'pagedllm:request_prompt_tokens_sum{model_name="fake-model"} 10.0' in text
+    assert 'pagedllm:kv_cache_usage_perc{model_name="fake-model"} 0.0' in text
