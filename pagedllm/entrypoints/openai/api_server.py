@@ -138,7 +138,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
             return await coro
         except Exception as e:  # noqa: BLE001
             err = to_api_error(e, _REQUEST_FIELDS)
-            if err.status == 500:
+            if err.status == 500 and not isinstance(e, APIError):
                 logger.exception("request failed", exc_info=e)
             return error_response(err.status, err.message, err.param)
 
@@ -249,8 +249,13 @@ def build_app_from_args(args: argparse.Namespace) -> FastAPI:
     if args.chat_template:
         with open(args.chat_template, encoding="utf-8") as f:
             chat_template = f.read()
-    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
-    return build_app(async_engine, names, api_key=api_key, chat_template=chat_template, max_n=args.max_n)
+    return build_app(async_engine, names, api_key=resolve_api_key(args), chat_template=chat_template,
+                     max_n=args.max_n)
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else ``$PAGEDLLM_API_KEY``, else None (no authentication)."""
+    return getattr(args, "api_key", None) or os.environ.get("PAGEDLLM_API_KEY") or None
 
 
 def run_server(args: argparse.Namespace) -> None:

@@ -1,0 +1,392 @@
+"""The HTTP server against the fake engine (fast): protocol shapes, SSE, the error contract,
+auth, backpressure, disconnects, engine failure. Real uvicorn on a free 127.0.0.1 port.
+
+The real-model tests (official openai client, greedy == LLM.generate, load) live in
+tests/test_server_openai.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai.api_server import add_server_args, build_app, resolve_api_key
+from pagedllm.metrics import EngineMetrics
+from test_async_engine import FakeEngine
+
+MODEL = "fake-model"
+
+
+class ServerThread:
+    """uvicorn serving ``app`` in a background thread on a free loopback port (context manager)."""
+
+    def __init__(self, app) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+def make_server(fake: FakeEngine | None = None, **kwargs) -> tuple[ServerThread, FakeEngine]:
+    fake = fake or FakeEngine()
+    engine = AsyncLLMEngine(fake, metrics=EngineMetrics(MODEL), stats_log_interval_s=0)
+    return ServerThread(build_app(engine, [MODEL], **kwargs)), fake
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv, fake = make_server(FakeEngine(max_model_len=64, max_logprobs=5))
+    with srv:
+        srv.fake = fake
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        yield c
+
+
+def sse_events(text: str) -> list[str]:
+    """The data payloads of an SSE body, in order."""
+    return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = "any") -> dict:
+    assert resp.status_code == status, resp.text
+    assert resp.headers["content-type"].startswith("application/json")
+    body = resp.json()
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["code"] == status
+    assert "Traceback" not in resp.text
+    if status < 500:  # bad input: no Python class names either
+        assert not re.search(r"\b[A-Z]\w*(Error|Exception)\b", err["message"]), err
+    if param != "any":
+        assert err["param"] == param, err
+    return err
+
+
+# ---------------------------------------------------------------------------- completions
+def test_completion_text_usage_and_finish(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [(0, "abc", "length")]
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+@pytest.mark.parametrize("prompt, expected_prompt_tokens", [
+    (["hi", "yo!"], 5), ([104, 105], 2), ([[104, 105], [120]], 3)])
+def test_completion_prompt_forms_and_n(client, prompt, expected_prompt_tokens, server):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "n": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    num_prompts = len(prompt) if isinstance(prompt[0], (str, list)) else 1
+    assert [c["index"] for c in body["choices"]] == list(range(2 * num_prompts))
+    assert [c["text"] for c in body["choices"]] == ["ab", "bc"] * num_prompts
+    assert body["usage"]["prompt_tokens"] == expected_prompt_tokens
+    assert body["usage"]["completion_tokens"] == 4 * num_prompts
+
+
+def test_completion_echo_with_prompt_logprobs(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "echo": True,
+                                             "logprobs": 1})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "hiab"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["h", "i", "a", "b"]
+    assert lp["token_logprobs"] == [None, -2.0, -0.25, -0.25]
+    assert lp["text_offset"] == [0, 1, 2, 3]
+    assert lp["top_logprobs"][0] is None
+    assert lp["top_logprobs"][1] == {"i": -2.0}
+    assert lp["top_logprobs"][2] == {"a": -0.25, "Z": -1.5}
+
+
+def test_completion_stream_protocol(client):
+    body = {"model": MODEL, "prompt": ["hi", "yo"], "max_tokens": 3, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}, "echo": True, "logprobs": 0}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        text = r.read().decode()
+    events = sse_events(text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts: dict[int, str] = {}
+    finishes: dict[int, list] = {}
+    offsets: dict[int, list] = {}
+    for ch in chunks[:-1]:
+        assert ch["usage"] is None
+        for c in ch["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            offsets.setdefault(c["index"], []).extend(c["logprobs"]["text_offset"])
+            if c["finish_reason"] is not None:
+                finishes.setdefault(c["index"], []).append(c["finish_reason"])
+    assert texts == {0: "hiabc", 1: "hibcd", 2: "yoabc", 3: "yobcd"}
+    assert finishes == {i: ["length"] for i in range(4)}
+    assert offsets[0] == [0, 1, 2, 3, 4]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    assert chunks[-1]["usage"]["prompt_tokens"] == 4
+
+
+# ---------------------------------------------------------------------------- chat
+def test_chat_non_stream(client, server):
+    r = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "system", "content": "S"},
+                                     {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        "max_completion_tokens": 2, "max_tokens": 9, "logprobs": True, "top_logprobs": 1})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "ab"}
+    assert choice["finish_reason"] == "length"
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["a", "b"]
+    assert content[0]["logprob"] == -0.25 and content[0]["bytes"] == [97]
+    assert content[0]["top_logprobs"] == [{"token": "a", "logprob": -0.25, "bytes": [97]}]
+    prompt = "[system]S[user]Hi[assistant]"
+    assert server.fake.prompt_seen[-1] == [1] + [ord(c) for c in prompt]
+    assert body["usage"]["prompt_tokens"] == 1 + len(prompt)
+
+
+def test_chat_stream_role_first_and_one_finish_per_choice(client):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "n": 2,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        events = sse_events(r.read().decode())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(ch["object"] == "chat.completion.chunk" for ch in chunks)
+    first = chunks[0]["choices"]
+    assert [(c["index"], c["delta"]["role"], c["delta"]["content"]) for c in first] == [
+        (0, "assistant", ""), (1, "assistant", "")]
+    texts, finishes = {0: "", 1: ""}, {0: [], 1: []}
+    for ch in chunks[1:-1]:
+        for c in ch["choices"]:
+            assert c["delta"]["role"] is None
+            texts[c["index"]] += c["delta"]["content"] or ""
+            if c["finish_reason"]:
+                finishes[c["index"]].append(c["finish_reason"])
+    assert texts == {0: "abc", 1: "bcd"} and finishes == {0: ["length"], 1: ["length"]}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+# ---------------------------------------------------------------------------- error contract (C27, C11, C29)
+_BAD = [
+    ("/v1/completions", {"model": "does-not-exist", "prompt": "hi"}, 404, "model"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 100000}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 100}, 400, "logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     400, "top_logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": [200]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 70, "max_tokens": 1}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 40, "max_tokens": 30}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [""]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[]]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path, body, status, param", _BAD)
+def test_bad_input_gets_openai_error_then_service_continues(client, path, body, status, param, stream):
+    r = client.post(path, json={**body, "stream": stream})
+    err = assert_error(r, status, param)
+    if status == 404:
+        assert "does-not-exist" in err["message"] and MODEL in err["message"]
+    ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    assert ok.status_code == 200
+
+
+def test_context_errors_give_the_numbers(client):
+    err = assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 40, "max_tokens": 30}),
+                       400)
+    assert all(str(n) in err["message"] for n in (64, 40, 30, 70))
+
+
+def test_malformed_json_and_wrong_types(client):
+    r = client.post("/v1/completions", content=b'{"model": "fake-model", "prompt": ', headers={
+        "content-type": "application/json"})
+    err = assert_error(r, 400)
+    assert "JSON" in err["message"]
+    assert_error(client.post("/v1/chat/completions", json={"model": MODEL, "messages": "hi"}), 400, "messages")
+    assert_error(client.get("/v1/nothing-here"), 404)
+
+
+def test_max_tokens_null_runs_to_the_context_limit(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 54, "max_tokens": None})
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == 10
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_lone_surrogate_replaced_with_replacement_char(client, server):
+    r = client.post("/v1/chat/completions", content=b'{"model": "fake-model", "max_tokens": 1, '
+                    b'"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert server.fake.prompt_seen[-1][-len("[assistant]") - 3:-len("[assistant]")] == [ord("a"), ord("?"), ord("b")]
+    r = client.post("/tokenize", content=b'{"prompt": "\\udfff"}', headers={"content-type": "application/json"})
+    assert r.json()["tokens"] == [ord("?")]  # the fake tokenizer maps U+FFFD to "?"
+
+
+# ---------------------------------------------------------------------------- small endpoints
+def test_models_version_health_tokenize_detokenize(client):
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == 64
+    assert client.get("/version").json()["version"]
+    h = client.get("/health")
+    assert h.status_code == 200 and h.content == b""
+    tok = client.post("/tokenize", json={"prompt": "hey"}).json()
+    assert tok == {"tokens": [104, 101, 121], "count": 3, "max_model_len": 64}
+    chat_tok = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat_tok["tokens"][0] == 1 and chat_tok["count"] == len("[user]Hi[assistant]") + 1
+    assert client.post("/detokenize", json={"tokens": [104, 105, 0]}).json() == {"prompt": "hi<eos>"}
+    assert_error(client.post("/detokenize", json={"tokens": [999]}), 400, "tokens")
+    assert_error(client.post("/tokenize", json={}), 400, "prompt")
+
+
+def test_metrics_endpoint_names(client):
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    text = client.get("/metrics").text
+    for name in ("pagedllm:num_requests_running", "pagedllm:num_requests_waiting", "pagedllm:kv_cache_usage_perc",
+                 "pagedllm:prefix_cache_queries_total", "pagedllm:prefix_cache_hits_total",
+                 "pagedllm:prompt_tokens_total", "pagedllm:generation_tokens_total",
+                 "pagedllm:request_success_total", "pagedllm:time_to_first_token_seconds_bucket",
+                 "pagedllm:inter_token_latency_seconds_bucket", "pagedllm:e2e_request_latency_seconds_bucket",
+                 "pagedllm:request_queue_time_seconds_bucket", "pagedllm:num_preemptions_total"):
+        assert name in text, name
+    m = re.search(r'pagedllm:request_success_total\{finished_reason="length",model_name="fake-model"\} (\S+)', text)
+    assert m and float(m.group(1)) >= 1
+
+
+# ---------------------------------------------------------------------------- auth
+def test_api_key_required_when_configured(monkeypatch):
+    srv, _ = make_server(api_key="sekret")
+    with srv, httpx.Client(base_url=srv.url, timeout=10) as c:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+        assert_error(c.post("/v1/completions", json=body), 401)
+        assert_error(c.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}), 401)
+        assert_error(c.post("/v1/completions", content=b"{bad", headers={"Authorization": "Bearer nope"}), 401)
+        assert c.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+    parser = add_server_args(argparse.ArgumentParser())
+    monkeypatch.setenv("PAGEDLLM_API_KEY", "from-env")
+    assert resolve_api_key(parser.parse_args([])) == "from-env"
+    assert resolve_api_key(parser.parse_args(["--api-key", "flag"])) == "flag"
+
+
+# ---------------------------------------------------------------------------- load shedding and failures
+def test_backpressure_503_beyond_max_waiting_requests():
+    srv, fake = make_server(FakeEngine(max_num_seqs=1, max_waiting_requests=1, step_s=0.01, max_model_len=512))
+    with srv, httpx.Client(base_url=srv.url, timeout=10) as c:
+        results = {}
+
+        def long_request(i):
+            results[i] = c.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 60})
+
+        threads = [threading.Thread(target=long_request, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.1)
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1})
+        err = assert_error(r, 503)
+        assert "max_waiting_requests" in err["message"]
+        for t in threads:
+            t.join()
+        assert [results[i].status_code for i in range(2)] == [200, 200]
+        assert c.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1}).status_code == 200
+
+
+def test_client_disconnect_aborts_and_frees_blocks():
+    srv, fake = make_server(FakeEngine(step_s=0.01, max_model_len=512))
+    with srv, httpx.Client(base_url=srv.url, timeout=10) as c:
+        body = {"model": MODEL, "prompt": "abcdefgh", "max_tokens": 400, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+            assert fake.used_blocks() > 0
+        t0 = time.monotonic()
+        while fake.requests and time.monotonic() - t0 < 1.0:
+            time.sleep(0.01)
+        assert not fake.requests and fake.used_blocks() == 0
+        time.sleep(0.1)
+        text = c.get("/metrics").text
+        assert 'pagedllm:kv_cache_usage_perc{model_name="fake-model"} 0.0' in text
+        assert 'pagedllm:request_success_total{finished_reason="abort",model_name="fake-model"} 1.0' in text
+
+
+def test_step_failure_is_a_500_for_that_request_only():
+    srv, fake = make_server()
+    with srv, httpx.Client(base_url=srv.url, timeout=10) as c:
+        fake.fail_steps = 1
+        err = assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}), 500)
+        assert "injected step failure" in err["message"]
+        assert c.get("/health").status_code == 200  # the probe succeeds: the failure was transient
+        assert c.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}).status_code == 200
+        fake.fail_steps = 10**9  # permanent fault
+        with c.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "a", "stream": True}) as r:
+            events = sse_events(r.read().decode())
+        assert json.loads(events[0])["error"]["code"] == 500 and events[-1] == "[DONE]"
+        t0 = time.monotonic()
+        assert_error(c.get("/health"), 503)
+        assert time.monotonic() - t0 < 1.0
+
+
+def test_engine_death_health_503_and_prompt_errors():
+    srv, fake = make_server(FakeEngine(step_s=0.01, max_model_len=512))
+    with srv, httpx.Client(base_url=srv.url, timeout=10) as c:
+        assert c.get("/health").status_code == 200
+        fake.die = True
+        t0 = time.monotonic()
+        assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}), 503)
+        assert_error(c.get("/health"), 503)
+        assert_error(c.post("/v1/chat/completions", json={"model": MODEL, "messages": [
+            {"role": "user", "content": "x"}]}), 503)
+        assert time.monotonic() - t0 < 1.0
