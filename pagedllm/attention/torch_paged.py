@@ -170,7 +170,8 @@ def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     nb = block_tables.shape[1]
     max_len = nb * block_size
     group_size = num_heads // num_kv_heads
-    kv = workspace.view(2, num_reqs * nb, block_size, num_kv_heads, head_dim)
+    kv = workspace[:2 * num_reqs * max_len * num_kv_heads * head_dim].view(
+        2, num_reqs * nb, block_size, num_kv_heads, head_dim)
     torch.index_select(kv_cache, 1, block_tables.reshape(-1), out=kv)
     kv = kv.view(2, num_reqs, max_len, num_kv_heads, head_dim)
     keys = kv[0].transpose(1, 2).to(query.dtype)  # (D, num_kv_heads, max_len, head_dim), a view
