@@ -1,7 +1,8 @@
 """Incremental detokenization and stop strings (cases C18, C21, C24, C25).
 
 The detokenizer is driven with scripted token sequences ("M_script": no model) and the
-real SmolLM2 tokenizer from its GGUF. The reference is always the tokenizer's own
+real SmolLM2 tokenizer from its GGUF (loaded as the engine loads it), plus a small
+in-memory SentencePiece-style tokenizer for the decoders byte-level BPE lacks. The reference is always the tokenizer's own
 ``decode`` of the delivered ids, and plain ``str.find`` on that text for stop strings.
 """
 
@@ -39,10 +40,9 @@ ROUND_TRIP_STRINGS = [
 
 
 @pytest.fixture(scope="session")
-def tok(smollm2_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+def tok(smollm2_tokenizer):
+    """The engine's SmolLM2 tokenizer (pagedllm.loader, built from the GGUF's metadata)."""
+    return smollm2_tokenizer
 
 
 def hf_decode(tok, ids, skip=True):
@@ -381,3 +381,13 @@ def test_sentencepiece_style_tokenizer(sp_tok):
             assert not any(FFFD in d for d in deltas)
     assert hf_decode(sp_tok, ids).startswith("hello world日x world 日 x hello world日x")
     assert token_bytes(sp_tok, 0xE6) == b"\xe6"
+
+
+def test_sentencepiece_leading_space_after_skipped_special(sp_tok):
+    # Whatever the window position, "▁hello" after a skipped "</s>" keeps its space (the
+    # decoder strips a leading space only at the very start of the text).
+    hello, eos = 256, 260
+    for n in range(1, 2 * _MAX_WINDOW_TOKENS + 2):
+        ids = [hello] * n + [eos, hello]
+        detok, deltas, _ = stream(sp_tok, ids)
+        assert "".join(deltas) == detok.output_text == hf_decode(sp_tok, ids) == "hello" + " hello" * n
