@@ -125,7 +125,7 @@ def resolve_model(model: str) -> ResolvedModel:
     alias = name.lower()
     if alias in KNOWN_MODELS:
         return _resolve_alias(KNOWN_MODELS[alias])
-    if name.lower().endswith(".gguf") or os.sep in name and _looks_like_path(name):
+    if name.lower().endswith(".gguf") or (os.sep in name and _looks_like_path(name)):
         raise ModelNotFoundError(f"model file or folder {name!r} does not exist. {_HOW_TO}\n"
                                  f"Known aliases:\n{known_aliases_text()}")
     cached = _hf_cache_snapshot(name)
@@ -154,7 +154,7 @@ def _resolve_folder(folder: Path) -> ResolvedModel:
         return ResolvedModel(folder, "hf")
     ggufs = sorted(folder.glob("*.gguf"))
     if len(ggufs) == 1:
-        return ResolvedModel(ggufs[0], "gguf")
+        return ResolvedModel(ggufs[0].resolve(), "gguf")
     if len(ggufs) > 1:
         names = ", ".join(p.name for p in ggufs)
         raise ModelNotFoundError(
