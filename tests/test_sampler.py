@@ -433,3 +433,24 @@ def test_compute_prompt_logprobs_is_raw_log_softmax():
     assert [e.sampled_token_id for e in entries] == targets.tolist()
     with pytest.raises(ValueError):
         compute_prompt_logprobs(logits, targets[:4], 3)
+
+
+def test_seeded_top_p_row_unaffected_by_neighbour_that_widens_candidates():
+    """A flat neighbour makes the top-p group rank thousands of candidates; the seeded row must not notice."""
+    torch.manual_seed(11)
+    V = 4000
+    peaked = torch.randn(1, V) * 3
+    flat = torch.randn(1, V) * 0.05
+    target = SamplingParams(temperature=1.0, top_p=0.9, seed=5)
+    neighbour = SamplingParams(temperature=1.0, top_p=0.99)
+    for seed in range(8):
+        alone = sample(peaked, [target], generators=[gen(seed)]).sampled_token_ids[0]
+        both = sample(torch.cat([flat, peaked]), [neighbour, target], generators=[None, gen(seed)])
+        full_path = sample(peaked, [SamplingParams(temperature=1.0, seed=5)], generators=[gen(seed)])
+        assert both.sampled_token_ids[1] == alone
+        # The candidate-space race reuses the full-vocabulary draw: without truncation of
+        # the chosen token, the same token comes out.
+        if full_path.sampled_token_ids[0] in peaked[0].topk(50).indices:
+            nucleus = apply_top_k_top_p(peaked.clone(), None, torch.tensor([0.9]))
+            if torch.isfinite(nucleus[0, full_path.sampled_token_ids[0]]):
+                assert full_path.sampled_token_ids[0] == alone

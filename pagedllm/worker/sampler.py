@@ -33,10 +33,11 @@ Pipeline for logits ``[N, V]`` (one row per request sampling this step), in this
     draws its own ``q`` row from its request's generator, so a seeded request's tokens do
     not depend on what else is in the batch or on the batch order.
 
-Top-k and top-p avoid a full sort of the vocabulary when they can: they sort only the
-top ``m`` logits of each row, where ``m`` covers every row's top-k, or, for top-p rows
-without top-k, grows (×8) until the top ``m`` tokens hold each row's nucleus (one host
-sync per try); rows that need no truncation are left untouched.
+Top-k and top-p never sort the vocabulary: rows with top-k rank only their top
+``max(top_k)`` logits; rows with top-p but no top-k rank the top ``m`` with ``m`` = 256,
+growing ×8 until the top ``m`` tokens hold each row's nucleus (one host sync per try).
+Those rows are then sampled among their candidates only; rows with neither are sampled
+over the vocabulary.
 """
 
 from __future__ import annotations
@@ -160,14 +161,56 @@ class Sampler(torch.nn.Module):
         return SamplerOutput(sampled, lpt)
 
     @staticmethod
-    def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Truncate (top-k, top-p, min-p) and draw by the exponential race; int64 [N]."""
-        if not (metadata.no_top_k and metadata.no_top_p):
-            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        if not metadata.no_min_p:
-            apply_min_p(logits, metadata.min_p)
-        probs = torch.softmax(logits, dim=-1)
-        return exponential_race(probs, metadata.generators)
+    def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """int64 [N]: one draw per random row (greedy rows' entries are 0, overwritten by the caller).
+
+        Rows with top-k or top-p are sampled among their sorted candidates only (no
+        scatter back to the vocabulary); rows without are sampled over the vocabulary.
+        """
+        N, V = logits.shape
+        sampled = torch.zeros(N, dtype=torch.int64, device=logits.device)
+        for rows, has_k_bound in ((md.top_k_rows, True), (md.top_p_only_rows, False)):
+            if rows:
+                idx = _row_index(rows, logits.device)
+                vals, token_ids = top_k_top_p_candidates(
+                    logits.index_select(0, idx), _rows_or_default(md.top_k, idx, V),
+                    _rows_or_default(md.top_p, idx, 1.0), has_k_bound)
+                if not md.no_min_p:
+                    apply_min_p(vals, md.min_p.index_select(0, idx))
+                pos = exponential_race(torch.softmax(vals, dim=-1), _local_generators(md, rows),
+                                       token_ids=token_ids, vocab_size=V)
+                sampled.index_copy_(0, idx, token_ids.gather(1, pos.unsqueeze(1)).squeeze(1))
+        rows = md.untruncated_rows
+        if rows:
+            full = len(rows) == N
+            idx = None if full else _row_index(rows, logits.device)
+            x = logits if full else logits.index_select(0, idx)
+            if not md.no_min_p:
+                apply_min_p(x, md.min_p if full else md.min_p.index_select(0, idx))
+            drawn = exponential_race(torch.softmax(x, dim=-1), _local_generators(md, rows))
+            if full:
+                return drawn
+            sampled.index_copy_(0, idx, drawn)
+        return sampled
+
+
+def _row_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def _rows_or_default(t: torch.Tensor | None, idx: torch.Tensor, default: float) -> torch.Tensor:
+    """``t[idx]``, or a tensor of ``default`` when the batch has no such parameter (``t`` is None)."""
+    if t is None:
+        return torch.full((idx.numel(),), default, device=idx.device,
+                          dtype=torch.int64 if isinstance(default, int) else torch.float32)
+    return t.index_select(0, idx)
+
+
+def _local_generators(md: SamplingMetadata, rows: list[int]) -> dict[int, torch.Generator]:
+    """Generators of ``rows``, keyed by position within ``rows``."""
+    if not md.generators:
+        return {}
+    return {j: md.generators[r] for j, r in enumerate(rows) if r in md.generators}
 
 
 def apply_token_masks(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
@@ -194,86 +237,110 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
     logits.sub_(metadata.presence_penalties.unsqueeze(1) * (counts > 0))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask to -inf what top-k and then top-p exclude; returns the masked logits [N, V].
+def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                           has_k_bound: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted candidates that top-k and then top-p keep, without sorting the vocabulary.
 
     Args:
-        logits: float32 [N, V] (after temperature).
-        top_k: int64 [N] with V meaning off, or None.
-        top_p: float32 [N] in (0, 1] with 1 meaning off, or None.
+        logits: float32 [R, V] (after temperature).
+        top_k: int64 [R], V meaning off.
+        top_p: float32 [R] in (0, 1], 1 meaning off.
+        has_k_bound: every row has top_k < V (then only the top max(top_k) logits are
+            ranked); otherwise the candidate width starts at 256 and grows ×8 until the top
+            ``width`` tokens hold every row's nucleus (one host sync per try).
 
-    Top-k keeps every token whose logit is >= the row's k-th largest (so ties at the
-    threshold are kept, whatever the batch). Top-p keeps sorted token j when the
-    probability mass before it (renormalized over the top-k survivors) is < p: the
-    smallest nucleus reaching p, and always the top token, so a tiny p is greedy.
+    Returns:
+        (vals float32 [R, m], token_ids int64 [R, m]): the top m logits of each row in
+        descending order with the excluded ones set to -inf, and their token ids.
+
+    Top-k keeps every token whose logit is >= the row's k-th largest. Top-p keeps sorted
+    token j when the probability mass before it (renormalized over the top-k survivors)
+    is < p: the smallest nucleus reaching p (Holtzman et al. 2019), and always the top
+    token, so a tiny p is greedy.
     """
     V = logits.shape[-1]
-    if top_p is None:
-        return _apply_top_k_only(logits, top_k)
-    k = top_k if top_k is not None else torch.full_like(top_p, V, dtype=torch.int64)
-    needs = (k < V) | (top_p < 1.0)
-    has_k_bound = bool(((k < V) | (top_p >= 1.0)).all())
-    max_active_k = int(torch.where(k < V, k, torch.ones_like(k)).max())
-    width = max_active_k if has_k_bound else min(V, max(max_active_k, _TOP_P_FIRST_WIDTH))
+    if has_k_bound:
+        width = int(top_k.max())
+    else:
+        width = min(V, max(_TOP_P_FIRST_WIDTH, int(torch.where(top_k < V, top_k, 1).max())))
+        log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)
     while True:
-        vals, idx = logits.topk(width, dim=-1, sorted=True)  # (N, width), descending
-        kth = vals.gather(1, (k.clamp(max=width) - 1).unsqueeze(1))
+        vals, token_ids = logits.topk(width, dim=-1, sorted=True)  # (R, width), descending
+        kth = vals.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1))
         vals = vals.masked_fill(vals < kth, float("-inf"))
-        if width == V:
-            norm = torch.logsumexp(vals, dim=-1, keepdim=True)
-        else:
-            # Rows without top-k renormalize over the full vocabulary, rows with it over their survivors.
-            full = torch.logsumexp(logits, dim=-1, keepdim=True)
-            norm = torch.where((k < V).unsqueeze(1), torch.logsumexp(vals, dim=-1, keepdim=True), full)
-        probs = (vals - norm).exp()
+        if has_k_bound:  # renormalize over the top-k survivors, all inside the width
+            log_norm = torch.logsumexp(vals, dim=-1, keepdim=True)
+        probs = (vals - log_norm).exp()
         cum = probs.cumsum(dim=-1)
-        if width < V and not has_k_bound:
-            covered = (k < V) | (top_p >= 1.0) | (cum[:, -1] >= top_p)
-            if not bool(covered.all()):
-                width = min(V, width * 8)
-                continue
+        if not has_k_bound and width < V and not bool((cum[:, -1] >= top_p).all()):
+            width = min(V, width * 8)
+            continue
         drop = (cum - probs >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-        vals = vals.masked_fill(drop, float("-inf"))
-        break
-    out = torch.full_like(logits, float("-inf")).scatter_(1, idx, vals)
-    return torch.where(needs.unsqueeze(1), out, logits)
+        return vals.masked_fill(drop, float("-inf")), token_ids
 
 
-def _apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Top-k without a sort: threshold each row at its k-th largest logit (top_k [N], V = off)."""
-    V = logits.shape[-1]
-    active = top_k < V
-    max_k = int(torch.where(active, top_k, torch.ones_like(top_k)).max())
-    kth = logits.topk(max_k, dim=-1, sorted=True).values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
-    kth = kth.masked_fill(~active.unsqueeze(1), float("-inf"))
-    return logits.masked_fill_(logits < kth, float("-inf"))
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Full-vocabulary form of :func:`top_k_top_p_candidates`: logits [N, V] with excluded tokens at -inf.
+
+    ``top_k`` int64 [N] (0, negative or >= V = off) or None; ``top_p`` float32 [N] (1 = off)
+    or None. Rows with neither are returned unchanged. Syncs with the host (row grouping).
+    """
+    N, V = logits.shape
+    k = torch.full((N,), V, dtype=torch.int64, device=logits.device) if top_k is None else top_k.clone()
+    k[(k <= 0) | (k > V)] = V
+    p = torch.ones(N, device=logits.device) if top_p is None else top_p.float()
+    out = logits.clone()
+    bounded, nucleus = (k < V).tolist(), ((k >= V) & (p < 1.0)).tolist()
+    for flags, has_k_bound in ((bounded, True), (nucleus, False)):
+        rows = [i for i, f in enumerate(flags) if f]
+        if rows:
+            idx = _row_index(rows, logits.device)
+            vals, ids = top_k_top_p_candidates(logits.index_select(0, idx), k.index_select(0, idx),
+                                               p.index_select(0, idx), has_k_bound)
+            full = torch.full((len(rows), V), float("-inf"), device=logits.device).scatter_(1, ids, vals)
+            out.index_copy_(0, idx, full)
+    return out
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
     """Drop tokens with probability < min_p × max probability, in place (log space, no softmax).
 
-    ``p_i < min_p * p_max``  <=>  ``logit_i < max_logit + log(min_p)``; min_p = 0 keeps all,
-    min_p = 1 keeps only the top token (and exact ties).
+    ``logits`` float32 [R, C] (a row's vocabulary or its sorted candidates), ``min_p``
+    float32 [R]. ``p_i < min_p * p_max``  <=>  ``logit_i < max_logit + log(min_p)``;
+    min_p = 0 keeps all, min_p = 1 keeps only the top token (and exact ties).
     """
     threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p).unsqueeze(1)
     logits.masked_fill_(logits < threshold, float("-inf"))
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Sample one token per row: ``argmax(probs / q)``, ``q ~ Exp(1)`` i.i.d.; int64 [N].
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator],
+                     token_ids: torch.Tensor | None = None, vocab_size: int | None = None) -> torch.Tensor:
+    """Sample one position per row: ``argmax(probs / q)``, ``q ~ Exp(1)`` i.i.d.; int64 [R].
 
-    ``q = -log(U)`` with ``U ~ Uniform[0, 1)`` (cheaper than ``exponential_`` on CPU and
-    never 0, so no division by zero; U = 0 gives q = inf, i.e. that token is not chosen).
-    One batched draw serves all rows; each row ``i`` in ``generators`` then redraws its own
-    row from its generator, so its result depends only on its probabilities and its
-    generator's state. P(argmax = i) = probs[i] (the race of exponential clocks with rates
-    probs[i]; equivalent to the Gumbel-max trick).
+    Args:
+        probs: float32 [R, C], rows summing to 1 (modified in place).
+        generators: row -> the row's generator; other rows share one batched draw from
+            torch's default generator.
+        token_ids: int64 [R, C], the vocabulary id of each column when ``probs`` covers
+            candidates only; a seeded row then draws ``vocab_size`` uniforms in token-id
+            order and uses those of its candidates, so its draw is the same as over the
+            full vocabulary and independent of the batch (candidate widths vary with it).
+        vocab_size: V, required with ``token_ids``.
+
+    ``q = -log(U)`` with ``U ~ Uniform[0, 1)`` (cheaper than ``exponential_`` on CPU; U < 1
+    so q > 0; U = 0 gives q = inf, i.e. that token is not chosen). P(argmax = i) =
+    probs[i]: the first of independent exponential clocks with rates probs[i] to ring
+    (equivalent to the Gumbel-max trick).
     """
     q = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
         q.uniform_()
     for i, gen in generators.items():
-        q[i].uniform_(generator=gen)
+        if token_ids is None:
+            q[i].uniform_(generator=gen)
+        else:
+            u = torch.empty(vocab_size, dtype=probs.dtype, device=probs.device).uniform_(generator=gen)
+            q[i] = u[token_ids[i]]
     q.log_().neg_()
     return probs.div_(q).argmax(dim=-1)
 

@@ -60,6 +60,10 @@ class SamplingMetadata:
             live on the logits' device). Unseeded rows draw from torch's default generator.
         max_num_logprobs: the largest ``logprobs`` requested in the batch, or None when no
             row asked for logprobs.
+        top_k_rows, top_p_only_rows, untruncated_rows: the random (non-greedy) rows,
+            split by how the sampler truncates them: with a top-k bound (and maybe top-p),
+            with top-p but no top-k, and with neither (min-p may still apply). Host lists,
+            ascending; together they are exactly the random rows.
         all_greedy, all_random, no_top_k, no_top_p, no_min_p, no_penalties, no_logit_bias:
             batch-wide flags that let the sampler skip a stage.
     """
@@ -89,6 +93,9 @@ class SamplingMetadata:
     blocked_token_ids: torch.Tensor | None
     vocab_size: int
     num_logprobs_per_row: list[int | None] = field(default_factory=list)
+    top_k_rows: list[int] = field(default_factory=list)
+    top_p_only_rows: list[int] = field(default_factory=list)
+    untruncated_rows: list[int] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -157,6 +164,7 @@ class SamplingMetadata:
         is_greedy = torch.tensor(greedy, dtype=torch.bool, device=device)
 
         top_k = top_p = min_p = None
+        groups = ([], [], [])
         if not all_greedy:
             ks = [V if g or p.top_k <= 0 or p.top_k >= V else p.top_k for p, g in zip(params, greedy)]
             ps = [1.0 if g else float(p.top_p) for p, g in zip(params, greedy)]
@@ -167,6 +175,9 @@ class SamplingMetadata:
                 top_p = f32(ps)
             if any(x > 0.0 for x in mps):
                 min_p = f32(mps)
+            for i, g in enumerate(greedy):
+                if not g:
+                    groups[0 if ks[i] < V else 1 if ps[i] < 1.0 else 2].append(i)
 
         gens = {i: g for i, (g, is_g) in enumerate(zip(generators, greedy)) if g is not None and not is_g}
         nums = [p.logprobs for p in params]
@@ -191,6 +202,7 @@ class SamplingMetadata:
             allowed_rows=allowed[0] if allowed else None, disallowed_mask=allowed[1] if allowed else None,
             blocked_rows=blocked[0] if blocked else None, blocked_token_ids=blocked[1] if blocked else None,
             vocab_size=V, num_logprobs_per_row=nums,
+            top_k_rows=groups[0], top_p_only_rows=groups[1], untruncated_rows=groups[2],
         )
 
 
@@ -200,12 +212,20 @@ def _check_ids(name: str, ids: list[int], vocab_size: int) -> None:
             raise ValueError(f"{name} contains token id {t}, outside the vocabulary [0, {vocab_size})")
 
 
-def _row_token_index(rows_tokens: list[tuple[int, list[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flatten [(row, [tok, ...]), ...] into (row_ids, token_ids) int64 tensors, without padding."""
+def _row_token_index(rows_tokens: list[tuple[int, list[int]]], device: torch.device, name: str,
+                     vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten [(row, [tok, ...]), ...] into (row_ids, token_ids) int64 tensors, without padding.
+
+    Raises ValueError naming ``name`` when a token id is outside ``[0, vocab_size)``.
+    """
     lengths = [len(toks) for _, toks in rows_tokens]
     rows = torch.repeat_interleave(torch.tensor([r for r, _ in rows_tokens], dtype=torch.int64),
                                    torch.tensor(lengths, dtype=torch.int64))
     toks = torch.tensor(list(itertools.chain.from_iterable(t for _, t in rows_tokens)), dtype=torch.int64)
+    bad = (toks < 0) | (toks >= vocab_size)
+    if bool(bad.any()):
+        tok = int(toks[bad][0])
+        raise ValueError(f"{name} contains token id {tok}, outside the vocabulary [0, {vocab_size})")
     return rows.to(device), toks.to(device)
 
 
@@ -223,9 +243,7 @@ def _build_penalties(params, prompt_token_ids, output_token_ids, V, device):
     counts = torch.zeros(n, V, dtype=torch.int32, device=device)
     out_rows = [(i, output_token_ids[i]) for i in range(n) if (uses_freq[i] or uses_rep[i]) and output_token_ids[i]]
     if out_rows:
-        for i, toks in out_rows:
-            _check_ids("output_token_ids", toks, V)
-        r, t = _row_token_index(out_rows, device)
+        r, t = _row_token_index(out_rows, device, "output_token_ids", V)
         counts.index_put_((r, t), torch.ones_like(t, dtype=torch.int32), accumulate=True)
     rep_mask = counts > 0
     # Rows with only a repetition penalty must not see frequency/presence effects: their
@@ -233,9 +251,7 @@ def _build_penalties(params, prompt_token_ids, output_token_ids, V, device):
     # have repetition 1 so their mask is harmless too.
     prompt_rows = [(i, prompt_token_ids[i]) for i in range(n) if uses_rep[i] and prompt_token_ids[i]]
     if prompt_rows:
-        for i, toks in prompt_rows:
-            _check_ids("prompt_token_ids", toks, V)
-        r, t = _row_token_index(prompt_rows, device)
+        r, t = _row_token_index(prompt_rows, device, "prompt_token_ids", V)
         rep_mask[r, t] = True
     return presence, frequency, repetition, counts, rep_mask
 
@@ -260,11 +276,9 @@ def _build_allowed(params, V, device):
     rows_tokens = [(i, list(p.allowed_token_ids)) for i, p in enumerate(params) if p.allowed_token_ids]
     if not rows_tokens:
         return None
-    for _, toks in rows_tokens:
-        _check_ids("allowed_token_ids", toks, V)
     mask = torch.ones(len(rows_tokens), V, dtype=torch.bool)
     local = [(j, toks) for j, (_, toks) in enumerate(rows_tokens)]
-    r, t = _row_token_index(local, torch.device("cpu"))
+    r, t = _row_token_index(local, torch.device("cpu"), "allowed_token_ids", V)
     mask[r, t] = False
     rows = torch.tensor([i for i, _ in rows_tokens], dtype=torch.int64, device=device)
     return rows, mask.to(device)
@@ -296,8 +310,7 @@ def _build_blocked(params, output_token_ids, eos_token_ids, V, device):
                 toks.append(eos_token_ids[i])
             toks.extend(p.stop_token_ids or [])
         if toks:
-            _check_ids("bad_words_token_ids/stop_token_ids/eos_token_ids", toks, V)
             rows_tokens.append((i, toks))
     if not rows_tokens:
         return None
-    return _row_token_index(rows_tokens, device)
+    return _row_token_index(rows_tokens, device, "bad_words_token_ids/stop_token_ids/eos_token_ids", V)
