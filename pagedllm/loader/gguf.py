@@ -16,6 +16,7 @@ numpy arrays are already row-major ``(out_features, in_features)``, the HF ``nn.
 from __future__ import annotations
 
 import logging
+import struct
 from pathlib import Path
 from typing import Iterator
 
@@ -86,6 +87,27 @@ def open_gguf(path: str | Path) -> GGUFReader:
 def metadata_of(reader: GGUFReader, skip: tuple[str, ...] = ("tokenizer.ggml.merges",)) -> dict:
     """All key/value metadata as Python values (strings, numbers, lists), except ``skip``."""
     return {k: f.contents() for k, f in reader.fields.items() if k not in skip}
+
+
+def read_gguf_metadata(path: str | Path) -> tuple[dict, set[str]]:
+    """``(metadata, tensor_names)`` of a GGUF file without parsing its tensors' data.
+
+    Uses transformers' header reader (``transformers.integrations.gguf.read_gguf_metadata``),
+    which skips the vocabulary-sized string arrays it is not asked for and takes ~0.2 s where
+    ``GGUFReader`` takes ~2.5 s on SmolLM2; falls back to ``GGUFReader`` if it is unavailable.
+    ``metadata["tokenizer.ggml.tokens"]`` is the full token list; other string arrays (e.g.
+    merges) may be given as their length only. Raises ValueError if the file is not GGUF.
+    """
+    try:
+        from transformers.integrations.gguf import read_gguf_metadata as read_header
+    except ImportError:
+        reader = open_gguf(path)
+        return metadata_of(reader), {t.name for t in reader.tensors}
+    try:
+        metadata, tensor_names = read_header(str(path), ("tokenizer.ggml.tokens",))
+    except (ValueError, OSError, struct.error) as e:
+        raise ValueError(f"{str(path)!r} is not a readable GGUF file: {e}") from e
+    return metadata, set(tensor_names)
 
 
 def gguf_config(metadata: dict, tensor_names: set[str]) -> PretrainedConfig:
