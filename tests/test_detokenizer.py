@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedllm.engine.detokenizer import IncrementalDetokenizer, _MAX_WINDOW_TOKENS, token_bytes
+from pagedllm.engine.detokenizer import _MAX_WINDOW_TOKENS, IncrementalDetokenizer, _TextBuffer, token_bytes
 from pagedllm.sampling_params import SamplingParams
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -158,6 +158,40 @@ def test_decode_window_stays_short(tok):
     assert "".join(deltas) == hf_decode(tok, ids)
     assert len(ids) > 400 and max(calls) <= _MAX_WINDOW_TOKENS + 6
     assert len(calls) <= 1.25 * len(ids) + 1
+
+
+_BUFFER_OPS = st.lists(st.one_of(
+    st.tuples(st.just("append"), st.text(alphabet="ab日😀", max_size=3)),
+    st.tuples(st.just("tail"), st.integers(-1, 300)),
+    st.tuples(st.just("truncate"), st.integers(0, 300)),
+    st.tuples(st.just("str"), st.none())), max_size=400)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=_BUFFER_OPS)
+def test_text_buffer_matches_str(ops):
+    buffer, reference = _TextBuffer(), ""
+    for op, arg in ops:
+        if op == "append":
+            buffer.append(arg)
+            reference += arg
+        elif op == "tail":
+            assert buffer.tail(arg) == (reference[len(reference) - min(arg, len(reference)):] if arg > 0 else "")
+        elif op == "truncate":
+            buffer.truncate(arg)
+            reference = reference[:arg]
+        else:
+            assert str(buffer) == reference
+        assert len(buffer) == len(reference)
+    assert str(buffer) == reference
+
+
+def test_text_buffer_stays_short():
+    buffer = _TextBuffer()
+    for i in range(20_000):
+        buffer.append("x" if i % 2 else "yz")
+    assert len(buffer) == 30_000 and buffer.tail(3) == "yzx"
+    assert len(buffer._chunks) <= 20_000 // _TextBuffer._MERGE_GROUP + 2 * _TextBuffer._MERGE_GROUP
 
 
 # ---- C25: special tokens and the stop token ------------------------------------------

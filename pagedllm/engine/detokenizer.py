@@ -99,7 +99,7 @@ class IncrementalDetokenizer:
             clean_up_tokenization_spaces=False,
         )
         self.token_ids: list[int] = []
-        self.output_text = ""
+        self._text = _TextBuffer()
         self.stop_reason: str | None = None
         self.is_finished = False
         self._num_text_tokens = 0  # ids decoded into text (token_ids minus a stop token)
@@ -145,10 +145,10 @@ class IncrementalDetokenizer:
         for token_id in text_ids:
             self.token_ids.append(token_id)
             self._num_text_tokens += 1
-            num_chars_before = len(self.output_text)
+            num_chars_before = len(self._text)
             self._decode_next()
             if (self._stop and self._num_text_tokens > self.params.min_tokens
-                    and len(self.output_text) > num_chars_before):
+                    and len(self._text) > num_chars_before):
                 stop = self._check_stop_strings(num_chars_before)
                 if stop is not None:
                     return stop
@@ -172,12 +172,19 @@ class IncrementalDetokenizer:
         """
         if finished:
             self.flush()
-            safe_len = len(self.output_text)
+            safe_len = len(self._text)
         else:
-            safe_len = max(len(self.output_text) - self._num_held_chars(), self._num_emitted_chars)
+            safe_len = max(len(self._text) - self._num_held_chars(), self._num_emitted_chars)
         start = self._num_emitted_chars
         self._num_emitted_chars = safe_len
-        return self.output_text[start:safe_len] if delta else self.output_text[:safe_len]
+        if not delta:
+            return self.output_text[:safe_len]
+        return self._text.tail(len(self._text) - start)[:safe_len - start]
+
+    @property
+    def output_text(self) -> str:
+        """All text so far (complete characters only); the final text once finished."""
+        return str(self._text)
 
     def flush(self) -> None:
         """Finish the text: decode bytes still held as an incomplete character.
@@ -189,7 +196,7 @@ class IncrementalDetokenizer:
         if self.is_finished:
             return
         window_text = self._decode(self.token_ids[self._prefix_offset:self._num_text_tokens])
-        self.output_text += window_text[self._window_emitted:]
+        self._text.append(window_text[self._window_emitted:])
         self._window_emitted = len(window_text)
         self.is_finished = True
 
@@ -215,7 +222,7 @@ class IncrementalDetokenizer:
         window_text = self._decode(self.token_ids[self._prefix_offset:end])
         stable_len = len(window_text.rstrip(_REPLACEMENT_CHAR))
         if stable_len > self._window_emitted:
-            self.output_text += window_text[self._window_emitted:stable_len]
+            self._text.append(window_text[self._window_emitted:stable_len])
             self._window_emitted = stable_len
         if stable_len < len(window_text):
             return  # ends inside a character: not a boundary, the window keeps growing
@@ -230,17 +237,20 @@ class IncrementalDetokenizer:
 
     def _check_stop_strings(self, num_chars_before: int) -> str | None:
         """Find the earliest stop string ending in text appended after ``num_chars_before``."""
-        text = self.output_text
-        best: tuple[int, int, str] | None = None  # (end, -len, stop)
+        # A match ending in the new text starts at most max_stop_len - 1 chars before it.
+        region_start = max(0, num_chars_before - self._max_stop_len + 1)
+        region = self._text.tail(len(self._text) - region_start)
+        best: tuple[int, int, str] | None = None  # (end, -len, stop), offsets in region
         for stop in self._stop:
-            index = text.find(stop, max(0, num_chars_before - len(stop) + 1))
+            index = region.find(stop, max(0, num_chars_before - len(stop) + 1) - region_start)
             if index != -1:
                 key = (index + len(stop), -len(stop), stop)
                 best = key if best is None or key < best else best
         if best is None:
             return None
         end, neg_len, stop = best
-        self.output_text = text[:end] if self.params.include_stop_str_in_output else text[:end + neg_len]
+        keep = end if self.params.include_stop_str_in_output else end + neg_len
+        self._text.truncate(region_start + keep)
         self.stop_reason = stop
         self.is_finished = True
         return stop
@@ -249,11 +259,67 @@ class IncrementalDetokenizer:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""
         if not self._hold_back:
             return 0
-        text = self.output_text
-        for k in range(min(self._max_stop_len - 1, len(text)), 0, -1):
+        text = self._text.tail(self._max_stop_len - 1)
+        for k in range(len(text), 0, -1):
             if text[-k:] in self._stop_prefixes:
                 return k
         return 0
+
+
+class _TextBuffer:
+    """Append-only text with O(k) access to (and truncation within) its last k characters.
+
+    ``str +=`` on an attribute copies the whole string, which would make each step
+    O(text length). Appends go to a list of chunks instead. Once ``2 * _MERGE_GROUP``
+    chunks follow the sealed ones, the oldest ``_MERGE_GROUP`` of them are joined into one
+    sealed chunk that is never joined again, so the list stays short (length / group) and
+    each append is amortized O(1).
+    """
+
+    _MERGE_GROUP = 64
+
+    def __init__(self) -> None:
+        self._chunks: list[str] = []
+        self._num_sealed = 0
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __str__(self) -> str:
+        if len(self._chunks) > 1:  # O(length), once per change; repeated reads are free
+            self._chunks = ["".join(self._chunks)]
+            self._num_sealed = 1
+        return self._chunks[0] if self._chunks else ""
+
+    def append(self, text: str) -> None:
+        if not text:
+            return
+        self._chunks.append(text)
+        self._len += len(text)
+        first, group = self._num_sealed, self._MERGE_GROUP
+        if len(self._chunks) - first >= 2 * group:
+            self._chunks[first:first + group] = ["".join(self._chunks[first:first + group])]
+            self._num_sealed += 1
+
+    def tail(self, num_chars: int) -> str:
+        """The last ``num_chars`` characters (all of them if fewer), in O(num_chars)."""
+        parts, need = [], min(num_chars, self._len)
+        for chunk in reversed(self._chunks):
+            if need <= 0:
+                break
+            parts.append(chunk[-need:] if len(chunk) > need else chunk)
+            need -= len(parts[-1])
+        return "".join(reversed(parts))
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` characters (done once, at a stop-string match)."""
+        while self._chunks and self._len - len(self._chunks[-1]) >= length:
+            self._len -= len(self._chunks.pop())
+        if self._len > length:
+            self._chunks[-1] = self._chunks[-1][:len(self._chunks[-1]) - (self._len - length)]
+            self._len = length
+        self._num_sealed = min(self._num_sealed, len(self._chunks))
 
 
 # ---- per-tokenizer token facts (for logprobs) ------------------------------------------
