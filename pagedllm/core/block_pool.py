@@ -183,6 +183,7 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         self.num_used_blocks = 0  # blocks with ref_cnt > 0
         self.num_cached_free_blocks = 0  # blocks with ref_cnt == 0 that carry a hash
+        self.num_evicted_blocks = 0  # cumulative: cached blocks whose hash an allocation dropped
 
     # ---- usage figures ---------------------------------------------------------------
     @property
@@ -250,6 +251,7 @@ class BlockPool:
                 del self.cached_block_hash_to_block[block.block_hash]
                 self._drop_hash(block)
                 self.num_cached_free_blocks -= 1
+                self.num_evicted_blocks += 1
             block.ref_cnt = 1
             new_blocks.append(block)
         self.num_used_blocks += num_blocks
