@@ -181,6 +181,10 @@ class KVCacheManager:
             ValueError: negative counts, or ``num_new_computed_tokens`` inconsistent with
                 ``new_computed_blocks``, or computed blocks for a request holding blocks.
         """
+        blocks = self.req_to_blocks.get(request.request_id)
+        if (blocks and not new_computed_blocks and not num_lookahead_tokens and num_new_tokens >= 0
+                and request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size):
+            return []  # fast path: a decode inside its last block
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(f"num_new_tokens ({num_new_tokens}) and num_lookahead_tokens "
                              f"({num_lookahead_tokens}) must be >= 0")
@@ -188,15 +192,12 @@ class KVCacheManager:
             raise ValueError(f"num_new_computed_tokens ({num_new_computed_tokens}) must equal "
                              f"len(new_computed_blocks) * block_size ({len(new_computed_blocks) * self.block_size})")
         req_id = request.request_id
-        blocks = self.req_to_blocks.get(req_id)
         if new_computed_blocks and blocks:
             raise ValueError(f"request {req_id!r} already holds blocks; computed blocks come only at admission")
         num_known = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_tokens = max(min(num_known + num_lookahead_tokens, self.max_model_len), num_known)
         num_held = (len(blocks) if blocks else 0) + len(new_computed_blocks)
         num_new_blocks = cdiv(num_tokens, self.block_size) - num_held
-        if num_new_blocks <= 0 and not new_computed_blocks and blocks is not None:
-            return []  # fast path: a decode inside its last block
         pool = self.block_pool
         computed = [pool.blocks[i] for i in new_computed_blocks]
         num_evictable = sum(1 for b in computed if b.ref_cnt == 0)  # touching them uses free blocks

@@ -37,7 +37,9 @@ Policies (documented choices):
 * **Static batching** (``batching="static"``, for benchmarks): the same code with two
   rules changed — requests are admitted only when nothing is running, each reserving
   blocks for its worst case (prompt + max_tokens, capped at max_model_len) up front, so
-  a batch never preempts and admits nothing new until all of it finished.
+  a batch never preempts and admits nothing new until all of it finished. Children of
+  an ``n > 1`` group are not held there (each computes its own prompt, or hits the
+  prefix cache): holding them would split the batch.
 * **Stop conditions** (checked per sampled token, in this order): EOS (unless
   ``ignore_eos``) or a ``stop_token_ids`` member ends it as FINISHED_STOPPED, but only
   once ``num_output_tokens >= min_tokens``; then ``max_tokens`` or ``max_model_len``
@@ -155,13 +157,13 @@ class Scheduler:
         preempted: list[Request] = []
 
         # Phase 1: running requests. Decodes first, then unfinished prefill chunks.
-        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        order = sorted(self.running, key=lambda r: len(r.all_token_ids) - r.num_computed_tokens > 1)
         for req in order:
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = req.num_tokens - req.num_computed_tokens
+            num_new = len(req.all_token_ids) - req.num_computed_tokens
             if num_new > budget:
                 if not self.enable_chunked_prefill:
                     continue
@@ -265,6 +267,7 @@ class Scheduler:
                 of ``pagedllm.core.outputs``).
         """
         kv = self.kv_cache_manager
+        bs = self.block_size
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
         failed = model_runner_output.failed
         changed: list[Request] = []
@@ -273,15 +276,16 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or finished between schedule() and now
-            req.num_computed_tokens += num_tokens
+            num_computed = req.num_computed_tokens = req.num_computed_tokens + num_tokens
             if rid in failed:
                 self._finish(req, RequestStatus.FINISHED_ERROR, in_running=True)
                 changed.append(req)
                 any_finished = True
                 continue
-            kv.cache_blocks(req)
+            if num_computed // bs != (num_computed - num_tokens) // bs:  # a block filled: publish it
+                kv.cache_blocks(req)
             token_ids = sampled.get(rid)
-            is_complete = req.num_computed_tokens == req.num_tokens
+            is_complete = num_computed == len(req.all_token_ids)
             if not token_ids:
                 if is_complete:
                     raise ValueError(f"request {rid!r} computed all {req.num_tokens} tokens but the runner "
@@ -423,7 +427,8 @@ class Scheduler:
     def _check_stop(self, req: Request, token_id: int) -> bool:
         """Set the finished status and stop_reason if ``token_id`` ends ``req``."""
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
+        num_output = len(req.output_token_ids)
+        if num_output >= params.min_tokens:
             if token_id == req.eos_token_id and not params.ignore_eos:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
@@ -431,7 +436,7 @@ class Scheduler:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token_id
                 return True
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_output >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
