@@ -346,6 +346,12 @@ class Scheduler:
         """Whether the runner still has state to drop (sent with the next schedule())."""
         return bool(self._finished_req_ids)
 
+    def reset_runner_state(self) -> None:
+        """Declare that the model runner dropped its per-request state (e.g. after an
+        exception inside a step): every request scheduled from now on is sent in full
+        (``NewRequestData`` with its whole block table and ``num_computed_tokens``)."""
+        self._known_to_runner.clear()
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block hash; only possible while no block is in use."""
         return self.kv_cache_manager.reset_prefix_cache()

@@ -221,6 +221,17 @@ def test_failed_request_ends_with_error_others_continue():
     assert changed[1].num_output_tokens == 3 and s.kv_cache_manager.num_used_blocks == 0
 
 
+def test_reset_runner_state_resends_everything_in_full():
+    s = Scheduler(make_config(), num_kv_blocks=12)
+    s.add_request(make_request("a", list(range(1, 6)), max_tokens=5))
+    s.update_from_output(s.schedule(), _out(("a", 9)))
+    s.reset_runner_state()  # the runner lost its state
+    so = s.schedule()
+    (new,) = so.scheduled_new_reqs
+    assert (new.token_ids, new.block_ids, new.num_computed_tokens) == ([1, 2, 3, 4, 5, 9], [0, 1], 5)
+    assert so.scheduled_cached_reqs == []
+
+
 def test_finish_requests_for_stop_strings():
     s, req = _one_request(max_tokens=10)
     _feed(s, [9])
