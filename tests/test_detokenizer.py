@@ -2,8 +2,9 @@
 
 The detokenizer is driven with scripted token sequences ("M_script": no model) and the
 real SmolLM2 tokenizer from its GGUF (loaded as the engine loads it), plus a small
-in-memory SentencePiece-style tokenizer for the decoders byte-level BPE lacks. The reference is always the tokenizer's own
-``decode`` of the delivered ids, and plain ``str.find`` on that text for stop strings.
+in-memory SentencePiece-style tokenizer for the decoders byte-level BPE lacks. The
+reference is always the tokenizer's own ``decode`` of the delivered ids, and plain
+``str.find`` on that text for stop strings.
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ def test_text_buffer_stays_short():
     for i in range(20_000):
         buffer.append("x" if i % 2 else "yz")
     assert len(buffer) == 30_000 and buffer.tail(3) == "yzx"
-    assert len(buffer._chunks) <= 20_000 // _TextBuffer._MERGE_GROUP + 2 * _TextBuffer._MERGE_GROUP
+    assert len(buffer._recent) < _TextBuffer._SEAL_CHARS
+    assert len(buffer._sealed) <= 30_000 // _TextBuffer._SEAL_CHARS
 
 
 # ---- C25: special tokens and the stop token ------------------------------------------

@@ -115,6 +115,7 @@ class IncrementalDetokenizer:
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         # Proper prefixes of stop strings: a text suffix equal to one may still become a match.
         self._stop_prefixes = {s[:k] for s in self._stop for k in range(1, len(s))}
+        self._stop_first_chars = {s[0] for s in self._stop}
         self._hold_back = bool(self._stop) and not params.include_stop_str_in_output
 
     # ---- per step --------------------------------------------------------------------
@@ -260,9 +261,9 @@ class IncrementalDetokenizer:
         if not self._hold_back:
             return 0
         text = self._text.tail(self._max_stop_len - 1)
-        for k in range(len(text), 0, -1):
-            if text[-k:] in self._stop_prefixes:
-                return k
+        for start, char in enumerate(text):  # longest suffix first
+            if char in self._stop_first_chars and text[start:] in self._stop_prefixes:
+                return len(text) - start
         return 0
 
 
@@ -270,42 +271,39 @@ class _TextBuffer:
     """Append-only text with O(k) access to (and truncation within) its last k characters.
 
     ``str +=`` on an attribute copies the whole string, which would make each step
-    O(text length). Appends go to a list of chunks instead. Once ``2 * _MERGE_GROUP``
-    chunks follow the sealed ones, the oldest ``_MERGE_GROUP`` of them are joined into one
-    sealed chunk that is never joined again, so the list stays short (length / group) and
-    each append is amortized O(1).
+    O(text length). Appends go to a short ``_recent`` string instead; once it reaches
+    ``_SEAL_CHARS`` it moves, unchanged, to a list of sealed chunks. Each append copies at
+    most ``_SEAL_CHARS`` characters, and the last k characters are usually one slice.
     """
 
-    _MERGE_GROUP = 64
+    _SEAL_CHARS = 256
 
     def __init__(self) -> None:
-        self._chunks: list[str] = []
-        self._num_sealed = 0
-        self._len = 0
+        self._sealed: list[str] = []
+        self._sealed_len = 0
+        self._recent = ""
 
     def __len__(self) -> int:
-        return self._len
+        return self._sealed_len + len(self._recent)
 
     def __str__(self) -> str:
-        if len(self._chunks) > 1:  # O(length), once per change; repeated reads are free
-            self._chunks = ["".join(self._chunks)]
-            self._num_sealed = 1
-        return self._chunks[0] if self._chunks else ""
+        if len(self._sealed) > 1:  # O(length) once; repeated reads then cost O(recent)
+            self._sealed = ["".join(self._sealed)]
+        return (self._sealed[0] if self._sealed else "") + self._recent
 
     def append(self, text: str) -> None:
-        if not text:
-            return
-        self._chunks.append(text)
-        self._len += len(text)
-        first, group = self._num_sealed, self._MERGE_GROUP
-        if len(self._chunks) - first >= 2 * group:
-            self._chunks[first:first + group] = ["".join(self._chunks[first:first + group])]
-            self._num_sealed += 1
+        self._recent += text
+        if len(self._recent) >= self._SEAL_CHARS:
+            self._sealed.append(self._recent)
+            self._sealed_len += len(self._recent)
+            self._recent = ""
 
     def tail(self, num_chars: int) -> str:
         """The last ``num_chars`` characters (all of them if fewer), in O(num_chars)."""
-        parts, need = [], min(num_chars, self._len)
-        for chunk in reversed(self._chunks):
+        if num_chars <= len(self._recent):
+            return self._recent[len(self._recent) - num_chars:] if num_chars > 0 else ""
+        parts, need = [self._recent], num_chars - len(self._recent)
+        for chunk in reversed(self._sealed):
             if need <= 0:
                 break
             parts.append(chunk[-need:] if len(chunk) > need else chunk)
@@ -314,12 +312,10 @@ class _TextBuffer:
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` characters (done once, at a stop-string match)."""
-        while self._chunks and self._len - len(self._chunks[-1]) >= length:
-            self._len -= len(self._chunks.pop())
-        if self._len > length:
-            self._chunks[-1] = self._chunks[-1][:len(self._chunks[-1]) - (self._len - length)]
-            self._len = length
-        self._num_sealed = min(self._num_sealed, len(self._chunks))
+        while self._sealed and self._sealed_len > length:
+            self._recent = self._sealed.pop()
+            self._sealed_len -= len(self._recent)
+        self._recent = self._recent[:max(0, length - self._sealed_len)]
 
 
 # ---- per-tokenizer token facts (for logprobs) ------------------------------------------
