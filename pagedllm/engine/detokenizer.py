@@ -43,10 +43,13 @@ Contract (what the tests pin):
   strings are excluded from the output), and releases it once it can no longer become
   one. Concatenating every delta gives the final ``output_text``, always.
 
-Cost per step is O(new tokens): only a short window of recent ids is decoded (one
-``decode`` call per new token, of at most about ``_MAX_WINDOW_TOKENS`` ids; the window
-restarts at the last character boundary), plus O(L²) character compares for stop strings
-of length at most L.
+Cost per step is O(new tokens), independent of the text length: one ``decode`` call per
+new token over a window of recent ids (at most ``_MAX_WINDOW_TOKENS`` + 1 ids, except
+while no token boundary falls on a character boundary, e.g. a run of CJK characters cut
+mid-character at every token: the window restarts only at a boundary), plus O(L) work
+for stop strings of length at most L. The text lives in a buffer whose appends and tail
+reads never copy the whole text; only reading ``output_text`` (cumulative mode, the final
+output) joins it.
 
 Algorithm: the prefix/read-offset scheme of vLLM's ``detokenize_incrementally``
 (vllm/transformers_utils/detokenizer_utils.py), itself from Hugging Face TGI's
@@ -64,7 +67,7 @@ from pagedllm.sampling_params import SamplingParams
 
 _REPLACEMENT_CHAR = "\ufffd"
 # Above this many ids the decode window restarts at the last character boundary. It only
-# bounds the cost per token; any value >= 2 gives the same text.
+# bounds the cost per token; it does not change the text.
 _MAX_WINDOW_TOKENS = 8
 
 
