@@ -11,13 +11,16 @@ Times ``SamplingMetadata.build`` (host-side batching of the parameters) and ``Sa
 - ``logprobs``: the ``random`` mix with ``logprobs=5`` on every row.
 
 Logits are synthetic but shaped like a language model's: each row is Zipfian
-(``logit = -zipf_s * ln(rank)``, randomly permuted over the vocabulary), so nucleus sizes
-resemble real next-token distributions (``--zipf-s`` makes them flatter or sharper).
+(``logit = -zipf_s * ln(rank)``, randomly permuted over the vocabulary); s = 1.2 is
+flatter than SmolLM2 usually is (its 0.95-nucleus at temperature 1 has a median of ~120
+tokens, this one ~8,000), so top-p costs are pessimistic. ``--real-logits`` uses
+SmolLM2-135M's own next-token logits on fixed prompts instead.
 The reference is one decode step's weight matmuls of SmolLM2-135M at the same batch
 (``roofline.MatmulStack``, float32): a lower bound on the forward pass, so the reported
 fraction is an upper bound on the sampler's share of a step.
 
-    python benchmarks/sampler_overhead.py            # ~20 s
+    python benchmarks/sampler_overhead.py                 # ~20 s
+    python benchmarks/sampler_overhead.py --real-logits   # + ~40 s to load the model
     python benchmarks/sampler_overhead.py --batch 8 --zipf-s 1.5
 """
 
@@ -48,6 +51,38 @@ def zipf_logits(batch: int, vocab: int, s: float, gen: torch.Generator) -> torch
     return base[perm] + 0.01 * torch.randn(batch, vocab, generator=gen)
 
 
+PROMPTS = [
+    "The capital of France is Paris. It is known for the Eiffel Tower, the Louvre and its cafes, and",
+    "Once upon a time, there was a little fox who lived at the edge of a great forest. Every morning she",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\ndef main():\n",
+    "I think the best way to learn a new language is to practise every day, read books you enjoy and",
+    "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_start|>assistant\nThe waves",
+    "Here are some ideas for a quick dinner: pasta with tomato sauce, a vegetable stir-fry, or",
+    "The results of the experiment show that the new method reduces the error rate by almost half, which",
+    "My favourite colour is green because it reminds me of the countryside where I grew up, and",
+]
+
+
+def smollm2_logits(batch: int) -> torch.Tensor:
+    """float32 [batch, 49152]: SmolLM2-135M's next-token logits at the last positions of PROMPTS.
+
+    Teacher-forced (one forward pass per prompt), so every row is a real next-token
+    distribution; loading the model takes ~40 s on a busy 2-core machine.
+    """
+    from throughput import default_gguf
+    from pagedllm.loader import load_model_files
+    gguf = default_gguf()
+    model, _ = common.load_hf_model(gguf)
+    tok = load_model_files(gguf).tokenizer
+    per_prompt = -(-batch // len(PROMPTS))
+    rows = []
+    with torch.no_grad():
+        for text in PROMPTS:
+            ids = torch.tensor([tok.encode(text)])
+            rows.append(model(ids).logits[0, -per_prompt:].float())
+    return torch.cat(rows)[:batch].contiguous()
+
+
 def scenario_params(name: str, batch: int) -> list[SamplingParams]:
     """The SamplingParams of each row of one scenario (see the module docstring)."""
     if name == "greedy":
@@ -61,13 +96,13 @@ def scenario_params(name: str, batch: int) -> list[SamplingParams]:
     return [SamplingParams(**mix[i % 4], seed=(i if i % 2 else None), **extra) for i in range(batch)]
 
 
-def time_scenario(name: str, batch: int, vocab: int, zipf_s: float, repeats: int) -> dict:
-    """Best-of-``repeats`` milliseconds of build and of the sampler for one scenario."""
+def time_scenario(name: str, logits: torch.Tensor, repeats: int) -> dict:
+    """Best-of-``repeats`` milliseconds of build and of the sampler for one scenario on ``logits`` [B, V]."""
+    batch, vocab = logits.shape
     gen = torch.Generator().manual_seed(0)
     params = scenario_params(name, batch)
     prompts = [torch.randint(17, vocab, (256,), generator=gen).tolist() for _ in range(batch)]
     outputs = [torch.randint(17, vocab, (128,), generator=gen).tolist() for _ in range(batch)]
-    logits = zipf_logits(batch, vocab, zipf_s, gen)
     sampler = Sampler()
     build_ms, sample_ms = [], []
     for r in range(repeats + 1):  # the first round is the warm-up
@@ -91,6 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=common.SMOLLM2_VOCAB_SIZE)
     ap.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent of the synthetic logits")
+    ap.add_argument("--real-logits", action="store_true",
+                    help="use SmolLM2-135M's next-token logits on fixed prompts instead (loads the model)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/sampler_overhead.json)")
@@ -99,18 +136,23 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    scenarios = {name: time_scenario(name, args.batch, args.vocab, args.zipf_s, args.repeats)
+    if args.real_logits:
+        logits, source = smollm2_logits(args.batch), "smollm2-135m next-token logits"
+    else:
+        logits = zipf_logits(args.batch, args.vocab, args.zipf_s, torch.Generator().manual_seed(0))
+        source = f"zipf s={args.zipf_s}"
+    scenarios = {name: time_scenario(name, logits, args.repeats)
                  for name in ("greedy", "random", "penalties", "logprobs")}
     stack = roofline.MatmulStack(roofline.ModelShape(), torch.float32)
     forward_ms = roofline._time(lambda: stack.step(args.batch), min_time_s=1.0, warmup=1) * 1e3
     for rec in scenarios.values():
         rec["fraction_of_matmuls"] = round(rec["total_ms"] / forward_ms, 4)
 
-    record = {"batch": args.batch, "vocab": args.vocab, "zipf_s": args.zipf_s, "repeats": args.repeats,
+    record = {"batch": args.batch, "vocab": logits.shape[1], "logits": source, "repeats": args.repeats,
               "reference_matmul_step_ms": round(forward_ms, 3), "scenarios": scenarios}
     path = common.write_result("sampler_overhead", record, args.out)
     line = ", ".join(f"{k} {v['total_ms']:.1f} ms ({100 * v['fraction_of_matmuls']:.0f}%)" for k, v in scenarios.items())
-    print(f"sampler_overhead batch={args.batch} vocab={args.vocab}: {line} of a {forward_ms:.1f} ms "
+    print(f"sampler_overhead batch={args.batch} vocab={logits.shape[1]} ({source}): {line} of a {forward_ms:.1f} ms "
           f"decode-step matmul stack -> {path.relative_to(common.REPO_ROOT)}")
     return record
 

@@ -454,3 +454,14 @@ def test_seeded_top_p_row_unaffected_by_neighbour_that_widens_candidates():
             nucleus = apply_top_k_top_p(peaked.clone(), None, torch.tensor([0.9]))
             if torch.isfinite(nucleus[0, full_path.sampled_token_ids[0]]):
                 assert full_path.sampled_token_ids[0] == alone
+
+
+def test_logprobs_temperature_convention_for_greedy_rows(logits):
+    """top_k=1 at T=2 is greedy but reports logprobs at T=2; T=0 reports them at T=1."""
+    params = [SamplingParams(temperature=2.0, top_k=1, logprobs=2), SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=1e-7, logprobs=2)]
+    out = sample(logits[:3], params)
+    assert torch.equal(out.sampled_token_ids, logits[:3].argmax(-1))
+    torch.testing.assert_close(out.logprobs.topk_logprobs[0], torch.log_softmax(logits[0] / 2, -1).topk(2).values)
+    for i in (1, 2):
+        torch.testing.assert_close(out.logprobs.topk_logprobs[i], torch.log_softmax(logits[i], -1).topk(2).values)

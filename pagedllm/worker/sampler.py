@@ -14,13 +14,13 @@ Pipeline for logits ``[N, V]`` (one row per request sampling this step), in this
    "Parameter details": ``logit -= count * frequency_penalty + (count > 0) *
    presence_penalty``) on output tokens only.
 6. Greedy rows: argmax of these processed logits.
-7. Temperature: random rows' logits are divided by their temperature (greedy rows hold
-   temperature 1 and are never divided; temperatures below ``SAMPLING_EPS`` are greedy, so
-   no row overflows to inf/NaN).
+7. Temperature: logits are divided by the request's temperature (after the greedy
+   argmax; temperatures below ``SAMPLING_EPS`` are greedy and divide by 1, so no row
+   overflows to inf/NaN and no greedy row is divided by a placeholder).
 8. Logprobs (when any row asks): ``log_softmax`` of the logits at this point, i.e. the
    model distribution *after penalties, masks, bias and temperature, before top-k/top-p/
-   min-p truncation* (issue 4: "after temperature and penalties"; greedy rows are at
-   temperature 1). Masked tokens (-inf) are reported as ``LOGPROB_FLOOR`` so JSON never
+   min-p truncation* (issue 4: "after temperature and penalties"; temperature-0 rows are
+   at temperature 1). Masked tokens (-inf) are reported as ``LOGPROB_FLOOR`` so JSON never
    sees -inf.
 9. Top-k (keep tokens whose logit is >= the k-th largest), then top-p (nucleus sampling,
    Holtzman et al. 2019, "The Curious Case of Neural Text Degeneration": the smallest set
@@ -35,7 +35,9 @@ Pipeline for logits ``[N, V]`` (one row per request sampling this step), in this
 
 Top-k and top-p never sort the vocabulary: rows with top-k rank only their top
 ``max(top_k)`` logits; rows with top-p but no top-k rank the top ``m`` with ``m`` = 256,
-growing ×8 until the top ``m`` tokens hold each row's nucleus (one host sync per try).
+growing ×8 for the rows whose top ``m`` tokens do not yet hold their nucleus (one host
+sync per width tried; with SmolLM2 at temperature 1 and top_p 0.95 the median nucleus
+is ~120 tokens, the largest seen ~4,700).
 Those rows are then sampled among their candidates only; rows with neither are sampled
 over the vocabulary.
 """
@@ -144,7 +146,7 @@ class Sampler(torch.nn.Module):
             apply_penalties(logits, metadata)
 
         greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)
-        if not metadata.all_greedy:
+        if not metadata.no_temperature:
             logits.div_(metadata.temperature.unsqueeze(1))
         logprobs = None
         if metadata.max_num_logprobs is not None:
@@ -169,17 +171,20 @@ class Sampler(torch.nn.Module):
         """
         N, V = logits.shape
         sampled = torch.zeros(N, dtype=torch.int64, device=logits.device)
-        for rows, has_k_bound in ((md.top_k_rows, True), (md.top_p_only_rows, False)):
-            if rows:
-                idx = _row_index(rows, logits.device)
-                vals, token_ids = top_k_top_p_candidates(
-                    logits.index_select(0, idx), _rows_or_default(md.top_k, idx, V),
-                    _rows_or_default(md.top_p, idx, 1.0), has_k_bound)
+        for rows, bounded in ((md.top_k_rows, True), (md.top_p_only_rows, False)):
+            if not rows:
+                continue
+            idx = _row_index(rows, logits.device)
+            top_k = _rows_or_default(md.top_k, idx, V) if bounded else None
+            x = logits if len(rows) == N else logits.index_select(0, idx)
+            chunks = top_k_top_p_candidates(x, top_k, _rows_or_default(md.top_p, idx, 1.0))
+            for local, vals, token_ids in chunks:
+                chunk_idx = idx.index_select(0, local)
                 if not md.no_min_p:
-                    apply_min_p(vals, md.min_p.index_select(0, idx))
-                pos = exponential_race(torch.softmax(vals, dim=-1), _local_generators(md, rows),
-                                       token_ids=token_ids, vocab_size=V)
-                sampled.index_copy_(0, idx, token_ids.gather(1, pos.unsqueeze(1)).squeeze(1))
+                    apply_min_p(vals, md.min_p.index_select(0, chunk_idx))
+                gens = _local_generators(md, [rows[j] for j in local.tolist()])
+                pos = exponential_race(torch.softmax(vals, dim=-1), gens, token_ids=token_ids, vocab_size=V)
+                sampled.index_copy_(0, chunk_idx, token_ids.gather(1, pos.unsqueeze(1)).squeeze(1))
         rows = md.untruncated_rows
         if rows:
             full = len(rows) == N
@@ -237,20 +242,21 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
     logits.sub_(metadata.presence_penalties.unsqueeze(1) * (counts > 0))
 
 
-def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                           has_k_bound: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
+                           ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The sorted candidates that top-k and then top-p keep, without sorting the vocabulary.
 
     Args:
         logits: float32 [R, V] (after temperature).
-        top_k: int64 [R], V meaning off.
+        top_k: int64 [R] with every entry < V (only the top ``max(top_k)`` logits are
+            ranked), or None for rows with top-p and no top-k: their candidate width starts
+            at 256 and grows ×8, a row leaving as soon as its top ``width`` tokens hold its
+            nucleus (one host sync per width tried).
         top_p: float32 [R] in (0, 1], 1 meaning off.
-        has_k_bound: every row has top_k < V (then only the top max(top_k) logits are
-            ranked); otherwise the candidate width starts at 256 and grows ×8 until the top
-            ``width`` tokens hold every row's nucleus (one host sync per try).
 
     Returns:
-        (vals float32 [R, m], token_ids int64 [R, m]): the top m logits of each row in
+        Chunks ``(rows int64 [r], vals float32 [r, m], token_ids int64 [r, m])`` covering
+        every row once: for those rows (indices into ``logits``), the top m logits in
         descending order with the excluded ones set to -inf, and their token ids.
 
     Top-k keeps every token whose logit is >= the row's k-th largest. Top-p keeps sorted
@@ -258,25 +264,40 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     is < p: the smallest nucleus reaching p (Holtzman et al. 2019), and always the top
     token, so a tiny p is greedy.
     """
-    V = logits.shape[-1]
-    if has_k_bound:
-        width = int(top_k.max())
-    else:
-        width = min(V, max(_TOP_P_FIRST_WIDTH, int(torch.where(top_k < V, top_k, 1).max())))
-        log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)
-    while True:
-        vals, token_ids = logits.topk(width, dim=-1, sorted=True)  # (R, width), descending
-        kth = vals.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1))
-        vals = vals.masked_fill(vals < kth, float("-inf"))
-        if has_k_bound:  # renormalize over the top-k survivors, all inside the width
-            log_norm = torch.logsumexp(vals, dim=-1, keepdim=True)
-        probs = (vals - log_norm).exp()
-        cum = probs.cumsum(dim=-1)
-        if not has_k_bound and width < V and not bool((cum[:, -1] >= top_p).all()):
-            width = min(V, width * 8)
-            continue
-        drop = (cum - probs >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-        return vals.masked_fill(drop, float("-inf")), token_ids
+    R, V = logits.shape
+    rows = torch.arange(R, device=logits.device)
+    if top_k is not None:
+        vals, token_ids = logits.topk(int(top_k.max()), dim=-1, sorted=True)  # (R, max_k), descending
+        vals = vals.masked_fill(vals < vals.gather(1, (top_k - 1).unsqueeze(1)), float("-inf"))
+        log_norm = torch.logsumexp(vals, dim=-1, keepdim=True)  # renormalized over the top-k survivors
+        return [(rows, _drop_outside_nucleus(vals, log_norm, top_p), token_ids)]
+    log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chunks, width = [], min(V, _TOP_P_FIRST_WIDTH)
+    while rows.numel():
+        x = logits if rows.numel() == R else logits.index_select(0, rows)
+        p, norm = top_p.index_select(0, rows), log_norm.index_select(0, rows)
+        vals, token_ids = x.topk(width, dim=-1, sorted=True)
+        if width == V:
+            covered = torch.ones_like(p, dtype=torch.bool)
+        else:  # the top `width` tokens hold the nucleus when their mass reaches p
+            covered = (vals - norm).exp().sum(dim=-1) >= p
+        if bool(covered.all()):
+            chunks.append((rows, _drop_outside_nucleus(vals, norm, p), token_ids))
+            break
+        if bool(covered.any()):
+            c = covered.nonzero().squeeze(1)
+            chunks.append((rows.index_select(0, c), _drop_outside_nucleus(vals.index_select(0, c), norm.index_select(0, c),
+                                                                          p.index_select(0, c)), token_ids.index_select(0, c)))
+        rows, width = rows[~covered], min(V, width * 8)
+    return chunks
+
+
+def _drop_outside_nucleus(vals: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Sorted logits [r, m] with tokens outside each row's top-p nucleus set to -inf (p = 1: none)."""
+    probs = (vals - log_norm).exp()
+    before = probs.cumsum(dim=-1) - probs  # mass of the more likely candidates
+    drop = (before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    return vals.masked_fill(drop, float("-inf"))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -290,15 +311,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     k[(k <= 0) | (k > V)] = V
     p = torch.ones(N, device=logits.device) if top_p is None else top_p.float()
     out = logits.clone()
-    bounded, nucleus = (k < V).tolist(), ((k >= V) & (p < 1.0)).tolist()
-    for flags, has_k_bound in ((bounded, True), (nucleus, False)):
-        rows = [i for i, f in enumerate(flags) if f]
-        if rows:
-            idx = _row_index(rows, logits.device)
-            vals, ids = top_k_top_p_candidates(logits.index_select(0, idx), k.index_select(0, idx),
-                                               p.index_select(0, idx), has_k_bound)
-            full = torch.full((len(rows), V), float("-inf"), device=logits.device).scatter_(1, ids, vals)
-            out.index_copy_(0, idx, full)
+    for group in ((k < V), (k >= V) & (p < 1.0)):
+        idx = group.nonzero().squeeze(1)
+        if not idx.numel():
+            continue
+        bounded = bool((k.index_select(0, idx) < V).all())
+        chunks = top_k_top_p_candidates(logits.index_select(0, idx), k.index_select(0, idx) if bounded else None,
+                                        p.index_select(0, idx))
+        for local, vals, ids in chunks:
+            full = torch.full((local.numel(), V), float("-inf"), device=logits.device).scatter_(1, ids, vals)
+            out.index_copy_(0, idx.index_select(0, local), full)
     return out
 
 

@@ -9,9 +9,11 @@ the tensors (no device sync).
 
 Row conventions (chosen so that one batched pass treats every row alike):
 
-- A *greedy* row (``temperature < SAMPLING_EPS`` or ``top_k == 1``) gets
-  ``temperature = 1``, top-k off, ``top_p = 1`` and ``min_p = 0``: nothing divides its
-  logits and no truncation touches them; the sampler takes its argmax.
+- A *greedy* row (``temperature < SAMPLING_EPS`` or ``top_k == 1``) gets top-k off,
+  ``top_p = 1`` and ``min_p = 0`` (no truncation touches it) and, when its temperature
+  is below ``SAMPLING_EPS``, temperature 1 (so nothing overflows); the sampler takes the
+  argmax of its processed logits before any temperature division, which only shapes its
+  logprobs (a ``top_k=1, temperature=2`` row reports logprobs at temperature 2).
 - Top-k "off" (0, -1 or ``>= vocab_size``) is stored as ``vocab_size``.
 - Token-level masks and biases are stored sparsely as (row, token) index pairs; only the
   repetition/frequency/presence penalties need dense ``[N, V]`` tensors, built only when
@@ -36,7 +38,8 @@ class SamplingMetadata:
     """Batched sampling parameters for N rows over a vocabulary of V tokens.
 
     Tensors (all on the logits' device):
-        temperature: float32 [N] — divisor of the logits of random rows; 1.0 for greedy rows.
+        temperature: float32 [N] — divisor of the logits (after the greedy argmax): the
+            request's temperature, or 1.0 when it is below ``SAMPLING_EPS`` (greedy).
         is_greedy: bool [N] — the row takes the argmax of its processed logits.
         top_k: int64 [N] or None — tokens kept per row; ``V`` where off. None when no row uses top-k.
         top_p: float32 [N] or None — nucleus mass in (0, 1]; 1.0 where off. None when unused.
@@ -72,6 +75,7 @@ class SamplingMetadata:
     is_greedy: torch.Tensor
     all_greedy: bool
     all_random: bool
+    no_temperature: bool  # every row's temperature is 1.0: skip the division
     top_k: torch.Tensor | None
     top_p: torch.Tensor | None
     min_p: torch.Tensor | None
@@ -160,7 +164,8 @@ class SamplingMetadata:
         def f32(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
-        temperature = f32([1.0 if g else float(p.temperature) for p, g in zip(params, greedy)])
+        temps = [1.0 if p.temperature < SAMPLING_EPS else float(p.temperature) for p in params]
+        temperature = f32(temps)
         is_greedy = torch.tensor(greedy, dtype=torch.bool, device=device)
 
         top_k = top_p = min_p = None
@@ -191,6 +196,7 @@ class SamplingMetadata:
 
         return cls(
             temperature=temperature, is_greedy=is_greedy, all_greedy=all_greedy, all_random=all_random,
+            no_temperature=all(t == 1.0 for t in temps),
             top_k=top_k, top_p=top_p, min_p=min_p, generators=gens, max_num_logprobs=max_num_logprobs,
             no_penalties=pen is None,
             presence_penalties=pen[0] if pen else None, frequency_penalties=pen[1] if pen else None,
