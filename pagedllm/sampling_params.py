@@ -14,8 +14,10 @@ Conventions (documented choices where engines differ):
 - ``presence_penalty`` / ``frequency_penalty`` count *output* tokens only (OpenAI);
   ``repetition_penalty`` covers prompt + output tokens, applied once per distinct token
   (CTRL paper, Keskar et al. 2019; as in HF transformers and vLLM).
-- ``logprobs`` are the log-softmax of the *processed* logits (after penalties,
-  temperature... see the sampler's docstring for the exact point in the pipeline).
+- ``logprobs`` are the log-softmax of the *processed* logits: after allowed_token_ids,
+  bad_words, min_tokens masks, logit_bias, penalties and temperature (1 for temperature
+  0), before top-k/top-p/min-p truncation; excluded tokens report a finite floor
+  (-9999.0), never -inf. ``prompt_logprobs`` are the raw model distribution.
 - ``max_tokens=None`` means "up to max_model_len".
 - ``min_tokens`` counts delivered output tokens; EOS and ``stop_token_ids`` are masked
   and stop strings are not matched until it is reached.
