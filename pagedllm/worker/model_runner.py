@@ -285,19 +285,19 @@ class ModelRunner:
 
     def _prepare_inputs(self, b: _StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
         """Vectorized: flat token ids, positions, slot mapping and attention metadata."""
-        total = int(b.num_sched.sum())
+        total = int(b.num_scheduled.sum())
         cu = np.zeros(len(b.req_ids) + 1, dtype=np.int64)
-        np.cumsum(b.num_sched, out=cu[1:])
-        req_idx = np.repeat(np.arange(len(b.req_ids)), b.num_sched)  # [T] batch index of each token
+        np.cumsum(b.num_scheduled, out=cu[1:])
+        req_idx = np.repeat(np.arange(len(b.req_ids)), b.num_scheduled)  # [T] batch index of each token
         positions = np.arange(total, dtype=np.int64) - cu[req_idx] + b.num_computed[req_idx]
         rows = b.rows[req_idx]
         input_ids = self.token_buf[rows, positions]
         block_ids = self.block_table_buf[rows, positions // self.block_size]
         slot_mapping = block_ids * self.block_size + positions % self.block_size
-        seq_lens = b.num_computed + b.num_sched
+        seq_lens = b.num_computed + b.num_scheduled
         max_blocks = int(-(-seq_lens.max() // self.block_size))
         block_tables = self.block_table_buf[b.rows, :max_blocks]
-        num_decodes = int((b.num_sched == 1).sum())
+        num_decodes = int((b.num_scheduled == 1).sum())
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
@@ -305,7 +305,7 @@ class ModelRunner:
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
             block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
             num_decodes=num_decodes, num_decode_tokens=num_decodes,
-            max_query_len=int(b.num_sched.max()), max_seq_len=int(seq_lens.max()),
+            max_query_len=int(b.num_scheduled.max()), max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=cu.tolist(), seq_lens_cpu=seq_lens.tolist())
         return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta, cu)
 
@@ -379,7 +379,7 @@ class ModelRunner:
 
         for i in b.prompt_logprob_reqs:
             s = self.requests[b.req_ids[i]]
-            start, n = int(b.num_computed[i]), int(b.num_sched[i])
+            start, n = int(b.num_computed[i]), int(b.num_scheduled[i])
             num_prompt = len(s.prompt_token_ids)
             entries: list = [None] if start == 0 else []
             # hidden row of position p predicts token p + 1; keep targets inside the prompt
