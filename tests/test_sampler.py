@@ -465,3 +465,18 @@ def test_logprobs_temperature_convention_for_greedy_rows(logits):
     torch.testing.assert_close(out.logprobs.topk_logprobs[0], torch.log_softmax(logits[0] / 2, -1).topk(2).values)
     for i in (1, 2):
         torch.testing.assert_close(out.logprobs.topk_logprobs[i], torch.log_softmax(logits[i], -1).topk(2).values)
+
+
+def test_greedy_row_with_penalties_unchanged_by_random_neighbours(logits):
+    """C13: a greedy request with penalties gives the same token alone and next to seeded samplers."""
+    target = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0)
+    top2 = logits[3].topk(2).indices.tolist()
+    prompt, output = [top2[0], 3], [top2[1]]  # penalize the two favourites
+    alone = sample(logits[3:4], [target], prompts=[prompt], outputs=[output]).sampled_token_ids[0].item()
+    assert alone not in top2
+    neighbours = [SamplingParams(temperature=1.0, seed=s, repetition_penalty=2.0, frequency_penalty=1.0, top_p=0.8)
+                  for s in range(7)]
+    out = sample(logits, neighbours[:3] + [target] + neighbours[3:],
+                 prompts=[[1, 2]] * 3 + [prompt] + [[1, 2]] * 4, outputs=[[4]] * 3 + [output] + [[5]] * 4,
+                 generators=[gen(s) for s in range(3)] + [None] + [gen(s) for s in range(3, 7)])
+    assert out.sampled_token_ids[3].item() == alone
