@@ -482,3 +482,59 @@ def test_greedy_row_with_penalties_unchanged_by_random_neighbours(logits):
                  prompts=[[1, 2]] * 3 + [prompt] + [[1, 2]] * 4, outputs=[[4]] * 3 + [output] + [[5]] * 4,
                  generators=[gen(s) for s in range(3)] + [None] + [gen(s) for s in range(3, 7)])
     assert out.sampled_token_ids[3].item() == alone
+
+
+# ------------------------------------------------------------------ property-based
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_V = 64
+_row_params = st.fixed_dictionaries({
+    "temperature": st.sampled_from([0.0, 1e-6, 0.3, 1.0, 1.7]),
+    "top_k": st.sampled_from([0, -1, 1, 5, _V, _V + 3]),
+    "top_p": st.sampled_from([1e-9, 0.3, 0.9, 1.0]),
+    "min_p": st.sampled_from([0.0, 0.1, 1.0]),
+    "repetition_penalty": st.sampled_from([1.0, 1.5]),
+    "presence_penalty": st.sampled_from([0.0, 1.0]),
+    "min_tokens": st.sampled_from([0, 5]),
+    "seed": st.one_of(st.none(), st.integers(0, 1000)),
+    "allowed": st.one_of(st.none(), st.lists(st.integers(0, _V - 1), min_size=2, max_size=6, unique=True)),
+    "logprobs": st.one_of(st.none(), st.integers(0, 4)),
+})
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.lists(_row_params, min_size=1, max_size=6), data_seed=st.integers(0, 2**16), perm_seed=st.integers(0, 99))
+def test_random_batches_valid_and_seeded_rows_batch_independent(rows, data_seed, perm_seed):
+    g = torch.Generator().manual_seed(data_seed)
+    logits = torch.randn(len(rows), _V, generator=g) * 3
+    logits[:, EOS] += 4.0
+    params = [SamplingParams(temperature=r["temperature"], top_k=r["top_k"], top_p=r["top_p"], min_p=r["min_p"],
+                             repetition_penalty=r["repetition_penalty"], presence_penalty=r["presence_penalty"],
+                             min_tokens=r["min_tokens"], seed=r["seed"], allowed_token_ids=r["allowed"],
+                             stop_token_ids=[7], logprobs=r["logprobs"]) for r in rows]
+    outputs = [[3, 4]] * len(rows)
+
+    def run(order):
+        gens = [gen(params[i].seed) if params[i].seed is not None else None for i in order]
+        out = sample(logits[order], [params[i] for i in order], prompts=[[5]] * len(order),
+                     outputs=[outputs[i] for i in order], generators=gens)
+        return {i: out.sampled_token_ids[j].item() for j, i in enumerate(order)}, out
+
+    ids, out = run(list(range(len(rows))))
+    for i, p in enumerate(params):
+        t = ids[i]
+        assert 0 <= t < _V
+        if p.allowed_token_ids is not None and not (p.min_tokens and set(p.allowed_token_ids) <= {EOS, 7}):
+            assert t in p.allowed_token_ids
+        if p.min_tokens > len(outputs[i]) and not (p.allowed_token_ids and set(p.allowed_token_ids) <= {EOS, 7}):
+            assert t not in (EOS, 7)
+    if out.logprobs is not None:
+        assert torch.isfinite(out.logprobs.topk_logprobs).all() and torch.isfinite(out.logprobs.sampled_logprobs).all()
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(perm_seed)).tolist()
+    permuted, _ = run(order)
+    for i, p in enumerate(params):
+        if p.seed is not None or p.is_greedy:
+            assert permuted[i] == ids[i]
+            alone, _ = run([i])
+            assert alone[i] == ids[i]
