@@ -45,6 +45,20 @@ def next_token(tokens: list[int]) -> int:
     return (tokens[-1] * 7 + len(tokens) * 3 + (tokens[-2] if len(tokens) > 1 else 0)) % 23 + 3
 
 
+def reference_output(prompt: list[int], max_tokens: int, max_model_len: int) -> list[int]:
+    """The scheduler's length rule: sample, then stop once max_tokens are out or the
+    sequence holds max_model_len tokens (a prompt of exactly max_model_len still gets
+    the one token its last logit gives; that token's K/V is never computed)."""
+    tokens = list(prompt)
+    out = []
+    while True:
+        tok = next_token(tokens)
+        tokens.append(tok)
+        out.append(tok)
+        if len(out) >= max_tokens or len(tokens) >= max_model_len:
+            return out
+
+
 @dataclass
 class _RunnerState:
     token_ids: list[int]

@@ -4,7 +4,6 @@ import pytest
 
 import pagedllm.core.kv_cache_manager as kvm
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.sampling_params import SamplingParams
 
 from core_helpers import make_request
 

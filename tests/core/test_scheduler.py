@@ -6,7 +6,7 @@ from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
 
-from core_helpers import EOS, FakeRunner, make_config, make_request, run_to_completion
+from core_helpers import EOS, FakeRunner, make_config, make_request, reference_output, run_to_completion
 
 
 def _out(*pairs):
@@ -263,6 +263,26 @@ def test_siblings_share_prompt_blocks_by_reference(caching):
     assert [k.num_cached_tokens for k in kids] == [0, 32, 32]
     run_to_completion(r)
     assert [k.output_token_ids for k in kids][0] == kids[1].output_token_ids  # same fake 'greedy' model
+    assert s.kv_cache_manager.num_used_blocks == 0
+
+
+def test_c09_group_with_early_finisher_survives_preemption():
+    s = Scheduler(make_config(max_model_len=32, max_num_batched_tokens=32), num_kv_blocks=9)
+    r = FakeRunner(s)
+    prompt = list(range(3, 15))  # 12 tokens = 3 blocks, shared by the 3 children
+    kids = [make_request(f"g-{i}", prompt, max_tokens=m, parent_id="g", arrival_time=1.0)
+            for i, m in enumerate((2, 14, 14))]
+    for k in kids:
+        s.add_request(k)
+    resumed = []
+    while s.has_unfinished_requests():
+        so, _ = r.step()
+        resumed += [n for n in so.scheduled_new_reqs if n.num_prompt_tokens != len(n.token_ids)]
+    assert s.num_preemptions > 0 and resumed, "the pool was meant to force a preemption"
+    assert all(n.num_prompt_tokens == 12 for n in resumed)  # output is never relabelled as prompt
+    for k in kids:
+        assert k.prompt_token_ids == prompt and k.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert k.output_token_ids == reference_output(prompt, k.max_tokens, 32)
     assert s.kv_cache_manager.num_used_blocks == 0
 
 

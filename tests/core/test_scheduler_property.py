@@ -19,26 +19,11 @@ from pagedllm.core.kv_cache_manager import cdiv
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
 
-from core_helpers import FakeRunner, make_config, make_request, next_token
-
-
-def reference_output(prompt: list[int], max_tokens: int, max_model_len: int) -> list[int]:
-    """The scheduler's length rule: sample, then stop once max_tokens are out or the
-    sequence holds max_model_len tokens (a prompt of exactly max_model_len still gets
-    the one token its last logit gives; that token's K/V is never computed)."""
-    tokens = list(prompt)
-    out = []
-    while True:
-        tok = next_token(tokens)
-        tokens.append(tok)
-        out.append(tok)
-        if len(out) >= max_tokens or len(tokens) >= max_model_len:
-            return out
+from core_helpers import FakeRunner, make_config, make_request, reference_output
 
 
 def check_prefix_index(s: Scheduler) -> None:
-    """Every hash entry is the hash of its block's stored parent and tokens; every block
-    shared by several tables is a published full block, unless shared by n > 1 siblings."""
+    """Every hash-index entry is the hash of its block's stored parent hash and tokens."""
     pool = s.kv_cache_manager.block_pool
     for h, block in pool.cached_block_hash_to_block.items():
         assert hash_block_tokens(block.parent_hash, block.token_ids) == h
