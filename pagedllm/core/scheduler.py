@@ -189,7 +189,6 @@ class Scheduler:
             budget -= num_new
 
         # Phase 2: waiting requests, in queue order, with their prefix hits.
-        admitted: list[Request] = []
         can_admit = not preempted and not (self.is_static and self.running)
         i = 0
         while can_admit and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -225,7 +224,6 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
             self.running.append(req)
-            admitted.append(req)
             num_scheduled[req.request_id] = num_new
             budget -= num_new
 
