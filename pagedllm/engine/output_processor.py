@@ -151,11 +151,10 @@ class OutputProcessor:
             seq.logprobs.append(self._convert_logprobs(seq, lp))
             seq.cumulative_logprob += lp.sampled_logprob
         status = req.status
-        ended_by_token = status == RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str)
-        text_ids = new_ids
-        if ended_by_token and new_ids and not req.sampling_params.include_stop_str_in_output:
-            text_ids = new_ids[:-1]  # the EOS / stop token that ended it is never part of the text
-        stop_str = seq.detokenizer.update(text_ids) if text_ids else None
+        # The EOS / stop token that ended a sequence is never part of its text.
+        ended_by_token = (status == RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str)
+                          and not req.sampling_params.include_stop_str_in_output)
+        stop_str = seq.detokenizer.update(new_ids, stop_terminated=ended_by_token) if new_ids else None
         if stop_str is not None and not status.is_finished:
             seq.finish_reason, seq.stop_reason = "stop", stop_str
             return True
