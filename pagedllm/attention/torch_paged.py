@@ -5,13 +5,13 @@ One call of :meth:`TorchPagedAttention.forward` does, for a flat ragged batch:
 1. **KV write.** The new tokens' keys and values go into the paged cache at
    ``slot_mapping`` (slot = block_id × block_size + offset), one ``index_copy_`` each.
 2. **Decode** (the first ``num_decodes`` requests, one query token each): batched with
-   no Python loop over requests. Each request's blocks are gathered through its block
+   no Python loop over requests (at most a loop over cache-sized groups of them, below). Each request's blocks are gathered through its block
    table up to the longest decode context (one ``index_select`` for K and V together, into
    a reusable workspace), keys past each request's ``seq_len`` are masked, and one
    ``scaled_dot_product_attention`` call computes all of them. Grouped-query attention is
    done by folding the ``num_heads // num_kv_heads`` query heads of a group into the
    query-length axis (``q: (B, num_kv_heads, group, head_dim)``), so K/V are never
-   repeated per query head — the single-query-token analogue of vLLM's GQA decode kernel.
+   repeated per query head (the grouping GQA-aware decode kernels use).
 3. **Prefill** (the remaining requests; few per step, so a Python loop is fine): causal
    within the request. A request whose earlier tokens are already cached (chunked prefill,
    prefix-cache hit) reads them from its blocks, with a bottom-right-aligned causal mask.
@@ -19,20 +19,24 @@ One call of :meth:`TorchPagedAttention.forward` does, for a flat ragged batch:
 The algorithm is PagedAttention (Kwon et al., SOSP 2023, "Efficient Memory Management for
 Large Language Model Serving with PagedAttention"), expressed with gathers + SDPA.
 
-Decode cost on CPU is dominated by the gather (it copies every context token's K/V once);
-the workspace avoids re-faulting fresh pages for that copy on every layer, and very large
-decode batches are processed in groups so the workspace stays bounded
-(``max_workspace_bytes``).
+Decode cost on CPU is dominated by moving K/V: the gather copies every context token's
+K/V once and SDPA reads the copy. Decodes are therefore processed in groups whose gathered
+K/V fit in a few MiB (still in cache when SDPA reads them), in a reusable workspace (no
+fresh pages faulted in per layer); the per-step block tables and key mask are built once
+and shared by all layers.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionMetadata
 
-_DEFAULT_MAX_WORKSPACE_BYTES = 64 * 1024**2
+_CPU_WORKSPACE_BYTES = 4 * 1024**2
+_CUDA_WORKSPACE_BYTES = 1024**3
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -78,14 +82,17 @@ class TorchPagedAttention:
 
     Args:
         max_workspace_bytes: cap on the decode gather buffer; decode batches needing more
-            are processed in groups of requests. Default 64 MiB.
+            are processed in groups of requests. Default (None): 4 MiB on CPU (the group's
+            K/V stay in cache between the gather and SDPA; measured faster than one big
+            gather at batch 64, context 300), 1 GiB on CUDA.
     """
 
-    def __init__(self, max_workspace_bytes: int = _DEFAULT_MAX_WORKSPACE_BYTES) -> None:
-        if max_workspace_bytes <= 0:
+    def __init__(self, max_workspace_bytes: int | None = None) -> None:
+        if max_workspace_bytes is not None and max_workspace_bytes <= 0:
             raise ValueError(f"max_workspace_bytes must be positive, got {max_workspace_bytes}")
         self.max_workspace_bytes = max_workspace_bytes
         self._workspace: torch.Tensor | None = None
+        self._plan: _DecodePlan | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -109,7 +116,7 @@ class TorchPagedAttention:
         output = torch.empty_like(query)
         num_decodes = metadata.num_decodes
         if num_decodes > 0:
-            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, scale)
+            self._decode(query[:num_decodes], kv_cache, metadata, scale, output[:num_decodes])
         qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
         for b in range(num_decodes, metadata.num_reqs):
             start, end = qsl[b], qsl[b + 1]
@@ -122,25 +129,33 @@ class TorchPagedAttention:
     # -- decode ----------------------------------------------------------------------------
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """Attention of the decode requests. query: (D, num_heads, head_dim) -> same shape."""
+                scale: float, out: torch.Tensor) -> None:
+        """Attention of the decode requests into ``out``. query, out: (D, num_heads, head_dim)."""
         num_decodes = query.shape[0]
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        max_seq_len = max(metadata.seq_lens_cpu[:num_decodes])
-        num_blocks = -(-max_seq_len // block_size)
-        bytes_per_req = 2 * num_blocks * block_size * num_kv_heads * head_dim * kv_cache.element_size()
-        group = max(1, min(num_decodes, self.max_workspace_bytes // bytes_per_req))
+        plan = self._decode_plan(metadata, block_size)
+        bytes_per_req = 2 * plan.max_len * num_kv_heads * head_dim * kv_cache.element_size()
+        cap = self.max_workspace_bytes or _default_workspace_bytes(kv_cache.device)
+        group = max(1, min(num_decodes, cap // bytes_per_req))
         workspace = self._get_workspace(group * bytes_per_req // kv_cache.element_size(), kv_cache)
-        block_tables = metadata.block_tables[:num_decodes, :num_blocks]
-        seq_lens = metadata.seq_lens[:num_decodes]
-        if group >= num_decodes:
-            return _decode_group(query, kv_cache, block_tables, seq_lens, scale, workspace)
-        outputs = [
-            _decode_group(query[i:i + group], kv_cache, block_tables[i:i + group], seq_lens[i:i + group],
-                          scale, workspace)
-            for i in range(0, num_decodes, group)
-        ]
-        return torch.cat(outputs)
+        for i in range(0, num_decodes, group):  # one iteration unless the batch outgrows the workspace
+            j = min(i + group, num_decodes)
+            out[i:j] = _decode_group(query[i:j], kv_cache, plan.block_tables[i:j], plan.mask[i:j], scale, workspace)
+
+    def _decode_plan(self, metadata: AttentionMetadata, block_size: int) -> "_DecodePlan":
+        """Block tables and key mask of the step's decodes, computed once and shared by every layer."""
+        plan = self._plan
+        if plan is not None and plan.metadata is metadata and plan.block_size == block_size:
+            return plan
+        num_decodes = metadata.num_decodes
+        num_blocks = -(-max(metadata.seq_lens_cpu[:num_decodes]) // block_size)
+        max_len = num_blocks * block_size
+        positions = torch.arange(max_len, device=metadata.seq_lens.device)
+        mask = positions < metadata.seq_lens[:num_decodes].unsqueeze(1)  # (D, max_len), True = attend
+        plan = _DecodePlan(metadata, block_size, max_len, metadata.block_tables[:num_decodes, :num_blocks],
+                           mask.view(num_decodes, 1, 1, max_len))
+        self._plan = plan
+        return plan
 
     def _get_workspace(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A flat buffer of at least ``numel`` elements of ``like``'s dtype and device (reused)."""
@@ -151,8 +166,25 @@ class TorchPagedAttention:
         return ws[:numel]
 
 
+@dataclass
+class _DecodePlan:
+    """Per-step decode inputs shared by all layers (keyed by the metadata object's identity)."""
+
+    metadata: AttentionMetadata
+    block_size: int
+    max_len: int  # tokens gathered per request: the longest decode context rounded up to blocks
+    block_tables: torch.Tensor  # (D, max_len // block_size) int32
+    mask: torch.Tensor  # (D, 1, 1, max_len) bool, True = attend
+
+
+def _default_workspace_bytes(device: torch.device) -> int:
+    """CPU: a few MiB, so each group's gathered K/V is still in cache when SDPA reads it.
+    CUDA: large (one group), bounded so a huge batch cannot allocate without limit."""
+    return _CPU_WORKSPACE_BYTES if device.type == "cpu" else _CUDA_WORKSPACE_BYTES
+
+
 def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                  seq_lens: torch.Tensor, scale: float, workspace: torch.Tensor) -> torch.Tensor:
+                  mask: torch.Tensor, scale: float, workspace: torch.Tensor) -> torch.Tensor:
     """Batched decode attention for D requests with one query token each.
 
     Args:
@@ -160,7 +192,7 @@ def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim).
         block_tables: (D, nb) int32 — every request's first nb blocks (padding entries are
             any valid block id; they are masked out).
-        seq_lens: (D,) int32 context lengths (including the token being decoded).
+        mask: (D, 1, 1, nb * block_size) bool, True for keys before each request's seq_len.
         workspace: at least 2 * D * nb * block_size * num_kv_heads * head_dim elements.
     Returns:
         (D, num_heads, head_dim).
@@ -176,8 +208,6 @@ def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     kv = kv.view(2, num_reqs, max_len, num_kv_heads, head_dim)
     keys = kv[0].transpose(1, 2).to(query.dtype)  # (D, num_kv_heads, max_len, head_dim), a view
     values = kv[1].transpose(1, 2).to(query.dtype)  # (D, num_kv_heads, max_len, head_dim), a view
-    positions = torch.arange(max_len, device=query.device)
-    mask = (positions < seq_lens.unsqueeze(1)).view(num_reqs, 1, 1, max_len)  # True = attend
     # Query head h reads KV head h // group_size: fold a group's heads into the query axis.
     q = query.view(num_reqs, num_kv_heads, group_size, head_dim)  # (D, num_kv_heads, group, head_dim)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
