@@ -240,7 +240,10 @@ class LLMEngine:
             return self.runner.execute_model(so)
         except Exception as e:  # noqa: BLE001
             logger.exception("step failed; failing its %d requests", len(so.num_scheduled_tokens))
-            self.runner.requests.clear()  # runner state may be half-updated: rebuilt from the scheduler
+            # Runner state may be half-updated: drop it all and have the scheduler resend
+            # every running request in full next step.
+            self.runner.reset_state()
+            self.scheduler.reset_runner_state()
             msg = f"{type(e).__name__}: {e}"
             return ModelRunnerOutput(failed={rid: msg for rid in so.num_scheduled_tokens})
 

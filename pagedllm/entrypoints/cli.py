@@ -57,14 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(c)
     add_engine_args(c)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    s.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="model alias, .gguf path or HF folder")
-    try:
-        from pagedllm.entrypoints.openai.api_server import add_server_args
-        add_server_args(s)
-    except ImportError:  # the server module is optional at import time of the CLI
-        pass
-    add_engine_args(s)
+    from pagedllm.entrypoints.openai.api_server import add_server_args
+
+    add_server_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))  # MODEL + server + engine flags
     return parser
 
 

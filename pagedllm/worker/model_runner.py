@@ -227,6 +227,11 @@ class ModelRunner:
         return self.kv_spec
 
     # ------------------------------------------------------------------ request state
+    def reset_state(self) -> None:
+        """Forget every request (after a failed step; the scheduler resends them in full)."""
+        self.requests.clear()
+        self._free_rows = list(range(self.config.max_num_seqs - 1, -1, -1))
+
     def _update_states(self, so: SchedulerOutput) -> None:
         """Drop finished/preempted requests, add new ones, append new blocks to cached ones."""
         for req_id in so.finished_req_ids:
