@@ -118,6 +118,7 @@ class FakeEngine:
         from pagedllm.engine.chat import normalize_conversation
 
         msgs = normalize_conversation(conversation)
+        self.last_chat_template = chat_template
         text = "".join(f"[{m['role']}]{m['content']}" for m in msgs) + ("[assistant]" if add_generation_prompt else "")
         return [1] + self.tokenizer.encode(text)
 

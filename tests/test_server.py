@@ -316,9 +316,21 @@ def test_api_key_required_when_configured(monkeypatch):
         assert c.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekret"}).status_code == 200
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
     parser = add_server_args(argparse.ArgumentParser())
+    args = parser.parse_args(["m.gguf", "--port", "0", "--served-model-name", "a", "b", "--num-kv-blocks", "8",
+                              "--max-waiting-requests", "3", "--no-enable-prefix-caching"])
+    assert (args.model, args.served_model_name, args.num_kv_blocks, args.max_waiting_requests,
+            args.enable_prefix_caching) == ("m.gguf", ["a", "b"], 8, 3, False)
     monkeypatch.setenv("PAGEDLLM_API_KEY", "from-env")
     assert resolve_api_key(parser.parse_args([])) == "from-env"
     assert resolve_api_key(parser.parse_args(["--api-key", "flag"])) == "flag"
+
+
+def test_chat_template_override_reaches_the_engine():
+    srv, fake = make_server(chat_template="{{ messages }}")
+    with srv, httpx.Client(base_url=srv.url, timeout=10) as c:
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1,
+                                                 "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 200 and fake.last_chat_template == "{{ messages }}"
 
 
 # ---------------------------------------------------------------------------- load shedding and failures

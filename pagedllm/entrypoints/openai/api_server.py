@@ -208,9 +208,15 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
 
 # ---------------------------------------------------------------------------- command line
 def add_server_args(parser: argparse.ArgumentParser, include_engine_args: bool = True) -> argparse.ArgumentParser:
-    """Add the ``serve`` flags: MODEL (positional, optional), --host, --port, --api-key,
-    --served-model-name, --chat-template, --max-n, --log-level, --disable-log-requests,
-    --stats-log-interval, and (unless already present) one flag per EngineConfig field."""
+    """Add the ``serve`` flags to ``parser`` and return it.
+
+    Adds MODEL (positional, optional; skipped when the parser already has a ``model``
+    destination), --host, --port, --api-key, --served-model-name, --chat-template,
+    --max-n, --disable-log-requests, --stats-log-interval; with ``include_engine_args``
+    also one flag per EngineConfig field (``pagedllm.entrypoints.args.add_engine_args``,
+    skipped when the parser already has them). ``--log-level`` is left to the caller
+    (``pagedllm --log-level``); :func:`run_server` reads ``args.log_level`` if present.
+    """
     from pagedllm.entrypoints.args import add_engine_args
 
     if not any(a.dest == "model" for a in parser._actions):
@@ -225,7 +231,6 @@ def add_server_args(parser: argparse.ArgumentParser, include_engine_args: bool =
                        help="model name(s) clients use in 'model' (default: the model argument)")
     group.add_argument("--chat-template", default=None, help="file with a Jinja chat template overriding the model's")
     group.add_argument("--max-n", type=int, default=16, help="largest n (samples per request) accepted (default: 16)")
-    group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     group.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     group.add_argument("--stats-log-interval", type=float, default=10.0,
                        help="seconds between engine status log lines, 0 = off (default: 10)")
@@ -262,15 +267,18 @@ def run_server(args: argparse.Namespace) -> None:
     """Load the model and serve until interrupted (blocking). Raises ValueError on bad options."""
     import uvicorn
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("pagedllm").setLevel(args.log_level.upper())
+    level = str(getattr(args, "log_level", "info")).lower()
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pagedllm").setLevel(level.upper())
     app = build_app_from_args(args)
     logger.info("serving %s on http://%s:%d", args.served_model_name or args.model, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=level, timeout_graceful_shutdown=5)
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``python -m pagedllm.entrypoints.openai.api_server [MODEL] [flags]`` (same flags as ``pagedllm serve``)."""
     parser = argparse.ArgumentParser(prog="pagedllm serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_server_args(parser)
     run_server(parser.parse_args(argv))
 
