@@ -155,3 +155,34 @@ def peers_workload(num_requests: int = 32, seed: int = 0, prompt_min: int = 20, 
     rng = np.random.default_rng(seed)
     plens = rng.integers(prompt_min, prompt_max + 1, size=num_requests)
     return Workload("peers", random_prompts(rng, plens), [output_len] * num_requests)
+
+
+def load_hf_model(gguf: str | Path, dtype: str = "float32"):
+    """transformers ``LlamaForCausalLM`` holding the GGUF's dequantized weights, eval mode.
+
+    Uses transformers' own GGUF loader when it can (it needs ``accelerate``); otherwise
+    builds the model from the GGUF's config and copies in the weights as dequantized by
+    ``pagedllm.loader`` (transformers parameter names; tested against the gguf library).
+    Returns ``(model, weights_source)`` with ``weights_source`` naming the path taken.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    gguf, tdtype = Path(gguf), getattr(torch, dtype)
+    try:
+        import accelerate  # noqa: F401
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=tdtype)
+        return model.eval(), "transformers GGUF loader"
+    except ImportError:
+        pass
+    sys.path.insert(0, str(REPO_ROOT))
+    from pagedllm.loader import load_model_files
+    files = load_model_files(str(gguf))
+    model = AutoModelForCausalLM.from_config(files.hf_config, dtype=tdtype)
+    state = dict(files.weights(tdtype))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not files.hf_config.tie_word_embeddings]
+    if missing or unexpected:
+        raise RuntimeError(f"weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.tie_weights()
+    return model.eval(), "pagedllm.loader dequantization (accelerate not installed)"

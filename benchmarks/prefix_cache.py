@@ -81,12 +81,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--kv-cache-memory", default="2GiB",
                    help="KV pool; 2 GiB holds all 64 uncached prompts at once (~66k tokens), so "
                         "'off' is not slowed by preemption")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--quick", action="store_true", help="8 requests, 200-token prefix")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.num_requests, args.prefix_len, args.max_tokens, args.kv_cache_memory = 8, 200, 4, "256MiB"
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     from pagedllm import LLM
     engines = {}
     for on in (True, False):

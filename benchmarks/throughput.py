@@ -123,11 +123,8 @@ class HFSystem(System):
 
     def load(self) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(self.gguf.parent), gguf_file=self.gguf.name, dtype=getattr(torch, self.dtype)).eval()
+        self.model, self.weights_source = common.load_hf_model(self.gguf, self.dtype)
 
     def run(self, wl: common.Workload) -> dict:
         torch = self.torch
@@ -372,11 +369,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     p.add_argument("--llama-server", default=DEFAULT_LLAMA_SERVER)
     p.add_argument("--llamacpp-parallel", type=int, default=32)
+    p.add_argument("--threads", type=int, default=None, help="torch threads in this process (default: torch's)")
     p.add_argument("--quick", action="store_true", help="6 tiny requests, for tests")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     args.gguf = args.gguf or default_gguf()
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.max_model_len, args.kv_cache_memory, args.static_token_budget = 256, "64MiB", 2048
     wl = make_workload(args.workload, args.quick, args.seed, args.num_requests)

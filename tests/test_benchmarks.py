@@ -157,7 +157,8 @@ def test_roofline_reads_engine_json(tmp_path):
 def test_throughput_quick(tmp_path):
     out = tmp_path / "tp.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run([sys.executable, str(BENCH / "throughput.py"), "--quick", "--out", str(out), "--no-plot"],
+    res = subprocess.run([sys.executable, str(BENCH / "throughput.py"), "--quick", "--threads", "1", "--out", str(out),
+                          "--no-plot"],
                          capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.startswith("throughput [high-load, 6 req, float32]: pagedllm-continuous ")
