@@ -151,3 +151,22 @@ def test_attention_layer_without_metadata_is_one_causal_sequence():
         layer(q, k, v)
     with pytest.raises(ValueError, match="multiple of"):
         Attention(6, 4, HEAD_DIM, SCALE, TorchPagedAttention())
+
+
+def test_decode_plan_is_per_forward_pass_not_per_metadata_object():
+    """Layers of one pass share the decode plan; a runner that refills one metadata object
+    in place for the next step must not get the previous step's plan."""
+    backend = TorchPagedAttention()
+    first = build_case([(40, 1), (7, 1)], 16, torch.float32, seed=6)
+    second = build_case([(3, 1), (90, 1)], 16, torch.float32, seed=7)
+    meta = first[4]
+    with set_forward_context(meta):
+        for _ in range(2):  # two "layers" (the second writes the same K/V again: harmless)
+            out = backend.forward(*first[:3], first[3], meta, SCALE)
+            torch.testing.assert_close(out.double(), first[5], atol=2e-5, rtol=0)
+    for field in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables", "max_seq_len",
+                  "query_start_loc_cpu", "seq_lens_cpu"):
+        setattr(meta, field, getattr(second[4], field))  # the same object, refilled
+    with set_forward_context(meta):
+        out = backend.forward(*second[:3], second[3], meta, SCALE)
+    torch.testing.assert_close(out.double(), second[5], atol=2e-5, rtol=0)

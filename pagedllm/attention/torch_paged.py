@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.attention.backend import AttentionMetadata, ForwardContext, get_forward_context
 
 _CPU_WORKSPACE_BYTES = 4 * 1024**2
 _CUDA_WORKSPACE_BYTES = 1024**3
@@ -143,18 +143,22 @@ class TorchPagedAttention:
             out[i:j] = _decode_group(query[i:j], kv_cache, plan.block_tables[i:j], plan.mask[i:j], scale, workspace)
 
     def _decode_plan(self, metadata: AttentionMetadata, block_size: int) -> "_DecodePlan":
-        """Block tables and key mask of the step's decodes, computed once and shared by every layer."""
+        """Block tables and key mask of the step's decodes, computed once per forward pass and
+        shared by every layer. The cache key is the pass's ForwardContext object (new for each
+        ``set_forward_context``), so a runner that refills one metadata object in place every
+        step never sees a stale plan; outside a forward context nothing is cached."""
+        owner = _current_context(metadata)
         plan = self._plan
-        if plan is not None and plan.metadata is metadata and plan.block_size == block_size:
+        if owner is not None and plan is not None and plan.owner is owner and plan.block_size == block_size:
             return plan
         num_decodes = metadata.num_decodes
         num_blocks = -(-max(metadata.seq_lens_cpu[:num_decodes]) // block_size)
         max_len = num_blocks * block_size
         positions = torch.arange(max_len, device=metadata.seq_lens.device)
         mask = positions < metadata.seq_lens[:num_decodes].unsqueeze(1)  # (D, max_len), True = attend
-        plan = _DecodePlan(metadata, block_size, max_len, metadata.block_tables[:num_decodes, :num_blocks],
+        plan = _DecodePlan(owner, block_size, max_len, metadata.block_tables[:num_decodes, :num_blocks],
                            mask.view(num_decodes, 1, 1, max_len))
-        self._plan = plan
+        self._plan = plan if owner is not None else None
         return plan
 
     def _get_workspace(self, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -168,13 +172,22 @@ class TorchPagedAttention:
 
 @dataclass
 class _DecodePlan:
-    """Per-step decode inputs shared by all layers (keyed by the metadata object's identity)."""
+    """Per-step decode inputs shared by all layers of one forward pass."""
 
-    metadata: AttentionMetadata
+    owner: ForwardContext | None  # the forward pass this plan belongs to
     block_size: int
     max_len: int  # tokens gathered per request: the longest decode context rounded up to blocks
     block_tables: torch.Tensor  # (D, max_len // block_size) int32
     mask: torch.Tensor  # (D, 1, 1, max_len) bool, True = attend
+
+
+def _current_context(metadata: AttentionMetadata) -> ForwardContext | None:
+    """The active forward context if it carries ``metadata``, else None."""
+    try:
+        ctx = get_forward_context()
+    except RuntimeError:
+        return None
+    return ctx if ctx.attn_metadata is metadata else None
 
 
 def _default_workspace_bytes(device: torch.device) -> int:
