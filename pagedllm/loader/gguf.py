@@ -1,7 +1,12 @@
 """GGUF files: hyper-parameters → a transformers config, tensors → HF-named dense weights.
 
-Read with the ``gguf`` package (``GGUFReader`` memory-maps the file; ``gguf.quants.dequantize``
-unpacks Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants Q2_K..Q6_K, the IQ types, F16, BF16 and F32).
+The header (metadata and tensor table) is parsed by :class:`GGUFFile`, a small reader of the
+GGUF v2/v3 layout (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) that memory-maps
+the file and skips the vocabulary-sized string arrays it is not asked for: ``gguf.GGUFReader``
+decodes every field into numpy parts, which takes ~2.5 s on SmolLM2 and ~30 s on Gemma 3's
+262k-token vocabulary, against ~0.2 s here. Values are unpacked by the ``gguf`` package
+(``gguf.quants.dequantize``: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants Q2_K..Q6_K, the IQ types,
+F16, BF16, F32); tests check the reader against ``GGUFReader`` byte for byte.
 Three conversions undo what llama.cpp's ``convert_hf_to_gguf.py`` did:
 
 * tensor names: ``blk.{i}.attn_q.weight`` → ``model.layers.{i}.self_attn.q_proj.weight`` etc.;
@@ -20,10 +25,12 @@ import struct
 from pathlib import Path
 from typing import Iterator
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize, quant_shape_to_byte_shape
 from transformers import AutoConfig, PretrainedConfig
 
 logger = logging.getLogger(__name__)
@@ -76,38 +83,122 @@ _CONFIG_KEYS = {
 }
 
 
-def open_gguf(path: str | Path) -> GGUFReader:
-    """Memory-map and parse a GGUF file. Raises ValueError naming the file if it is not GGUF."""
-    try:
-        return GGUFReader(str(path), "r")
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{str(path)!r} is not a readable GGUF file: {e}") from e
+_GGUF_MAGIC = b"GGUF"
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}
+_DTYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+DEFAULT_STRING_ARRAYS = ("tokenizer.ggml.tokens",)
 
 
-def metadata_of(reader: GGUFReader, skip: tuple[str, ...] = ("tokenizer.ggml.merges",)) -> dict:
-    """All key/value metadata as Python values (strings, numbers, lists), except ``skip``."""
-    return {k: f.contents() for k, f in reader.fields.items() if k not in skip}
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One entry of the tensor table. ``shape`` is in numpy/torch order (slowest first), in
+    elements; ``offset`` is absolute in the file; ``nbytes`` is the stored size."""
+
+    name: str
+    shape: tuple[int, ...]
+    tensor_type: GGMLQuantizationType
+    offset: int
+    nbytes: int
+
+
+class GGUFFile:
+    """A memory-mapped GGUF file: ``metadata`` (dict), ``tensors`` (list of GGUFTensorInfo).
+
+    String arrays are decoded only for the keys in ``string_arrays`` (default: the token list);
+    others are given as their length, since merges/scores are needed only by the tokenizer
+    builder, which reads them itself. Numeric arrays become lists. Raises ValueError naming the
+    file if it is not GGUF v2/v3 or is truncated.
+    """
+
+    def __init__(self, path: str | Path, string_arrays: tuple[str, ...] = DEFAULT_STRING_ARRAYS):
+        self.path = str(path)
+        try:
+            self._blob = np.memmap(self.path, dtype=np.uint8, mode="r")
+            self._parse(set(string_arrays))
+        except (struct.error, ValueError, OSError, IndexError) as e:
+            raise ValueError(f"{self.path!r} is not a readable GGUF file: {e}") from e
+
+    def raw(self, info: GGUFTensorInfo) -> np.ndarray:
+        """The stored data of a tensor, as ``gguf.quants.dequantize`` takes it (the layout
+        ``GGUFReader`` gives): F32/F16 typed arrays of ``shape``; other types uint8 with the
+        last axis in bytes. A read-only view of the memory map."""
+        data = self._blob[info.offset:info.offset + info.nbytes]
+        if info.tensor_type in _DTYPES:
+            return data.view(_DTYPES[info.tensor_type]).reshape(info.shape)
+        return data.reshape(quant_shape_to_byte_shape(info.shape, info.tensor_type))
+
+    def _parse(self, string_arrays: set[str]) -> None:
+        if bytes(self._blob[:4]) != _GGUF_MAGIC:
+            raise ValueError("missing the GGUF magic bytes")
+        version, num_tensors, num_kv = struct.unpack_from("<IQQ", self._blob, 4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
+        pos, self.metadata = 24, {}
+        for _ in range(num_kv):
+            key, pos = self._string(pos)
+            (kind,) = struct.unpack_from("<I", self._blob, pos)
+            self.metadata[key], pos = self._value(pos + 4, GGUFValueType(kind), key in string_arrays)
+        entries = []
+        for _ in range(num_tensors):
+            name, pos = self._string(pos)
+            (num_dims,) = struct.unpack_from("<I", self._blob, pos)
+            dims = struct.unpack_from(f"<{num_dims}Q", self._blob, pos + 4)
+            kind, offset = struct.unpack_from("<IQ", self._blob, pos + 4 + 8 * num_dims)
+            pos += 4 + 8 * num_dims + 12
+            entries.append((name, tuple(reversed(dims)), GGMLQuantizationType(kind), offset))
+        alignment = int(self.metadata.get("general.alignment", 32))
+        data_start = -(-pos // alignment) * alignment
+        self.tensors = [GGUFTensorInfo(name, shape, kind, data_start + offset, _num_bytes(shape, kind))
+                        for name, shape, kind, offset in entries]
+        last = max((t.offset + t.nbytes for t in self.tensors), default=data_start)
+        if last > len(self._blob):
+            raise ValueError(f"file is truncated: tensor data ends at byte {last}, file has {len(self._blob)}")
+
+    def _string(self, pos: int) -> tuple[str, int]:
+        (length,) = struct.unpack_from("<Q", self._blob, pos)
+        return bytes(self._blob[pos + 8:pos + 8 + length]).decode("utf-8"), pos + 8 + length
+
+    def _value(self, pos: int, kind: GGUFValueType, decode_strings: bool):
+        if kind in _SCALAR_FORMATS:
+            fmt = _SCALAR_FORMATS[kind]
+            return struct.unpack_from(fmt, self._blob, pos)[0], pos + struct.calcsize(fmt)
+        if kind == GGUFValueType.STRING:
+            return self._string(pos)
+        if kind != GGUFValueType.ARRAY:
+            raise ValueError(f"unknown GGUF value type {kind}")
+        item_kind, count = struct.unpack_from("<IQ", self._blob, pos)
+        item_kind, pos = GGUFValueType(item_kind), pos + 12
+        if item_kind in _SCALAR_FORMATS:
+            dtype = np.dtype(_SCALAR_FORMATS[item_kind])
+            values = np.frombuffer(self._blob, dtype=dtype, count=count, offset=pos).tolist()
+            return values, pos + count * dtype.itemsize
+        if item_kind != GGUFValueType.STRING:  # arrays of arrays: not used by any model key we read
+            raise ValueError("nested GGUF arrays are not supported")
+        if decode_strings:
+            values = []
+            for _ in range(count):
+                value, pos = self._string(pos)
+                values.append(value)
+            return values, pos
+        for _ in range(count):  # skip: walk the lengths only
+            pos += 8 + struct.unpack_from("<Q", self._blob, pos)[0]
+        return count, pos
+
+
+def _num_bytes(shape: tuple[int, ...], kind: GGMLQuantizationType) -> int:
+    block_size, type_size = GGML_QUANT_SIZES[kind]
+    return int(np.prod(shape, dtype=np.int64)) // block_size * type_size
 
 
 def read_gguf_metadata(path: str | Path) -> tuple[dict, set[str]]:
-    """``(metadata, tensor_names)`` of a GGUF file without parsing its tensors' data.
-
-    Uses transformers' header reader (``transformers.integrations.gguf.read_gguf_metadata``),
-    which skips the vocabulary-sized string arrays it is not asked for and takes ~0.2 s where
-    ``GGUFReader`` takes ~2.5 s on SmolLM2; falls back to ``GGUFReader`` if it is unavailable.
-    ``metadata["tokenizer.ggml.tokens"]`` is the full token list; other string arrays (e.g.
-    merges) may be given as their length only. Raises ValueError if the file is not GGUF.
-    """
-    try:
-        from transformers.integrations.gguf import read_gguf_metadata as read_header
-    except ImportError:
-        reader = open_gguf(path)
-        return metadata_of(reader), {t.name for t in reader.tensors}
-    try:
-        metadata, tensor_names = read_header(str(path), ("tokenizer.ggml.tokens",))
-    except (ValueError, OSError, struct.error) as e:
-        raise ValueError(f"{str(path)!r} is not a readable GGUF file: {e}") from e
-    return metadata, set(tensor_names)
+    """``(metadata, tensor_names)`` of a GGUF file, reading only its header. The token list
+    (``tokenizer.ggml.tokens``) is decoded; other string arrays are given as their length."""
+    gguf_file = GGUFFile(path)
+    return gguf_file.metadata, {t.name for t in gguf_file.tensors}
 
 
 def gguf_config(metadata: dict, tensor_names: set[str]) -> PretrainedConfig:
@@ -203,20 +294,20 @@ def dequantize_tensor(data: np.ndarray, tensor_type: GGMLQuantizationType, name:
     return values
 
 
-def iter_gguf_weights(reader: GGUFReader, config: PretrainedConfig, dtype: torch.dtype
+def iter_gguf_weights(gguf_file: GGUFFile, config: PretrainedConfig, dtype: torch.dtype
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every weight of the file, dequantized to ``dtype``.
 
     One tensor is materialized at a time (the file stays memory-mapped). Tensors are yielded in
     file order; with ``tie_word_embeddings`` there is no ``lm_head.weight``.
     """
-    arch = _arch_of(reader)
-    for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name, arch)
+    arch = gguf_file.metadata["general.architecture"]
+    for info in gguf_file.tensors:
+        name = hf_tensor_name(info.name, arch)
         if name is None:
             continue
-        values = dequantize_tensor(tensor.data, tensor.tensor_type, tensor.name)
-        values = _undo_converter(values, tensor.name, arch, config)
+        values = dequantize_tensor(gguf_file.raw(info), info.tensor_type, info.name)
+        values = _undo_converter(values, info.name, arch, config)
         yield name, torch.from_numpy(values).to(dtype)
 
 
@@ -229,7 +320,3 @@ def _undo_converter(values: np.ndarray, gguf_name: str, arch: str, config: Pretr
     if arch in _NORM_PLUS_ONE_ARCHS and gguf_name.endswith("norm.weight"):
         return values - 1.0
     return values
-
-
-def _arch_of(reader: GGUFReader) -> str:
-    return reader.fields["general.architecture"].contents()

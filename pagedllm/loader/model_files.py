@@ -83,8 +83,9 @@ def load_model_files(model: str, tokenizer: str | None = None) -> ModelFiles:
 
 
 def _load_gguf(resolved: ResolvedModel) -> ModelFiles:
-    metadata, tensor_names = gguf_loader.read_gguf_metadata(resolved.path)
-    config = gguf_loader.gguf_config(metadata, tensor_names)
+    gguf_file = gguf_loader.GGUFFile(resolved.path)
+    metadata = gguf_file.metadata
+    config = gguf_loader.gguf_config(metadata, {t.name for t in gguf_file.tensors})
     tokenizer = load_gguf_tokenizer(resolved.path)
     eos, stops = gguf_end_of_generation_ids(
         metadata, metadata.get("tokenizer.ggml.tokens", []), metadata.get("tokenizer.ggml.token_type", []))
@@ -92,18 +93,7 @@ def _load_gguf(resolved: ResolvedModel) -> ModelFiles:
         hf_config=config, tokenizer=tokenizer, chat_template=chat_template_of(tokenizer),
         eos_token_id=eos, stop_token_ids=stops, max_model_len=max_model_len_of(config),
         source=str(resolved.path), format="gguf",
-        _weights_fn=_lazy_gguf_weights(resolved.path, config))
-
-
-def _lazy_gguf_weights(path: Path, config: PretrainedConfig) -> WeightsFn:
-    """Open the file with GGUFReader (a ~2 s parse) only when weights are first asked for."""
-    readers = []
-
-    def weights(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        if not readers:
-            readers.append(gguf_loader.open_gguf(path))
-        return gguf_loader.iter_gguf_weights(readers[0], config, dtype)
-    return weights
+        _weights_fn=lambda dtype: gguf_loader.iter_gguf_weights(gguf_file, config, dtype))
 
 
 def _load_hf(resolved: ResolvedModel) -> ModelFiles:

@@ -48,8 +48,12 @@ def load_gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     pre_type = tokenizer_dict.get("pre_tokenizer_type")
     if tokenizer_dict.get("tokenizer_type") == "gpt2" and pre_type in _DIGIT_SPLIT_PRE_TYPES:
         _set_digit_split(backend)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=str(path),
-                                   **tokenizer_config, **extra_kwargs)
+    # name_or_path must be a folder while constructing: for vocabularies over 100k tokens
+    # transformers looks for <name_or_path>/config.json (its Mistral-regex check).
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=str(Path(path).parent),
+                                        **tokenizer_config, **extra_kwargs)
+    tokenizer.name_or_path = str(path)
+    return tokenizer
 
 
 def _set_digit_split(backend) -> None:
