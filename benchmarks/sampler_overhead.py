@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     path = common.write_result("sampler_overhead", record, args.out)
     line = ", ".join(f"{k} {v['total_ms']:.1f} ms ({100 * v['fraction_of_matmuls']:.0f}%)" for k, v in scenarios.items())
     print(f"sampler_overhead batch={args.batch} vocab={logits.shape[1]} ({source}): {line} of a {forward_ms:.1f} ms "
-          f"decode-step matmul stack -> {path.relative_to(common.REPO_ROOT)}")
+          f"decode-step matmul stack -> {path}")
     return record
 
 

@@ -233,13 +233,13 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
     Repetition (CTRL): for each distinct token of prompt + output, ``logit / p`` if the
     logit is > 0 else ``logit * p``. Frequency/presence (OpenAI):
     ``logit -= count_in_output * frequency + (count_in_output > 0) * presence``.
+    Touches only the K (row, token) entries listed in ``metadata`` (sparse).
     """
-    rep = metadata.repetition_penalties.unsqueeze(1)
-    factor = torch.where(metadata.repetition_mask, rep, torch.ones_like(rep))
-    torch.where(logits > 0, logits / factor, logits * factor, out=logits)
-    counts = metadata.output_token_counts
-    logits.sub_(metadata.frequency_penalties.unsqueeze(1) * counts)
-    logits.sub_(metadata.presence_penalties.unsqueeze(1) * (counts > 0))
+    rows, toks = metadata.penalty_rows, metadata.penalty_token_ids
+    vals = logits[rows, toks]
+    rep = metadata.penalty_repetition
+    vals = torch.where(vals > 0, vals / rep, vals * rep) - metadata.penalty_offsets
+    logits[rows, toks] = vals
 
 
 def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor

@@ -15,9 +15,8 @@ Row conventions (chosen so that one batched pass treats every row alike):
   argmax of its processed logits before any temperature division, which only shapes its
   logprobs (a ``top_k=1, temperature=2`` row reports logprobs at temperature 2).
 - Top-k "off" (0, -1 or ``>= vocab_size``) is stored as ``vocab_size``.
-- Token-level masks and biases are stored sparsely as (row, token) index pairs; only the
-  repetition/frequency/presence penalties need dense ``[N, V]`` tensors, built only when
-  some row uses them, and only from the tokens of those rows.
+- Token-level masks, biases and penalties are stored sparsely as (row, token) index
+  pairs: a step touches O(tokens seen) logits, never a dense ``[N, V]`` tensor.
 
 Building is host-side Python over the requests (not over the vocabulary): the number of
 Python operations is O(N + tokens of rows that use penalties + banned words).
@@ -44,12 +43,12 @@ class SamplingMetadata:
         top_k: int64 [N] or None — tokens kept per row; ``V`` where off. None when no row uses top-k.
         top_p: float32 [N] or None — nucleus mass in (0, 1]; 1.0 where off. None when unused.
         min_p: float32 [N] or None — in [0, 1]; 0.0 where off. None when unused.
-        presence_penalties, frequency_penalties, repetition_penalties: float32 [N] or None
-            (None when ``no_penalties``); neutral rows hold 0, 0, 1.
-        output_token_counts: int32 [N, V] or None — occurrences of each token in the row's
-            output so far (only rows with a presence/frequency penalty are filled).
-        repetition_mask: bool [N, V] or None — token occurs in the row's prompt or output
-            (only rows with a repetition penalty are filled).
+        penalty_rows, penalty_token_ids: int64 [K] — each distinct (row, token) of the
+            prompt (rows with a repetition penalty) and output (rows with any penalty).
+        penalty_repetition: float32 [K] — the row's repetition penalty (1 = none).
+        penalty_offsets: float32 [K] — ``count_in_output * frequency_penalty +
+            (count_in_output > 0) * presence_penalty`` (0 for prompt-only tokens).
+            All four are None when ``no_penalties``.
         logit_bias_rows, logit_bias_token_ids: int64 [B]; logit_bias_values: float32 [B]
             — added to the logits (None when ``no_logit_bias``).
         allowed_rows: int64 [A] and disallowed_mask: bool [A, V] — for the A rows that set
@@ -82,11 +81,10 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]
     max_num_logprobs: int | None
     no_penalties: bool
-    presence_penalties: torch.Tensor | None
-    frequency_penalties: torch.Tensor | None
-    repetition_penalties: torch.Tensor | None
-    output_token_counts: torch.Tensor | None
-    repetition_mask: torch.Tensor | None
+    penalty_rows: torch.Tensor | None
+    penalty_token_ids: torch.Tensor | None
+    penalty_repetition: torch.Tensor | None
+    penalty_offsets: torch.Tensor | None
     no_logit_bias: bool
     logit_bias_rows: torch.Tensor | None
     logit_bias_token_ids: torch.Tensor | None
@@ -199,9 +197,8 @@ class SamplingMetadata:
             no_temperature=all(t == 1.0 for t in temps),
             top_k=top_k, top_p=top_p, min_p=min_p, generators=gens, max_num_logprobs=max_num_logprobs,
             no_penalties=pen is None,
-            presence_penalties=pen[0] if pen else None, frequency_penalties=pen[1] if pen else None,
-            repetition_penalties=pen[2] if pen else None, output_token_counts=pen[3] if pen else None,
-            repetition_mask=pen[4] if pen else None,
+            penalty_rows=pen[0] if pen else None, penalty_token_ids=pen[1] if pen else None,
+            penalty_repetition=pen[2] if pen else None, penalty_offsets=pen[3] if pen else None,
             no_logit_bias=bias is None,
             logit_bias_rows=bias[0] if bias else None, logit_bias_token_ids=bias[1] if bias else None,
             logit_bias_values=bias[2] if bias else None,
@@ -236,30 +233,37 @@ def _row_token_index(rows_tokens: list[tuple[int, list[int]]], device: torch.dev
 
 
 def _build_penalties(params, prompt_token_ids, output_token_ids, V, device):
-    """(presence [N], frequency [N], repetition [N], output counts int32 [N,V], repetition mask bool [N,V]) or None."""
+    """Sparse penalties: (rows int64 [K], token ids int64 [K], repetition float32 [K], offsets float32 [K]) or None.
+
+    One entry per distinct (row, token) of the output (rows with any penalty) and of the
+    prompt (rows with a repetition penalty); presence/frequency see output counts only.
+    """
     uses_freq = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
     uses_rep = [p.repetition_penalty != 1.0 for p in params]
     if not any(uses_freq) and not any(uses_rep):
         return None
     n = len(params)
-    presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device)
-    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device)
-    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
-
-    counts = torch.zeros(n, V, dtype=torch.int32, device=device)
     out_rows = [(i, output_token_ids[i]) for i in range(n) if (uses_freq[i] or uses_rep[i]) and output_token_ids[i]]
-    if out_rows:
-        r, t = _row_token_index(out_rows, device, "output_token_ids", V)
-        counts.index_put_((r, t), torch.ones_like(t, dtype=torch.int32), accumulate=True)
-    rep_mask = counts > 0
-    # Rows with only a repetition penalty must not see frequency/presence effects: their
-    # penalties are 0, so their counts are harmless; rows with only presence/frequency
-    # have repetition 1 so their mask is harmless too.
     prompt_rows = [(i, prompt_token_ids[i]) for i in range(n) if uses_rep[i] and prompt_token_ids[i]]
+    cpu = torch.device("cpu")
+    parts = []  # (rows, token ids, 1.0 for an output occurrence / 0.0 for a prompt one)
+    if out_rows:
+        r, t = _row_token_index(out_rows, cpu, "output_token_ids", V)
+        parts.append((r, t, torch.ones(t.numel())))
     if prompt_rows:
-        r, t = _row_token_index(prompt_rows, device, "prompt_token_ids", V)
-        rep_mask[r, t] = True
-    return presence, frequency, repetition, counts, rep_mask
+        r, t = _row_token_index(prompt_rows, cpu, "prompt_token_ids", V)
+        parts.append((r, t, torch.zeros(t.numel())))
+    if not parts:
+        return None
+    keys = torch.cat([r * V + t for r, t, _ in parts])
+    keys, inverse = torch.unique(keys, return_inverse=True)
+    counts = torch.zeros(keys.numel()).scatter_add_(0, inverse, torch.cat([w for _, _, w in parts]))
+    rows, toks = keys // V, keys % V
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)[rows]
+    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)[rows]
+    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)[rows]
+    offsets = counts * frequency + (counts > 0) * presence
+    return rows.to(device), toks.to(device), repetition.to(device), offsets.to(device)
 
 
 def _build_logit_bias(params, V, device):
