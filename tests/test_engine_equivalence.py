@@ -157,3 +157,39 @@ def test_n_samples_share_prompt_blocks_and_differ(tiny_model_dir):
     assert len({tuple(o.token_ids) for o in outs}) > 1
     assert [o.token_ids for o in outs] == [o.token_ids for o in again]
     _assert_all_free(llm)
+
+
+def test_noisy_neighbours_do_not_change_greedy_output(tiny_model_dir, reference):
+    """Case C13: greedy requests with mixed max_tokens, alone vs batched vs beside sampled neighbours."""
+    prompts = _prompts(8, seed=13, lo=3, hi=40)
+    lens = [1, 2, 3, 5, 8, 13, 21, 34]
+    greedy = [_greedy(m) for m in lens]
+    alone = [_tokens(reference.generate([p], g, use_tqdm=False))[0] for p, g in zip(prompts, greedy)]
+    llm = _make(tiny_model_dir)
+    assert _tokens(llm.generate(prompts, greedy, use_tqdm=False)) == alone
+    noisy = [SamplingParams(temperature=1.0, seed=s, repetition_penalty=2.0, frequency_penalty=1.0,
+                            max_tokens=20, ignore_eos=True) for s in range(4)]
+    mixed = llm.generate(prompts + _prompts(4, seed=14), greedy + noisy, use_tqdm=False)
+    assert _tokens(mixed[:8]) == alone
+    _assert_all_free(llm)
+
+
+def test_failure_in_one_request_fails_only_it(tiny_model_dir, ref_tokens):
+    """Case C06: a request that fails inside the step frees its blocks; the rest of the batch completes."""
+    llm = _make(tiny_model_dir)  # a fresh LLM numbers its requests "0", "1", ...
+    failing = {"1", "4"}
+
+    def inject(req_id: str) -> None:
+        if req_id in failing:
+            raise RuntimeError("injected sampler fault")
+
+    llm.llm_engine.runner.fault_injector = inject
+    outs = llm.generate(PROMPTS[:6], _greedy(), use_tqdm=False)
+    llm.llm_engine.runner.fault_injector = None
+    for i, out in enumerate(outs):
+        if out.request_id in failing:
+            assert out.outputs[0].finish_reason == "error" and "injected" in out.error
+        else:
+            assert out.outputs[0].token_ids == ref_tokens[i] and out.error is None
+    _assert_all_free(llm)
+    assert _tokens(llm.generate(PROMPTS[:2], _greedy(), use_tqdm=False)) == ref_tokens[:2]
