@@ -355,8 +355,12 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     (equivalent to the Gumbel-max trick).
     """
     q = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
+    num_rows = probs.shape[0]
+    if not generators:
         q.uniform_()
+    elif len(generators) < num_rows:  # draw only for the unseeded rows
+        free = torch.tensor([i for i in range(num_rows) if i not in generators], device=probs.device)
+        q[free] = torch.empty(free.numel(), probs.shape[1], device=probs.device).uniform_()
     for i, gen in generators.items():
         if token_ids is None:
             q[i].uniform_(generator=gen)
