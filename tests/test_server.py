@@ -374,6 +374,19 @@ def test_client_disconnect_aborts_and_frees_blocks():
         assert 'pagedllm:request_success_total{finished_reason="abort",model_name="fake-model"} 1.0' in text
 
 
+def test_non_streaming_client_gone_aborts_too():
+    srv, fake = make_server(FakeEngine(step_s=0.01, max_model_len=512))
+    with srv:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 400},
+                       timeout=0.3)
+        assert fake.requests
+        t0 = time.monotonic()
+        while fake.requests and time.monotonic() - t0 < 2.0:
+            time.sleep(0.01)
+        assert not fake.requests and fake.used_blocks() == 0
+
+
 def test_step_failure_is_a_500_for_that_request_only():
     srv, fake = make_server()
     with srv, httpx.Client(base_url=srv.url, timeout=10) as c:

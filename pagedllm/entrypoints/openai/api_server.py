@@ -36,7 +36,7 @@ from pagedllm.entrypoints.openai.errors import APIError, error_response, to_api_
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     TokenizeRequest, TokenizeResponse)
-from pagedllm.entrypoints.openai.serving_base import json_response
+from pagedllm.entrypoints.openai.serving_base import ClientDisconnected, json_response
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.metrics import CONTENT_TYPE_LATEST
@@ -136,6 +136,9 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
         """Run a handler; map its exceptions to OpenAI error responses (never a traceback)."""
         try:
             return await coro
+        except ClientDisconnected:
+            logger.info("client disconnected; its request was aborted")
+            return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         except Exception as e:  # noqa: BLE001
             err = to_api_error(e, _REQUEST_FIELDS)
             if err.status == 500 and not isinstance(e, APIError):

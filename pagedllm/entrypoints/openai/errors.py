@@ -68,7 +68,7 @@ def to_api_error(exc: BaseException, known_params: set[str] | None = None) -> AP
         return exc
     if isinstance(exc, (EngineOverloadedError, EngineDeadError, EngineUnhealthyError)):
         return APIError(503, str(exc))
-    if isinstance(exc, (ValueError, TypeError)):
+    if isinstance(exc, ValueError):
         message = str(exc)
         return APIError(400, message, param_of(message, known_params))
     return APIError(500, "internal error while serving the request; see the server log")
