@@ -16,7 +16,8 @@ Row conventions (chosen so that one batched pass treats every row alike):
   logprobs (a ``top_k=1, temperature=2`` row reports logprobs at temperature 2).
 - Top-k "off" (0, -1 or ``>= vocab_size``) is stored as ``vocab_size``.
 - Token-level masks, biases and penalties are stored sparsely as (row, token) index
-  pairs: a step touches O(tokens seen) logits, never a dense ``[N, V]`` tensor.
+  pairs, so a step touches O(tokens seen) logits; the one dense tensor is the
+  ``allowed_token_ids`` mask, ``[A, V]`` for the A rows that set it.
 
 Building is host-side Python over the requests (not over the vocabulary): the number of
 Python operations is O(N + tokens of rows that use penalties + banned words).
