@@ -538,3 +538,20 @@ def test_random_batches_valid_and_seeded_rows_batch_independent(rows, data_seed,
             assert permuted[i] == ids[i]
             alone, _ = run([i])
             assert alone[i] == ids[i]
+
+
+def test_sampler_overhead_benchmark_quick(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "sampler_overhead.py"
+    out = tmp_path / "so.json"
+    res = subprocess.run([sys.executable, str(script), "--quick", "--threads", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("\n") == 1 and "sampler_overhead" in res.stdout
+    rec = json.loads(out.read_text())
+    assert set(rec["scenarios"]) == {"greedy", "random", "penalties", "logprobs"}
+    assert all(v["total_ms"] > 0 for v in rec["scenarios"].values())
