@@ -23,7 +23,8 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from pagedllm.loader import (KNOWN_MODELS, ModelNotFoundError, load_model_files, max_model_len_of,  # noqa: E402
                              resolve_model)
-from pagedllm.loader.gguf import GGUFFile, dequantize_tensor, gguf_config, iter_gguf_weights  # noqa: E402
+from pagedllm.loader.gguf import (GGUFFile, dequantize_tensor, gguf_config, iter_gguf_weights,  # noqa: E402
+                                  llama3_factors)
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -495,11 +496,40 @@ def test_hf_folder_errors(hf_tiny, tmp_path):
         load_model_files(str(no_arch))
 
 
-def test_tokenizer_override_from_gguf(hf_tiny, smol):
+def test_tokenizer_override_from_gguf(hf_tiny, smol, tmp_path):
+    """A folder with weights but no tokenizer files: an error that says what to add, or a
+    tokenizer taken from elsewhere (here the SmolLM2 GGUF, chat template included)."""
+    import shutil
+
     _, folders = hf_tiny
-    files = load_model_files(str(folders["single"]), tokenizer=SMOLLM2)
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(folders["single"] / name, tmp_path / name)
+    with pytest.raises(OSError, match="tokenizer.json"):
+        load_model_files(str(tmp_path))
+    files = load_model_files(str(tmp_path), tokenizer=SMOLLM2)
     assert files.tokenizer.name_or_path == smol.source
     assert files.tokenizer.encode("year 2024") == smol.tokenizer.encode("year 2024")
+    assert files.chat_template == smol.chat_template and files.eos_token_id == 2
+
+
+def test_read_chat_template_from_tokenizer_config(tmp_path):
+    from pagedllm.loader.hf import read_chat_template
+
+    assert read_chat_template(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}')
+    assert read_chat_template(tmp_path) == "D"
+    (tmp_path / "chat_template.jinja").write_text("J")
+    assert read_chat_template(tmp_path) == "J"
+
+
+def test_resolve_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from pagedllm.loader import resolve_model; resolve_model('smollm2-135m-instruct'); "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
 def test_max_model_len_with_rope_scaling():
@@ -510,3 +540,29 @@ def test_max_model_len_with_rope_scaling():
     yarn = LlamaConfig(**base, rope_scaling={"rope_type": "yarn", "factor": 2.0,
                                              "original_max_position_embeddings": 1024})
     assert max_model_len_of(yarn) == 2048
+
+
+def test_llama3_rope_scaling_rebuilt_from_rope_freqs():
+    """llama.cpp keeps llama3 rope scaling only as per-frequency divisors (rope_freqs); the
+    rebuilt rope_scaling must make transformers compute exactly those frequencies."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    theta, head_dim = 500000.0, 64
+    metadata = {"general.architecture": "llama", "llama.block_count": 2, "llama.context_length": 131072,
+                "llama.embedding_length": 256, "llama.feed_forward_length": 512, "llama.attention.head_count": 4,
+                "llama.attention.head_count_kv": 2, "llama.rope.freq_base": theta, "llama.rope.dimension_count": 64,
+                "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 100}
+    names = {"token_embd.weight", "rope_freqs.weight"}
+    rope_freqs = llama3_factors(theta, head_dim, 32.0, 1.0, 4.0, 8192).astype(np.float32)
+    assert rope_freqs.min() == 1.0 and rope_freqs.max() == 32.0  # both ends and (below) the band between
+    assert ((rope_freqs > 1.0) & (rope_freqs < 32.0)).any()
+    cfg = gguf_config(metadata, names, rope_freqs)
+    assert cfg.rope_parameters["rope_type"] == "llama3" and cfg.rope_parameters["factor"] == 32.0
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    base = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    torch.testing.assert_close(inv_freq.double(), base / torch.from_numpy(rope_freqs).double(), rtol=1e-5, atol=0)
+    assert max_model_len_of(cfg) == 131072  # llama3 scaling does not multiply the length
+    with pytest.raises(ValueError, match="rope_freqs"):
+        gguf_config(metadata, names, rope_freqs * 1.1)
+    with pytest.raises(ValueError, match="rope_freqs"):
+        gguf_config(metadata, names)  # the tensor must be passed

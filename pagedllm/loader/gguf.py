@@ -20,7 +20,6 @@ numpy arrays are already row-major ``(out_features, in_features)``, the HF ``nn.
 
 from __future__ import annotations
 
-import logging
 import struct
 from pathlib import Path
 from typing import Iterator
@@ -33,7 +32,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 from transformers import AutoConfig, PretrainedConfig
 
-logger = logging.getLogger(__name__)
 
 # GGUF architecture → transformers model_type. Only dense decoder families whose tensors
 # _BLOCK_TENSORS covers are listed; anything else is rejected with a clear error.
@@ -194,6 +192,14 @@ def _num_bytes(shape: tuple[int, ...], kind: GGMLQuantizationType) -> int:
     return int(np.prod(shape, dtype=np.int64)) // block_size * type_size
 
 
+def read_rope_freqs(gguf_file: GGUFFile) -> np.ndarray | None:
+    """The ``rope_freqs.weight`` tensor (llama3 rope scaling divisors), or None if absent."""
+    for info in gguf_file.tensors:
+        if info.name == "rope_freqs.weight":
+            return dequantize_tensor(gguf_file.raw(info), info.tensor_type, info.name)
+    return None
+
+
 def read_gguf_metadata(path: str | Path) -> tuple[dict, set[str]]:
     """``(metadata, tensor_names)`` of a GGUF file, reading only its header. The token list
     (``tokenizer.ggml.tokens``) is decoded; other string arrays are given as their length."""
@@ -201,11 +207,14 @@ def read_gguf_metadata(path: str | Path) -> tuple[dict, set[str]]:
     return gguf_file.metadata, {t.name for t in gguf_file.tensors}
 
 
-def gguf_config(metadata: dict, tensor_names: set[str]) -> PretrainedConfig:
+def gguf_config(metadata: dict, tensor_names: set[str], rope_freqs: np.ndarray | None = None) -> PretrainedConfig:
     """Build the transformers config (``architectures`` set) from GGUF metadata.
 
-    ``tensor_names`` decides ``tie_word_embeddings`` (no ``output.weight`` → tied). Raises
-    ValueError naming ``general.architecture`` if the architecture is not supported.
+    ``tensor_names`` decides ``tie_word_embeddings`` (no ``output.weight`` → tied).
+    ``rope_freqs`` is the file's ``rope_freqs.weight`` tensor, if any (llama3 rope scaling,
+    shape ``(head_dim // 2,)`` float32), from which ``rope_scaling`` is rebuilt. Raises
+    ValueError naming ``general.architecture`` if the architecture is not supported, or if
+    ``rope_freqs`` matches no llama3 scaling.
     """
     arch = metadata.get("general.architecture")
     if arch not in _MODEL_TYPES:
@@ -220,7 +229,12 @@ def gguf_config(metadata: dict, tensor_names: set[str]) -> PretrainedConfig:
     for token in ("bos", "eos", "pad"):
         if f"tokenizer.ggml.{token}_token_id" in metadata:
             fields[f"{token}_token_id"] = metadata[f"tokenizer.ggml.{token}_token_id"]
-    rope_scaling = _rope_scaling(metadata, arch, tensor_names)
+    rope_scaling = _rope_scaling(metadata, arch)
+    if rope_freqs is not None:
+        head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
+        rope_scaling = llama3_rope_scaling(rope_freqs, float(fields.get("rope_theta", 10000.0)), head_dim)
+    elif "rope_freqs.weight" in tensor_names:
+        raise ValueError("the GGUF has a rope_freqs tensor: pass it as rope_freqs to rebuild rope scaling")
     if rope_scaling is not None:
         fields["rope_scaling"] = rope_scaling
     fields["tie_word_embeddings"] = "output.weight" not in tensor_names
@@ -229,19 +243,52 @@ def gguf_config(metadata: dict, tensor_names: set[str]) -> PretrainedConfig:
     return config
 
 
-def _rope_scaling(metadata: dict, arch: str, tensor_names: set[str]) -> dict | None:
+def _rope_scaling(metadata: dict, arch: str) -> dict | None:
+    """``rope_scaling`` from ``{arch}.rope.scaling.{type,factor,original_context_length}``."""
     kind = metadata.get(f"{arch}.rope.scaling.type")
-    if "rope_freqs.weight" in tensor_names:
-        # llama3-style per-frequency factors: the GGUF keeps only the resulting tensor, not the
-        # factors needed to rebuild HF's rope_scaling; short contexts are barely affected.
-        logger.warning("GGUF has rope_freqs (llama3 rope scaling); it is ignored — long-context "
-                       "outputs will differ from the original model")
     if kind in (None, "none"):
         return None
     scaling = {"rope_type": kind, "factor": float(metadata.get(f"{arch}.rope.scaling.factor", 1.0))}
     original = metadata.get(f"{arch}.rope.scaling.original_context_length")
     if original:
         scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+# Llama 3.1/3.2/3.3 use these; llama.cpp's converter hard-codes the same defaults.
+_LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama3_factors(theta: float, head_dim: int, factor: float, low_freq_factor: float, high_freq_factor: float,
+                   original_max_position_embeddings: int) -> np.ndarray:
+    """Per-frequency divisors of llama3 rope scaling, shape ``(head_dim // 2,)`` float64.
+
+    The formula of llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.generate_extra_tensors``)
+    and of HF's ``_compute_llama3_parameters``: wavelengths shorter than
+    ``original / high_freq_factor`` keep 1, longer than ``original / low_freq_factor`` get
+    ``factor``, and the band between is interpolated smoothly.
+    """
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    middle = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original_max_position_embeddings / high_freq_factor, 1.0,
+                    np.where(wavelen > original_max_position_embeddings / low_freq_factor, factor, middle))
+
+
+def llama3_rope_scaling(rope_freqs: np.ndarray, theta: float, head_dim: int) -> dict:
+    """Rebuild HF's llama3 ``rope_scaling`` from llama.cpp's ``rope_freqs`` tensor.
+
+    The GGUF keeps only the resulting per-frequency divisors; ``factor`` is their maximum and
+    the other parameters are Llama 3's (low 1, high 4, original context 8192). Raises
+    ValueError if the tensor does not match that formula (within 1e-4 relative).
+    """
+    rope_freqs = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
+    scaling = {"rope_type": "llama3", "factor": float(rope_freqs.max()), **_LLAMA3_DEFAULTS}
+    expected = llama3_factors(theta, head_dim, **{k: v for k, v in scaling.items() if k != "rope_type"})
+    if rope_freqs.shape != expected.shape or not np.allclose(rope_freqs, expected, rtol=1e-4, atol=0):
+        raise ValueError("the GGUF's rope_freqs tensor does not match llama3 rope scaling with "
+                         f"{_LLAMA3_DEFAULTS}; this rope scaling is not supported")
     return scaling
 
 

@@ -42,6 +42,22 @@ def load_generation_eos_ids(folder: str | Path) -> list[int]:
     return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
 
 
+def read_chat_template(folder: str | Path) -> str | None:
+    """The chat template stored in a folder: ``chat_template.jinja``, else the
+    ``chat_template`` of ``tokenizer_config.json`` (a string, or the "default" of a list of
+    named templates); None if neither exists."""
+    folder = Path(folder)
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    if not (folder / "tokenizer_config.json").is_file():
+        return None
+    template = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template or None
+
+
 def safetensors_files(folder: str | Path) -> list[Path]:
     """The weight files of a folder: the shards listed in ``model.safetensors.index.json`` if it
     exists, else every ``*.safetensors``. Raises FileNotFoundError naming what is missing."""

@@ -76,51 +76,59 @@ def load_model_files(model: str, tokenizer: str | None = None) -> ModelFiles:
     malformed files.
     """
     resolved = resolve_model(model)
-    files = _load_gguf(resolved) if resolved.format == "gguf" else _load_hf(resolved)
-    if tokenizer is not None:
-        _replace_tokenizer(files, resolve_model(tokenizer))
-    return files
+    tokenizer_source = resolve_model(tokenizer) if tokenizer is not None else resolved
+    if resolved.format == "gguf":
+        return _load_gguf(resolved, tokenizer_source)
+    return _load_hf(resolved, tokenizer_source)
 
 
-def _load_gguf(resolved: ResolvedModel) -> ModelFiles:
+def _load_tokenizer(resolved: ResolvedModel) -> PreTrainedTokenizerFast:
+    if resolved.format == "gguf":
+        return load_gguf_tokenizer(resolved.path)
+    return load_hf_tokenizer(resolved.path)
+
+
+def _load_gguf(resolved: ResolvedModel, tokenizer_source: ResolvedModel) -> ModelFiles:
     gguf_file = gguf_loader.GGUFFile(resolved.path)
     metadata = gguf_file.metadata
-    config = gguf_loader.gguf_config(metadata, {t.name for t in gguf_file.tensors})
-    tokenizer = load_gguf_tokenizer(resolved.path)
+    config = gguf_loader.gguf_config(metadata, {t.name for t in gguf_file.tensors},
+                                     gguf_loader.read_rope_freqs(gguf_file))
+    tokenizer = _load_tokenizer(tokenizer_source)  # after the file and config are known to be good
     eos, stops = gguf_end_of_generation_ids(
         metadata, metadata.get("tokenizer.ggml.tokens", []), metadata.get("tokenizer.ggml.token_type", []))
     return ModelFiles(
-        hf_config=config, tokenizer=tokenizer, chat_template=chat_template_of(tokenizer),
+        hf_config=config, tokenizer=tokenizer,
+        chat_template=_with_chat_template(tokenizer, metadata.get("tokenizer.chat_template")),
         eos_token_id=eos, stop_token_ids=stops, max_model_len=max_model_len_of(config),
         source=str(resolved.path), format="gguf",
         _weights_fn=lambda dtype: gguf_loader.iter_gguf_weights(gguf_file, config, dtype))
 
 
-def _load_hf(resolved: ResolvedModel) -> ModelFiles:
+def _load_hf(resolved: ResolvedModel, tokenizer_source: ResolvedModel) -> ModelFiles:
     folder = resolved.path
     config = hf_loader.load_hf_config(folder)
     hf_loader.safetensors_files(folder)  # fail now, not at weight-loading time, if weights are missing
-    tokenizer = load_hf_tokenizer(folder)
+    tokenizer = _load_tokenizer(tokenizer_source)
     eos = tokenizer.eos_token_id
     if eos is None:
         config_eos = getattr(config, "eos_token_id", None)
         eos = config_eos[0] if isinstance(config_eos, list) and config_eos else config_eos
     stops = sorted(set(hf_loader.load_generation_eos_ids(folder)) - {eos})
     return ModelFiles(
-        hf_config=config, tokenizer=tokenizer, chat_template=chat_template_of(tokenizer),
+        hf_config=config, tokenizer=tokenizer,
+        chat_template=_with_chat_template(tokenizer, hf_loader.read_chat_template(folder)),
         eos_token_id=eos, stop_token_ids=stops, max_model_len=max_model_len_of(config),
         source=str(folder), format="hf",
         _weights_fn=lambda dtype: hf_loader.iter_safetensors_weights(folder, config, dtype))
 
 
-def _replace_tokenizer(files: ModelFiles, resolved: ResolvedModel) -> None:
-    if resolved.format == "gguf":
-        files.tokenizer = load_gguf_tokenizer(resolved.path)
-    else:
-        files.tokenizer = load_hf_tokenizer(resolved.path)
-    files.chat_template = chat_template_of(files.tokenizer) or files.chat_template
-    if files.chat_template and not getattr(files.tokenizer, "chat_template", None):
-        files.tokenizer.chat_template = files.chat_template
+def _with_chat_template(tokenizer: PreTrainedTokenizerFast, model_template: str | None) -> str | None:
+    """The tokenizer's chat template, else the model's own (set on the tokenizer so that
+    ``apply_chat_template`` works)."""
+    template = chat_template_of(tokenizer)
+    if template is None and model_template:
+        tokenizer.chat_template = template = model_template
+    return template
 
 
 def max_model_len_of(config: PretrainedConfig) -> int:

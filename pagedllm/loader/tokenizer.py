@@ -11,12 +11,11 @@ GPT-2 splitting — see :func:`_set_digit_split`.
 
 from __future__ import annotations
 
-import logging
+import struct
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-logger = logging.getLogger(__name__)
 
 # llama.cpp (src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_{STARCODER,REFACT,COMMAND_R,SMOLLM,CODESHELL,
 # EXAONE,MINERVA}) splits these vocabularies with the regexes ["\p{N}", <GPT-2 regex>], i.e. every
@@ -39,12 +38,16 @@ def load_gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
 
     Special tokens (bos/eos/unk/pad), ``add_bos_token``/``add_eos_token`` and the chat template
     (``tokenizer.chat_template``) come from the file, so ``apply_chat_template`` works.
-    Raises ValueError if the file's tokenizer model (``tokenizer.ggml.model``) is unsupported.
+    Raises ValueError if the file has no tokenizer metadata or its tokenizer model
+    (``tokenizer.ggml.model``) is unsupported.
     """
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
-    architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
-    backend, extra_kwargs = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    try:
+        architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
+        backend, extra_kwargs = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    except (KeyError, ValueError, struct.error) as e:
+        raise ValueError(f"could not build a tokenizer from the GGUF metadata of {str(path)!r}: {e!r}") from e
     pre_type = tokenizer_dict.get("pre_tokenizer_type")
     if tokenizer_dict.get("tokenizer_type") == "gpt2" and pre_type in _DIGIT_SPLIT_PRE_TYPES:
         _set_digit_split(backend)
