@@ -121,6 +121,8 @@ def test_chat_template_c30(tok, files, case):
     for add_special in (False, True):  # add_bos_token is false, so both give one leading BOS
         ids = tok.encode(rendered, add_special_tokens=add_special)
         assert ids[0] == 1 and ids[1] != 1
+    # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True)
+    assert tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"] == ids
     header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
     assert header[0] == 1 and ids[-len(header):] == header
     assert ids.count(1) == rendered.count("<|im_start|>")

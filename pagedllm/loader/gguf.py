@@ -21,10 +21,9 @@ numpy arrays are already row-major ``(out_features, in_features)``, the HF ``nn.
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
