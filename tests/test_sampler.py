@@ -555,3 +555,12 @@ def test_sampler_overhead_benchmark_quick(tmp_path):
     rec = json.loads(out.read_text())
     assert set(rec["scenarios"]) == {"greedy", "random", "penalties", "logprobs"}
     assert all(v["total_ms"] > 0 for v in rec["scenarios"].values())
+
+
+def test_empty_batch_and_bfloat16_logits():
+    out = Sampler()(torch.zeros(0, 10), SamplingMetadata.build([], [], [], [], [], 10, "cpu"))
+    assert out.sampled_token_ids.shape == (0,) and out.sampled_token_ids.dtype == torch.int64
+    logits = torch.tensor([[0.0, 3.0, 1.0, -1.0]], dtype=torch.bfloat16)
+    out = sample(logits, [SamplingParams(temperature=0.0, logprobs=1)])
+    assert out.sampled_token_ids.tolist() == [1]
+    torch.testing.assert_close(out.logprobs.sampled_logprobs, torch.log_softmax(logits.float(), -1)[:, 1])

@@ -138,6 +138,8 @@ class Sampler(torch.nn.Module):
             raise ValueError(f"logits must be [{metadata.num_rows}, V], got {tuple(logits.shape)}")
         if logits.dtype != torch.float32:
             logits = logits.float()
+        if metadata.num_rows == 0:
+            return SamplerOutput(torch.empty(0, dtype=torch.int64, device=logits.device), None)
         apply_token_masks(logits, metadata)
         if not metadata.no_logit_bias:
             logits.index_put_((metadata.logit_bias_rows, metadata.logit_bias_token_ids),
