@@ -170,14 +170,18 @@ def test_sampling_frequencies_match_truncated_distribution(kwargs):
     assert stat < CHI2_CRIT_001[df], (stat, df, counts.tolist(), expected.tolist())
 
 
-def test_seeded_rows_frequencies_match():
-    """Seeded rows draw from their own generators; their pooled draws follow the distribution."""
+@pytest.mark.parametrize("kwargs", [dict(temperature=1.0), dict(temperature=0.8, top_k=4), dict(temperature=1.0, top_p=0.7),
+                                    dict(temperature=1.0, top_k=6, top_p=0.9, min_p=0.1)])
+def test_seeded_rows_frequencies_match(kwargs):
+    """Seeded rows draw from their own generators (full-vocabulary and candidate paths); pooled draws fit."""
     n = 4000
-    out = sample(SMALL_LOGITS.expand(n, 8).contiguous(), [SamplingParams(temperature=1.0, seed=i) for i in range(n)],
+    out = sample(SMALL_LOGITS.expand(n, 8).contiguous(), [SamplingParams(seed=i, **kwargs) for i in range(n)],
                  generators=[gen(i) for i in range(n)])
     counts = torch.bincount(out.sampled_token_ids, minlength=8)
-    stat, df = _chi_square(counts, _expected(SMALL_LOGITS), n)
-    assert stat < CHI2_CRIT_001[df]
+    expected = _expected(SMALL_LOGITS, **kwargs)
+    assert counts[expected == 0].sum().item() == 0
+    stat, df = _chi_square(counts, expected, n)
+    assert stat < CHI2_CRIT_001[df], (stat, df, counts.tolist())
 
 
 def _reference_top_k_top_p(logits, ks, ps):
