@@ -27,16 +27,24 @@ _BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"
 def get_attention_backend(device: torch.device | str) -> AttentionBackend:
     """The attention backend for ``device`` (``"cpu"``, ``"cuda"``, ``torch.device``).
 
-    Today every device gets :class:`TorchPagedAttention` (PyTorch ops; on CUDA they run as
-    CUDA kernels). The environment variable ``PAGEDLLM_ATTENTION_BACKEND=torch`` forces it
-    explicitly; any other value raises ValueError naming the supported ones.
+    By default every device gets :class:`TorchPagedAttention` (PyTorch ops; on CUDA they
+    run as CUDA kernels). ``PAGEDLLM_ATTENTION_BACKEND=triton`` selects the Triton kernel
+    (:mod:`pagedllm.attention.triton_paged`; on CPU only under ``TRITON_INTERPRET=1``).
+    Raises ValueError for an unknown device type or backend name, or when ``triton`` is
+    asked for but not installed.
     """
     device = torch.device(device)
     choice = os.environ.get(_BACKEND_ENV, "auto").lower()
-    if choice not in ("auto", "torch"):
-        raise ValueError(f"{_BACKEND_ENV} must be 'auto' or 'torch', got {choice!r}")
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"{_BACKEND_ENV} must be 'auto', 'torch' or 'triton', got {choice!r}")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"no attention backend for device type {device.type!r} (supported: cpu, cuda)")
+    if choice == "triton":
+        try:
+            from pagedllm.attention.triton_paged import TritonPagedAttention
+        except ImportError as e:
+            raise ValueError(f"{_BACKEND_ENV}=triton needs the triton package ({e})") from e
+        return TritonPagedAttention()
     return TorchPagedAttention()
 
 
