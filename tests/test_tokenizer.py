@@ -134,3 +134,30 @@ def test_saved_tokenizer_reloads_identically(tok, tmp_path):
     assert reloaded.chat_template == tok.chat_template
     for text in TRICKY_STRINGS:
         assert reloaded.encode(text) == tok.encode(text)
+
+
+@pytest.mark.parametrize("pre, expected", [("smollm", ["1", "2", " ", "a"]), ("default", ["12", " ", "a"])])
+def test_digit_split_follows_llama_cpp_pre_type(tmp_path, pre, expected):
+    """llama.cpp splits every digit for pre-tokenizer "smollm" (and StarCoder-like ones), so a
+    merge "1 2" must not apply there; with the default GPT-2 split it does."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from pagedllm.loader.tokenizer import load_gguf_tokenizer
+
+    tokens = list(bytes_to_unicode().values()) + ["12", "<|im_end|>"]
+    writer = gguf.GGUFWriter(str(tmp_path / "tok.gguf"), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 1) + [3])
+    writer.add_token_merges(["1 2"])
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tok = load_gguf_tokenizer(tmp_path / "tok.gguf")
+    ids = tok.encode("12 a", add_special_tokens=False)
+    assert [tok.decode([i]) for i in ids] == expected
+    assert tok.decode(ids) == "12 a" and tok.eos_token == "<|im_end|>"

@@ -20,7 +20,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 # llama.cpp (src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_{STARCODER,REFACT,COMMAND_R,SMOLLM,CODESHELL,
 # EXAONE,MINERVA}) splits these vocabularies with the regexes ["\p{N}", <GPT-2 regex>], i.e. every
 # digit alone. SmolLM2's own tokenizer.json says the same: Sequence[Digits(individual_digits=true),
-# ByteLevel(add_prefix_space=false, use_regex=true)].
+# ByteLevel(add_prefix_space=false, use_regex=true)]. (SmolLM2's vocabulary has no token mixing a
+# digit with anything else, so its ids come out the same either way; a vocabulary with merges like
+# "1 2" would not.)
 _DIGIT_SPLIT_PRE_TYPES = frozenset(
     {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"})
 
@@ -41,7 +43,11 @@ def load_gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     Raises ValueError if the file has no tokenizer metadata or its tokenizer model
     (``tokenizer.ggml.model``) is unsupported.
     """
-    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    except ImportError as e:
+        raise ImportError("building a tokenizer from GGUF metadata needs transformers>=5 "
+                          "(transformers.integrations.gguf); upgrade it with `pip install -U transformers`") from e
 
     try:
         architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
