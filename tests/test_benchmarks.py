@@ -173,3 +173,24 @@ def test_throughput_quick(tmp_path):
     # Greedy float32: batching policy must not change a single token.
     assert rec["systems"]["pagedllm-static"]["greedy_agreement_with_pagedllm-continuous"] == 1.0
     assert set(rec["ratios"]) == {"pagedllm-continuous / pagedllm-static"}
+
+
+# ---- batching_model (real scheduler, no model) ------------------------------------------
+
+def test_batching_model_static_waits_for_the_longest():
+    """Two requests fit one static batch of 2 (max_num_seqs 2); the third waits for both.
+
+    Outputs 2, 6, 2 tokens: continuous runs request 2 as soon as request 0 finishes
+    (after step 2), so all finish by step 6; static runs the first batch for 6 steps
+    (the longest), then request 2 for 2 more: 8 steps.
+    """
+    import batching_model
+    import common
+    wl = common.Workload("t", [[20, 21, 22], [30, 31, 32], [40, 41, 42]], [2, 6, 2])
+    cont = batching_model.replay("continuous", wl, max_model_len=64, max_num_seqs=2, kv_cache_bytes=2**24,
+                                 token_budget=None)
+    stat = batching_model.replay("static", wl, max_model_len=64, max_num_seqs=2, kv_cache_bytes=2**24,
+                                 token_budget=None)
+    assert len(cont) == 6 and len(stat) == 8
+    assert [s["seqs"] for s in stat] == [2, 2, 1, 1, 1, 1, 1, 1]
+    assert sum(s["tokens"] for s in cont) == sum(s["tokens"] for s in stat) == 9 + 10 - 3
