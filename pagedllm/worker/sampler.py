@@ -34,10 +34,10 @@ Pipeline for logits ``[N, V]`` (one row per request sampling this step), in this
     not depend on what else is in the batch or on the batch order.
 
 Top-k and top-p never sort the vocabulary: rows with top-k rank only their top
-``max(top_k)`` logits; rows with top-p but no top-k rank the top ``m`` with ``m`` = 256,
-growing ×8 for the rows whose top ``m`` tokens do not yet hold their nucleus (one host
-sync per width tried; with SmolLM2 at temperature 1 and top_p 0.95 the median nucleus
-is ~120 tokens, the largest seen ~4,700).
+``max(top_k)`` logits; rows with top-p but no top-k rank the top 256, then 2,048, for
+the rows whose top tokens do not yet hold their nucleus (one host sync per try), and
+find wider nuclei by bisecting for their probability threshold (with SmolLM2 at
+temperature 1 and top_p 0.95 the median nucleus is ~120 tokens, the largest seen ~4,700).
 Those rows are then sampled among their candidates only; rows with neither are sampled
 over the vocabulary.
 """
@@ -58,6 +58,8 @@ LOGPROB_FLOOR = -9999.0
 
 # First candidate width when top-p must be found without a top-k bound.
 _TOP_P_FIRST_WIDTH = 256
+# Beyond this many candidates, top-p finds its threshold by bisection instead of ranking.
+_TOP_P_MAX_SORTED_WIDTH = 2048
 
 
 @dataclass
@@ -253,13 +255,15 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, top
         top_k: int64 [R] with every entry < V (only the top ``max(top_k)`` logits are
             ranked), or None for rows with top-p and no top-k: their candidate width starts
             at 256 and grows ×8, a row leaving as soon as its top ``width`` tokens hold its
-            nucleus (one host sync per width tried).
+            nucleus (one host sync per width tried); rows needing more than 2,048 get
+            their nucleus from :func:`_nucleus_by_threshold`.
         top_p: float32 [R] in (0, 1], 1 meaning off.
 
     Returns:
         Chunks ``(rows int64 [r], vals float32 [r, m], token_ids int64 [r, m])`` covering
         every row once: for those rows (indices into ``logits``), the top m logits in
-        descending order with the excluded ones set to -inf, and their token ids.
+        descending order with the excluded ones set to -inf, and their token ids (the
+        wide-nucleus chunk has m = V in token order instead).
 
     Top-k keeps every token whose logit is >= the row's k-th largest. Top-p keeps sorted
     token j when the probability mass before it (renormalized over the top-k survivors)
@@ -278,6 +282,10 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, top
     while rows.numel():
         x = logits if rows.numel() == R else logits.index_select(0, rows)
         p, norm = top_p.index_select(0, rows), log_norm.index_select(0, rows)
+        if width > _TOP_P_MAX_SORTED_WIDTH:  # a wide nucleus: find it by its threshold instead
+            vals = _nucleus_by_threshold(x, norm, p)
+            chunks.append((rows, vals, torch.arange(V, device=x.device).expand_as(vals)))
+            break
         vals, token_ids = x.topk(width, dim=-1, sorted=True)
         if width == V:
             covered = torch.ones_like(p, dtype=torch.bool)
@@ -292,6 +300,46 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, top
                                                                           p.index_select(0, c)), token_ids.index_select(0, c)))
         rows, width = rows[~covered], min(V, width * 8)
     return chunks
+
+
+def _nucleus_by_threshold(logits: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Logits [r, V] (token order) with tokens outside each row's top-p nucleus set to -inf.
+
+    For nuclei of thousands of tokens, where ranking them costs more than finding the
+    logprob threshold that bounds them: bisect per row for ``lo < hi`` with
+    mass(logprob >= lo) >= p > mass(logprob >= hi) until at most
+    ``_TOP_P_MAX_SORTED_WIDTH`` tokens lie in between, then rank only those. A row stops
+    bisecting on its own count, so its result does not depend on the other rows.
+    ``log_norm`` [r, 1]: the rows' logsumexp.
+    """
+    logp = logits - log_norm
+    probs = logp.exp()
+    finite = torch.isfinite(logp)
+    hi = logp.amax(dim=-1) + 1.0  # nothing at or above: mass 0 < p
+    lo = logp.masked_fill(~finite, float("inf")).amin(dim=-1)  # everything finite: mass 1 (>= p up to rounding)
+    cnt_lo, cnt_hi = finite.sum(dim=-1), torch.zeros_like(hi, dtype=torch.int64)
+    mass_hi = torch.zeros_like(hi)
+    for step in range(64):
+        active = (cnt_lo - cnt_hi) > _TOP_P_MAX_SORTED_WIDTH
+        if step % 4 == 0 and not bool(active.any()):
+            break
+        mid = (lo + hi) / 2
+        ge = logp >= mid.unsqueeze(1)
+        mass, cnt = (probs * ge).sum(dim=-1), ge.sum(dim=-1)
+        up = (mass >= top_p) & active  # the threshold may rise to mid
+        down = ~(mass >= top_p) & active
+        lo, cnt_lo = torch.where(up, mid, lo), torch.where(up, cnt, cnt_lo)
+        hi, cnt_hi, mass_hi = torch.where(down, mid, hi), torch.where(down, cnt, cnt_hi), torch.where(down, mass, mass_hi)
+    keep = logp >= hi.unsqueeze(1)
+    between = (logp >= lo.unsqueeze(1)) & ~keep
+    num_between = int((cnt_lo - cnt_hi).max())
+    if num_between > 0:
+        bvals, bidx = logp.masked_fill(~between, float("-inf")).topk(num_between, dim=-1, sorted=True)
+        bprobs = bvals.exp()
+        before = mass_hi.unsqueeze(1) + bprobs.cumsum(dim=-1) - bprobs
+        keep_between = (before < top_p.unsqueeze(1)) & torch.isfinite(bvals)
+        keep.scatter_(1, bidx, keep.gather(1, bidx) | keep_between)
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def _drop_outside_nucleus(vals: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
