@@ -23,8 +23,8 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from pagedllm.loader import (KNOWN_MODELS, ModelNotFoundError, load_model_files, max_model_len_of,  # noqa: E402
                              resolve_model)
-from pagedllm.loader.gguf import (GGUFFile, dequantize_tensor, gguf_config, iter_gguf_weights,  # noqa: E402
-                                  llama3_factors)
+from pagedllm.loader.gguf import (GGUFFile, dequantize_tensor, gguf_config, hf_tensor_name,  # noqa: E402
+                                  iter_gguf_weights, llama3_factors)
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -567,3 +567,23 @@ def test_llama3_rope_scaling_rebuilt_from_rope_freqs():
         gguf_config(metadata, names, rope_freqs * 1.1)
     with pytest.raises(ValueError, match="rope_freqs"):
         gguf_config(metadata, names)  # the tensor must be passed
+
+
+def test_unsupported_gguf_metadata_errors():
+    base = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
+            "llama.vocab_size": 10}
+    assert gguf_config(base, set()).architectures == ["LlamaForCausalLM"]
+    with pytest.raises(ValueError, match="llama-gguf-split --merge"):
+        gguf_config({**base, "split.count": 3}, set())
+    with pytest.raises(ValueError, match=r"general.architecture 'mamba' is not supported; supported: \["):
+        gguf_config({**base, "general.architecture": "mamba"}, set())
+
+
+def test_hf_tensor_names():
+    assert hf_tensor_name("blk.2.attn_q.bias", "qwen2") == "model.layers.2.self_attn.q_proj.bias"
+    assert hf_tensor_name("blk.0.ffn_norm.weight", "llama") == "model.layers.0.post_attention_layernorm.weight"
+    assert hf_tensor_name("blk.0.ffn_norm.weight", "gemma3") == "model.layers.0.pre_feedforward_layernorm.weight"
+    assert hf_tensor_name("output.weight", "llama") == "lm_head.weight"
+    assert hf_tensor_name("rope_freqs.weight", "llama") is None  # rebuilt into the config instead
+    with pytest.raises(ValueError, match="blk.0.ssm_a"):
+        hf_tensor_name("blk.0.ssm_a.weight", "llama")

@@ -212,13 +212,16 @@ def gguf_config(metadata: dict, tensor_names: set[str], rope_freqs: np.ndarray |
     ``tensor_names`` decides ``tie_word_embeddings`` (no ``output.weight`` → tied).
     ``rope_freqs`` is the file's ``rope_freqs.weight`` tensor, if any (llama3 rope scaling,
     shape ``(head_dim // 2,)`` float32), from which ``rope_scaling`` is rebuilt. Raises
-    ValueError naming ``general.architecture`` if the architecture is not supported, or if
-    ``rope_freqs`` matches no llama3 scaling.
+    ValueError naming ``general.architecture`` if the architecture is not supported, if
+    ``rope_freqs`` matches no llama3 scaling, or if the file is one shard of a split GGUF.
     """
     arch = metadata.get("general.architecture")
     if arch not in _MODEL_TYPES:
         raise ValueError(f"GGUF general.architecture {arch!r} is not supported; supported: "
                          f"{sorted(_MODEL_TYPES)}")
+    if int(metadata.get("split.count", 1)) > 1:
+        raise ValueError(f"this GGUF is shard 1 of {metadata['split.count']} (split.count); merge the shards "
+                         f"into one file with `llama-gguf-split --merge first-shard.gguf merged.gguf`")
     model_type = _MODEL_TYPES[arch]
     fields = {hf: metadata[f"{arch}.{key}"] for key, hf in _CONFIG_KEYS.items() if f"{arch}.{key}" in metadata}
     if "vocab_size" not in fields:
