@@ -66,6 +66,7 @@ def run_burst(llm, prompts: list[list[int]], max_tokens: int) -> dict:
             "num_prompt_tokens": sum(len(x) for x in prompts),
             "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "hit_rate": hits / queries if queries else 0.0, "hit_tokens": hits,
+            "num_preemptions": after.num_preemptions_total - before.num_preemptions_total,
             "output_token_ids": [list(o.outputs[0].token_ids) for o in outs]}
 
 
@@ -78,9 +79,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--kv-cache-memory", default="2GiB",
-                   help="KV pool; 2 GiB holds all 64 uncached prompts at once (~66k tokens), so "
-                        "'off' is not slowed by preemption")
+    p.add_argument("--kv-cache-memory", default="3GiB",
+                   help="KV pool; 3 GiB (69.9k float32 tokens) holds all 64 uncached sequences at their "
+                        "full length (~68.6k tokens), so 'off' is not slowed by preemption")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--quick", action="store_true", help="8 requests, 200-token prefix")
     p.add_argument("--out", type=Path, default=None)
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
             "total_tokens_per_s": round(statistics.median(
                 (r["num_output_tokens"] + r["num_prompt_tokens"]) / r["elapsed_s"] for r in rs), 2),
             "ttft_s": percentiles(rs[-1]["ttft_s"]), "hit_rate": round(rs[-1]["hit_rate"], 4),
-            "hit_tokens": rs[-1]["hit_tokens"],
+            "hit_tokens": rs[-1]["hit_tokens"], "num_preemptions": rs[-1]["num_preemptions"],
             "ttft_alone_s": round(statistics.median(alone[name]), 4)}
     agree = common_agreement(runs["on"][-1]["output_token_ids"], runs["off"][-1]["output_token_ids"])
     on, off = systems["prefix_caching_on"], systems["prefix_caching_off"]

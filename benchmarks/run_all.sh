@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The full benchmark run whose figures the README quotes, in order. ~25 min on a 2-core
+# machine with nothing else running (more with the vllm peer: its engine start is ~90 s).
+# Peers that are not installed are skipped (see benchmarks/peers.md to install them).
+#   bash benchmarks/run_all.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+export HF_HUB_OFFLINE=1
+PEERS=hf
+if [ -x /work/peers/vllm/bin/python ] && [ -f /work/peers/smollm2-135m-hf/config.json ]; then PEERS=$PEERS,vllm; fi
+if [ -x /work/peers/llamacpp/bin/llama-server ]; then PEERS=$PEERS,llamacpp; fi
+
+$PY benchmarks/memory_waste.py                                   # claim 1, SmolLM2 preset
+$PY benchmarks/memory_waste.py --scenario seeds                  # claim 1, the seeds' 13B scenario
+$PY benchmarks/throughput.py --mode continuous,static            # claim 2, high-load trace (128 requests)
+$PY benchmarks/roofline.py --engine-json benchmarks/results/throughput.json
+$PY benchmarks/batching_model.py                                 # claim 2, scheduler replay + cost model
+$PY benchmarks/throughput.py --workload peers --mode continuous --peer "$PEERS" --repeats 2
+$PY benchmarks/prefix_cache.py                                   # claim 3
+$PY benchmarks/throughput.py --num-requests 64 --mode continuous --peer hf \
+    --out benchmarks/results/throughput_hf.json                  # pagedllm vs transformers, high-load trace
