@@ -15,6 +15,7 @@ SwiGLU MLP, tied or untied output embedding), restructured for serving:
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable
 
 import torch
@@ -24,6 +25,46 @@ from torch import nn
 from pagedllm.attention import Attention, get_attention_backend
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+_PACKED_LINEAR_ENV = "PAGEDLLM_CPU_PACKED_LINEAR"
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that can run from a oneDNN-prepacked copy of its weight on CPU.
+
+    :meth:`pack_for_cpu` reorders the weight once into oneDNN's blocked layout (the same
+    prepacking torch.compile's CPU freezing pass does); forward then calls the oneDNN
+    linear directly instead of re-packing the weight inside every matmul. Measured on this
+    project's 2-core AVX-512 machine at 64 tokens (SmolLM2 shapes, one thread): 20-40 %
+    faster in float32 (the 49152-row lm_head 58 -> 36 ms), 15-25 % in bfloat16.
+    """
+
+    packed_weight: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, in_features) -> (T, out_features)."""
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def pack_for_cpu(self, batch_hint: int) -> bool:
+        """Prepack the weight for oneDNN (CPU, float32/bfloat16 only); returns whether it did.
+
+        The packed copy is extra memory (one more copy of the weight); ``self.weight``
+        stays valid, but the packed copy does not follow later in-place edits of it: call
+        this again (``load_weights`` does) after changing weights.
+        """
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) \
+                or not torch.backends.mkldnn.is_available():
+            return False
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
+        return True
+
+    def unpack(self) -> None:
+        """Back to the plain ``F.linear`` path."""
+        self.packed_weight = None
 
 
 class RMSNorm(nn.Module):
@@ -128,8 +169,8 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=bias)
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, backend)
 
     def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -155,8 +196,8 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act must be 'silu' for a Llama model, got {act!r}")
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
@@ -252,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
         backend = get_attention_backend(self.device)
         with torch.device("meta"):  # no time spent initialising weights load_weights overwrites
             self.model = LlamaModel(config, self.head_dim, backend)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
             self.to(dtype)
         self.to_empty(device=self.device)
         self.requires_grad_(False)  # inference only
@@ -310,6 +351,7 @@ class LlamaForCausalLM(nn.Module):
             ValueError: an unknown name, a shape mismatch (naming both shapes), or, after
                 the last tensor, the list of parameters that were never filled.
         """
+        self.unpack_linears()
         params = dict(self.named_parameters(remove_duplicate=False))
         expected = self._expected_weight_keys()
         loaded: set[str] = set()
@@ -328,6 +370,23 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
             raise ValueError(f"weights missing from the checkpoint: {shown}")
+        if os.environ.get(_PACKED_LINEAR_ENV, "1") != "0":
+            self.pack_linears_for_cpu()
+
+    def pack_linears_for_cpu(self, batch_hint: int = 64) -> int:
+        """Prepack every projection for oneDNN when the model is on CPU (see :class:`Linear`).
+
+        Called by :meth:`load_weights` (disable with ``PAGEDLLM_CPU_PACKED_LINEAR=0``). Costs
+        one extra copy of the projection and lm_head weights in memory.
+        Returns how many were packed (0 on CUDA or without oneDNN).
+        """
+        return sum(m.pack_for_cpu(batch_hint) for m in self.modules() if isinstance(m, Linear))
+
+    def unpack_linears(self) -> None:
+        """Undo :meth:`pack_linears_for_cpu` (plain weights back in the parameters)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.unpack()
 
     def _weight_target(self, name: str, params: dict[str, nn.Parameter]) -> tuple[torch.Tensor, str]:
         """The parameter (or fused-parameter slice) an HF weight fills, and its bookkeeping key."""
