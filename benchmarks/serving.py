@@ -16,6 +16,8 @@ and writes a JSON record to ``benchmarks/results/``.
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 --num-prompts 64 --request-rate 4
     # start `pagedllm serve` itself (engine flags after --)
     python benchmarks/serving.py --launch --num-prompts 64 --max-concurrency 32 -- --num-kv-blocks 2048
+    # the same workload through LLM.generate, no server: the overhead baseline
+    python benchmarks/serving.py --offline --num-prompts 64 --label offline
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ class RequestResult:
     ok: bool = False
     status: int = 0
     error: str = ""
-    ttft_s: float = 0.0
-    e2e_s: float = 0.0
+    ttft_s: float | None = None  # None: not observed (offline baseline)
+    e2e_s: float | None = None
     itls_s: list[float] = field(default_factory=list)
     completion_tokens: int = 0
 
@@ -131,9 +133,9 @@ async def run_load(args: argparse.Namespace, work: list[tuple[list[int], int]]) 
 
 
 def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float]:
-    """Nearest-rank percentiles in milliseconds (NaN when there are no values)."""
+    """Nearest-rank percentiles in milliseconds (None when there are no values)."""
     if not values:
-        return {f"p{p}": float("nan") for p in ps}
+        return {f"p{p}": None for p in ps}
     s = sorted(values)
     return {f"p{p}": 1000.0 * s[min(len(s) - 1, max(0, math.ceil(p / 100 * len(s)) - 1))] for p in ps}
 
@@ -149,9 +151,9 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         "duration_s": duration, "request_throughput": len(ok) / duration,
         "output_throughput_tok_s": out_tokens / duration, "total_throughput_tok_s": (in_tokens + out_tokens) / duration,
         "prompt_tokens": in_tokens, "completion_tokens": out_tokens,
-        "ttft_ms": percentiles([r.ttft_s for r in ok]),
+        "ttft_ms": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
         "itl_ms": percentiles([x for r in ok for x in r.itls_s]),
-        "e2e_ms": percentiles([r.e2e_s for r in ok]),
+        "e2e_ms": percentiles([r.e2e_s for r in ok if r.e2e_s is not None]),
     }
 
 
@@ -178,6 +180,27 @@ def launch_server(args: argparse.Namespace, engine_flags: list[str]) -> tuple[su
     raise SystemExit("server did not become healthy within 300 s")
 
 
+def run_offline(args: argparse.Namespace, work: list[tuple[list[int], int]], engine_flags: list[str]
+                ) -> tuple[list[RequestResult], float]:
+    """The same workload through ``LLM.generate`` in-process: the no-server baseline
+    (throughput only; TTFT/ITL are not observable offline)."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.entrypoints.args import add_engine_args, engine_config_from_args
+
+    ep = argparse.ArgumentParser()
+    add_engine_args(ep)
+    config = engine_config_from_args(ep.parse_args(engine_flags), model=args.launch_model)
+    llm = LLM(**vars(config))
+    llm.generate([{"prompt_token_ids": work[0][0][:16]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    params = [SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True) for _, n_out in work]
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in work], params, use_tqdm=False)
+    duration = time.perf_counter() - start
+    results = [RequestResult(len(p), n, ok=o.finished and o.error is None, status=200,
+                             completion_tokens=len(o.outputs[0].token_ids)) for (p, n), o in zip(work, outs)]
+    return results, duration
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     engine_flags = []
@@ -187,6 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--launch", action="store_true", help="start `pagedllm serve` (engine flags after --)")
+    p.add_argument("--offline", action="store_true",
+                   help="baseline: run the workload through LLM.generate in-process (no server)")
     p.add_argument("--launch-model", default="smollm2-135m-instruct")
     p.add_argument("--model", default="smollm2-135m-instruct", help="the `model` field sent")
     p.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"))
@@ -205,11 +230,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
 
     proc = None
-    if args.launch:
+    work = make_workload(args)
+    if args.launch and not args.offline:
         proc, args.base_url = launch_server(args, engine_flags)
     try:
-        work = make_workload(args)
-        results, duration = asyncio.run(run_load(args, work))
+        if args.offline:
+            results, duration = run_offline(args, work, engine_flags)
+        else:
+            results, duration = asyncio.run(run_load(args, work))
     finally:
         if proc is not None:
             proc.terminate()
@@ -221,11 +249,12 @@ def main(argv: list[str] | None = None) -> dict:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = Path(args.out) if args.out else RESULTS / f"serving_{args.label}_{time.strftime('%Y%m%d_%H%M%S')}.json"
     out.write_text(json.dumps(record, indent=2, default=str))
-    t, i = summary["ttft_ms"], summary["itl_ms"]
+    def pct(d: dict) -> str:
+        return "/".join("-" if d[k] is None else f"{d[k]:.0f}" for k in ("p50", "p90", "p99"))
+
     print(f"serving {args.label}: {summary['num_success']}/{summary['num_requests']} ok in {duration:.1f}s, "
           f"{summary['request_throughput']:.2f} req/s, {summary['output_throughput_tok_s']:.1f} out tok/s, "
-          f"TTFT p50/p90/p99 {t['p50']:.0f}/{t['p90']:.0f}/{t['p99']:.0f} ms, "
-          f"ITL p50/p90/p99 {i['p50']:.0f}/{i['p90']:.0f}/{i['p99']:.0f} ms -> {out}")
+          f"TTFT p50/p90/p99 {pct(summary['ttft_ms'])} ms, ITL p50/p90/p99 {pct(summary['itl_ms'])} ms -> {out}")
     return record
 
 
