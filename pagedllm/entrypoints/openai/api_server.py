@@ -43,7 +43,7 @@ from pagedllm.metrics import CONTENT_TYPE_LATEST
 
 logger = logging.getLogger("pagedllm.server")
 
-_OPEN_PATHS = ("/health", "/metrics", "/version", "/ping")
+_OPEN_PATHS = ("/health", "/metrics", "/version")  # probes and scrapers need no key
 _REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
 
 

@@ -274,7 +274,6 @@ class ChatCompletionResponse(OpenAIBase):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
-    prompt_token_ids: list[int] | None = None  # vLLM-style debug field, only when asked
 
 
 class DeltaMessage(OpenAIBase):
