@@ -76,9 +76,9 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -
 class TorchPagedAttention:
     """Paged attention with PyTorch ops (the :class:`~pagedllm.attention.backend.AttentionBackend`).
 
-    Stateless apart from a reusable decode workspace (one per instance, so one instance
-    may be shared by every layer of a model but not by two threads running forwards at
-    the same time).
+    Stateless apart from a reusable decode workspace and the current pass's decode plan,
+    so one instance may be shared by every layer of a model but not by two threads running
+    forwards at the same time.
 
     Args:
         max_workspace_bytes: cap on the decode gather buffer; decode batches needing more
