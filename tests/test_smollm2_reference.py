@@ -29,10 +29,20 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2_path):
-    from transformers import AutoModelForCausalLM
+    """transformers' LlamaForCausalLM holding the same dequantized weights.
 
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                                 dtype=torch.float32)
+    (That our dequantization equals transformers' own GGUF loading is tested in
+    test_loader.py; building the model from our tensors avoids needing `accelerate`.)
+    """
+    from transformers import LlamaForCausalLM
+
+    from pagedllm.loader import load_model_files
+
+    files = load_model_files(str(smollm2_path))
+    model = LlamaForCausalLM(files.hf_config)
+    missing, unexpected = model.load_state_dict(dict(files.weights(torch.float32)), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
     return model.eval()
 
 
@@ -42,20 +52,16 @@ def llm(smollm2_path):
 
 
 def _hf_greedy(model, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
-    """Greedy tokens and, per step, the top-1 minus top-2 logprob gap."""
-    ids = torch.tensor([prompt_ids])
+    """Greedy tokens and, per step, the top-1 minus top-2 logprob gap (full forward each step)."""
+    ids = list(prompt_ids)
     out, gaps = [], []
-    past = None
     with torch.no_grad():
         for _ in range(NEW_TOKENS):
-            res = model(ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            lp = torch.log_softmax(res.logits[0, -1].float(), -1)
-            top = lp.topk(2)
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            top = torch.log_softmax(logits, -1).topk(2)
             gaps.append(float(top.values[0] - top.values[1]))
-            tok = int(top.indices[0])
-            out.append(tok)
-            ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+            out.append(int(top.indices[0]))
+            ids.append(out[-1])
     return out, gaps
 
 
