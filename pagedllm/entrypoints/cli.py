@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete one or more prompts and print the answers")
-    g.add_argument("prompts", nargs="+", help="prompt text (several: one request each, batched)")
+    g.add_argument("prompts", nargs="*", help="prompt text (several: one request each, batched)")
+    g.add_argument("--prompts-file", default=None, help="file with one prompt per line (added to PROMPTS)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     g.add_argument("--system", default=None, help="system message (with --chat)")
     g.add_argument("-m", "--model", default=DEFAULT_MODEL, help="model alias, .gguf path or HF folder")
@@ -80,9 +81,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _read_prompts(args) -> list[str]:
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        raise ValueError("no prompt given: pass PROMPT arguments or --prompts-file")
+    return prompts
+
+
 def _generate(args) -> int:
     from pagedllm.llm import LLM
 
+    args.prompts = _read_prompts(args)
     config = engine_config_from_args(args)
     llm = LLM(**vars(config))
     params = _sampling_params(args)

@@ -1,0 +1,37 @@
+"""The `pagedllm` command line: generate prints completions; bad options exit 2 with a message."""
+
+from __future__ import annotations
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints.cli import build_parser, main
+
+
+def test_engine_flags_come_from_engine_config():
+    args = build_parser().parse_args(["generate", "hi", "--block-size", "32", "--no-enable-prefix-caching",
+                                      "--kv-cache-memory", "1GiB", "--max-num-seqs", "8"])
+    assert (args.block_size, args.enable_prefix_caching, args.kv_cache_memory, args.max_num_seqs) == \
+        (32, False, "1GiB", 8)
+    serve = build_parser().parse_args(["serve", "some-model", "--port", "9999", "--max-model-len", "256"])
+    assert (serve.model, serve.port, serve.max_model_len) == ("some-model", 9999, 256)
+
+
+def test_generate_prints_the_greedy_completion(tiny_model_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\nThe sky is\n")
+    rc = main(["generate", "-m", str(tiny_model_dir), "--prompts-file", str(prompts), "--max-tokens", "5",
+               "--ignore-eos", "--num-kv-blocks", "64", "--max-model-len", "128"])
+    assert rc == 0
+    out = capsys.readouterr()
+    llm = LLM(model=str(tiny_model_dir), num_kv_blocks=64, max_model_len=128)
+    expected = llm.generate(["Hello there", "The sky is"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                            use_tqdm=False)
+    for exp in expected:
+        assert exp.outputs[0].text in out.out
+    assert "2 requests, 10 tokens" in out.err
+
+
+def test_bad_option_exits_2_with_the_field_named(tiny_model_dir, capsys):
+    rc = main(["generate", "-m", str(tiny_model_dir), "hi", "--block-size", "7"])
+    assert rc == 2
+    assert "block_size" in capsys.readouterr().err
+    assert main(["generate", "-m", str(tiny_model_dir)]) == 2
