@@ -84,3 +84,37 @@ def test_answers_real_question(llm):
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason in ("stop", "length")
     assert "<|im_end|>" not in out.outputs[0].text
+
+
+def _stream_deltas(engine, prompt_ids: list[int], params: SamplingParams) -> tuple[list[str], str]:
+    """Run one request with DELTA outputs; returns the text deltas and the final text."""
+    from pagedllm.sampling_params import RequestOutputKind
+
+    params.output_kind = RequestOutputKind.DELTA
+    rid = engine.add_request(None, {"prompt_token_ids": prompt_ids}, params)
+    deltas = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and out.outputs:
+                deltas.append(out.outputs[0].text)
+    return deltas, "".join(deltas)
+
+
+@pytest.mark.parametrize("ask,chat", [
+    ("Ocean emoji: 🌊 🐠 🐬 🐳", False),  # the model continues with 4-byte emoji split across tokens
+    ("Write the French words for Christmas, summer and coffee, with their accents.", True),
+    ("Write 'thank you' in Japanese and in Chinese characters.", True),
+])
+def test_streamed_unicode_deltas_have_no_replacement_char(llm, ask, chat):
+    """Issue 4: multi-byte characters split across tokens never surface as U+FFFD; deltas add up."""
+    engine = llm.llm_engine
+    ids = (engine.apply_chat_template([{"role": "user", "content": ask}]) if chat
+           else engine.tokenize_prompt(ask))
+    params = SamplingParams(temperature=0, max_tokens=48)
+    deltas, streamed = _stream_deltas(engine, ids, params)
+    final = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=48),
+                         use_tqdm=False)[0].outputs[0]
+    assert streamed == final.text
+    assert all("\ufffd" not in d for d in deltas)
+    assert any(ord(ch) > 127 for ch in final.text), final.text  # the model did emit non-ASCII text
+    assert final.text == engine.tokenizer.decode([t for t in final.token_ids if t != 2], skip_special_tokens=True)
