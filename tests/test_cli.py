@@ -35,3 +35,18 @@ def test_bad_option_exits_2_with_the_field_named(tiny_model_dir, capsys):
     assert rc == 2
     assert "block_size" in capsys.readouterr().err
     assert main(["generate", "-m", str(tiny_model_dir)]) == 2
+
+
+def test_chat_keeps_the_conversation_and_reuses_its_prefix(tiny_model_dir, monkeypatch, capsys):
+    lines = iter(["Hello, who are you?", "And what can you do for me today?", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    rc = main(["chat", "-m", str(tiny_model_dir), "--max-tokens", "4", "--num-kv-blocks", "64",
+               "--max-model-len", "256"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    turns = [ln for ln in err.splitlines() if ln.endswith("from the prefix cache]")]
+    assert len(turns) == 2
+    # turn 1 has nothing cached; turn 2's prompt starts with turn 1's prompt, so its full blocks hit
+    assert turns[0].endswith(", 0 from the prefix cache]")
+    cached = int(turns[1].split(", ")[1].split()[0])
+    assert cached >= 16 and cached % 16 == 0

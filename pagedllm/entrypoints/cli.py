@@ -139,7 +139,9 @@ def _chat(args) -> int:
         history.append({"role": "user", "content": line})
         out = llm.chat(history, params, use_tqdm=False)[0]
         answer = out.outputs[0].text
-        print(f"assistant> {answer}  [{out.num_cached_tokens} prompt tokens from the prefix cache]")
+        print(f"assistant> {answer}")
+        print(f"[{len(out.prompt_token_ids)} prompt tokens, {out.num_cached_tokens} from the prefix cache]",
+              file=sys.stderr)
         history.append({"role": "assistant", "content": answer})
     return 0
 
