@@ -16,10 +16,11 @@ from torch import nn
 
 from pagedllm.attention.backend import (AttentionBackend, AttentionMetadata, ForwardContext, get_forward_context,
                                         set_forward_context)
+from pagedllm.attention.cpu_paged import CpuPagedAttention
 from pagedllm.attention.torch_paged import TorchPagedAttention
 
-__all__ = ["Attention", "AttentionBackend", "AttentionMetadata", "ForwardContext", "TorchPagedAttention",
-           "get_attention_backend", "get_forward_context", "set_forward_context"]
+__all__ = ["Attention", "AttentionBackend", "AttentionMetadata", "CpuPagedAttention", "ForwardContext",
+           "TorchPagedAttention", "get_attention_backend", "get_forward_context", "set_forward_context"]
 
 _BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"
 
@@ -27,16 +28,20 @@ _BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"
 def get_attention_backend(device: torch.device | str) -> AttentionBackend:
     """The attention backend for ``device`` (``"cpu"``, ``"cuda"``, ``torch.device``).
 
-    By default every device gets :class:`TorchPagedAttention` (PyTorch ops; on CUDA they
-    run as CUDA kernels). ``PAGEDLLM_ATTENTION_BACKEND=triton`` selects the Triton kernel
-    (:mod:`pagedllm.attention.triton_paged`; on CPU only under ``TRITON_INTERPRET=1``).
-    Raises ValueError for an unknown device type or backend name, or when ``triton`` is
-    asked for but not installed.
+    By default CPU gets :class:`~pagedllm.attention.cpu_paged.CpuPagedAttention` (fused C
+    decode kernel, compiled on first use) when the kernel builds, else
+    :class:`TorchPagedAttention`; CUDA gets :class:`TorchPagedAttention` (PyTorch ops run as
+    CUDA kernels). ``PAGEDLLM_ATTENTION_BACKEND`` overrides: ``torch`` forces the PyTorch
+    backend, ``cpu`` the C kernel (CPU only; falls back to torch with a warning if it does
+    not build), ``triton`` the Triton kernel (:mod:`pagedllm.attention.triton_paged`; on CPU
+    only under ``TRITON_INTERPRET=1``).
+    Raises ValueError for an unknown device type or backend name, when ``triton`` is asked
+    for but not installed, or when ``cpu`` is asked for on a non-CPU device.
     """
     device = torch.device(device)
     choice = os.environ.get(_BACKEND_ENV, "auto").lower()
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"{_BACKEND_ENV} must be 'auto', 'torch' or 'triton', got {choice!r}")
+    if choice not in ("auto", "torch", "cpu", "triton"):
+        raise ValueError(f"{_BACKEND_ENV} must be 'auto', 'torch', 'cpu' or 'triton', got {choice!r}")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"no attention backend for device type {device.type!r} (supported: cpu, cuda)")
     if choice == "triton":
@@ -45,6 +50,12 @@ def get_attention_backend(device: torch.device | str) -> AttentionBackend:
         except ImportError as e:
             raise ValueError(f"{_BACKEND_ENV}=triton needs the triton package ({e})") from e
         return TritonPagedAttention()
+    if choice == "cpu" and device.type != "cpu":
+        raise ValueError(f"{_BACKEND_ENV}=cpu needs a CPU device, got {device.type!r}")
+    if choice in ("auto", "cpu") and device.type == "cpu":
+        backend = CpuPagedAttention()
+        if backend.is_kernel_available:
+            return backend
     return TorchPagedAttention()
 
 

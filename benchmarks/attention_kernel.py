@@ -1,0 +1,171 @@
+"""Decode attention per layer: the PyTorch backend (gather + SDPA) vs the fused C kernel.
+
+SmolLM2-135M shapes (9 query heads, 3 KV heads, head_dim 64), ``--batch`` decodes (64) with
+context lengths drawn uniformly from ``ctx ± 15 %`` (fixed seed), block size 16, shuffled block
+tables, float32 and bfloat16 KV caches. One timed sample = ``--layers`` (30) backend calls
+(KV write + attention) inside one forward context, the way a model step runs them, divided by
+the number of layers; the two backends are measured alternately, sample after sample, so a
+noisy shared machine hurts both alike; medians are reported.
+
+``--model-step`` also times a whole SmolLM2-135M decode step (float32 forward + logits) at the
+same batch with each backend (the model's attention backend swapped in place, alternately).
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/attention_kernel.py               # ~20 s
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/attention_kernel.py --model-step  # + model load
+    python benchmarks/attention_kernel.py --quick                               # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import common
+
+sys.path.insert(0, str(common.REPO_ROOT))  # run from a checkout without installing
+
+from pagedllm.attention import CpuPagedAttention, TorchPagedAttention  # noqa: E402
+from pagedllm.attention.backend import AttentionMetadata, set_forward_context  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 9, 3, 64, 30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def decode_metadata(seq_lens: list[int], block_size: int, gen: torch.Generator) -> tuple[AttentionMetadata, int]:
+    """A decode-only step: request i has seq_lens[i] tokens (the last one new), shuffled blocks.
+    Returns (metadata, num_blocks in the pool)."""
+    needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(needed) + 8
+    perm = torch.randperm(num_blocks, generator=gen)
+    width = max(needed)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(needed):
+        tables[i, :n] = perm[start:start + n]
+        start += n
+    last = torch.tensor([n - 1 for n in seq_lens])
+    slots = tables[torch.arange(len(seq_lens)), last // block_size].long() * block_size + last % block_size
+    b = len(seq_lens)
+    meta = AttentionMetadata(
+        slot_mapping=slots, query_start_loc=torch.arange(b + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables, num_decodes=b,
+        num_decode_tokens=b, max_query_len=1, max_seq_len=max(seq_lens),
+        query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=list(seq_lens))
+    return meta, num_blocks
+
+
+def time_layers(backend, inputs, caches, meta: AttentionMetadata) -> float:
+    """Seconds per layer of one step: len(caches) backend calls under one forward context."""
+    query, key, value = inputs
+    scale = HEAD_DIM**-0.5
+    t0 = time.perf_counter()
+    with set_forward_context(meta):
+        for cache in caches:
+            backend.forward(query, key, value, cache, meta, scale)
+    return (time.perf_counter() - t0) / len(caches)
+
+
+def bench_attention(args, dtype: torch.dtype, backends: dict[str, object]) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(args.seed)
+    spread = int(0.15 * args.ctx)
+    seq_lens = torch.randint(args.ctx - spread, args.ctx + spread + 1, (args.batch,), generator=gen).tolist()
+    meta, num_blocks = decode_metadata(seq_lens, args.block_size, gen)
+    caches = [torch.randn(2, num_blocks, args.block_size, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+              for _ in range(args.layers)]
+    inputs = (torch.randn(args.batch, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype),
+              torch.randn(args.batch, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype),
+              torch.randn(args.batch, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype))
+    with set_forward_context(meta):  # same answer from both (sanity check, not a test)
+        outs = [b.forward(*inputs, caches[0], meta, HEAD_DIM**-0.5).float() for b in backends.values()]
+    max_diff = (outs[0] - outs[1]).abs().max().item()
+    samples: dict[str, list[float]] = {name: [] for name in backends}
+    for rep in range(args.warmup + args.reps):
+        for name, backend in backends.items():
+            t = time_layers(backend, inputs, caches, meta)
+            if rep >= args.warmup:
+                samples[name].append(t)
+    kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * caches[0].element_size()
+    result = {f"{name}_ms": 1e3 * statistics.median(s) for name, s in samples.items()}
+    result.update(max_abs_diff=max_diff, kv_mib_per_layer=kv_bytes / 2**20,
+                  kernel_gib_s=kv_bytes / 2**30 / (result["kernel_ms"] / 1e3),
+                  speedup=result["torch_ms"] / result["kernel_ms"], mean_ctx=statistics.mean(seq_lens))
+    return result
+
+
+def bench_model_step(args, backends: dict[str, object]) -> dict[str, float]:
+    """Median seconds of a full SmolLM2 decode step (forward + logits) with each backend."""
+    from pagedllm.loader import load_model_files
+    from pagedllm.models import get_model_class
+
+    files = load_model_files(args.model)
+    model = get_model_class(files.hf_config)(files.hf_config, dtype=torch.float32, device="cpu")
+    model.load_weights(files.weights(torch.float32))
+    model.eval()
+    gen = torch.Generator().manual_seed(args.seed)
+    spread = int(0.15 * args.ctx)
+    seq_lens = torch.randint(args.ctx - spread, args.ctx + spread + 1, (args.batch,), generator=gen).tolist()
+    meta, num_blocks = decode_metadata(seq_lens, args.block_size, gen)
+    model.bind_kv_caches([torch.randn(2, num_blocks, args.block_size, model.num_kv_heads, model.head_dim,
+                                      generator=gen) for _ in range(model.num_layers)])
+    ids = torch.randint(common.FIRST_ORDINARY_TOKEN_ID, model.vocab_size, (args.batch,), generator=gen)
+    positions = torch.tensor(seq_lens) - 1
+    attns = [m for m in model.modules() if hasattr(m, "backend") and hasattr(m, "kv_cache")]
+    samples: dict[str, list[float]] = {name: [] for name in backends}
+    with torch.inference_mode():
+        for rep in range(args.warmup + args.step_reps):
+            for name, backend in backends.items():
+                for m in attns:
+                    m.backend = backend
+                t0 = time.perf_counter()
+                with set_forward_context(meta):
+                    model.compute_logits(model(ids, positions))
+                if rep >= args.warmup:
+                    samples[name].append(time.perf_counter() - t0)
+    return {f"{name}_step_ms": 1e3 * statistics.median(s) for name, s in samples.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--ctx", type=int, default=300, help="mean context length (tokens)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=NUM_LAYERS)
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-step", action="store_true", help="also time a full SmolLM2 decode step")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--step-reps", type=int, default=10)
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, no JSON")
+    p.add_argument("--out", default=None, help="JSON path (default results/attention_kernel.json)")
+    args = p.parse_args()
+    if args.quick:
+        args.batch, args.ctx, args.layers, args.reps, args.warmup, args.step_reps = 4, 40, 2, 2, 1, 1
+    kernel_backend = CpuPagedAttention()
+    if not kernel_backend.is_kernel_available:
+        sys.exit("the C kernel did not build (see the warning above)")
+    backends = {"torch": TorchPagedAttention(), "kernel": kernel_backend}
+    record = {"config": {k: v for k, v in vars(args).items() if k not in ("out",)},
+              "threads": torch.get_num_threads(), "attention": {}}
+    for name in args.dtypes:
+        record["attention"][name] = bench_attention(args, DTYPES[name], backends)
+    if args.model_step:
+        record["model_step"] = bench_model_step(args, backends)
+    parts = [f"{name}: torch {r['torch_ms']:.3f} ms, kernel {r['kernel_ms']:.3f} ms per layer "
+             f"({r['speedup']:.2f}x, {r['kernel_gib_s']:.1f} GiB/s)" for name, r in record["attention"].items()]
+    if args.model_step:
+        s = record["model_step"]
+        parts.append(f"SmolLM2 decode step: torch {s['torch_step_ms']:.1f} ms, kernel {s['kernel_step_ms']:.1f} ms")
+    print(f"attention_kernel B={args.batch} ctx~{args.ctx} block {args.block_size} "
+          f"threads {record['threads']}: " + "; ".join(parts))
+    if not args.quick:
+        print(f"wrote {common.write_result('attention_kernel', record, args.out)}")
+
+
+if __name__ == "__main__":
+    main()

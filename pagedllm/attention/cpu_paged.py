@@ -1,0 +1,304 @@
+"""CPU paged-attention backend with a fused C decode kernel (``cpu_paged.c``).
+
+:class:`CpuPagedAttention` is a :class:`~pagedllm.attention.torch_paged.TorchPagedAttention`
+that differs only in how it runs **decodes**: instead of gathering every request's K/V blocks into a workspace
+(``index_select``) and calling SDPA on the copy, a small C kernel reads each K and V row once,
+straight through the block table, with an online softmax (Milakov & Gimelshein 2018;
+FlashAttention's tiling), all query heads of a GQA group sharing each row. K/V writes and prefills (including chunked
+prefill and prefix-cache hits) are the inherited torch code.
+
+The kernel is plain C11 with no torch headers. It is compiled on first use with the system C
+compiler (``$CC``, default ``cc``; ``-O3 -march=native -ffp-contract=fast -fPIC -shared``, no
+``-ffast-math``)
+into ``$PAGEDLLM_CACHE_DIR`` (default ``~/.cache/pagedllm``) under a name keyed by the SHA-256
+of the source, the flags and the host CPU, written atomically, and loaded with
+:mod:`ctypes`. ctypes releases the GIL for the call, so the decode batch is split into
+``torch.get_num_threads()`` contiguous ranges of requests (balanced by context length) that
+run in parallel on a persistent thread pool, without OpenMP. When no compiler is found or the
+build fails, one warning is logged and the backend behaves exactly like the torch one.
+
+Supported by the kernel: contiguous float32 and bfloat16 KV caches on CPU with head_dim a
+multiple of 16 (up to 256) and up to 256 query heads; anything else (other dtypes, non-CPU
+tensors, odd head sizes) goes to the torch backend, as do steps without decodes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import hashlib
+import itertools
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedllm.attention.backend import AttentionMetadata, ForwardContext
+from pagedllm.attention.torch_paged import TorchPagedAttention, _current_context
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CpuPagedAttention", "CpuPagedKernel", "load_kernel"]
+
+_SOURCE = Path(__file__).with_name("cpu_paged.c")
+_CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
+_ABI_VERSION = 1
+_CACHE_ENV = "PAGEDLLM_CACHE_DIR"
+
+_c_int, _c_ll, _c_float, _c_void_p = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p
+# paged_decode_{f32,bf16}(q, k_cache, v_cache, block_tables, seq_lens, out, req_begin, req_end, num_heads,
+#   num_kv_heads, head_dim, block_size, block_table_stride, kv_block_stride, kv_token_stride, scale)
+_ARGTYPES = [_c_void_p] * 6 + [_c_int] * 6 + [_c_ll] * 3 + [_c_float]
+
+
+class CpuPagedKernel:
+    """The loaded shared library: ``decode(...)`` runs the fused kernel on a range of requests.
+
+    Obtain it with :func:`load_kernel`; its functions release the GIL while they run.
+    """
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        lib.pagedllm_cpu_paged_abi_version.restype = _c_int
+        if lib.pagedllm_cpu_paged_abi_version() != _ABI_VERSION:
+            raise OSError(f"{path}: ABI version mismatch")
+        lib.pagedllm_cpu_paged_max_heads.restype = _c_int
+        lib.pagedllm_cpu_paged_max_head_dim.restype = _c_int
+        self.max_heads: int = lib.pagedllm_cpu_paged_max_heads()
+        self.max_head_dim: int = lib.pagedllm_cpu_paged_max_head_dim()
+        self.path = path
+        self._fns = {}
+        for dtype, name in ((torch.float32, "paged_decode_f32"), (torch.bfloat16, "paged_decode_bf16")):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = _ARGTYPES, None
+            self._fns[dtype] = fn
+        self._lib = lib  # keep the library loaded
+
+    def supports(self, dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
+        """Whether the kernel handles a KV cache of ``dtype`` (float32, bfloat16) with these
+        shapes (``num_heads <= max_heads``; ``head_dim`` a multiple of 16, ``<= max_head_dim``)."""
+        return (dtype in self._fns and 1 <= num_heads <= self.max_heads and head_dim % 16 == 0
+                and 0 < head_dim <= self.max_head_dim)
+
+    def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, out: torch.Tensor, req_begin: int, req_end: int, scale: float) -> None:
+        """Decode attention of requests ``[req_begin, req_end)`` into ``out`` (no checks: see
+        :meth:`CpuPagedAttention.forward`, which validates once per step).
+
+        Args:
+            query, out: (D, num_heads, head_dim) float32, contiguous, CPU; ``out`` is written.
+            kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim) float32 or bfloat16, contiguous.
+            block_tables: (>= D, max_blocks) int32 with a unit last stride; ids < num_blocks.
+            seq_lens: (>= D,) int32 contiguous; 1 <= seq_lens[r] <= max_blocks * block_size.
+        """
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        kv_block_stride = block_size * num_kv_heads * head_dim
+        self._fns[kv_cache.dtype](
+            query.data_ptr(), kv_cache.data_ptr(), kv_cache.data_ptr() + num_blocks * kv_block_stride *
+            kv_cache.element_size(), block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), req_begin,
+            req_end, query.shape[1], num_kv_heads, head_dim, block_size, block_tables.stride(0), kv_block_stride,
+            num_kv_heads * head_dim, scale)
+
+
+_load_lock = threading.Lock()
+_loaded: dict[str, CpuPagedKernel | None] = {}
+
+
+def load_kernel() -> CpuPagedKernel | None:
+    """Compile (once per source/flags/CPU, cached on disk) and load the kernel.
+
+    Returns None, after logging one warning per process and compiler, when the compiler is
+    missing or the build or load fails; never raises for those. The compiler is ``$CC``
+    (default ``cc``), read at call time; results are memoised per compiler name.
+    """
+    compiler = os.environ.get("CC", "cc")
+    with _load_lock:
+        if compiler not in _loaded:
+            try:
+                _loaded[compiler] = CpuPagedKernel(_build(compiler))
+            except (OSError, subprocess.SubprocessError, AttributeError) as e:
+                logger.warning("CPU paged-attention kernel unavailable (%s); using the PyTorch backend", e)
+                _loaded[compiler] = None
+        return _loaded[compiler]
+
+
+def _build(compiler: str) -> Path:
+    """Path of the compiled library, building it if absent. Raises OSError/SubprocessError on failure."""
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(_CFLAGS).encode(), compiler.encode(),
+                                     _host_cpu_id().encode()])).hexdigest()[:24]
+    cache_dir = Path(os.environ.get(_CACHE_ENV) or Path.home() / ".cache" / "pagedllm")
+    target = cache_dir / f"cpu_paged_{key}.so"
+    if target.exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=cache_dir)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *_CFLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True,
+                                timeout=120)
+        if result.returncode != 0:
+            raise OSError(f"{compiler} exited with {result.returncode}: {result.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: concurrent builders never see a partial file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _host_cpu_id() -> str:
+    """Machine + CPU model + ISA flags: a library built with -march=native on one CPU must not be
+    loaded on another that shares the cache directory."""
+    text = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features"))]
+        text = "".join(sorted(set(lines)))
+    except OSError:
+        pass
+    return f"{platform.machine()}|{platform.processor()}|{text}"
+
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _get_pool(num_workers: int) -> ThreadPoolExecutor:
+    """A process-wide pool with at least ``num_workers`` threads (recreated larger if needed)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < num_workers:  # noqa: SLF001 (no public accessor)
+            old, _pool = _pool, ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="pagedllm-attn")
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+@dataclass
+class _KernelPlan:
+    """Per-step decode inputs shared by all layers of one forward pass."""
+
+    owner: ForwardContext | None
+    num_blocks: int  # the cache's num_blocks the block ids were checked against
+    block_tables: torch.Tensor  # (D, max_blocks) int32, unit last stride
+    seq_lens: torch.Tensor  # (D,) int32 contiguous
+    ranges: list[tuple[int, int]]  # request ranges, one per thread, balanced by context length
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """Paged attention on CPU with a fused C decode kernel (the ``AttentionBackend`` protocol).
+
+    A :class:`TorchPagedAttention` whose decode step runs in the C kernel: ``forward`` (K/V
+    write through the slot mapping, decodes, then prefills with the torch code) is inherited
+    unchanged, only :meth:`_decode` is replaced. Decodes fall back to the torch code when the
+    kernel is unavailable or does not handle the cache (see :meth:`CpuPagedKernel.supports`;
+    non-CPU or non-contiguous caches).
+
+    Args:
+        num_threads: threads for the decode kernel; default (None) ``torch.get_num_threads()``
+            at each step.
+        kernel: a loaded :class:`CpuPagedKernel`; default :func:`load_kernel` (None when the
+            build fails: the backend then is exactly the torch one).
+
+    Extra errors from ``forward``: ValueError when a decode's block table names a block
+    outside the cache or is too short for its ``seq_len`` (the kernel trusts its inputs, so
+    they are checked once per step). One instance may be shared by every layer of a model,
+    not by two threads running forwards at the same time (it caches the current pass's plan).
+    """
+
+    def __init__(self, num_threads: int | None = None, kernel: CpuPagedKernel | None = None) -> None:
+        super().__init__()
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        self.num_threads = num_threads
+        self.kernel = kernel if kernel is not None else load_kernel()
+        self._kernel_plan_cache: _KernelPlan | None = None
+
+    @property
+    def is_kernel_available(self) -> bool:
+        """False when the C kernel could not be built: every call then runs the torch code."""
+        return self.kernel is not None
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                scale: float, out: torch.Tensor) -> None:
+        """Attention of the decode requests into ``out``. query, out: (D, num_heads, head_dim).
+
+        The D requests are split into ``num_threads`` contiguous ranges of about equal total
+        context; each runs in the kernel (GIL released), the first on the calling thread.
+        """
+        kernel = self.kernel
+        if not (kernel is not None and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
+                and kernel.supports(kv_cache.dtype, query.shape[1], kv_cache.shape[-1])):
+            super()._decode(query, kv_cache, metadata, scale, out)
+            return
+        plan = self._kernel_plan(metadata, kv_cache)
+        q = query.to(torch.float32).contiguous()  # a no-op for contiguous float32 queries
+        direct = out.dtype == torch.float32 and out.is_contiguous()
+        result = out if direct else torch.empty(q.shape, dtype=torch.float32)
+        args = (q, kv_cache, plan.block_tables, plan.seq_lens, result)
+        first, *rest = plan.ranges
+        futures = [_get_pool(len(rest)).submit(kernel.decode, *args, *r, scale) for r in rest] if rest else []
+        kernel.decode(*args, *first, scale)
+        for f in futures:
+            f.result()
+        if not direct:
+            out.copy_(result)
+
+    def _kernel_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _KernelPlan:
+        """Validated int32 block tables / seq_lens and the thread split of the step's decodes,
+        computed once per forward pass (keyed by its ForwardContext, as the torch backend's plan)."""
+        owner = _current_context(metadata)
+        num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+        plan = self._kernel_plan_cache
+        if owner is not None and plan is not None and plan.owner is owner and plan.num_blocks == num_blocks:
+            return plan
+        num_decodes = metadata.num_decodes
+        lens = metadata.seq_lens_cpu[:num_decodes]
+        tables = metadata.block_tables[:num_decodes].to(device="cpu", dtype=torch.int32)
+        if tables.dim() != 2 or tables.stride(-1) != 1:
+            tables = tables.contiguous()
+        _validate_decodes(tables, lens, num_blocks, block_size)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        num_threads = self.num_threads or torch.get_num_threads()
+        plan = _KernelPlan(owner, num_blocks, tables, seq_lens, _balanced_ranges(lens, num_threads))
+        self._kernel_plan_cache = plan if owner is not None else None
+        return plan
+
+
+def _validate_decodes(tables: torch.Tensor, lens: list[int], num_blocks: int, block_size: int) -> None:
+    """The kernel trusts its inputs: check once per step that every read stays inside the cache."""
+    max_blocks = tables.shape[1]
+    if min(lens) < 1 or max(lens) > max_blocks * block_size:
+        raise ValueError(f"decode seq_lens must be in [1, {max_blocks * block_size}] (block_tables width "
+                         f"{max_blocks} x block_size {block_size}), got min {min(lens)} max {max(lens)}")
+    needed = -(-max(lens) // block_size)
+    used = tables[:, :needed]
+    # Only the blocks each request actually reads must be valid; padding past its seq_len may be anything.
+    valid = torch.arange(needed).unsqueeze(0) < ((torch.tensor(lens) + block_size - 1) // block_size).unsqueeze(1)
+    bad = valid & ((used < 0) | (used >= num_blocks))
+    if bool(bad.any()):
+        r, i = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"block_tables[{r}, {i}] = {int(used[r, i])} is outside the KV cache's "
+                         f"{num_blocks} blocks")
+
+
+def _balanced_ranges(lens: list[int], num_parts: int) -> list[tuple[int, int]]:
+    """Split requests 0..len(lens)-1 into at most ``num_parts`` contiguous non-empty ranges of
+    about equal total context length (the kernel's cost is linear in it): range k ends after
+    the first request at which the running total reaches k/num_parts of the whole."""
+    num_reqs = len(lens)
+    num_parts = max(1, min(num_parts, num_reqs))
+    cumulative = list(itertools.accumulate(lens))
+    bounds = [0]
+    for k in range(1, num_parts):
+        end = bisect.bisect_left(cumulative, cumulative[-1] * k / num_parts) + 1
+        bounds.append(max(bounds[-1] + 1, min(end, num_reqs - (num_parts - k))))
+    bounds.append(num_reqs)
+    return list(zip(bounds[:-1], bounds[1:]))

@@ -1,0 +1,216 @@
+"""The fused CPU decode kernel (``pagedllm/attention/cpu_paged.c``) against plain attention.
+
+Each case puts every request's context K/V into a paged cache with shuffled block tables
+(all other slots hold large garbage, so a read through a wrong slot shows), runs one step
+through :class:`CpuPagedAttention`, and compares with float64 causal attention over the
+contiguous K/V and with :class:`TorchPagedAttention` on the same inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagedllm.attention import CpuPagedAttention, TorchPagedAttention, get_attention_backend
+from pagedllm.attention import cpu_paged
+from pagedllm.attention.backend import set_forward_context
+from tests.model_utils import allocate_block_tables, make_metadata
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+# (num_heads, num_kv_heads, head_dim): GQA (SmolLM2's 9/3 at head_dim 64), MQA, MHA, the generic
+# head_dim path (32, 48) and the other unrolled one (128).
+HEADS = {"gqa": (9, 3, 64), "mqa": (8, 1, 32), "mha": (4, 4, 48), "gqa128": (4, 2, 128)}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = cpu_paged.load_kernel()
+    if k is None:
+        pytest.skip("no C compiler: the kernel cannot be built here")
+    return k
+
+
+def reference_attention(q, k, v, context_len, scale):
+    """Float64 causal attention. q: (Q, H, D) at positions context_len..; k, v: (S, KV, D)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)  # (S, H, D)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    q_pos = torch.arange(context_len, context_len + q.shape[0]).unsqueeze(1)
+    scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def build_case(reqs, block_size, dtype, heads, seed=0):
+    """Random Q/K/V for requests [(context_len, query_len)] (decodes first), a cache holding each
+    request's context, the step's metadata and the float64 reference output."""
+    num_heads, num_kv_heads, head_dim = heads
+    scale = head_dim**-0.5
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in reqs]
+    tables, num_blocks = allocate_block_tables(seq_lens, block_size, seed)
+    cache = (100 * torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g)).to(dtype)
+    full_k = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s in seq_lens]
+    full_v = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s in seq_lens]
+    queries = [(2 * torch.randn(q, num_heads, head_dim, generator=g)).to(dtype) for _, q in reqs]
+    for (c, _), table, k, v in zip(reqs, tables, full_k, full_v):
+        for p in range(c):
+            cache[:, table[p // block_size], p % block_size] = torch.stack([k[p], v[p]])
+    meta = make_metadata([c for c, _ in reqs], [q for _, q in reqs], tables, block_size)
+    query = torch.cat(queries)
+    key = torch.cat([k[c:] for (c, _), k in zip(reqs, full_k)])
+    value = torch.cat([v[c:] for (c, _), v in zip(reqs, full_v)])
+    expected = torch.cat([reference_attention(q, k, v, c, scale)
+                          for (c, _), q, k, v in zip(reqs, queries, full_k, full_v)])
+    return query, key, value, cache, meta, expected, scale
+
+
+def decode_reqs(block_size):
+    """Decode contexts ending exactly at, just past and just before block (and tile) boundaries."""
+    lens = [1, 2, block_size, block_size + 1, 2 * block_size, 3 * block_size - 1, 31, 32, 33, 64, 65, 200]
+    return [(n - 1, 1) for n in sorted(set(lens))]
+
+
+def run_both(query, key, value, cache, meta, scale, backend):
+    """(kernel output, torch output) on separate copies of the cache, inside a forward context."""
+    torch_cache = cache.clone()
+    with set_forward_context(meta):
+        out = backend.forward(query, key, value, cache, meta, scale)
+        ref = TorchPagedAttention().forward(query, key, value, torch_cache, meta, scale)
+    torch.testing.assert_close(cache, torch_cache, atol=0, rtol=0)  # the same K/V written
+    return out, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_decode_matches_causal_attention(kernel, block_size, heads, dtype):
+    query, key, value, cache, meta, expected, scale = build_case(decode_reqs(block_size), block_size, dtype,
+                                                                 HEADS[heads])
+    assert meta.num_decodes == meta.num_reqs
+    out, ref = run_both(query, key, value, cache, meta, scale, CpuPagedAttention(kernel=kernel))
+    assert out.shape == query.shape and out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
+    torch.testing.assert_close(out.double(), ref.double(), atol=TOLERANCE[dtype], rtol=0)
+
+
+MIXED = [(0, 1), (5, 1), (37, 1), (130, 1), (16, 1), (0, 13), (0, 1), (20, 7), (48, 16), (3, 40), (0, 64)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_mixed_decode_and_prefill_batch(kernel, block_size, dtype):
+    query, key, value, cache, meta, expected, scale = build_case(MIXED, block_size, dtype, HEADS["gqa"], seed=1)
+    assert meta.num_decodes == 5
+    out, ref = run_both(query, key, value, cache, meta, scale, CpuPagedAttention(kernel=kernel))
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
+    # Prefill rows come from the torch backend's own code: identical.
+    torch.testing.assert_close(out[meta.num_decodes:], ref[meta.num_decodes:], atol=0, rtol=0)
+
+
+def test_thread_split_is_bitwise_deterministic(kernel):
+    query, key, value, cache, meta, expected, scale = build_case(decode_reqs(16), 16, torch.float32,
+                                                                 HEADS["gqa"], seed=2)
+    outs = []
+    for num_threads in (1, 2, 3, 5):
+        with set_forward_context(meta):
+            outs.append(CpuPagedAttention(num_threads=num_threads, kernel=kernel).forward(
+                query, key, value, cache.clone(), meta, scale))
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], atol=0, rtol=0)
+    torch.testing.assert_close(outs[0].double(), expected, atol=2e-5, rtol=0)
+
+
+def test_plan_shared_by_layers_and_renewed_per_step(kernel):
+    """Two layers in one forward context share the plan; the next step's context gets its own."""
+    backend = CpuPagedAttention(kernel=kernel)
+    step1 = build_case([(10, 1), (40, 1)], 16, torch.float32, HEADS["gqa"], seed=3)
+    step2 = build_case([(70, 1), (3, 1), (16, 1)], 16, torch.float32, HEADS["gqa"], seed=4)
+    for query, key, value, cache, meta, expected, scale in (step1, step2):
+        with set_forward_context(meta):
+            layer0 = backend.forward(query, key, value, cache.clone(), meta, scale)
+            plan = backend._kernel_plan_cache
+            layer1 = backend.forward(query, key, value, cache.clone(), meta, scale)
+            assert plan is not None and backend._kernel_plan_cache is plan
+        for out in (layer0, layer1):
+            torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=0)
+
+
+def test_non_contiguous_query_and_unsupported_head_dim(kernel):
+    query, key, value, cache, meta, expected, scale = build_case(MIXED, 16, torch.float32, HEADS["gqa"], seed=5)
+    wide = torch.cat([query, torch.full_like(query, 1e4)], dim=-1)[..., :query.shape[-1]]  # strided view
+    assert not wide.is_contiguous()
+    out, _ = run_both(wide, key, value, cache, meta, scale, CpuPagedAttention(kernel=kernel))
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=0)
+    assert not kernel.supports(torch.float32, 4, 24) and not kernel.supports(torch.float16, 4, 64)
+    query, key, value, cache, meta, expected, scale = build_case(MIXED, 16, torch.float32, (4, 2, 24), seed=6)
+    out, _ = run_both(query, key, value, cache, meta, scale, CpuPagedAttention(kernel=kernel))  # torch path
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=0)
+
+
+def test_block_id_outside_cache_raises(kernel):
+    query, key, value, cache, meta, _, scale = build_case([(20, 1), (5, 1)], 16, torch.float32, HEADS["gqa"])
+    meta.block_tables[1, 0] = cache.shape[1]  # one past the last block
+    with pytest.raises(ValueError, match=r"block_tables\[1, 0\]"):
+        CpuPagedAttention(kernel=kernel).forward(query, key, value, cache, meta, scale)
+
+
+@pytest.mark.parametrize("lens, parts, expected", [
+    ([10, 10, 10, 10], 2, [(0, 2), (2, 4)]),
+    ([100, 1, 1, 1], 2, [(0, 1), (1, 4)]),
+    ([1, 1, 1, 100], 2, [(0, 3), (3, 4)]),
+    ([5, 5, 5], 8, [(0, 1), (1, 2), (2, 3)]),
+    ([7], 4, [(0, 1)]),
+    ([3, 3, 3, 3, 3, 3], 3, [(0, 2), (2, 4), (4, 6)]),
+])
+def test_balanced_ranges(lens, parts, expected):
+    assert cpu_paged._balanced_ranges(lens, parts) == expected
+
+
+def test_build_is_cached_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    path = cpu_paged._build("cc")
+    assert path.parent == tmp_path and path.name.startswith("cpu_paged_") and path.suffix == ".so"
+    mtime = path.stat().st_mtime_ns
+    assert cpu_paged._build("cc") == path and path.stat().st_mtime_ns == mtime  # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary files left
+    assert cpu_paged.CpuPagedKernel(path).supports(torch.bfloat16, 9, 64)
+
+
+@pytest.mark.parametrize("compiler", ["pagedllm-no-such-compiler", "false"])
+def test_fallback_when_build_fails(tmp_path, monkeypatch, caplog, compiler):
+    """A missing or failing compiler logs one warning and gives the torch backend's results."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", compiler)
+    monkeypatch.delenv("PAGEDLLM_ATTENTION_BACKEND", raising=False)
+    monkeypatch.setattr(cpu_paged, "_loaded", {})
+    with caplog.at_level(logging.WARNING, logger="pagedllm.attention.cpu_paged"):
+        backend = CpuPagedAttention()
+        assert cpu_paged.load_kernel() is None
+    assert not backend.is_kernel_available
+    assert len([r for r in caplog.records if "kernel unavailable" in r.getMessage()]) == 1
+    assert isinstance(get_attention_backend("cpu"), TorchPagedAttention)
+    query, key, value, cache, meta, expected, scale = build_case(MIXED, 16, torch.float32, HEADS["gqa"])
+    out = backend.forward(query, key, value, cache, meta, scale)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=0)
+
+
+def test_backend_selection(kernel, monkeypatch):
+    monkeypatch.delenv("PAGEDLLM_ATTENTION_BACKEND", raising=False)
+    assert isinstance(get_attention_backend("cpu"), CpuPagedAttention)
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "torch")
+    assert type(get_attention_backend("cpu")) is TorchPagedAttention
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "cpu")
+    assert isinstance(get_attention_backend("cpu"), CpuPagedAttention)
+    with pytest.raises(ValueError, match="needs a CPU device"):
+        get_attention_backend("cuda")
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="PAGEDLLM_ATTENTION_BACKEND"):
+        get_attention_backend("cpu")
+
+
+def test_num_threads_validated():
+    with pytest.raises(ValueError, match="num_threads"):
+        CpuPagedAttention(num_threads=0)
