@@ -31,6 +31,7 @@ import itertools
 import logging
 import os
 import platform
+import shlex
 import subprocess
 import tempfile
 import threading
@@ -89,8 +90,9 @@ class CpuPagedKernel:
 
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, out: torch.Tensor, req_begin: int, req_end: int, scale: float) -> None:
-        """Decode attention of requests ``[req_begin, req_end)`` into ``out`` (no checks: see
-        :meth:`CpuPagedAttention.forward`, which validates once per step).
+        """Decode attention of requests ``[req_begin, req_end)`` into ``out``. Nothing is checked
+        here (a bad block id reads out of bounds): :class:`CpuPagedAttention` validates the block
+        tables and ``seq_lens`` once per step.
 
         Args:
             query, out: (D, num_heads, head_dim) float32, contiguous, CPU; ``out`` is written.
@@ -116,7 +118,8 @@ def load_kernel() -> CpuPagedKernel | None:
 
     Returns None, after logging one warning per process and compiler, when the compiler is
     missing or the build or load fails; never raises for those. The compiler is ``$CC``
-    (default ``cc``), read at call time; results are memoised per compiler name.
+    (default ``cc``; may carry words, e.g. ``"ccache gcc"``), read at call time; results are
+    memoised per compiler.
     """
     compiler = os.environ.get("CC", "cc")
     with _load_lock:
@@ -142,10 +145,11 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=cache_dir)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *_CFLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True,
-                                timeout=120)
+        result = subprocess.run([*shlex.split(compiler), *_CFLAGS, "-o", tmp, str(_SOURCE)], capture_output=True,
+                                text=True, timeout=120)
         if result.returncode != 0:
             raise OSError(f"{compiler} exited with {result.returncode}: {result.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o755)  # mkstemp made it 0600
         os.replace(tmp, target)  # atomic: concurrent builders never see a partial file
     finally:
         if os.path.exists(tmp):
@@ -168,16 +172,17 @@ def _host_cpu_id() -> str:
 
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
+_pool_size = 0
 
 
 def _get_pool(num_workers: int) -> ThreadPoolExecutor:
-    """A process-wide pool with at least ``num_workers`` threads (recreated larger if needed)."""
-    global _pool
+    """A process-wide pool with at least ``num_workers`` threads (replaced by a larger one if needed)."""
+    global _pool, _pool_size
     with _pool_lock:
-        if _pool is None or _pool._max_workers < num_workers:  # noqa: SLF001 (no public accessor)
-            old, _pool = _pool, ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="pagedllm-attn")
+        if _pool is None or _pool_size < num_workers:
+            old, _pool, _pool_size = _pool, ThreadPoolExecutor(num_workers, "pagedllm-attn"), num_workers
             if old is not None:
-                old.shutdown(wait=False)
+                old.shutdown(wait=False)  # lets its in-flight calls finish
         return _pool
 
 
