@@ -33,6 +33,7 @@ from pagedllm.attention.backend import AttentionMetadata, set_forward_context  #
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 9, 3, 64, 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MAX_ABS_DIFF = {"float32": 1e-4, "bfloat16": 5e-2}  # kernel vs torch backend on the timed inputs
 
 
 def decode_metadata(seq_lens: list[int], block_size: int, gen: torch.Generator) -> tuple[AttentionMetadata, int]:
@@ -153,7 +154,9 @@ def main() -> None:
     record = {"config": {k: v for k, v in vars(args).items() if k not in ("out",)},
               "threads": torch.get_num_threads(), "attention": {}}
     for name in args.dtypes:
-        record["attention"][name] = bench_attention(args, DTYPES[name], backends)
+        record["attention"][name] = result = bench_attention(args, DTYPES[name], backends)
+        if result["max_abs_diff"] > MAX_ABS_DIFF[name]:
+            sys.exit(f"{name}: kernel and torch backend differ by {result['max_abs_diff']:.3g}")
     if args.model_step:
         record["model_step"] = bench_model_step(args, backends)
     parts = [f"{name}: torch {r['torch_ms']:.3f} ms, kernel {r['kernel_ms']:.3f} ms per layer "

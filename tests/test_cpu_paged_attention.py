@@ -9,6 +9,10 @@ contiguous K/V and with :class:`TorchPagedAttention` on the same inputs.
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -214,3 +218,12 @@ def test_backend_selection(kernel, monkeypatch):
 def test_num_threads_validated():
     with pytest.raises(ValueError, match="num_threads"):
         CpuPagedAttention(num_threads=0)
+
+
+def test_benchmark_quick_runs(kernel):
+    """benchmarks/attention_kernel.py --quick runs both backends and checks they agree."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_kernel.py"
+    res = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("attention_kernel B=4 ctx~40 block 16") and "bfloat16: torch" in res.stdout
