@@ -18,6 +18,7 @@ same batch with each backend (the model's attention backend swapped in place, al
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -139,12 +140,16 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (both backends; the kernel splits requests over as many threads)")
     p.add_argument("--model-step", action="store_true", help="also time a full SmolLM2 decode step")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--step-reps", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, no JSON")
     p.add_argument("--out", default=None, help="JSON path (default results/attention_kernel.json)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.batch, args.ctx, args.layers, args.reps, args.warmup, args.step_reps = 4, 40, 2, 2, 1, 1
     kernel_backend = CpuPagedAttention()
@@ -152,13 +157,14 @@ def main() -> None:
         sys.exit("the C kernel did not build (see the warning above)")
     backends = {"torch": TorchPagedAttention(), "kernel": kernel_backend}
     record = {"config": {k: v for k, v in vars(args).items() if k not in ("out",)},
-              "threads": torch.get_num_threads(), "attention": {}}
+              "threads": torch.get_num_threads(), "load_avg_before": os.getloadavg()[0], "attention": {}}
     for name in args.dtypes:
         record["attention"][name] = result = bench_attention(args, DTYPES[name], backends)
         if result["max_abs_diff"] > MAX_ABS_DIFF[name]:
             sys.exit(f"{name}: kernel and torch backend differ by {result['max_abs_diff']:.3g}")
     if args.model_step:
         record["model_step"] = bench_model_step(args, backends)
+    record["load_avg_after"] = os.getloadavg()[0]  # a shared machine: other jobs' load, for context
     parts = [f"{name}: torch {r['torch_ms']:.3f} ms, kernel {r['kernel_ms']:.3f} ms per layer "
              f"({r['speedup']:.2f}x, {r['kernel_gib_s']:.1f} GiB/s)" for name, r in record["attention"].items()]
     if args.model_step:
