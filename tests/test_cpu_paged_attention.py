@@ -120,8 +120,10 @@ def test_thread_split_is_bitwise_deterministic(kernel):
     outs = []
     for num_threads in (1, 2, 3, 5):
         with set_forward_context(meta):
-            outs.append(CpuPagedAttention(num_threads=num_threads, kernel=kernel).forward(
-                query, key, value, cache.clone(), meta, scale))
+            backend = CpuPagedAttention(num_threads=num_threads, kernel=kernel, min_tokens_per_thread=1)
+            outs.append(backend.forward(query, key, value, cache.clone(), meta, scale))
+            assert len(backend._kernel_plan_cache.ranges) == min(num_threads, meta.num_reqs)
+    assert len(CpuPagedAttention(num_threads=4, kernel=kernel)._kernel_plan(meta, cache).ranges) == 1  # too small
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=0, rtol=0)
     torch.testing.assert_close(outs[0].double(), expected, atol=2e-5, rtol=0)
@@ -215,9 +217,11 @@ def test_backend_selection(kernel, monkeypatch):
         get_attention_backend("cpu")
 
 
-def test_num_threads_validated():
+def test_arguments_validated():
     with pytest.raises(ValueError, match="num_threads"):
         CpuPagedAttention(num_threads=0)
+    with pytest.raises(ValueError, match="min_tokens_per_thread"):
+        CpuPagedAttention(min_tokens_per_thread=0)
 
 
 def test_benchmark_quick_runs(kernel):

@@ -209,6 +209,9 @@ class CpuPagedAttention(TorchPagedAttention):
     Args:
         num_threads: threads for the decode kernel; default (None) ``torch.get_num_threads()``
             at each step.
+        min_tokens_per_thread: context tokens (summed over the decodes) each thread must get
+            before the step is split; the default 2048 is ~0.1 ms of kernel work, several
+            times the cost of handing a range to the pool (tens of microseconds).
         kernel: a loaded :class:`CpuPagedKernel`; default :func:`load_kernel` (None when the
             build fails: the backend then is exactly the torch one).
 
@@ -218,11 +221,15 @@ class CpuPagedAttention(TorchPagedAttention):
     not by two threads running forwards at the same time (it caches the current pass's plan).
     """
 
-    def __init__(self, num_threads: int | None = None, kernel: CpuPagedKernel | None = None) -> None:
+    def __init__(self, num_threads: int | None = None, kernel: CpuPagedKernel | None = None,
+                 min_tokens_per_thread: int = 2048) -> None:
         super().__init__()
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        if min_tokens_per_thread < 1:
+            raise ValueError(f"min_tokens_per_thread must be >= 1, got {min_tokens_per_thread}")
         self.num_threads = num_threads
+        self.min_tokens_per_thread = min_tokens_per_thread
         self.kernel = kernel if kernel is not None else load_kernel()
         self._kernel_plan_cache: _KernelPlan | None = None
 
@@ -271,7 +278,7 @@ class CpuPagedAttention(TorchPagedAttention):
             tables = tables.contiguous()
         _validate_decodes(tables, lens, num_blocks, block_size)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
-        num_threads = self.num_threads or torch.get_num_threads()
+        num_threads = min(self.num_threads or torch.get_num_threads(), sum(lens) // self.min_tokens_per_thread)
         plan = _KernelPlan(owner, num_blocks, tables, seq_lens, _balanced_ranges(lens, num_threads))
         self._kernel_plan_cache = plan if owner is not None else None
         return plan
