@@ -256,7 +256,8 @@ class CpuPagedAttention(TorchPagedAttention):
         result = out if direct else torch.empty(q.shape, dtype=torch.float32)
         args = (q, kv_cache, plan.block_tables, plan.seq_lens, result)
         first, *rest = plan.ranges
-        futures = [_get_pool(len(rest)).submit(kernel.decode, *args, *r, scale) for r in rest] if rest else []
+        pool = _get_pool(len(rest)) if rest else None
+        futures = [pool.submit(kernel.decode, *args, *r, scale) for r in rest] if pool else []
         kernel.decode(*args, *first, scale)
         for f in futures:
             f.result()
