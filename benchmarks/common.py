@@ -48,6 +48,7 @@ def machine_info() -> dict[str, Any]:
         "cpu": cpu_model,
         "num_cpus": os.cpu_count(),
         "python": platform.python_version(),
+        "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()],
         "isa": sorted(f for f in flags if f in {"avx2", "avx512f", "avx512_bf16", "avx512_vnni",
                                                   "amx_tile", "amx_bf16", "amx_int8"}),
     }
