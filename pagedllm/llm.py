@@ -59,10 +59,12 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
 
-        Raises ValueError for an empty conversation or an unknown role.
+        ``continue_final_message=True`` makes the model continue the last (assistant)
+        message instead of starting a new turn. Raises ValueError for an empty
+        conversation or an unknown role.
         """
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not convs:
@@ -70,13 +72,15 @@ class LLM:
         engine = self.llm_engine
         prompts = []
         for conv in convs:
-            ids = engine.apply_chat_template(conv, add_generation_prompt, chat_template)
+            ids = engine.apply_chat_template(conv, add_generation_prompt, chat_template, continue_final_message)
             prompts.append({"prompt_token_ids": ids, "prompt": engine.tokenizer.decode(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def _as_prompt_list(prompts) -> list[PromptInput]:
+        if prompts is None:
+            raise ValueError("prompts must be a string, a token prompt dict, or a list of them; got None")
         if isinstance(prompts, (str, dict)):
             return [prompts]
         if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):

@@ -193,3 +193,16 @@ def test_failure_in_one_request_fails_only_it(tiny_model_dir, ref_tokens):
             assert out.outputs[0].token_ids == ref_tokens[i] and out.error is None
     _assert_all_free(llm)
     assert _tokens(llm.generate(PROMPTS[:2], _greedy(), use_tqdm=False)) == ref_tokens[:2]
+
+
+def test_chat_continue_final_message(tiny_model_dir):
+    llm = _make(tiny_model_dir)
+    conv = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi the"}]
+    out = llm.chat(conv, _greedy(4), use_tqdm=False, continue_final_message=True)[0]
+    tok = llm.get_tokenizer()
+    rendered = tok.decode(out.prompt_token_ids)
+    assert rendered.endswith("<|im_start|>assistant\nHi the")  # left open: no <|im_end|>, no new turn
+    with pytest.raises(ValueError, match="assistant"):
+        llm.chat(conv[:1], _greedy(4), use_tqdm=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="prompts"):
+        llm.generate(None)

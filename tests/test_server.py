@@ -228,6 +228,11 @@ _BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": [[]]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    # features not supported must be refused, never silently ignored
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
 ]
 
 

@@ -122,14 +122,16 @@ class LLMEngine:
         return ids
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None, continue_final_message: bool = False) -> list[int]:
         """Render a conversation with the model's chat template and tokenize it.
 
         Messages are ``{"role": "system"|"user"|"assistant"|"tool"|"developer", "content": str |
         [{"type": "text", "text": ...}, ...]}``. The rendered text already contains the
         template's special tokens, so it is tokenized with ``add_special_tokens=False``
         (no doubled BOS). Raises ValueError for an empty conversation, an unknown role,
-        non-text content, or a model without a chat template.
+        non-text content, or a model without a chat template. ``continue_final_message``
+        leaves the last (assistant) message open so the model continues it (then no
+        generation prompt is added).
         """
         from pagedllm.engine.chat import normalize_conversation
 
@@ -137,8 +139,11 @@ class LLMEngine:
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise ValueError("this model has no chat template; pass chat_template= or use a plain prompt")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template,
-                                                  add_generation_prompt=add_generation_prompt)
+        if continue_final_message and messages[-1]["role"] != "assistant":
+            raise ValueError("continue_final_message needs the last message to have role 'assistant'")
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, chat_template=template, continue_final_message=continue_final_message,
+            add_generation_prompt=add_generation_prompt and not continue_final_message)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ------------------------------------------------------------------ requests

@@ -20,7 +20,9 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("m
     for f in dataclasses.fields(EngineConfig):
         if f.name in skip:
             continue
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        help_text = f.metadata.get("help", "")
+        if "default" not in help_text:  # fields whose default is resolved later say so themselves
+            help_text += f" (default: {f.default})"
         hint = hints[f.name]
         if hint is bool:
             group.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,

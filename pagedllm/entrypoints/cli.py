@@ -17,17 +17,17 @@ from pagedllm.entrypoints.args import add_engine_args, engine_config_from_args
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256, help="most new tokens per answer")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--max-tokens", type=int, default=256, help="most new tokens per answer (default: 256)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="min probability relative to the top token (default: 0)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="(default: 1.0 = off)")
     g.add_argument("--sampling-seed", dest="sample_seed", type=int, default=None,
                    help="per-request sampling seed (--seed is the engine's global seed)")
-    g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--n", type=int, default=1, help="samples per prompt (default: 1)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="generate max-tokens even past EOS")
 
 
 def _sampling_params(args):

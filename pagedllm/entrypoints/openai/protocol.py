@@ -225,11 +225,22 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Accepted so that asking for them gets a clear 400 rather than being silently ignored.
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
 
     def to_sampling_params(self) -> SamplingParams:
         """SamplingParams of this request (raises ValueError naming the field)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported "
+                             "(no guided decoding); only {'type': 'text'}")
+        if self.tools:
+            raise ValueError("tools (function calling) are not supported by this server")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice is not supported by this server (no tools)")
         kw = self._sampling_kwargs()
         kw["max_tokens"] = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.logprobs:
