@@ -206,3 +206,25 @@ def test_chat_continue_final_message(tiny_model_dir):
         llm.chat(conv[:1], _greedy(4), use_tqdm=False, continue_final_message=True)
     with pytest.raises(ValueError, match="prompts"):
         llm.generate(None)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_n4_children_share_prompt_blocks_by_reference(tiny_model_dir, caching):
+    """Issue 4: n=4 forks share the prompt's full blocks (ref count 4 while running), not copies."""
+    llm = _make(tiny_model_dir, enable_prefix_caching=caching)
+    engine = llm.llm_engine
+    prompt = {"prompt_token_ids": list(range(100, 140))}  # 40 tokens = 2 full blocks + 8
+    engine.add_request("g", prompt, SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True))
+    kv = engine.scheduler.kv_cache_manager
+    for _ in range(3):
+        engine.step()
+    children = [r for r in engine.scheduler.running if r.parent_id == "g"]
+    assert len(children) == 4
+    tables = [kv.get_block_ids(r) for r in children]
+    shared = tables[0][:2]
+    assert all(t[:2] == shared for t in tables)  # the two full prompt blocks, by reference
+    assert len({t[2] for t in tables}) == 4  # each child's partial tail block is its own
+    assert [kv.block_pool.blocks[b].ref_cnt for b in shared] == [4, 4]
+    while engine.has_unfinished_requests():
+        engine.step()
+    _assert_all_free(llm)
