@@ -111,8 +111,8 @@ class OpenAIServing:
             for s in streams:
                 s.abort()
         for out in finals:
-            if out is not None and out.error is not None:
-                raise APIError(500, f"the request failed inside the engine: {out.error}")
+            if out is not None:
+                raise_if_failed(out)
         return [out for out in finals if out is not None]
 
 
@@ -168,6 +168,27 @@ SSE_DONE = "data: [DONE]\n\n"
 def json_response(model: Any, status_code: int = 200) -> Response:
     """A JSON response from a pydantic model (non-finite floats serialize as null)."""
     return Response(content=model.model_dump_json(), status_code=status_code, media_type="application/json")
+
+
+def raise_if_failed(out: Any) -> None:
+    """Raise APIError(500) when a RequestOutput reports a failure inside the engine."""
+    if out.error is not None:
+        raise APIError(500, f"the request failed inside the engine: {out.error}")
+
+
+async def guarded_sse(events: Any, streams: list) -> Any:
+    """Yield the SSE ``events``; a failure after the headers went out is reported in-band,
+    every engine stream is aborted on any exit (client gone included), and the stream
+    always ends with ``data: [DONE]``."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as e:  # noqa: BLE001 - reported in-band: the headers are gone
+        yield stream_error_event(e)
+    finally:
+        for s in streams:
+            s.abort()
+    yield SSE_DONE
 
 
 def stream_error_event(exc: BaseException) -> str:

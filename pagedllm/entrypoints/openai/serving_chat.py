@@ -31,7 +31,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse, ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob,
     DeltaMessage, finite_logprob, make_usage)
 from pagedllm.entrypoints.openai.serving_base import (
-    SSE_DONE, OpenAIServing, json_response, merge_streams, sse, stream_error_event)
+    OpenAIServing, guarded_sse, json_response, merge_streams, raise_if_failed, sse)
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
@@ -69,7 +69,7 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self.add_requests(request_id, [(prompt_ids, None)], params, req.priority)
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(self._stream(req, request_id, created, streams),
+            return StreamingResponse(guarded_sse(self._events(req, request_id, created, streams), streams),
                                      media_type="text/event-stream")
         (final,) = await self.collect_final(streams, raw_request)
         return json_response(self._response(req, request_id, created, final))
@@ -106,34 +106,26 @@ class OpenAIServingChat(OpenAIServing):
                               for t, l in top]))
         return ChatChoiceLogprobs(content=content)
 
-    async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int, streams: list
+    async def _events(self, req: ChatCompletionRequest, request_id: str, created: int, streams: list
                       ) -> AsyncIterator[str]:
         def chunk(choices: list[ChatStreamChoice], usage=None) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                     choices=choices, usage=usage).model_dump_json())
 
         num_prompt = num_cached = num_completion = 0
-        try:
-            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                         for i in range(req.n)])
-            async for _, out in merge_streams(streams):
-                if out.error is not None:
-                    raise APIError(500, f"the request failed inside the engine: {out.error}")
-                num_prompt, num_cached = len(out.prompt_token_ids), out.num_cached_tokens
-                choices = []
-                for c in out.outputs:
-                    num_completion += len(c.token_ids)
-                    choices.append(ChatStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=c.text),
-                        logprobs=self._logprobs(req, c) if req.logprobs else None,
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-                if choices:
-                    yield chunk(choices)
-            if req.include_usage_in_stream:
-                yield chunk([], make_usage(num_prompt, num_completion, num_cached))
-        except Exception as e:  # noqa: BLE001 - reported in-band: the headers are gone
-            yield stream_error_event(e)
-        finally:
-            for s in streams:
-                s.abort()
-        yield SSE_DONE
+        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                     for i in range(req.n)])
+        async for _, out in merge_streams(streams):
+            raise_if_failed(out)
+            num_prompt, num_cached = len(out.prompt_token_ids), out.num_cached_tokens
+            choices = []
+            for c in out.outputs:
+                num_completion += len(c.token_ids)
+                choices.append(ChatStreamChoice(
+                    index=c.index, delta=DeltaMessage(content=c.text),
+                    logprobs=self._logprobs(req, c) if req.logprobs else None,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            if choices:
+                yield chunk(choices)
+        if req.include_usage_in_stream:
+            yield chunk([], make_usage(num_prompt, num_completion, num_cached))

@@ -27,7 +27,7 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, CompletionStreamResponse,
     finite_logprob, make_usage)
 from pagedllm.entrypoints.openai.serving_base import (
-    SSE_DONE, OpenAIServing, json_response, merge_streams, sse, stream_error_event)
+    OpenAIServing, guarded_sse, json_response, merge_streams, raise_if_failed, sse)
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 
@@ -48,7 +48,7 @@ class OpenAIServingCompletion(OpenAIServing):
         streams = await self.add_requests(request_id, prompts, params, req.priority)
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(self._stream(req, request_id, created, streams, prompts),
+            return StreamingResponse(guarded_sse(self._events(req, request_id, created, streams, prompts), streams),
                                      media_type="text/event-stream")
         finals = await self.collect_final(streams, raw_request)
         return json_response(self._response(req, request_id, created, finals, prompts))
@@ -141,7 +141,7 @@ class OpenAIServingCompletion(OpenAIServing):
         lp.top_logprobs.append(top)
 
     # ------------------------------------------------------------------ streaming
-    async def _stream(self, req: CompletionRequest, request_id: str, created: int, streams: list,
+    async def _events(self, req: CompletionRequest, request_id: str, created: int, streams: list,
                       prompts: list[tuple[Any, str | None]]) -> AsyncIterator[str]:
         n = req.n
         num_prompt = [0] * len(streams)
@@ -149,31 +149,23 @@ class OpenAIServingCompletion(OpenAIServing):
         num_completion = 0
         offsets: dict[int, int] = {}  # choice index -> text offset of the next token
         started: set[int] = set()
-        try:
-            async for i, out in merge_streams(streams):
-                if out.error is not None:
-                    raise APIError(500, f"the request failed inside the engine: {out.error}")
-                num_prompt[i] = len(out.prompt_token_ids)
-                num_cached[i] = out.num_cached_tokens
-                choices = []
-                for c in out.outputs:
-                    index = i * n + c.index
-                    num_completion += len(c.token_ids)
-                    choices.append(self._stream_choice(req, out, c, index, prompts[i][1], started, offsets))
-                if choices:
-                    chunk = CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
-                                                     choices=choices)
-                    yield sse(chunk.model_dump_json())
-            if req.include_usage_in_stream:
-                chunk = CompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[],
-                                                 usage=make_usage(sum(num_prompt), num_completion, sum(num_cached)))
+        async for i, out in merge_streams(streams):
+            raise_if_failed(out)
+            num_prompt[i] = len(out.prompt_token_ids)
+            num_cached[i] = out.num_cached_tokens
+            choices = []
+            for c in out.outputs:
+                index = i * n + c.index
+                num_completion += len(c.token_ids)
+                choices.append(self._stream_choice(req, out, c, index, prompts[i][1], started, offsets))
+            if choices:
+                chunk = CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                                                 choices=choices)
                 yield sse(chunk.model_dump_json())
-        except Exception as e:  # noqa: BLE001 - reported in-band: the headers are gone
-            yield stream_error_event(e)
-        finally:
-            for s in streams:
-                s.abort()
-        yield SSE_DONE
+        if req.include_usage_in_stream:
+            chunk = CompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[],
+                                             usage=make_usage(sum(num_prompt), num_completion, sum(num_cached)))
+            yield sse(chunk.model_dump_json())
 
     def _stream_choice(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, index: int,
                        prompt_text: str | None, started: set[int], offsets: dict[int, int]) -> CompletionChoice:
