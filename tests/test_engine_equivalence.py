@@ -228,3 +228,20 @@ def test_n4_children_share_prompt_blocks_by_reference(tiny_model_dir, caching):
     while engine.has_unfinished_requests():
         engine.step()
     _assert_all_free(llm)
+
+
+@pytest.mark.parametrize("choice, expected", [("torch", "TorchPagedAttention"), ("cpu", "CpuPagedAttention")])
+def test_runner_owns_model_and_chooses_backend(tiny_model_dir, monkeypatch, choice, expected):
+    """The runner builds the model (eval mode, its device and dtype) and hands every attention
+    layer the backend it chose from PAGEDLLM_ATTENTION_BACKEND; the model never reads it."""
+    from pagedllm.attention import Attention, CpuPagedAttention
+
+    if choice == "cpu" and not CpuPagedAttention().is_kernel_available:
+        pytest.skip("no C compiler for the CPU kernel")
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", choice)
+    llm = _make(tiny_model_dir, max_model_len=64, num_kv_blocks=16)
+    runner = llm.llm_engine.runner
+    assert type(runner.attn_backend).__name__ == expected
+    assert not runner.model.training and next(runner.model.parameters()).dtype == runner.dtype
+    layers = [m for m in runner.model.modules() if isinstance(m, Attention)]
+    assert len(layers) == 2 and all(m.backend is runner.attn_backend for m in layers)

@@ -96,3 +96,44 @@ def get_forward_context() -> ForwardContext:
     if ctx is None:
         raise RuntimeError("attention called outside set_forward_context()")
     return ctx
+
+
+# -- helpers shared by the backends ------------------------------------------------------
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Write new keys/values into the paged cache, in place.
+
+    Args:
+        key, value: (T, num_kv_heads, head_dim), any float dtype (cast to the cache's).
+        kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim), contiguous.
+        slot_mapping: (T,) int64, each in [0, num_blocks * block_size). Negative slots are
+            not supported (the runner never pads).
+    """
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # (num_slots, num_kv_heads, head_dim)
+    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)  # (num_slots, num_kv_heads, head_dim)
+    key_cache.index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    value_cache.index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def check_shapes(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """Cheap host-side layout checks (no device sync). Raises ValueError naming the mismatch."""
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got shape {tuple(kv_cache.shape)}")
+    if tuple(kv_cache.shape[3:]) != tuple(key.shape[1:]):
+        raise ValueError(f"kv_cache (num_kv_heads, head_dim)={tuple(kv_cache.shape[3:])} does not match "
+                         f"key {tuple(key.shape[1:])}")
+    if query.shape[2] != key.shape[2] or query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads/head_dim {tuple(query.shape[1:])} incompatible with key "
+                         f"{tuple(key.shape[1:])}: num_heads must be a multiple of num_kv_heads")
+
+
+def current_context(metadata: AttentionMetadata) -> ForwardContext | None:
+    """The active forward context if it carries ``metadata``, else None."""
+    try:
+        ctx = get_forward_context()
+    except RuntimeError:
+        return None
+    return ctx if ctx.attn_metadata is metadata else None

@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.attention.backend import AttentionMetadata, ForwardContext
-from pagedllm.attention.torch_paged import TorchPagedAttention, _current_context
+from pagedllm.attention.backend import AttentionMetadata, ForwardContext, current_context
+from pagedllm.attention.torch_paged import TorchPagedAttention
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ class CpuPagedAttention(TorchPagedAttention):
     def _kernel_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _KernelPlan:
         """Validated int32 block tables / seq_lens and the thread split of the step's decodes,
         computed once per forward pass (keyed by its ForwardContext, as the torch backend's plan)."""
-        owner = _current_context(metadata)
+        owner = current_context(metadata)
         num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
         plan = self._kernel_plan_cache
         if owner is not None and plan is not None and plan.owner is owner and plan.num_blocks == num_blocks:

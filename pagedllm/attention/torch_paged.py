@@ -33,27 +33,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backend import AttentionMetadata, ForwardContext, get_forward_context
+from pagedllm.attention.backend import AttentionMetadata, ForwardContext, check_shapes, current_context, write_kv_cache
 
 _CPU_WORKSPACE_BYTES = 8 * 1024**2
 _CUDA_WORKSPACE_BYTES = 1024**3
-
-
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Write new keys/values into the paged cache, in place.
-
-    Args:
-        key, value: (T, num_kv_heads, head_dim), any float dtype (cast to the cache's).
-        kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim), contiguous.
-        slot_mapping: (T,) int64, each in [0, num_blocks * block_size). Negative slots are
-            not supported (the runner never pads).
-    """
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # (num_slots, num_kv_heads, head_dim)
-    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)  # (num_slots, num_kv_heads, head_dim)
-    key_cache.index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    value_cache.index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +96,7 @@ class TorchPagedAttention:
             ValueError: if the cache layout does not match the key/value heads or head_dim,
                 or ``num_heads`` is not a multiple of ``num_kv_heads``.
         """
-        _check_shapes(query, key, kv_cache)
+        check_shapes(query, key, kv_cache)
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         output = torch.empty_like(query)
         num_decodes = metadata.num_decodes
@@ -149,7 +132,7 @@ class TorchPagedAttention:
         shared by every layer. The cache key is the pass's ForwardContext object (new for each
         ``set_forward_context``), so a runner that refills one metadata object in place every
         step never sees a stale plan; outside a forward context nothing is cached."""
-        owner = _current_context(metadata)
+        owner = current_context(metadata)
         plan = self._plan
         if owner is not None and plan is not None and plan.owner is owner and plan.block_size == block_size:
             return plan
@@ -181,15 +164,6 @@ class _DecodePlan:
     max_len: int  # tokens gathered per request: the longest decode context rounded up to blocks
     block_tables: torch.Tensor  # (D, max_len // block_size) int32
     mask: torch.Tensor  # (D, 1, 1, max_len) bool, True = attend
-
-
-def _current_context(metadata: AttentionMetadata) -> ForwardContext | None:
-    """The active forward context if it carries ``metadata``, else None."""
-    try:
-        ctx = get_forward_context()
-    except RuntimeError:
-        return None
-    return ctx if ctx.attn_metadata is metadata else None
 
 
 def _default_workspace_bytes(device: torch.device) -> int:
@@ -253,16 +227,3 @@ def _prefill_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
     out = F.scaled_dot_product_attention(q, keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype),
                                          attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)  # (Q, num_heads, head_dim)
-
-
-def _check_shapes(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor) -> None:
-    """Cheap host-side layout checks (no device sync). Raises ValueError naming the mismatch."""
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
-                         f"got shape {tuple(kv_cache.shape)}")
-    if tuple(kv_cache.shape[3:]) != tuple(key.shape[1:]):
-        raise ValueError(f"kv_cache (num_kv_heads, head_dim)={tuple(kv_cache.shape[3:])} does not match "
-                         f"key {tuple(key.shape[1:])}")
-    if query.shape[2] != key.shape[2] or query.shape[1] % key.shape[1]:
-        raise ValueError(f"query heads/head_dim {tuple(query.shape[1:])} incompatible with key "
-                         f"{tuple(key.shape[1:])}: num_heads must be a multiple of num_kv_heads")

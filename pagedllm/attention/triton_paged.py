@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.attention.backend import AttentionMetadata
-from pagedllm.attention.torch_paged import _check_shapes, write_kv_cache
+from pagedllm.attention.backend import check_shapes, write_kv_cache
 
 
 @triton.jit
@@ -99,7 +99,7 @@ class TritonPagedAttention:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        _check_shapes(query, key, kv_cache)
+        check_shapes(query, key, kv_cache)
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         num_tokens, num_heads, head_dim = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape

@@ -13,8 +13,6 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
-import torch
-
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
@@ -55,8 +53,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         from pagedllm.loader import load_model_files
-        from pagedllm.models.registry import get_model_class
-        from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+        from pagedllm.worker.model_runner import ModelRunner
 
         t0 = time.perf_counter()
         files = load_model_files(config.model, config.tokenizer)
@@ -67,16 +64,8 @@ class LLMEngine:
         self.model_name = config.model
         self.eos_token_id = files.eos_token_id
         self.extra_stop_token_ids = [t for t in files.stop_token_ids if t != files.eos_token_id]
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
-        torch.manual_seed(config.seed)
-        model_cls = get_model_class(files.hf_config)
-        with torch.device(device):
-            model = model_cls(files.hf_config, dtype=dtype, device=device)
-        model.load_weights(files.weights(dtype))
-        model.eval()
-        self.vocab_size = int(files.hf_config.vocab_size)
-        self.runner = ModelRunner(config, model, device, dtype, self.vocab_size, self.eos_token_id)
+        self.runner = ModelRunner(config, files)
+        self.vocab_size = self.runner.vocab_size
         self.kv_cache_spec = self.runner.initialize_kv_cache()
         self.scheduler = Scheduler(config, self.kv_cache_spec.num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -85,7 +74,8 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         logger.info("engine ready: model %s (%s, %s on %s) in %.1f s; %s", config.model, files.format,
-                    str(dtype).replace("torch.", ""), device, time.perf_counter() - t0, self.kv_cache_spec.describe())
+                    str(self.runner.dtype).replace("torch.", ""), self.runner.device, time.perf_counter() - t0,
+                    self.kv_cache_spec.describe())
 
     @staticmethod
     def _resolve_max_model_len(config: EngineConfig, model_len: int) -> EngineConfig:

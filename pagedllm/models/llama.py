@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention import Attention, get_attention_backend
+from pagedllm.attention import Attention, AttentionBackend, TorchPagedAttention
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 _PACKED_LINEAR_ENV = "PAGEDLLM_CPU_PACKED_LINEAR"
@@ -274,6 +274,8 @@ class LlamaForCausalLM(nn.Module):
             rope_theta/rope_scaling, attention_bias, mlp_bias).
         dtype: parameter and activation dtype (float32, bfloat16, float16).
         device: where parameters, the rope table and activations live.
+        attn_backend: the paged-attention backend every layer calls (the model runner
+            chooses it for the device); default :class:`TorchPagedAttention`.
 
     Parameters are allocated uninitialized: call :meth:`load_weights` before use. The rope
     table covers positions ``[0, max_position_embeddings)``.
@@ -282,7 +284,8 @@ class LlamaForCausalLM(nn.Module):
     ``head_dim``, ``vocab_size``, ``max_positions``, ``dtype``, ``device``.
     """
 
-    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 attn_backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -295,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
         self.max_positions = config.max_position_embeddings
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         inv_freq, attention_factor = rope_inv_freq(config, self.head_dim)
-        backend = get_attention_backend(self.device)
+        backend = attn_backend if attn_backend is not None else TorchPagedAttention()
         with torch.device("meta"):  # no time spent initialising weights load_weights overwrites
             self.model = LlamaModel(config, self.head_dim, backend)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -23,9 +23,11 @@ from typing import Callable
 import numpy as np
 import torch
 
+from pagedllm.attention import get_attention_backend
 from pagedllm.attention.backend import AttentionMetadata, set_forward_context
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedllm.loader.model_files import ModelFiles
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -112,24 +114,31 @@ class _StepBatch:
 class ModelRunner:
     """Owns the model, the KV cache and per-request device-side state.
 
+    It builds the model: resolves ``config.device`` and ``config.dtype``, seeds torch with
+    ``config.seed``, picks the model class for ``model_files.hf_config`` from the registry,
+    chooses the attention backend for the device
+    (:func:`~pagedllm.attention.get_attention_backend`) and hands it to the model, loads the
+    weights and puts the model in eval mode.
+
     Args:
         config: resolved EngineConfig (``max_model_len`` set).
-        model: a model with ``forward(input_ids, positions)``, ``compute_logits(hidden)``,
-            ``bind_kv_caches(list)`` and ``num_layers``/``num_kv_heads``/``head_dim``.
-        device, dtype: where and in what precision it runs.
-        eos_token_id: the model's EOS id (for min_tokens masking).
+        model_files: the model's config, weights and end-of-sequence id
+            (:func:`pagedllm.loader.load_model_files`).
+
+    Raises ValueError for an unsupported architecture, a missing or misshapen weight, or a
+    device that is not available.
     """
 
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device,
-                 dtype: torch.dtype, vocab_size: int, eos_token_id: int | None) -> None:
+    def __init__(self, config: EngineConfig, model_files: ModelFiles) -> None:
         from pagedllm.worker.sampler import Sampler
 
         self.config = config
-        self.model = model
-        self.device = device
-        self.dtype = dtype
-        self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.attn_backend = get_attention_backend(self.device)
+        self.model = self._load_model(model_files)
+        self.vocab_size = int(model_files.hf_config.vocab_size)
+        self.eos_token_id = model_files.eos_token_id
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
@@ -142,6 +151,18 @@ class ModelRunner:
         self.kv_spec: KVCacheSpec | None = None
         # Test hook (case C06): called with each sampling request id; raising fails that request only.
         self.fault_injector: Callable[[str], None] | None = None
+
+    def _load_model(self, model_files: ModelFiles) -> torch.nn.Module:
+        """The model for ``model_files`` on this runner's device and dtype, weights loaded, in eval mode."""
+        from pagedllm.models.registry import get_model_class
+
+        torch.manual_seed(self.config.seed)
+        model_cls = get_model_class(model_files.hf_config)
+        with torch.device(self.device):
+            model = model_cls(model_files.hf_config, dtype=self.dtype, device=self.device,
+                              attn_backend=self.attn_backend)
+        model.load_weights(model_files.weights(self.dtype))
+        return model.eval()
 
     # ------------------------------------------------------------------ KV cache sizing
     def bytes_per_block(self) -> int:
