@@ -17,7 +17,8 @@ import pytest
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import (
-    AsyncLLMEngine, EngineDeadError, EngineOverloadedError, EngineUnhealthyError, merge_request_output)
+    AsyncLLMEngine, EngineDeadError, EngineInput, EngineOverloadedError, EngineUnhealthyError,
+    merge_request_output)
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -436,3 +437,46 @@ def test_metrics_recorded_per_request():
     assert 'pagedllm:generation_tokens_total{model_name="fake-model"} 5.0' in text
     assert 'pagedllm:request_prompt_tokens_sum{model_name="fake-model"} 10.0' in text
     assert 'pagedllm:kv_cache_usage_perc{model_name="fake-model"} 0.0' in text
+
+
+def test_caller_ids_are_labels_internal_ids_never_collide():
+    """A retried id, and labels that look like child (``0_x``) or batch (``y-1``) ids, run side by side."""
+    async def main():
+        fake = FakeEngine(max_model_len=512)
+        eng = AsyncLLMEngine(fake, stats_log_interval_s=0)
+        params = SamplingParams(max_tokens=3, output_kind=RequestOutputKind.FINAL_ONLY)
+        x = await eng.add_request("x", "a", params.clone())
+        retry = await eng.add_request("x", "a", params)
+        lookalike = await eng.add_request("0_x", "a", params)
+        y = await eng.add_requests("y", [EngineInput("a"), EngineInput("b")], params)
+        y1 = await eng.add_request("y-1", "c", params)
+        y0 = await eng.add_request("y-0", "c", params)
+        streams = [x, retry, lookalike, *y, y1, y0]
+        ids = [s.request_id for s in streams]
+        finals = [[o async for o in s][-1] for s in streams]
+        await _stop(eng)
+        return streams, ids, finals, fake
+
+    streams, ids, finals, fake = run(main())
+    assert len(set(ids)) == len(ids) == 7
+    assert [s.label for s in streams] == ["x", "x", "0_x", "y[0]", "y[1]", "y-1", "y-0"]
+    assert all(f.finished and f.outputs[0].text == "abc" for f in finals)
+    assert fake.requests == {}
+
+
+def test_batch_add_is_all_or_nothing_and_names_the_prompt():
+    async def main():
+        fake = FakeEngine(max_model_len=16)
+        eng = AsyncLLMEngine(fake, stats_log_interval_s=0)
+        params = SamplingParams(max_tokens=4, output_kind=RequestOutputKind.FINAL_ONLY)
+        with pytest.raises(ValueError, match=r"^prompt\[2\]: .*16"):
+            await eng.add_requests("b", [EngineInput("a"), EngineInput("b"), EngineInput("x" * 14)], params)
+        await asyncio.sleep(0.05)
+        left = dict(fake.requests)
+        ok = await eng.add_requests("b", [EngineInput("a"), EngineInput("b")], params)
+        texts = [[o async for o in s][-1].outputs[0].text for s in ok]
+        await _stop(eng)
+        return left, texts, eng.num_active_streams
+
+    left, texts, active = run(main())
+    assert left == {} and texts == ["abcd", "abcd"] and active == 0

@@ -245,3 +245,21 @@ def test_runner_owns_model_and_chooses_backend(tiny_model_dir, monkeypatch, choi
     assert not runner.model.training and next(runner.model.parameters()).dtype == runner.dtype
     layers = [m for m in runner.model.modules() if isinstance(m, Attention)]
     assert len(layers) == 2 and all(m.backend is runner.attn_backend for m in layers)
+
+
+def test_user_ids_never_collide_with_child_ids(tiny_model_dir):
+    """Children of ``n > 1`` have scheduler ids no user id can take (``x`` with n=2 beside ``x#0``)."""
+    llm = _make(tiny_model_dir)
+    engine = llm.llm_engine
+    prompt = {"prompt_token_ids": list(range(100, 110))}
+    engine.add_request("x", prompt, SamplingParams(n=2, temperature=0.0, max_tokens=4, ignore_eos=True))
+    for rid in ("x#0", "0_x", "x#1#0"):
+        engine.add_request(rid, prompt, _greedy(4))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(finished) == ["0_x", "x", "x#0", "x#1#0"]
+    ref = finished["0_x"].outputs[0].token_ids
+    assert [c.token_ids for c in finished["x"].outputs] == [ref, ref]
+    assert finished["x#0"].outputs[0].token_ids == ref == finished["x#1#0"].outputs[0].token_ids
+    _assert_all_free(llm)

@@ -420,3 +420,32 @@ def test_engine_death_health_503_and_prompt_errors():
         assert_error(c.post("/v1/chat/completions", json={"model": MODEL, "messages": [
             {"role": "user", "content": "x"}]}), 503)
         assert time.monotonic() - t0 < 1.0
+
+
+def _first_event(response) -> str:
+    return next(line for line in response.iter_lines() if line.startswith("data: "))
+
+
+def test_client_request_id_is_a_label_retry_and_lookalikes_served():
+    """A retry of a just-abandoned id is served; ids like a running request's child (``0_x``,
+    ``x`` with n=2) or batch (``y-1``, ``y`` with two prompts) ids are served too."""
+    srv, fake = make_server(FakeEngine(step_s=0.005, max_model_len=512))
+    with srv, httpx.Client(base_url=srv.url, timeout=10) as c:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 200, "min_tokens": 200, "stream": True,
+                "request_id": "retry-1"}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data: ")) == 3
+        again = c.post("/v1/completions", json={**body, "stream": False, "max_tokens": 3, "min_tokens": 0})
+        assert again.status_code == 200 and again.json()["id"] == "retry-1"
+        assert again.json()["choices"][0]["text"] == "abc"
+        long = {"model": MODEL, "max_tokens": 300, "stream": True}
+        with c.stream("POST", "/v1/completions", json={**long, "prompt": "a", "n": 2, "request_id": "x"}) as rx, \
+                c.stream("POST", "/v1/completions", json={**long, "prompt": ["a", "b"], "request_id": "y"}) as ry:
+            assert _first_event(rx) and _first_event(ry)
+            for rid in ("0_x", "1_x", "x", "y-0", "y-1", "y"):
+                r = c.post("/v1/completions", json={"model": MODEL, "prompt": "q", "max_tokens": 2, "request_id": rid})
+                assert r.status_code == 200 and r.json()["id"] == rid and r.json()["choices"][0]["text"] == "ab"
+            chat = c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "request_id": "x",
+                                                        "messages": [{"role": "user", "content": "q"}]})
+            assert chat.status_code == 200 and chat.json()["id"] == "x"

@@ -1,180 +1,86 @@
-"""AsyncLLMEngine: the asyncio front of the synchronous :class:`LLMEngine` for the server.
+"""AsyncLLMEngine: the synchronous :class:`LLMEngine` run by one background thread and served
+to asyncio code (the HTTP server) through a command queue and per-request streams.
 
-Design (one owner per piece of state):
-
-- The engine loop runs in **one background thread** that alone touches the
-  ``LLMEngine`` (scheduler, KV cache, model, tokenizer: none of them is thread-safe).
-  A thread rather than a process because the heavy work, torch kernels, releases the
-  GIL, so the asyncio event loop stays responsive (accepting connections, ``/health``,
-  streaming other requests) during a long forward pass; the Python parts of a step are
-  short. A thread also shares the tokenizer and costs no serialization of outputs. A
-  process would isolate crashes better and give the scheduler a core of its own; with
-  a 2-core CPU machine and a GIL-releasing model that is not worth the IPC and the
-  double memory of the tokenizer.
-- The event loop talks to the engine thread through a thread-safe command queue
-  (``add``, ``abort``, ``call``, ``stop``), applied at the top of every loop iteration,
-  so an abort takes effect before the next step: a cancelled request's KV blocks are
-  free within one step.
-- Outputs come back once per step through ``loop.call_soon_threadsafe`` and are routed
-  to per-request :class:`RequestStream` queues. The engine always runs requests with
-  ``RequestOutputKind.DELTA`` (cheap to hand over, and each delta timestamps its tokens
-  for the latency metrics); the stream rebuilds CUMULATIVE / FINAL_ONLY outputs when the
-  caller asked for those.
-- Failure model: an exception inside one step fails only that step's requests (the
-  ``LLMEngine`` returns them finished with ``finish_reason="error"`` and ``error`` set).
-  If the loop itself dies (``step()`` raises), every pending and future request gets
-  :class:`EngineDeadError` at once and :attr:`is_healthy` turns False for good. When the
-  last step failed every request it ran, the engine is *degraded*: :meth:`check_health`
-  then runs a one-token probe request and reports unhealthy while the probe fails.
-- Backpressure: with ``max_waiting_requests`` set, :meth:`add_request` raises
-  :class:`EngineOverloadedError` when that many requests already wait to be scheduled
-  (HTTP 503), instead of queueing without bound.
+The why of the thread, the command queue, the failure model and backpressure is in
+``docs/architecture.md`` ("The async engine").
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import itertools
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Protocol, Union
 
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.config import EngineConfig
+from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError, EngineUnhealthyError
+from pagedllm.engine.request_stream import RequestStream, merge_request_output
+from pagedllm.engine.request_tracker import RequestTracker, StatusLogger
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import EngineStats
+    from pagedllm.metrics import EngineMetrics
 
 logger = logging.getLogger("pagedllm.async_engine")
 
-__all__ = ["AsyncLLMEngine", "RequestStream", "EngineDeadError", "EngineOverloadedError",
+__all__ = ["AsyncLLMEngine", "EngineInput", "RequestStream", "EngineDeadError", "EngineOverloadedError",
            "EngineUnhealthyError", "merge_request_output"]
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (crashed or shut down); no request can be served."""
+PromptType = Union[str, list[int], dict]
 
 
-class EngineUnhealthyError(RuntimeError):
-    """The engine loop runs but its steps fail (the health probe failed)."""
+class SyncEngine(Protocol):
+    """What the async front needs of the engine it drives (``LLMEngine`` or a test fake)."""
+
+    config: EngineConfig
+    tokenizer: Any
+    model_name: str
+    vocab_size: int
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float,
+                    priority: int, prompt_text: str | None) -> str: ...
+
+    def abort_request(self, request_ids: Iterable[str]) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def get_stats(self) -> "EngineStats": ...
 
 
-class EngineOverloadedError(RuntimeError):
-    """Too many requests are waiting (``max_waiting_requests``); retry later."""
+@dataclass(frozen=True)
+class EngineInput:
+    """One prompt of a request: a string, token ids, or ``{"prompt_token_ids": [...]}``,
+    and the prompt text to report (None: the prompt itself when it is a string)."""
+
+    prompt: PromptType
+    prompt_text: str | None = None
 
 
-# ---------------------------------------------------------------------------- outputs
-def merge_request_output(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    """Fold a DELTA ``RequestOutput`` into an accumulated one (in place when ``acc`` is given).
-
-    Completions are matched by ``CompletionOutput.index`` (a delta carries only the
-    sequences with news): text is concatenated, token ids and logprobs appended,
-    ``cumulative_logprob`` / ``finish_reason`` / ``stop_reason`` replaced. Returns the
-    accumulated output.
-    """
-    if acc is None:
-        acc = copy.copy(delta)
-        acc.outputs = [_copy_completion(c) for c in delta.outputs]
-        acc.prompt_token_ids = list(delta.prompt_token_ids)
-    else:
-        acc.finished = delta.finished
-        acc.error = delta.error or acc.error
-        acc.num_cached_tokens = delta.num_cached_tokens
-        acc.metrics = delta.metrics
-        by_index = {c.index: c for c in acc.outputs}
-        for c in delta.outputs:
-            have = by_index.get(c.index)
-            if have is None:
-                acc.outputs.append(_copy_completion(c))
-                continue
-            have.text += c.text
-            have.token_ids.extend(c.token_ids)
-            if c.logprobs is not None:
-                have.logprobs = (have.logprobs or []) + list(c.logprobs)
-            have.cumulative_logprob = c.cumulative_logprob
-            have.finish_reason = c.finish_reason
-            have.stop_reason = c.stop_reason
-        acc.outputs.sort(key=lambda c: c.index)
-    if delta.prompt_logprobs is not None:
-        acc.prompt_logprobs = list(delta.prompt_logprobs)
-    return acc
-
-
-def _copy_completion(c: CompletionOutput) -> CompletionOutput:
-    return CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
-                            None if c.logprobs is None else list(c.logprobs), c.finish_reason, c.stop_reason)
-
-
-class RequestStream:
-    """The asyncio side of one request: an async iterator of its ``RequestOutput``s.
-
-    Outputs follow the ``output_kind`` the caller set in its SamplingParams. Iteration
-    ends after the output with ``finished=True``; it raises :class:`EngineDeadError`
-    if the engine dies first. :meth:`abort` (or leaving the iteration early through
-    :meth:`aclose`) aborts the request in the engine. Event-loop thread only.
-    """
-
-    def __init__(self, request_id: str, output_kind: RequestOutputKind, engine: "AsyncLLMEngine") -> None:
-        self.request_id = request_id
-        self.output_kind = output_kind
-        self.finished = False  # the final output (or an error) has been received
-        self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._acc: RequestOutput | None = None
-        self._done = False  # iteration is over
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        if isinstance(item, BaseException) or item.finished:
-            self.finished = True
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        while not self._done:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                self._done = True
-                raise item
-            self._done = item.finished
-            out = self._shape(item)
-            if out is not None:
-                return out
-        raise StopAsyncIteration
-
-    def _shape(self, delta: RequestOutput) -> RequestOutput | None:
-        if self.output_kind == RequestOutputKind.DELTA:
-            return delta
-        self._acc = merge_request_output(self._acc, delta)
-        if self.output_kind == RequestOutputKind.FINAL_ONLY:
-            return self._acc if delta.finished else None
-        snapshot = copy.copy(self._acc)  # CUMULATIVE: a fresh object per yield
-        snapshot.outputs = [_copy_completion(c) for c in self._acc.outputs]
-        return snapshot
-
-    def abort(self) -> None:
-        """Abort the request in the engine unless it already finished (idempotent)."""
-        if not self.finished:
-            self.finished = True
-            self._engine.abort(self.request_id)
-        self._done = True
-
-    async def aclose(self) -> None:
-        self.abort()
-
-
-# ---------------------------------------------------------------------------- engine thread
+# ---------------------------------------------------------------------------- commands
 @dataclass
 class _AddCommand:
-    request_id: str
-    prompt: Any
+    """Add every prompt of one request, or none of them."""
+
+    request_ids: list[str]
+    labels: list[str]
+    inputs: list[EngineInput]
     params: SamplingParams
     arrival_time: float
     priority: int
-    prompt_text: str | None
     future: asyncio.Future
+
+
+@dataclass
+class _AbortCommand:
+    request_id: str
 
 
 @dataclass
@@ -184,20 +90,11 @@ class _CallCommand:
 
 
 @dataclass
-class _Tracker:
-    """Per-request timing, kept by the engine thread for metrics and the log line."""
-
-    arrival_time: float
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finish_reasons: dict[int, str] = field(default_factory=dict)
+class _StopCommand:
+    pass
 
 
-_ABORT = "abort"
-_STOP = "stop"
+Command = Union[_AddCommand, _AbortCommand, _CallCommand, _StopCommand]
 
 
 class AsyncLLMEngine:
@@ -208,25 +105,27 @@ class AsyncLLMEngine:
             the engine thread may touch it.
         max_waiting_requests: reject new requests beyond this many waiting (default
             ``engine.config.max_waiting_requests``; None = unbounded).
-        metrics: an :class:`~pagedllm.metrics.EngineMetrics` to feed, or None.
+        metrics: the Prometheus metrics to feed, or None.
         log_requests: log one line per finished request.
         stats_log_interval_s: seconds between status log lines (0 disables them).
 
-    Use from a running event loop: :meth:`start` (or the first :meth:`add_request`)
-    binds the engine to that loop. All public methods are event-loop-thread only.
+    Request ids: the id a caller passes is a *label* (logs, responses), never used by the
+    engine; each engine request gets an internal id ``f"{label}-{k}"`` with ``k`` from a
+    counter, unique whatever callers send. Use from a running event loop: :meth:`start`
+    (or the first request) binds the engine to that loop; public methods are
+    event-loop-thread only.
     """
 
-    def __init__(self, engine: Any, *, max_waiting_requests: int | None = None, metrics: Any = None,
-                 log_requests: bool = True, stats_log_interval_s: float = 10.0) -> None:
+    def __init__(self, engine: SyncEngine, *, max_waiting_requests: int | None = None,
+                 metrics: "EngineMetrics | None" = None, log_requests: bool = True,
+                 stats_log_interval_s: float = 10.0) -> None:
         self.engine = engine
-        config = getattr(engine, "config", None)
-        if max_waiting_requests is None and config is not None:
-            max_waiting_requests = getattr(config, "max_waiting_requests", None)
+        if max_waiting_requests is None:
+            max_waiting_requests = engine.config.max_waiting_requests
         self.max_waiting_requests = max_waiting_requests
         self.metrics = metrics
-        self.log_requests = log_requests
         self.stats_log_interval_s = stats_log_interval_s
-        self._commands: queue.Queue = queue.Queue()
+        self._commands: queue.Queue[Command] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -238,13 +137,12 @@ class AsyncLLMEngine:
         self._num_pending_adds = 0
         self._ids = itertools.count()
         # Engine-thread state.
-        self._trackers: dict[str, _Tracker] = {}
+        self._tracker = RequestTracker(metrics, log_requests)
         self.stats = engine.get_stats()  # the latest EngineStats snapshot (replaced, never mutated)
-        self._last_log_time = time.monotonic()
-        self._last_log_stats = self.stats
+        self._status_logger = StatusLogger(stats_log_interval_s, self.stats)
 
     @classmethod
-    def from_config(cls, config: Any, **kwargs: Any) -> "AsyncLLMEngine":
+    def from_config(cls, config: EngineConfig, **kwargs: Any) -> "AsyncLLMEngine":
         """Load an ``LLMEngine`` from an EngineConfig (blocking: loads the model) and wrap it."""
         from pagedllm.engine.llm_engine import LLMEngine
 
@@ -252,7 +150,7 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ engine facts
     @property
-    def config(self) -> Any:
+    def config(self) -> EngineConfig:
         return self.engine.config
 
     @property
@@ -269,6 +167,11 @@ class AsyncLLMEngine:
     def vocab_size(self) -> int:
         return self.engine.vocab_size
 
+    @property
+    def num_active_streams(self) -> int:
+        """Requests accepted and not yet finished or aborted."""
+        return len(self._streams)
+
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
         """Start the engine thread bound to the running event loop (idempotent)."""
@@ -281,14 +184,15 @@ class AsyncLLMEngine:
             self.metrics.set_healthy(True)
             self.metrics.record_stats(self.stats)
 
-    async def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop the engine thread after its current step; pending requests get EngineDeadError."""
+    async def shutdown(self, timeout_s: float = 30.0, reason: str = "the engine has been shut down") -> None:
+        """Stop the engine thread after its current step; every open stream then raises
+        EngineDeadError(``reason``), and so does every later request. Idempotent."""
         self._is_stopped = True
         if self._thread is None:
             return
-        self._commands.put(_STOP)
+        self._commands.put(_StopCommand())
         await asyncio.to_thread(self._thread.join, timeout_s)
-        self._fail_all(EngineDeadError("the engine has been shut down"))
+        self._fail_all(EngineDeadError(reason))
 
     @property
     def is_running(self) -> bool:
@@ -324,7 +228,7 @@ class AsyncLLMEngine:
     async def _probe(self) -> str | None:
         params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY)
         try:
-            async for out in self.generate([0], params, f"health-probe-{next(self._ids)}"):
+            async for out in self.generate([0], params, "health-probe"):
                 if out.finished:
                     return out.error
         except EngineDeadError:
@@ -345,25 +249,32 @@ class AsyncLLMEngine:
         """Requests waiting in the scheduler (last snapshot) plus adds not yet applied."""
         return int(self.stats.num_waiting) + self._num_pending_adds
 
-    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *,
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                           arrival_time: float | None = None, priority: int = 0,
                           prompt_text: str | None = None) -> RequestStream:
-        """Queue a request and return its stream once the engine thread accepted it.
+        """Queue one request (``request_id`` is the caller's label) and return its stream once
+        the engine accepted it. As :meth:`add_requests` with one prompt."""
+        (stream,) = await self.add_requests(request_id, [EngineInput(prompt, prompt_text)], params,
+                                            arrival_time=arrival_time, priority=priority)
+        return stream
 
-        ``prompt``: a string, token ids, or ``{"prompt_token_ids": [...]}`` (as
-        ``LLMEngine.add_request``). Returns after validation, before any token is
-        computed, so callers can answer a bad request before streaming anything.
+    async def add_requests(self, label: str, inputs: list[EngineInput], params: SamplingParams, *,
+                           arrival_time: float | None = None, priority: int = 0) -> list[RequestStream]:
+        """Queue one engine request per prompt, all in one engine-thread turn, and return their
+        streams once the engine accepted every one of them (or none).
+
+        Returns after validation, before any token is computed, so callers can answer a bad
+        request before streaming anything. Cancelling the call aborts every prompt.
 
         Raises:
-            ValueError: the engine rejected the request (empty prompt, prompt +
-                max_tokens beyond max_model_len, token id outside the vocabulary, ...).
+            ValueError: the engine rejected a prompt (empty, token id outside the
+                vocabulary, prompt + max_tokens beyond max_model_len, ...); the message
+                starts with ``prompt[i]:`` for the i-th prompt, i > 0. Nothing stays queued.
             EngineOverloadedError: ``max_waiting_requests`` requests already wait.
             EngineDeadError: the engine loop has stopped.
         """
         self.start()
         self._raise_if_dead()
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
         if self.max_waiting_requests is not None and self.num_waiting_estimate() >= self.max_waiting_requests:
             raise EngineOverloadedError(
                 f"the server is overloaded: {self.num_waiting_estimate()} requests are waiting "
@@ -371,38 +282,39 @@ class AsyncLLMEngine:
         user_kind = params.output_kind
         params = params.clone()
         params.output_kind = RequestOutputKind.DELTA
-        stream = RequestStream(request_id, user_kind, self)
+        labels = [label] if len(inputs) == 1 else [f"{label}[{i}]" for i in range(len(inputs))]
+        ids = [f"{label}-{next(self._ids)}" for _ in inputs]
+        streams = [RequestStream(rid, lbl, user_kind, self.abort) for rid, lbl in zip(ids, labels)]
         future = self._loop.create_future()
         arrival = time.time() if arrival_time is None else arrival_time
-        self._streams[request_id] = stream
-        self._num_pending_adds += 1
+        self._streams.update(zip(ids, streams))
+        self._num_pending_adds += len(inputs)
         try:
-            self._submit(_AddCommand(request_id, prompt, params, arrival, priority, prompt_text, future))
+            self._submit(_AddCommand(ids, labels, inputs, params, arrival, priority, future))
             await future
         except asyncio.CancelledError:
-            # The add may still be applied: queue an abort behind it (commands are FIFO).
-            self._streams.pop(request_id, None)
-            self.abort(request_id)
+            for rid in ids:  # the add may still be applied: queue aborts behind it (commands are FIFO)
+                self.abort(rid)
             raise
         except BaseException:
-            self._streams.pop(request_id, None)
+            for rid in ids:
+                self._streams.pop(rid, None)
             raise
         finally:
-            self._num_pending_adds -= 1
-        return stream
+            self._num_pending_adds -= len(inputs)
+        return streams
 
-    async def generate(self, prompt: Any, params: SamplingParams, request_id: str | None = None, *,
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, *,
                        arrival_time: float | None = None, priority: int = 0,
                        prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs (per ``params.output_kind``) until it finishes.
 
-        Closing or cancelling the iterator before the end (client gone) aborts the
-        request; its blocks are freed before the engine's next step. Raises as
-        :meth:`add_request`, and EngineDeadError if the engine dies mid-request.
+        ``request_id`` is the caller's label (default ``"req"``). Closing or cancelling the
+        iterator before the end (client gone) aborts the request; its blocks are freed
+        before the engine's next step. Raises as :meth:`add_requests`, and
+        EngineDeadError if the engine dies mid-request.
         """
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-        stream = await self.add_request(request_id, prompt, params, arrival_time=arrival_time,
+        stream = await self.add_request(request_id or "req", prompt, params, arrival_time=arrival_time,
                                         priority=priority, prompt_text=prompt_text)
         try:
             async for out in stream:
@@ -411,19 +323,19 @@ class AsyncLLMEngine:
             stream.abort()
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (unknown or finished ids are ignored). Safe from any coroutine."""
+        """Abort an engine request by its internal id (unknown or finished ids are ignored)."""
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.finished = True
         if self._dead_error is None and self._thread is not None:
-            self._commands.put((_ABORT, request_id))
+            self._commands.put(_AbortCommand(request_id))
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread (between steps) and return its result.
 
-        For tokenizer work (``engine.tokenize_prompt``, ``engine.apply_chat_template``)
-        so the engine thread remains the only user of the engine. Exceptions of ``fn``
-        propagate; raises EngineDeadError when the loop has stopped.
+        For tokenizer work (prompt processing, chat templates) so the engine thread
+        remains the only user of the engine. Exceptions of ``fn`` propagate; raises
+        EngineDeadError when the loop has stopped.
         """
         self.start()
         self._raise_if_dead()
@@ -431,7 +343,7 @@ class AsyncLLMEngine:
         self._submit(_CallCommand(fn, future))
         return await future
 
-    def _submit(self, command: Any) -> None:
+    def _submit(self, command: Command) -> None:
         with self._dead_lock:  # pairs with _on_dead: a command never lands in a dead queue
             self._raise_if_dead()
             self._commands.put(command)
@@ -460,6 +372,9 @@ class AsyncLLMEngine:
         else:
             future.set_result(result)
 
+    def _reply(self, future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+        self._loop.call_soon_threadsafe(self._settle, future, result, error)
+
     # ------------------------------------------------------------------ engine thread
     def _run_loop(self) -> None:
         try:
@@ -474,7 +389,7 @@ class AsyncLLMEngine:
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands; wait for one when idle. Returns False on stop."""
-        commands = []
+        commands: list[Command] = []
         if block:
             try:
                 timeout = self.stats_log_interval_s if self.stats_log_interval_s > 0 else None
@@ -488,44 +403,50 @@ class AsyncLLMEngine:
                 break
         aborts = []
         for cmd in commands:
-            if cmd == _STOP:
+            if isinstance(cmd, _StopCommand):
                 return False
-            if isinstance(cmd, tuple) and cmd[0] == _ABORT:
-                aborts.append(cmd[1])
+            if isinstance(cmd, _AbortCommand):
+                aborts.append(cmd.request_id)
             elif isinstance(cmd, _AddCommand):
                 self._apply_add(cmd)
-            elif isinstance(cmd, _CallCommand):
+            else:
                 self._apply_call(cmd)
         if aborts:
             self._apply_aborts(aborts)
         return True
 
     def _apply_add(self, cmd: _AddCommand) -> None:
-        try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
-                                    priority=cmd.priority, prompt_text=cmd.prompt_text)
-        except Exception as e:  # noqa: BLE001 - a bad request must not kill the loop
-            self._loop.call_soon_threadsafe(self._settle, cmd.future, None, e)
-            return
-        self._trackers[cmd.request_id] = _Tracker(cmd.arrival_time)
-        self._loop.call_soon_threadsafe(self._settle, cmd.future, None, None)
+        added: list[str] = []
+        for i, (rid, item) in enumerate(zip(cmd.request_ids, cmd.inputs)):
+            try:
+                self.engine.add_request(rid, item.prompt, cmd.params, arrival_time=cmd.arrival_time,
+                                        priority=cmd.priority, prompt_text=item.prompt_text)
+            except Exception as e:  # noqa: BLE001 - a bad request must not kill the loop
+                if added:
+                    self.engine.abort_request(added)
+                if i > 0 and isinstance(e, ValueError):
+                    e = ValueError(f"prompt[{i}]: {e}")
+                self._reply(cmd.future, None, e)
+                return
+            added.append(rid)
+        for rid, label in zip(added, cmd.labels):
+            self._tracker.start(rid, label, cmd.arrival_time)
+        self._reply(cmd.future)
 
     def _apply_call(self, cmd: _CallCommand) -> None:
         try:
             result = cmd.fn(self.engine)
         except Exception as e:  # noqa: BLE001
-            self._loop.call_soon_threadsafe(self._settle, cmd.future, None, e)
+            self._reply(cmd.future, None, e)
             return
-        self._loop.call_soon_threadsafe(self._settle, cmd.future, result, None)
+        self._reply(cmd.future, result)
 
     def _apply_aborts(self, request_ids: list[str]) -> None:
-        live = [rid for rid in request_ids if rid in self._trackers]
+        live = [rid for rid in request_ids if rid in self._tracker]
         if not live:
             return
         self.engine.abort_request(live)
-        now = time.time()
-        for rid in live:
-            self._finish_tracker(rid, "abort", now, None)
+        self._tracker.abort(live, time.time())
 
     def _step(self) -> None:
         outputs = self.engine.step()
@@ -533,72 +454,15 @@ class AsyncLLMEngine:
         if outputs:
             self._last_step_failed = all(o.error is not None for o in outputs)
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
-            self._track(outputs, now)
+            self._tracker.observe(outputs, now)
         if self.metrics is not None:
             self.metrics.set_healthy(not self._last_step_failed)
-
-    def _track(self, outputs: list[RequestOutput], now: float) -> None:
-        for out in outputs:
-            tr = self._trackers.get(out.request_id)
-            if tr is None:
-                continue
-            tr.num_prompt_tokens = len(out.prompt_token_ids)
-            tr.num_cached_tokens = out.num_cached_tokens
-            num_new = sum(len(c.token_ids) for c in out.outputs)
-            if num_new:
-                if tr.first_token_time is None:
-                    tr.first_token_time = now
-                    if self.metrics is not None:
-                        self.metrics.record_first_token(now - tr.arrival_time)
-                elif self.metrics is not None:
-                    self.metrics.record_inter_token(now - tr.last_token_time)
-                tr.last_token_time = now
-                tr.num_output_tokens += num_new
-            for c in out.outputs:
-                if c.finish_reason is not None:
-                    tr.finish_reasons[c.index] = c.finish_reason
-            if out.finished:
-                reason = "error" if out.error is not None else tr.finish_reasons.get(0, "stop")
-                first_scheduled = out.metrics.first_scheduled_time if out.metrics is not None else None
-                self._finish_tracker(out.request_id, reason, now, first_scheduled)
-
-    def _finish_tracker(self, request_id: str, reason: str, now: float, first_scheduled: float | None) -> None:
-        tr = self._trackers.pop(request_id)
-        e2e = now - tr.arrival_time
-        ttft = None if tr.first_token_time is None else tr.first_token_time - tr.arrival_time
-        if self.metrics is not None:
-            queue_s = None if first_scheduled is None else first_scheduled - tr.arrival_time
-            tpot = None
-            if tr.num_output_tokens > 1 and tr.first_token_time is not None:
-                tpot = (tr.last_token_time - tr.first_token_time) / (tr.num_output_tokens - 1)
-            self.metrics.record_finished(reason, e2e, queue_s, tr.num_prompt_tokens, tr.num_output_tokens, tpot)
-        if self.log_requests:
-            logger.info("request %s finished: reason=%s prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
-                        "ttft=%s total=%.3fs", request_id, reason, tr.num_prompt_tokens, tr.num_output_tokens,
-                        tr.num_cached_tokens, "-" if ttft is None else f"{ttft:.3f}s", e2e)
 
     def _refresh_stats(self) -> None:
         self.stats = self.engine.get_stats()
         if self.metrics is not None:
             self.metrics.record_stats(self.stats)
-        if self.stats_log_interval_s > 0 and time.monotonic() - self._last_log_time >= self.stats_log_interval_s:
-            self._log_status()
-
-    def _log_status(self) -> None:
-        now = time.monotonic()
-        s, prev = self.stats, self._last_log_stats
-        dt = max(now - self._last_log_time, 1e-9)
-        self._last_log_time, self._last_log_stats = now, s
-        if s.num_steps == prev.num_steps and not s.num_running and not s.num_waiting:
-            return  # idle: nothing new to say
-        queries = s.prefix_cache_queries - prev.prefix_cache_queries
-        hits = s.prefix_cache_hits - prev.prefix_cache_hits
-        logger.info("engine: running=%d waiting=%d kv_usage=%.1f%% prefix_cache_hit_rate=%.1f%% "
-                    "prompt_throughput=%.1f tok/s generation_throughput=%.1f tok/s preemptions=%d",
-                    s.num_running, s.num_waiting, 100.0 * s.kv_cache_usage,
-                    100.0 * hits / queries if queries else 0.0,
-                    (s.prompt_tokens_total - prev.prompt_tokens_total) / dt,
-                    (s.generation_tokens_total - prev.generation_tokens_total) / dt, s.num_preemptions_total)
+        self._status_logger.maybe_log(self.stats)
 
     def _on_dead(self, error: BaseException) -> None:
         logger.error("engine loop died: %s: %s", type(error).__name__, error, exc_info=error)
@@ -613,8 +477,7 @@ class AsyncLLMEngine:
                     break
         if self.metrics is not None:
             self.metrics.set_healthy(False)
-        loop = self._loop
         for cmd in pending:
             if isinstance(cmd, (_AddCommand, _CallCommand)):
-                loop.call_soon_threadsafe(self._settle, cmd.future, None, dead)
-        loop.call_soon_threadsafe(self._fail_all, dead)
+                self._reply(cmd.future, None, dead)
+        self._loop.call_soon_threadsafe(self._fail_all, dead)

@@ -26,6 +26,15 @@ logger = logging.getLogger("pagedllm")
 PromptType = str | list[int] | dict
 
 
+def child_request_id(request_id: str, index: int) -> str:
+    """The scheduler's id of sample ``index`` of user request ``request_id``.
+
+    Injective: the text after the last ``#`` is the index, so distinct (parent, index)
+    pairs never share an id, whatever ids users choose.
+    """
+    return f"{request_id}#{index}"
+
+
 @dataclass
 class EngineStats:
     """A snapshot of the engine for metrics and status lines (counts; usage as a 0..1 fraction)."""
@@ -159,9 +168,9 @@ class LLMEngine:
         params = self._with_extra_stop_ids(params)
         arrival = time.time() if arrival_time is None else arrival_time
         children = [
-            Request(request_id if params.n == 1 else f"{i}_{request_id}", ids,
-                    params if params.n == 1 else params.child(i), self.eos_token_id, arrival, priority,
-                    max_tokens=max_tokens, parent_id=request_id if params.n > 1 else None)
+            Request(child_request_id(request_id, i), ids, params if params.n == 1 else params.child(i),
+                    self.eos_token_id, arrival, priority, max_tokens=max_tokens,
+                    parent_id=request_id if params.n > 1 else None)
             for i in range(params.n)
         ]
         for i, child in enumerate(children):

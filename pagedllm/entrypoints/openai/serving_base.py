@@ -11,9 +11,11 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineInput
+from pagedllm.engine.request_stream import RequestStream, merge_streams
 from pagedllm.entrypoints.openai.errors import APIError, to_api_error
 from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -68,20 +70,10 @@ class OpenAIServing:
             self._token_text[token_id] = text
         return text
 
-    async def add_requests(self, base_id: str, prompts: list[tuple[Any, str | None]], params: Any,
+    async def add_requests(self, label: str, prompts: list[EngineInput], params: SamplingParams,
                            priority: int = 0) -> list[RequestStream]:
-        """Add one engine request per prompt; on any failure abort the ones already added."""
-        streams: list[RequestStream] = []
-        try:
-            for i, (prompt, prompt_text) in enumerate(prompts):
-                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.engine.add_request(rid, prompt, params, priority=priority,
-                                                             prompt_text=prompt_text))
-        except BaseException:
-            for s in streams:
-                s.abort()
-            raise
-        return streams
+        """Add one engine request per prompt, all admitted together (or none)."""
+        return await self.engine.add_requests(label, prompts, params, priority=priority)
 
     async def collect_final(self, streams: list[RequestStream], raw_request: Request | None
                             ) -> list[RequestOutput]:
@@ -114,47 +106,6 @@ class OpenAIServing:
             if out is not None:
                 raise_if_failed(out)
         return [out for out in finals if out is not None]
-
-
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several request streams as ``(stream index, output)`` in arrival order.
-
-    Leaving the iteration early (or an error in one stream) aborts every stream.
-    """
-    if len(streams) == 1:
-        try:
-            async for out in streams[0]:
-                yield 0, out
-        finally:
-            streams[0].abort()
-        return
-    q: asyncio.Queue = asyncio.Queue()
-    end = object()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for out in stream:
-                q.put_nowait((i, out))
-            q.put_nowait((i, end))
-        except Exception as e:  # noqa: BLE001 - forwarded to the consumer
-            q.put_nowait((i, e))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            i, item = await q.get()
-            if item is end:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        for s in streams:
-            s.abort()
 
 
 def sse(payload: str) -> str:

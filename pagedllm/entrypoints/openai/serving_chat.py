@@ -31,7 +31,9 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse, ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob,
     DeltaMessage, finite_logprob, make_usage)
 from pagedllm.entrypoints.openai.serving_base import (
-    OpenAIServing, guarded_sse, json_response, merge_streams, raise_if_failed, sse)
+    OpenAIServing, guarded_sse, json_response, raise_if_failed, sse)
+from pagedllm.engine.async_engine import EngineInput
+from pagedllm.engine.request_stream import merge_streams
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
@@ -66,7 +68,7 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, "messages must be a non-empty list", "messages")
         prompt_ids = await self.render(req.conversation(), req.add_generation_prompt)
         request_id = self.new_id("chatcmpl", req.request_id)
-        streams = await self.add_requests(request_id, [(prompt_ids, None)], params, req.priority)
+        streams = await self.add_requests(request_id, [EngineInput(prompt_ids)], params, req.priority)
         created = int(time.time())
         if req.stream:
             return StreamingResponse(guarded_sse(self._events(req, request_id, created, streams), streams),

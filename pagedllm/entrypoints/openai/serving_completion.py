@@ -22,12 +22,14 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from pagedllm.engine.async_engine import EngineInput
+from pagedllm.engine.request_stream import merge_streams
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, CompletionStreamResponse,
     finite_logprob, make_usage)
 from pagedllm.entrypoints.openai.serving_base import (
-    OpenAIServing, guarded_sse, json_response, merge_streams, raise_if_failed, sse)
+    OpenAIServing, guarded_sse, json_response, raise_if_failed, sse)
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 
@@ -53,35 +55,28 @@ class OpenAIServingCompletion(OpenAIServing):
         finals = await self.collect_final(streams, raw_request)
         return json_response(self._response(req, request_id, created, finals, prompts))
 
-    async def _engine_prompts(self, req: CompletionRequest) -> list[tuple[Any, str | None]]:
-        """``(prompt for the engine, prompt text or None)`` per prompt of the request."""
+    async def _engine_prompts(self, req: CompletionRequest) -> list[EngineInput]:
+        """One engine input per prompt of the request (text prompts tokenized in one engine call
+        when special tokens must not be added)."""
         p = req.prompt
-        if isinstance(p, str):
-            items: list[Any] = [p]
-        elif not p:
+        if not p:
             raise APIError(400, "prompt must not be empty", "prompt")
-        elif isinstance(p[0], int):
-            items = [p]
-        else:
-            items = list(p)
-        out = []
-        for item in items:
-            if isinstance(item, str) and not req.add_special_tokens:
-                ids = await self.engine.call(lambda e, s=item: e.tokenizer.encode(s, add_special_tokens=False))
-                out.append(({"prompt_token_ids": ids}, item))
-            elif isinstance(item, str):
-                out.append((item, item))
-            else:
-                out.append((list(item), None))
-        return out
+        items: list[Any] = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+        if not req.add_special_tokens:
+            texts = [item for item in items if isinstance(item, str)]
+            encoded = iter(await self.engine.call(
+                lambda e: [e.tokenizer.encode(t, add_special_tokens=False) for t in texts]))
+            return [EngineInput({"prompt_token_ids": next(encoded)}, item) if isinstance(item, str)
+                    else EngineInput(list(item)) for item in items]
+        return [EngineInput(item, item) if isinstance(item, str) else EngineInput(list(item)) for item in items]
 
     # ------------------------------------------------------------------ non-streaming
     def _response(self, req: CompletionRequest, request_id: str, created: int, finals: list[RequestOutput],
-                  prompts: list[tuple[Any, str | None]]) -> CompletionResponse:
+                  prompts: list[EngineInput]) -> CompletionResponse:
         choices = []
         num_prompt = num_completion = num_cached = 0
         for i, out in enumerate(finals):
-            prompt_text = self._prompt_text(out, prompts[i][1])
+            prompt_text = self._prompt_text(out, prompts[i].prompt_text)
             num_prompt += len(out.prompt_token_ids)
             num_cached += out.num_cached_tokens
             for c in out.outputs:
@@ -142,7 +137,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ------------------------------------------------------------------ streaming
     async def _events(self, req: CompletionRequest, request_id: str, created: int, streams: list,
-                      prompts: list[tuple[Any, str | None]]) -> AsyncIterator[str]:
+                      prompts: list[EngineInput]) -> AsyncIterator[str]:
         n = req.n
         num_prompt = [0] * len(streams)
         num_cached = [0] * len(streams)
@@ -157,7 +152,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for c in out.outputs:
                 index = i * n + c.index
                 num_completion += len(c.token_ids)
-                choices.append(self._stream_choice(req, out, c, index, prompts[i][1], started, offsets))
+                choices.append(self._stream_choice(req, out, c, index, prompts[i].prompt_text, started, offsets))
             if choices:
                 chunk = CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                  choices=choices)
