@@ -123,7 +123,7 @@ class OutputProcessor:
                 continue
             st = self.requests[parent[0]]
             seq = st.sequences[parent[1]]
-            if self._update_sequence(st, seq, runner_output, now):
+            if self._update_sequence(st, seq, runner_output):
                 step.stop_string_finished.append(req.request_id)
             if req.request_id in runner_output.failed:
                 st.error = runner_output.failed[req.request_id]
@@ -136,12 +136,12 @@ class OutputProcessor:
                 self.remove_request(st.request_id)
         return step
 
-    def _update_sequence(self, st: RequestState, seq: SequenceState, ro: ModelRunnerOutput, now: float) -> bool:
+    def _update_sequence(self, st: RequestState, seq: SequenceState, ro: ModelRunnerOutput) -> bool:
         """Feed new tokens to the detokenizer; returns True if a stop string finished the sequence."""
         req = seq.request
         new_ids = req.output_token_ids[seq.num_tokens_seen:]
-        if new_ids and st.metrics.first_token_time is None:
-            st.metrics.first_token_time = now
+        if st.metrics.first_token_time is None:  # recorded by the scheduler when the token was appended
+            st.metrics.first_token_time = req.first_token_time
         if st.metrics.first_scheduled_time is None:
             st.metrics.first_scheduled_time = req.first_scheduled_time
         st.num_cached_tokens = max(st.num_cached_tokens, req.num_cached_tokens, 0)
