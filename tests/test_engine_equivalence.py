@@ -179,8 +179,8 @@ def test_failure_in_one_request_fails_only_it(tiny_model_dir, ref_tokens):
     llm = _make(tiny_model_dir)  # a fresh LLM numbers its requests "0", "1", ...
     failing = {"1", "4"}
 
-    def inject(req_id: str) -> None:
-        if req_id in failing:
+    def inject(req_id: str) -> None:  # called with the scheduler's (child) id
+        if req_id.split("#")[0] in failing:
             raise RuntimeError("injected sampler fault")
 
     llm.llm_engine.runner.fault_injector = inject
