@@ -210,7 +210,7 @@ class PagedPolicy:
         self.kv.free(req)
 
     def reserved_of(self, req: Request) -> int:
-        return len(self.kv.req_to_blocks.get(req.request_id, ())) * self.block_size
+        return len(self.kv.get_block_ids(req)) * self.block_size
 
 
 class ContiguousPolicy:

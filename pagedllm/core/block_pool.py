@@ -162,6 +162,10 @@ class BlockPool:
         num_blocks: number of physical blocks (>= 1).
         block_size: tokens per block, a power of two from 1 to 256.
         enable_caching: keep full blocks in the prefix cache (else hashes are never stored).
+        reserve_null_block: keep block 0 out of circulation as :attr:`null_block`, the
+            placeholder a sliding-window block table holds where a block was freed
+            (vLLM's null block). It is never free, never referenced, never written, so
+            a block table entry pointing at it reads zeros.
 
     Raises:
         ValueError: naming the argument, for a bad ``num_blocks`` or ``block_size``.
@@ -169,9 +173,10 @@ class BlockPool:
     Not thread-safe: one scheduler thread owns it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
+                 reserve_null_block: bool = False) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1 + reserve_null_block:
+            raise ValueError(f"num_blocks must be an integer >= {1 + reserve_null_block}, got {num_blocks!r}")
         if (not isinstance(block_size, int) or isinstance(block_size, bool) or not 1 <= block_size <= 256
                 or block_size & (block_size - 1)):
             raise ValueError(f"block_size must be a power of two from 1 to 256, got {block_size!r}")
@@ -179,7 +184,8 @@ class BlockPool:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.null_block: KVCacheBlock | None = self.blocks[0] if reserve_null_block else None
+        self.free_block_queue = FreeBlockQueue(self.blocks[1:] if reserve_null_block else self.blocks)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         self.num_used_blocks = 0  # blocks with ref_cnt > 0
         self.num_cached_free_blocks = 0  # blocks with ref_cnt == 0 that carry a hash
@@ -300,6 +306,10 @@ class BlockPool:
         num_used = 0
         for block in self.blocks:
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
+            if block is self.null_block:
+                assert block.ref_cnt == 0 and block.block_hash is None and block.block_id not in free_set, \
+                    "the null block was handed out, referenced or published"
+                continue
             if block.block_id in free_set:
                 assert block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}"
             else:
@@ -313,7 +323,7 @@ class BlockPool:
                     f"published block {block.block_id} is not full"
         for h, block in self.cached_block_hash_to_block.items():
             assert block.block_hash == h, f"map entry points at block {block.block_id} with another hash"
-        assert num_used + len(free_ids) == self.num_blocks, "free + in use != total"
+        assert num_used + len(free_ids) + (self.null_block is not None) == self.num_blocks, "free + in use != total"
         assert num_used == self.num_used_blocks, "num_used_blocks counter is off"
         assert self.num_cached_free_blocks == sum(1 for b in self.blocks if b.ref_cnt == 0 and b.block_hash), \
             "num_cached_free_blocks counter is off"

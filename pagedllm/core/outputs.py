@@ -12,6 +12,10 @@ between steps, keyed by request id:
    sees again after preemption (then ``token_ids`` = prompt + output so far).
 3. ``scheduled_cached_reqs`` carry only what changed: new block ids appended to the
    block table, and ``num_computed_tokens`` (the scheduler's count, the authority).
+   Block ids come per KV-cache group (one table per group; a single group for a model
+   without sliding-window layers). Entries a sliding-window group freed are not
+   announced: they lie outside the window of every token still to compute, so the
+   attention never reads them (the runner may keep the stale id).
 4. A request samples this step when, after this step's tokens, its KV covers every
    known token: ``num_computed_tokens + num_scheduled_tokens == len(token_ids)``; the
    runner then appends the sampled id to its own copy of ``token_ids``.
@@ -32,7 +36,7 @@ class NewRequestData:
     token_ids: list[int]  # prompt + output so far
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]  # the whole block table
+    block_ids: tuple[list[int], ...]  # the whole block table of each KV-cache group
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit), before this step
 
 
@@ -41,7 +45,7 @@ class CachedRequestData:
     """A request the runner already holds: only what changed since the last step."""
 
     req_id: str
-    new_block_ids: list[int]  # appended to its block table
+    new_block_ids: tuple[list[int], ...]  # appended to its block table, per KV-cache group
     num_computed_tokens: int  # before this step
 
 

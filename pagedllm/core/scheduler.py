@@ -55,9 +55,10 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_groups import KVCacheGroupSpec
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
@@ -74,12 +75,15 @@ class Scheduler:
         num_kv_blocks: physical KV blocks available.
         record_trace: keep ``step_trace``, one ``{request_id: num_tokens}`` dict per
             step (tests, benchmarks; grows without bound, so off by default).
+        kv_cache_groups: the model's KV-cache groups (plain data, see
+            :mod:`pagedllm.core.kv_cache_groups`); default one full-attention group.
 
     Raises:
         ValueError: when ``config.max_model_len`` is None or ``num_kv_blocks`` < 1.
     """
 
-    def __init__(self, config: EngineConfig, num_kv_blocks: int, record_trace: bool = False) -> None:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, record_trace: bool = False,
+                 kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None) -> None:
         if config.max_model_len is None:
             raise ValueError("config.max_model_len must be resolved before building the Scheduler")
         self.config = config
@@ -91,7 +95,7 @@ class Scheduler:
         self.is_priority = config.scheduling_policy == "priority"
         self.is_static = config.batching == "static"
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                               config.max_model_len)
+                                               config.max_model_len, kv_cache_groups)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []  # head first
         self.running: list[Request] = []  # admission order
@@ -123,10 +127,12 @@ class Scheduler:
                              f"max_model_len ({self.max_model_len})")
         kv = self.kv_cache_manager
         worst = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-        if kv.num_blocks_for(worst) > kv.num_total_blocks:
+        # static batching reserves the whole sequence at once, like one chunk of it
+        needed = kv.max_num_blocks_per_seq(worst, worst if self.is_static else self.token_budget)
+        if needed > kv.num_total_blocks:
             raise ValueError(f"request {rid!r}: {worst} tokens (prompt {request.num_prompt_tokens} + max_tokens "
                              f"{request.max_tokens}, capped at max_model_len {self.max_model_len}) need "
-                             f"{kv.num_blocks_for(worst)} KV blocks of {self.block_size} tokens, but the pool has "
+                             f"{needed} KV blocks of {self.block_size} tokens, but the pool has "
                              f"only {kv.num_total_blocks}")
         if request.parent_id is not None:
             siblings = self._groups.setdefault(request.parent_id, [])
@@ -153,7 +159,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         budget = self.token_budget
         num_scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
+        new_block_ids: dict[str, tuple[list[int], ...]] = {}  # per KV-cache group
         preempted: list[Request] = []
 
         # Phase 1: running requests. Decodes first, then unfinished prefill chunks.
@@ -237,7 +243,7 @@ class Scheduler:
             else:
                 out.scheduled_new_reqs.append(NewRequestData(
                     rid, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params,
-                    kv.get_block_ids(req), req.num_computed_tokens))
+                    kv.get_group_block_ids(req), req.num_computed_tokens))
                 self._known_to_runner.add(rid)
         out.preempted_req_ids = {r.request_id for r in preempted}
         out.finished_req_ids = self._finished_req_ids

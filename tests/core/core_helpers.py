@@ -62,7 +62,7 @@ def reference_output(prompt: list[int], max_tokens: int, max_model_len: int) -> 
 @dataclass
 class _RunnerState:
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per KV-cache group
     num_computed_tokens: int
 
 
@@ -71,7 +71,7 @@ class FakeRunner:
     scheduler: Scheduler
     token_fn: Callable[[list[int]], int] = next_token
     states: dict[str, _RunnerState] = field(default_factory=dict)
-    slots: dict[int, int] = field(default_factory=dict)  # slot -> token id whose "K/V" is there
+    slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (group, token id) whose "K/V" is there
 
     def execute(self, so: SchedulerOutput, failed: dict[str, str] | None = None) -> ModelRunnerOutput:
         bs = self.scheduler.block_size
@@ -80,26 +80,33 @@ class FakeRunner:
             self.states.pop(rid, None)
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.states, f"{new.req_id} sent as new twice"
-            self.states[new.req_id] = _RunnerState(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
+            self.states[new.req_id] = _RunnerState(list(new.token_ids), tuple(list(t) for t in new.block_ids),
+                                                   new.num_computed_tokens)
         for cached in so.scheduled_cached_reqs:
             st = self.states[cached.req_id]
             assert st.num_computed_tokens == cached.num_computed_tokens, cached
-            st.block_ids.extend(cached.new_block_ids)
+            for table, new_ids in zip(st.block_ids, cached.new_block_ids, strict=True):
+                table.extend(new_ids)
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
         out = ModelRunnerOutput(failed=dict(failed or {}))
         for rid, n in so.num_scheduled_tokens.items():
             st = self.states[rid]
             start, end = st.num_computed_tokens, st.num_computed_tokens + n
             assert 0 < n and end <= len(st.token_ids), (rid, start, n, len(st.token_ids))
-            assert len(st.block_ids) * bs >= end, f"{rid}: block table too short for {end} tokens"
-            for p in range(start, end):
-                block_id = st.block_ids[p // bs]
-                # Shared blocks are immutable: a write may only go to a block this request owns alone.
-                assert pool.blocks[block_id].ref_cnt == 1, f"{rid} writes into shared block {block_id}"
-                self.slots[block_id * bs + p % bs] = st.token_ids[p]
-            for p in range(end):  # attention reads the whole context through the block table
-                got = self.slots.get(st.block_ids[p // bs] * bs + p % bs)
-                assert got == st.token_ids[p], f"{rid}: position {p} reads token {got}, expected {st.token_ids[p]}"
+            groups = self.scheduler.kv_cache_manager.kv_cache_groups
+            for g, (table, spec) in enumerate(zip(st.block_ids, groups, strict=True)):
+                assert len(table) * bs >= end, f"{rid}: group {g} block table too short for {end} tokens"
+                for p in range(start, end):
+                    block_id = table[p // bs]
+                    # Shared blocks are immutable: a write may only go to a block this request owns alone.
+                    assert pool.blocks[block_id].ref_cnt == 1, f"{rid} writes into shared block {block_id}"
+                    self.slots[block_id * bs + p % bs] = (g, st.token_ids[p])
+                # attention reads the context through the block table: all of it, or the window
+                first = 0 if spec.sliding_window is None else max(0, start - spec.sliding_window + 1)
+                for p in range(first, end):
+                    got = self.slots.get(table[p // bs] * bs + p % bs)
+                    assert got == (g, st.token_ids[p]), \
+                        f"{rid}: group {g} position {p} reads {got}, expected {(g, st.token_ids[p])}"
             st.num_computed_tokens = end
             if end == len(st.token_ids) and rid not in out.failed:
                 tok = self.token_fn(st.token_ids)

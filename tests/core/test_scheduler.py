@@ -67,16 +67,16 @@ def test_new_then_cached_request_data():
     so = s.schedule()
     (new,) = so.scheduled_new_reqs
     assert (new.req_id, new.token_ids, new.num_prompt_tokens, new.block_ids, new.num_computed_tokens) == \
-        ("a", [1, 2, 3, 4, 5, 6, 7], 7, [0, 1], 0)
+        ("a", [1, 2, 3, 4, 5, 6, 7], 7, ([0, 1],), 0)
     s.update_from_output(so, _out(("a", 11)))
     so = s.schedule()  # position 7 still fits block 1
     assert so.scheduled_new_reqs == [] and so.num_scheduled_tokens == {"a": 1}
     (cached,) = so.scheduled_cached_reqs
-    assert (cached.new_block_ids, cached.num_computed_tokens) == ([], 7)
+    assert (cached.new_block_ids, cached.num_computed_tokens) == (([],), 7)
     s.update_from_output(so, _out(("a", 12)))
     so = s.schedule()  # position 8 opens block 2
     (cached,) = so.scheduled_cached_reqs
-    assert (cached.new_block_ids, cached.num_computed_tokens) == ([2], 8)
+    assert (cached.new_block_ids, cached.num_computed_tokens) == (([2],), 8)
     (a,) = s.update_from_output(so, _out(("a", 13)))
     assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and a.output_token_ids == [11, 12, 13]
     assert s.schedule().finished_req_ids == {"a"}
@@ -228,7 +228,7 @@ def test_reset_runner_state_resends_everything_in_full():
     s.reset_runner_state()  # the runner lost its state
     so = s.schedule()
     (new,) = so.scheduled_new_reqs
-    assert (new.token_ids, new.block_ids, new.num_computed_tokens) == ([1, 2, 3, 4, 5, 9], [0, 1], 5)
+    assert (new.token_ids, new.block_ids, new.num_computed_tokens) == ([1, 2, 3, 4, 5, 9], ([0, 1],), 5)
     assert so.scheduled_cached_reqs == []
 
 

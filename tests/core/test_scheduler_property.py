@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pagedllm.core.block_pool import hash_block_tokens
-from pagedllm.core.kv_cache_manager import cdiv
+from pagedllm.core.kv_cache_groups import KVCacheGroupSpec, max_num_blocks_per_seq
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
 
@@ -23,10 +23,23 @@ from core_helpers import FakeRunner, make_config, make_request, reference_output
 
 
 def check_prefix_index(s: Scheduler) -> None:
-    """Every hash-index entry is the hash of its block's stored parent hash and tokens."""
+    """Every hash-index entry is the hash of its block's stored parent hash and tokens
+    (followed by the KV-cache group index for groups after the first)."""
     pool = s.kv_cache_manager.block_pool
     for h, block in pool.cached_block_hash_to_block.items():
-        assert hash_block_tokens(block.parent_hash, block.token_ids) == h
+        assert h[:32] == hash_block_tokens(block.parent_hash, block.token_ids)
+        assert len(h) == 32 or 0 < int.from_bytes(h[32:], "little") < s.kv_cache_manager.num_groups
+
+
+def draw_kv_cache_groups(data) -> list[KVCacheGroupSpec] | None:
+    """One full-attention group (None), full + sliding, or all sliding, with a small window."""
+    kind = data.draw(st.sampled_from(["full", "full", "hybrid", "sliding"]), label="kv_cache_groups")
+    if kind == "full":
+        return None
+    window = data.draw(st.integers(1, 9), label="sliding_window")
+    if kind == "sliding":
+        return [KVCacheGroupSpec((0,), window)]
+    return [KVCacheGroupSpec((0,), None), KVCacheGroupSpec((1,), window)]
 
 
 BASES = [[3, 4, 5, 6, 7, 8, 9, 10], [3, 4, 5, 6, 11, 12, 13, 14], [20, 21, 22, 23, 24, 25, 26, 27]]
@@ -58,8 +71,10 @@ def test_random_add_schedule_abort_keeps_invariants(data):
                       max_num_seqs=data.draw(st.integers(1, 4), label="max_num_seqs"),
                       scheduling_policy=data.draw(st.sampled_from(["fcfs", "priority"]), label="policy"),
                       batching=data.draw(st.sampled_from(["continuous"] * 4 + ["static"]), label="batching"))
-    s = Scheduler(cfg, num_blocks)
+    groups = draw_kv_cache_groups(data)
+    s = Scheduler(cfg, num_blocks, kv_cache_groups=groups)
     runner = FakeRunner(s)
+    num_usable = s.kv_cache_manager.num_total_blocks  # the null block, if any, excluded
     added, aborted, failed_ids = [], set(), set()
     for op_index in range(data.draw(st.integers(1, 40), label="num_ops")):
         op = data.draw(st.sampled_from(["add", "add", "add", "step", "step", "abort"]))
@@ -67,7 +82,10 @@ def test_random_add_schedule_abort_keeps_invariants(data):
             prompt = data.draw(prompts(mml + 2))
             max_tokens = data.draw(st.integers(1, 12))
             n = data.draw(st.sampled_from([1, 1, 1, 2, 3]))
-            fits = len(prompt) <= mml and cdiv(min(len(prompt) + max_tokens, mml), bs) <= num_blocks
+            worst = min(len(prompt) + max_tokens, mml)
+            chunk = worst if cfg.batching == "static" else cfg.token_budget
+            fits = len(prompt) <= mml and max_num_blocks_per_seq(
+                groups or [KVCacheGroupSpec((0,))], worst, bs, chunk) <= num_usable
             for c in range(n):
                 req = make_request(f"r{op_index}-{c}", prompt, max_tokens=max_tokens,
                                    priority=data.draw(st.integers(0, 2)),
@@ -100,10 +118,11 @@ def test_random_add_schedule_abort_keeps_invariants(data):
         steps += 1
         assert steps < 2000, "no progress"
     kv = s.kv_cache_manager
-    assert kv.num_used_blocks == 0 and kv.num_free_or_evictable_blocks == num_blocks
+    assert kv.num_used_blocks == 0 and kv.num_free_or_evictable_blocks == num_usable
     event(f"preempted: {s.num_preemptions > 0}")  # coverage, see --hypothesis-show-statistics
     event(f"prefix hits: {kv.prefix_cache_hits > 0}")
     event(f"evictions: {kv.block_pool.num_evicted_blocks > 0}")
+    event(f"blocks freed out of window: {kv.num_window_freed_blocks > 0}")
     for req in added:
         assert req.is_finished
         if req.request_id in aborted:
