@@ -73,6 +73,7 @@ class EngineConfig:
     max_logprobs: int = _f(20, "largest logprobs / prompt_logprobs a request may ask for")
     max_waiting_requests: int | None = _f(None, "reject new requests (HTTP 503) beyond this many waiting")
     debug_integrity_checks: bool = _f(False, "check block pool and scheduler invariants after every step (slow)")
+    disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers (one block table for all layers) instead of freeing blocks outside the window")
 
     def __post_init__(self) -> None:
         bs = self.block_size

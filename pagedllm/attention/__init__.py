@@ -81,6 +81,9 @@ class Attention(nn.Module):
         self.scale = scale
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
+        # KV-cache group whose block tables this layer reads (set by the model runner
+        # with the cache; see pagedllm.core.kv_cache_groups).
+        self.kv_cache_group = 0
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query: (T, num_heads, head_dim); key/value: (T, num_kv_heads, head_dim) -> (T, num_heads, head_dim).
@@ -91,7 +94,7 @@ class Attention(nn.Module):
         Raises RuntimeError when metadata is present but no cache is bound, or outside
         :func:`set_forward_context`.
         """
-        metadata = get_forward_context().attn_metadata
+        metadata = get_forward_context().metadata_for(self.kv_cache_group)
         if metadata is None:
             out = F.scaled_dot_product_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
                                                  is_causal=True, scale=self.scale, enable_gqa=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Iterator, Protocol, Sequence
 
 import torch
 
@@ -70,19 +70,39 @@ class AttentionBackend(Protocol):
 
 @dataclass
 class ForwardContext:
-    """What every attention layer needs during one forward pass."""
+    """What every attention layer needs during one forward pass.
+
+    ``group_metadata[g]`` is the metadata of KV-cache group ``g`` (its own block tables
+    and slot mapping; see :mod:`pagedllm.core.kv_cache_groups`); ``attn_metadata`` is
+    group 0's (the only one for a model without sliding-window layers), or None.
+    """
 
     attn_metadata: AttentionMetadata | None
+    group_metadata: tuple[AttentionMetadata, ...] = ()
+
+    def metadata_for(self, group: int) -> AttentionMetadata | None:
+        """The metadata of KV-cache group ``group`` (None in a pass without metadata).
+        Raises IndexError for a group the pass has no metadata for."""
+        if self.attn_metadata is None:
+            return None
+        if group == 0:
+            return self.attn_metadata
+        return self.group_metadata[group]
 
 
 _local = threading.local()
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata | None) -> Iterator[ForwardContext]:
-    """Make ``attn_metadata`` visible to the attention layers for one forward pass."""
+def set_forward_context(attn_metadata: AttentionMetadata | Sequence[AttentionMetadata] | None
+                        ) -> Iterator[ForwardContext]:
+    """Make the step's metadata visible to the attention layers for one forward pass:
+    one :class:`AttentionMetadata`, or one per KV-cache group (a list or tuple), or None."""
     prev = getattr(_local, "ctx", None)
-    ctx = ForwardContext(attn_metadata)
+    if isinstance(attn_metadata, (list, tuple)):
+        ctx = ForwardContext(attn_metadata[0], tuple(attn_metadata))
+    else:
+        ctx = ForwardContext(attn_metadata, (attn_metadata,) if attn_metadata is not None else ())
     _local.ctx = ctx
     try:
         yield ctx

@@ -9,12 +9,21 @@ a :class:`ModelRunnerOutput`.
 
 Per-request state persists between steps in host-side numpy buffers indexed by a row
 number per request (token ids ``[max_num_seqs, max_model_len]`` and block tables
-``[max_num_seqs, max_blocks_per_seq]``), so building the inputs is a handful of vectorized
-gathers, never a Python loop per token.
+``[num_kv_cache_groups, max_num_seqs, max_blocks_per_seq]``), so building the inputs is a
+handful of vectorized gathers, never a Python loop per token.
+
+Hybrid KV cache (models with sliding-window layers, :mod:`pagedllm.core.kv_cache_groups`):
+the layers are grouped by attention type into KV-cache groups of equal size; the runner
+allocates one KV tensor per layer *position* in a group (``layers_per_block`` tensors of
+``num_blocks`` blocks) and layer ``j`` of every group uses tensor ``j``, so a block id
+means the same bytes whichever group holds it. Each group has its own block table per
+request, hence its own ``slot_mapping`` and ``block_tables``: the step carries one
+``AttentionMetadata`` per group and each attention layer reads its group's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,9 +32,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pagedllm.attention import get_attention_backend
+from pagedllm.attention import Attention, get_attention_backend
 from pagedllm.attention.backend import AttentionMetadata, set_forward_context
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_groups import (KVCacheGroupSpec, layers_per_block, make_kv_cache_groups,
+                                           max_num_blocks_per_seq)
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.loader.model_files import ModelFiles
 from pagedllm.sampling_params import SamplingParams
@@ -51,6 +62,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def attention_layers(model: torch.nn.Module) -> list[Attention]:
+    """The model's :class:`~pagedllm.attention.Attention` modules in layer order (module
+    registration order), one per layer. Raises ValueError when the count is not
+    ``model.num_layers``."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if len(layers) != model.num_layers:
+        raise ValueError(f"{type(model).__name__} has {len(layers)} Attention modules for {model.num_layers} layers")
+    return layers
+
+
+def layer_sliding_windows(model: torch.nn.Module) -> list[int | None]:
+    """Per layer, the sliding window (tokens) its attention honours, or None for full
+    attention: each Attention module's ``sliding_window`` attribute (None when absent)."""
+    return [getattr(a, "sliding_window", None) for a in attention_layers(model)]
+
+
 @dataclass
 class CachedRequestState:
     """What the runner remembers about one running request between steps."""
@@ -60,7 +87,7 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    num_blocks: int  # length of its block table (the same in every KV-cache group)
     num_computed_tokens: int
     generator: torch.Generator | None
     num_prompt_logprob_positions_done: int = 0  # prompt positions already reported
@@ -72,12 +99,20 @@ class CachedRequestState:
 
 @dataclass
 class KVCacheSpec:
-    """Sizes of the paged KV cache (bytes, tokens) as decided at start-up."""
+    """Sizes of the paged KV cache (bytes, tokens) as decided at start-up.
+
+    ``bytes_per_block`` is one block of every KV tensor (``layers_per_block`` layers; all
+    layers without sliding windows). ``kv_cache_groups`` are the KV-cache groups (default:
+    one full-attention group); ``max_chunk_tokens`` the scheduler's token budget, which
+    bounds how many blocks a sliding-window group holds per sequence.
+    """
 
     num_blocks: int
     block_size: int
     bytes_per_block: int
     max_model_len: int
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = ()
+    max_chunk_tokens: int = 2048
 
     @property
     def num_tokens(self) -> int:
@@ -88,15 +123,53 @@ class KVCacheSpec:
         return self.num_blocks * self.bytes_per_block
 
     @property
+    def is_hybrid(self) -> bool:
+        """Whether some group has a sliding window (its out-of-window blocks are freed)."""
+        return any(g.sliding_window for g in self.kv_cache_groups)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: a hybrid pool reserves block 0 as the null block."""
+        return self.num_blocks - self.is_hybrid
+
+    @property
+    def blocks_per_seq(self) -> int:
+        """Most blocks one sequence of ``max_model_len`` tokens holds at once, all groups."""
+        groups = self.kv_cache_groups or (KVCacheGroupSpec((0,)),)
+        return max_num_blocks_per_seq(groups, self.max_model_len, self.block_size, self.max_chunk_tokens)
+
+    @property
+    def bytes_per_seq(self) -> int:
+        """KV bytes one sequence of ``max_model_len`` tokens holds at most (a group with
+        fewer layers than ``layers_per_block`` still takes whole blocks)."""
+        return self.blocks_per_seq * self.bytes_per_block
+
+    @property
+    def layers_per_block(self) -> int:
+        return layers_per_block(self.kv_cache_groups) if self.kv_cache_groups else 1
+
+    @property
     def max_concurrency(self) -> float:
-        """Sequences of ``max_model_len`` tokens that fit at once."""
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        """Sequences of ``max_model_len`` tokens that fit at once (sliding-window groups
+        holding only their window)."""
+        return self.num_usable_blocks / self.blocks_per_seq
+
+    @property
+    def full_attention_max_concurrency(self) -> float:
+        """The same pool's max concurrency if every layer kept every block."""
+        num_layers = sum(len(g.layer_ids) for g in self.kv_cache_groups) or self.layers_per_block
+        blocks_per_seq = -(-self.max_model_len // self.block_size) * num_layers / self.layers_per_block
         return self.num_blocks / blocks_per_seq
 
     def describe(self) -> str:
-        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
+        text = (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
                 f"{self.num_bytes / 2**30:.2f} GiB; max concurrency {self.max_concurrency:.2f} "
                 f"sequences at max_model_len {self.max_model_len}")
+        if self.is_hybrid:
+            num_sliding = sum(1 for g in self.kv_cache_groups if g.sliding_window)
+            text += (f" (hybrid: {len(self.kv_cache_groups)} KV-cache groups of {self.layers_per_block} layers, "
+                     f"{num_sliding} sliding-window; {self.full_attention_max_concurrency:.2f} if all blocks were kept)")
+        return text
 
 
 @dataclass
@@ -146,7 +219,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self.token_buf = np.zeros((config.max_num_seqs, self.max_model_len), dtype=np.int64)
-        self.block_table_buf = np.zeros((config.max_num_seqs, self.max_blocks_per_seq), dtype=np.int64)
+        self._layout_kv_cache()
         self.kv_caches: list[torch.Tensor] = []
         self.kv_spec: KVCacheSpec | None = None
         # Test hook (case C06): called with each sampling request id; raising fails that request only.
@@ -166,10 +239,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ KV cache sizing
     def bytes_per_block(self) -> int:
-        """Bytes one block takes across all layers: 2 (K, V) × layers × block_size × kv_heads × head_dim × dtype size."""
+        """Bytes one block takes across all KV tensors: 2 (K, V) × layers_per_block (all
+        layers without sliding windows) × block_size × kv_heads × head_dim × dtype size."""
         m = self.model
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
+        return 2 * self.num_kv_tensors * self.block_size * m.num_kv_heads * m.head_dim * elem
 
     def determine_num_blocks(self) -> int:
         """Number of KV blocks: ``num_kv_blocks`` if set; on CPU ``kv_cache_memory`` bytes;
@@ -185,7 +259,7 @@ class ModelRunner:
             num_blocks = self._profile_cuda_num_blocks(per_block)
         else:
             num_blocks = cfg.kv_cache_memory_bytes // per_block
-        needed = self.max_blocks_per_seq
+        needed = self._new_kv_spec(0).blocks_per_seq + any(g.sliding_window for g in self.kv_cache_groups)
         if num_blocks < needed:
             source = ("num_kv_blocks" if cfg.num_kv_blocks is not None else
                       "gpu_memory_utilization" if self.device.type == "cuda" else "kv_cache_memory")
@@ -214,7 +288,7 @@ class ModelRunner:
         """One prefill of ``num_tokens`` tokens through a temporary KV cache (memory profiling)."""
         num_blocks = -(-num_tokens // self.block_size)
         caches = self._new_kv_caches(num_blocks)
-        self.model.bind_kv_caches(caches)
+        self._bind_kv_caches(caches)
         block_table = torch.arange(num_blocks, dtype=torch.int32, device=self.device).view(1, -1)
         meta = AttentionMetadata(
             slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=self.device),
@@ -225,25 +299,51 @@ class ModelRunner:
             query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens])
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         pos = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
-        with torch.inference_mode(), set_forward_context(meta):
+        with torch.inference_mode(), set_forward_context([meta] * len(self.kv_cache_groups)):
             hidden = self.model(ids, pos)
             self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])
         self.model.bind_kv_caches([])
         del caches
 
     def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        """``layers_per_block`` tensors of (2, num_blocks, block_size, num_kv_heads, head_dim)."""
         m = self.model
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         # zeros, not empty: padded block-table entries point at block 0, whose values are
         # masked out but must not be NaN (0 × NaN would poison the weighted sum).
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_layers)]
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_kv_tensors)]
+
+    def _bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
+        """Give layer ``group.layer_ids[j]`` tensor ``j`` and tell its attention its group."""
+        per_layer: list[torch.Tensor | None] = [None] * self.model.num_layers
+        layers = attention_layers(self.model)
+        for g, group in enumerate(self.kv_cache_groups):
+            for j, layer in enumerate(group.layer_ids):
+                per_layer[layer] = caches[j]
+                layers[layer].kv_cache_group = g
+        self.model.bind_kv_caches(per_layer)
+
+    def _new_kv_spec(self, num_blocks: int) -> KVCacheSpec:
+        return KVCacheSpec(num_blocks, self.block_size, self.bytes_per_block(), self.max_model_len,
+                           self.kv_cache_groups, self.config.token_budget)
+
+    def _layout_kv_cache(self) -> None:
+        """KV-cache groups from the layers' sliding windows, and the block-table buffer per group."""
+        self.kv_cache_groups = tuple(make_kv_cache_groups(layer_sliding_windows(self.model),
+                                                          hybrid=not self.config.disable_hybrid_kv_cache_manager))
+        self.num_kv_tensors = layers_per_block(self.kv_cache_groups)
+        self.block_table_buf = np.zeros((len(self.kv_cache_groups), self.config.max_num_seqs,
+                                         self.max_blocks_per_seq), dtype=np.int64)
 
     def initialize_kv_cache(self) -> KVCacheSpec:
-        """Size and allocate the KV cache; bind it to the model's attention layers. Logs the sizes."""
+        """Group the layers by attention type (their sliding windows as they are now), size
+        and allocate the KV cache, bind it to the model's attention layers. Logs the sizes.
+        Call before the first step."""
+        self._layout_kv_cache()
         num_blocks = self.determine_num_blocks()
         self.kv_caches = self._new_kv_caches(num_blocks)
-        self.model.bind_kv_caches(self.kv_caches)
-        self.kv_spec = KVCacheSpec(num_blocks, self.block_size, self.bytes_per_block(), self.max_model_len)
+        self._bind_kv_caches(self.kv_caches)
+        self.kv_spec = self._new_kv_spec(num_blocks)
         logger.info(self.kv_spec.describe())
         return self.kv_spec
 
@@ -267,18 +367,22 @@ class ModelRunner:
             gen = torch.Generator(device=self.device) if params.seed is not None else None
             prompt = list(new.token_ids[:new.num_prompt_tokens])
             output = list(new.token_ids[new.num_prompt_tokens:])
-            state = CachedRequestState(new.req_id, row, prompt, output, params, list(new.block_ids),
+            num_blocks = len(new.block_ids[0])
+            state = CachedRequestState(new.req_id, row, prompt, output, params, num_blocks,
                                        new.num_computed_tokens, gen)
             n = len(new.token_ids)
             self.token_buf[row, :n] = new.token_ids
-            self.block_table_buf[row, :len(new.block_ids)] = new.block_ids
+            for g, ids in enumerate(new.block_ids):
+                self.block_table_buf[g, row, :num_blocks] = ids
             self.requests[new.req_id] = state
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            if cached.new_block_ids:
-                start = len(state.block_ids)
-                state.block_ids.extend(cached.new_block_ids)
-                self.block_table_buf[state.row, start:start + len(cached.new_block_ids)] = cached.new_block_ids
+            num_new = len(cached.new_block_ids[0])
+            if num_new:
+                start = state.num_blocks
+                for g, ids in enumerate(cached.new_block_ids):
+                    self.block_table_buf[g, state.row, start:start + num_new] = ids
+                state.num_blocks += num_new
             state.num_computed_tokens = cached.num_computed_tokens
 
     @staticmethod
@@ -309,8 +413,9 @@ class ModelRunner:
                and num_computed[i] < len(s.prompt_token_ids)]
         return _StepBatch(req_ids, num_sched, num_computed, rows, sample_mask, plp)
 
-    def _prepare_inputs(self, b: _StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
-        """Vectorized: flat token ids, positions, slot mapping and attention metadata."""
+    def _prepare_inputs(self, b: _StepBatch) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], np.ndarray]:
+        """Vectorized: flat token ids, positions, and per KV-cache group the slot mapping
+        and attention metadata (the groups differ only in those and ``block_tables``)."""
         total = int(b.num_scheduled.sum())
         cu = np.zeros(len(b.req_ids) + 1, dtype=np.int64)
         np.cumsum(b.num_scheduled, out=cu[1:])
@@ -318,22 +423,28 @@ class ModelRunner:
         positions = np.arange(total, dtype=np.int64) - cu[req_idx] + b.num_computed[req_idx]
         rows = b.rows[req_idx]
         input_ids = self.token_buf[rows, positions]
-        block_ids = self.block_table_buf[rows, positions // self.block_size]
-        slot_mapping = block_ids * self.block_size + positions % self.block_size
+        block_idx, offsets = positions // self.block_size, positions % self.block_size
         seq_lens = b.num_computed + b.num_scheduled
         max_blocks = int(-(-seq_lens.max() // self.block_size))
-        block_tables = self.block_table_buf[b.rows, :max_blocks]
         num_decodes = int((b.num_scheduled == 1).sum())
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
-            num_decodes=num_decodes, num_decode_tokens=num_decodes,
-            max_query_len=int(b.num_scheduled.max()), max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=cu.tolist(), seq_lens_cpu=seq_lens.tolist())
-        return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta, cu)
+        metas = []
+        for table_buf in self.block_table_buf:  # one per KV-cache group
+            slot_mapping = table_buf[rows, block_idx] * self.block_size + offsets
+            block_tables = torch.from_numpy(table_buf[b.rows, :max_blocks].astype(np.int32)).to(dev)
+            if metas:
+                metas.append(dataclasses.replace(metas[0], slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+                                                 block_tables=block_tables))
+                continue
+            metas.append(AttentionMetadata(
+                slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+                query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
+                seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+                block_tables=block_tables,
+                num_decodes=num_decodes, num_decode_tokens=num_decodes,
+                max_query_len=int(b.num_scheduled.max()), max_seq_len=int(seq_lens.max()),
+                query_start_loc_cpu=cu.tolist(), seq_lens_cpu=seq_lens.tolist()))
+        return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metas, cu)
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -343,8 +454,8 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()
         b = self._order_batch(so)
-        input_ids, positions, meta, cu = self._prepare_inputs(b)
-        with set_forward_context(meta):
+        input_ids, positions, metas, cu = self._prepare_inputs(b)
+        with set_forward_context(metas):
             hidden = self.model(input_ids, positions)  # (T, hidden)
         out = ModelRunnerOutput()
         self._compute_prompt_logprobs(b, hidden, cu, out)

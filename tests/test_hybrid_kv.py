@@ -1,0 +1,147 @@
+"""Hybrid KV cache end to end: a model with sliding-window layers served through the model
+runner and the scheduler, out-of-window blocks freed, against transformers.
+
+The model is transformers' Qwen2 with ``layer_types`` (layers 0, 2 sliding with window 8,
+layers 1, 3 full): a Llama-shaped model whose q/k/v carry biases, so pagedllm's
+``LlamaForCausalLM`` (``attention_bias=True``, zero o_proj bias) holds the same weights.
+Its windowed layers get :class:`WindowedReferenceAttention`, a plain paged attention that
+honours the window; the runner reads each layer's ``sliding_window`` to build the groups.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.torch_paged import gather_kv, write_kv_cache
+from pagedllm.config import EngineConfig
+from pagedllm.core.request import Request
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.model_runner import ModelRunner
+from tests.model_utils import _init_, tiny_llama_config
+
+WINDOW = 8
+LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+class WindowedReferenceAttention:
+    """Paged attention, one request at a time, where query position p sees keys p - W + 1 .. p.
+
+    Reads every context position through the block table and masks the ones outside the
+    window, so an entry the KV-cache manager freed (null block, or a stale id now owned by
+    another request) is read but never weighted.
+    """
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+
+    def forward(self, query, key, value, kv_cache, metadata, scale):
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(query)
+        qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+        for b in range(metadata.num_reqs):
+            start, end, seq_len = qsl[b], qsl[b + 1], seq_lens[b]
+            keys, values = gather_kv(kv_cache, metadata.block_tables[b], seq_len)  # (seq_len, kv_heads, hd)
+            q_pos = torch.arange(seq_len - (end - start), seq_len).unsqueeze(1)
+            k_pos = torch.arange(seq_len).unsqueeze(0)
+            mask = (k_pos <= q_pos) & (k_pos > q_pos - self.window)  # (Q, seq_len)
+            o = F.scaled_dot_product_attention(query[start:end].transpose(0, 1), keys.transpose(0, 1),
+                                               values.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
+            out[start:end] = o.transpose(0, 1)  # (Q, num_heads, head_dim)
+        return out
+
+    __call__ = forward
+
+
+@pytest.fixture(scope="module")
+def qwen2_pair():
+    """(transformers Qwen2 with sliding layers, pagedllm model with the same weights and windows)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from pagedllm.models.llama import LlamaForCausalLM
+
+    dims = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    hf_config = Qwen2Config(**dims, use_sliding_window=True, sliding_window=WINDOW, layer_types=LAYER_TYPES,
+                            dtype="float32")
+    torch.manual_seed(0)
+    hf = Qwen2ForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        _init_(hf.named_parameters(), torch.Generator().manual_seed(0))
+    model = LlamaForCausalLM(tiny_llama_config(**dims, attention_bias=True), torch.float32, torch.device("cpu"))
+    weights = dict(hf.state_dict())
+    for i in range(4):
+        weights[f"model.layers.{i}.self_attn.o_proj.bias"] = torch.zeros(64)
+    model.load_weights(weights.items())
+    for i, kind in enumerate(LAYER_TYPES):
+        if kind == "sliding_attention":
+            attn = model.model.layers[i].self_attn.attn
+            attn.sliding_window = WINDOW
+            attn.backend = WindowedReferenceAttention(WINDOW)
+    return hf, model.eval()
+
+
+def _generate(model, prompts, max_tokens, *, hybrid, kv_cache_memory=None, budget=16):
+    cfg = EngineConfig(block_size=4, max_model_len=64, max_num_batched_tokens=budget, max_num_seqs=4,
+                       kv_cache_memory=kv_cache_memory, disable_hybrid_kv_cache_manager=not hybrid)
+    runner = ModelRunner(cfg, model, torch.device("cpu"), torch.float32, 256, None)
+    spec = runner.initialize_kv_cache()
+    s = Scheduler(cfg, spec.num_blocks, kv_cache_groups=spec.kv_cache_groups)
+    reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        s.add_request(r)
+    try:
+        while s.has_unfinished_requests():
+            so = s.schedule()
+            s.update_from_output(so, runner.execute_model(so))
+            s.check_integrity()
+    finally:
+        model.bind_kv_caches([])
+    assert s.kv_cache_manager.num_used_blocks == 0
+    return [r.output_token_ids for r in reqs], s, spec
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, 256, (24,), generator=g).tolist()
+    return [shared + torch.randint(3, 256, (n,), generator=g).tolist() for n in (17, 1, 9)] + \
+        [torch.randint(3, 256, (5,), generator=g).tolist()]
+
+
+def test_groups_and_capacity_report(qwen2_pair):
+    _, model = qwen2_pair
+    cfg = EngineConfig(block_size=4, max_model_len=64, max_num_batched_tokens=16, num_kv_blocks=100)
+    spec = ModelRunner(cfg, model, torch.device("cpu"), torch.float32, 256, None).initialize_kv_cache()
+    model.bind_kv_caches([])
+    assert [(g.layer_ids, g.sliding_window) for g in spec.kv_cache_groups] == [((1, 3), None), ((0, 2), WINDOW)]
+    # a block is 2 layers x 4 tokens x 2 KV heads x 16 x 4 bytes, K and V
+    assert spec.bytes_per_block == 2 * 2 * 4 * 2 * 16 * 4
+    # 64 tokens: 16 blocks full + min(16, cdiv(7 + 16, 4) + 1 = 7) sliding
+    assert spec.blocks_per_seq == 23 and spec.max_concurrency == pytest.approx(99 / 23)
+    assert spec.full_attention_max_concurrency == pytest.approx(100 / 32)
+    assert "hybrid: 2 KV-cache groups of 2 layers, 1 sliding-window" in spec.describe()
+
+
+def test_greedy_equals_transformers_and_keeping_all_blocks(qwen2_pair):
+    """The same 96 KiB pool: 48 blocks of 2 layers (hybrid) or 24 blocks of 4 layers (all
+    blocks kept). Kept, the four sequences end holding 25 blocks (the shared 24-token prefix
+    6, their own tails 7 + 3 + 5, the short one 4): one preemption. Hybrid, the full group
+    holds those 25 and the sliding group at most 3 per decoding sequence: none. The
+    tokens are the same, and transformers' greedy choices."""
+    hf, model = qwen2_pair
+    prompts = _prompts()
+    hybrid, s, spec = _generate(model, prompts, 12, hybrid=True, kv_cache_memory=98304)
+    kept, s_kept, spec_kept = _generate(model, prompts, 12, hybrid=False, kv_cache_memory=98304)
+    assert (spec.num_blocks, spec_kept.num_blocks) == (48, 24)
+    assert hybrid == kept
+    assert (s.num_preemptions, s_kept.num_preemptions) == (0, 1)
+    kv = s.kv_cache_manager
+    assert kv.num_window_freed_blocks > 0 and kv.prefix_cache_hits > 0
+    assert s_kept.kv_cache_manager.num_window_freed_blocks == 0
+    with torch.no_grad():
+        for prompt, out in zip(prompts, hybrid):
+            logits = hf(torch.tensor([prompt + out])).logits[0]
+            assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == out
