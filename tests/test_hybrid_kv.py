@@ -18,6 +18,7 @@ from pagedllm.attention.torch_paged import gather_kv, write_kv_cache
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.loader.model_files import ModelFiles
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
 from tests.model_utils import _init_, tiny_llama_config
@@ -56,11 +57,10 @@ class WindowedReferenceAttention:
 
 
 @pytest.fixture(scope="module")
-def qwen2_pair():
-    """(transformers Qwen2 with sliding layers, pagedllm model with the same weights and windows)."""
+def qwen2_reference():
+    """(transformers Qwen2 with sliding layers, the same weights under Llama names with a zero o_proj bias,
+    the matching LlamaConfig)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from pagedllm.models.llama import LlamaForCausalLM
 
     dims = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -70,36 +70,42 @@ def qwen2_pair():
     hf = Qwen2ForCausalLM(hf_config).eval()
     with torch.no_grad():
         _init_(hf.named_parameters(), torch.Generator().manual_seed(0))
-    model = LlamaForCausalLM(tiny_llama_config(**dims, attention_bias=True), torch.float32, torch.device("cpu"))
     weights = dict(hf.state_dict())
     for i in range(4):
         weights[f"model.layers.{i}.self_attn.o_proj.bias"] = torch.zeros(64)
-    model.load_weights(weights.items())
+    config = tiny_llama_config(**dims, attention_bias=True, architectures=["LlamaForCausalLM"])
+    return hf, weights, config
+
+
+def _make_runner(reference, cfg: EngineConfig) -> ModelRunner:
+    """A runner over the Llama-named weights whose sliding layers honour the window."""
+    _, weights, config = reference
+    files = ModelFiles(hf_config=config, tokenizer=None, chat_template=None, eos_token_id=None, stop_token_ids=[],
+                       max_model_len=128, source="test", format="hf", _weights_fn=lambda dtype: iter(weights.items()))
+    runner = ModelRunner(cfg, files)
     for i, kind in enumerate(LAYER_TYPES):
         if kind == "sliding_attention":
-            attn = model.model.layers[i].self_attn.attn
+            attn = runner.model.model.layers[i].self_attn.attn
             attn.sliding_window = WINDOW
             attn.backend = WindowedReferenceAttention(WINDOW)
-    return hf, model.eval()
+    return runner
 
 
-def _generate(model, prompts, max_tokens, *, hybrid, kv_cache_memory=None, budget=16):
+def _generate(reference, prompts, max_tokens, *, hybrid, kv_cache_memory=None, budget=16):
     cfg = EngineConfig(block_size=4, max_model_len=64, max_num_batched_tokens=budget, max_num_seqs=4,
-                       kv_cache_memory=kv_cache_memory, disable_hybrid_kv_cache_manager=not hybrid)
-    runner = ModelRunner(cfg, model, torch.device("cpu"), torch.float32, 256, None)
+                       kv_cache_memory=kv_cache_memory, disable_hybrid_kv_cache_manager=not hybrid, device="cpu",
+                       dtype="float32")
+    runner = _make_runner(reference, cfg)
     spec = runner.initialize_kv_cache()
     s = Scheduler(cfg, spec.num_blocks, kv_cache_groups=spec.kv_cache_groups)
     reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
             for i, p in enumerate(prompts)]
     for r in reqs:
         s.add_request(r)
-    try:
-        while s.has_unfinished_requests():
-            so = s.schedule()
-            s.update_from_output(so, runner.execute_model(so))
-            s.check_integrity()
-    finally:
-        model.bind_kv_caches([])
+    while s.has_unfinished_requests():
+        so = s.schedule()
+        s.update_from_output(so, runner.execute_model(so))
+        s.check_integrity()
     assert s.kv_cache_manager.num_used_blocks == 0
     return [r.output_token_ids for r in reqs], s, spec
 
@@ -111,11 +117,9 @@ def _prompts():
         [torch.randint(3, 256, (5,), generator=g).tolist()]
 
 
-def test_groups_and_capacity_report(qwen2_pair):
-    _, model = qwen2_pair
-    cfg = EngineConfig(block_size=4, max_model_len=64, max_num_batched_tokens=16, num_kv_blocks=100)
-    spec = ModelRunner(cfg, model, torch.device("cpu"), torch.float32, 256, None).initialize_kv_cache()
-    model.bind_kv_caches([])
+def test_groups_and_capacity_report(qwen2_reference):
+    cfg = EngineConfig(block_size=4, max_model_len=64, max_num_batched_tokens=16, num_kv_blocks=100, device="cpu")
+    spec = _make_runner(qwen2_reference, cfg).initialize_kv_cache()
     assert [(g.layer_ids, g.sliding_window) for g in spec.kv_cache_groups] == [((1, 3), None), ((0, 2), WINDOW)]
     # a block is 2 layers x 4 tokens x 2 KV heads x 16 x 4 bytes, K and V
     assert spec.bytes_per_block == 2 * 2 * 4 * 2 * 16 * 4
@@ -125,16 +129,16 @@ def test_groups_and_capacity_report(qwen2_pair):
     assert "hybrid: 2 KV-cache groups of 2 layers, 1 sliding-window" in spec.describe()
 
 
-def test_greedy_equals_transformers_and_keeping_all_blocks(qwen2_pair):
+def test_greedy_equals_transformers_and_keeping_all_blocks(qwen2_reference):
     """The same 96 KiB pool: 48 blocks of 2 layers (hybrid) or 24 blocks of 4 layers (all
     blocks kept). Kept, the four sequences end holding 25 blocks (the shared 24-token prefix
     6, their own tails 7 + 3 + 5, the short one 4): one preemption. Hybrid, the full group
     holds those 25 and the sliding group at most 3 per decoding sequence: none. The
     tokens are the same, and transformers' greedy choices."""
-    hf, model = qwen2_pair
+    hf = qwen2_reference[0]
     prompts = _prompts()
-    hybrid, s, spec = _generate(model, prompts, 12, hybrid=True, kv_cache_memory=98304)
-    kept, s_kept, spec_kept = _generate(model, prompts, 12, hybrid=False, kv_cache_memory=98304)
+    hybrid, s, spec = _generate(qwen2_reference, prompts, 12, hybrid=True, kv_cache_memory=98304)
+    kept, s_kept, spec_kept = _generate(qwen2_reference, prompts, 12, hybrid=False, kv_cache_memory=98304)
     assert (spec.num_blocks, spec_kept.num_blocks) == (48, 24)
     assert hybrid == kept
     assert (s.num_preemptions, s_kept.num_preemptions) == (0, 1)
