@@ -1,0 +1,313 @@
+"""KV-cache, weight and activation arithmetic: the one source for the engine's start-up
+sizing (:class:`~pagedllm.worker.model_runner.ModelRunner`) and ``pagedllm plan``.
+
+Pure Python (no torch), so the planner runs anywhere and the two can never disagree.
+Units: bytes and tokens. The formulas:
+
+* K/V bytes per token = 2 (K and V) × Σ_layers KV heads per rank × head_dim × element
+  bytes (Kwon et al., "Efficient Memory Management for LLM Serving with PagedAttention",
+  SOSP 2023, §2-3). A block holds ``block_size`` tokens of every layer (one pool for all
+  layers; block ``i`` is the same slot range in each layer's cache).
+* Blocks = KV budget // bytes per block; the KV budget is ``kv_cache_memory`` on CPU, and
+  ``gpu_memory_utilization`` × device memory − weights − peak activations on a GPU
+  (vLLM's sizing rule; the engine measures the peak with a profiling forward pass, the
+  planner estimates it with :func:`activation_bytes`).
+* Max concurrency at a context of L tokens = blocks ÷ ⌈L / block_size⌉ (a paged sequence
+  wastes at most one partly filled block); a contiguous allocator (FasterTransformer,
+  Orca, a padded static batch) reserves ``max_model_len`` slots per sequence up front, so
+  it holds ⌊KV budget ÷ (max_model_len × K/V bytes per token)⌋ sequences whatever L is.
+
+Seam for sliding-window layers: :attr:`ModelShape.layer_windows` records each layer's
+window (None = full attention). Today every layer keeps every token's K/V (one block
+table per sequence for all layers), so windows do not change any figure yet; when KV
+cache groups land, :func:`kv_tokens_per_layer` is the one function that caps a windowed
+layer at its window and every other figure here follows from it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+GiB = 1024**3
+
+# Bytes per element of the dtypes weights, activations and K/V can be stored in.
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+# Bits per weight of the linear layers' weights under each quantization (scales and
+# zero points included): int4 = 4 bits + fp16 scale and zero per group of 128 (AWQ/GPTQ);
+# int8/fp8 keep one scale per output channel (< 0.1%, not counted); the GGML block types
+# from their block structs (q8_0: 34 bytes per 32 weights, q4_k: 144 per 256, ...).
+# Embeddings, lm_head and norms stay in the model dtype (as vLLM's AWQ/GPTQ/int8 paths).
+QUANTIZATION_BITS: dict[str, float] = {
+    "int8": 8.0, "fp8": 8.0, "int4": 4.25,
+    "q8_0": 8.5, "q6_k": 6.5625, "q5_k": 5.5, "q5_0": 5.5, "q5_1": 6.0, "q4_k": 4.5, "q4_1": 5.0, "q4_0": 4.5,
+}
+
+
+def dtype_bytes(name: str, field_name: str = "dtype") -> int:
+    """Element size in bytes of a dtype name (``float32``, ``bfloat16``, ``fp8``, ...).
+
+    Raises ValueError naming ``field_name`` for an unknown name.
+    """
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"{field_name} must be one of {', '.join(DTYPE_BYTES)}, got {name!r}")
+    return DTYPE_BYTES[name]
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative ints."""
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The config numbers of a decoder-only transformer that memory depends on.
+
+    ``num_params`` is the exact parameter count when the model's files are known (sum of
+    tensor sizes); None means "count from the shape" (:meth:`param_count`).
+    ``layer_windows``: one entry per layer, the sliding-window size in tokens or None for
+    full attention; None for the whole field means every layer is full attention.
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    layer_windows: tuple[int | None, ...] | None = None
+    num_params: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "vocab_size", "max_position_embeddings"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"model {self.name}: {name} must be a positive integer, got {v!r}")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(f"model {self.name}: num_attention_heads ({self.num_attention_heads}) must be a "
+                             f"multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.layer_windows is not None and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"model {self.name}: layer_windows has {len(self.layer_windows)} entries for "
+                             f"{self.num_layers} layers")
+
+    @classmethod
+    def from_hf_config(cls, config: Any, name: str = "model", num_params: int | None = None) -> "ModelShape":
+        """Read a transformers config (or any object / dict with its attribute names).
+
+        ``text_config`` is used when present (multimodal wrappers). Raises ValueError
+        when a required number is missing.
+        """
+        config = getattr(config, "text_config", None) or config
+        get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else \
+            (lambda k, d=None: getattr(config, k, d))
+        heads = get("num_attention_heads")
+        hidden = get("hidden_size")
+        missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+                               "vocab_size") if get(k) is None]
+        if missing:
+            raise ValueError(f"model {name}: the config lacks {', '.join(missing)}")
+        head_dim = get("head_dim") or hidden // heads
+        return cls(name=name, num_layers=get("num_hidden_layers"), hidden_size=hidden, num_attention_heads=heads,
+                   num_kv_heads=get("num_key_value_heads") or heads, head_dim=head_dim,
+                   intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"),
+                   max_position_embeddings=get("max_position_embeddings") or 2048,
+                   tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+                   attention_bias=bool(get("attention_bias", False)) or get("model_type") == "qwen2",
+                   layer_windows=_layer_windows(get, get("num_hidden_layers")), num_params=num_params)
+
+    # ---- parameters ------------------------------------------------------------------
+    def linear_param_count(self) -> int:
+        """Parameters of the attention and MLP projections (the quantizable ones), all layers."""
+        h, hd = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * hd, self.num_kv_heads * hd
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
+        return self.num_layers * per_layer
+
+    def param_count(self) -> int:
+        """All parameters: ``num_params`` if known, else counted from the shape (embeddings,
+        projections, q/k/v biases, norms, lm_head unless tied)."""
+        if self.num_params is not None:
+            return self.num_params
+        h = self.hidden_size
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        bias = self.num_layers * (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim \
+            if self.attention_bias else 0
+        norms = (2 * self.num_layers + 1) * h
+        return embed + self.linear_param_count() + bias + norms
+
+
+def _layer_windows(get, num_layers: int) -> tuple[int | None, ...] | None:
+    """Per-layer sliding windows from ``sliding_window`` + ``layer_types`` / ``use_sliding_window``."""
+    window = get("sliding_window")
+    if not window or get("use_sliding_window") is False:
+        return None
+    types = get("layer_types")
+    if types:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (window,) * num_layers
+
+
+# ---- K/V -------------------------------------------------------------------------------
+# The K/V functions take a ModelShape or anything with ``num_layers``, ``num_kv_heads`` and
+# ``head_dim`` (the engine passes its model), so the planner and the engine share them.
+def kv_heads_per_rank(shape: Any, tensor_parallel_size: int = 1) -> int:
+    """KV heads each tensor-parallel rank stores (replicated when there are fewer than ranks)."""
+    return max(1, shape.num_kv_heads // tensor_parallel_size)
+
+
+def kv_tokens_per_layer(shape: Any, num_tokens: int) -> list[int]:
+    """Tokens whose K/V each layer keeps for a sequence of ``num_tokens`` tokens.
+
+    Every layer keeps all of them today, windowed or not (see the module docstring).
+    """
+    return [num_tokens] * shape.num_layers
+
+
+def kv_bytes_per_token(shape: Any, kv_dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """K/V bytes one token takes across all layers on one rank: 2 × layers × KV heads × head_dim × bytes."""
+    layers = sum(kv_tokens_per_layer(shape, 1))
+    return 2 * layers * kv_heads_per_rank(shape, tensor_parallel_size) * shape.head_dim * kv_dtype_bytes
+
+
+def kv_bytes_per_block(shape: Any, block_size: int, kv_dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes of one block (``block_size`` tokens of every layer) on one rank."""
+    return block_size * kv_bytes_per_token(shape, kv_dtype_bytes, tensor_parallel_size)
+
+
+def blocks_per_sequence(num_tokens: int, block_size: int) -> int:
+    """Blocks a sequence of ``num_tokens`` tokens occupies (at most one partly filled)."""
+    return cdiv(num_tokens, block_size)
+
+
+def num_blocks_for_budget(kv_budget_bytes: int, bytes_per_block: int) -> int:
+    """Whole blocks a KV budget holds (0 for a negative budget)."""
+    return max(kv_budget_bytes, 0) // bytes_per_block
+
+
+def contiguous_max_sequences(kv_budget_bytes: int, bytes_per_token: int, max_model_len: int) -> int:
+    """Sequences a contiguous allocator holds: each reserves ``max_model_len`` slots up front."""
+    return max(kv_budget_bytes, 0) // (max_model_len * bytes_per_token)
+
+
+# ---- weights and activations -------------------------------------------------------------
+def weight_bytes(shape: ModelShape, dtype_bytes_: int, quantization: str | None = None,
+                 tensor_parallel_size: int = 1) -> int:
+    """Bytes of the weights on one rank.
+
+    Without ``quantization`` every parameter is stored in the model dtype (what this engine
+    does, GGUF files included: they are dequantized at load). With one of
+    :data:`QUANTIZATION_BITS`, the linear projections take that many bits per weight and
+    the rest stays in the model dtype. Tensor parallelism splits everything evenly (vLLM
+    shards the vocabulary too; norms are replicated, a negligible difference).
+
+    Raises ValueError for an unknown ``quantization``.
+    """
+    total = shape.param_count()
+    if quantization in (None, "none"):
+        num = total * dtype_bytes_
+    elif quantization in QUANTIZATION_BITS:
+        linear = shape.linear_param_count()
+        num = (total - linear) * dtype_bytes_ + math.ceil(linear * QUANTIZATION_BITS[quantization] / 8)
+    else:
+        raise ValueError(f"quantization must be none or one of {', '.join(QUANTIZATION_BITS)}, got {quantization!r}")
+    return cdiv(num, tensor_parallel_size)
+
+
+def activation_bytes(shape: ModelShape, num_tokens: int, num_logit_rows: int, dtype_bytes_: int,
+                     tensor_parallel_size: int = 1) -> int:
+    """Estimated peak activation bytes of one forward pass over ``num_tokens`` tokens.
+
+    The live tensors at the larger of the two peaks of a layer — the MLP (residual, normed
+    input, gate, up, and their product: 2·hidden + 3·intermediate) or attention (residual,
+    normed input, q/k/v, output: 2·hidden + (2·heads + 2·kv_heads)·head_dim) — per token in
+    the model dtype, plus float32 logits for ``num_logit_rows`` rows. This is the figure the
+    engine's profiling forward pass measures on CUDA (where it replaces this estimate);
+    the CUDA context and allocator slack live in the 1 − gpu_memory_utilization margin.
+    """
+    tp = tensor_parallel_size
+    h, hd = shape.hidden_size, shape.head_dim
+    mlp = 2 * h + 3 * shape.intermediate_size // tp
+    attn = 2 * h + (2 * shape.num_attention_heads // tp + 2 * kv_heads_per_rank(shape, tp)) * hd
+    logits = num_logit_rows * cdiv(shape.vocab_size, tp) * 4
+    return num_tokens * max(mlp, attn) * dtype_bytes_ + logits
+
+
+def gpu_kv_budget_bytes(device_memory_bytes: int, gpu_memory_utilization: float, weight_bytes_: int,
+                        activation_bytes_: int) -> int:
+    """The KV budget on a GPU: utilization × device memory − weights − peak activations (may be negative)."""
+    return int(device_memory_bytes * gpu_memory_utilization) - weight_bytes_ - activation_bytes_
+
+
+# ---- the sized cache ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Sizes of the paged KV cache as decided at start-up (bytes, tokens, blocks)."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def max_concurrency_at(self, num_tokens: int) -> float:
+        """Sequences of ``num_tokens`` tokens that fit at once (blocks ÷ blocks per sequence)."""
+        return self.num_blocks / blocks_per_sequence(num_tokens, self.block_size)
+
+    @property
+    def max_concurrency(self) -> float:
+        """Sequences of ``max_model_len`` tokens that fit at once."""
+        return self.max_concurrency_at(self.max_model_len)
+
+    def describe(self) -> str:
+        """The start-up log line."""
+        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
+                f"{self.num_bytes / GiB:.2f} GiB; max concurrency {self.max_concurrency:.2f} "
+                f"sequences at max_model_len {self.max_model_len}")
+
+
+def too_small_message(source: str, num_blocks: int, bytes_per_block: int, block_size: int,
+                      max_model_len: int) -> str | None:
+    """The error text when ``num_blocks`` cannot hold one ``max_model_len`` sequence, else None.
+
+    ``source`` names the setting that decided the pool size (``kv_cache_memory``, ...).
+    """
+    needed = blocks_per_sequence(max_model_len, block_size)
+    if num_blocks >= needed:
+        return None
+    return (f"{source} too small: the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens, "
+            f"{num_blocks * bytes_per_block / 2**20:.1f} MiB) but one sequence of max_model_len={max_model_len} "
+            f"tokens needs {needed} blocks ({needed * bytes_per_block / 2**20:.1f} MiB); raise {source} or lower "
+            f"max_model_len")
+
+
+def largest_max_model_len(num_blocks: int, block_size: int, limit: int) -> int:
+    """The largest ``max_model_len`` (≤ ``limit``) one sequence of which fits in ``num_blocks``."""
+    return min(num_blocks * block_size, limit)
+
+
+def format_bytes(num: float) -> str:
+    """``1610612736`` → ``'1.50 GiB'`` (binary units)."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num) >= size:
+            return f"{num / size:.2f} {unit}"
+    return f"{int(num)} B"
+
+
+def sum_params(shapes: Sequence[Sequence[int]]) -> int:
+    """Total elements of tensors with the given shapes (exact parameter counts from file headers)."""
+    return sum(math.prod(s) for s in shapes)
