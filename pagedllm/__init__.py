@@ -30,6 +30,7 @@ _LAZY = {
     "Logprob": "pagedllm.outputs",
     "EngineConfig": "pagedllm.config",
     "LLMEngine": "pagedllm.engine.llm_engine",
+    "plan": "pagedllm.planner",
 }
 
 __all__ = list(_LAZY)

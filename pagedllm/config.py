@@ -31,7 +31,7 @@ def parse_bytes(value: int | float | str, field_name: str = "kv_cache_memory") -
     if isinstance(value, (int, float)):
         num = float(value)
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(f"{field_name} must be a byte count or a size like '4GiB', got {value!r}")
         num = float(m.group(1)) * _UNITS[m.group(2).lower()]

@@ -1,4 +1,4 @@
-"""``pagedllm generate | chat | serve``: the command line.
+"""``pagedllm generate | chat | serve | plan``: the command line.
 
 Engine flags are derived from EngineConfig (``pagedllm.entrypoints.args``), so they match
 ``LLM(**kwargs)`` exactly.
@@ -61,7 +61,36 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints.openai.api_server import add_server_args
 
     add_server_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))  # MODEL + server + engine flags
+    _add_plan_args(sub.add_parser("plan", help="how many sequences fit, at what context, on which device"))
     return parser
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    from pagedllm.planner import GPUS, MODEL_SHAPES
+    from pagedllm.sizing import DTYPE_BYTES, QUANTIZATION_BITS
+
+    p.description = ("Plan the KV cache before starting the engine: weights, activations, KV blocks and "
+                     "tokens, max concurrent sequences per context (paged vs a contiguous allocator), "
+                     "whether it fits, suggested flags. Exit code 2 when it does not fit or the input is bad.")
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL,
+                   help=f"alias, .gguf, HF folder, or a named shape: {', '.join(MODEL_SHAPES)}")
+    g = p.add_argument_group("device")
+    g.add_argument("--gpu", default=None, help=f"a named GPU: {', '.join(GPUS)}")
+    g.add_argument("--device-memory", default=None, help="device memory in bytes or like '80GiB' (instead of --gpu)")
+    add_engine_args(p)
+    existing = {a.dest for a in p._actions}  # EngineConfig may grow these fields; never add a flag twice
+    q = p.add_argument_group("planning")
+    if "quantization" not in existing:
+        q.add_argument("--quantization", default=None, choices=["none", *QUANTIZATION_BITS],
+                       help="weight format of the linear layers (default: none = --dtype)")
+    if "kv_cache_dtype" not in existing:
+        q.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *DTYPE_BYTES],
+                       help="K/V element type (default: auto = --dtype)")
+    if "tensor_parallel_size" not in existing:
+        q.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the model is split over")
+    q.add_argument("--context-len", dest="context_lens", type=int, action="append", default=None,
+                   help="table row for this context length in tokens (repeatable; default max_model_len/8../1)")
+    q.add_argument("--json", action="store_true", help="print one JSON object (with a boolean 'fits')")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,12 +102,31 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "chat":
             return _chat(args)
+        if args.command == "plan":
+            return _plan(args)
         from pagedllm.entrypoints.openai.api_server import run_server
         run_server(args)
         return 0
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _plan(args) -> int:
+    """Print the plan; exit code 0 when it fits, 2 when it does not (bad input raises ValueError → 2)."""
+    import json
+
+    from pagedllm.planner import plan_from_config
+
+    config = engine_config_from_args(args)
+    result = plan_from_config(config, device_memory=args.device_memory, gpu=args.gpu,
+                              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                              tensor_parallel_size=args.tensor_parallel_size, context_lens=args.context_lens)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.render())
+    if not result.fits:
+        print("error: does not fit: " + "; ".join(result.problems), file=sys.stderr)
+        return 2
+    return 0
 
 
 def _read_prompts(args) -> list[str]:

@@ -1,0 +1,470 @@
+"""``pagedllm plan``: how many sequences fit, at what context, on which device — before
+buying or starting anything.
+
+:func:`plan` resolves the inputs (a model alias, GGUF file, HF folder or a named shape from
+:data:`MODEL_SHAPES`; a device from :data:`GPUS` or a byte count; dtypes, quantization,
+block size, contexts, tensor parallelism) and does the arithmetic with
+:mod:`pagedllm.sizing`, the same functions the engine sizes its KV cache with at
+start-up, so on the same inputs the two report the same blocks, tokens and concurrency.
+
+Without ``device_memory``/``gpu`` it plans the engine on this machine's CPU (the KV pool
+is ``kv_cache_memory``, default 1 GiB, or ``num_kv_blocks``), exactly as the engine sizes
+itself there; with one it plans a GPU (``gpu_memory_utilization`` × memory − weights −
+estimated activations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pagedllm import sizing
+from pagedllm.config import EngineConfig, engine_arg_names, parse_bytes
+from pagedllm.sizing import GiB, ModelShape
+
+MiB = 2**20
+
+
+def _shape(name, layers, hidden, heads, kv_heads, inter, vocab, ctx, tied=False, bias=False) -> ModelShape:
+    return ModelShape(name, layers, hidden, heads, kv_heads, hidden // heads, inter, vocab, ctx,
+                      tie_word_embeddings=tied, attention_bias=bias)
+
+
+# Config numbers from each model's published config.json (num_hidden_layers, hidden_size,
+# num_attention_heads, num_key_value_heads, intermediate_size, vocab_size,
+# max_position_embeddings, tie_word_embeddings; Qwen2 has q/k/v biases).
+MODEL_SHAPES: dict[str, ModelShape] = {s.name: s for s in (
+    _shape("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+    _shape("llama-2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+    _shape("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+    _shape("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+    _shape("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    _shape("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072),
+    _shape("llama-3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072),
+    _shape("mistral-7b", 32, 4096, 32, 8, 14336, 32768, 32768),
+    _shape("qwen2.5-0.5b", 24, 896, 14, 2, 4864, 151936, 32768, tied=True, bias=True),
+    _shape("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 32768, bias=True),
+    _shape("qwen2.5-14b", 48, 5120, 40, 8, 13824, 152064, 32768, bias=True),
+    _shape("smollm2-135m", 30, 576, 9, 3, 1536, 49152, 8192, tied=True),
+)}
+
+
+@dataclass(frozen=True)
+class GPU:
+    """A named device: its memory in bytes as the driver reports it (``nvidia-smi``)."""
+
+    name: str
+    memory_bytes: int
+    description: str
+
+
+GPUS: dict[str, GPU] = {g.name: g for g in (
+    GPU("24gb", 24 * GiB, "24 GB consumer GPU (RTX 3090 / 4090)"),
+    GPU("a100-40", 40 * GiB, "NVIDIA A100 40GB"),
+    GPU("a100-80", 80 * GiB, "NVIDIA A100 80GB"),
+    GPU("h100-80", 80 * GiB, "NVIDIA H100 80GB"),
+    GPU("h200", 143771 * MiB, "NVIDIA H200 141GB"),
+)}
+_GPU_ALIASES = {"rtx-4090": "24gb", "rtx-3090": "24gb", "a100": "a100-80", "h100": "h100-80", "h200-141": "h200"}
+
+# Options of plan() that are not EngineConfig fields (a later EngineConfig field of the
+# same name is used from the config instead).
+PLAN_OPTIONS = ("device_memory", "gpu", "quantization", "kv_cache_dtype", "tensor_parallel_size", "context_lens")
+
+
+@dataclass
+class ContextRow:
+    """Capacity at one context length (tokens per sequence)."""
+
+    context_len: int
+    blocks_per_seq: int
+    max_concurrency: float  # paged: blocks ÷ blocks per sequence
+    max_seqs: int  # paged: whole sequences that fit at once
+    contiguous_max_seqs: int  # each reserving max_model_len slots
+
+
+@dataclass
+class Plan:
+    """The planner's answer. Bytes per device (per rank with tensor parallelism)."""
+
+    model: str
+    model_source: str  # "named shape", "gguf", "hf"
+    num_params: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    device: str  # "cpu" or a GPU name or "gpu"
+    device_memory_bytes: int | None
+    gpu_memory_utilization: float | None
+    dtype: str
+    kv_cache_dtype: str
+    quantization: str
+    tensor_parallel_size: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    weight_bytes: int
+    activation_bytes: int
+    activation_tokens: int
+    kv_bytes_per_token: int
+    bytes_per_block: int
+    kv_budget_bytes: int
+    kv_budget_source: str
+    num_blocks: int
+    num_tokens: int
+    max_concurrency: float  # at max_model_len, as the engine's start-up line
+    contiguous_max_seqs: int
+    rows: list[ContextRow]
+    fits: bool
+    problems: list[str] = field(default_factory=list)
+    suggested_flags: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict (what ``pagedllm plan --json`` prints)."""
+        return dataclasses.asdict(self)
+
+    def kv_cache_spec(self) -> sizing.KVCacheSpec:
+        """The KVCacheSpec the engine would build from these inputs."""
+        return sizing.KVCacheSpec(self.num_blocks, self.block_size, self.bytes_per_block, self.max_model_len)
+
+    def render(self) -> str:
+        """The human-readable table."""
+        return render_plan(self)
+
+
+# ---------------------------------------------------------------------------- inputs
+def resolve_gpu(name: str) -> GPU:
+    """A GPU from :data:`GPUS` by name (case-insensitive, aliases such as ``rtx-4090``).
+
+    Raises ValueError listing the known names.
+    """
+    key = name.strip().lower()
+    key = _GPU_ALIASES.get(key, key)
+    if key not in GPUS:
+        known = ", ".join(f"{g.name} ({g.description})" for g in GPUS.values())
+        raise ValueError(f"gpu: unknown GPU {name!r}; known: {known}; or pass device_memory (bytes or '80GiB')")
+    return GPUS[key]
+
+
+def resolve_model_shape(model: str) -> tuple[ModelShape, str]:
+    """``(shape, source)`` of a named shape, an alias, a GGUF file or an HF folder.
+
+    Reads only headers (config, tensor shapes), never the weights. Raises ValueError
+    (a ``ModelNotFoundError`` for a missing model) listing the named shapes.
+    """
+    key = model.strip().lower()
+    if key in MODEL_SHAPES:
+        return MODEL_SHAPES[key], "named shape"
+    from pagedllm.loader.resolve import ModelNotFoundError, resolve_model
+
+    try:
+        resolved = resolve_model(model)
+    except ModelNotFoundError as e:
+        raise ModelNotFoundError(f"{e}\nNamed shapes for planning: {', '.join(MODEL_SHAPES)}") from None
+    if resolved.format == "gguf":
+        return _gguf_shape(resolved.path, model), "gguf"
+    return _hf_shape(resolved.path, model), "hf"
+
+
+def _gguf_shape(path: Path, name: str) -> ModelShape:
+    from pagedllm.loader import gguf as gguf_loader
+
+    f = gguf_loader.GGUFFile(path)
+    config = gguf_loader.gguf_config(f.metadata, {t.name for t in f.tensors}, gguf_loader.read_rope_freqs(f))
+    arch = f.metadata.get("general.architecture", "")
+    params = [t.shape for t in f.tensors if gguf_loader.hf_tensor_name(t.name, arch) is not None]
+    return _with_max_len(ModelShape.from_hf_config(config, name, sizing.sum_params(params)), config)
+
+
+def _hf_shape(folder: Path, name: str) -> ModelShape:
+    from safetensors import safe_open
+
+    from pagedllm.loader import hf as hf_loader
+
+    config = hf_loader.load_hf_config(folder)
+    is_tied = bool(getattr(config, "tie_word_embeddings", False))
+    shapes = []
+    for file in hf_loader.safetensors_files(folder):
+        with safe_open(str(file), framework="numpy") as f:
+            for key in f.keys():  # the engine's own skip rules (rotary buffers, a tied lm_head)
+                if key.endswith(hf_loader._SKIPPED_SUFFIXES) or (is_tied and key == "lm_head.weight"):
+                    continue
+                shapes.append(f.get_slice(key).get_shape())
+    return _with_max_len(ModelShape.from_hf_config(config, name, sizing.sum_params(shapes)), config)
+
+
+def _with_max_len(shape: ModelShape, config: Any) -> ModelShape:
+    """The context length the engine derives from the config (rope scaling included)."""
+    from pagedllm.loader.model_files import max_model_len_of
+
+    return dataclasses.replace(shape, max_position_embeddings=max_model_len_of(config))
+
+
+# ---------------------------------------------------------------------------- the plan
+def plan(model: str | None = None, **options: Any) -> Plan:
+    """Plan the KV cache for ``model`` on a device. Never loads weights.
+
+    Args:
+        model: alias, .gguf path, HF folder, or a key of :data:`MODEL_SHAPES`
+            (default: the engine's default model).
+        **options: any :class:`~pagedllm.config.EngineConfig` field (``dtype``,
+            ``block_size``, ``max_model_len``, ``gpu_memory_utilization``,
+            ``kv_cache_memory``, ``num_kv_blocks``, ``max_num_seqs``, ...) and:
+            ``device_memory`` (bytes or ``"80GiB"``) or ``gpu`` (a key of :data:`GPUS`) to
+            plan a GPU; ``quantization`` (none or a key of
+            :data:`~pagedllm.sizing.QUANTIZATION_BITS`); ``kv_cache_dtype`` (auto = dtype);
+            ``tensor_parallel_size`` (default 1); ``context_lens`` (token counts for the
+            table; default max_model_len ÷ 8, ÷ 4, ÷ 2, ÷ 1).
+
+    Returns:
+        A :class:`Plan`; ``fits`` is False (with ``problems`` saying why) when the weights
+        do not fit or the KV cache cannot hold one ``max_model_len`` sequence.
+
+    Raises:
+        ValueError: naming the option, for an unknown option, GPU, dtype or quantization,
+            a non-positive memory size, or a model that cannot be found.
+    """
+    unknown = set(options) - set(PLAN_OPTIONS) - set(engine_arg_names())
+    if unknown:
+        raise ValueError(f"unknown plan option(s): {', '.join(sorted(unknown))}")
+    engine_kw = {k: v for k, v in options.items() if k in engine_arg_names()}
+    if model is not None:
+        engine_kw["model"] = model
+    config = EngineConfig(**engine_kw)
+    return plan_from_config(config, **{k: v for k, v in options.items() if k in PLAN_OPTIONS})
+
+
+def plan_from_config(config: EngineConfig, *, device_memory: int | str | None = None, gpu: str | None = None,
+                     quantization: str | None = None, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
+                     context_lens: list[int] | None = None) -> Plan:
+    """:func:`plan` for an already validated EngineConfig (the CLI's path). Raises as :func:`plan`."""
+    inputs = _PlanInputs.build(config, device_memory, gpu, quantization, kv_cache_dtype, tensor_parallel_size)
+    shape, source = resolve_model_shape(config.model)
+    return _compute(config, inputs, shape, source, context_lens)
+
+
+@dataclass
+class _PlanInputs:
+    device: str
+    device_memory_bytes: int | None  # None: the CPU plan (host RAM is checked separately)
+    quantization: str
+    kv_cache_dtype: str | None  # None = the model dtype
+    tensor_parallel_size: int
+
+    @classmethod
+    def build(cls, config, device_memory, gpu, quantization, kv_cache_dtype, tp) -> "_PlanInputs":
+        if device_memory is not None and gpu is not None:
+            raise ValueError("give either device_memory or gpu, not both")
+        device, mem = "cpu", None
+        if gpu is not None:
+            g = resolve_gpu(gpu)
+            device, mem = g.name, g.memory_bytes
+        elif device_memory is not None:
+            device, mem = "gpu", parse_bytes(device_memory, "device_memory")
+        elif config.device == "cuda":
+            raise ValueError("device cuda: pass gpu (a named GPU) or device_memory to plan for a GPU")
+        quantization = quantization or "none"
+        if quantization != "none" and quantization not in sizing.QUANTIZATION_BITS:
+            raise ValueError(f"quantization must be none or one of {', '.join(sizing.QUANTIZATION_BITS)}, "
+                             f"got {quantization!r}")
+        if kv_cache_dtype != "auto":
+            sizing.dtype_bytes(kv_cache_dtype, "kv_cache_dtype")
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        return cls(device, mem, quantization, None if kv_cache_dtype == "auto" else kv_cache_dtype, tp)
+
+
+def _compute(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, source: str,
+             context_lens: list[int] | None) -> Plan:
+    is_gpu = inp.device_memory_bytes is not None
+    dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if is_gpu else "float32")
+    kv_dtype = inp.kv_cache_dtype or dtype
+    tp = inp.tensor_parallel_size
+    problems: list[str] = []
+    if shape.num_attention_heads % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the {shape.num_attention_heads} attention heads")
+    max_model_len = config.max_model_len or shape.max_position_embeddings
+    if max_model_len > shape.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length "
+                         f"{shape.max_position_embeddings}")
+    config = config.replace(max_model_len=max_model_len)
+    contexts = _context_lens(context_lens, max_model_len)
+    dbytes = sizing.dtype_bytes(dtype)
+    weights = sizing.weight_bytes(shape, dbytes, inp.quantization, tp)
+    act_tokens = min(config.token_budget, max_model_len)
+    activations = sizing.activation_bytes(shape, act_tokens, min(act_tokens, config.max_num_seqs), dbytes, tp)
+    per_token = sizing.kv_bytes_per_token(shape, sizing.dtype_bytes(kv_dtype), tp)
+    per_block = config.block_size * per_token
+
+    if config.num_kv_blocks is not None:
+        budget, budget_source = config.num_kv_blocks * per_block, "num_kv_blocks"
+    elif is_gpu:
+        budget = sizing.gpu_kv_budget_bytes(inp.device_memory_bytes, config.gpu_memory_utilization,
+                                            weights, activations)
+        budget_source = "gpu_memory_utilization"
+    else:
+        budget, budget_source = config.kv_cache_memory_bytes, "kv_cache_memory"
+    num_blocks = sizing.num_blocks_for_budget(budget, per_block)
+    spec = sizing.KVCacheSpec(num_blocks, config.block_size, per_block, max_model_len)
+
+    memory = inp.device_memory_bytes if is_gpu else _host_memory_bytes()
+    usable = int(memory * config.gpu_memory_utilization) if is_gpu else memory
+    if weights + activations > usable:
+        what = f"{config.gpu_memory_utilization} x {sizing.format_bytes(memory)}" if is_gpu else "host RAM"
+        problems.append(f"the weights ({sizing.format_bytes(weights)}) and activations "
+                        f"({sizing.format_bytes(activations)}) do not fit in {sizing.format_bytes(usable)} ({what})")
+    elif not is_gpu and weights + activations + spec.num_bytes > usable:
+        problems.append(f"weights + activations + KV cache ({sizing.format_bytes(weights + activations + spec.num_bytes)})"
+                        f" exceed the host RAM ({sizing.format_bytes(usable)})")
+    too_small = sizing.too_small_message(budget_source, num_blocks, per_block, config.block_size, max_model_len)
+    if too_small and not problems:
+        problems.append(too_small)
+
+    rows = [ContextRow(c, sizing.blocks_per_sequence(c, config.block_size), spec.max_concurrency_at(c),
+                       num_blocks // sizing.blocks_per_sequence(c, config.block_size),
+                       sizing.contiguous_max_sequences(budget, per_token, max_model_len)) for c in contexts]
+    result = Plan(
+        model=config.model, model_source=source, num_params=shape.param_count(), num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, device=inp.device,
+        device_memory_bytes=memory, gpu_memory_utilization=config.gpu_memory_utilization if is_gpu else None,
+        dtype=dtype, kv_cache_dtype=kv_dtype, quantization=inp.quantization, tensor_parallel_size=tp,
+        block_size=config.block_size, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+        weight_bytes=weights, activation_bytes=activations, activation_tokens=act_tokens,
+        kv_bytes_per_token=per_token, bytes_per_block=per_block, kv_budget_bytes=budget,
+        kv_budget_source=budget_source, num_blocks=num_blocks, num_tokens=spec.num_tokens,
+        max_concurrency=spec.max_concurrency,
+        contiguous_max_seqs=sizing.contiguous_max_sequences(budget, per_token, max_model_len),
+        rows=rows, fits=not problems, problems=problems)
+    result.suggested_flags = _suggest(result, shape, config, inp)
+    result.notes = _notes(result, source)
+    return result
+
+
+def _context_lens(context_lens: list[int] | None, max_model_len: int) -> list[int]:
+    if context_lens:
+        bad = [c for c in context_lens if not isinstance(c, int) or isinstance(c, bool) or c < 1]
+        if bad:
+            raise ValueError(f"context_lens must be positive integers, got {bad[0]!r}")
+        over = [c for c in context_lens if c > max_model_len]
+        if over:
+            raise ValueError(f"context_lens: {over[0]} is longer than max_model_len ({max_model_len})")
+        return sorted(set(context_lens))
+    return sorted({max(1, max_model_len // d) for d in (8, 4, 2, 1)})
+
+
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# ---------------------------------------------------------------------------- advice
+def _suggest(p: Plan, shape: ModelShape, config: EngineConfig, inp: _PlanInputs) -> list[str]:
+    """Flags that make it fit (when it does not), or that use what fits (when it does)."""
+    if not p.fits:
+        return _suggest_fixes(p, shape, config, inp)
+    flags = [f"--dtype {p.dtype}", f"--block-size {p.block_size}", f"--max-model-len {p.max_model_len}"]
+    shortest = p.rows[0]
+    # More running sequences than fit at the shortest context would only preempt; fewer leave memory idle.
+    flags.append(f"--max-num-seqs {max(1, min(shortest.max_seqs, 1024))}")
+    if p.kv_budget_source == "gpu_memory_utilization":
+        flags.append(f"--gpu-memory-utilization {config.gpu_memory_utilization}")
+    elif p.kv_budget_source == "kv_cache_memory":
+        flags.append(f"--kv-cache-memory {sizing.format_bytes(p.kv_budget_bytes).replace(' ', '')}")
+    else:
+        flags.append(f"--num-kv-blocks {p.num_blocks}")
+    return flags
+
+
+def _suggest_fixes(p: Plan, shape: ModelShape, config: EngineConfig, inp: _PlanInputs) -> list[str]:
+    fixes = []
+    if p.weight_bytes + p.activation_bytes > (p.device_memory_bytes or 0) * (p.gpu_memory_utilization or 1.0):
+        for q in ("int8", "int4"):
+            if _fits_with(config, inp, shape, quantization=q):
+                fixes.append(f"--quantization {q}")
+                break
+        for tp in (2, 4, 8):
+            if shape.num_attention_heads % tp == 0 and _fits_with(config, inp, shape, tensor_parallel_size=tp):
+                fixes.append(f"--tensor-parallel-size {tp}")
+                break
+        if inp.device_memory_bytes is not None:
+            for g in GPUS.values():
+                if g.memory_bytes > inp.device_memory_bytes and _fits_with(config, inp, shape, device=g):
+                    fixes.append(f"--gpu {g.name}")
+                    break
+        return fixes
+    largest = sizing.largest_max_model_len(p.num_blocks, p.block_size, p.max_model_len)
+    if largest >= p.block_size:
+        fixes.append(f"--max-model-len {largest}")
+    if p.kv_budget_source == "kv_cache_memory":
+        need = sizing.blocks_per_sequence(p.max_model_len, p.block_size) * p.bytes_per_block
+        fixes.append(f"--kv-cache-memory {-(-need // MiB)}MiB")
+    elif p.kv_budget_source == "gpu_memory_utilization" and p.gpu_memory_utilization < 0.95:
+        fixes.append("--gpu-memory-utilization 0.95")
+    return fixes
+
+
+def _fits_with(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, device: GPU | None = None,
+               **changes: Any) -> bool:
+    changed = dataclasses.replace(inp, **changes)
+    if device is not None:
+        changed = dataclasses.replace(changed, device=device.name, device_memory_bytes=device.memory_bytes)
+    return _compute(config, changed, shape, "", None).fits
+
+
+def _notes(p: Plan, source: str) -> list[str]:
+    notes = []
+    if source == "named shape":
+        notes.append("named shape: parameters counted from its config numbers")
+    if p.quantization != "none" or p.kv_cache_dtype != p.dtype or p.tensor_parallel_size > 1:
+        notes.append("planning only: this build of pagedllm runs weights and K/V in --dtype on one device")
+    if p.kv_budget_source == "gpu_memory_utilization":
+        notes.append(f"activations are an estimate for a {p.activation_tokens}-token step; the engine measures "
+                     "them with a profiling forward pass")
+    return notes
+
+
+# ---------------------------------------------------------------------------- output
+def render_plan(p: Plan) -> str:
+    """The plan as a text report with one table row per context length."""
+    fb = sizing.format_bytes
+    if p.device_memory_bytes is not None and p.gpu_memory_utilization is not None:
+        device = (f"{p.device}: {fb(p.device_memory_bytes)} x gpu_memory_utilization {p.gpu_memory_utilization}"
+                  f" = {fb(int(p.device_memory_bytes * p.gpu_memory_utilization))}")
+    else:
+        device = f"cpu: host RAM {fb(p.device_memory_bytes or 0)}, KV pool from {p.kv_budget_source}"
+    lines = [
+        f"model      {p.model} ({p.model_source}): {p.num_params / 1e9:.2f} B parameters, {p.num_layers} layers, "
+        f"{p.num_kv_heads} KV heads x {p.head_dim}",
+        f"device     {device}" + (f", tensor_parallel_size {p.tensor_parallel_size} (bytes per device)"
+                                  if p.tensor_parallel_size > 1 else ""),
+        f"settings   dtype {p.dtype}, kv_cache_dtype {p.kv_cache_dtype}, quantization {p.quantization}, "
+        f"block_size {p.block_size}, max_model_len {p.max_model_len}",
+        "",
+        f"  weights                 {fb(p.weight_bytes):>12}",
+        f"  activations (estimate)  {fb(p.activation_bytes):>12}   ({p.activation_tokens}-token step)",
+        f"  KV cache                {fb(max(p.num_blocks * p.bytes_per_block, 0)):>12}   = {p.num_blocks} blocks x "
+        f"{p.block_size} tokens = {p.num_tokens} tokens",
+        f"  KV per token            {fb(p.kv_bytes_per_token):>12}   (per block {fb(p.bytes_per_block)})",
+        "",
+        "  context   blocks/seq   max concurrent sequences",
+        "                         paged (pagedllm)   contiguous (reserves max_model_len)",
+    ]
+    for r in p.rows:
+        lines.append(f"  {r.context_len:>7}   {r.blocks_per_seq:>10}   {r.max_seqs:>9} ({r.max_concurrency:>8.2f})"
+                     f"   {r.contiguous_max_seqs:>9}")
+    lines.append("")
+    if p.fits:
+        lines.append(f"fits: yes (max concurrency {p.max_concurrency:.2f} sequences at max_model_len "
+                     f"{p.max_model_len})")
+        lines.append("suggested: pagedllm serve " + (p.model if p.model_source != "named shape" else "MODEL")
+                     + " " + " ".join(p.suggested_flags))
+    else:
+        lines.append("fits: NO")
+        lines += [f"  - {problem}" for problem in p.problems]
+        if p.suggested_flags:
+            lines.append("would fit with any of: " + "; ".join(p.suggested_flags))
+    lines += [f"note: {n}" for n in p.notes]
+    return "\n".join(lines)

@@ -1,0 +1,185 @@
+"""`pagedllm plan` and pagedllm.sizing: the planner equals the engine's start-up sizing on
+the same inputs, the seeds' 13B / 24 GB example by hand, bad input exits with code 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import pagedllm
+from pagedllm import sizing
+from pagedllm.entrypoints.cli import main
+from pagedllm.planner import MODEL_SHAPES, plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+GiB = 1024**3
+LLAMA2_13B_PARAMS = 13_015_864_320  # Hugging Face's count for meta-llama/Llama-2-13b-hf
+
+
+# ---- the seeds' example, by hand ------------------------------------------------------------
+
+def test_llama2_13b_shape_arithmetic():
+    shape = MODEL_SHAPES["llama-2-13b"]
+    # embeddings + lm_head 2 x 32000 x 5120; per layer q,k,v,o 4 x 5120^2 + MLP 3 x 5120 x 13824; 81 norms
+    assert shape.param_count() == 2 * 32000 * 5120 + 40 * (4 * 5120**2 + 3 * 5120 * 13824) + 81 * 5120
+    assert shape.param_count() == LLAMA2_13B_PARAMS
+    # K and V x 40 layers x 40 heads x 128 x 2 bytes = 800 KiB per token (vLLM paper, §3)
+    assert sizing.kv_bytes_per_token(shape, 2) == 819_200 == 800 * 1024
+
+
+def test_seeds_example_fp16_does_not_fit_24gb():
+    """13B in fp16 on a 24 GB GPU: 26.0 GB of weights alone exceed 0.9 x 24 GiB."""
+    p = plan("llama-2-13b", gpu="24gb", dtype="float16")
+    assert p.weight_bytes == 2 * LLAMA2_13B_PARAMS
+    assert not p.fits and "do not fit" in p.problems[0]
+    assert "--quantization int8" in p.suggested_flags and "--gpu a100-40" in p.suggested_flags
+
+
+def test_seeds_example_int8_on_24gb_batch_4_at_full_context_does_not_fit():
+    """8-bit weights leave ~9 GB of KV: a contiguous allocator reserving 4,096 tokens per
+    user holds 2 users (so the 4th user OOMs); paged blocks hold 5 at 2,048 tokens, 22 at 512."""
+    p = plan("llama-2-13b", gpu="24gb", dtype="float16", quantization="int8", context_lens=[512, 1024, 2048, 4096])
+    linear = 40 * (4 * 5120**2 + 3 * 5120 * 13824)
+    weights = (LLAMA2_13B_PARAMS - linear) * 2 + linear  # embeddings and norms stay fp16
+    # 2,048-token profiling step: 2048 x max(2*5120 + 3*13824, 2*5120 + 160*128) x 2 B, + 128 rows of fp32 logits
+    activations = 2048 * (2 * 5120 + 3 * 13824) * 2 + 128 * 32000 * 4
+    budget = int(24 * GiB * 0.9) - weights - activations
+    assert (p.weight_bytes, p.activation_bytes, p.kv_budget_bytes) == (weights, activations, budget)
+    assert p.num_blocks == budget // (16 * 819_200) == 733
+    assert p.max_model_len == 4096 and p.fits
+    rows = {r.context_len: r for r in p.rows}
+    assert [rows[c].max_seqs for c in (512, 1024, 2048, 4096)] == [22, 11, 5, 2]
+    assert {r.contiguous_max_seqs for r in p.rows} == {budget // (4096 * 819_200)} == {2}
+
+
+def test_seeds_kv_geometry_matches_memory_waste_benchmark():
+    """benchmarks/memory_waste.py's seeds scenario uses the same K/V geometry as the planner."""
+    import memory_waste
+
+    scen = memory_waste.seeds_scenarios()[0]
+    assert scen.kv_bytes_per_token == sizing.kv_bytes_per_token(MODEL_SHAPES["llama-2-13b"], 2)
+
+
+def test_named_shapes_known_figures():
+    assert sizing.kv_bytes_per_token(MODEL_SHAPES["llama-3-8b"], 2) == 128 * 1024  # GQA 8 KV heads
+    assert round(MODEL_SHAPES["llama-3-8b"].param_count() / 1e9, 2) == 8.03
+    assert round(MODEL_SHAPES["qwen2.5-7b"].param_count() / 1e9, 2) == 7.62
+    p = plan("llama-2-70b", gpu="a100-80", tensor_parallel_size=4)
+    assert p.kv_bytes_per_token == 2 * 80 * 2 * 128 * 2  # 8 KV heads / 4 ranks = 2 per rank
+    assert p.weight_bytes == -(-MODEL_SHAPES["llama-2-70b"].param_count() * 2 // 4)
+
+
+def test_sliding_window_seam_reads_windows_and_keeps_full_kv():
+    cfg = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=128, vocab_size=100, max_position_embeddings=512, sliding_window=32,
+               layer_types=["sliding_attention", "full_attention"] * 2)
+    shape = sizing.ModelShape.from_hf_config(cfg, "hybrid")
+    assert shape.layer_windows == (32, None, 32, None)
+    assert sizing.kv_bytes_per_token(shape, 4) == 2 * 4 * 2 * 16 * 4  # every layer still keeps every token
+
+
+# ---- planner == engine start-up --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gqa_model_dir(tmp_path_factory, smollm2_tokenizer):
+    from conftest import build_tiny_llama_dir
+
+    return build_tiny_llama_dir(tmp_path_factory.mktemp("tiny_gqa"), smollm2_tokenizer, num_hidden_layers=3,
+                                num_attention_heads=8, num_key_value_heads=1, hidden_size=128,
+                                tie_word_embeddings=False, max_position_embeddings=512)
+
+
+def _engine_and_plan(model_dir: Path, **options):
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.config import EngineConfig
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", **options))
+    return engine, plan(str(model_dir), device="cpu", **options)
+
+
+@pytest.mark.parametrize("which,options", [
+    ("tiny", dict(dtype="float32", block_size=16, kv_cache_memory="4MiB", max_model_len=512)),
+    ("tiny", dict(dtype="bfloat16", block_size=32, kv_cache_memory="3MB", max_model_len=256)),
+    ("gqa", dict(dtype="float32", block_size=8, num_kv_blocks=50, max_model_len=128, max_num_seqs=4)),
+])
+def test_plan_equals_engine_startup(which, options, tiny_model_dir, gqa_model_dir):
+    engine, p = _engine_and_plan(tiny_model_dir if which == "tiny" else gqa_model_dir, **options)
+    spec = engine.kv_cache_spec
+    assert (p.num_blocks, p.num_tokens, p.bytes_per_block) == (spec.num_blocks, spec.num_tokens, spec.bytes_per_block)
+    assert p.max_concurrency == spec.max_concurrency
+    assert p.kv_cache_spec().describe() == spec.describe()  # the start-up log line, word for word
+    assert p.weight_bytes == engine.runner.weight_bytes()  # exact parameter count from the file headers
+    assert p.fits
+
+
+def test_plan_reports_what_the_engine_rejects(tiny_model_dir):
+    """A pool too small for one max_model_len sequence: the engine raises, the plan says no with the same words."""
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.config import EngineConfig
+
+    options = dict(dtype="float32", block_size=16, kv_cache_memory="64KiB", max_model_len=1024)
+    with pytest.raises(ValueError) as e:
+        LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", **options))
+    p = plan(str(tiny_model_dir), device="cpu", **options)
+    assert not p.fits and p.problems == [str(e.value)]
+    largest = p.num_blocks * 16
+    assert f"--max-model-len {largest}" in p.suggested_flags
+    assert plan(str(tiny_model_dir), device="cpu", **{**options, "max_model_len": largest}).fits
+
+
+@pytest.mark.slow
+def test_plan_equals_engine_startup_smollm2(smollm2_path):
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.config import EngineConfig
+
+    engine = LLMEngine(EngineConfig(model=str(smollm2_path), device="cpu", max_model_len=2048))
+    p = pagedllm.plan(str(smollm2_path), device="cpu", max_model_len=2048)
+    assert p.kv_cache_spec().describe() == engine.kv_cache_spec.describe()
+    assert p.weight_bytes == engine.runner.weight_bytes()
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+def test_cli_json_fits(capsys):
+    assert main(["plan", "-m", "llama-3-8b", "--gpu", "a100-80", "--json", "--context-len", "1024"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is True and out["kv_bytes_per_token"] == 131072
+    assert [r["context_len"] for r in out["rows"]] == [1024]
+    assert out["rows"][0]["max_seqs"] == out["num_blocks"] // 64
+
+
+def test_cli_does_not_fit_exits_2_with_json(capsys):
+    assert main(["plan", "-m", "llama-2-13b", "--gpu", "24gb", "--dtype", "float16", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["fits"] is False
+    assert "does not fit" in captured.err and "weights" in captured.err
+
+
+def test_cli_table(capsys):
+    assert main(["plan", "-m", "llama-2-13b", "--gpu", "24gb", "--quantization", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert "733 blocks x 16 tokens = 11728 tokens" in out and "fits: yes" in out
+    assert "suggested: pagedllm serve MODEL" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpu", "rtx-9999"], "unknown GPU 'rtx-9999'"),
+    (["--device-memory=-8GiB"], "device_memory must be positive"),
+    (["--device-memory", "0"], "device_memory must be positive"),
+    (["--gpu", "a100-80", "--device-memory", "80GiB"], "either device_memory or gpu"),
+    (["-m", "no-such-model"], "llama-2-13b"),  # the message lists the named shapes
+    (["--gpu", "h100-80", "--tensor-parallel-size", "0"], "tensor_parallel_size"),
+])
+def test_cli_bad_input_exits_2(argv, message, capsys):
+    args = ["plan", *argv] if "-m" in argv else ["plan", "-m", "llama-3-8b", *argv]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_python_api_rejects_unknown_option():
+    with pytest.raises(ValueError, match="unknown plan option"):
+        pagedllm.plan("llama-3-8b", gpus="a100-80")
