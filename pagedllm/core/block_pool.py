@@ -289,6 +289,17 @@ class BlockPool:
                 else:
                     self.free_block_queue.appendleft(block)
 
+    def block_states(self) -> str:
+        """One character per block, in block-id order: ``0`` free, ``1`` cached (free but
+        still hashed: evictable, hits possible), ``2`` in use by one table, ``3`` shared
+        (ref_cnt > 1), ``4`` the null block. O(num_blocks); changes nothing (the live KV
+        map's snapshot)."""
+        states = ["2" if b.ref_cnt == 1 else "3" if b.ref_cnt else "0" if b.block_hash is None else "1"
+                  for b in self.blocks]
+        if self.null_block is not None:
+            states[self.null_block.block_id] = "4"
+        return "".join(states)
+
     @staticmethod
     def _drop_hash(block: KVCacheBlock) -> None:
         block.block_hash = block.parent_hash = block.token_ids = None

@@ -118,6 +118,15 @@ class KVCacheManager:
         return self.num_used_blocks / self.num_total_blocks
 
     @property
+    def num_evicted_blocks(self) -> int:
+        """Cached blocks whose hash an allocation dropped, since start."""
+        return self.block_pool.num_evicted_blocks
+
+    def block_states(self) -> str:
+        """Every block's state, one character each (:meth:`BlockPool.block_states`)."""
+        return self.block_pool.block_states()
+
+    @property
     def prefix_cache_hit_rate(self) -> float:
         """prefix_cache_hits / prefix_cache_queries (0.0 before any query)."""
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

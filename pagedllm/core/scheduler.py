@@ -60,6 +60,8 @@ from typing import Iterable, Sequence
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_groups import KVCacheGroupSpec
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_snapshot import (EVENT_EVICTED, EVENT_PREEMPTED, EVENT_PREFIX_HIT, EVENT_RESUMED,
+                                       KVCacheSnapshot, KVEventLog, RequestKVRow)
 from pagedllm.core.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.stats import SchedulerStats
@@ -77,13 +79,14 @@ class Scheduler:
             step (tests, benchmarks; grows without bound, so off by default).
         kv_cache_groups: the model's KV-cache groups (plain data, see
             :mod:`pagedllm.core.kv_cache_groups`); default one full-attention group.
+        num_kv_events: how many preemption / caching events ``kv_events`` keeps.
 
     Raises:
         ValueError: when ``config.max_model_len`` is None or ``num_kv_blocks`` < 1.
     """
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int, record_trace: bool = False,
-                 kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None) -> None:
+                 kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None, num_kv_events: int = 100) -> None:
         if config.max_model_len is None:
             raise ValueError("config.max_model_len must be resolved before building the Scheduler")
         self.config = config
@@ -100,6 +103,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # head first
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
+        self.kv_events = KVEventLog(num_kv_events)  # the last preemptions, prefix hits, evictions
         self.step_trace: list[dict[str, int]] | None = [] if record_trace else None
         self._groups: dict[str, list[Request]] = {}  # parent_id -> unfinished children
         self._arrival_seq: dict[str, int] = {}  # tie-breaker for equal arrival times
@@ -177,7 +181,7 @@ class Scheduler:
             if num_new <= 0:
                 continue
             while True:
-                block_ids = kv.allocate_slots(req, num_new)
+                block_ids = self._allocate(req, num_new)
                 if block_ids is not None:
                     break
                 victim = self._pick_victim()
@@ -219,9 +223,10 @@ class Scheduler:
             if self.is_static:  # reserve the worst case now: the batch never grows again
                 worst = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
                 lookahead = max(0, worst - num_computed - num_new)
-            block_ids = kv.allocate_slots(req, num_new, computed_ids, num_computed, lookahead)
+            block_ids = self._allocate(req, num_new, computed_ids, num_computed, lookahead)
             if block_ids is None:
                 break  # head-of-line: waits for memory; nothing passes it
+            self._log_admission(req, num_computed)
             self.waiting.pop(i)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_computed
@@ -393,7 +398,50 @@ class Scheduler:
         for parent_id, children in self._groups.items():
             assert children and all(c.request_id in self.requests for c in children), f"group {parent_id} stale"
 
+    def kv_cache_snapshot(self, num_steps: int = 0) -> KVCacheSnapshot:
+        """Every block's state and every unfinished request's block table, now.
+
+        Call between steps (the engine thread does). O(blocks + requests); changes nothing.
+        """
+        kv = self.kv_cache_manager
+        rows = [self._kv_row(r, "running") for r in self.running]
+        rows += [self._kv_row(r, "preempted" if r.status == RequestStatus.PREEMPTED else "waiting")
+                 for r in self.waiting]
+        return KVCacheSnapshot.from_states(
+            kv.block_states(), time=time.time(), num_steps=num_steps, block_size=self.block_size,
+            kv_cache_groups=[{"layer_ids": list(g.layer_ids), "sliding_window": g.sliding_window}
+                             for g in kv.kv_cache_groups],
+            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            num_evicted_blocks=kv.num_evicted_blocks, num_preemptions=self.num_preemptions,
+            num_running=len(self.running), num_waiting=len(self.waiting), requests=rows,
+            events=list(self.kv_events.events))
+
+    def _kv_row(self, req: Request, status: str) -> RequestKVRow:
+        kv = self.kv_cache_manager
+        tables = [list(t) for t in kv.get_group_block_ids(req)] if req.request_id in kv.req_to_blocks else []
+        null_id = kv.null_block.block_id if kv.null_block is not None else None
+        return RequestKVRow(req.request_id, status, [b for t in tables for b in t if b != null_id], tables,
+                            req.num_prompt_tokens, req.num_output_tokens, req.num_computed_tokens,
+                            max(req.num_cached_tokens, 0), req.num_preemptions)
+
     # ---- internals ---------------------------------------------------------------------
+    def _allocate(self, req: Request, *args) -> list[int] | None:
+        """``KVCacheManager.allocate_slots``, logging the cached blocks it had to evict."""
+        kv = self.kv_cache_manager
+        evicted = kv.num_evicted_blocks
+        block_ids = kv.allocate_slots(req, *args)
+        if kv.num_evicted_blocks > evicted:
+            num = kv.num_evicted_blocks - evicted
+            self.kv_events.record(EVENT_EVICTED, req.request_id, num, num * self.block_size)
+        return block_ids
+
+    def _log_admission(self, req: Request, num_hit_tokens: int) -> None:
+        if num_hit_tokens:
+            self.kv_events.record(EVENT_PREFIX_HIT, req.request_id, num_hit_tokens // self.block_size, num_hit_tokens)
+        if req.num_preemptions:
+            self.kv_events.record(EVENT_RESUMED, req.request_id, self.kv_cache_manager.num_held_blocks(req),
+                                  req.num_tokens)
+
     def _priority_key(self, req: Request) -> tuple:
         return (req.priority, req.arrival_time, self._arrival_seq[req.request_id])
 
@@ -405,6 +453,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: free all blocks, keep the output, back to the queue head."""
+        self.kv_events.record(EVENT_PREEMPTED, req.request_id, self.kv_cache_manager.num_held_blocks(req),
+                              req.num_computed_tokens)
         self.running.remove(req)
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_snapshot import KVCacheSnapshot
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
@@ -261,6 +262,12 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished()
+
+    def kv_cache_snapshot(self) -> KVCacheSnapshot:
+        """The KV cache's blocks, block tables and recent events (the live KV map's data).
+
+        Engine thread only, between steps; O(blocks + requests)."""
+        return self.scheduler.kv_cache_snapshot(self.num_steps)
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler.get_stats()

@@ -3,13 +3,14 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health`` (200 empty body, 503 + error body when the engine is dead or its steps
 fail), ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
-(Prometheus, see :mod:`pagedllm.metrics`).
+(Prometheus, see :mod:`pagedllm.metrics`), ``GET /kv`` and ``GET /kv/state`` (the live
+KV-cache map, :mod:`pagedllm.entrypoints.openai.kv_map`; off with ``--disable-kv-map``).
 
 Errors are OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for
 invalid input (pydantic validation errors, malformed JSON, SamplingParams and engine
 ValueErrors, prompt + max_tokens beyond the context), 401 for a missing or wrong API key
 (``--api-key`` or ``PAGEDLLM_API_KEY``; ``/health``, ``/metrics`` and ``/version`` stay
-open for probes and scrapers), 404 for an unknown model or route, 503 when the waiting
+open for probes and scrapers, and so does the ``/kv`` page, which holds no data), 404 for an unknown model or route, 503 when the waiting
 queue is full or the engine is down, 500 (without a traceback) for failures inside the
 engine. Run it with :func:`run_server` or ``python -m pagedllm.entrypoints.openai.api_server``.
 """
@@ -33,6 +34,7 @@ import pagedllm
 from pagedllm.config import DEFAULT_MODEL
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineUnhealthyError
 from pagedllm.entrypoints.openai.errors import APIError, error_response, to_api_error
+from pagedllm.entrypoints.openai.kv_map import KV_PAGE_PATH, add_kv_map_routes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     TokenizeRequest, TokenizeResponse)
@@ -44,6 +46,7 @@ from pagedllm.metrics import CONTENT_TYPE_LATEST
 logger = logging.getLogger("pagedllm.server")
 
 _OPEN_PATHS = ("/health", "/metrics", "/version")  # probes and scrapers need no key
+_OPEN_PAGES = (KV_PAGE_PATH,)  # exact paths: pages without data (their data routes need the key)
 _REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
 
 
@@ -58,7 +61,8 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and not scope["path"].startswith(_OPEN_PATHS):
+        if (scope["type"] == "http" and scope["method"] != "OPTIONS" and not scope["path"].startswith(_OPEN_PATHS)
+                and scope["path"] not in _OPEN_PAGES):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = error_response(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'")
@@ -86,7 +90,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None, *, api_key: str | None = None,
-              chat_template: str | None = None, max_n: int = 16) -> FastAPI:
+              chat_template: str | None = None, max_n: int = 16, enable_kv_map: bool = True) -> FastAPI:
     """The FastAPI app serving ``engine`` (started in the app's lifespan, stopped at its end).
 
     Args:
@@ -95,6 +99,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
         api_key: require ``Authorization: Bearer <api_key>`` on the API routes.
         chat_template: Jinja chat template overriding the model's.
         max_n: largest ``n`` per request.
+        enable_kv_map: serve the live KV-cache map at ``/kv`` and ``/kv/state``.
     """
     names = list(served_model_names or [engine.model_name])
     completions = OpenAIServingCompletion(engine, names, max_n=max_n)
@@ -206,6 +211,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
             return json_response(DetokenizeResponse(prompt=text))
         return await handle(run())
 
+    if enable_kv_map:
+        add_kv_map_routes(app, engine, names[0])
     return app
 
 
@@ -237,6 +244,8 @@ def add_server_args(parser: argparse.ArgumentParser, include_engine_args: bool =
     group.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     group.add_argument("--stats-log-interval", type=float, default=10.0,
                        help="seconds between engine status log lines, 0 = off (default: 10)")
+    group.add_argument("--disable-kv-map", action="store_true",
+                       help="do not serve the live KV-cache map (GET /kv, GET /kv/state)")
     if include_engine_args and not any(a.dest == "block_size" for a in parser._actions):
         add_engine_args(parser)
     return parser
@@ -258,7 +267,7 @@ def build_app_from_args(args: argparse.Namespace) -> FastAPI:
         with open(args.chat_template, encoding="utf-8") as f:
             chat_template = f.read()
     return build_app(async_engine, names, api_key=resolve_api_key(args), chat_template=chat_template,
-                     max_n=args.max_n)
+                     max_n=args.max_n, enable_kv_map=not args.disable_kv_map)
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:

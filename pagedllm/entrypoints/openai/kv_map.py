@@ -1,0 +1,59 @@
+"""The live KV-cache map: ``GET /kv`` (an HTML page) and ``GET /kv/state`` (JSON).
+
+``/kv/state`` is :meth:`LLMEngine.kv_cache_snapshot` as JSON — every block's state
+(free, cached-evictable, in use, shared), every unfinished request's block table and
+token counts, cumulative prefix-cache / eviction / preemption counters and the last
+preemption and caching events — taken on the engine thread between two steps
+(``AsyncLLMEngine.call``), so it is consistent and costs the engine one O(blocks) pass
+per request for it. It sits behind the API key like every API route.
+
+``/kv`` is one self-contained page (inline CSS and JS, no build step, no CDN) that polls
+``/kv/state`` (default once a second, ``?interval=`` in seconds, at least 0.2) and draws
+one cell per block, the request rows, the counters over time and the event log. The page
+holds no data of its own, so it is served without the key; it sends the key it finds in
+the URL fragment (``/kv#key=...``, never sent to the server or its logs) or that the
+user types in, as ``Authorization: Bearer``. ``pagedllm serve --disable-kv-map`` leaves
+both routes out.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from pagedllm.engine.async_engine import EngineDeadError
+from pagedllm.entrypoints.openai.errors import error_response
+
+KV_PAGE_PATH = "/kv"
+KV_STATE_PATH = "/kv/state"
+
+
+@lru_cache(maxsize=1)
+def kv_map_html() -> str:
+    """The page's source, shipped in the package (``static/kv_map.html``)."""
+    return resources.files("pagedllm.entrypoints.openai").joinpath("static/kv_map.html").read_text("utf-8")
+
+
+def add_kv_map_routes(app: FastAPI, engine: Any, model_name: str) -> None:
+    """Add ``GET /kv`` and ``GET /kv/state`` to ``app``, reading ``engine`` (an AsyncLLMEngine);
+    ``model_name`` (the served name) labels the page."""
+
+    @app.get(KV_PAGE_PATH, include_in_schema=False)
+    async def kv_page() -> Response:
+        return HTMLResponse(kv_map_html(), headers={"Cache-Control": "no-store"})
+
+    @app.get(KV_STATE_PATH)
+    async def kv_state() -> Response:
+        try:
+            snapshot = await engine.call(lambda e: e.kv_cache_snapshot())
+        except EngineDeadError as e:
+            return error_response(503, str(e))
+        except AttributeError:
+            return error_response(404, "this engine has no KV cache to show")
+        body = snapshot.to_dict()
+        body["model"] = model_name
+        return JSONResponse(body, headers={"Cache-Control": "no-store"})
