@@ -59,7 +59,9 @@ import common
 sys.path.insert(0, str(common.REPO_ROOT))
 from pagedllm.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from pagedllm.core.request import Request  # noqa: E402
+from pagedllm.planner import MODEL_SHAPES  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
+from pagedllm.sizing import kv_bytes_per_token  # noqa: E402
 
 GiB = 1024**3
 # ShareGPT as characterized by Kwon et al. 2023 (vLLM paper, §6.1, Fig. 11), in tokens.
@@ -88,7 +90,7 @@ class Scenario:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+        return kv_bytes_per_token(self, self.kv_dtype_bytes)  # the engine's and the planner's formula
 
     @property
     def capacity_tokens(self) -> int:
@@ -119,12 +121,14 @@ def seeds_scenarios(activation_reserve_bytes: int = GiB, gpu_memory_utilization:
     this model, so 1 GiB is a generous reserve).
     """
     params = 13.0e9
+    shape = MODEL_SHAPES["llama-2-13b"]  # 40 layers, 40 KV heads x 128 (`pagedllm plan` has the same)
     out = []
     for name, gpu_gib, wbytes, label in (("seeds_24gib_int8", 24, 1, "24 GiB GPU, 8-bit weights"),
                                           ("seeds_a100_40gib_fp16", 40, 2, "A100 40 GiB, fp16 weights (vLLM paper)")):
         weights = int(params * wbytes)
         budget = int(gpu_memory_utilization * gpu_gib * GiB) - weights - activation_reserve_bytes
-        out.append(Scenario(name, f"13B Llama, 2,048 context, {label}", 40, 40, 128, 2, budget, 2048, {
+        out.append(Scenario(name, f"13B Llama, 2,048 context, {label}", shape.num_layers, shape.num_kv_heads,
+                            shape.head_dim, 2, budget, 2048, {
             "gpu_bytes": gpu_gib * GiB, "gpu_memory_utilization": gpu_memory_utilization,
             "weight_bytes": weights, "activation_reserve_bytes": activation_reserve_bytes,
             "kv_budget_bytes": budget,

@@ -449,12 +449,14 @@ def render_plan(p: Plan) -> str:
         f"{p.block_size} tokens = {p.num_tokens} tokens",
         f"  KV per token            {fb(p.kv_bytes_per_token):>12}   (per block {fb(p.bytes_per_block)})",
         "",
-        "  context   blocks/seq   max concurrent sequences",
-        "                         paged (pagedllm)   contiguous (reserves max_model_len)",
     ]
-    for r in p.rows:
-        lines.append(f"  {r.context_len:>7}   {r.blocks_per_seq:>10}   {r.max_seqs:>9} ({r.max_concurrency:>8.2f})"
-                     f"   {r.contiguous_max_seqs:>9}")
+    if p.num_blocks > 0:
+        lines += ["  context   blocks/seq   max concurrent sequences",
+                  "                         paged: whole (exact)   contiguous (reserves max_model_len)"]
+        lines += [f"  {r.context_len:>7}   {r.blocks_per_seq:>10}   {r.max_seqs:>11} ({r.max_concurrency:>7.2f})"
+                  f"   {r.contiguous_max_seqs:>11}" for r in p.rows]
+    else:
+        lines.append("  no memory is left for KV blocks")
     lines.append("")
     if p.fits:
         lines.append(f"fits: yes (max concurrency {p.max_concurrency:.2f} sequences at max_model_len "
