@@ -53,16 +53,20 @@ def kv_server(tiny_model_dir):
 
 
 class Streams:
-    """Streaming completions in background threads; closing the client aborts them."""
+    """Streaming completions in background threads; closing the client aborts them.
 
-    def __init__(self, url: str, prompts: list[list[int]], max_tokens: int) -> None:
+    Each item of ``requests`` is one HTTP request: a prompt, or a list of prompts that the
+    server admits together (so they run at the same time however loaded the machine is).
+    """
+
+    def __init__(self, url: str, requests: list, max_tokens: int) -> None:
         self.client = httpx.Client(base_url=url, headers=AUTH, timeout=120)
         self.errors: list[BaseException] = []
-        self.threads = [threading.Thread(target=self._run, args=(p, max_tokens), daemon=True) for p in prompts]
+        self.threads = [threading.Thread(target=self._run, args=(p, max_tokens), daemon=True) for p in requests]
         for t in self.threads:
             t.start()
 
-    def _run(self, prompt: list[int], max_tokens: int) -> None:
+    def _run(self, prompt: list, max_tokens: int) -> None:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
         try:
             with self.client.stream("POST", "/v1/completions", json=body) as r:
@@ -80,6 +84,15 @@ class Streams:
         self.client.close()
         for t in self.threads:
             t.join(30)
+
+
+def warm_prefix_cache(url: str, *others: list[int]) -> None:
+    """Run PREFIX (and ``others``) to completion: its four full blocks stay cached, so
+    requests admitted together later all hit them and share them."""
+    done = Streams(url, [PREFIX, *others], max_tokens=2)
+    done.join()
+    done.stop()
+    assert not done.errors, done.errors
 
 
 def get_state(url: str) -> dict:
@@ -113,7 +126,8 @@ def check_consistent(state: dict) -> None:
 
 def test_state_during_a_run_shares_prefix_then_frees_everything(kv_server):
     url = kv_server.url
-    streams = Streams(url, [PREFIX + [7, 8], PREFIX + [9]], max_tokens=60)
+    warm_prefix_cache(url)
+    streams = Streams(url, [[PREFIX + [7, 8], PREFIX + [9]]], max_tokens=200)
     try:
         state = wait_for(url, lambda s: s["num_running"] == 2 and s["num_shared_blocks"] >= 4)
         check_consistent(state)
@@ -190,10 +204,8 @@ def _number(dom: str, element_id: str) -> int:
 def test_kv_page_in_headless_chromium(kv_server, tmp_path):
     url = kv_server.url
     # Finished requests first, so the map shows cached blocks next to the running ones.
-    done = Streams(url, [list(range(300, 340))], max_tokens=4)
-    done.join()
-    done.stop()
-    streams = Streams(url, [PREFIX + [i] for i in range(5)], max_tokens=400)
+    warm_prefix_cache(url, list(range(300, 340)))
+    streams = Streams(url, [[PREFIX + [i] for i in range(5)]], max_tokens=400)
     try:
         # 5 x 30 blocks do not fit in 48: wait for the first preemption, with requests still sharing
         wait_for(url, lambda s: s["num_preemptions"] >= 1 and s["num_running"] >= 2 and s["num_shared_blocks"] >= 4)
