@@ -23,6 +23,7 @@ from typing import Any
 
 from pagedllm import sizing
 from pagedllm.config import EngineConfig, engine_arg_names, parse_bytes
+from pagedllm.core.kv_cache_groups import KVCacheGroupSpec
 from pagedllm.sizing import GiB, ModelShape
 
 MiB = 2**20
@@ -80,10 +81,10 @@ class ContextRow:
     """Capacity at one context length (tokens per sequence)."""
 
     context_len: int
-    blocks_per_seq: int
-    max_concurrency: float  # paged: blocks ÷ blocks per sequence
+    blocks_per_seq: int  # all KV-cache groups
+    max_concurrency: float  # paged: usable blocks ÷ blocks per sequence
     max_seqs: int  # paged: whole sequences that fit at once
-    contiguous_max_seqs: int  # each reserving max_model_len slots
+    contiguous_max_seqs: int  # each reserving max_model_len slots (its window in a sliding layer)
 
 
 @dataclass
@@ -109,7 +110,9 @@ class Plan:
     weight_bytes: int
     activation_bytes: int
     activation_tokens: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # all layers
+    kv_cache_groups: list[KVCacheGroupSpec]
+    max_chunk_tokens: int  # the token budget per step (bounds a sliding group's blocks)
     bytes_per_block: int
     kv_budget_bytes: int
     kv_budget_source: str
@@ -129,7 +132,8 @@ class Plan:
 
     def kv_cache_spec(self) -> sizing.KVCacheSpec:
         """The KVCacheSpec the engine would build from these inputs."""
-        return sizing.KVCacheSpec(self.num_blocks, self.block_size, self.bytes_per_block, self.max_model_len)
+        return sizing.KVCacheSpec(self.num_blocks, self.block_size, self.bytes_per_block, self.max_model_len,
+                                  tuple(self.kv_cache_groups), self.max_chunk_tokens)
 
     def render(self) -> str:
         """The human-readable table."""
@@ -297,8 +301,10 @@ def _compute(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, source: 
     weights = sizing.weight_bytes(shape, dbytes, inp.quantization, tp)
     act_tokens = min(config.token_budget, max_model_len)
     activations = sizing.activation_bytes(shape, act_tokens, min(act_tokens, config.max_num_seqs), dbytes, tp)
-    per_token = sizing.kv_bytes_per_token(shape, sizing.dtype_bytes(kv_dtype), tp)
-    per_block = config.block_size * per_token
+    kv_bytes = sizing.dtype_bytes(kv_dtype)
+    per_token = sizing.kv_bytes_per_token(shape, kv_bytes, tp)
+    groups = tuple(sizing.kv_cache_groups_for(shape, hybrid=not config.disable_hybrid_kv_cache_manager))
+    per_block = sizing.kv_bytes_per_block(shape, config.block_size, kv_bytes, sizing.layers_per_block(groups), tp)
 
     if config.num_kv_blocks is not None:
         budget, budget_source = config.num_kv_blocks * per_block, "num_kv_blocks"
@@ -309,7 +315,7 @@ def _compute(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, source: 
     else:
         budget, budget_source = config.kv_cache_memory_bytes, "kv_cache_memory"
     num_blocks = sizing.num_blocks_for_budget(budget, per_block)
-    spec = sizing.KVCacheSpec(num_blocks, config.block_size, per_block, max_model_len)
+    spec = sizing.KVCacheSpec(num_blocks, config.block_size, per_block, max_model_len, groups, config.token_budget)
 
     memory = inp.device_memory_bytes if is_gpu else _host_memory_bytes()
     usable = int(memory * config.gpu_memory_utilization) if is_gpu else memory
@@ -320,13 +326,14 @@ def _compute(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, source: 
     elif not is_gpu and weights + activations + spec.num_bytes > usable:
         problems.append(f"weights + activations + KV cache ({sizing.format_bytes(weights + activations + spec.num_bytes)})"
                         f" exceed the host RAM ({sizing.format_bytes(usable)})")
-    too_small = sizing.too_small_message(budget_source, num_blocks, per_block, config.block_size, max_model_len)
+    too_small = spec.too_small_message(budget_source)
     if too_small and not problems:
         problems.append(too_small)
 
-    rows = [ContextRow(c, sizing.blocks_per_sequence(c, config.block_size), spec.max_concurrency_at(c),
-                       num_blocks // sizing.blocks_per_sequence(c, config.block_size),
-                       sizing.contiguous_max_sequences(budget, per_token, max_model_len)) for c in contexts]
+    contiguous = sizing.contiguous_max_sequences(
+        budget, sizing.contiguous_bytes_per_sequence(shape, max_model_len, kv_bytes, tp))
+    rows = [ContextRow(c, spec.blocks_per_seq_at(c), spec.max_concurrency_at(c),
+                       spec.num_usable_blocks // spec.blocks_per_seq_at(c), contiguous) for c in contexts]
     result = Plan(
         model=config.model, model_source=source, num_params=shape.param_count(), num_layers=shape.num_layers,
         num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, device=inp.device,
@@ -334,10 +341,11 @@ def _compute(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, source: 
         dtype=dtype, kv_cache_dtype=kv_dtype, quantization=inp.quantization, tensor_parallel_size=tp,
         block_size=config.block_size, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
         weight_bytes=weights, activation_bytes=activations, activation_tokens=act_tokens,
-        kv_bytes_per_token=per_token, bytes_per_block=per_block, kv_budget_bytes=budget,
+        kv_bytes_per_token=per_token, kv_cache_groups=list(groups), max_chunk_tokens=config.token_budget,
+        bytes_per_block=per_block, kv_budget_bytes=budget,
         kv_budget_source=budget_source, num_blocks=num_blocks, num_tokens=spec.num_tokens,
         max_concurrency=spec.max_concurrency,
-        contiguous_max_seqs=sizing.contiguous_max_sequences(budget, per_token, max_model_len),
+        contiguous_max_seqs=contiguous,
         rows=rows, fits=not problems, problems=problems)
     result.suggested_flags = _suggest(result, shape, config, inp)
     result.notes = _notes(result, source)
@@ -395,15 +403,27 @@ def _suggest_fixes(p: Plan, shape: ModelShape, config: EngineConfig, inp: _PlanI
                     fixes.append(f"--gpu {g.name}")
                     break
         return fixes
-    largest = sizing.largest_max_model_len(p.num_blocks, p.block_size, p.max_model_len)
-    if largest >= p.block_size:
+    largest = _largest_max_model_len(p.kv_cache_spec())
+    if largest:
         fixes.append(f"--max-model-len {largest}")
     if p.kv_budget_source == "kv_cache_memory":
-        need = sizing.blocks_per_sequence(p.max_model_len, p.block_size) * p.bytes_per_block
+        need = p.kv_cache_spec().num_blocks_needed * p.bytes_per_block
         fixes.append(f"--kv-cache-memory {-(-need // MiB)}MiB")
     elif p.kv_budget_source == "gpu_memory_utilization" and p.gpu_memory_utilization < 0.95:
         fixes.append("--gpu-memory-utilization 0.95")
     return fixes
+
+
+def _largest_max_model_len(spec: sizing.KVCacheSpec) -> int:
+    """The longest max_model_len (a multiple of block_size) one sequence of which the pool runs; 0 if none."""
+    lo, hi = 0, spec.max_model_len // spec.block_size  # in blocks
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if dataclasses.replace(spec, max_model_len=mid * spec.block_size).too_small_message("") is None:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * spec.block_size
 
 
 def _fits_with(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, device: GPU | None = None,
@@ -448,6 +468,13 @@ def render_plan(p: Plan) -> str:
         f"  KV cache                {fb(max(p.num_blocks * p.bytes_per_block, 0)):>12}   = {p.num_blocks} blocks x "
         f"{p.block_size} tokens = {p.num_tokens} tokens",
         f"  KV per token            {fb(p.kv_bytes_per_token):>12}   (per block {fb(p.bytes_per_block)})",
+    ]
+    sliding = sorted({g.sliding_window for g in p.kv_cache_groups if g.sliding_window})
+    if sliding:
+        lines.append(f"  KV-cache groups         {len(p.kv_cache_groups):>12}   of "
+                     f"{max(len(g.layer_ids) for g in p.kv_cache_groups)} layers; sliding windows "
+                     f"{', '.join(map(str, sliding))} tokens hold only their window (null block reserved)")
+    lines += [
         "",
     ]
     if p.num_blocks > 0:

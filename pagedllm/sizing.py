@@ -4,24 +4,24 @@ sizing (:class:`~pagedllm.worker.model_runner.ModelRunner`) and ``pagedllm plan`
 Pure Python (no torch), so the planner runs anywhere and the two can never disagree.
 Units: bytes and tokens. The formulas:
 
-* K/V bytes per token = 2 (K and V) × Σ_layers KV heads per rank × head_dim × element
+* K/V bytes per token = 2 (K and V) × layers × KV heads per rank × head_dim × element
   bytes (Kwon et al., "Efficient Memory Management for LLM Serving with PagedAttention",
-  SOSP 2023, §2-3). A block holds ``block_size`` tokens of every layer (one pool for all
-  layers; block ``i`` is the same slot range in each layer's cache).
+  SOSP 2023, §2-3).
+* The layers are split into KV-cache groups by attention type
+  (:mod:`pagedllm.core.kv_cache_groups`: one group for a model without sliding windows).
+  A block holds ``block_size`` tokens of ``layers_per_block`` layers, so bytes per block =
+  2 × layers_per_block × block_size × KV heads × head_dim × element bytes.
 * Blocks = KV budget // bytes per block; the KV budget is ``kv_cache_memory`` on CPU, and
   ``gpu_memory_utilization`` × device memory − weights − peak activations on a GPU
   (vLLM's sizing rule; the engine measures the peak with a profiling forward pass, the
   planner estimates it with :func:`activation_bytes`).
-* Max concurrency at a context of L tokens = blocks ÷ ⌈L / block_size⌉ (a paged sequence
-  wastes at most one partly filled block); a contiguous allocator (FasterTransformer,
-  Orca, a padded static batch) reserves ``max_model_len`` slots per sequence up front, so
-  it holds ⌊KV budget ÷ (max_model_len × K/V bytes per token)⌋ sequences whatever L is.
-
-Seam for sliding-window layers: :attr:`ModelShape.layer_windows` records each layer's
-window (None = full attention). Today every layer keeps every token's K/V (one block
-table per sequence for all layers), so windows do not change any figure yet; when KV
-cache groups land, :func:`kv_tokens_per_layer` is the one function that caps a windowed
-layer at its window and every other figure here follows from it.
+* Max concurrency at a context of L tokens = usable blocks ÷ the blocks one sequence of
+  L tokens holds across all groups (⌈L / block_size⌉ per full-attention group; a
+  sliding-window group holds only its window, :meth:`KVCacheGroupSpec.max_num_blocks`).
+  A paged sequence wastes at most one partly filled block per group. A contiguous
+  allocator (FasterTransformer, Orca, a padded static batch) reserves ``max_model_len``
+  slots per sequence in every layer (its window in a sliding layer) up front, whatever L
+  is (:func:`contiguous_bytes_per_sequence`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+from pagedllm.core.kv_cache_groups import (KVCacheGroupSpec, cdiv, layers_per_block, make_kv_cache_groups,
+                                           max_num_blocks_per_seq)
 
 GiB = 1024**3
 
@@ -54,11 +57,6 @@ def dtype_bytes(name: str, field_name: str = "dtype") -> int:
     if name not in DTYPE_BYTES:
         raise ValueError(f"{field_name} must be one of {', '.join(DTYPE_BYTES)}, got {name!r}")
     return DTYPE_BYTES[name]
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division for non-negative ints."""
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -163,27 +161,44 @@ def kv_heads_per_rank(shape: Any, tensor_parallel_size: int = 1) -> int:
     return max(1, shape.num_kv_heads // tensor_parallel_size)
 
 
-def kv_tokens_per_layer(shape: Any, num_tokens: int) -> list[int]:
-    """Tokens whose K/V each layer keeps for a sequence of ``num_tokens`` tokens.
-
-    Every layer keeps all of them today, windowed or not (see the module docstring).
-    """
-    return [num_tokens] * shape.num_layers
+def kv_cache_groups_for(shape: ModelShape, hybrid: bool = True) -> list[KVCacheGroupSpec]:
+    """The KV-cache groups the engine builds for ``shape``'s layer windows
+    (:func:`~pagedllm.core.kv_cache_groups.make_kv_cache_groups`; ``hybrid=False`` is
+    ``--disable-hybrid-kv-cache-manager``)."""
+    windows = shape.layer_windows or (None,) * shape.num_layers
+    return make_kv_cache_groups(list(windows), hybrid=hybrid)
 
 
 def kv_bytes_per_token(shape: Any, kv_dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
-    """K/V bytes one token takes across all layers on one rank: 2 × layers × KV heads × head_dim × bytes."""
-    layers = sum(kv_tokens_per_layer(shape, 1))
-    return 2 * layers * kv_heads_per_rank(shape, tensor_parallel_size) * shape.head_dim * kv_dtype_bytes
+    """K/V bytes one token takes in all layers on one rank: 2 × layers × KV heads × head_dim × bytes."""
+    return 2 * shape.num_layers * kv_heads_per_rank(shape, tensor_parallel_size) * shape.head_dim * kv_dtype_bytes
 
 
-def kv_bytes_per_block(shape: Any, block_size: int, kv_dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
-    """Bytes of one block (``block_size`` tokens of every layer) on one rank."""
-    return block_size * kv_bytes_per_token(shape, kv_dtype_bytes, tensor_parallel_size)
+def kv_bytes_per_block(shape: Any, block_size: int, kv_dtype_bytes: int, num_layers_per_block: int | None = None,
+                       tensor_parallel_size: int = 1) -> int:
+    """Bytes of one block on one rank: ``block_size`` tokens of ``num_layers_per_block``
+    layers (default all of them: one full-attention group)."""
+    layers = shape.num_layers if num_layers_per_block is None else num_layers_per_block
+    return 2 * layers * block_size * kv_heads_per_rank(shape, tensor_parallel_size) * shape.head_dim * kv_dtype_bytes
+
+
+def kv_tokens_per_layer(shape: ModelShape, num_tokens: int) -> list[int]:
+    """Tokens whose K/V each layer must keep for a sequence of ``num_tokens`` tokens: all
+    of them, or the last ``window`` in a sliding-window layer."""
+    windows = shape.layer_windows or (None,) * shape.num_layers
+    return [num_tokens if w is None else min(num_tokens, w) for w in windows]
+
+
+def contiguous_bytes_per_sequence(shape: ModelShape, max_model_len: int, kv_dtype_bytes: int,
+                                  tensor_parallel_size: int = 1) -> int:
+    """What a contiguous allocator reserves per sequence: ``max_model_len`` slots in every
+    layer (the window in a sliding layer), on one rank."""
+    per_layer_token = 2 * kv_heads_per_rank(shape, tensor_parallel_size) * shape.head_dim * kv_dtype_bytes
+    return sum(kv_tokens_per_layer(shape, max_model_len)) * per_layer_token
 
 
 def blocks_per_sequence(num_tokens: int, block_size: int) -> int:
-    """Blocks a sequence of ``num_tokens`` tokens occupies (at most one partly filled)."""
+    """Blocks one full-attention group's table needs for ``num_tokens`` tokens."""
     return cdiv(num_tokens, block_size)
 
 
@@ -192,9 +207,9 @@ def num_blocks_for_budget(kv_budget_bytes: int, bytes_per_block: int) -> int:
     return max(kv_budget_bytes, 0) // bytes_per_block
 
 
-def contiguous_max_sequences(kv_budget_bytes: int, bytes_per_token: int, max_model_len: int) -> int:
-    """Sequences a contiguous allocator holds: each reserves ``max_model_len`` slots up front."""
-    return max(kv_budget_bytes, 0) // (max_model_len * bytes_per_token)
+def contiguous_max_sequences(kv_budget_bytes: int, bytes_per_sequence: int) -> int:
+    """Sequences a contiguous allocator holds, each reserving ``bytes_per_sequence`` up front."""
+    return max(kv_budget_bytes, 0) // bytes_per_sequence
 
 
 # ---- weights and activations -------------------------------------------------------------
@@ -249,12 +264,20 @@ def gpu_kv_budget_bytes(device_memory_bytes: int, gpu_memory_utilization: float,
 # ---- the sized cache ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Sizes of the paged KV cache as decided at start-up (bytes, tokens, blocks)."""
+    """Sizes of the paged KV cache as decided at start-up (bytes, tokens, blocks).
+
+    ``bytes_per_block`` is one block of every KV tensor (``layers_per_block`` layers; all
+    layers without sliding windows). ``kv_cache_groups`` are the KV-cache groups (default:
+    one full-attention group); ``max_chunk_tokens`` the scheduler's token budget, which
+    bounds how many blocks a sliding-window group holds per sequence.
+    """
 
     num_blocks: int
     block_size: int
     bytes_per_block: int
     max_model_len: int
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = ()
+    max_chunk_tokens: int = 2048
 
     @property
     def num_tokens(self) -> int:
@@ -264,40 +287,81 @@ class KVCacheSpec:
     def num_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some group has a sliding window (its out-of-window blocks are freed)."""
+        return any(g.sliding_window for g in self.kv_cache_groups)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: a hybrid pool reserves block 0 as the null block."""
+        return self.num_blocks - self.is_hybrid
+
+    def blocks_per_seq_at(self, num_tokens: int) -> int:
+        """Most blocks one sequence of ``num_tokens`` tokens holds at once, all groups."""
+        groups = self.kv_cache_groups or (KVCacheGroupSpec((0,)),)
+        return max_num_blocks_per_seq(groups, num_tokens, self.block_size, self.max_chunk_tokens)
+
+    @property
+    def blocks_per_seq(self) -> int:
+        """Most blocks one sequence of ``max_model_len`` tokens holds at once, all groups."""
+        return self.blocks_per_seq_at(self.max_model_len)
+
+    @property
+    def num_blocks_needed(self) -> int:
+        """Blocks the pool needs to run one ``max_model_len`` sequence (null block included)."""
+        return self.blocks_per_seq + self.is_hybrid
+
+    @property
+    def bytes_per_seq(self) -> int:
+        """KV bytes one sequence of ``max_model_len`` tokens holds at most (a group with
+        fewer layers than ``layers_per_block`` still takes whole blocks)."""
+        return self.blocks_per_seq * self.bytes_per_block
+
+    @property
+    def layers_per_block(self) -> int:
+        return layers_per_block(self.kv_cache_groups) if self.kv_cache_groups else 1
+
     def max_concurrency_at(self, num_tokens: int) -> float:
-        """Sequences of ``num_tokens`` tokens that fit at once (blocks ÷ blocks per sequence)."""
-        return self.num_blocks / blocks_per_sequence(num_tokens, self.block_size)
+        """Sequences of ``num_tokens`` tokens that fit at once (sliding-window groups
+        holding only their window)."""
+        return self.num_usable_blocks / self.blocks_per_seq_at(num_tokens)
 
     @property
     def max_concurrency(self) -> float:
         """Sequences of ``max_model_len`` tokens that fit at once."""
         return self.max_concurrency_at(self.max_model_len)
 
+    @property
+    def full_attention_max_concurrency(self) -> float:
+        """The same pool's max concurrency if every layer kept every block."""
+        num_layers = sum(len(g.layer_ids) for g in self.kv_cache_groups) or self.layers_per_block
+        blocks_per_seq = -(-self.max_model_len // self.block_size) * num_layers / self.layers_per_block
+        return self.num_blocks / blocks_per_seq
+
     def describe(self) -> str:
         """The start-up log line."""
-        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
+        text = (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
                 f"{self.num_bytes / GiB:.2f} GiB; max concurrency {self.max_concurrency:.2f} "
                 f"sequences at max_model_len {self.max_model_len}")
+        if self.is_hybrid:
+            num_sliding = sum(1 for g in self.kv_cache_groups if g.sliding_window)
+            text += (f" (hybrid: {len(self.kv_cache_groups)} KV-cache groups of {self.layers_per_block} layers, "
+                     f"{num_sliding} sliding-window; {self.full_attention_max_concurrency:.2f} if all blocks were kept)")
+        return text
 
+    def too_small_message(self, source: str) -> str | None:
+        """The error text when the pool cannot run one ``max_model_len`` sequence, else None.
 
-def too_small_message(source: str, num_blocks: int, bytes_per_block: int, block_size: int,
-                      max_model_len: int) -> str | None:
-    """The error text when ``num_blocks`` cannot hold one ``max_model_len`` sequence, else None.
-
-    ``source`` names the setting that decided the pool size (``kv_cache_memory``, ...).
-    """
-    needed = blocks_per_sequence(max_model_len, block_size)
-    if num_blocks >= needed:
-        return None
-    return (f"{source} too small: the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens, "
-            f"{num_blocks * bytes_per_block / 2**20:.1f} MiB) but one sequence of max_model_len={max_model_len} "
-            f"tokens needs {needed} blocks ({needed * bytes_per_block / 2**20:.1f} MiB); raise {source} or lower "
-            f"max_model_len")
-
-
-def largest_max_model_len(num_blocks: int, block_size: int, limit: int) -> int:
-    """The largest ``max_model_len`` (≤ ``limit``) one sequence of which fits in ``num_blocks``."""
-    return min(num_blocks * block_size, limit)
+        ``source`` names the setting that decided the pool size (``kv_cache_memory``, ...).
+        """
+        needed, per_block = self.num_blocks_needed, self.bytes_per_block
+        if self.num_blocks >= needed:
+            return None
+        return (f"{source} too small: the KV cache holds {self.num_blocks} blocks ({self.num_tokens} tokens, "
+                f"{self.num_bytes / 2**20:.1f} MiB) but one sequence of max_model_len={self.max_model_len} "
+                f"tokens needs {needed} blocks ({needed * per_block / 2**20:.1f} MiB); raise {source} or lower "
+                f"max_model_len")
 
 
 def format_bytes(num: float) -> str:

@@ -73,13 +73,25 @@ def test_named_shapes_known_figures():
     assert p.weight_bytes == -(-MODEL_SHAPES["llama-2-70b"].param_count() * 2 // 4)
 
 
-def test_sliding_window_seam_reads_windows_and_keeps_full_kv():
+def test_sliding_window_layers_hold_only_their_window():
+    """4 layers alternating sliding (window 32) / full: two KV-cache groups of 2 layers; a
+    sequence of L tokens holds ceil(L/16) full-group blocks + at most ceil((32-1+chunk)/16)+1
+    sliding-group blocks; the contiguous reservation keeps the window in sliding layers."""
     cfg = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=128, vocab_size=100, max_position_embeddings=512, sliding_window=32,
                layer_types=["sliding_attention", "full_attention"] * 2)
     shape = sizing.ModelShape.from_hf_config(cfg, "hybrid")
     assert shape.layer_windows == (32, None, 32, None)
-    assert sizing.kv_bytes_per_token(shape, 4) == 2 * 4 * 2 * 16 * 4  # every layer still keeps every token
+    groups = sizing.kv_cache_groups_for(shape)
+    assert [(g.layer_ids, g.sliding_window) for g in groups] == [((1, 3), None), ((0, 2), 32)]
+    per_block = sizing.kv_bytes_per_block(shape, 16, 4, sizing.layers_per_block(groups))
+    assert per_block == 2 * 2 * 16 * 2 * 16 * 4  # K,V x 2 layers x 16 tokens x 2 heads x 16 x 4 B
+    spec = sizing.KVCacheSpec(100, 16, per_block, 512, tuple(groups), max_chunk_tokens=64)
+    assert spec.blocks_per_seq_at(512) == 32 + (-(-(31 + 64) // 16) + 1)  # 32 full + 7 sliding
+    assert spec.max_concurrency_at(512) == 99 / 39  # block 0 is the null block
+    assert sizing.contiguous_bytes_per_sequence(shape, 512, 4) == (512 + 32) * 2 * 2 * 2 * 16 * 4
+    full = sizing.kv_cache_groups_for(shape, hybrid=False)
+    assert [(g.layer_ids, g.sliding_window) for g in full] == [((0, 1, 2, 3), None)]
 
 
 # ---- planner == engine start-up --------------------------------------------------------------

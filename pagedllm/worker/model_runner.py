@@ -35,11 +35,11 @@ import torch
 from pagedllm.attention import Attention, get_attention_backend
 from pagedllm.attention.backend import AttentionMetadata, set_forward_context
 from pagedllm.config import EngineConfig
-from pagedllm.core.kv_cache_groups import (KVCacheGroupSpec, layers_per_block, make_kv_cache_groups,
-                                           max_num_blocks_per_seq)
+from pagedllm.core.kv_cache_groups import layers_per_block, make_kv_cache_groups
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.loader.model_files import ModelFiles
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sizing import KVCacheSpec, format_bytes, kv_bytes_per_block, num_blocks_for_budget
 
 logger = logging.getLogger("pagedllm")
 
@@ -95,81 +95,6 @@ class CachedRequestState:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-
-@dataclass
-class KVCacheSpec:
-    """Sizes of the paged KV cache (bytes, tokens) as decided at start-up.
-
-    ``bytes_per_block`` is one block of every KV tensor (``layers_per_block`` layers; all
-    layers without sliding windows). ``kv_cache_groups`` are the KV-cache groups (default:
-    one full-attention group); ``max_chunk_tokens`` the scheduler's token budget, which
-    bounds how many blocks a sliding-window group holds per sequence.
-    """
-
-    num_blocks: int
-    block_size: int
-    bytes_per_block: int
-    max_model_len: int
-    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = ()
-    max_chunk_tokens: int = 2048
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def num_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
-
-    @property
-    def is_hybrid(self) -> bool:
-        """Whether some group has a sliding window (its out-of-window blocks are freed)."""
-        return any(g.sliding_window for g in self.kv_cache_groups)
-
-    @property
-    def num_usable_blocks(self) -> int:
-        """Blocks requests can hold: a hybrid pool reserves block 0 as the null block."""
-        return self.num_blocks - self.is_hybrid
-
-    @property
-    def blocks_per_seq(self) -> int:
-        """Most blocks one sequence of ``max_model_len`` tokens holds at once, all groups."""
-        groups = self.kv_cache_groups or (KVCacheGroupSpec((0,)),)
-        return max_num_blocks_per_seq(groups, self.max_model_len, self.block_size, self.max_chunk_tokens)
-
-    @property
-    def bytes_per_seq(self) -> int:
-        """KV bytes one sequence of ``max_model_len`` tokens holds at most (a group with
-        fewer layers than ``layers_per_block`` still takes whole blocks)."""
-        return self.blocks_per_seq * self.bytes_per_block
-
-    @property
-    def layers_per_block(self) -> int:
-        return layers_per_block(self.kv_cache_groups) if self.kv_cache_groups else 1
-
-    @property
-    def max_concurrency(self) -> float:
-        """Sequences of ``max_model_len`` tokens that fit at once (sliding-window groups
-        holding only their window)."""
-        return self.num_usable_blocks / self.blocks_per_seq
-
-    @property
-    def full_attention_max_concurrency(self) -> float:
-        """The same pool's max concurrency if every layer kept every block."""
-        num_layers = sum(len(g.layer_ids) for g in self.kv_cache_groups) or self.layers_per_block
-        blocks_per_seq = -(-self.max_model_len // self.block_size) * num_layers / self.layers_per_block
-        return self.num_blocks / blocks_per_seq
-
-    def describe(self) -> str:
-        text = (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
-                f"{self.num_bytes / 2**30:.2f} GiB; max concurrency {self.max_concurrency:.2f} "
-                f"sequences at max_model_len {self.max_model_len}")
-        if self.is_hybrid:
-            num_sliding = sum(1 for g in self.kv_cache_groups if g.sliding_window)
-            text += (f" (hybrid: {len(self.kv_cache_groups)} KV-cache groups of {self.layers_per_block} layers, "
-                     f"{num_sliding} sliding-window; {self.full_attention_max_concurrency:.2f} if all blocks were kept)")
-        return text
 
 
 @dataclass
@@ -240,10 +165,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache sizing
     def bytes_per_block(self) -> int:
         """Bytes one block takes across all KV tensors: 2 (K, V) × layers_per_block (all
-        layers without sliding windows) × block_size × kv_heads × head_dim × dtype size."""
-        m = self.model
+        layers without sliding windows) × block_size × kv_heads × head_dim × dtype size
+        (:func:`pagedllm.sizing.kv_bytes_per_block`)."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_kv_tensors * self.block_size * m.num_kv_heads * m.head_dim * elem
+        return kv_bytes_per_block(self.model, self.block_size, elem, self.num_kv_tensors)
 
     def determine_num_blocks(self) -> int:
         """Number of KV blocks: ``num_kv_blocks`` if set; on CPU ``kv_cache_memory`` bytes;
@@ -254,20 +179,14 @@ class ModelRunner:
         per_block = self.bytes_per_block()
         cfg = self.config
         if cfg.num_kv_blocks is not None:
-            num_blocks = cfg.num_kv_blocks
+            num_blocks, source = cfg.num_kv_blocks, "num_kv_blocks"
         elif self.device.type == "cuda":
-            num_blocks = self._profile_cuda_num_blocks(per_block)
+            num_blocks, source = self._profile_cuda_num_blocks(per_block), "gpu_memory_utilization"
         else:
-            num_blocks = cfg.kv_cache_memory_bytes // per_block
-        needed = self._new_kv_spec(0).blocks_per_seq + any(g.sliding_window for g in self.kv_cache_groups)
-        if num_blocks < needed:
-            source = ("num_kv_blocks" if cfg.num_kv_blocks is not None else
-                      "gpu_memory_utilization" if self.device.type == "cuda" else "kv_cache_memory")
-            raise ValueError(
-                f"{source} too small: the KV cache holds {num_blocks} blocks ({num_blocks * self.block_size} tokens, "
-                f"{num_blocks * per_block / 2**20:.1f} MiB) but one sequence of max_model_len={self.max_model_len} "
-                f"tokens needs {needed} blocks ({needed * per_block / 2**20:.1f} MiB); raise {source} or lower "
-                f"max_model_len")
+            num_blocks, source = num_blocks_for_budget(cfg.kv_cache_memory_bytes, per_block), "kv_cache_memory"
+        error = self._new_kv_spec(num_blocks).too_small_message(source)
+        if error:
+            raise ValueError(error)
         return num_blocks
 
     def _profile_cuda_num_blocks(self, per_block: int) -> int:
@@ -282,7 +201,7 @@ class ModelRunner:
         budget = int(total * self.config.gpu_memory_utilization) - peak
         logger.info("memory profile: peak %.2f GiB (weights + activations at %d tokens), budget for KV %.2f GiB",
                     peak / 2**30, num_tokens, budget / 2**30)
-        return max(budget // per_block, 0)
+        return num_blocks_for_budget(budget, per_block)
 
     def _dummy_forward(self, num_tokens: int) -> None:
         """One prefill of ``num_tokens`` tokens through a temporary KV cache (memory profiling)."""
@@ -335,6 +254,10 @@ class ModelRunner:
         self.block_table_buf = np.zeros((len(self.kv_cache_groups), self.config.max_num_seqs,
                                          self.max_blocks_per_seq), dtype=np.int64)
 
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters on the device (what ``pagedllm plan`` calls weights)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
     def initialize_kv_cache(self) -> KVCacheSpec:
         """Group the layers by attention type (their sliding windows as they are now), size
         and allocate the KV cache, bind it to the model's attention layers. Logs the sizes.
@@ -344,7 +267,7 @@ class ModelRunner:
         self.kv_caches = self._new_kv_caches(num_blocks)
         self._bind_kv_caches(self.kv_caches)
         self.kv_spec = self._new_kv_spec(num_blocks)
-        logger.info(self.kv_spec.describe())
+        logger.info("weights: %s; %s", format_bytes(self.weight_bytes()), self.kv_spec.describe())
         return self.kv_spec
 
     # ------------------------------------------------------------------ request state
