@@ -218,3 +218,16 @@ def test_triton_token_layout(triton_backend):
     req_idx, positions = token_layout(meta, 6)
     assert req_idx.tolist() == [0, 1, 1, 1, 2, 2]
     assert positions.tolist() == [4, 0, 1, 2, 10, 11]
+
+
+def test_cpu_prefill_uses_fused_flash_attention_not_the_math_path():
+    """Chunked prefill over cached context (and a fresh prompt) runs SDPA's fused CPU kernel:
+    the math path materializes a (query x key) score matrix per head, which at thousands of
+    tokens costs gigabytes and most of the prefill time."""
+    query, key, value, cache, meta, expected = build_case([(0, 40), (300, 64), (17, 33)], 16, torch.float32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = TorchPagedAttention().forward(query, key, value, cache, meta, SCALE)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=0)

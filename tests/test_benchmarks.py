@@ -194,3 +194,21 @@ def test_batching_model_static_waits_for_the_longest():
     assert len(cont) == 6 and len(stat) == 8
     assert [s["seqs"] for s in stat] == [2, 2, 1, 1, 1, 1, 1, 1]
     assert sum(s["tokens"] for s in cont) == sum(s["tokens"] for s in stat) == 9 + 10 - 3
+
+
+# ---- long_context (real model, transformers as the reference) ----------------------------
+
+@pytest.mark.slow
+def test_long_context_quick_chunked_prefill_equals_transformers(tmp_path):
+    out = tmp_path / "lc.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, str(BENCH / "long_context.py"), "--lengths", "96,200", "--new-tokens", "3",
+                          "--max-num-batched-tokens", "64", "--out", str(out)],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert rec["lengths"] == [96, 200]
+    for n in ("96", "200"):  # prompts chunked 64 tokens at a time over their cached context
+        assert rec["pagedllm_vs_transformers"][n]["greedy_equal"] is True
+        assert len(rec["results"]["pagedllm"][n]["token_ids"]) == 3
+        assert rec["results"]["transformers"][n]["peak_rss_above_start_mib"] >= 0

@@ -14,7 +14,11 @@ One call of :meth:`TorchPagedAttention.forward` does, for a flat ragged batch:
    repeated per query head (the grouping GQA-aware decode kernels use).
 3. **Prefill** (the remaining requests; few per step, so a Python loop is fine): causal
    within the request. A request whose earlier tokens are already cached (chunked prefill,
-   prefix-cache hit) reads them from its blocks, with a bottom-right-aligned causal mask.
+   prefix-cache hit) reads them from its blocks; on CPU the cached prefix (no mask) and the
+   chunk (causal) are two flash-attention calls merged by log-sum-exp, elsewhere one SDPA
+   call with a bottom-right-aligned causal mask. SDPA always gets 4-D tensors, the only
+   ones CPU's flash kernel takes (3-D inputs fall back to the math path, which
+   materializes the score matrix).
 
 The algorithm is PagedAttention (Kwon et al., SOSP 2023, "Efficient Memory Management for
 Large Language Model Serving with PagedAttention"), expressed with gathers + SDPA.
@@ -208,22 +212,67 @@ def _prefill_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
     """Causal attention of one request's Q new tokens, the last Q of its ``seq_len``.
 
     query: (Q, num_heads, head_dim); key/value: (Q, num_kv_heads, head_dim) (already in the
-    cache). With no earlier context the fresh K/V are used directly; otherwise all
-    ``seq_len`` tokens are read back through ``block_table``. Returns (Q, num_heads, head_dim).
+    cache). With no earlier context, one causal SDPA call over the fresh K/V. With C =
+    ``seq_len - Q`` cached tokens (chunked prefill, prefix-cache hit) the attention splits
+    into the prefix part (every query sees all C cached keys: no mask) and the in-chunk part
+    (causal over the Q fresh keys), merged by log-sum-exp (:func:`_prefix_chunk_attention`)
+    on CPU; elsewhere one SDPA call with a bottom-right causal mask. Every SDPA call gets
+    4-D (batch 1) tensors: on CPU only those reach the fused flash kernel, 3-D ones take the
+    math path that materializes the (Q x keys) score matrix per head.
+    Returns (Q, num_heads, head_dim).
     """
     query_len = query.shape[0]
     num_context = seq_len - query_len
-    q = query.transpose(0, 1)  # (num_heads, Q, head_dim)
+    q = query.transpose(0, 1).unsqueeze(0)  # (1, num_heads, Q, head_dim)
     if num_context == 0:
-        k, v = key.transpose(0, 1), value.transpose(0, 1)  # (num_kv_heads, Q, head_dim)
+        k, v = key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)  # (1, num_kv_heads, Q, head_dim)
         out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale,
                                              enable_gqa=True)
-        return out.transpose(0, 1)  # (Q, num_heads, head_dim)
+        return out[0].transpose(0, 1)  # (Q, num_heads, head_dim)
+    if query.device.type == "cpu" and _cpu_flash_attention is not None:
+        prefix_keys, prefix_values = gather_kv(kv_cache, block_table, num_context)  # (C, num_kv_heads, head_dim)
+        return _prefix_chunk_attention(q, prefix_keys, prefix_values, key, value, scale)
     keys, values = gather_kv(kv_cache, block_table, seq_len)  # (seq_len, num_kv_heads, head_dim)
     # Bottom-right causal mask: query i (position num_context + i) sees keys 0..num_context + i.
     key_pos = torch.arange(seq_len, device=query.device)
     query_pos = torch.arange(num_context, seq_len, device=query.device)
     mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # (Q, seq_len)
-    out = F.scaled_dot_product_attention(q, keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype),
+    out = F.scaled_dot_product_attention(q, keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
+                                         values.transpose(0, 1).unsqueeze(0).to(q.dtype),
                                          attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)  # (Q, num_heads, head_dim)
+    return out[0].transpose(0, 1)  # (Q, num_heads, head_dim)
+
+
+# torch's fused CPU flash-attention kernel (what SDPA dispatches to for 4-D CPU inputs); called
+# directly because it also returns the log-sum-exp of each query row, which merging needs.
+# It handles grouped-query attention itself (num_kv_heads dividing num_heads).
+_cpu_flash_attention = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _prefix_chunk_attention(q: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor,
+                            chunk_keys: torch.Tensor, chunk_values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of Q chunk queries over C cached prefix tokens and (causally) the chunk itself.
+
+    Args:
+        q: (1, num_heads, Q, head_dim); prefix_keys/values: (C, num_kv_heads, head_dim);
+        chunk_keys/values: (Q, num_kv_heads, head_dim), the chunk's own K/V.
+    Returns:
+        (Q, num_heads, head_dim), dtype of ``q``.
+
+    Two flash-attention calls, neither with a mask (so nothing of size Q x (C + Q) is built,
+    and the causal one skips the key tiles above the diagonal): ``o1, lse1`` over the prefix,
+    ``o2, lse2`` causal over the chunk. Softmax over the union of two key sets is the
+    weighted mean of the two partial softmaxes with weights ``exp(lse_i)``, so
+    ``out = o1 + (o2 - o1) * sigmoid(lse2 - lse1)`` (the merge of FlashAttention's split-KV
+    / FlashDecoding, Dao et al. 2023). The log-sum-exps are float32.
+    """
+    dtype = q.dtype
+    pk, pv = prefix_keys.transpose(0, 1).unsqueeze(0), prefix_values.transpose(0, 1).unsqueeze(0)
+    ck, cv = chunk_keys.transpose(0, 1).unsqueeze(0), chunk_values.transpose(0, 1).unsqueeze(0)
+    o1, lse1 = _cpu_flash_attention(q, pk.to(dtype), pv.to(dtype), scale=scale)  # (1, H, Q, D), (1, H, Q)
+    o2, lse2 = _cpu_flash_attention(q, ck.to(dtype), cv.to(dtype), is_causal=True, scale=scale)
+    weight = torch.sigmoid(lse2 - lse1).unsqueeze(-1)  # (1, H, Q, 1) float32: share of the chunk's keys
+    out = torch.empty(q.shape[2], q.shape[1], q.shape[3], dtype=torch.float32, device=q.device)  # (Q, H, D)
+    torch.lerp(o1.float(), o2.float(), weight, out=out.transpose(0, 1).unsqueeze(0))
+    return out.to(dtype)
+

@@ -1,0 +1,178 @@
+"""Long prompts: prefill speed of pagedllm vs transformers' ``generate`` on the same token ids.
+
+For each prompt length (default 2,048, 4,096 and 8,160 tokens: SmolLM2 holds 8,192
+positions), both systems get the same seeded random prompt, generate ``--new-tokens``
+greedy tokens (EOS ignored), and are timed one after the other (the order alternates
+between lengths, the machine is shared). Per system and length:
+
+- prefill seconds: pagedllm's time to first token (its engine defaults: chunked prefill
+  under the 2,048-token step budget); transformers' time until its logits processor
+  first runs (the whole prompt in one forward, SDPA attention, logits of the last
+  position only);
+- total seconds (prefill + the remaining tokens);
+- peak RSS above the process's RSS just before the call (sampled every 5 ms; the
+  KV cache of pagedllm is allocated at start-up and not counted);
+- whether the greedy tokens equal transformers'.
+
+One result line; JSON to ``benchmarks/results/long_context.json``.
+
+    .venv/bin/python benchmarks/long_context.py
+    .venv/bin/python benchmarks/long_context.py --lengths 2048 --systems pagedllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+import common
+
+sys.path.insert(0, str(common.REPO_ROOT))
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+class PeakRss:
+    """Context manager: ``peak_above_start`` = max RSS seen while inside minus RSS at entry (bytes)."""
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s = interval_s
+        self.peak_above_start = 0
+
+    def __enter__(self) -> "PeakRss":
+        self._start = rss_bytes()
+        self._peak = self._start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._peak = max(self._peak, rss_bytes())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_above_start = max(self._peak, rss_bytes()) - self._start
+
+
+class PagedLLM:
+    name = "pagedllm"
+
+    def __init__(self, max_model_len: int, engine_kwargs: dict) -> None:
+        from pagedllm import LLM
+        self.llm = LLM(model="smollm2-135m-instruct", dtype="float32", max_model_len=max_model_len, seed=0,
+                       **engine_kwargs)
+        cfg = self.llm.llm_engine.config
+        self.info = {"token_budget": cfg.token_budget, "enable_chunked_prefill": cfg.enable_chunked_prefill,
+                     "kv_cache": self.llm.llm_engine.kv_cache_spec.describe(),
+                     "attention_backend": type(self.llm.llm_engine.runner.model.model.layers[0].self_attn.attn.backend).__name__}
+
+    def run(self, prompt: list[int], new_tokens: int) -> dict:
+        from pagedllm import SamplingParams
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        out = self.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        total = time.perf_counter() - t0
+        if out.error:
+            raise RuntimeError(f"pagedllm failed: {out.error}")
+        return {"prefill_s": out.metrics.time_to_first_token, "total_s": total,
+                "token_ids": list(out.outputs[0].token_ids)}
+
+
+class Transformers:
+    name = "transformers"
+
+    def __init__(self) -> None:
+        import torch
+        import transformers
+        from pagedllm.loader.resolve import resolve_model
+        self.torch = torch
+        self.model, source = common.load_hf_model(resolve_model("smollm2-135m-instruct").path, "float32")
+        self.info = {"transformers": transformers.__version__, "weights": source,
+                     "attn_implementation": self.model.config._attn_implementation}
+
+    def run(self, prompt: list[int], new_tokens: int) -> dict:
+        torch = self.torch
+        first: list[float] = []
+
+        def mark_first(input_ids, scores):  # a LogitsProcessor: runs once per generated token
+            if not first:
+                first.append(time.perf_counter())
+            return scores
+
+        ids = torch.tensor([prompt])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            gen = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                      logits_processor=[mark_first])
+        total = time.perf_counter() - t0
+        return {"prefill_s": first[0] - t0, "total_s": total, "token_ids": gen[0, len(prompt):].tolist()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", default="2048,4096,8160", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--systems", default="pagedllm,transformers")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="pagedllm step budget (default: its own)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    max_model_len = max(lengths) + args.new_tokens
+    engine_kwargs = {"kv_cache_memory": "1GiB"}
+    if args.max_num_batched_tokens:
+        engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    makers = {"pagedllm": lambda: PagedLLM(max_model_len, engine_kwargs), "transformers": Transformers}
+    systems = [makers[n]() for n in args.systems.split(",")]
+    rng = np.random.default_rng(args.seed)
+    warm = common.random_prompts(rng, np.array([64]))[0]
+    for s in systems:
+        s.run(warm, 2)  # first-call allocations, oneDNN primitive creation
+    results: dict[str, dict] = {s.name: {} for s in systems}
+    for i, n in enumerate(lengths):
+        prompt = common.random_prompts(rng, np.array([n]))[0]
+        order = systems if i % 2 == 0 else systems[::-1]
+        for s in order:
+            with PeakRss() as rss:
+                r = s.run(prompt, args.new_tokens)
+            r["peak_rss_above_start_mib"] = round(rss.peak_above_start / 2**20, 1)
+            r["prefill_tokens_per_s"] = round(n / r["prefill_s"], 1)
+            results[s.name][str(n)] = r
+            print(f"  {n} tokens, {s.name}: prefill {r['prefill_s']:.2f} s, total {r['total_s']:.2f} s, "
+                  f"peak RSS +{r['peak_rss_above_start_mib']:.0f} MiB", file=sys.stderr)
+    summary = {}
+    if {"pagedllm", "transformers"} <= results.keys():
+        for n in map(str, lengths):
+            a, b = results["pagedllm"][n], results["transformers"][n]
+            summary[n] = {"prefill_speedup_vs_transformers": round(b["prefill_s"] / a["prefill_s"], 3),
+                          "total_speedup_vs_transformers": round(b["total_s"] / a["total_s"], 3),
+                          "greedy_equal": a["token_ids"] == b["token_ids"]}
+    for per_len in results.values():
+        for r in per_len.values():
+            r["prefill_s"], r["total_s"] = round(r["prefill_s"], 3), round(r["total_s"], 3)
+    record = {"lengths": lengths, "new_tokens": args.new_tokens, "system_info": {s.name: s.info for s in systems},
+              "results": results, "pagedllm_vs_transformers": summary}
+    path = common.write_result("long_context", record, args.out)
+    parts = [f"{n}: prefill {v['prefill_speedup_vs_transformers']:.2f}x, greedy equal {v['greedy_equal']}"
+             for n, v in summary.items()]
+    print("long context, pagedllm vs transformers: " + ("; ".join(parts) or "(one system)") + f" -> {path}")
+    return record
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
