@@ -281,7 +281,13 @@ class KVCacheSpec:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens whose K/V of every layer fit in the pool (a hybrid block holds
+        ``layers_per_block`` of the layers, so it is that fraction of a token's K/V)."""
+        return self.num_blocks * self.block_size * self.layers_per_block // self.num_layers
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(g.layer_ids) for g in self.kv_cache_groups) or self.layers_per_block
 
     @property
     def num_bytes(self) -> int:
@@ -335,8 +341,7 @@ class KVCacheSpec:
     @property
     def full_attention_max_concurrency(self) -> float:
         """The same pool's max concurrency if every layer kept every block."""
-        num_layers = sum(len(g.layer_ids) for g in self.kv_cache_groups) or self.layers_per_block
-        blocks_per_seq = -(-self.max_model_len // self.block_size) * num_layers / self.layers_per_block
+        blocks_per_seq = -(-self.max_model_len // self.block_size) * self.num_layers / self.layers_per_block
         return self.num_blocks / blocks_per_seq
 
     def describe(self) -> str:

@@ -126,6 +126,7 @@ def test_groups_and_capacity_report(qwen2_reference):
     # 64 tokens: 16 blocks full + min(16, cdiv(7 + 16, 4) + 1 = 7) sliding
     assert spec.blocks_per_seq == 23 and spec.max_concurrency == pytest.approx(99 / 23)
     assert spec.full_attention_max_concurrency == pytest.approx(100 / 32)
+    assert spec.num_tokens == 100 * 4 * 2 // 4  # a block holds half of a token's layers
     assert "hybrid: 2 KV-cache groups of 2 layers, 1 sliding-window" in spec.describe()
 
 
