@@ -283,7 +283,9 @@ class _PlanInputs:
 
 
 def _compute(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, source: str,
-             context_lens: list[int] | None) -> Plan:
+             context_lens: list[int] | None, advise: bool = True) -> Plan:
+    """The figures; with ``advise`` also the suggested flags and notes (which try variants
+    of the inputs through this function with ``advise=False``)."""
     is_gpu = inp.device_memory_bytes is not None
     dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if is_gpu else "float32")
     kv_dtype = inp.kv_cache_dtype or dtype
@@ -347,8 +349,9 @@ def _compute(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, source: 
         max_concurrency=spec.max_concurrency,
         contiguous_max_seqs=contiguous,
         rows=rows, fits=not problems, problems=problems)
-    result.suggested_flags = _suggest(result, shape, config, inp)
-    result.notes = _notes(result, source)
+    if advise:
+        result.suggested_flags = _suggest(result, shape, config, inp)
+        result.notes = _notes(result, source)
     return result
 
 
@@ -431,7 +434,7 @@ def _fits_with(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, device
     changed = dataclasses.replace(inp, **changes)
     if device is not None:
         changed = dataclasses.replace(changed, device=device.name, device_memory_bytes=device.memory_bytes)
-    return _compute(config, changed, shape, "", None).fits
+    return _compute(config, changed, shape, "", None, advise=False).fits
 
 
 def _notes(p: Plan, source: str) -> list[str]:

@@ -230,3 +230,12 @@ def test_kv_page_in_headless_chromium(kv_server, tmp_path):
     assert shot.exists() and png_size(shot) == (1400, 1000)
     if os.environ.get("PAGEDLLM_UPDATE_RESULTS"):  # the README's picture: refresh it on purpose only
         shutil.copy(shot, REPO / "benchmarks" / "results" / "kv_map.png")
+
+
+def test_state_of_an_engine_without_a_kv_cache_is_a_clear_404():
+    from test_async_engine import FakeEngine
+
+    app = build_app(AsyncLLMEngine(FakeEngine(), stats_log_interval_s=0), ["fake"])
+    with ServerThread(app) as srv:
+        r = httpx.get(srv.url + "/kv/state")
+        assert r.status_code == 404 and "no KV cache" in r.json()["error"]["message"]

@@ -195,3 +195,10 @@ def test_cli_bad_input_exits_2(argv, message, capsys):
 def test_python_api_rejects_unknown_option():
     with pytest.raises(ValueError, match="unknown plan option"):
         pagedllm.plan("llama-3-8b", gpus="a100-80")
+
+
+def test_suggestions_for_a_model_far_too_big():
+    """70B on a 24 GB GPU: neither 8-bit nor 4-bit weights fit; 8-way tensor parallelism does."""
+    p = plan("llama-2-70b", gpu="24gb")
+    assert not p.fits and p.suggested_flags == ["--tensor-parallel-size 8"]
+    assert plan("llama-2-70b", gpu="24gb", tensor_parallel_size=8).fits
