@@ -61,3 +61,15 @@ def build_tiny_llama_dir(path: Path, tokenizer, seed: int = 0, **overrides) -> P
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     return build_tiny_llama_dir(tmp_path_factory.mktemp("tiny_llama"), smollm2_tokenizer)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need a CUDA device: skip them, with the reason, where there is none."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (scripts/gpu_check.sh runs these on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -25,26 +26,39 @@ __all__ = ["Attention", "AttentionBackend", "AttentionMetadata", "CpuPagedAttent
 _BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"
 
 
+_BACKENDS = ("auto", "torch", "cpu", "triton", "flashinfer")
+
+
 def get_attention_backend(device: torch.device | str) -> AttentionBackend:
     """The attention backend for ``device`` (``"cpu"``, ``"cuda"``, ``torch.device``).
 
     By default CPU gets :class:`~pagedllm.attention.cpu_paged.CpuPagedAttention` (fused C
     decode kernel, compiled on first use) when the kernel builds, else
-    :class:`TorchPagedAttention`; CUDA gets :class:`TorchPagedAttention` (PyTorch ops run as
-    CUDA kernels). ``PAGEDLLM_ATTENTION_BACKEND`` overrides: ``torch`` forces the PyTorch
-    backend, ``cpu`` the C kernel (CPU only; falls back to torch with a warning if it does
-    not build), ``triton`` the Triton kernel (:mod:`pagedllm.attention.triton_paged`; on CPU
-    only under ``TRITON_INTERPRET=1``).
-    Raises ValueError for an unknown device type or backend name, when ``triton`` is asked
-    for but not installed, or when ``cpu`` is asked for on a non-CPU device.
+    :class:`TorchPagedAttention`; CUDA gets FlashInfer
+    (:mod:`pagedllm.attention.flashinfer_paged`) when the ``flashinfer`` package is
+    importable, else the Triton kernels (:mod:`pagedllm.attention.triton_paged`) when
+    ``triton`` is, else :class:`TorchPagedAttention`. ``PAGEDLLM_ATTENTION_BACKEND``
+    overrides: ``torch`` (the PyTorch reference, any device), ``cpu`` (the C kernel; falls
+    back to torch with a warning if it does not build), ``triton`` (on CPU only under
+    ``TRITON_INTERPRET=1``), ``flashinfer`` (CUDA only).
+    Raises ValueError for an unknown device type or backend name, when ``triton`` or
+    ``flashinfer`` is asked for but not installed, or a backend is asked for on a device it
+    does not run on.
     """
     device = torch.device(device)
     choice = os.environ.get(_BACKEND_ENV, "auto").lower()
-    if choice not in ("auto", "torch", "cpu", "triton"):
-        raise ValueError(f"{_BACKEND_ENV} must be 'auto', 'torch', 'cpu' or 'triton', got {choice!r}")
+    if choice not in _BACKENDS:
+        raise ValueError(f"{_BACKEND_ENV} must be one of {', '.join(_BACKENDS)}, got {choice!r}")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"no attention backend for device type {device.type!r} (supported: cpu, cuda)")
-    if choice == "triton":
+    if choice == "flashinfer" or (choice == "auto" and device.type == "cuda" and _importable("flashinfer")):
+        if device.type != "cuda":
+            raise ValueError(f"{_BACKEND_ENV}=flashinfer needs a CUDA device, got {device.type!r}")
+        if not _importable("flashinfer"):
+            raise ValueError(f"{_BACKEND_ENV}=flashinfer needs the flashinfer package (pip install pagedllm[flashinfer])")
+        from pagedllm.attention.flashinfer_paged import FlashInferPagedAttention
+        return FlashInferPagedAttention()
+    if choice == "triton" or (choice == "auto" and device.type == "cuda" and _importable("triton")):
         try:
             from pagedllm.attention.triton_paged import TritonPagedAttention
         except ImportError as e:
@@ -57,6 +71,10 @@ def get_attention_backend(device: torch.device | str) -> AttentionBackend:
         if backend.is_kernel_available:
             return backend
     return TorchPagedAttention()
+
+
+def _importable(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
 
 
 class Attention(nn.Module):

@@ -1,0 +1,138 @@
+"""FlashInfer attention backend (optional: ``pip install pagedllm[flashinfer]``, CUDA only).
+
+FlashInfer (Ye et al., 2025, "FlashInfer: Efficient and Customizable Attention Engine for LLM
+Inference Serving") reads a paged KV cache through a CSR page table: for request b its pages
+are ``paged_kv_indices[paged_kv_indptr[b]:paged_kv_indptr[b+1]]`` and its last page holds
+``paged_kv_last_page_len[b]`` tokens. The engine's cache layout
+``(2, num_blocks, block_size, num_kv_heads, head_dim)`` is FlashInfer's ``"NHD"`` layout with
+K and V as two tensors, so no copy is needed; a block is a FlashInfer page.
+
+Per forward pass the backend converts the step's block tables to CSR once (on the host
+lists the metadata carries, one gather on the device) and calls ``plan`` of two documented
+wrappers, shared by every layer:
+
+- ``BatchDecodeWithPagedKVCacheWrapper`` for the leading decode requests,
+- ``BatchPrefillWithPagedKVCacheWrapper`` (``causal=True``) for prefills and chunked
+  prefills with cached context (FlashInfer aligns the causal mask bottom-right: the query
+  rows are the last tokens of each request).
+
+New K/V are written with :func:`~pagedllm.attention.backend.write_kv_cache` first.
+Sliding window maps to FlashInfer's ``window_left = sliding_window - 1``, the soft-cap to
+``logits_soft_cap``. Not used inside CUDA graphs (``supports_cuda_graphs = False``): its
+plan runs on the host each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.attention.backend import AttentionMetadata, ForwardContext, check_shapes, current_context, write_kv_cache
+
+_WORKSPACE_BYTES = 256 * 1024**2
+
+
+@dataclass
+class PagedCSR:
+    """FlashInfer's page-table form of some requests' block tables (int32)."""
+
+    indptr: torch.Tensor  # (n + 1,) pages of request b are indices[indptr[b]:indptr[b+1]]
+    indices: torch.Tensor  # (total pages,) physical block ids
+    last_page_len: torch.Tensor  # (n,) tokens in each request's last block, 1..block_size
+
+
+def block_tables_to_csr(block_tables: torch.Tensor, seq_lens: list[int], block_size: int) -> PagedCSR:
+    """CSR page table of requests with ``seq_lens`` tokens (no device sync: host lists only).
+
+    Args:
+        block_tables: (n, max_blocks) int32 on the device; row b's first
+            ceil(seq_lens[b] / block_size) entries are used.
+        seq_lens: n host ints, each >= 1.
+    Returns:
+        :class:`PagedCSR` with indptr/last_page_len on the host (FlashInfer's ``plan`` reads
+        them there) and indices on the block tables' device.
+    """
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    num_pages = -(-lens // block_size)
+    indptr = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(num_pages, out=indptr[1:])
+    rows = np.repeat(np.arange(len(lens)), num_pages)
+    cols = np.arange(indptr[-1]) - indptr[rows]
+    flat = torch.from_numpy(rows * block_tables.shape[1] + cols).to(block_tables.device)
+    indices = block_tables.reshape(-1).index_select(0, flat).to(torch.int32)
+    last = lens - (num_pages - 1) * block_size
+    return PagedCSR(torch.from_numpy(indptr.astype(np.int32)), indices, torch.from_numpy(last.astype(np.int32)))
+
+
+class FlashInferPagedAttention:
+    """The :class:`~pagedllm.attention.backend.AttentionBackend` on FlashInfer's paged wrappers.
+
+    Same contract as :class:`~pagedllm.attention.torch_paged.TorchPagedAttention`. One
+    instance is shared by every layer of a model; it re-plans when a new forward pass
+    (a new ``set_forward_context``) or a different layer option arrives.
+    Raises ImportError (at construction) without flashinfer, ValueError on layout mismatches.
+    """
+
+    supports_cuda_graphs = False
+
+    def __init__(self, workspace_bytes: int = _WORKSPACE_BYTES) -> None:
+        import flashinfer
+
+        self._flashinfer = flashinfer
+        self._workspace_bytes = workspace_bytes
+        self._workspace: torch.Tensor | None = None
+        self._decode = self._prefill = None
+        self._planned_owner: ForwardContext | None = None  # the forward pass the wrappers are planned for
+        self._planned_options: tuple = ()
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, *,
+                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+        """Write this step's K/V, then decode and prefill attention through FlashInfer."""
+        check_shapes(query, key, kv_cache)
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(query)
+        self._plan(metadata, kv_cache, query.shape[1], query.dtype, scale, sliding_window, logits_soft_cap)
+        caches = (kv_cache[0], kv_cache[1])  # each (num_blocks, block_size, num_kv_heads, head_dim): NHD
+        nd = metadata.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode.run(query[:nd], caches)
+        if nd < query.shape[0]:
+            out[nd:] = self._prefill.run(query[nd:], caches)
+        return out
+
+    __call__ = forward
+
+    def _plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor, num_heads: int, q_dtype: torch.dtype,
+              scale: float, sliding_window: int | None, logits_soft_cap: float | None) -> None:
+        """Plan both wrappers once per forward pass (and layer options), as FlashInfer requires before ``run``."""
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        options = (num_heads, q_dtype, kv_cache.dtype, scale, sliding_window, logits_soft_cap, block_size)
+        owner = current_context(metadata)
+        if owner is not None and self._planned_owner is owner and self._planned_options == options:
+            return
+        self._ensure_wrappers(kv_cache.device)
+        nd, nreq = metadata.num_decodes, metadata.num_reqs
+        common = dict(window_left=-1 if sliding_window is None else sliding_window - 1,
+                      logits_soft_cap=logits_soft_cap, sm_scale=scale, q_data_type=q_dtype,
+                      kv_data_type=kv_cache.dtype)
+        if nd:
+            csr = block_tables_to_csr(metadata.block_tables[:nd], metadata.seq_lens_cpu[:nd], block_size)
+            self._decode.plan(csr.indptr, csr.indices, csr.last_page_len, num_heads, num_kv_heads, head_dim,
+                              block_size, **common)
+        if nd < nreq:
+            csr = block_tables_to_csr(metadata.block_tables[nd:], metadata.seq_lens_cpu[nd:], block_size)
+            qsl = metadata.query_start_loc_cpu[nd:]
+            qo_indptr = torch.tensor([q - qsl[0] for q in qsl], dtype=torch.int32)
+            self._prefill.plan(qo_indptr, csr.indptr, csr.indices, csr.last_page_len, num_heads, num_kv_heads,
+                               head_dim, block_size, causal=True, **common)
+        self._planned_owner, self._planned_options = owner, options
+
+    def _ensure_wrappers(self, device: torch.device) -> None:
+        if self._workspace is None or self._workspace.device != device:
+            self._workspace = torch.zeros(self._workspace_bytes, dtype=torch.uint8, device=device)
+            self._decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD",
+                                                                                use_tensor_cores=True)
+            self._prefill = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")

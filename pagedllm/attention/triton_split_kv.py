@@ -1,0 +1,167 @@
+"""Split-KV (flash-decoding) paged attention for decode: partial kernels plus a reduction kernel.
+
+At small batch and long context, one program per (request, KV head) leaves most of a GPU's
+streaming multiprocessors idle while each program walks thousands of keys alone. Flash-decoding
+(Dao, Haziza, Massa, Sizov, 2023, "Flash-Decoding for long-context inference") splits each
+request's keys into ``num_splits`` contiguous ranges processed in parallel; each partial
+program keeps the usual online softmax and writes its unnormalized output ``acc_s``, row max
+``m_s`` and normalizer ``l_s``; the reduction combines them exactly:
+
+    M = max_s m_s,   out = Σ_s exp(m_s − M) · acc_s  /  Σ_s exp(m_s − M) · l_s
+
+The range of a split is computed in the kernel from the request's ``seq_len``
+(``ceil(key tiles / num_splits)`` tiles each), so the launch shape depends only on the batch
+size: a CUDA graph captured once serves every context length. A split with no keys writes
+``m = -inf, l = 0`` and weighs nothing.
+
+Decode only: every request in the call has exactly one query token (its last position).
+Same options as the unified kernel (sliding window, logit soft-cap, GQA).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.attention.triton_unified import (_check_options, attend_key_tile, dot_precision, key_tile,
+                                               upcast_for_interpreter)
+
+
+@triton.jit
+def _split_kv_partial_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale, softcap, window,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Program (seq, kv_head, split): the GROUP query heads of kv_head over one key range."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    row = tl.load(query_start_loc_ptr + seq).to(tl.int64)  # the request's one query token
+
+    m = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    row_mask = m < GROUP
+    heads = kv_head * GROUP + m
+    q_pos = tl.zeros((BLOCK_M,), dtype=tl.int32) + seq_len - 1
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+
+    first_tile = 0
+    if USE_WINDOW:
+        first_tile = tl.maximum(seq_len - window, 0) // TILE_N
+    end_tile = tl.cdiv(seq_len, TILE_N)
+    tiles_per_split = tl.cdiv(end_tile - first_tile, NUM_SPLITS)
+    lo = first_tile + split * tiles_per_split
+    hi = tl.minimum(lo + tiles_per_split, end_tile)
+    for j in range(lo, hi):
+        m_i, l_i, acc = attend_key_tile(
+            q, q_pos, row_mask, m_i, l_i, acc, j, seq, seq_len, kv_head, k_cache_ptr, v_cache_ptr,
+            block_tables_ptr, stride_bt, stride_cb, stride_cs, stride_ch, scale, softcap, window,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION)
+
+    # partials laid out (seq, head, split[, d]), float32
+    part = (seq * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split
+    tl.store(part_m_ptr + part, m_i, mask=row_mask)
+    tl.store(part_l_ptr + part, l_i, mask=row_mask)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _split_kv_reduce_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, query_start_loc_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Program (seq, head): combine the NUM_SPLITS partials of one query head into out."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < NUM_SPLITS
+    d_mask = d < HEAD_DIM
+    part = (seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + s
+    m_s = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
+    acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & d_mask[None, :],
+                    other=0.0)  # (BLOCK_S, BLOCK_D)
+    m_max = tl.max(m_s, axis=0)
+    weight = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_max))  # empty splits weigh nothing
+    denom = tl.sum(weight * l_s, axis=0)
+    out = tl.sum(weight[:, None] * acc_s, axis=0) / tl.where(denom == 0.0, 1.0, denom)
+    row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, block_size: int,
+                      target_programs: int = 256, max_splits: int = 32) -> int:
+    """Splits per request so that decodes × KV heads × splits reaches about ``target_programs``
+    (a few waves of a large GPU's SMs), a power of two, at most one per key tile of the longest context."""
+    tiles = -(-max_seq_len // key_tile(block_size))
+    want = -(-target_programs // max(1, num_decodes * num_kv_heads))
+    return max(1, min(triton.next_power_of_2(want), max_splits, triton.next_power_of_2(tiles)))
+
+
+def split_kv_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, num_splits: int, scale: float,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+    """Decode attention (one query token per request) with the keys split ``num_splits`` ways.
+
+    Args:
+        query: (T, num_heads, head_dim); the query row of request b is ``query_start_loc[b]``.
+        key_cache, value_cache: (num_blocks, block_size, num_kv_heads, head_dim), holding every
+            token of this step.
+        out: (T, num_heads, head_dim); rows of the B requests are written.
+        block_tables: (B, max_blocks) int32; seq_lens: (B,) int32 (the query sits at seq_len - 1);
+        query_start_loc: (B + 1,) int32 (only the first B entries are read).
+        num_splits: key ranges per request (>= 1); partials take
+            B × num_heads × num_splits × (head_dim + 2) float32 of scratch.
+        scale, sliding_window, logits_soft_cap: as in
+            :func:`~pagedllm.attention.triton_unified.unified_attention`.
+    Raises:
+        ValueError: for a bad head grouping, ``num_splits < 1`` or a non-positive option.
+    """
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    _check_options(sliding_window, logits_soft_cap)
+    num_decodes = seq_lens.shape[0]
+    if num_decodes == 0:
+        return
+    group = num_heads // num_kv_heads
+    part_acc = torch.empty(num_decodes, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+    part_m = torch.empty(num_decodes, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    part_l = torch.empty_like(part_m)
+    block_d = triton.next_power_of_2(head_dim)
+    _split_kv_partial_kernel[(num_decodes, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, part_acc, part_m, part_l, block_tables, seq_lens, query_start_loc,
+        scale, float(logits_soft_cap or 0.0), int(sliding_window or 0),
+        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=key_tile(block_size),
+        USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION=dot_precision(query.dtype), UPCAST=upcast_for_interpreter(query.dtype),
+    )
+    _split_kv_reduce_kernel[(num_decodes, num_heads)](
+        part_acc, part_m, part_l, out, query_start_loc, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+    )

@@ -1,0 +1,237 @@
+"""Unified varlen paged attention with query tiles, as one Triton kernel launch.
+
+One launch serves a whole flat ragged batch: decodes, prefills and chunked prefills with
+cached context. Every token's K/V are written to the paged cache first
+(:mod:`pagedllm.attention.triton_kv_write`), so a query token at position p of its request
+attends keys 0..p of that request, read through its block table; "prefill" and "decode"
+are the same rule with different query lengths.
+
+Algorithm: FlashAttention-2's tiling with an online softmax (Dao, 2023, "FlashAttention-2:
+Faster Attention with Better Parallelism and Work Partitioning", Algorithm 1), over a paged
+KV cache (Kwon et al., SOSP 2023), in the layout of vLLM's unified Triton attention
+(``kernel_unified_attention_2d``):
+
+- a program owns one *query tile* — ``BLOCK_Q`` consecutive query tokens of one request —
+  and one KV head. Its ``BLOCK_M = BLOCK_Q × group`` rows are (token, query head) pairs of
+  the heads that share the KV head (grouped-query attention), so each K/V block is loaded
+  once for the whole tile and multiplied with ``tl.dot`` (tensor cores on a GPU);
+- the program walks the request's keys in tiles of ``TILE_N`` (each key's block looked up in
+  the block table, so any block size works) from the first key its tile can see (sliding
+  window) to the tile's last query position (causal with the context offset
+  ``seq_len - query_len``), keeping a running row max ``m``, normalizer ``l`` and
+  unnormalized output ``acc`` in float32;
+- the grid is ``(num_tokens // BLOCK_Q + num_reqs, num_kv_heads)``, an upper bound on the
+  tiles that depends only on the batch's token and request counts (a CUDA graph can be
+  captured for it); a program finds its request by binary search over
+  ``query_start_loc`` and exits when its tile is past the request's last token.
+
+Options a model family needs: ``sliding_window`` (a query at position i sees keys j with
+``i - j < sliding_window``, Mistral/Gemma) and ``logits_soft_cap`` (scores become
+``cap × tanh(scores / cap)`` after scaling, Gemma 2).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def find_seq_idx(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """The request that owns program ``tile``: the largest b with qsl[b] // BLOCK_Q + b <= tile."""
+    left = 0
+    right = num_seqs
+    while left < right:
+        mid = (left + right) // 2
+        start = tl.load(query_start_loc_ptr + mid)
+        if start // BLOCK_Q + mid <= tile:
+            left = mid + 1
+        else:
+            right = mid
+    return left - 1
+
+
+@triton.jit
+def soft_cap(scores, cap):
+    """``cap * tanh(scores / cap)`` in float32 (tanh via exp: tl has no portable tanh)."""
+    x = scores / cap
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
+
+
+@triton.jit
+def attend_key_tile(q, q_pos, row_mask, m_i, l_i, acc, j, seq, seq_len, kv_head, k_cache_ptr, v_cache_ptr,
+                    block_tables_ptr, stride_bt, stride_cb, stride_cs, stride_ch, scale, softcap, window,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over key tile j (keys j*TILE_N ..) of request ``seq``.
+
+    q: (BLOCK_M, BLOCK_D) rows at positions q_pos (BLOCK_M,); m_i, l_i (BLOCK_M,) and
+    acc (BLOCK_M, BLOCK_D) float32 are the running max, normalizer and unnormalized output.
+    Returns the updated (m_i, l_i, acc).
+    """
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    key_pos = j * TILE_N + tl.arange(0, TILE_N)  # (TILE_N,) positions of this tile's keys
+    key_mask = key_pos < seq_len
+    # each key's physical block (a tile may span several blocks, or part of one)
+    blocks = tl.load(block_tables_ptr + seq * stride_bt + key_pos // BLOCK_SIZE, mask=key_mask,
+                     other=0).to(tl.int64)
+    kv_offs = blocks * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    # keys past seq_len are masked on load: their slots may hold anything (0 x NaN is NaN)
+    k = tl.load(k_cache_ptr + kv_offs[None, :] + d[:, None],
+                mask=key_mask[None, :] & d_mask[:, None], other=0.0).to(q.dtype)  # (BLOCK_D, TILE_N)
+    v = tl.load(v_cache_ptr + kv_offs[:, None] + d[None, :],
+                mask=key_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)  # (TILE_N, BLOCK_D)
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # (BLOCK_M, TILE_N) float32
+    if USE_SOFTCAP:
+        scores = soft_cap(scores, softcap)
+    visible = key_pos[None, :] <= q_pos[:, None]  # causal, with the context offset
+    if USE_WINDOW:
+        visible = visible & (q_pos[:, None] - key_pos[None, :] < window)
+    scores = tl.where(visible & row_mask[:, None], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    # a row that has seen no key yet keeps m = -inf: shift by 0 so exp() gives 0, not NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(scores - m_safe[:, None])  # (BLOCK_M, TILE_N)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _unified_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    scale, softcap, window, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Program (tile, kv_head): BLOCK_Q query tokens of one request x the GROUP query heads of kv_head."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = find_seq_idx(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    tile_in_seq = tile - (q_start // BLOCK_Q + seq)
+    if tile_in_seq * BLOCK_Q >= query_len:
+        return  # a spare program of the upper-bound grid
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+
+    m = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_idx = tile_in_seq * BLOCK_Q + m // GROUP  # query token within the request, per row
+    heads = kv_head * GROUP + m % GROUP
+    row_mask = (m // GROUP < BLOCK_Q) & (q_idx < query_len)
+    q_pos = context_len + q_idx  # (BLOCK_M,) position of each row's token in its request
+    rows = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+    if UPCAST:  # K/V follow q's dtype in attend_key_tile
+        q = q.to(tl.float32)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # running row max of the scores
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # running softmax denominator
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # running unnormalized output
+
+    last_pos = context_len + tl.minimum((tile_in_seq + 1) * BLOCK_Q, query_len) - 1  # the tile's last query
+    start_key = 0
+    if USE_WINDOW:  # the tile's first query sees keys from first_pos - window + 1 on
+        start_key = tl.maximum(context_len + tile_in_seq * BLOCK_Q - window + 1, 0)
+    for j in range(start_key // TILE_N, tl.cdiv(last_pos + 1, TILE_N)):
+        m_i, l_i, acc = attend_key_tile(
+            q, q_pos, row_mask, m_i, l_i, acc, j, seq, seq_len, kv_head, k_cache_ptr, v_cache_ptr,
+            block_tables_ptr, stride_bt, stride_cb, stride_cs, stride_ch, scale, softcap, window,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION)
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_Q): rows per program (>= 16, the smallest ``tl.dot`` tile) and query tokens per tile.
+
+    Decode-only batches take one token per tile (BLOCK_M = the group, padded to 16); batches
+    with prefills take 64-row tiles (a multiple of the group's heads), so a long prompt is a
+    few dozen programs per KV head rather than one per token.
+    """
+    rows = max(16, triton.next_power_of_2(group))
+    if max_query_len > 1:
+        rows = max(64, rows)
+    return rows, max(1, rows // group)
+
+
+def key_tile(block_size: int) -> int:
+    """Keys per inner-loop step: 32 (16 at least for ``tl.dot``), independent of the block size —
+    a tile may cover several small blocks or part of a large one; each key finds its block."""
+    return 32 if block_size >= 32 else 16
+
+
+def upcast_for_interpreter(dtype: torch.dtype) -> bool:
+    """Whether to run ``tl.dot`` in float32: only for bfloat16 under ``TRITON_INTERPRET=1``,
+    whose numpy ``tl.dot`` reads bfloat16 bits as integers (float16 and the GPU are fine)."""
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs multiply in full precision (``ieee``), not TF32: the reference tolerance is 1e-4."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+                      sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+    """Causal paged attention of a flat ragged batch into ``out`` (one kernel launch).
+
+    Args:
+        query: (T, num_heads, head_dim), last dim contiguous; float32/bfloat16/float16.
+        key_cache, value_cache: (num_blocks, block_size, num_kv_heads, head_dim), already holding
+            every token of this step (write first).
+        out: (T, num_heads, head_dim), written for every real token.
+        block_tables: (B, max_blocks) int32; seq_lens: (B,) int32 (cached + new tokens);
+        query_start_loc: (B + 1,) int32, request b's query rows are qsl[b]:qsl[b+1].
+        max_query_len: the longest query in the batch (host int; picks the tile shape).
+        scale: softmax scale; sliding_window: keys a query sees, itself included (None = all);
+        logits_soft_cap: Gemma 2's score cap (None = off).
+    Raises:
+        ValueError: when ``num_heads`` is not a multiple of ``num_kv_heads`` or
+            ``sliding_window`` / ``logits_soft_cap`` is not positive.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    _check_options(sliding_window, logits_soft_cap)
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return
+    group = num_heads // num_kv_heads
+    block_m, block_q = tile_shape(group, max_query_len)
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+    _unified_attention_kernel[grid](
+        query, key_cache, value_cache, out, block_tables, seq_lens, query_start_loc,
+        scale, float(logits_soft_cap or 0.0), int(sliding_window or 0), num_reqs,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=key_tile(block_size), USE_SOFTCAP=logits_soft_cap is not None,
+        USE_WINDOW=sliding_window is not None, DOT_PRECISION=dot_precision(query.dtype),
+        UPCAST=upcast_for_interpreter(query.dtype),
+    )
+
+
+def _check_options(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """ValueError naming the option when it is given but not positive."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")

@@ -1,0 +1,254 @@
+"""Triton attention kernels against plain float64 attention, under the Triton interpreter on CPU.
+
+Each case puts every request's cached context into a shuffled paged cache (other slots full
+of large garbage, one of them NaN), runs a kernel for a ragged batch mixing decodes,
+prefills and chunked prefills with cached context, and compares with causal attention over
+the contiguous K/V (GQA by repeating KV heads, sliding window and logit soft-cap applied the
+way Hugging Face's Mistral/Gemma 2 do). Tolerances: float32 1e-4, bfloat16/float16 2e-2.
+
+On a CUDA machine the same tests run on the GPU (``scripts/gpu_check.sh``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
+
+from pagedllm.attention.triton_kv_write import write_kv_cache_triton  # noqa: E402
+from pagedllm.attention.triton_paged import TritonPagedAttention  # noqa: E402
+from pagedllm.attention.triton_split_kv import choose_num_splits, split_kv_decode  # noqa: E402
+from pagedllm.attention.triton_unified import find_seq_idx, tile_shape, unified_attention  # noqa: E402,F401
+from tests.model_utils import allocate_block_tables, make_metadata  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+# (context_len, query_len): decodes first, then a prefill, chunked prefills with context
+MIXED = [(0, 1), (17, 1), (70, 1), (0, 21), (33, 5), (40, 18)]
+DECODES = [(0, 1), (15, 1), (95, 1), (200, 1)]
+
+
+def reference(q, k, v, context_len, scale, window=None, softcap=None):
+    """float64 causal attention. q: (Q, H, D) at positions context_len..; k, v: (S, KV, D)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    q_pos = torch.arange(context_len, context_len + q.shape[0]).unsqueeze(1)
+    k_pos = torch.arange(k.shape[0]).unsqueeze(0)
+    hidden = k_pos > q_pos
+    if window is not None:
+        hidden |= q_pos - k_pos >= window
+    scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def build(reqs, *, num_kv_heads=2, group=3, head_dim=64, block_size=16, dtype=torch.float32,
+          window=None, softcap=None, seed=0):
+    """(query, key, value, kv_cache, metadata, expected) for requests [(context_len, query_len)]."""
+    g = torch.Generator().manual_seed(seed)
+    num_heads = num_kv_heads * group
+    seq_lens = [c + n for c, n in reqs]
+    tables, num_blocks = allocate_block_tables(seq_lens, block_size, seed)
+    cache = (50 * torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g)).to(dtype)
+    cache[:, tables[0][0], -1] = float("nan")  # stale slots past a seq_len must never leak in
+    full_k = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s in seq_lens]
+    full_v = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s in seq_lens]
+    queries = [torch.randn(n, num_heads, head_dim, generator=g).to(dtype) for _, n in reqs]
+    for (c, _), table, k, v in zip(reqs, tables, full_k, full_v):
+        for p in range(c):
+            cache[0, table[p // block_size], p % block_size] = k[p]
+            cache[1, table[p // block_size], p % block_size] = v[p]
+    meta = make_metadata([c for c, _ in reqs], [n for _, n in reqs], tables, block_size, DEVICE)
+    scale = head_dim**-0.5
+    expected = torch.cat([reference(q, k, v, c, scale, window, softcap)
+                          for (c, _), q, k, v in zip(reqs, queries, full_k, full_v)])
+    key = torch.cat([k[c:] for (c, _), k in zip(reqs, full_k)])
+    value = torch.cat([v[c:] for (c, _), v in zip(reqs, full_v)])
+    return (torch.cat(queries).to(DEVICE), key.to(DEVICE), value.to(DEVICE), cache.to(DEVICE), meta,
+            expected, scale)
+
+
+def run_unified(case, window=None, softcap=None):
+    query, key, value, cache, meta, expected, scale = case
+    write_kv_cache_triton(key, value, cache, meta.slot_mapping)
+    out = torch.full_like(query, float("nan"))
+    unified_attention(query, cache[0], cache[1], out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                      meta.max_query_len, scale, window, softcap)
+    return out
+
+
+def run_split(case, num_splits, window=None, softcap=None):
+    query, key, value, cache, meta, expected, scale = case
+    write_kv_cache_triton(key, value, cache, meta.slot_mapping)
+    out = torch.full_like(query, float("nan"))
+    split_kv_decode(query, cache[0], cache[1], out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                    num_splits, scale, window, softcap)
+    return out
+
+
+def check(out, expected, dtype):
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.cpu().double(), expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+# -- unified kernel ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,block_size,group,head_dim", [
+    (torch.float32, 16, 3, 64),
+    (torch.bfloat16, 32, 8, 128),
+    (torch.float16, 16, 1, 256),
+])
+def test_unified_mixed_batch(dtype, block_size, group, head_dim):
+    case = build(MIXED, num_kv_heads=1 if head_dim == 256 else 2, group=group, head_dim=head_dim,
+                 block_size=block_size, dtype=dtype)
+    check(run_unified(case), case[5], dtype)
+
+
+@pytest.mark.parametrize("window,softcap", [(8, None), (None, 5.0), (20, 30.0)])
+def test_unified_sliding_window_and_soft_cap(window, softcap):
+    case = build(MIXED, window=window, softcap=softcap, seed=1)
+    check(run_unified(case, window, softcap), case[5], torch.float32)
+
+
+def test_unified_decode_only_and_small_block():
+    """Decode-only batches take one-token tiles; block size 4 (< the 16-key tile) still works."""
+    case = build(DECODES, block_size=4, seed=2)
+    assert tile_shape(3, 1) == (16, 5) and tile_shape(3, 21) == (64, 21)
+    check(run_unified(case), case[5], torch.float32)
+
+
+def test_unified_writes_only_real_rows_and_handles_empty_batch():
+    query, key, value, cache, meta, expected, scale = build([(3, 2), (0, 4)], seed=3)
+    write_kv_cache_triton(key, value, cache, meta.slot_mapping)
+    out = torch.full((query.shape[0] + 3, *query.shape[1:]), 7.0, device=DEVICE)  # 3 rows past the batch
+    unified_attention(query, cache[0], cache[1], out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                      meta.max_query_len, scale)
+    check(out[:-3], expected, torch.float32)
+    assert (out[-3:] == 7.0).all()
+    unified_attention(query[:0], cache[0], cache[1], out[:0], meta.block_tables[:0], meta.seq_lens[:0],
+                      meta.query_start_loc[:1], 0, scale)  # nothing to do, no launch
+
+
+def test_bad_options_raise_value_error():
+    query, key, value, cache, meta, expected, scale = build([(0, 2)])
+    with pytest.raises(ValueError, match="sliding_window"):
+        unified_attention(query, cache[0], cache[1], query, meta.block_tables, meta.seq_lens,
+                          meta.query_start_loc, 2, scale, sliding_window=0)
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        split_kv_decode(query, cache[0], cache[1], query, meta.block_tables, meta.seq_lens,
+                        meta.query_start_loc, 2, scale, logits_soft_cap=-1.0)
+    with pytest.raises(ValueError, match="num_splits"):
+        split_kv_decode(query, cache[0], cache[1], query, meta.block_tables, meta.seq_lens,
+                        meta.query_start_loc, 0, scale)
+
+
+# -- split-KV decode ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_splits,window,softcap", [(1, None, None), (4, None, None), (8, 24, 10.0)])
+def test_split_kv_decode(num_splits, window, softcap):
+    """Splits past a short context are empty (request 0 has one key): they must weigh nothing."""
+    case = build(DECODES, num_kv_heads=2, group=4, window=window, softcap=softcap, seed=4)
+    check(run_split(case, num_splits, window, softcap), case[5], torch.float32)
+
+
+def test_split_kv_decode_bf16_block32():
+    case = build(DECODES, num_kv_heads=1, group=8, head_dim=128, block_size=32, dtype=torch.bfloat16, seed=5)
+    check(run_split(case, 4), case[5], torch.bfloat16)
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(1, 8, 8192, 16) == 32  # one request: as many splits as allowed
+    assert choose_num_splits(16, 8, 8192, 16) == 2
+    assert choose_num_splits(1, 8, 20, 16) == 2  # never more splits than key tiles (rounded up)
+    assert choose_num_splits(64, 8, 8192, 16) == 1
+
+
+# -- KV write -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_strided_input_and_padding_slots(cache_dtype):
+    g = torch.Generator().manual_seed(6)
+    num_blocks, block_size, num_kv_heads, head_dim = 5, 16, 3, 64
+    qkv = torch.randn(7, (4 + 2) * num_kv_heads * head_dim, generator=g)  # fused projection output
+    key = qkv[:, 4 * num_kv_heads * head_dim:5 * num_kv_heads * head_dim].view(7, num_kv_heads, head_dim)
+    value = qkv[:, 5 * num_kv_heads * head_dim:].view(7, num_kv_heads, head_dim)
+    assert not key.is_contiguous()
+    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=cache_dtype)
+    slots = torch.tensor([3, 17, -1, 79, 40, -1, 0])  # -1: padding, not written
+    write_kv_cache_triton(key.to(DEVICE), value.to(DEVICE), cache_dev := cache.to(DEVICE), slots.to(DEVICE))
+    flat = cache_dev.cpu().view(2, -1, num_kv_heads, head_dim)
+    real = slots >= 0
+    # float32 -> bfloat16: one bfloat16 ulp (the interpreter truncates, a GPU rounds to nearest)
+    rtol = 0 if cache_dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(flat[0, slots[real]].float(), key[real].to(cache_dtype).float(), atol=0, rtol=rtol)
+    torch.testing.assert_close(flat[1, slots[real]].float(), value[real].to(cache_dtype).float(), atol=0, rtol=rtol)
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[slots[real]] = False
+    assert (flat[:, untouched] == 0).all()
+    with pytest.raises(ValueError, match="do not match"):
+        write_kv_cache_triton(key[:, :2], value[:, :2], cache, slots)
+
+
+# -- the backend --------------------------------------------------------------------------------
+
+def test_backend_mixed_batch_and_split_kv_choice():
+    backend = TritonPagedAttention(split_kv_min_seq_len=64)
+    query, key, value, cache, meta, expected, scale = build(MIXED, seed=7)
+    assert backend.num_splits(meta, cache) == 1  # prefills in the batch: unified kernel
+    check(backend.forward(query, key, value, cache, meta, scale), expected, torch.float32)
+    query, key, value, cache, meta, expected, scale = build(DECODES, seed=8)
+    assert backend.num_splits(meta, cache) > 1  # small decode-only batch, long context: split-KV
+    out = backend.forward(query, key, value, cache, meta, scale, sliding_window=None, logits_soft_cap=None)
+    check(out, expected, torch.float32)
+    assert TritonPagedAttention(split_kv_min_seq_len=10_000).num_splits(meta, cache) == 1
+
+
+# -- the sweep the issue asks for (slow: every combination) -------------------------------------
+
+SWEEP = list(itertools.product([16, 32], [1, 3, 8], [64, 128, 256]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size,group,head_dim", SWEEP)
+def test_sweep_block_size_group_head_dim(block_size, group, head_dim):
+    """Unified (mixed batch) and split-KV (decodes), float32 and bfloat16, every layout."""
+    for i, dtype in enumerate((torch.float32, torch.bfloat16)):
+        window, softcap = ((None, None), (16, 20.0))[i]
+        case = build(MIXED[2:], num_kv_heads=1, group=group, head_dim=head_dim, block_size=block_size,
+                     dtype=dtype, window=window, softcap=softcap, seed=block_size + group + head_dim)
+        check(run_unified(case, window, softcap), case[5], dtype)
+        case = build(DECODES[1:], num_kv_heads=1, group=group, head_dim=head_dim, block_size=block_size,
+                     dtype=dtype, window=window, softcap=softcap, seed=head_dim)
+        check(run_split(case, 4, window, softcap), case[5], dtype)
+
+
+# -- a model on the Triton backend ---------------------------------------------------------------
+
+@pytest.mark.slow
+def test_llama_on_triton_backend_matches_transformers():
+    """Chunked prefill, prefill and decode steps mixed in one batch, through the whole model."""
+    from pagedllm.models.llama import LlamaForCausalLM
+    from tests.model_utils import make_hf_llama, run_paged, tiny_llama_config
+
+    config = tiny_llama_config()
+    hf = make_hf_llama(config, seed=3)
+    model = LlamaForCausalLM(config, torch.float32, "cpu", attn_backend=TritonPagedAttention())
+    model.load_weights(hf.state_dict().items())
+    seqs = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (12, 27)]
+    out = run_paged(model, seqs, [5, 20], block_size=16, chunk_size=8)
+    for seq, logits in zip(seqs, out):
+        with torch.no_grad():
+            expected = hf(torch.tensor([seq])).logits[0]
+        assert (logits - expected).abs().max().item() < 1e-4
