@@ -63,6 +63,7 @@ class EngineConfig:
     block_size: int = _f(16, "tokens per KV-cache block (power of two, 1..256)")
     gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory the engine may use (CUDA only)")
     kv_cache_memory: int | str | None = _f(None, "KV pool size on CPU in bytes or like '2GiB' (default 1GiB)")
+    enforce_eager: bool = _f(False, "run every step eagerly: no CUDA graphs for decode (CUDA only)")
     num_kv_blocks: int | None = _f(None, "override the number of KV blocks (tests, benchmarks)")
     enable_prefix_caching: bool = _f(True, "share KV blocks between requests with a common prompt prefix")
     enable_chunked_prefill: bool = _f(True, "split long prompts across steps under the token budget")

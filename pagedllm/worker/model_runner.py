@@ -40,6 +40,7 @@ from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.loader.model_files import ModelFiles
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sizing import KVCacheSpec, format_bytes, kv_bytes_per_block, num_blocks_for_budget
+from pagedllm.worker.cuda_graph import DecodeGraphRunner, capture_sizes, cuda_graph_mode
 
 logger = logging.getLogger("pagedllm")
 
@@ -134,6 +135,10 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.attn_backend = get_attention_backend(self.device)
+        # decode steps: "graphs" (CUDA), "pad" (the same buffers, eager: tests), "off"
+        self.graph_mode = cuda_graph_mode(config.enforce_eager, self.device, self.attn_backend)
+        self.decode_graphs: DecodeGraphRunner | None = None
+        self.memory_profile = None  # worker.memory_profiler.MemoryProfile after CUDA sizing
         self.model = self._load_model(model_files)
         self.vocab_size = int(model_files.hf_config.vocab_size)
         self.eos_token_id = model_files.eos_token_id
@@ -172,7 +177,8 @@ class ModelRunner:
 
     def determine_num_blocks(self) -> int:
         """Number of KV blocks: ``num_kv_blocks`` if set; on CPU ``kv_cache_memory`` bytes;
-        on CUDA ``gpu_memory_utilization`` × device memory − weights − profiled peak activations.
+        on CUDA ``gpu_memory_utilization`` × device memory − weights − profiled peak activations
+        − CUDA-graph memory − memory outside torch (:mod:`pagedllm.worker.memory_profiler`).
 
         Raises ValueError when the pool cannot hold one sequence of ``max_model_len`` tokens.
         """
@@ -190,18 +196,32 @@ class ModelRunner:
         return num_blocks
 
     def _profile_cuda_num_blocks(self, per_block: int) -> int:
-        """Run one forward at ``token_budget`` tokens, measure peak memory, size the pool from what is left."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
+        """Measure weights, peak activations at the token budget and graph memory; size the pool from the rest."""
+        from pagedllm.worker.memory_profiler import profile_memory
+
         num_tokens = min(self.config.token_budget, self.max_model_len)
-        self._dummy_forward(num_tokens)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        _, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * self.config.gpu_memory_utilization) - peak
-        logger.info("memory profile: peak %.2f GiB (weights + activations at %d tokens), budget for KV %.2f GiB",
-                    peak / 2**30, num_tokens, budget / 2**30)
-        return num_blocks_for_budget(budget, per_block)
+        measure_graphs = self._measure_graph_memory if self.graph_mode == "graphs" else None
+        profile = profile_memory(self.device, self.config.gpu_memory_utilization, num_tokens,
+                                 lambda: self._dummy_forward(num_tokens), measure_graphs)
+        logger.info(profile.describe())
+        self.memory_profile = profile
+        return num_blocks_for_budget(profile.kv_cache_bytes, per_block)
+
+    def _measure_graph_memory(self) -> int:
+        """Capture the decode graphs on a one-block temporary cache (capture runs padding rows only,
+        which read and write the padding block); return the bytes the graphs took."""
+        caches = self._new_kv_caches(1)
+        self._bind_kv_caches(caches)
+        graphs = self._new_decode_graphs(padding_block=0)
+        used = graphs.capture()
+        self.model.bind_kv_caches([])
+        del graphs, caches
+        return used
+
+    def _new_decode_graphs(self, padding_block: int) -> DecodeGraphRunner:
+        return DecodeGraphRunner(self.model, capture_sizes(self.config.max_num_seqs), self.max_blocks_per_seq,
+                                 self.block_size, padding_block, self.max_model_len, self.device,
+                                 use_graphs=self.graph_mode == "graphs", num_groups=len(self.kv_cache_groups))
 
     def _dummy_forward(self, num_tokens: int) -> None:
         """One prefill of ``num_tokens`` tokens through a temporary KV cache (memory profiling)."""
@@ -264,9 +284,17 @@ class ModelRunner:
         Call before the first step."""
         self._layout_kv_cache()
         num_blocks = self.determine_num_blocks()
-        self.kv_caches = self._new_kv_caches(num_blocks)
+        padded = self.graph_mode != "off"  # one extra block, past the scheduler's pool, for padding rows
+        self.kv_caches = self._new_kv_caches(num_blocks + int(padded))
         self._bind_kv_caches(self.kv_caches)
         self.kv_spec = self._new_kv_spec(num_blocks)
+        if padded:
+            self.decode_graphs = self._new_decode_graphs(padding_block=num_blocks)
+            try:
+                self.decode_graphs.capture()
+            except RuntimeError as e:  # a model or backend op that cannot be captured: stay eager
+                logger.warning("CUDA graph capture failed (%s); decode runs eagerly", e)
+                self.decode_graphs = None
         logger.info("weights: %s; %s", format_bytes(self.weight_bytes()), self.kv_spec.describe())
         return self.kv_spec
 
@@ -378,12 +406,20 @@ class ModelRunner:
             return ModelRunnerOutput()
         b = self._order_batch(so)
         input_ids, positions, metas, cu = self._prepare_inputs(b)
-        with set_forward_context(metas):
-            hidden = self.model(input_ids, positions)  # (T, hidden)
+        hidden = self._forward(input_ids, positions, metas)  # (T, hidden)
         out = ModelRunnerOutput()
         self._compute_prompt_logprobs(b, hidden, cu, out)
         self._sample(b, hidden, cu, out)
         return out
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 metas: list[AttentionMetadata]) -> torch.Tensor:
+        """The model's hidden states (metadata per KV-cache group): decode-only batches through
+        the (padded, captured) decode graphs."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(metas[0]):
+            return self.decode_graphs.run(input_ids, positions, metas)
+        with set_forward_context(metas):
+            return self.model(input_ids, positions)
 
     def _sample(self, b: _StepBatch, hidden: torch.Tensor, cu: np.ndarray, out: ModelRunnerOutput) -> None:
         from pagedllm.worker.sampling_metadata import SamplingMetadata
