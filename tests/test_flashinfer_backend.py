@@ -32,5 +32,5 @@ def test_flashinfer_mixed_batch_matches_reference(window, softcap):
     query, key, value, cache, meta, expected, scale = build(
         MIXED, num_kv_heads=2, group=4, head_dim=128, dtype=torch.bfloat16, window=window, softcap=softcap)
     out = FlashInferPagedAttention().forward(query, key, value, cache, meta, scale, sliding_window=window,
-                                             logits_soft_cap=softcap)
+                                             logit_soft_cap=softcap)
     check(out, expected, torch.bfloat16)

@@ -117,9 +117,21 @@ def test_unified_mixed_batch(dtype, block_size, group, head_dim):
     check(run_unified(case), case[5], dtype)
 
 
+def stale_out_of_window_blocks(case, reqs, block_size, window):
+    """Block-table entries wholly before every query's window may be stale (a sliding-window
+    KV group frees them): point them at an unused block full of NaN, which must never be read."""
+    cache, meta = case[3], case[4]
+    unused = sorted(set(range(cache.shape[1])) - set(meta.block_tables.flatten().tolist()))[0]
+    cache[:, unused] = float("nan")
+    for b, (c, _) in enumerate(reqs):
+        meta.block_tables[b, :max(0, c - window + 1) // block_size] = unused
+
+
 @pytest.mark.parametrize("window,softcap", [(8, None), (None, 5.0), (20, 30.0)])
 def test_unified_sliding_window_and_soft_cap(window, softcap):
-    case = build(MIXED, window=window, softcap=softcap, seed=1)
+    case = build(MIXED, window=window, softcap=softcap, block_size=4, seed=1)  # 4: a key tile spans blocks
+    if window is not None:
+        stale_out_of_window_blocks(case, MIXED, 4, window)
     check(run_unified(case, window, softcap), case[5], torch.float32)
 
 
@@ -147,9 +159,9 @@ def test_bad_options_raise_value_error():
     with pytest.raises(ValueError, match="sliding_window"):
         unified_attention(query, cache[0], cache[1], query, meta.block_tables, meta.seq_lens,
                           meta.query_start_loc, 2, scale, sliding_window=0)
-    with pytest.raises(ValueError, match="logits_soft_cap"):
+    with pytest.raises(ValueError, match="logit_soft_cap"):
         split_kv_decode(query, cache[0], cache[1], query, meta.block_tables, meta.seq_lens,
-                        meta.query_start_loc, 2, scale, logits_soft_cap=-1.0)
+                        meta.query_start_loc, 2, scale, logit_soft_cap=-1.0)
     with pytest.raises(ValueError, match="num_splits"):
         split_kv_decode(query, cache[0], cache[1], query, meta.block_tables, meta.seq_lens,
                         meta.query_start_loc, 0, scale)
@@ -160,7 +172,9 @@ def test_bad_options_raise_value_error():
 @pytest.mark.parametrize("num_splits,window,softcap", [(1, None, None), (4, None, None), (8, 24, 10.0)])
 def test_split_kv_decode(num_splits, window, softcap):
     """Splits past a short context are empty (request 0 has one key): they must weigh nothing."""
-    case = build(DECODES, num_kv_heads=2, group=4, window=window, softcap=softcap, seed=4)
+    case = build(DECODES, num_kv_heads=2, group=4, window=window, softcap=softcap, block_size=4, seed=4)
+    if window is not None:
+        stale_out_of_window_blocks(case, DECODES, 4, window)
     check(run_split(case, num_splits, window, softcap), case[5], torch.float32)
 
 
@@ -211,7 +225,7 @@ def test_backend_mixed_batch_and_split_kv_choice():
     check(backend.forward(query, key, value, cache, meta, scale), expected, torch.float32)
     query, key, value, cache, meta, expected, scale = build(DECODES, seed=8)
     assert backend.num_splits(meta, cache) > 1  # small decode-only batch, long context: split-KV
-    out = backend.forward(query, key, value, cache, meta, scale, sliding_window=None, logits_soft_cap=None)
+    out = backend.forward(query, key, value, cache, meta, scale, sliding_window=None, logit_soft_cap=None)
     check(out, expected, torch.float32)
     assert TritonPagedAttention(split_kv_min_seq_len=10_000).num_splits(meta, cache) == 1
 

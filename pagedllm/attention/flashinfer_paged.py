@@ -89,12 +89,12 @@ class FlashInferPagedAttention:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, *,
-                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, logit_soft_cap: float | None = None) -> torch.Tensor:
         """Write this step's K/V, then decode and prefill attention through FlashInfer."""
         check_shapes(query, key, kv_cache)
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(query)
-        self._plan(metadata, kv_cache, query.shape[1], query.dtype, scale, sliding_window, logits_soft_cap)
+        self._plan(metadata, kv_cache, query.shape[1], query.dtype, scale, sliding_window, logit_soft_cap)
         caches = (kv_cache[0], kv_cache[1])  # each (num_blocks, block_size, num_kv_heads, head_dim): NHD
         nd = metadata.num_decode_tokens
         if nd:
@@ -106,17 +106,17 @@ class FlashInferPagedAttention:
     __call__ = forward
 
     def _plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor, num_heads: int, q_dtype: torch.dtype,
-              scale: float, sliding_window: int | None, logits_soft_cap: float | None) -> None:
+              scale: float, sliding_window: int | None, logit_soft_cap: float | None) -> None:
         """Plan both wrappers once per forward pass (and layer options), as FlashInfer requires before ``run``."""
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        options = (num_heads, q_dtype, kv_cache.dtype, scale, sliding_window, logits_soft_cap, block_size)
+        options = (num_heads, q_dtype, kv_cache.dtype, scale, sliding_window, logit_soft_cap, block_size)
         owner = current_context(metadata)
         if owner is not None and self._planned_owner is owner and self._planned_options == options:
             return
         self._ensure_wrappers(kv_cache.device)
         nd, nreq = metadata.num_decodes, metadata.num_reqs
         common = dict(window_left=-1 if sliding_window is None else sliding_window - 1,
-                      logits_soft_cap=logits_soft_cap, sm_scale=scale, q_data_type=q_dtype,
+                      logits_soft_cap=logit_soft_cap, sm_scale=scale, q_data_type=q_dtype,
                       kv_data_type=kv_cache.dtype)
         if nd:
             csr = block_tables_to_csr(metadata.block_tables[:nd], metadata.seq_lens_cpu[:nd], block_size)

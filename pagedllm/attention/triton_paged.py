@@ -47,11 +47,11 @@ class TritonPagedAttention:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, *,
-                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, logit_soft_cap: float | None = None) -> torch.Tensor:
         """Write this step's K/V and return causal attention per request.
 
         ``sliding_window``: a query at position i sees keys j with i - j < sliding_window
-        (None = all); ``logits_soft_cap``: scores become cap × tanh(scores / cap) (None = off).
+        (None = all); ``logit_soft_cap``: scores become cap × tanh(scores / cap) (None = off).
         """
         check_shapes(query, key, kv_cache)
         write_kv_cache_triton(key, value, kv_cache, metadata.slot_mapping)
@@ -64,11 +64,11 @@ class TritonPagedAttention:
         num_splits = self.num_splits(metadata, kv_cache)
         if num_splits > 1:
             split_kv_decode(query, key_cache, value_cache, out, metadata.block_tables, metadata.seq_lens,
-                            metadata.query_start_loc, num_splits, scale, sliding_window, logits_soft_cap)
+                            metadata.query_start_loc, num_splits, scale, sliding_window, logit_soft_cap)
         else:
             unified_attention(query, key_cache, value_cache, out, metadata.block_tables, metadata.seq_lens,
                               metadata.query_start_loc, metadata.max_query_len, scale, sliding_window,
-                              logits_soft_cap)
+                              logit_soft_cap)
         return out
 
     __call__ = forward

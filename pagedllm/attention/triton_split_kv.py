@@ -60,17 +60,18 @@ def _split_kv_partial_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
 
-    first_tile = 0
-    if USE_WINDOW:
-        first_tile = tl.maximum(seq_len - window, 0) // TILE_N
+    first_key = 0
+    if USE_WINDOW:  # the query (position seq_len - 1) sees keys from seq_len - window on
+        first_key = tl.maximum(seq_len - window, 0)
+    first_tile = first_key // TILE_N
     end_tile = tl.cdiv(seq_len, TILE_N)
     tiles_per_split = tl.cdiv(end_tile - first_tile, NUM_SPLITS)
     lo = first_tile + split * tiles_per_split
     hi = tl.minimum(lo + tiles_per_split, end_tile)
     for j in range(lo, hi):
         m_i, l_i, acc = attend_key_tile(
-            q, q_pos, row_mask, m_i, l_i, acc, j, seq, seq_len, kv_head, k_cache_ptr, v_cache_ptr,
-            block_tables_ptr, stride_bt, stride_cb, stride_cs, stride_ch, scale, softcap, window,
+            q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_len, kv_head, k_cache_ptr,
+            v_cache_ptr, block_tables_ptr, stride_bt, stride_cb, stride_cs, stride_ch, scale, softcap, window,
             HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION)
 
     # partials laid out (seq, head, split[, d]), float32
@@ -118,7 +119,7 @@ def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, blo
 def split_kv_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, num_splits: int, scale: float,
-                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+                    sliding_window: int | None = None, logit_soft_cap: float | None = None) -> None:
     """Decode attention (one query token per request) with the keys split ``num_splits`` ways.
 
     Args:
@@ -130,7 +131,7 @@ def split_kv_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         query_start_loc: (B + 1,) int32 (only the first B entries are read).
         num_splits: key ranges per request (>= 1); partials take
             B × num_heads × num_splits × (head_dim + 2) float32 of scratch.
-        scale, sliding_window, logits_soft_cap: as in
+        scale, sliding_window, logit_soft_cap: as in
             :func:`~pagedllm.attention.triton_unified.unified_attention`.
     Raises:
         ValueError: for a bad head grouping, ``num_splits < 1`` or a non-positive option.
@@ -141,7 +142,7 @@ def split_kv_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    _check_options(sliding_window, logits_soft_cap)
+    _check_options(sliding_window, logit_soft_cap)
     num_decodes = seq_lens.shape[0]
     if num_decodes == 0:
         return
@@ -152,12 +153,12 @@ def split_kv_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     block_d = triton.next_power_of_2(head_dim)
     _split_kv_partial_kernel[(num_decodes, num_kv_heads, num_splits)](
         query, key_cache, value_cache, part_acc, part_m, part_l, block_tables, seq_lens, query_start_loc,
-        scale, float(logits_soft_cap or 0.0), int(sliding_window or 0),
+        scale, float(logit_soft_cap or 0.0), int(sliding_window or 0),
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=key_tile(block_size),
-        USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=logit_soft_cap is not None, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=dot_precision(query.dtype), UPCAST=upcast_for_interpreter(query.dtype),
     )
     _split_kv_reduce_kernel[(num_decodes, num_heads)](

@@ -26,7 +26,7 @@ KV cache (Kwon et al., SOSP 2023), in the layout of vLLM's unified Triton attent
   ``query_start_loc`` and exits when its tile is past the request's last token.
 
 Options a model family needs: ``sliding_window`` (a query at position i sees keys j with
-``i - j < sliding_window``, Mistral/Gemma) and ``logits_soft_cap`` (scores become
+``i - j < sliding_window``, Mistral/Gemma) and ``logit_soft_cap`` (scores become
 ``cap × tanh(scores / cap)`` after scaling, Gemma 2).
 """
 
@@ -62,8 +62,8 @@ def soft_cap(scores, cap):
 
 
 @triton.jit
-def attend_key_tile(q, q_pos, row_mask, m_i, l_i, acc, j, seq, seq_len, kv_head, k_cache_ptr, v_cache_ptr,
-                    block_tables_ptr, stride_bt, stride_cb, stride_cs, stride_ch, scale, softcap, window,
+def attend_key_tile(q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_len, kv_head, k_cache_ptr,
+                    v_cache_ptr, block_tables_ptr, stride_bt, stride_cb, stride_cs, stride_ch, scale, softcap, window,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
@@ -71,17 +71,18 @@ def attend_key_tile(q, q_pos, row_mask, m_i, l_i, acc, j, seq, seq_len, kv_head,
 
     q: (BLOCK_M, BLOCK_D) rows at positions q_pos (BLOCK_M,); m_i, l_i (BLOCK_M,) and
     acc (BLOCK_M, BLOCK_D) float32 are the running max, normalizer and unnormalized output.
-    Returns the updated (m_i, l_i, acc).
+    Keys before ``first_key`` (outside every row's window) are not read: their block-table
+    entries may be stale. Returns the updated (m_i, l_i, acc).
     """
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     key_pos = j * TILE_N + tl.arange(0, TILE_N)  # (TILE_N,) positions of this tile's keys
-    key_mask = key_pos < seq_len
+    key_mask = (key_pos < seq_len) & (key_pos >= first_key)
     # each key's physical block (a tile may span several blocks, or part of one)
     blocks = tl.load(block_tables_ptr + seq * stride_bt + key_pos // BLOCK_SIZE, mask=key_mask,
                      other=0).to(tl.int64)
     kv_offs = blocks * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-    # keys past seq_len are masked on load: their slots may hold anything (0 x NaN is NaN)
+    # keys past seq_len are masked on load too: their slots may hold anything (0 x NaN is NaN)
     k = tl.load(k_cache_ptr + kv_offs[None, :] + d[:, None],
                 mask=key_mask[None, :] & d_mask[:, None], other=0.0).to(q.dtype)  # (BLOCK_D, TILE_N)
     v = tl.load(v_cache_ptr + kv_offs[:, None] + d[None, :],
@@ -147,8 +148,8 @@ def _unified_attention_kernel(
         start_key = tl.maximum(context_len + tile_in_seq * BLOCK_Q - window + 1, 0)
     for j in range(start_key // TILE_N, tl.cdiv(last_pos + 1, TILE_N)):
         m_i, l_i, acc = attend_key_tile(
-            q, q_pos, row_mask, m_i, l_i, acc, j, seq, seq_len, kv_head, k_cache_ptr, v_cache_ptr,
-            block_tables_ptr, stride_bt, stride_cb, stride_cs, stride_ch, scale, softcap, window,
+            q, q_pos, row_mask, m_i, l_i, acc, j, start_key, seq, seq_len, kv_head, k_cache_ptr,
+            v_cache_ptr, block_tables_ptr, stride_bt, stride_cb, stride_cs, stride_ch, scale, softcap, window,
             HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -189,7 +190,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                      sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+                      sliding_window: int | None = None, logit_soft_cap: float | None = None) -> None:
     """Causal paged attention of a flat ragged batch into ``out`` (one kernel launch).
 
     Args:
@@ -201,16 +202,16 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         query_start_loc: (B + 1,) int32, request b's query rows are qsl[b]:qsl[b+1].
         max_query_len: the longest query in the batch (host int; picks the tile shape).
         scale: softmax scale; sliding_window: keys a query sees, itself included (None = all);
-        logits_soft_cap: Gemma 2's score cap (None = off).
+        logit_soft_cap: Gemma 2's score cap (None = off).
     Raises:
         ValueError: when ``num_heads`` is not a multiple of ``num_kv_heads`` or
-            ``sliding_window`` / ``logits_soft_cap`` is not positive.
+            ``sliding_window`` / ``logit_soft_cap`` is not positive.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    _check_options(sliding_window, logits_soft_cap)
+    _check_options(sliding_window, logit_soft_cap)
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return
@@ -219,19 +220,19 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _unified_attention_kernel[grid](
         query, key_cache, value_cache, out, block_tables, seq_lens, query_start_loc,
-        scale, float(logits_soft_cap or 0.0), int(sliding_window or 0), num_reqs,
+        scale, float(logit_soft_cap or 0.0), int(sliding_window or 0), num_reqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=key_tile(block_size), USE_SOFTCAP=logits_soft_cap is not None,
+        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=key_tile(block_size), USE_SOFTCAP=logit_soft_cap is not None,
         USE_WINDOW=sliding_window is not None, DOT_PRECISION=dot_precision(query.dtype),
         UPCAST=upcast_for_interpreter(query.dtype),
     )
 
 
-def _check_options(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+def _check_options(sliding_window: int | None, logit_soft_cap: float | None) -> None:
     """ValueError naming the option when it is given but not positive."""
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
-    if logits_soft_cap is not None and not logits_soft_cap > 0:
-        raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
+    if logit_soft_cap is not None and not logit_soft_cap > 0:
+        raise ValueError(f"logit_soft_cap must be positive, got {logit_soft_cap}")
