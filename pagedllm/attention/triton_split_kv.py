@@ -150,7 +150,7 @@ def split_kv_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     part_acc = torch.empty(num_decodes, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     part_m = torch.empty(num_decodes, num_heads, num_splits, dtype=torch.float32, device=query.device)
     part_l = torch.empty_like(part_m)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     _split_kv_partial_kernel[(num_decodes, num_kv_heads, num_splits)](
         query, key_cache, value_cache, part_acc, part_m, part_l, block_tables, seq_lens, query_start_loc,
         scale, float(logit_soft_cap or 0.0), int(sliding_window or 0),

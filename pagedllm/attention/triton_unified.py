@@ -223,7 +223,7 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         scale, float(logit_soft_cap or 0.0), int(sliding_window or 0), num_reqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=key_tile(block_size), USE_SOFTCAP=logit_soft_cap is not None,
         USE_WINDOW=sliding_window is not None, DOT_PRECISION=dot_precision(query.dtype),
         UPCAST=upcast_for_interpreter(query.dtype),
