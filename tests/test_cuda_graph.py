@@ -105,3 +105,26 @@ def test_engine_greedy_with_padded_decode_equals_eager(tiny_model_dir, prompts, 
             for tok in lp:
                 assert abs(lp[tok].logprob - ref_lp[tok].logprob) < 1e-4
     assert llm.llm_engine.get_stats().num_used_blocks == 0
+
+
+def test_padded_decode_with_two_kv_cache_groups(monkeypatch):
+    """Sliding-window and full-attention layers (two KV-cache groups, two block tables):
+    padding fills both groups' buffers; greedy tokens equal the unpadded run's."""
+    from tests.test_hybrid_kv import _generate, _prompts, qwen2_reference
+
+    reference = qwen2_reference.__wrapped__()
+    prompts = _prompts()[:3]  # decode batches of 3, padded to 4
+    unpadded, _, _ = _generate(reference, prompts, 8, hybrid=True, kv_cache_memory=98304)
+    monkeypatch.setattr("pagedllm.worker.model_runner.cuda_graph_mode", lambda *args: "pad")
+    sizes = []
+    run = DecodeGraphRunner.run
+
+    def spy(self, input_ids, positions, metas):
+        assert len(metas) == 2 and self.block_tables.shape[0] == 2
+        sizes.append((metas[0].num_reqs, self.padded_size(metas[0].num_reqs)))
+        return run(self, input_ids, positions, metas)
+
+    monkeypatch.setattr(DecodeGraphRunner, "run", spy)
+    padded, _, _ = _generate(reference, prompts, 8, hybrid=True, kv_cache_memory=98304)
+    assert (3, 4) in sizes
+    assert padded == unpadded
