@@ -129,14 +129,14 @@ def stale_out_of_window_blocks(case, reqs, block_size, window):
 
 @pytest.mark.parametrize("window,softcap", [(8, None), (None, 5.0), (20, 30.0)])
 def test_unified_sliding_window_and_soft_cap(window, softcap):
-    case = build(MIXED, window=window, softcap=softcap, block_size=4, seed=1)  # 4: a key tile spans blocks
+    case = build(MIXED, window=window, softcap=softcap, block_size=4, seed=1)  # 4: a key tile spans 8 blocks
     if window is not None:
         stale_out_of_window_blocks(case, MIXED, 4, window)
     check(run_unified(case, window, softcap), case[5], torch.float32)
 
 
 def test_unified_decode_only_and_small_block():
-    """Decode-only batches take one-token tiles; block size 4 (< the 16-key tile) still works."""
+    """Decode-only batches take one-token tiles; block size 4 (< the 32-key tile) still works."""
     case = build(DECODES, block_size=4, seed=2)
     assert tile_shape(3, 1) == (16, 5) and tile_shape(3, 21) == (64, 21)
     check(run_unified(case), case[5], torch.float32)
@@ -186,7 +186,7 @@ def test_split_kv_decode_bf16_block32():
 def test_choose_num_splits():
     assert choose_num_splits(1, 8, 8192, 16) == 32  # one request: as many splits as allowed
     assert choose_num_splits(16, 8, 8192, 16) == 2
-    assert choose_num_splits(1, 8, 20, 16) == 2  # never more splits than key tiles (rounded up)
+    assert choose_num_splits(1, 8, 40, 16) == 2  # never more splits than key tiles (rounded up)
     assert choose_num_splits(64, 8, 8192, 16) == 1
 
 

@@ -7,9 +7,10 @@ are ``paged_kv_indices[paged_kv_indptr[b]:paged_kv_indptr[b+1]]`` and its last p
 ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` is FlashInfer's ``"NHD"`` layout with
 K and V as two tensors, so no copy is needed; a block is a FlashInfer page.
 
-Per forward pass the backend converts the step's block tables to CSR once (on the host
-lists the metadata carries, one gather on the device) and calls ``plan`` of two documented
-wrappers, shared by every layer:
+Per forward pass (and KV-cache group, and layer options such as a sliding window) the
+backend converts the step's block tables to CSR once (on the host lists the metadata
+carries, one gather on the device) and calls ``plan`` of two documented wrappers, shared by
+the layers with the same group and options:
 
 - ``BatchDecodeWithPagedKVCacheWrapper`` for the leading decode requests,
 - ``BatchPrefillWithPagedKVCacheWrapper`` (``causal=True``) for prefills and chunked
@@ -29,7 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.attention.backend import AttentionMetadata, ForwardContext, check_shapes, current_context, write_kv_cache
+from pagedllm.attention.backend import (AttentionMetadata, ForwardContext, check_shapes, get_forward_context,
+                                        write_kv_cache)
 
 _WORKSPACE_BYTES = 256 * 1024**2
 
@@ -83,9 +85,9 @@ class FlashInferPagedAttention:
         self._flashinfer = flashinfer
         self._workspace_bytes = workspace_bytes
         self._workspace: torch.Tensor | None = None
-        self._decode = self._prefill = None
-        self._planned_owner: ForwardContext | None = None  # the forward pass the wrappers are planned for
-        self._planned_options: tuple = ()
+        self._wrappers: list[tuple] = []  # (decode, prefill) pairs, reused from pass to pass
+        self._pass: ForwardContext | None = None  # the forward pass the plans below belong to
+        self._plans: dict[tuple, int] = {}  # (id(metadata), layer options) -> index into _wrappers
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, *,
@@ -94,45 +96,66 @@ class FlashInferPagedAttention:
         check_shapes(query, key, kv_cache)
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(query)
-        self._plan(metadata, kv_cache, query.shape[1], query.dtype, scale, sliding_window, logit_soft_cap)
+        decode, prefill = self._planned(metadata, kv_cache, query.shape[1], query.dtype, scale, sliding_window,
+                                        logit_soft_cap)
         caches = (kv_cache[0], kv_cache[1])  # each (num_blocks, block_size, num_kv_heads, head_dim): NHD
         nd = metadata.num_decode_tokens
         if nd:
-            out[:nd] = self._decode.run(query[:nd], caches)
+            out[:nd] = decode.run(query[:nd], caches)
         if nd < query.shape[0]:
-            out[nd:] = self._prefill.run(query[nd:], caches)
+            out[nd:] = prefill.run(query[nd:], caches)
         return out
 
     __call__ = forward
 
-    def _plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor, num_heads: int, q_dtype: torch.dtype,
-              scale: float, sliding_window: int | None, logit_soft_cap: float | None) -> None:
-        """Plan both wrappers once per forward pass (and layer options), as FlashInfer requires before ``run``."""
+    def _planned(self, metadata: AttentionMetadata, kv_cache: torch.Tensor, num_heads: int, q_dtype: torch.dtype,
+                 scale: float, sliding_window: int | None, logit_soft_cap: float | None) -> tuple:
+        """A (decode, prefill) wrapper pair planned for this metadata (a KV-cache group's) and
+        these layer options: planned once per forward pass, as FlashInfer requires before ``run``."""
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        options = (num_heads, q_dtype, kv_cache.dtype, scale, sliding_window, logit_soft_cap, block_size)
-        owner = current_context(metadata)
-        if owner is not None and self._planned_owner is owner and self._planned_options == options:
-            return
-        self._ensure_wrappers(kv_cache.device)
+        owner = _pass_of(metadata)
+        if owner is None or owner is not self._pass:
+            self._pass, self._plans = owner, {}
+        key = (id(metadata), num_heads, q_dtype, kv_cache.dtype, scale, sliding_window, logit_soft_cap, block_size)
+        if owner is not None and key in self._plans:
+            return self._wrappers[self._plans[key]]
+        index = len(self._plans)
+        decode, prefill = self._wrapper_pair(index, kv_cache.device)
         nd, nreq = metadata.num_decodes, metadata.num_reqs
         common = dict(window_left=-1 if sliding_window is None else sliding_window - 1,
                       logits_soft_cap=logit_soft_cap, sm_scale=scale, q_data_type=q_dtype,
                       kv_data_type=kv_cache.dtype)
         if nd:
             csr = block_tables_to_csr(metadata.block_tables[:nd], metadata.seq_lens_cpu[:nd], block_size)
-            self._decode.plan(csr.indptr, csr.indices, csr.last_page_len, num_heads, num_kv_heads, head_dim,
-                              block_size, **common)
+            decode.plan(csr.indptr, csr.indices, csr.last_page_len, num_heads, num_kv_heads, head_dim,
+                        block_size, **common)
         if nd < nreq:
             csr = block_tables_to_csr(metadata.block_tables[nd:], metadata.seq_lens_cpu[nd:], block_size)
             qsl = metadata.query_start_loc_cpu[nd:]
             qo_indptr = torch.tensor([q - qsl[0] for q in qsl], dtype=torch.int32)
-            self._prefill.plan(qo_indptr, csr.indptr, csr.indices, csr.last_page_len, num_heads, num_kv_heads,
-                               head_dim, block_size, causal=True, **common)
-        self._planned_owner, self._planned_options = owner, options
+            prefill.plan(qo_indptr, csr.indptr, csr.indices, csr.last_page_len, num_heads, num_kv_heads,
+                         head_dim, block_size, causal=True, **common)
+        if owner is not None:
+            self._plans[key] = index
+        return decode, prefill
 
-    def _ensure_wrappers(self, device: torch.device) -> None:
+    def _wrapper_pair(self, index: int, device: torch.device) -> tuple:
+        """The index-th (decode, prefill) wrapper pair (created on first use; all share one workspace)."""
         if self._workspace is None or self._workspace.device != device:
             self._workspace = torch.zeros(self._workspace_bytes, dtype=torch.uint8, device=device)
-            self._decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD",
-                                                                                use_tensor_cores=True)
-            self._prefill = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+            self._wrappers = []
+        while len(self._wrappers) <= index:
+            fi = self._flashinfer
+            self._wrappers.append((fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD", use_tensor_cores=True),
+                                   fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")))
+        return self._wrappers[index]
+
+
+def _pass_of(metadata: AttentionMetadata) -> ForwardContext | None:
+    """The active forward context if ``metadata`` is one of its KV-cache groups' metadata, else None."""
+    try:
+        ctx = get_forward_context()
+    except RuntimeError:
+        return None
+    groups = getattr(ctx, "group_metadata", ()) or (ctx.attn_metadata,)
+    return ctx if any(m is metadata for m in groups) else None

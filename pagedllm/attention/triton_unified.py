@@ -171,9 +171,9 @@ def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
 
 
 def key_tile(block_size: int) -> int:
-    """Keys per inner-loop step: 32 (16 at least for ``tl.dot``), independent of the block size —
+    """Keys per inner-loop step: 32 whatever the block size (vLLM's unified kernel uses the same) —
     a tile may cover several small blocks or part of a large one; each key finds its block."""
-    return 32 if block_size >= 32 else 16
+    return 32
 
 
 def upcast_for_interpreter(dtype: torch.dtype) -> bool:
