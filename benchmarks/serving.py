@@ -105,7 +105,27 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, promp
     return res
 
 
-async def run_load(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> tuple[list[RequestResult], float]:
+async def probe_health(client: httpx.AsyncClient, interval_s: float, stop: asyncio.Event, latencies: list[float]) -> None:
+    """GET /health every ``interval_s`` until ``stop``; append each response time (s), failures as inf.
+
+    The server's event loop answers /health without the engine: its latency under load is
+    how long the HTTP loop is kept from running (engine work holding the GIL, or blocking calls).
+    """
+    while not stop.is_set():
+        t = time.perf_counter()
+        try:
+            r = await client.get("/health")
+            latencies.append(time.perf_counter() - t if r.status_code == 200 else math.inf)
+        except httpx.HTTPError:
+            latencies.append(math.inf)
+        try:
+            await asyncio.wait_for(stop.wait(), interval_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run_load(args: argparse.Namespace, work: list[tuple[list[int], int]],
+                   health_latencies: list[float] | None = None) -> tuple[list[RequestResult], float]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, limits=limits,
@@ -122,6 +142,10 @@ async def run_load(args: argparse.Namespace, work: list[tuple[list[int], int]]) 
             async with sem:
                 return await one_request(client, args, prompt, n_out)
 
+        stop = asyncio.Event()
+        prober = None
+        if health_latencies is not None:
+            prober = asyncio.create_task(probe_health(client, args.health_interval, stop, health_latencies))
         start = time.perf_counter()
         tasks = []
         for prompt, n_out in work:
@@ -129,7 +153,11 @@ async def run_load(args: argparse.Namespace, work: list[tuple[list[int], int]]) 
             if math.isfinite(args.request_rate):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - start
+        duration = time.perf_counter() - start
+        stop.set()
+        if prober is not None:
+            await prober
+        return list(results), duration
 
 
 def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float]:
@@ -225,11 +253,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--no-extras", action="store_true", help="omit vLLM extra fields (ignore_eos)")
+    p.add_argument("--health-interval", type=float, default=0.1,
+                   help="seconds between GET /health probes during the load (0 = no probes)")
     p.add_argument("--label", default="pagedllm", help="system name recorded in the JSON")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving_<label>_<time>.json)")
     args = p.parse_args(argv)
 
     proc = None
+    health: list[float] | None = [] if args.health_interval > 0 and not args.offline else None
     work = make_workload(args)
     if args.launch and not args.offline:
         proc, args.base_url = launch_server(args, engine_flags)
@@ -237,14 +268,18 @@ def main(argv: list[str] | None = None) -> dict:
         if args.offline:
             results, duration = run_offline(args, work, engine_flags)
         else:
-            results, duration = asyncio.run(run_load(args, work))
+            results, duration = asyncio.run(run_load(args, work, health))
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
     summary = summarize(results, duration)
+    if health is not None:
+        summary["health_ms"] = {**percentiles(health), "max": 1000.0 * max(health, default=0.0),
+                                "num_probes": len(health)}
     record = {"benchmark": "serving", "label": args.label, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "args": {k: v for k, v in vars(args).items() if k != "api_key"}, "engine_flags": engine_flags,
+              "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()],
               **summary}
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = Path(args.out) if args.out else RESULTS / f"serving_{args.label}_{time.strftime('%Y%m%d_%H%M%S')}.json"
@@ -254,7 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"serving {args.label}: {summary['num_success']}/{summary['num_requests']} ok in {duration:.1f}s, "
           f"{summary['request_throughput']:.2f} req/s, {summary['output_throughput_tok_s']:.1f} out tok/s, "
-          f"TTFT p50/p90/p99 {pct(summary['ttft_ms'])} ms, ITL p50/p90/p99 {pct(summary['itl_ms'])} ms -> {out}")
+          f"TTFT p50/p90/p99 {pct(summary['ttft_ms'])} ms, ITL p50/p90/p99 {pct(summary['itl_ms'])} ms"
+          + (f", /health p50/p90/p99 {pct(summary['health_ms'])} ms" if "health_ms" in summary else "") + f" -> {out}")
     return record
 
 

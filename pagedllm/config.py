@@ -14,6 +14,12 @@ import re
 from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# `serve` on CPU: prompt tokens a step may carry while requests decode. On CPU a step's time
+# grows with its tokens, so a prompt token costs a decode stream about what a decode token
+# does; 64 keeps a mixed step within ~3x a decode step from 1 to 48 streams
+# (benchmarks/results/step_cost.json). Offline (LLM.generate) nobody waits between tokens:
+# no cap, like vLLM's larger offline budget (its defaults differ by usage context too).
+SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING = 64
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
           "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
@@ -69,6 +75,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = _f(True, "split long prompts across steps under the token budget")
     max_num_seqs: int = _f(128, "most sequences running at once")
     max_num_batched_tokens: int | None = _f(None, "token budget per step (default 2048 with chunked prefill, else max_model_len)")
+    max_prefill_tokens_while_decoding: int | None = _f(
+        None, "while requests are decoding, at most this many prompt tokens per step (chunked prefill): bounds "
+              "inter-token latency; default: off offline, 64 for `serve` on CPU (see benchmarks/step_cost.py)")
     scheduling_policy: str = _f("fcfs", "fcfs or priority")
     batching: str = _f("continuous", "continuous, or static (admit a batch, wait for all of it; benchmarks only)")
     max_logprobs: int = _f(20, "largest logprobs / prompt_logprobs a request may ask for")
@@ -92,6 +101,7 @@ class EngineConfig:
         self._positive("num_kv_blocks", allow_none=True)
         self._positive("max_num_seqs")
         self._positive("max_num_batched_tokens", allow_none=True)
+        self._positive("max_prefill_tokens_while_decoding", allow_none=True)
         self._positive("max_waiting_requests", allow_none=True)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
@@ -126,6 +136,13 @@ class EngineConfig:
             return 2048
         assert self.max_model_len is not None, "max_model_len must be resolved first"
         return max(self.max_model_len, 2048)
+
+    def with_serving_defaults(self, device_type: str) -> "EngineConfig":
+        """The config a server runs with on ``device_type`` ("cpu", "cuda"): on CPU an unset
+        ``max_prefill_tokens_while_decoding`` becomes SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING."""
+        if self.max_prefill_tokens_while_decoding is None and device_type == "cpu":
+            return self.replace(max_prefill_tokens_while_decoding=SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING)
+        return self
 
     def replace(self, **changes) -> "EngineConfig":
         """A copy with ``changes`` applied (validated again)."""

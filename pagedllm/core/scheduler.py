@@ -15,6 +15,11 @@ Policies (documented choices):
   unfinished prefill chunks, so a long prompt being chunked never starves the decodes
   already running — then waiting requests in FCFS order (or ``(priority,
   arrival_time)`` order under ``scheduling_policy="priority"``; lower value first).
+* **Prompt tokens while decoding.** With ``max_prefill_tokens_while_decoding`` set and
+  chunked prefill on, a step in which some running request decodes carries at most that
+  many prompt tokens (chunks of running prefills first, then admissions), so one long
+  prompt cannot stretch every stream's inter-token gap; a step with no decode uses the
+  whole token budget.
 * **Head-of-line blocking (case C12): strict order, no bypass** (vLLM's policy). The
   waiting loop stops at the first request that cannot be admitted — not enough free
   blocks, or (chunked prefill off) a prompt larger than what is left of the token
@@ -73,6 +78,7 @@ class Scheduler:
     Args:
         config: the engine configuration; reads ``block_size``, ``enable_prefix_caching``,
             ``enable_chunked_prefill``, ``max_num_seqs``, ``token_budget``,
+            ``max_prefill_tokens_while_decoding``,
             ``max_model_len`` (must be resolved), ``scheduling_policy`` and ``batching``.
         num_kv_blocks: physical KV blocks available.
         record_trace: keep ``step_trace``, one ``{request_id: num_tokens}`` dict per
@@ -94,6 +100,7 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.max_num_seqs = config.max_num_seqs
         self.token_budget = config.token_budget
+        self.max_prefill_tokens_while_decoding = config.max_prefill_tokens_while_decoding
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.is_priority = config.scheduling_policy == "priority"
         self.is_static = config.batching == "static"
@@ -165,6 +172,9 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, tuple[list[int], ...]] = {}  # per KV-cache group
         preempted: list[Request] = []
+        # Prefill tokens this step may still take: capped while requests decode (inter-token latency).
+        prefill_left = self._prefill_cap()
+        prefill_ids: set[str] = set()  # requests scheduled this step that count against prefill_left
 
         # Phase 1: running requests. Decodes first, then unfinished prefill chunks.
         order = sorted(self.running, key=lambda r: len(r.all_token_ids) - r.num_computed_tokens > 1)
@@ -174,10 +184,12 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = len(req.all_token_ids) - req.num_computed_tokens
-            if num_new > budget:
+            is_prefill = num_new > 1
+            limit = min(budget, prefill_left) if is_prefill else budget
+            if num_new > limit:
                 if not self.enable_chunked_prefill:
                     continue
-                num_new = budget
+                num_new = limit
             if num_new <= 0:
                 continue
             while True:
@@ -186,7 +198,11 @@ class Scheduler:
                     break
                 victim = self._pick_victim()
                 if victim.request_id in num_scheduled:  # scheduled earlier this step: undo
-                    budget += num_scheduled.pop(victim.request_id)
+                    undone = num_scheduled.pop(victim.request_id)
+                    budget += undone
+                    if victim.request_id in prefill_ids:
+                        prefill_ids.discard(victim.request_id)
+                        prefill_left += undone
                     new_block_ids.pop(victim.request_id)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -197,11 +213,15 @@ class Scheduler:
             num_scheduled[req.request_id] = num_new
             new_block_ids[req.request_id] = block_ids
             budget -= num_new
+            if is_prefill:
+                prefill_ids.add(req.request_id)
+                prefill_left -= num_new
 
         # Phase 2: waiting requests, in queue order, with their prefix hits.
         can_admit = not preempted and not (self.is_static and self.running)
         i = 0
-        while can_admit and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (can_admit and i < len(self.waiting) and min(budget, prefill_left) > 0
+               and len(self.running) < self.max_num_seqs):
             req = self.waiting[i]
             donor = None
             if req.parent_id is not None and not self.is_static:
@@ -215,10 +235,10 @@ class Scheduler:
                 if num_shared > num_computed:
                     computed_ids, num_computed = shared_ids, num_shared
             num_new = req.num_tokens - num_computed
-            if num_new > budget:
+            if num_new > min(budget, prefill_left):
                 if not self.enable_chunked_prefill:
                     break  # admitted whole or waits; nothing passes it
-                num_new = budget
+                num_new = min(budget, prefill_left)
             lookahead = 0
             if self.is_static:  # reserve the worst case now: the batch never grows again
                 worst = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
@@ -237,6 +257,7 @@ class Scheduler:
             self.running.append(req)
             num_scheduled[req.request_id] = num_new
             budget -= num_new
+            prefill_left -= num_new
 
         # Phase 3: the output for the model runner.
         out = SchedulerOutput(num_scheduled_tokens=num_scheduled,
@@ -444,6 +465,23 @@ class Scheduler:
 
     def _priority_key(self, req: Request) -> tuple:
         return (req.priority, req.arrival_time, self._arrival_seq[req.request_id])
+
+    def _prefill_cap(self) -> int:
+        """Prompt tokens this step may carry: ``max_prefill_tokens_while_decoding`` when a running
+        request decodes (one token to compute) and chunked prefill is on, else the whole budget.
+
+        Why: on a compute-bound device (CPU) a step's time grows with its tokens, and every
+        decoding stream waits for the whole step; a 2,048-token chunk stretches their
+        inter-token gap ~10-20x. Capping the prompt tokens that ride along with decodes keeps
+        that gap bounded (``benchmarks/step_cost.py``), while a step with nothing decoding
+        still takes the full budget (fast time to first token when idle).
+        """
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is None or not self.enable_chunked_prefill:
+            return self.token_budget
+        if any(len(r.all_token_ids) - r.num_computed_tokens == 1 for r in self.running):
+            return min(cap, self.token_budget)
+        return self.token_budget
 
     def _pick_victim(self) -> Request:
         """Lowest priority (largest value), latest arrival among running (FCFS: latest)."""

@@ -49,6 +49,45 @@ def test_chunk_sizes_per_step_and_decodes_first():
     assert s.kv_cache_manager.num_used_blocks == 0
 
 
+def test_prompt_tokens_capped_while_requests_decode():
+    s = Scheduler(make_config(max_num_batched_tokens=16, max_prefill_tokens_while_decoding=3), num_kv_blocks=20,
+                  record_trace=True)
+    r = FakeRunner(s)
+    s.add_request(make_request("a", list(range(1, 5)), max_tokens=5))  # 4 tokens
+    s.add_request(make_request("b", list(range(10, 17)), max_tokens=2))  # 7 tokens
+    s.add_request(make_request("c", [5, 6], max_tokens=1))
+    run_to_completion(r)
+    assert s.step_trace == [
+        {"a": 4, "b": 7, "c": 2},  # nothing decodes yet: the whole budget
+        {"a": 1, "b": 1},  # c finished on its first token
+        {"a": 1}, {"a": 1}, {"a": 1},
+    ]
+    s.add_request(make_request("d", list(range(1, 4)), max_tokens=6))
+    s.add_request(make_request("e", list(range(30, 38)), max_tokens=1))  # 8 tokens
+    s.add_request(make_request("f", [7, 8], max_tokens=1))
+    run_to_completion(r)
+    assert s.step_trace[5:] == [
+        {"d": 3, "e": 8, "f": 2},
+        {"d": 1},  # e and f finished
+        {"d": 1}, {"d": 1}, {"d": 1}, {"d": 1},
+    ]
+    s.add_request(make_request("g", list(range(1, 3)), max_tokens=8))
+    r.step()
+    h = make_request("h", list(range(40, 48)), max_tokens=1)  # 8 tokens while g decodes
+    s.add_request(h)
+    s.add_request(make_request("i", [7, 8], max_tokens=1))
+    run_to_completion(r)
+    assert s.step_trace[11:16] == [
+        {"g": 2},
+        {"g": 1, "h": 3},  # g decodes: at most 3 prompt tokens ride along
+        {"g": 1, "h": 3},
+        {"g": 1, "h": 2, "i": 1},  # h's last chunk, then i's first token within the same cap
+        {"g": 1, "i": 1},
+    ]
+    assert h.output_token_ids == reference_output(h.prompt_token_ids, 1, 64)  # chunking changes no token
+    assert s.kv_cache_manager.num_used_blocks == 0
+
+
 def test_chunked_prefill_off_admits_whole_or_waits():
     s = Scheduler(make_config(enable_chunked_prefill=False, max_model_len=16, max_num_batched_tokens=16),
                   num_kv_blocks=12, record_trace=True)
@@ -409,3 +448,16 @@ def test_get_stats_figures():
     run_to_completion(r)
     st = s.get_stats()
     assert st.num_used_blocks == 0 and st.num_cached_blocks == 2 and st.num_free_blocks == 12
+
+
+def test_serving_default_caps_prompt_tokens_on_cpu_only():
+    from pagedllm.config import SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING
+
+    config = make_config()
+    assert config.max_prefill_tokens_while_decoding is None  # offline: no cap
+    assert (config.with_serving_defaults("cpu").max_prefill_tokens_while_decoding
+            == SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING)
+    assert config.with_serving_defaults("cuda").max_prefill_tokens_while_decoding is None
+    assert make_config(max_prefill_tokens_while_decoding=500).with_serving_defaults("cpu").max_prefill_tokens_while_decoding == 500
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
+        make_config(max_prefill_tokens_while_decoding=0)

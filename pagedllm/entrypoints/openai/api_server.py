@@ -257,8 +257,10 @@ def build_app_from_args(args: argparse.Namespace) -> FastAPI:
     from pagedllm.entrypoints.args import engine_config_from_args
     from pagedllm.metrics import EngineMetrics
 
+    from pagedllm.worker.model_runner import resolve_device
+
     config = engine_config_from_args(args, model=args.model)
-    engine = LLMEngine(config)
+    engine = LLMEngine(config.with_serving_defaults(resolve_device(config.device).type))
     names = args.served_model_name or [args.model]
     async_engine = AsyncLLMEngine(engine, metrics=EngineMetrics(names[0]), log_requests=not args.disable_log_requests,
                                   stats_log_interval_s=args.stats_log_interval)
