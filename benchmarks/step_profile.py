@@ -2,7 +2,8 @@
 
 Puts ``--batch`` requests into decode (prompts prefilled first), then times
 ``--steps`` engine steps phase by phase — scheduler, input preparation, model forward,
-logits + sampling, scheduler update, detokenization/outputs — and, with torch's
+logits + sampling (split into the lm_head matmul and the sampler proper), scheduler
+update, detokenization/outputs — and, with torch's
 profiler, splits the forward into matmuls, attention and the rest. "Python overhead"
 is the step's wall time outside torch operators (host-side bookkeeping). One result
 line; JSON to benchmarks/results/step_profile.json.
@@ -66,6 +67,8 @@ def main() -> None:
     if hasattr(backend, "_decode"):
         wrap(backend, "_decode", acc, "forward.decode_attention")
     wrap(runner, "_sample", acc, "logits_and_sampling")
+    wrap(runner.model, "compute_logits", acc, "logits_and_sampling.lm_head")
+    wrap(runner.sampler, "forward", acc, "logits_and_sampling.sampler")
     wrap(eng.scheduler, "update_from_output", acc, "scheduler_update")
     wrap(eng.output_processor, "process", acc, "outputs_detokenize")
     t0 = time.perf_counter()
@@ -89,7 +92,8 @@ def main() -> None:
     kinds["attention"] += per_step.get("forward.decode_attention", 0.0)
     op_total = sum(kinds.values())
     python = max(wall - op_total, 0.0)
-    rec = {"batch": args.batch, "dtype": args.dtype, "step_wall_s": wall, "phases_s": per_step,
+    import os
+    rec = {"load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()], "batch": args.batch, "dtype": args.dtype, "step_wall_s": wall, "phases_s": per_step,
            "op_time_by_kind_s": dict(kinds), "python_overhead_s": python,
            "python_overhead_fraction": python / wall, "tokens_per_s": args.batch / wall,
            "torch_threads": torch.get_num_threads()}
