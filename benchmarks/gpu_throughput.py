@@ -45,20 +45,10 @@ LLAMA_1B_SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layer
 def random_llama_folder(folder: Path, shape: dict) -> Path:
     """A Hugging Face folder with a Llama config of ``shape``, random bf16 weights and a word-level tokenizer."""
     import torch
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
 
-    from tests.model_utils import random_llama_weights
+    from tests.model_utils import write_random_llama_folder
 
-    config = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5, architectures=["LlamaForCausalLM"])
-    config.save_pretrained(folder)
-    save_file({name: t.contiguous() for name, t in random_llama_weights(config, dtype=torch.bfloat16)},
-              str(folder / "model.safetensors"))
-    vocab = {f"t{i}": i for i in range(shape["vocab_size"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t1", eos_token="t2", unk_token="t0").save_pretrained(folder)
-    return folder
+    return write_random_llama_folder(folder, dtype=torch.bfloat16, rms_norm_eps=1e-5, **shape)
 
 
 def model_path(name: str, tmp: Path) -> tuple[str, str]:

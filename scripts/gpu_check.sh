@@ -3,6 +3,11 @@
 #
 #     bash scripts/gpu_check.sh            # about 5-8 minutes
 #
+# A GPU machine with no registry access needs the few pure-Python packages the check uses
+# that its image may lack, as wheels in .whl/: fetch them first where pip works with
+#
+#     bash scripts/gpu_check.sh --fetch-wheels     # writes .whl/ (git-ignored; carry it along)
+#
 # 1. checks the setup: a CUDA build of torch that sees the GPU, and triton (both come with
 #    CUDA torch); installs nothing else beyond the project's own dependencies, and only
 #    when one is missing (from wheels in .whl/ when that folder exists: machines with no
@@ -16,6 +21,12 @@
 # and the next one still runs; the exit status is non-zero if any stage failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# what the check imports beyond torch/triton (the server's packages are not needed)
+NEEDED="numpy transformers tokenizers gguf safetensors jinja2 tqdm pytest"
+if [ "${1:-}" = "--fetch-wheels" ]; then
+  python3 -m pip download -q --no-deps --only-binary=:all: -d .whl gguf && ls .whl
+  exit $?
+fi
 OUT=${GPU_RESULTS_DIR:-benchmarks/results/gpu}
 mkdir -p "$OUT"
 PY=${PYTHON:-}
@@ -36,16 +47,8 @@ print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_d
   echo "gpu_check: needs a CUDA build of torch and triton in $PY"; exit 2
 fi
 
-# the project's own dependencies, only those missing (torch is never reinstalled)
-missing=$($PY - <<'EOF'
-import importlib.util
-mods = {"numpy": "numpy", "transformers": "transformers", "tokenizers": "tokenizers", "gguf": "gguf",
-        "safetensors": "safetensors", "jinja2": "jinja2", "fastapi": "fastapi", "uvicorn": "uvicorn",
-        "pydantic": "pydantic", "prometheus_client": "prometheus_client", "tqdm": "tqdm", "pytest": "pytest",
-        "hypothesis": "hypothesis", "httpx": "httpx"}
-print(" ".join(pkg for mod, pkg in mods.items() if importlib.util.find_spec(mod) is None))
-EOF
-)
+# the project's own dependencies the check needs, only those missing (torch is never reinstalled)
+missing=$($PY -c "import importlib.util as u, sys; print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))" $NEEDED)
 if [ -n "$missing" ]; then
   echo "gpu_check: installing missing dependencies: $missing"
   if [ -d .whl ]; then

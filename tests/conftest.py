@@ -76,6 +76,17 @@ def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     return build_tiny_llama_dir(tmp_path_factory.mktemp("tiny_llama"), smollm2_tokenizer)
 
 
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama folder with its own word-level tokenizer (vocab 512): needs no
+    SmolLM2 package, so it also serves on GPU machines that lack it."""
+    from tests.model_utils import write_random_llama_folder
+
+    return write_random_llama_folder(tmp_path_factory.mktemp("random_llama"), vocab_size=512, hidden_size=64,
+                                     intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need a CUDA device: skip them, with the reason, where there is none."""
     import torch

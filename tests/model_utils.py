@@ -4,6 +4,8 @@
 - :func:`make_hf_llama` / :func:`make_llama_pair`: a transformers reference model with
   well-scaled random weights, and a pagedllm model carrying the same weights.
 - :func:`random_llama_weights`: HF-named random tensors for any Llama shape (benchmarks).
+- :func:`write_random_llama_folder`: a Hugging Face folder (config, safetensors, a word-level
+  tokenizer) of random weights for any Llama shape, needing no tokenizer files from elsewhere.
 - :func:`make_metadata`: an :class:`AttentionMetadata` from per-request
   (context_len, query_len, block_table) lists.
 - :func:`allocate_block_tables`: shuffled, disjoint block tables.
@@ -87,6 +89,28 @@ def random_llama_weights(config, seed: int = 0, dtype: torch.dtype = torch.float
         t = torch.empty(shape)
         _init_([(name, t)], g)
         yield name, t.to(dtype)
+
+
+def write_random_llama_folder(folder, dtype: torch.dtype = torch.float32, seed: int = 0, **shape):
+    """Write a Llama folder the engine loads (config.json, model.safetensors, tokenizer files)
+    with random weights of ``shape`` (``LlamaConfig`` fields) and a word-level tokenizer whose
+    tokens are ``t0``..``t{vocab_size-1}`` (t1 BOS, t2 EOS). Returns the folder (a Path)."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    folder = Path(folder)
+    config = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, architectures=["LlamaForCausalLM"])
+    config.save_pretrained(folder)
+    save_file({name: t.contiguous() for name, t in random_llama_weights(config, seed, dtype)},
+              str(folder / "model.safetensors"))
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="t1", eos_token="t2",
+                            unk_token="t0").save_pretrained(folder)
+    return folder
 
 
 def make_llama_pair(config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"):

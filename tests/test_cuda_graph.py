@@ -72,18 +72,18 @@ def test_padded_decode_step_equals_unpadded():
 @pytest.fixture(scope="module")
 def prompts():
     g = torch.Generator().manual_seed(5)
-    return [{"prompt_token_ids": torch.randint(3, 49152, (n,), generator=g).tolist()} for n in (5, 33, 12, 70, 2)]
+    return [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in (5, 33, 12, 70, 2)]
 
 
-def _run(tiny_model_dir, prompts):
-    llm = LLM(model=str(tiny_model_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=6)
+def _run(model_dir, prompts):
+    llm = LLM(model=str(model_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=6)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=2) for m in (9, 3, 12, 6, 7)]
     return llm, llm.generate(prompts, params, use_tqdm=False)
 
 
-def test_engine_greedy_with_padded_decode_equals_eager(tiny_model_dir, prompts, monkeypatch):
+def test_engine_greedy_with_padded_decode_equals_eager(random_model_dir, prompts, monkeypatch):
     """Through the engine: decode batches of 5, 4, 3, 2, 1 requests padded to 6, 4, 4, 2, 1 rows."""
-    _, reference = _run(tiny_model_dir, prompts)
+    _, reference = _run(random_model_dir, prompts)
     monkeypatch.setattr("pagedllm.worker.model_runner.cuda_graph_mode", lambda *args: "pad")
     padded_sizes = []
     run = DecodeGraphRunner.run
@@ -93,7 +93,7 @@ def test_engine_greedy_with_padded_decode_equals_eager(tiny_model_dir, prompts, 
         return run(self, input_ids, positions, metas)
 
     monkeypatch.setattr(DecodeGraphRunner, "run", spy)
-    llm, outputs = _run(tiny_model_dir, prompts)
+    llm, outputs = _run(random_model_dir, prompts)
     assert {(5, 6), (4, 4), (3, 4), (1, 1)} <= set(padded_sizes)
     runner = llm.llm_engine.runner
     assert runner.decode_graphs is not None and runner.decode_graphs.sizes == [1, 2, 4, 6]

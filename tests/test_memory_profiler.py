@@ -22,10 +22,10 @@ def test_kv_pool_is_budget_minus_each_term():
 
 
 @pytest.mark.gpu
-def test_engine_sizes_kv_pool_from_profile_on_cuda(tiny_model_dir):
+def test_engine_sizes_kv_pool_from_profile_on_cuda(random_model_dir):
     from pagedllm import LLM
 
-    llm = LLM(model=str(tiny_model_dir), device="cuda", gpu_memory_utilization=0.3, max_model_len=512)
+    llm = LLM(model=str(random_model_dir), device="cuda", gpu_memory_utilization=0.3, max_model_len=512)
     runner = llm.llm_engine.runner
     profile = runner.memory_profile
     assert profile is not None and profile.weights_bytes > 0 and profile.peak_activation_bytes > 0
