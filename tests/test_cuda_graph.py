@@ -128,3 +128,21 @@ def test_padded_decode_with_two_kv_cache_groups(monkeypatch):
     padded, _, _ = _generate(reference, prompts, 8, hybrid=True, kv_cache_memory=98304)
     assert (3, 4) in sizes
     assert padded == unpadded
+
+
+def test_captured_metadata_selects_split_kv_for_small_batches():
+    """A graph is captured with max_seq_len = max_model_len, so the Triton backend bakes in its
+    split-KV layout for small decode batches (any context at replay) and the unified kernel
+    for large ones; the layout's launch shape then depends on the batch size only."""
+    pytest.importorskip("triton")
+    from pagedllm.attention.triton_paged import TritonPagedAttention
+
+    runner = DecodeGraphRunner(lambda ids, pos: None, [1, 64], max_blocks_per_seq=256, block_size=16,
+                               padding_block=0, max_model_len=4096, device=torch.device("cpu"), use_graphs=False,
+                               num_groups=2)
+    cache = torch.zeros(2, 1, 16, 8, 64)  # 8 KV heads
+    backend = TritonPagedAttention()
+    small, large = runner._metadata(1, 4096, [4096]), runner._metadata(64, 4096, [4096] * 64)
+    assert len(small) == 2 and small[1].block_tables.shape == (1, 256)
+    assert backend.num_splits(small[0], cache) > 1
+    assert backend.num_splits(large[0], cache) == 1
