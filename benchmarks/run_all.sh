@@ -20,3 +20,10 @@ $PY benchmarks/throughput.py --workload peers --mode continuous --peer "$PEERS" 
 $PY benchmarks/prefix_cache.py                                   # claim 3
 $PY benchmarks/throughput.py --num-requests 64 --mode continuous --peer hf \
     --out benchmarks/results/throughput_hf.json                  # pagedllm vs transformers, high-load trace
+$PY benchmarks/step_profile.py --batch 64                        # where a decode step goes
+$PY benchmarks/step_cost.py --batches 1,16,48 --prefill-tokens 64,128,256,512  # prompt tokens vs ITL
+$PY benchmarks/long_context.py                                   # 2K/4K/8K prefill vs transformers (~15 min)
+SERVE48="--launch --num-prompts 48 --max-concurrency 48 --input-len-min 32 --input-len-max 128 --output-len-min 16 --output-len-max 64"
+$PY benchmarks/serving.py $SERVE48 --out benchmarks/results/serving_c48_prefill_cap_off.json \
+    -- --max-prefill-tokens-while-decoding 100000                 # 48 streams, no cap on prompt tokens per step
+$PY benchmarks/serving.py $SERVE48 --out benchmarks/results/serving_c48_prefill_cap64.json  # serve's CPU default

@@ -212,3 +212,30 @@ def test_long_context_quick_chunked_prefill_equals_transformers(tmp_path):
         assert rec["pagedllm_vs_transformers"][n]["greedy_equal"] is True
         assert len(rec["results"]["pagedllm"][n]["token_ids"]) == 3
         assert rec["results"]["transformers"][n]["peak_rss_above_start_mib"] >= 0
+
+
+# ---- serving: the /health probe ----------------------------------------------------------
+
+def test_serving_health_probe_records_latency_and_failures():
+    import asyncio
+    import math
+
+    import httpx
+    import serving
+
+    async def probe(status: int) -> list[float]:
+        transport = httpx.MockTransport(lambda request: httpx.Response(status))
+        latencies: list[float] = []
+        stop = asyncio.Event()
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            task = asyncio.create_task(serving.probe_health(client, 0.001, stop, latencies))
+            while len(latencies) < 3:
+                await asyncio.sleep(0.001)
+            stop.set()
+            await task
+        return latencies
+
+    ok = asyncio.run(probe(200))
+    assert len(ok) >= 3 and all(0 <= x < 5 for x in ok)
+    assert all(math.isinf(x) for x in asyncio.run(probe(503)))  # a failed probe is never a fast one
+    assert serving.percentiles([0.001, 0.002, math.inf])["p99"] == math.inf
