@@ -83,6 +83,9 @@ class EngineConfig:
     max_logprobs: int = _f(20, "largest logprobs / prompt_logprobs a request may ask for")
     max_waiting_requests: int | None = _f(None, "reject new requests (HTTP 503) beyond this many waiting")
     debug_integrity_checks: bool = _f(False, "check block pool and scheduler invariants after every step (slow)")
+    kv_offload_memory: int | str | None = _f(None, "host-RAM tier of the prefix cache in bytes or like '4GiB': blocks evicted from the KV pool are kept there and copied back on a hit (default: off)")
+    kv_offload_dir: str | None = _f(None, "folder of the disk tier of the prefix cache (one safetensors file per block; survives restarts; default: off)")
+    kv_offload_disk_space: int | str = _f("8GiB", "most bytes the disk tier keeps in kv_offload_dir (least recently used blocks go first)")
     disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers (one block table for all layers) instead of freeing blocks outside the window")
 
     def __post_init__(self) -> None:
@@ -97,6 +100,11 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
+        if self.kv_offload_memory is not None:
+            parse_bytes(self.kv_offload_memory, "kv_offload_memory")
+        parse_bytes(self.kv_offload_disk_space, "kv_offload_disk_space")
+        if self.kv_offload_dir is not None and (not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir):
+            raise ValueError(f"kv_offload_dir must be a folder path, got {self.kv_offload_dir!r}")
         self._positive("max_model_len", allow_none=True)
         self._positive("num_kv_blocks", allow_none=True)
         self._positive("max_num_seqs")
@@ -126,6 +134,16 @@ class EngineConfig:
     def kv_cache_memory_bytes(self) -> int:
         """The CPU KV pool budget in bytes (default 1 GiB)."""
         return parse_bytes(self.kv_cache_memory) if self.kv_cache_memory is not None else 1024**3
+
+    @property
+    def kv_offload_memory_bytes(self) -> int:
+        """The host tier's size in bytes (0 when off)."""
+        return parse_bytes(self.kv_offload_memory, "kv_offload_memory") if self.kv_offload_memory is not None else 0
+
+    @property
+    def kv_offload_disk_space_bytes(self) -> int:
+        """The disk tier's bound in bytes."""
+        return parse_bytes(self.kv_offload_disk_space, "kv_offload_disk_space")
 
     @property
     def token_budget(self) -> int:

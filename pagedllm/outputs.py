@@ -31,6 +31,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # prompt tokens served from cache by where their K/V was: "pool", "host", "disk" tier
+    cached_tokens_by_tier: dict[str, int] | None = None
 
     @property
     def time_to_first_token(self) -> float | None:

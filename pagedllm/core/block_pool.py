@@ -41,7 +41,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 # Parent hash of the first block of every sequence: a fixed, documented constant (not a
 # per-process random seed, so hashes are reproducible across runs and processes).
@@ -190,6 +190,9 @@ class BlockPool:
         self.num_used_blocks = 0  # blocks with ref_cnt > 0
         self.num_cached_free_blocks = 0  # blocks with ref_cnt == 0 that carry a hash
         self.num_evicted_blocks = 0  # cumulative: cached blocks whose hash an allocation dropped
+        # Called as on_evict(block_id, hash, parent_hash, token_ids) just before an
+        # allocation drops a cached block's hash (the offload tiers save it then).
+        self.on_evict: Callable[[int, bytes, bytes | None, tuple[int, ...]], None] | None = None
 
     # ---- usage figures ---------------------------------------------------------------
     @property
@@ -254,6 +257,8 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
             if block.block_hash is not None:  # evict: never hand out a block still mapped
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash, block.parent_hash, block.token_ids)
                 del self.cached_block_hash_to_block[block.block_hash]
                 self._drop_hash(block)
                 self.num_cached_free_blocks -= 1

@@ -41,10 +41,13 @@ from typing import Sequence
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from pagedllm.core.kv_cache_groups import KVCacheGroupSpec, cdiv, max_num_blocks_per_seq
+from pagedllm.core.kv_offload import KVOffloadManager, KVOffloadSpec
 from pagedllm.core.request import Request
 
 # Block ids per KV-cache group: entry g is group g's list (its table, or its new blocks).
 GroupBlockIds = tuple[list[int], ...]
+# A prefix hit in an offload tier: (tier name, block hash).
+TierHit = tuple[str, bytes]
 
 
 class KVCacheManager:
@@ -60,6 +63,9 @@ class KVCacheManager:
         kv_cache_groups: the model's KV-cache groups (from
             :func:`~pagedllm.core.kv_cache_groups.make_kv_cache_groups`); default one
             full-attention group.
+        kv_offload: sizes of the offload tiers below the pool
+            (:mod:`pagedllm.core.kv_offload`); used only with prefix caching on and a
+            single KV-cache group, else ignored.
 
     Raises:
         ValueError: naming the argument, for a non-positive ``max_model_len``, an empty
@@ -67,7 +73,8 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, max_model_len: int,
-                 kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None) -> None:
+                 kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
+                 kv_offload: KVOffloadSpec | None = None) -> None:
         if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
         groups = tuple(kv_cache_groups) if kv_cache_groups is not None else (KVCacheGroupSpec((), None),)
@@ -90,6 +97,10 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # tokens looked up (one count per admission)
         self.prefix_cache_hits = 0  # of those, tokens served from cached blocks
         self.num_window_freed_blocks = 0  # cumulative: blocks freed for leaving every window
+        self.offload: KVOffloadManager | None = None
+        if kv_offload is not None and kv_offload.is_enabled and enable_prefix_caching and self.num_groups == 1:
+            self.offload = KVOffloadManager(kv_offload)
+            self.block_pool.on_evict = self.offload.on_evict
 
     # ---- figures ---------------------------------------------------------------------
     @property
@@ -203,6 +214,22 @@ class KVCacheManager:
                 return empty, 0
         return tuple([b.block_id for b in blocks[:num_blocks]] for blocks in donor_blocks), n
 
+    def get_tier_hits(self, request: Request, num_pool_blocks: int) -> list[TierHit]:
+        """Blocks after the first ``num_pool_blocks`` (the pool's hit) that the offload
+        tiers hold, verified like pool hits: a contiguous run, host tier before disk, at
+        least one token left to compute. Changes nothing; [] without tiers."""
+        if self.offload is None or not self.can_use_prefix_cache(request):
+            return []
+        num_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, num_blocks)
+        tokens, bs, hits = request.all_token_ids, self.block_size, []
+        for i in range(num_pool_blocks, num_blocks):
+            tier = self.offload.find(hashes[i], hashes[i - 1] if i else None, tokens[i * bs:(i + 1) * bs])
+            if tier is None:
+                break
+            hits.append((tier, hashes[i]))
+        return hits
+
     def get_block_ids(self, request: Request, group: int = 0) -> list[int]:
         """``request``'s block table in ``group`` (physical block ids, logical order, the
         null block's id where a sliding group freed a block); [] if it holds none."""
@@ -220,7 +247,8 @@ class KVCacheManager:
 
     # ---- allocation ------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: GroupBlockIds = (),
-                       num_new_computed_tokens: int = 0, num_lookahead_tokens: int = 0) -> GroupBlockIds | None:
+                       num_new_computed_tokens: int = 0, num_lookahead_tokens: int = 0,
+                       tier_hits: Sequence[TierHit] = ()) -> GroupBlockIds | None:
         """Make ``request``'s block tables cover the tokens this step computes.
 
         First, in sliding-window groups, blocks wholly outside the window of token
@@ -242,6 +270,11 @@ class KVCacheManager:
             num_new_computed_tokens: tokens they cover (= len of each list * block_size).
             num_lookahead_tokens: extra slots to reserve now (static batching's
                 worst-case reservation).
+            tier_hits: at admission, the offload-tier hits that follow
+                ``new_computed_blocks`` (from :meth:`get_tier_hits`): the first
+                ``len(tier_hits)`` new blocks receive them (the runner copies them in
+                before the forward pass) and their tokens count as computed, like
+                ``num_new_computed_tokens``.
 
         Returns:
             The ids of the newly allocated blocks per group (maybe empty lists), or None
@@ -270,9 +303,10 @@ class KVCacheManager:
                 any(len(ids) != num_computed_blocks for ids in new_computed_blocks):
             raise ValueError(f"num_new_computed_tokens ({num_new_computed_tokens}) must equal the length of each "
                              f"group's new_computed_blocks * block_size ({num_computed_blocks * self.block_size})")
-        if num_computed_blocks and blocks:
+        if (num_computed_blocks or tier_hits) and blocks:
             raise ValueError(f"request {req_id!r} already holds blocks; computed blocks come only at admission")
-        num_known = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_tier_tokens = len(tier_hits) * self.block_size
+        num_known = request.num_computed_tokens + num_new_computed_tokens + num_tier_tokens + num_new_tokens
         num_tokens = max(min(num_known + num_lookahead_tokens, self.max_model_len), num_known)
         num_held = (len(blocks[0]) if blocks else 0) + num_computed_blocks
         num_new_blocks = cdiv(num_tokens, self.block_size) - num_held  # per group
@@ -288,7 +322,7 @@ class KVCacheManager:
             self._num_handled_blocks[req_id] = num_computed_blocks
             if self.can_use_prefix_cache(request):
                 self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += num_new_computed_tokens
+                self.prefix_cache_hits += num_new_computed_tokens + num_tier_tokens
         for table, hit in zip(blocks, computed):  # every group's hits leave the free queue first
             pool.touch(b for b in hit if b is not self.null_block)
             table.extend(hit)
@@ -297,6 +331,8 @@ class KVCacheManager:
             new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
             table.extend(new_blocks)
             new_ids.append([b.block_id for b in new_blocks])
+        for (tier, key), block_id in zip(tier_hits, new_ids[0]):
+            self.offload.load(tier, key, block_id)
         return tuple(new_ids)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int | None = None) -> None:
@@ -406,6 +442,8 @@ class KVCacheManager:
         have one length, and every block's ref_cnt equals the number of block tables
         holding it (no table holds a block twice; the null block is never counted)."""
         self.block_pool.check_integrity()
+        if self.offload is not None:
+            self.offload.check_integrity()
         holders: Counter[int] = Counter()
         for req_id, tables in self.req_to_blocks.items():
             assert len(tables) == self.num_groups, f"request {req_id!r} has {len(tables)} tables"

@@ -49,6 +49,35 @@ class CachedRequestData:
     num_computed_tokens: int  # before this step
 
 
+@dataclass(frozen=True)
+class TierSave:
+    """Copy pool block ``block_id`` into offload tier ``tier`` under ``key`` (its block
+    hash); ``parent_hash`` and ``token_ids`` are stored with it (a disk file needs them to
+    be verified after a restart)."""
+
+    tier: str
+    key: bytes
+    block_id: int
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass
+class KVTransferOps:
+    """Copies between the pool and the offload tiers the runner performs at the start of a
+    step, before the forward pass, in this order: ``saves``, ``loads`` (``(tier, key,
+    block_id)``: tier → pool block), ``drops`` (``(tier, key)``: forget the entry). See
+    :mod:`pagedllm.core.kv_offload` for why that order is safe."""
+
+    saves: list[TierSave] = field(default_factory=list)
+    loads: list[tuple[str, bytes, int]] = field(default_factory=list)
+    drops: list[tuple[str, bytes]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.saves or self.loads or self.drops)
+
+
 @dataclass
 class SchedulerOutput:
     """What the model runner computes this step."""
@@ -59,6 +88,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)  # drop runner state (finished/aborted/preempted)
     preempted_req_ids: set[str] = field(default_factory=set)  # subset of the above, for stats
+    kv_transfers: KVTransferOps = field(default_factory=KVTransferOps)  # offload-tier copies, before the forward
 
     @property
     def is_empty(self) -> bool:

@@ -82,6 +82,8 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache (-1 = not yet scheduled)
+        # num_cached_tokens split by where the K/V came from: "pool", "host", "disk" (set at the first admission)
+        self.cached_tokens_by_tier: dict[str, int] | None = None
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it

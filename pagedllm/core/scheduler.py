@@ -58,6 +58,7 @@ without ``update_from_output()`` in between.
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections import Counter
 from typing import Iterable, Sequence
@@ -65,11 +66,14 @@ from typing import Iterable, Sequence
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_groups import KVCacheGroupSpec
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_offload import KVOffloadSpec, tier_hit_counts
 from pagedllm.core.kv_snapshot import (EVENT_EVICTED, EVENT_PREEMPTED, EVENT_PREFIX_HIT, EVENT_RESUMED,
                                        KVCacheSnapshot, KVEventLog, RequestKVRow)
 from pagedllm.core.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.stats import SchedulerStats
+
+logger = logging.getLogger("pagedllm")
 
 
 class Scheduler:
@@ -86,13 +90,16 @@ class Scheduler:
         kv_cache_groups: the model's KV-cache groups (plain data, see
             :mod:`pagedllm.core.kv_cache_groups`); default one full-attention group.
         num_kv_events: how many preemption / caching events ``kv_events`` keeps.
+        kv_offload: sizes of the prefix cache's offload tiers (host RAM, disk) below
+            the pool, or None for none (:mod:`pagedllm.core.kv_offload`).
 
     Raises:
         ValueError: when ``config.max_model_len`` is None or ``num_kv_blocks`` < 1.
     """
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int, record_trace: bool = False,
-                 kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None, num_kv_events: int = 100) -> None:
+                 kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None, num_kv_events: int = 100,
+                 kv_offload: KVOffloadSpec | None = None) -> None:
         if config.max_model_len is None:
             raise ValueError("config.max_model_len must be resolved before building the Scheduler")
         self.config = config
@@ -105,7 +112,7 @@ class Scheduler:
         self.is_priority = config.scheduling_policy == "priority"
         self.is_static = config.batching == "static"
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                               config.max_model_len, kv_cache_groups)
+                                               config.max_model_len, kv_cache_groups, kv_offload)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []  # head first
         self.running: list[Request] = []  # admission order
@@ -234,6 +241,9 @@ class Scheduler:
                 shared_ids, num_shared = kv.get_shared_prefix_blocks(req, donor)
                 if num_shared > num_computed:
                     computed_ids, num_computed = shared_ids, num_shared
+            tier_hits = kv.get_tier_hits(req, num_computed // self.block_size)
+            num_pool_hit = num_computed
+            num_computed += len(tier_hits) * self.block_size
             num_new = req.num_tokens - num_computed
             if num_new > min(budget, prefill_left):
                 if not self.enable_chunked_prefill:
@@ -243,15 +253,16 @@ class Scheduler:
             if self.is_static:  # reserve the worst case now: the batch never grows again
                 worst = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
                 lookahead = max(0, worst - num_computed - num_new)
-            block_ids = self._allocate(req, num_new, computed_ids, num_computed, lookahead)
+            block_ids = self._allocate(req, num_new, computed_ids, num_pool_hit, lookahead, tier_hits)
             if block_ids is None:
                 break  # head-of-line: waits for memory; nothing passes it
-            self._log_admission(req, num_computed)
+            self._log_admission(req, num_computed, tier_hits)
             self.waiting.pop(i)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_computed
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
+                req.cached_tokens_by_tier = self._cached_tokens_by_tier(num_pool_hit, tier_hits)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
             self.running.append(req)
@@ -272,6 +283,8 @@ class Scheduler:
                     kv.get_group_block_ids(req), req.num_computed_tokens))
                 self._known_to_runner.add(rid)
         out.preempted_req_ids = {r.request_id for r in preempted}
+        if kv.offload is not None:
+            out.kv_transfers = kv.offload.take_ops()
         out.finished_req_ids = self._finished_req_ids
         self._finished_req_ids = set()
         if self.step_trace is not None:
@@ -297,7 +310,6 @@ class Scheduler:
                 of ``pagedllm.core.outputs``).
         """
         kv = self.kv_cache_manager
-        bs = self.block_size
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
         failed = model_runner_output.failed
         changed: list[Request] = []
@@ -312,8 +324,7 @@ class Scheduler:
                 changed.append(req)
                 any_finished = True
                 continue
-            if num_computed // bs != (num_computed - num_tokens) // bs:  # a block filled: publish it
-                kv.cache_blocks(req)
+            kv.cache_blocks(req)  # publishes the blocks filled (or copied in from a tier) this step
             token_ids = sampled.get(rid)
             is_complete = num_computed == len(req.all_token_ids)
             if not token_ids:
@@ -456,7 +467,16 @@ class Scheduler:
             self.kv_events.record(EVENT_EVICTED, req.request_id, num, num * self.block_size)
         return block_ids
 
-    def _log_admission(self, req: Request, num_hit_tokens: int) -> None:
+    def _cached_tokens_by_tier(self, num_pool_tokens: int, tier_hits: list) -> dict[str, int]:
+        """Cached tokens of an admission per tier: ``pool``, ``host``, ``disk``."""
+        counts = tier_hit_counts(tier_hits)
+        return {"pool": num_pool_tokens, **{t: n * self.block_size for t, n in counts.items()}}
+
+    def _log_admission(self, req: Request, num_hit_tokens: int, tier_hits: list = ()) -> None:
+        for tier, num_blocks in tier_hit_counts(tier_hits).items():
+            if num_blocks:
+                logger.info("request %s: %d prompt tokens from the %s tier", req.request_id,
+                            num_blocks * self.block_size, tier)
         if num_hit_tokens:
             self.kv_events.record(EVENT_PREFIX_HIT, req.request_id, num_hit_tokens // self.block_size, num_hit_tokens)
         if req.num_preemptions:

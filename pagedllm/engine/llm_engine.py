@@ -77,8 +77,10 @@ class LLMEngine:
         self.runner = ModelRunner(config, files)
         self.vocab_size = self.runner.vocab_size
         self.kv_cache_spec = self.runner.initialize_kv_cache()
+        self.kv_offload_spec = self.runner.initialize_kv_offload()
         self.scheduler = Scheduler(config, self.kv_cache_spec.num_blocks,
-                                   kv_cache_groups=self.kv_cache_spec.kv_cache_groups)
+                                   kv_cache_groups=self.kv_cache_spec.kv_cache_groups,
+                                   kv_offload=self.kv_offload_spec)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.num_steps = 0

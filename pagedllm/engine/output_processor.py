@@ -144,6 +144,10 @@ class OutputProcessor:
             st.metrics.first_token_time = req.first_token_time
         if st.metrics.first_scheduled_time is None:
             st.metrics.first_scheduled_time = req.first_scheduled_time
+        if req.cached_tokens_by_tier is not None and (st.metrics.cached_tokens_by_tier is None
+                                                      or req.num_cached_tokens > st.num_cached_tokens):
+            # the child that reused the most tells the story
+            st.metrics.cached_tokens_by_tier = dict(req.cached_tokens_by_tier or {})
         st.num_cached_tokens = max(st.num_cached_tokens, req.num_cached_tokens, 0)
         seq.num_tokens_seen = len(req.output_token_ids)
         lp = ro.logprobs.get(req.request_id)

@@ -24,6 +24,7 @@ request, hence its own ``slot_mapping`` and ``block_tables``: the step carries o
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from pagedllm.attention import Attention, get_attention_backend
 from pagedllm.attention.backend import AttentionMetadata, set_forward_context
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_groups import layers_per_block, make_kv_cache_groups
+from pagedllm.core.kv_offload import KVOffloadSpec
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.loader.model_files import ModelFiles
 from pagedllm.sampling_params import SamplingParams
@@ -152,6 +154,7 @@ class ModelRunner:
         self._layout_kv_cache()
         self.kv_caches: list[torch.Tensor] = []
         self.kv_spec: KVCacheSpec | None = None
+        self.kv_offloader = None  # the offload tiers' copies (worker/kv_offload.py), when configured
         # Test hook (case C06): called with each sampling request id; raising fails that request only.
         self.fault_injector: Callable[[str], None] | None = None
 
@@ -298,6 +301,21 @@ class ModelRunner:
         logger.info("weights: %s; %s", format_bytes(self.weight_bytes()), self.kv_spec.describe())
         return self.kv_spec
 
+    def initialize_kv_offload(self) -> KVOffloadSpec:
+        """Build the prefix cache's offload tiers the config asks for (after
+        :meth:`initialize_kv_cache`); returns their sizes and the disk tier's surviving
+        blocks for the scheduler. Raises ValueError for an unwritable ``kv_offload_dir``."""
+        from pagedllm.worker.kv_offload import build_kv_offload
+
+        m = self.model
+        identity = {"model": str(self.config.model), "block_size": str(self.block_size),
+                    "kv_dtype": str(self.dtype).replace("torch.", ""),
+                    "shape": json.dumps([self.num_kv_tensors, 2, self.block_size, m.num_kv_heads, m.head_dim]),
+                    "num_layers": str(m.num_layers)}
+        spec, self.kv_offloader = build_kv_offload(self.config, self.kv_caches, self.bytes_per_block(),
+                                                   len(self.kv_cache_groups), identity)
+        return spec
+
     # ------------------------------------------------------------------ request state
     def reset_state(self) -> None:
         """Forget every request (after a failed step; the scheduler resends them in full)."""
@@ -402,6 +420,8 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Returns sampled ids (and logprobs) for requests that sample this step."""
         self._update_states(so)
+        if self.kv_offloader is not None and not so.kv_transfers.is_empty:
+            self.kv_offloader.apply(so.kv_transfers)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()
         b = self._order_batch(so)

@@ -72,12 +72,26 @@ class FakeRunner:
     token_fn: Callable[[list[int]], int] = next_token
     states: dict[str, _RunnerState] = field(default_factory=dict)
     slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (group, token id) whose "K/V" is there
+    # offload tiers' "bytes": tier -> block hash -> the block's slot contents (saved from the pool)
+    tiers: dict[str, dict[bytes, list]] = field(default_factory=dict)
+
+    def apply_transfers(self, so: SchedulerOutput) -> None:
+        """Saves, loads, drops, in the order the runner performs them (core/kv_offload.py)."""
+        bs, ops = self.scheduler.block_size, so.kv_transfers
+        for s in ops.saves:
+            self.tiers.setdefault(s.tier, {})[s.key] = [self.slots.get(s.block_id * bs + o) for o in range(bs)]
+        for tier, key, block_id in ops.loads:
+            for o, got in enumerate(self.tiers[tier][key]):  # KeyError: a load of data never saved
+                self.slots[block_id * bs + o] = got
+        for tier, key in ops.drops:
+            del self.tiers[tier][key]  # KeyError: a drop of an entry the tier never held
 
     def execute(self, so: SchedulerOutput, failed: dict[str, str] | None = None) -> ModelRunnerOutput:
         bs = self.scheduler.block_size
         pool = self.scheduler.kv_cache_manager.block_pool
         for rid in so.finished_req_ids:
             self.states.pop(rid, None)
+        self.apply_transfers(so)
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.states, f"{new.req_id} sent as new twice"
             self.states[new.req_id] = _RunnerState(list(new.token_ids), tuple(list(t) for t in new.block_ids),

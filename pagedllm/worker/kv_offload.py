@@ -1,0 +1,214 @@
+"""The offload tiers' bytes: copies between the KV pool and host RAM / disk.
+
+The core decides which blocks to save, load and drop (:mod:`pagedllm.core.kv_offload`,
+as :class:`~pagedllm.core.outputs.KVTransferOps` in each ``SchedulerOutput``); this
+module owns the data and performs them, at the start of the step, before the forward
+pass. One block's data is the slice of every KV tensor at that block id, a tensor of
+shape ``(num_kv_tensors, 2, block_size, num_kv_heads, head_dim)`` in the KV dtype.
+
+* :class:`HostKVTier`: a dict ``block hash → tensor`` in host RAM (pinned memory when
+  the pool is on a GPU).
+* :class:`DiskKVTier`: one safetensors file per block in ``kv_offload_dir``, named by the
+  block hash, with the block's parent hash and token ids (to verify a hit) and the
+  engine's identity — model, block size, KV dtype, block shape — in its metadata. At
+  start-up the directory is scanned: files of another identity, unreadable or truncated
+  files are ignored with a warning; the valid ones (least recently modified first) seed
+  the core's disk index, so a restarted engine hits the blocks of the previous one.
+  Files are written to a temporary name and renamed, so a crash never leaves a
+  half-written file under a block's name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pagedllm.core.kv_offload import TIER_DISK, TIER_HOST, KVOffloadSpec
+from pagedllm.core.outputs import KVTransferOps
+
+logger = logging.getLogger("pagedllm")
+
+DISK_FORMAT = "pagedllm-kv-block-v1"
+_SUFFIX = ".safetensors"
+
+
+class HostKVTier:
+    """Block data in host memory, keyed by block hash (``pin``: page-locked, for a GPU pool)."""
+
+    def __init__(self, pin: bool = False) -> None:
+        self.pin = pin
+        self.blocks: dict[bytes, torch.Tensor] = {}
+
+    def save(self, key: bytes, data: torch.Tensor) -> None:
+        self.blocks[key] = data.pin_memory() if self.pin else data
+
+    def load(self, key: bytes) -> torch.Tensor:
+        """The block's data. Raises KeyError when the tier does not hold ``key``."""
+        return self.blocks[key]
+
+    def drop(self, key: bytes) -> None:
+        self.blocks.pop(key, None)
+
+
+class DiskKVTier:
+    """One safetensors file per block under ``directory``; see the module docstring.
+
+    Args:
+        directory: the folder (created if missing).
+        identity: what a file must match to be used (model, block size, KV dtype, block
+            shape), as strings; stored in every file's metadata.
+
+    Raises:
+        ValueError: naming ``kv_offload_dir`` when the folder cannot be created or written.
+    """
+
+    def __init__(self, directory: str | os.PathLike, identity: dict[str, str]) -> None:
+        self.dir = Path(directory)
+        self.identity = {"format": DISK_FORMAT, **identity}
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.dir, prefix=".probe-"):
+                pass
+        except OSError as e:
+            raise ValueError(f"kv_offload_dir {str(directory)!r} is not a writable directory: {e}") from e
+
+    def path(self, key: bytes) -> Path:
+        return self.dir / (key.hex() + _SUFFIX)
+
+    def scan(self) -> list[tuple[bytes, bytes | None, tuple[int, ...]]]:
+        """Valid block files as ``(key, parent hash, token ids)``, least recently modified
+        first; other files are skipped with a warning (never deleted)."""
+        found = []
+        for path in self.dir.glob("*" + _SUFFIX):
+            entry = self._read_header(path)
+            if entry is not None:
+                found.append((path.stat().st_mtime, entry))
+        found.sort(key=lambda t: t[0])
+        if found:
+            logger.info("KV offload disk tier: %d blocks found in %s", len(found), self.dir)
+        return [entry for _, entry in found]
+
+    def _read_header(self, path: Path) -> tuple[bytes, bytes | None, tuple[int, ...]] | None:
+        from safetensors import safe_open
+
+        try:
+            key = bytes.fromhex(path.name[:-len(_SUFFIX)])
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                shape = list(f.get_slice("kv").get_shape())
+            parent = bytes.fromhex(meta["parent_hash"]) if meta.get("parent_hash") else None
+            token_ids = tuple(int(t) for t in json.loads(meta["token_ids"]))
+        except Exception as e:  # noqa: BLE001 — any unreadable file is skipped, not fatal
+            logger.warning("KV offload disk tier: ignoring unreadable file %s (%s: %s)", path, type(e).__name__, e)
+            return None
+        mismatched = {k: (meta.get(k), v) for k, v in self.identity.items() if meta.get(k) != v}
+        if json.dumps(shape) != self.identity.get("shape"):
+            mismatched["shape (in file)"] = (json.dumps(shape), self.identity.get("shape"))
+        if mismatched:
+            logger.warning("KV offload disk tier: ignoring %s, written by another engine setup (file vs now: %s)",
+                           path, mismatched)
+            return None
+        return key, parent, token_ids
+
+    def save(self, key: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...], data: torch.Tensor) -> None:
+        from safetensors.torch import save_file
+
+        meta = {**self.identity, "parent_hash": parent_hash.hex() if parent_hash else "",
+                "token_ids": json.dumps(list(token_ids))}
+        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=_SUFFIX)
+        os.close(fd)
+        try:
+            save_file({"kv": data.contiguous()}, tmp, metadata=meta)
+            os.replace(tmp, self.path(key))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def load(self, key: bytes) -> torch.Tensor:
+        """The block's data. Raises OSError / safetensors errors for a missing or damaged file."""
+        from safetensors.torch import load_file
+
+        return load_file(str(self.path(key)))["kv"]
+
+    def drop(self, key: bytes) -> None:
+        self.path(key).unlink(missing_ok=True)
+
+
+class KVOffloader:
+    """Performs a step's :class:`KVTransferOps` on the runner's KV tensors.
+
+    Args:
+        kv_caches: the pool, ``num_kv_tensors`` tensors of shape
+            ``(2, num_blocks, block_size, num_kv_heads, head_dim)``.
+        host: the host tier, or None.
+        disk: the disk tier, or None.
+    """
+
+    def __init__(self, kv_caches: list[torch.Tensor], host: HostKVTier | None, disk: DiskKVTier | None) -> None:
+        self.kv_caches = kv_caches
+        self.tiers = {name: t for name, t in ((TIER_HOST, host), (TIER_DISK, disk)) if t is not None}
+
+    def apply(self, ops: KVTransferOps) -> None:
+        """Saves, then loads, then drops (:mod:`pagedllm.core.kv_offload` says why)."""
+        if ops.saves:
+            data = self.gather([s.block_id for s in ops.saves])
+            for i, s in enumerate(ops.saves):
+                if s.tier == TIER_DISK:
+                    self.tiers[TIER_DISK].save(s.key, s.parent_hash, s.token_ids, data[i])
+                else:
+                    self.tiers[s.tier].save(s.key, data[i].clone())
+        if ops.loads:
+            self.scatter([b for _, _, b in ops.loads], [self.tiers[t].load(k) for t, k, _ in ops.loads])
+        for tier, key in ops.drops:
+            self.tiers[tier].drop(key)
+
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        """Blocks ``block_ids`` of every KV tensor, on the host:
+        ``(len(block_ids), num_kv_tensors, 2, block_size, num_kv_heads, head_dim)``."""
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.kv_caches[0].device)
+        # (num_kv_tensors, 2, n, bs, kvh, hd) -> (n, num_kv_tensors, 2, bs, kvh, hd)
+        data = torch.stack([c.index_select(1, ids) for c in self.kv_caches]).permute(2, 0, 1, 3, 4, 5)
+        return data.to("cpu").contiguous()
+
+    def scatter(self, block_ids: list[int], blocks: list[torch.Tensor]) -> None:
+        """Write each block's data (as :meth:`gather` returns one) into pool block ``block_ids[i]``."""
+        dev = self.kv_caches[0].device
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=dev)
+        data = torch.stack(blocks).to(dev)  # (n, num_kv_tensors, 2, bs, kvh, hd)
+        for j, cache in enumerate(self.kv_caches):
+            cache[:, ids] = data[:, j].transpose(0, 1).to(cache.dtype)  # (2, n, bs, kvh, hd)
+
+
+def build_kv_offload(config, kv_caches: list[torch.Tensor], bytes_per_block: int, num_groups: int,
+                     identity: dict[str, str]) -> tuple[KVOffloadSpec, KVOffloader | None]:
+    """The tiers ``config`` asks for (``kv_offload_memory``, ``kv_offload_dir``,
+    ``kv_offload_disk_space``), sized in blocks of ``bytes_per_block`` bytes.
+
+    Tiers need prefix caching and a single KV-cache group; otherwise they are off (with a
+    warning when asked for). Raises ValueError for an unwritable ``kv_offload_dir``.
+    """
+    wanted = config.kv_offload_memory is not None or config.kv_offload_dir is not None
+    if not wanted:
+        return KVOffloadSpec(), None
+    if not config.enable_prefix_caching or num_groups != 1:
+        logger.warning("KV offload tiers are off: they need prefix caching on and a model without "
+                       "sliding-window layers (one KV-cache group)")
+        return KVOffloadSpec(), None
+    num_host = config.kv_offload_memory_bytes // bytes_per_block if config.kv_offload_memory is not None else 0
+    host = HostKVTier(pin=kv_caches[0].is_cuda) if num_host else None
+    disk, num_disk, entries = None, 0, ()
+    if config.kv_offload_dir is not None:
+        disk = DiskKVTier(config.kv_offload_dir, identity)
+        num_disk = config.kv_offload_disk_space_bytes // bytes_per_block
+        entries = tuple(disk.scan()) if num_disk else ()
+        if not num_disk:
+            disk = None
+    spec = KVOffloadSpec(num_host, num_disk, entries)
+    logger.info("KV offload: host tier %d blocks, disk tier %d blocks%s", num_host, num_disk,
+                f" in {config.kv_offload_dir}" if disk is not None else "")
+    return spec, KVOffloader(kv_caches, host, disk) if spec.is_enabled else None
