@@ -86,6 +86,8 @@ class EngineConfig:
     kv_offload_memory: int | str | None = _f(None, "host-RAM tier of the prefix cache in bytes or like '4GiB': blocks evicted from the KV pool are kept there and copied back on a hit (default: off)")
     kv_offload_dir: str | None = _f(None, "folder of the disk tier of the prefix cache (one safetensors file per block; survives restarts; default: off)")
     kv_offload_disk_space: int | str = _f("8GiB", "most bytes the disk tier keeps in kv_offload_dir (least recently used blocks go first)")
+    preemption_mode: str = _f("recompute", "how a request is preempted when blocks run out: recompute (free its K/V, recompute on resumption), swap (copy its blocks to the swap space and back), or auto (per request, whichever costs less by measured prefill speed and copy bandwidth); swap falls back to recompute when the swap space is full")
+    swap_space: int | str = _f("4GiB", "swap space for preemption_mode swap/auto, in bytes or like '4GiB' (host memory)")
     disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers (one block table for all layers) instead of freeing blocks outside the window")
 
     def __post_init__(self) -> None:
@@ -103,6 +105,9 @@ class EngineConfig:
         if self.kv_offload_memory is not None:
             parse_bytes(self.kv_offload_memory, "kv_offload_memory")
         parse_bytes(self.kv_offload_disk_space, "kv_offload_disk_space")
+        parse_bytes(self.swap_space, "swap_space")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
         if self.kv_offload_dir is not None and (not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir):
             raise ValueError(f"kv_offload_dir must be a folder path, got {self.kv_offload_dir!r}")
         self._positive("max_model_len", allow_none=True)
@@ -144,6 +149,11 @@ class EngineConfig:
     def kv_offload_disk_space_bytes(self) -> int:
         """The disk tier's bound in bytes."""
         return parse_bytes(self.kv_offload_disk_space, "kv_offload_disk_space")
+
+    @property
+    def swap_space_bytes(self) -> int:
+        """The swap space in bytes (allocated only when ``preemption_mode`` is not recompute)."""
+        return parse_bytes(self.swap_space, "swap_space")
 
     @property
     def token_budget(self) -> int:

@@ -31,6 +31,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    preemption_modes: list[str] = field(default_factory=list)  # "recompute" / "swap", one per preemption
     # prompt tokens served from cache by where their K/V was: "pool", "host", "disk" tier
     cached_tokens_by_tier: dict[str, int] | None = None
 

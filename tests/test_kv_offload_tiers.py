@@ -22,7 +22,13 @@ CHURN = [[_rng.randrange(3, 49152) for _ in range(200)] for _ in range(3)]  # ea
 
 
 def _greedy(n: int = 8) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    # logprobs too: the tiny random model often repeats one token, so the tokens alone
+    # would hide K/V damage that the probabilities show
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
+
+
+def _result(out) -> tuple[list[int], float]:
+    return out.outputs[0].token_ids, round(out.outputs[0].cumulative_logprob, 3)
 
 
 def _make(tiny_model_dir, **kw) -> LLM:
@@ -47,7 +53,7 @@ def _session(llm: LLM):
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    return _generate(_make(tiny_model_dir, enable_prefix_caching=False), PROMPT).outputs[0].token_ids
+    return _result(_generate(_make(tiny_model_dir, enable_prefix_caching=False), PROMPT))
 
 
 def test_host_tier_hit_after_churn_gives_the_same_tokens(tiny_model_dir, reference):
@@ -60,7 +66,7 @@ def test_host_tier_hit_after_churn_gives_the_same_tokens(tiny_model_dir, referen
     assert first.metrics.cached_tokens_by_tier == {"pool": 0, "host": 0, "disk": 0}
     assert again.num_cached_tokens == 64
     assert again.metrics.cached_tokens_by_tier == {"pool": 0, "host": 64, "disk": 0}
-    assert first.outputs[0].token_ids == again.outputs[0].token_ids == reference
+    assert _result(first) == _result(again) == reference
 
 
 def test_disk_tier_survives_a_restart_and_skips_damaged_files(tiny_model_dir, reference, tmp_path, caplog):
@@ -75,7 +81,7 @@ def test_disk_tier_survives_a_restart_and_skips_damaged_files(tiny_model_dir, re
     restarted = _make(tiny_model_dir, kv_offload_dir=str(tmp_path))
     out = _generate(restarted, PROMPT)
     assert out.metrics.cached_tokens_by_tier == {"pool": 0, "host": 0, "disk": 64}
-    assert out.outputs[0].token_ids == reference
+    assert _result(out) == reference
     assert "junk.safetensors" in caplog.text
 
     for f in tmp_path.glob("*.safetensors"):  # truncate every block file: none may be used
@@ -86,7 +92,7 @@ def test_disk_tier_survives_a_restart_and_skips_damaged_files(tiny_model_dir, re
     assert "ignoring unreadable file" in caplog.text
     out = _generate(damaged, PROMPT)
     assert out.num_cached_tokens == 0
-    assert out.outputs[0].token_ids == reference
+    assert _result(out) == reference
 
 
 def test_disk_files_of_another_setup_are_ignored(tiny_model_dir, tmp_path, caplog):

@@ -248,7 +248,7 @@ class KVCacheManager:
     # ---- allocation ------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: GroupBlockIds = (),
                        num_new_computed_tokens: int = 0, num_lookahead_tokens: int = 0,
-                       tier_hits: Sequence[TierHit] = ()) -> GroupBlockIds | None:
+                       tier_hits: Sequence[TierHit] = (), num_swapped_in_tokens: int = 0) -> GroupBlockIds | None:
         """Make ``request``'s block tables cover the tokens this step computes.
 
         First, in sliding-window groups, blocks wholly outside the window of token
@@ -275,6 +275,10 @@ class KVCacheManager:
                 ``len(tier_hits)`` new blocks receive them (the runner copies them in
                 before the forward pass) and their tokens count as computed, like
                 ``num_new_computed_tokens``.
+            num_swapped_in_tokens: at the admission of a request that was swapped out,
+                the tokens its swapped blocks hold: the first ``cdiv(n, block_size)`` new
+                blocks receive them (the caller records the copies); no prefix lookup
+                counts.
 
         Returns:
             The ids of the newly allocated blocks per group (maybe empty lists), or None
@@ -303,10 +307,11 @@ class KVCacheManager:
                 any(len(ids) != num_computed_blocks for ids in new_computed_blocks):
             raise ValueError(f"num_new_computed_tokens ({num_new_computed_tokens}) must equal the length of each "
                              f"group's new_computed_blocks * block_size ({num_computed_blocks * self.block_size})")
-        if (num_computed_blocks or tier_hits) and blocks:
+        if (num_computed_blocks or tier_hits or num_swapped_in_tokens) and blocks:
             raise ValueError(f"request {req_id!r} already holds blocks; computed blocks come only at admission")
         num_tier_tokens = len(tier_hits) * self.block_size
-        num_known = request.num_computed_tokens + num_new_computed_tokens + num_tier_tokens + num_new_tokens
+        num_known = (request.num_computed_tokens + num_new_computed_tokens + num_tier_tokens + num_swapped_in_tokens
+                     + num_new_tokens)
         num_tokens = max(min(num_known + num_lookahead_tokens, self.max_model_len), num_known)
         num_held = (len(blocks[0]) if blocks else 0) + num_computed_blocks
         num_new_blocks = cdiv(num_tokens, self.block_size) - num_held  # per group
@@ -320,7 +325,7 @@ class KVCacheManager:
         if blocks is None:  # admission: first allocation of this residency
             blocks = self.req_to_blocks[req_id] = tuple([] for _ in range(self.num_groups))
             self._num_handled_blocks[req_id] = num_computed_blocks
-            if self.can_use_prefix_cache(request):
+            if self.can_use_prefix_cache(request) and not num_swapped_in_tokens:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_new_computed_tokens + num_tier_tokens
         for table, hit in zip(blocks, computed):  # every group's hits leave the free queue first

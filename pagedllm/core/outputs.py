@@ -64,18 +64,27 @@ class TierSave:
 
 @dataclass
 class KVTransferOps:
-    """Copies between the pool and the offload tiers the runner performs at the start of a
-    step, before the forward pass, in this order: ``saves``, ``loads`` (``(tier, key,
-    block_id)``: tier → pool block), ``drops`` (``(tier, key)``: forget the entry). See
-    :mod:`pagedllm.core.kv_offload` for why that order is safe."""
+    """Copies the runner performs at the start of a step, before the forward pass, in this
+    order — every read of the pool before any write to it:
+
+    1. ``swap_out`` (``(block_id, swap slot)``: a victim of swap preemption, this step),
+    2. ``saves`` (pool block → offload tier, evicted this step),
+    3. ``loads`` (``(tier, key, block_id)``: tier → a pool block allocated this step),
+    4. ``swap_in`` (``(swap slot, block_id)``: a swapped request resumed this step),
+    5. ``drops`` (``(tier, key)``: forget the tier entry).
+
+    See :mod:`pagedllm.core.kv_offload` and :mod:`pagedllm.core.swap_space` for why that
+    order is safe."""
 
     saves: list[TierSave] = field(default_factory=list)
     loads: list[tuple[str, bytes, int]] = field(default_factory=list)
     drops: list[tuple[str, bytes]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.saves or self.loads or self.drops)
+        return not (self.saves or self.loads or self.drops or self.swap_out or self.swap_in)
 
 
 @dataclass

@@ -85,6 +85,7 @@ class Request:
         # num_cached_tokens split by where the K/V came from: "pool", "host", "disk" (set at the first admission)
         self.cached_tokens_by_tier: dict[str, int] | None = None
         self.num_preemptions = 0
+        self.preemption_modes: list[str] = []  # "recompute" or "swap", one per preemption
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.first_scheduled_time: float | None = None

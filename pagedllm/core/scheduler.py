@@ -66,10 +66,13 @@ from typing import Iterable, Sequence
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_groups import KVCacheGroupSpec
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_groups import cdiv
 from pagedllm.core.kv_offload import KVOffloadSpec, tier_hit_counts
+from pagedllm.core.swap_space import PREEMPT_SWAP, SwapSpace
 from pagedllm.core.kv_snapshot import (EVENT_EVICTED, EVENT_PREEMPTED, EVENT_PREFIX_HIT, EVENT_RESUMED,
                                        KVCacheSnapshot, KVEventLog, RequestKVRow)
-from pagedllm.core.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedllm.core.outputs import (CachedRequestData, KVTransferOps, ModelRunnerOutput, NewRequestData,
+                                   SchedulerOutput)
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.stats import SchedulerStats
 
@@ -92,6 +95,8 @@ class Scheduler:
         num_kv_events: how many preemption / caching events ``kv_events`` keeps.
         kv_offload: sizes of the prefix cache's offload tiers (host RAM, disk) below
             the pool, or None for none (:mod:`pagedllm.core.kv_offload`).
+        swap_space: the swap space and preemption mode (:mod:`pagedllm.core.swap_space`);
+            default none, ``config.preemption_mode`` (so swap always falls back to recompute).
 
     Raises:
         ValueError: when ``config.max_model_len`` is None or ``num_kv_blocks`` < 1.
@@ -99,7 +104,7 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int, record_trace: bool = False,
                  kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None, num_kv_events: int = 100,
-                 kv_offload: KVOffloadSpec | None = None) -> None:
+                 kv_offload: KVOffloadSpec | None = None, swap_space: SwapSpace | None = None) -> None:
         if config.max_model_len is None:
             raise ValueError("config.max_model_len must be resolved before building the Scheduler")
         self.config = config
@@ -117,6 +122,8 @@ class Scheduler:
         self.waiting: list[Request] = []  # head first
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
+        self.swap_space = swap_space if swap_space is not None else SwapSpace(0, config.preemption_mode)
+        self._swap_ops = KVTransferOps()  # swap copies decided this step
         self.kv_events = KVEventLog(num_kv_events)  # the last preemptions, prefix hits, evictions
         self.step_trace: list[dict[str, int]] | None = [] if record_trace else None
         self._groups: dict[str, list[Request]] = {}  # parent_id -> unfinished children
@@ -230,6 +237,13 @@ class Scheduler:
         while (can_admit and i < len(self.waiting) and min(budget, prefill_left) > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[i]
+            swapped = self.swap_space.swapped.get(req.request_id)
+            if swapped is not None:  # resumes from the swap space: no prefix lookup
+                if not self._admit_swapped(req, swapped, budget):
+                    break  # head-of-line: waits for memory
+                num_scheduled[req.request_id] = num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                budget -= num_new
+                continue
             donor = None
             if req.parent_id is not None and not self.is_static:
                 donor, is_held = self._find_sibling_donor(req)
@@ -285,6 +299,8 @@ class Scheduler:
         out.preempted_req_ids = {r.request_id for r in preempted}
         if kv.offload is not None:
             out.kv_transfers = kv.offload.take_ops()
+        out.kv_transfers.swap_out, out.kv_transfers.swap_in = self._swap_ops.swap_out, self._swap_ops.swap_in
+        self._swap_ops = KVTransferOps()
         out.finished_req_ids = self._finished_req_ids
         self._finished_req_ids = set()
         if self.step_trace is not None:
@@ -413,6 +429,9 @@ class Scheduler:
         hold blocks, enough to cover their computed tokens; at most max_num_seqs run."""
         kv = self.kv_cache_manager
         kv.check_integrity()
+        self.swap_space.check_integrity()
+        for rid in self.swap_space.swapped:
+            assert self.requests[rid].status == RequestStatus.PREEMPTED, f"{rid} holds swap slots but is not preempted"
         running_ids = [r.request_id for r in self.running]
         waiting_ids = [r.request_id for r in self.waiting]
         counts = Counter(running_ids + waiting_ids)
@@ -510,9 +529,20 @@ class Scheduler:
         return max(self.running, key=lambda r: (r.arrival_time, self._arrival_seq[r.request_id]))
 
     def _preempt(self, req: Request) -> None:
-        """Recompute preemption: free all blocks, keep the output, back to the queue head."""
-        self.kv_events.record(EVENT_PREEMPTED, req.request_id, self.kv_cache_manager.num_held_blocks(req),
-                              req.num_computed_tokens)
+        """Preempt ``req``: by swap (its computed blocks copied to the swap space) when the
+        preemption mode picks it and the space has room, else by recompute; then free all
+        its blocks, keep the output, back to the queue head."""
+        kv = self.kv_cache_manager
+        self.kv_events.record(EVENT_PREEMPTED, req.request_id, kv.num_held_blocks(req), req.num_computed_tokens)
+        mode, num_blocks = "recompute", cdiv(req.num_computed_tokens, self.block_size)
+        if kv.num_groups == 1:  # a sliding-window group's freed blocks cannot be swapped back
+            mode = self.swap_space.choose_mode(req.num_computed_tokens, num_blocks)
+        if mode == PREEMPT_SWAP:
+            slots = self.swap_space.swap_out(req.request_id, num_blocks, req.num_computed_tokens)
+            self._swap_ops.swap_out.extend(zip(kv.get_block_ids(req)[:num_blocks], slots))
+        req.preemption_modes.append(mode)
+        logger.info("request %s preempted by %s: %d tokens computed, %d blocks", req.request_id, mode,
+                    req.num_computed_tokens, kv.num_held_blocks(req))
         self.running.remove(req)
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -526,6 +556,22 @@ class Scheduler:
             bisect.insort(self.waiting, req, key=self._priority_key)
         else:
             self.waiting.insert(0, req)
+
+    def _admit_swapped(self, req: Request, record, budget: int) -> bool:
+        """Admit a swapped-out request: fresh blocks for its swapped tokens (copied back in
+        before the forward) plus this step's tokens. False (nothing changed) without memory."""
+        num_new = min(req.num_tokens - record.num_computed_tokens, budget)
+        block_ids = self._allocate(req, num_new, (), 0, 0, (), record.num_computed_tokens)
+        if block_ids is None:
+            return False
+        self.swap_space.release(req.request_id)
+        self._swap_ops.swap_in.extend(zip(record.slots, block_ids[0]))
+        self._log_admission(req, 0)
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = record.num_computed_tokens
+        self.running.append(req)
+        return True
 
     def _find_sibling_donor(self, req: Request) -> tuple[Request | None, bool]:
         """(a running sibling holding the computed prompt blocks, or None; whether
@@ -574,6 +620,7 @@ class Scheduler:
         rid = req.request_id
         del self.requests[rid]
         del self._arrival_seq[rid]
+        self.swap_space.release(rid)  # aborted while swapped out
         if rid in self._known_to_runner:
             self._known_to_runner.discard(rid)
             self._finished_req_ids.add(rid)

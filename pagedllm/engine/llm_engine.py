@@ -80,7 +80,7 @@ class LLMEngine:
         self.kv_offload_spec = self.runner.initialize_kv_offload()
         self.scheduler = Scheduler(config, self.kv_cache_spec.num_blocks,
                                    kv_cache_groups=self.kv_cache_spec.kv_cache_groups,
-                                   kv_offload=self.kv_offload_spec)
+                                   kv_offload=self.kv_offload_spec, swap_space=self.runner.initialize_swap_space())
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.num_steps = 0
@@ -234,7 +234,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of the requests it advanced."""
         scheduler_output = self.scheduler.schedule()
+        t0 = time.perf_counter()
         runner_output = self._execute(scheduler_output)
+        self._observe_prefill(scheduler_output, runner_output, time.perf_counter() - t0)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         processed = self.output_processor.process(updated, runner_output)
         if processed.stop_string_finished:
@@ -254,6 +256,12 @@ class LLMEngine:
             self.scheduler.reset_runner_state()
             msg = f"{type(e).__name__}: {e}"
             return ModelRunnerOutput(failed={rid: msg for rid in so.num_scheduled_tokens})
+
+    def _observe_prefill(self, so: SchedulerOutput, ro: ModelRunnerOutput, seconds: float) -> None:
+        """Feed the auto preemption mode the cost per token of prefill-heavy steps (at
+        least 32 prompt tokens, so the per-step overhead does not dominate)."""
+        if so.total_num_scheduled_tokens - len(ro.req_ids) >= 32:
+            self.scheduler.swap_space.observe_prefill(seconds, so.total_num_scheduled_tokens)
 
     def _count(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> None:
         self.num_steps += 1

@@ -196,6 +196,7 @@ class OutputProcessor:
         if finished:
             st.metrics.finished_time = now
             st.metrics.num_preemptions = sum(s.request.num_preemptions for s in st.sequences)
+            st.metrics.preemption_modes = [m for s in st.sequences for m in s.request.preemption_modes]
         if delta and not completions and not finished:
             return None
         return RequestOutput(

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -147,14 +148,25 @@ class KVOffloader:
             ``(2, num_blocks, block_size, num_kv_heads, head_dim)``.
         host: the host tier, or None.
         disk: the disk tier, or None.
+        num_swap_blocks: slots of the swap space (host memory, pinned for a GPU pool;
+            ``torch.empty``, so pages are committed only when first written).
     """
 
-    def __init__(self, kv_caches: list[torch.Tensor], host: HostKVTier | None, disk: DiskKVTier | None) -> None:
+    def __init__(self, kv_caches: list[torch.Tensor], host: HostKVTier | None, disk: DiskKVTier | None,
+                 num_swap_blocks: int = 0) -> None:
         self.kv_caches = kv_caches
         self.tiers = {name: t for name, t in ((TIER_HOST, host), (TIER_DISK, disk)) if t is not None}
+        c = kv_caches[0]
+        # (slots, num_kv_tensors, 2, block_size, num_kv_heads, head_dim): one slot = one block
+        self.swap = torch.empty((num_swap_blocks, len(kv_caches), 2, *c.shape[2:]), dtype=c.dtype,
+                                pin_memory=c.is_cuda)
 
     def apply(self, ops: KVTransferOps) -> None:
-        """Saves, then loads, then drops (:mod:`pagedllm.core.kv_offload` says why)."""
+        """Swap-outs, saves, loads, swap-ins, drops: every read of the pool before any
+        write (:class:`KVTransferOps`)."""
+        if ops.swap_out:
+            slots = torch.tensor([s for _, s in ops.swap_out], dtype=torch.int64)
+            self.swap[slots] = self.gather([b for b, _ in ops.swap_out])
         if ops.saves:
             data = self.gather([s.block_id for s in ops.saves])
             for i, s in enumerate(ops.saves):
@@ -164,6 +176,8 @@ class KVOffloader:
                     self.tiers[s.tier].save(s.key, data[i].clone())
         if ops.loads:
             self.scatter([b for _, _, b in ops.loads], [self.tiers[t].load(k) for t, k, _ in ops.loads])
+        if ops.swap_in:
+            self.scatter([b for _, b in ops.swap_in], list(self.swap[[s for s, _ in ops.swap_in]]))
         for tier, key in ops.drops:
             self.tiers[tier].drop(key)
 
@@ -184,21 +198,41 @@ class KVOffloader:
             cache[:, ids] = data[:, j].transpose(0, 1).to(cache.dtype)  # (2, n, bs, kvh, hd)
 
 
+    def measure_copy_bandwidth(self) -> float:
+        """Bytes per second of a block round trip pool → swap space → pool (timed on up to
+        32 blocks; 0.0 without a swap space). Leaves the pool unchanged."""
+        n = min(32, len(self.swap), self.kv_caches[0].shape[1])
+        if n == 0:
+            return 0.0
+        ids = list(range(n))
+        self.scatter(ids, list(self.gather(ids)))  # warm-up (and a no-op on the data)
+        t0 = time.perf_counter()
+        data = self.gather(ids)
+        self.swap[:n] = data
+        self.scatter(ids, list(self.swap[:n]))
+        if self.kv_caches[0].is_cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        return 2 * data.numel() * data.element_size() / max(seconds, 1e-9)
+
+
 def build_kv_offload(config, kv_caches: list[torch.Tensor], bytes_per_block: int, num_groups: int,
                      identity: dict[str, str]) -> tuple[KVOffloadSpec, KVOffloader | None]:
     """The tiers ``config`` asks for (``kv_offload_memory``, ``kv_offload_dir``,
-    ``kv_offload_disk_space``), sized in blocks of ``bytes_per_block`` bytes.
+    ``kv_offload_disk_space``) and the swap space (``swap_space`` unless
+    ``preemption_mode`` is recompute), sized in blocks of ``bytes_per_block`` bytes.
 
     Tiers need prefix caching and a single KV-cache group; otherwise they are off (with a
     warning when asked for). Raises ValueError for an unwritable ``kv_offload_dir``.
     """
+    num_swap = config.swap_space_bytes // bytes_per_block if config.preemption_mode != "recompute" else 0
     wanted = config.kv_offload_memory is not None or config.kv_offload_dir is not None
-    if not wanted:
-        return KVOffloadSpec(), None
-    if not config.enable_prefix_caching or num_groups != 1:
+    if wanted and (not config.enable_prefix_caching or num_groups != 1):
         logger.warning("KV offload tiers are off: they need prefix caching on and a model without "
                        "sliding-window layers (one KV-cache group)")
-        return KVOffloadSpec(), None
+        wanted = False
+    if not wanted:
+        return KVOffloadSpec(), KVOffloader(kv_caches, None, None, num_swap) if num_swap else None
     num_host = config.kv_offload_memory_bytes // bytes_per_block if config.kv_offload_memory is not None else 0
     host = HostKVTier(pin=kv_caches[0].is_cuda) if num_host else None
     disk, num_disk, entries = None, 0, ()
@@ -211,4 +245,4 @@ def build_kv_offload(config, kv_caches: list[torch.Tensor], bytes_per_block: int
     spec = KVOffloadSpec(num_host, num_disk, entries)
     logger.info("KV offload: host tier %d blocks, disk tier %d blocks%s", num_host, num_disk,
                 f" in {config.kv_offload_dir}" if disk is not None else "")
-    return spec, KVOffloader(kv_caches, host, disk) if spec.is_enabled else None
+    return spec, KVOffloader(kv_caches, host, disk, num_swap) if spec.is_enabled or num_swap else None

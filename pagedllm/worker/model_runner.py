@@ -38,6 +38,7 @@ from pagedllm.attention.backend import AttentionMetadata, set_forward_context
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_groups import layers_per_block, make_kv_cache_groups
 from pagedllm.core.kv_offload import KVOffloadSpec
+from pagedllm.core.swap_space import SwapSpace
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.loader.model_files import ModelFiles
 from pagedllm.sampling_params import SamplingParams
@@ -315,6 +316,16 @@ class ModelRunner:
         spec, self.kv_offloader = build_kv_offload(self.config, self.kv_caches, self.bytes_per_block(),
                                                    len(self.kv_cache_groups), identity)
         return spec
+
+    def initialize_swap_space(self) -> SwapSpace:
+        """The swap space's index for the scheduler (after :meth:`initialize_kv_offload`):
+        its slots, the preemption mode, bytes per block and the measured copy bandwidth."""
+        num_slots = len(self.kv_offloader.swap) if self.kv_offloader is not None else 0
+        bandwidth = self.kv_offloader.measure_copy_bandwidth() if num_slots else 0.0
+        if num_slots:
+            logger.info("swap space: %d blocks (%s), copy bandwidth %.2f GB/s", num_slots,
+                        format_bytes(num_slots * self.bytes_per_block()), bandwidth / 1e9)
+        return SwapSpace(num_slots, self.config.preemption_mode, self.bytes_per_block(), bandwidth)
 
     # ------------------------------------------------------------------ request state
     def reset_state(self) -> None:

@@ -74,14 +74,20 @@ class FakeRunner:
     slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (group, token id) whose "K/V" is there
     # offload tiers' "bytes": tier -> block hash -> the block's slot contents (saved from the pool)
     tiers: dict[str, dict[bytes, list]] = field(default_factory=dict)
+    swap: dict[int, list] = field(default_factory=dict)  # swap slot -> a swapped block's slot contents
 
     def apply_transfers(self, so: SchedulerOutput) -> None:
-        """Saves, loads, drops, in the order the runner performs them (core/kv_offload.py)."""
+        """Swap-outs, saves, loads, swap-ins, drops: the runner's order (KVTransferOps)."""
         bs, ops = self.scheduler.block_size, so.kv_transfers
+        for block_id, slot in ops.swap_out:
+            self.swap[slot] = [self.slots.get(block_id * bs + o) for o in range(bs)]
         for s in ops.saves:
             self.tiers.setdefault(s.tier, {})[s.key] = [self.slots.get(s.block_id * bs + o) for o in range(bs)]
         for tier, key, block_id in ops.loads:
             for o, got in enumerate(self.tiers[tier][key]):  # KeyError: a load of data never saved
+                self.slots[block_id * bs + o] = got
+        for slot, block_id in ops.swap_in:
+            for o, got in enumerate(self.swap.pop(slot)):  # KeyError: a swap-in of a slot never written
                 self.slots[block_id * bs + o] = got
         for tier, key in ops.drops:
             del self.tiers[tier][key]  # KeyError: a drop of an entry the tier never held
