@@ -102,6 +102,7 @@ class FakeEngine:
         self.step_thread: threading.Thread | None = None
         self.stats = FakeStats(num_total_blocks=num_blocks, num_free_blocks=num_blocks)
         self.prompt_seen: list[list[int]] = []
+        self.added_at_step: list[int] = []  # engine steps run before each add_request
 
     # ---- prompts
     def tokenize_prompt(self, prompt) -> list[int]:
@@ -142,6 +143,7 @@ class FakeEngine:
         self.requests[request_id] = req
         self.order.append(request_id)
         self.prompt_seen.append(ids)
+        self.added_at_step.append(self.stats.num_steps)
         return request_id
 
     def abort_request(self, request_ids) -> None:
@@ -480,3 +482,25 @@ def test_batch_add_is_all_or_nothing_and_names_the_prompt():
 
     left, texts, active = run(main())
     assert left == {} and texts == ["abcd", "abcd"] and active == 0
+
+
+def test_cancelled_batch_add_leaves_nothing_behind():
+    async def main():
+        fake = FakeEngine(step_s=0.01, max_model_len=512)
+        eng = AsyncLLMEngine(fake, stats_log_interval_s=0)
+        eng.start()
+        params = SamplingParams(max_tokens=300)
+        task = asyncio.ensure_future(eng.add_requests("c", [EngineInput("a")] * 50, params))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not fake.requests:
+                break
+        await _stop(eng)
+        return fake
+
+    fake = run(main())
+    assert fake.requests == {} and fake.used_blocks() == 0

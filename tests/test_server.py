@@ -20,6 +20,7 @@ import uvicorn
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.api_server import add_server_args, build_app, resolve_api_key
+from pagedllm.entrypoints.openai.lifecycle import DrainingServer
 from pagedllm.metrics import EngineMetrics
 from test_async_engine import FakeEngine
 
@@ -27,16 +28,22 @@ MODEL = "fake-model"
 
 
 class ServerThread:
-    """uvicorn serving ``app`` in a background thread on a free loopback port (context manager)."""
+    """uvicorn serving ``app`` in a background thread on a free loopback port (context manager).
 
-    def __init__(self, app) -> None:
+    With ``drain_timeout_s`` the server is a DrainingServer (``server.handle_exit`` drains).
+    """
+
+    def __init__(self, app, drain_timeout_s: float | None = None) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
+        if drain_timeout_s is None:
+            self.server = uvicorn.Server(config)
+        else:
+            self.server = DrainingServer(config, app.state.engine, app.state.in_flight, drain_timeout_s)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> "ServerThread":
@@ -54,10 +61,11 @@ class ServerThread:
         self.sock.close()
 
 
-def make_server(fake: FakeEngine | None = None, **kwargs) -> tuple[ServerThread, FakeEngine]:
+def make_server(fake: FakeEngine | None = None, drain_timeout_s: float | None = None,
+                **kwargs) -> tuple[ServerThread, FakeEngine]:
     fake = fake or FakeEngine()
     engine = AsyncLLMEngine(fake, metrics=EngineMetrics(MODEL), stats_log_interval_s=0)
-    return ServerThread(build_app(engine, [MODEL], **kwargs)), fake
+    return ServerThread(build_app(engine, [MODEL], **kwargs), drain_timeout_s), fake
 
 
 @pytest.fixture(scope="module")
@@ -319,6 +327,11 @@ def test_api_key_required_when_configured(monkeypatch):
         assert_error(c.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}), 401)
         assert_error(c.post("/v1/completions", content=b"{bad", headers={"Authorization": "Bearer nope"}), 401)
         assert c.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekret"}).status_code == 200
+        for scheme in ("bearer", "BEARER", "BeArEr"):  # the scheme is case-insensitive, the key is not
+            r = c.post("/v1/completions", json=body, headers={"Authorization": f"{scheme} sekret"})
+            assert r.status_code == 200
+        assert_error(c.post("/v1/completions", json=body, headers={"Authorization": "Bearer SEKRET"}), 401)
+        assert c.post("/v1/completions", json=body).headers["www-authenticate"] == "Bearer"
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
     parser = add_server_args(argparse.ArgumentParser())
     args = parser.parse_args(["m.gguf", "--port", "0", "--served-model-name", "a", "b", "--num-kv-blocks", "8",
@@ -353,7 +366,7 @@ def test_backpressure_503_beyond_max_waiting_requests():
             time.sleep(0.1)
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1})
         err = assert_error(r, 503)
-        assert "max_waiting_requests" in err["message"]
+        assert "max_waiting_requests" in err["message"] and int(r.headers["retry-after"]) > 0
         for t in threads:
             t.join()
         assert [results[i].status_code for i in range(2)] == [200, 200]
@@ -449,3 +462,144 @@ def test_client_request_id_is_a_label_retry_and_lookalikes_served():
             chat = c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "request_id": "x",
                                                         "messages": [{"role": "user", "content": "q"}]})
             assert chat.status_code == 200 and chat.json()["id"] == "x"
+
+
+# ---------------------------------------------------------------------------- the server as clients found it
+def test_multi_prompt_request_disconnect_aborts_every_prompt_and_prompt_limit():
+    srv, fake = make_server(FakeEngine(step_s=0.01, max_model_len=512, max_num_seqs=4), max_prompts_per_request=40)
+    with srv:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": ["a"] * 40, "max_tokens": 300},
+                       timeout=0.3)
+        assert fake.requests
+        t0 = time.monotonic()
+        while fake.requests and time.monotonic() - t0 < 3.0:
+            time.sleep(0.01)
+        assert not fake.requests and fake.used_blocks() == 0
+        err = assert_error(httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": ["a"] * 41}),
+                           400, "prompt")
+        assert "41" in err["message"] and "40" in err["message"]
+
+
+def test_prompts_of_one_request_are_admitted_together(server, client):
+    before = len(server.fake.added_at_step)
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"] * 16, "max_tokens": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 32
+    assert len(set(server.fake.added_at_step[before:])) == 1  # no engine step between two of them
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs(client):
+    body = {"model": MODEL, "prompt": ["hi", "yo"], "max_tokens": 0, "echo": True, "logprobs": 0}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["text"] for c in choices] == ["hi", "yo"] and {c["finish_reason"] for c in choices} == {"length"}
+    assert choices[0]["logprobs"]["tokens"] == ["h", "i"]
+    assert choices[0]["logprobs"]["token_logprobs"] == [None, -2.0]
+    assert r.json()["usage"]["completion_tokens"] == 0
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        events = sse_events(s.read().decode())
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == 1) == "yo"
+    assert_error(client.post("/v1/completions", json={**body, "echo": False}), 400, "max_tokens")
+
+
+def test_sigterm_drains_then_ends_streams_in_band(caplog):
+    srv, fake = make_server(FakeEngine(step_s=0.01, max_model_len=2048), drain_timeout_s=0.5)
+    results: dict[str, list[str]] = {}
+
+    def stream(name: str, max_tokens: int) -> None:
+        body = {"model": MODEL, "prompt": "a", "max_tokens": max_tokens, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=10) as r:
+            results[name] = sse_events(r.read().decode())
+
+    with srv, httpx.Client(base_url=srv.url, timeout=10) as c:
+        threads = [threading.Thread(target=stream, args=(f"long{i}", 2000)) for i in range(2)]
+        threads.append(threading.Thread(target=stream, args=("short", 20)))
+        for t in threads:
+            t.start()
+        while len(fake.requests) < 3:
+            time.sleep(0.01)
+        srv.server.handle_exit(15, None)  # what SIGTERM does
+        err = assert_error(c.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1}), 503)
+        assert "shutting down" in err["message"]
+        r = c.get("/health")
+        assert r.status_code == 503 and int(r.headers["retry-after"]) > 0
+        for t in threads:
+            t.join(10)
+        srv.thread.join(10)
+        assert not srv.thread.is_alive()
+    assert results["short"][-1] == "[DONE]" and "error" not in results["short"][-2]
+    for name in ("long0", "long1"):
+        *body, error, done = results[name]
+        assert done == "[DONE]" and json.loads(error)["error"]["code"] == 503, results[name][-3:]
+        assert "shutting down" in json.loads(error)["error"]["message"] and body
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+_SERVE_FAKE = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_async_engine import FakeEngine
+from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai.api_server import build_app, serve_app
+engine = AsyncLLMEngine(FakeEngine(step_s=0.01, max_model_len=4096), stats_log_interval_s=0)
+serve_app(build_app(engine, ["fake-model"]), "127.0.0.1", {port}, "info", drain_timeout_s=0.3)
+"""
+
+
+def test_sigint_in_a_real_process_ends_streams_without_tracebacks(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    script = _SERVE_FAKE.format(tests=os.path.dirname(__file__), port=port)
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+        results = []
+        started = threading.Semaphore(0)
+
+        def stream() -> None:
+            body = {"model": MODEL, "prompt": "a", "max_tokens": 4000, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=20) as r:
+                chunks = r.iter_text()
+                first = next(chunks)
+                started.release()
+                results.append(sse_events(first + "".join(chunks)))
+
+        threads = [threading.Thread(target=stream) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for _ in threads:
+            assert started.acquire(timeout=20)
+        proc.send_signal(signal.SIGINT)
+        for t in threads:
+            t.join(20)
+        _, stderr = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert len(results) == 4, stderr[-3000:]
+    for events in results:
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 503
+    assert "Traceback" not in stderr and "CancelledError" not in stderr, stderr[-3000:]
+    assert proc.returncode == 0
+
+
+def test_wrong_method_is_405_with_allow(client):
+    r = client.get("/v1/completions")
+    assert_error(r, 405)
+    assert r.headers["allow"] == "POST"

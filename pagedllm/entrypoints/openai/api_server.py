@@ -23,7 +23,7 @@ import contextlib
 import hmac
 import logging
 import os
-from typing import Any
+from typing import Any, Awaitable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,7 +38,8 @@ from pagedllm.entrypoints.openai.kv_map import KV_PAGE_PATH, add_kv_map_routes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     TokenizeRequest, TokenizeResponse)
-from pagedllm.entrypoints.openai.serving_base import ClientDisconnected, json_response
+from pagedllm.entrypoints.openai.lifecycle import DrainingServer, InFlight, InFlightMiddleware
+from pagedllm.entrypoints.openai.serving_base import ClientDisconnected, json_response, until_disconnected
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.metrics import CONTENT_TYPE_LATEST
@@ -47,27 +48,32 @@ logger = logging.getLogger("pagedllm.server")
 
 _OPEN_PATHS = ("/health", "/metrics", "/version")  # probes and scrapers need no key
 _OPEN_PAGES = (KV_PAGE_PATH,)  # exact paths: pages without data (their data routes need the key)
+DEFAULT_MAX_PROMPTS = 1024
 _REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
 
 
 class APIKeyMiddleware:
     """Pure-ASGI check of ``Authorization: Bearer <key>`` (streaming-safe, unlike BaseHTTPMiddleware).
 
-    Runs before the body is read, so a wrong key gets 401 whatever the body holds.
+    Runs before the body is read, so a wrong key gets 401 whatever the body holds. The
+    scheme name is case-insensitive (RFC 9110 section 11.1); the key is compared in
+    constant time.
     """
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
+
+    def _is_authorized(self, scope: dict) -> bool:
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if (scope["type"] == "http" and scope["method"] != "OPTIONS" and not scope["path"].startswith(_OPEN_PATHS)
-                and scope["path"] not in _OPEN_PAGES):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'")
-                await response(scope, receive, send)
-                return
+                and scope["path"] not in _OPEN_PAGES and not self._is_authorized(scope)):
+            response = error_response(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'")
+            await response(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -90,7 +96,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None, *, api_key: str | None = None,
-              chat_template: str | None = None, max_n: int = 16, enable_kv_map: bool = True) -> FastAPI:
+              chat_template: str | None = None, max_n: int = 16, enable_kv_map: bool = True,
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS) -> FastAPI:
     """The FastAPI app serving ``engine`` (started in the app's lifespan, stopped at its end).
 
     Args:
@@ -100,9 +107,12 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
         chat_template: Jinja chat template overriding the model's.
         max_n: largest ``n`` per request.
         enable_kv_map: serve the live KV-cache map at ``/kv`` and ``/kv/state``.
+        max_prompts_per_request: most prompts in one completions request (400 beyond).
+
+    ``app.state.in_flight`` counts requests in flight; :class:`DrainingServer` drains with it.
     """
     names = list(served_model_names or [engine.model_name])
-    completions = OpenAIServingCompletion(engine, names, max_n=max_n)
+    completions = OpenAIServingCompletion(engine, names, max_n=max_n, max_prompts=max_prompts_per_request)
     chat = OpenAIServingChat(engine, names, max_n=max_n, chat_template=chat_template)
 
     @contextlib.asynccontextmanager
@@ -115,6 +125,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     app.state.engine = engine
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.state.in_flight = InFlight()
+    app.add_middleware(InFlightMiddleware, state=app.state.in_flight)  # outermost: 503 while draining
 
     # ------------------------------------------------------------------ error handlers
     @app.exception_handler(APIError)
@@ -128,7 +140,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)  # 405 keeps its Allow
 
     @app.exception_handler(Exception)
     async def _any_error(_: Request, exc: Exception) -> JSONResponse:
@@ -137,10 +149,11 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
             logger.exception("unhandled error", exc_info=exc)
         return error_response(err.status, err.message, err.param)
 
-    async def handle(coro) -> Response:
-        """Run a handler; map its exceptions to OpenAI error responses (never a traceback)."""
+    async def handle(coro: Awaitable[Response], raw_request: Request | None = None) -> Response:
+        """Run a handler until done or the client leaves; map its exceptions to OpenAI error
+        responses (never a traceback)."""
         try:
-            return await coro
+            return await until_disconnected(coro, raw_request)
         except ClientDisconnected:
             logger.info("client disconnected; its request was aborted")
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
@@ -153,11 +166,11 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     # ------------------------------------------------------------------ routes
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
-        return await handle(completions.create_completion(body, raw_request))
+        return await handle(completions.create_completion(body), raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await handle(chat.create_chat_completion(body, raw_request))
+        return await handle(chat.create_chat_completion(body), raw_request)
 
     @app.get("/v1/models")
     async def list_models() -> Response:
@@ -241,6 +254,10 @@ def add_server_args(parser: argparse.ArgumentParser, include_engine_args: bool =
                        help="model name(s) clients use in 'model' (default: the model argument)")
     group.add_argument("--chat-template", default=None, help="file with a Jinja chat template overriding the model's")
     group.add_argument("--max-n", type=int, default=16, help="largest n (samples per request) accepted (default: 16)")
+    group.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS,
+                       help=f"most prompts in one completions request (default: {DEFAULT_MAX_PROMPTS})")
+    group.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="seconds requests in flight may take to finish after SIGINT/SIGTERM (default: 30)")
     group.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     group.add_argument("--stats-log-interval", type=float, default=10.0,
                        help="seconds between engine status log lines, 0 = off (default: 10)")
@@ -269,7 +286,8 @@ def build_app_from_args(args: argparse.Namespace) -> FastAPI:
         with open(args.chat_template, encoding="utf-8") as f:
             chat_template = f.read()
     return build_app(async_engine, names, api_key=resolve_api_key(args), chat_template=chat_template,
-                     max_n=args.max_n, enable_kv_map=not args.disable_kv_map)
+                     max_n=args.max_n, enable_kv_map=not args.disable_kv_map,
+                     max_prompts_per_request=args.max_prompts_per_request)
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:
@@ -279,14 +297,20 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
 
 def run_server(args: argparse.Namespace) -> None:
     """Load the model and serve until interrupted (blocking). Raises ValueError on bad options."""
-    import uvicorn
-
     level = str(getattr(args, "log_level", "info")).lower()
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("pagedllm").setLevel(level.upper())
     app = build_app_from_args(args)
     logger.info("serving %s on http://%s:%d", args.served_model_name or args.model, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=level, timeout_graceful_shutdown=5)
+    serve_app(app, args.host, args.port, level, args.drain_timeout)
+
+
+def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info", drain_timeout_s: float = 30.0) -> None:
+    """Serve an app from :func:`build_app` until SIGINT/SIGTERM, then drain (blocking)."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    DrainingServer(config, app.state.engine, app.state.in_flight, drain_timeout_s).run()
 
 
 def main(argv: list[str] | None = None) -> None:

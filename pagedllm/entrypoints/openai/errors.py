@@ -39,8 +39,19 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
                       "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+# Seconds a client should wait before retrying a 503 (overload, shutdown, engine down).
+RETRY_AFTER_S = 5
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """The JSON error response; a 503 carries ``Retry-After``, a 401 ``WWW-Authenticate``."""
+    headers = dict(headers or {})
+    if status == 503:
+        headers.setdefault("Retry-After", str(RETRY_AFTER_S))
+    elif status == 401:
+        headers.setdefault("WWW-Authenticate", "Bearer")
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def sse_error(status: int, message: str, param: str | None = None) -> str:

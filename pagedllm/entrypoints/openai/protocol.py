@@ -141,6 +141,11 @@ class CompletionRequest(_Request):
     prompt_logprobs: int | None = None
     add_special_tokens: bool = True
 
+    @property
+    def is_prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: return the prompt (and its logprobs), generate nothing."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self) -> SamplingParams:
         """SamplingParams of this request (raises ValueError naming the field)."""
         if self.suffix:
@@ -148,7 +153,7 @@ class CompletionRequest(_Request):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n ({self.n}) when given; got {self.best_of}")
         kw = self._sampling_kwargs()
-        kw["max_tokens"] = self.max_tokens
+        kw["max_tokens"] = 1 if self.is_prompt_only else self.max_tokens  # the one token is dropped
         kw["logprobs"] = self.logprobs
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:

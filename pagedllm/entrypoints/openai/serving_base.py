@@ -4,9 +4,10 @@ token strings for logprobs, SSE framing, and collecting final outputs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, Awaitable
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -75,37 +76,41 @@ class OpenAIServing:
         """Add one engine request per prompt, all admitted together (or none)."""
         return await self.engine.add_requests(label, prompts, params, priority=priority)
 
-    async def collect_final(self, streams: list[RequestStream], raw_request: Request | None
-                            ) -> list[RequestOutput]:
-        """Wait for the final output of every stream; abort all if the client disconnects.
+    @staticmethod
+    async def collect_final(streams: list[RequestStream]) -> list[RequestOutput]:
+        """Wait for the final output of every stream (all are aborted if this is cancelled).
 
-        Raises ClientDisconnected, EngineDeadError, or APIError(500) when a request failed
-        inside the engine.
+        Raises EngineDeadError, or APIError(500) when a request failed inside the engine.
         """
         finals: list[RequestOutput | None] = [None] * len(streams)
-
-        async def consume() -> None:
-            async for i, out in merge_streams(streams):
-                finals[i] = out
-
-        task = asyncio.ensure_future(consume())
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-                if done:
-                    break
-                if raw_request is not None and await raw_request.is_disconnected():
-                    raise ClientDisconnected()
-            task.result()
-        finally:
-            if not task.done():
-                task.cancel()
-            for s in streams:
-                s.abort()
+        async for i, out in merge_streams(streams):
+            finals[i] = out
         for out in finals:
             if out is not None:
                 raise_if_failed(out)
         return [out for out in finals if out is not None]
+
+
+async def until_disconnected(coro: Awaitable[Response], raw_request: Request | None) -> Response:
+    """Await ``coro``, cancelling it when the HTTP client goes away (checked every 0.5 s).
+
+    Cancellation reaches every stage of a request: prompts queued for the engine are
+    aborted behind their add, accepted ones are aborted when their streams close.
+    Raises ClientDisconnected in that case.
+    """
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if raw_request is not None and await raw_request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
 
 def sse(payload: str) -> str:
@@ -147,6 +152,8 @@ def stream_error_event(exc: BaseException) -> str:
     from pagedllm.entrypoints.openai.errors import sse_error
 
     err = to_api_error(exc)
-    if err.status >= 500:
-        logger.error("stream failed: %s", exc, exc_info=exc if err.status == 500 else None)
+    if err.status == 500:
+        logger.error("stream failed: %s", exc, exc_info=exc)
+    elif err.status > 500:
+        logger.warning("stream ended: %s", err.message)
     return sse_error(err.status, err.message, err.param)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator
 
-from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from pagedllm.entrypoints.openai.protocol import (
@@ -58,8 +57,7 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
 
-    async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request | None = None
-                                     ) -> Response:
+    async def create_chat_completion(self, req: ChatCompletionRequest) -> Response:
         """Validate, submit and answer one chat request (JSON or SSE). Raises APIError."""
         self.check_model(req.model)
         self.check_n(req.n)
@@ -73,7 +71,7 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream:
             return StreamingResponse(guarded_sse(self._events(req, request_id, created, streams), streams),
                                      media_type="text/event-stream")
-        (final,) = await self.collect_final(streams, raw_request)
+        (final,) = await self.collect_final(streams)
         return json_response(self._response(req, request_id, created, final))
 
     def _response(self, req: ChatCompletionRequest, request_id: str, created: int, out: RequestOutput

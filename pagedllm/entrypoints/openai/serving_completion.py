@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator
 
-from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from pagedllm.engine.async_engine import EngineInput
@@ -34,9 +33,16 @@ from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    """Handler of ``/v1/completions``."""
+    """Handler of ``/v1/completions``.
 
-    async def create_completion(self, req: CompletionRequest, raw_request: Request | None = None) -> Response:
+    Args (beyond OpenAIServing's): max_prompts: most prompts in one request (400 beyond).
+    """
+
+    def __init__(self, *args: Any, max_prompts: int = 1024, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_prompts = max_prompts
+
+    async def create_completion(self, req: CompletionRequest) -> Response:
         """Validate, submit and answer one completions request (JSON or SSE).
 
         Raises APIError (404 unknown model, 400 invalid input, 503 overloaded or engine
@@ -52,7 +58,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream:
             return StreamingResponse(guarded_sse(self._events(req, request_id, created, streams, prompts), streams),
                                      media_type="text/event-stream")
-        finals = await self.collect_final(streams, raw_request)
+        finals = await self.collect_final(streams)
         return json_response(self._response(req, request_id, created, finals, prompts))
 
     async def _engine_prompts(self, req: CompletionRequest) -> list[EngineInput]:
@@ -62,6 +68,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if not p:
             raise APIError(400, "prompt must not be empty", "prompt")
         items: list[Any] = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+        if len(items) > self.max_prompts:
+            raise APIError(400, f"prompt has {len(items)} prompts; at most {self.max_prompts} per request "
+                                "(server option --max-prompts-per-request)", "prompt")
         if not req.add_special_tokens:
             texts = [item for item in items if isinstance(item, str)]
             encoded = iter(await self.engine.call(
@@ -79,7 +88,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_text = self._prompt_text(out, prompts[i].prompt_text)
             num_prompt += len(out.prompt_token_ids)
             num_cached += out.num_cached_tokens
-            for c in out.outputs:
+            for c in self._visible(req, out.outputs):
                 num_completion += len(c.token_ids)
                 text = (prompt_text + c.text) if req.echo else c.text
                 logprobs = None
@@ -93,6 +102,13 @@ class OpenAIServingCompletion(OpenAIServing):
         choices.sort(key=lambda ch: ch.index)
         return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                   usage=make_usage(num_prompt, num_completion, num_cached))
+
+    @staticmethod
+    def _visible(req: CompletionRequest, outputs: list[CompletionOutput]) -> list[CompletionOutput]:
+        """The completions to report: without their generated token when the request is prompt-only."""
+        if not req.is_prompt_only:
+            return outputs
+        return [CompletionOutput(c.index, "", [], None, [], "length" if c.finished() else None) for c in outputs]
 
     def _prompt_text(self, out: RequestOutput, given: str | None) -> str:
         if given is not None:
@@ -149,7 +165,7 @@ class OpenAIServingCompletion(OpenAIServing):
             num_prompt[i] = len(out.prompt_token_ids)
             num_cached[i] = out.num_cached_tokens
             choices = []
-            for c in out.outputs:
+            for c in self._visible(req, out.outputs):
                 index = i * n + c.index
                 num_completion += len(c.token_ids)
                 choices.append(self._stream_choice(req, out, c, index, prompts[i].prompt_text, started, offsets))
