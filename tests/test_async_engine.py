@@ -116,11 +116,13 @@ class FakeEngine:
             raise ValueError(f"prompt contains token id {bad[0]}, outside the vocabulary (size {self.vocab_size})")
         return ids
 
-    def apply_chat_template(self, conversation, add_generation_prompt=True, chat_template=None) -> list[int]:
+    def apply_chat_template(self, conversation, add_generation_prompt=True, chat_template=None,
+                            continue_final_message=False) -> list[int]:
         from pagedllm.engine.chat import normalize_conversation
 
         msgs = normalize_conversation(conversation)
         self.last_chat_template = chat_template
+        self.last_continue_final_message = continue_final_message
         text = "".join(f"[{m['role']}]{m['content']}" for m in msgs) + ("[assistant]" if add_generation_prompt else "")
         return [1] + self.tokenizer.encode(text)
 

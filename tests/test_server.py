@@ -603,3 +603,82 @@ def test_wrong_method_is_405_with_allow(client):
     r = client.get("/v1/completions")
     assert_error(r, 405)
     assert r.headers["allow"] == "POST"
+
+
+# ---------------------------------------------------------------------------- the request contract
+_USER = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 3, "stream_options": {"include_usage": True}},
+     "stream_options"),
+    ("/v1/chat/completions", {"messages": _USER, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": "a", "suffix": "b"}, "suffix"),
+    ("/v1/completions", {"prompt": "a", "use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"prompt": "a", "length_penalty": 0.5}, "length_penalty"),
+    ("/v1/completions", {"prompt": "a", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "a", "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": "a", "guided_regex": "a+"}, "guided_regex"),
+    ("/v1/completions", {"prompt": "a", "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": "a", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"500": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [500]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "a", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": _USER, "continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"messages": _USER, "tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": _USER, "echo": True}, "echo"),
+    ("/v1/chat/completions", {"messages": _USER, "store": True}, "store"),
+    ("/v1/chat/completions", {"messages": _USER, "modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/chat/completions", {"messages": _USER, "reasoning_effort": "high"}, "reasoning_effort"),
+    ("/v1/chat/completions", {"messages": _USER, "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": _USER, "documents": [{"text": "d"}]}, "documents"),
+    ("/v1/chat/completions", {"messages": _USER, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ("/tokenize", {"messages": _USER, "continue_final_message": True}, "continue_final_message"),
+])
+def test_fields_that_cannot_be_honoured_are_refused_by_name(client, path, body, param):
+    assert_error(client.post(path, json={"model": MODEL, **body}), 400, param)
+
+
+def test_off_values_of_unsupported_fields_and_user_are_accepted(client):
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 1, "suffix": "", "use_beam_search": False,
+            "length_penalty": 1.0, "best_of": 1, "user": "u-1", "response_format": {"type": "text"}}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    chat = {"model": MODEL, "messages": _USER, "max_tokens": 1, "echo": False, "store": False,
+            "modalities": ["text"], "tool_choice": "none", "parallel_tool_calls": True, "user": "u-1"}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_unknown_fields_are_ignored_and_logged_once_per_name(client, caplog):
+    caplog.set_level("WARNING", logger="pagedllm.server")
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 1, "frobnicate_7": 1}
+    for _ in range(2):
+        assert client.post("/v1/completions", json=body).status_code == 200
+    assert client.post("/v1/chat/completions", json={"model": MODEL, "messages": _USER, "max_tokens": 1,
+                                                     "frobnicate_7": 2}).status_code == 200
+    warnings = [r.getMessage() for r in caplog.records if "frobnicate_7" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("ignoring unknown request field")
+
+
+def test_prompt_logprobs_in_completions_and_chat(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1, "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text
+    lps = r.json()["choices"][0]["prompt_logprobs"]
+    assert lps == [None, {str(ord("i")): {"logprob": -2.0, "rank": 1, "decoded_token": "i"}}]
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}
+                       ).json()["choices"][0]["prompt_logprobs"] is None
+    chat = client.post("/v1/chat/completions", json={"model": MODEL, "messages": _USER, "max_tokens": 1,
+                                                     "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+def test_continue_final_message_reaches_the_template(server, client):
+    msgs = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "one,"}]
+    body = {"model": MODEL, "messages": msgs, "add_generation_prompt": False, "continue_final_message": True,
+            "max_tokens": 2}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert server.fake.last_continue_final_message is True
+    assert client.post("/tokenize", json=body).status_code == 200
+    assert server.fake.last_continue_final_message is True
+    assert client.post("/v1/chat/completions", json={**body, "continue_final_message": False}).status_code == 200
+    assert server.fake.last_continue_final_message is False

@@ -33,6 +33,8 @@ MAX_MODEL_LEN = 256
 PROMPTS = ["The capital of France is", "Once upon a time, there was a little"]
 CHAT = [{"role": "user", "content": "What is 2+2? Answer briefly."}]
 MAX_TOKENS = 12
+CONTINUE = [{"role": "user", "content": "Count from one to ten in words."},
+            {"role": "assistant", "content": "one, two, three,"}]
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
@@ -45,6 +47,10 @@ def served(smollm2_path):
     refs = {
         "completions": llm.generate(PROMPTS, greedy, use_tqdm=False),
         "chat": llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)[0],
+        "continue": llm.chat(CONTINUE, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False,
+                             add_generation_prompt=False, continue_final_message=True)[0],
+        "prompt_logprobs": llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1),
+                                        use_tqdm=False)[0],
     }
     engine = AsyncLLMEngine(llm.llm_engine, metrics=EngineMetrics(MODEL), stats_log_interval_s=0)
     with ServerThread(build_app(engine, [MODEL], api_key=API_KEY)) as srv:
@@ -363,3 +369,32 @@ def test_model_fault_gives_errors_and_health_503_then_recovers(served, http):  #
         runner.execute_model = original
     assert http.get("/health").status_code == 200  # the probe succeeds again
     assert http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_continue_final_message_over_http_equals_offline(http, served):
+    """The rendered prompt ends inside the assistant message and the model continues it."""
+    body = {"model": MODEL, "messages": CONTINUE, "add_generation_prompt": False, "continue_final_message": True}
+    tokens = http.post("/tokenize", json=body).json()["tokens"]
+    assert served.llm.get_tokenizer().decode(tokens).endswith("three,")
+    r = http.post("/v1/chat/completions", json={**body, "max_tokens": 12, "temperature": 0})
+    ref = served.refs["continue"].outputs[0]
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ref.text
+    assert len(ref.token_ids) == 12
+    both = http.post("/v1/chat/completions", json={**body, "add_generation_prompt": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
+def test_prompt_logprobs_over_http_equal_offline(http, served):
+    ref = served.refs["prompt_logprobs"]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1, "temperature": 0,
+                                           "prompt_logprobs": 1})
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(ref.prompt_token_ids) and got[0] is None and ref.prompt_logprobs[0] is None
+    for entry, want in zip(got[1:], ref.prompt_logprobs[1:]):
+        assert {int(t) for t in entry} == set(want)
+        for t, lp in want.items():
+            assert entry[str(t)]["logprob"] == pytest.approx(lp.logprob, abs=1e-4)
+            assert entry[str(t)]["rank"] == lp.rank
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1,
+                                                   "prompt_logprobs": 1}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]

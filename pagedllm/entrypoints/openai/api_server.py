@@ -27,7 +27,7 @@ from typing import Any, Awaitable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
@@ -36,8 +36,9 @@ from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, Engine
 from pagedllm.entrypoints.openai.errors import APIError, error_response, to_api_error
 from pagedllm.entrypoints.openai.kv_map import KV_PAGE_PATH, add_kv_map_routes
 from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-    TokenizeRequest, TokenizeResponse)
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
+    DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionResponse)
+from pagedllm.entrypoints.openai.openapi import errors, finish_document, json_or_sse
 from pagedllm.entrypoints.openai.lifecycle import DrainingServer, InFlight, InFlightMiddleware
 from pagedllm.entrypoints.openai.serving_base import ClientDisconnected, json_response, until_disconnected
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -46,7 +47,7 @@ from pagedllm.metrics import CONTENT_TYPE_LATEST
 
 logger = logging.getLogger("pagedllm.server")
 
-_OPEN_PATHS = ("/health", "/metrics", "/version")  # probes and scrapers need no key
+_OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc")  # probes, scrapers, docs
 _OPEN_PAGES = (KV_PAGE_PATH,)  # exact paths: pages without data (their data routes need the key)
 DEFAULT_MAX_PROMPTS = 1024
 _REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
@@ -164,21 +165,34 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
             return error_response(err.status, err.message, err.param)
 
     # ------------------------------------------------------------------ routes
-    @app.post("/v1/completions")
+    auth_errors = (401,) if api_key else ()
+    api_errors = (400, *auth_errors, 404)
+    limits = {"n": max_n, "logprobs": engine.config.max_logprobs, "top_logprobs": engine.config.max_logprobs,
+              "prompt_logprobs": engine.config.max_logprobs, "prompt": max_prompts_per_request}
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = finish_document(FastAPI.openapi(app), limits)
+        return app.openapi_schema
+
+    app.openapi = openapi
+    @app.post("/v1/completions", responses={**json_or_sse(CompletionResponse), **errors(*api_errors, 500)})
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
         return await handle(completions.create_completion(body), raw_request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={**json_or_sse(ChatCompletionResponse),
+                                                  **errors(*api_errors, 500)})
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await handle(chat.create_chat_completion(body), raw_request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=errors(*auth_errors))
     async def list_models() -> Response:
         cards = [ModelCard(id=name, root=engine.config.model, max_model_len=engine.config.max_model_len)
                  for name in names]
         return json_response(ModelList(data=cards))
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "Healthy (empty body)", "content": None}, **errors()})
     async def health() -> Response:
         try:
             await engine.check_health()
@@ -186,25 +200,30 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
             return error_response(503, str(e))
         return Response(status_code=200)
 
-    @app.get("/version")
-    async def version() -> JSONResponse:
-        return JSONResponse({"version": pagedllm.__version__})
+    @app.get("/version", response_model=VersionResponse, responses=errors())
+    async def version() -> Response:
+        return json_response(VersionResponse(version=pagedllm.__version__))
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text exposition format", "content": {"text/plain": {
+            "schema": {"type": "string"}}}}, **errors(404)})
     async def metrics() -> Response:
         if engine.metrics is None:
             return error_response(404, "metrics are disabled")
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=errors(*api_errors))
     async def tokenize(body: TokenizeRequest) -> Response:
         async def run() -> Response:
             completions.check_model(body.model)
             if (body.prompt is None) == (body.messages is None):
                 raise APIError(400, "give exactly one of prompt or messages", "prompt")
             if body.messages is not None:
+                if body.continue_final_message and body.add_generation_prompt:
+                    raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                                   "continue_final_message")
                 ids = await chat.render([m.model_dump(exclude_none=True) for m in body.messages],
-                                        body.add_generation_prompt)
+                                        body.add_generation_prompt, body.continue_final_message)
             else:
                 text, special = body.prompt, body.add_special_tokens
                 ids = await engine.call(lambda e: e.tokenizer.encode(text, add_special_tokens=special))
@@ -212,7 +231,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
                                                   max_model_len=engine.config.max_model_len))
         return await handle(run())
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors(*api_errors))
     async def detokenize(body: DetokenizeRequest) -> Response:
         async def run() -> Response:
             completions.check_model(body.model)

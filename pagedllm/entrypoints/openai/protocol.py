@@ -1,32 +1,25 @@
-"""Pydantic models of the OpenAI API (completions, chat completions, models) plus vLLM's extras.
+"""Pydantic models of the OpenAI API (completions, chat, tokenize, models) plus vLLM's extra fields.
 
-Requests accept OpenAI's fields and vLLM's extra sampling fields in the body (``top_k``,
-``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens``, ``include_stop_str_in_output``, ...). Unknown fields are
-ignored, as OpenAI does. Range checks live in one place, :class:`SamplingParams`
-(``to_sampling_params`` raises its ValueError, which the server turns into a 400).
-
-Conventions:
-
-- Lone UTF-16 surrogates (``"\\ud800"``, valid JSON but not valid Unicode text) in any
-  string of a request are replaced with U+FFFD before anything else sees them, so such
-  a request is served (200) instead of failing in the tokenizer.
-- ``max_tokens: null`` (or absent in chat) means "up to the context length":
-  ``max_model_len - prompt_tokens``; completions default to 16 as OpenAI does.
-- Response floats are finite: a ``-inf`` logprob is reported as ``LOGPROB_FLOOR``
-  (-9999.0, as vLLM does), so the JSON never contains ``Infinity`` or ``NaN``.
+Every field is honoured or refused with a 400 naming it; unknown fields are ignored and
+logged once per name. Constraints that one field can state are in the models (so the
+OpenAPI document states them); cross-field rules and ranges live in
+:class:`SamplingParams` and ``to_sampling_params``. Conventions (lone surrogates,
+``max_tokens: null``, finite logprobs) are listed in ``docs/architecture.md``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("pagedllm.server")
 
 LOGPROB_FLOOR = -9999.0
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -56,41 +49,103 @@ class OpenAIBase(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class _Request(OpenAIBase):
-    """Fields shared by completions and chat requests."""
+TokenId = Annotated[int, Field(ge=0)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+_warned_fields: set[str] = set()
+
+
+def warn_unknown_fields(model: type[BaseModel], data: Any) -> None:
+    """Log each request field the server does not know once, at WARNING (as vLLM does); it is ignored."""
+    if not isinstance(data, dict):
+        return
+    for name in sorted(set(data) - set(model.model_fields) - _warned_fields):
+        _warned_fields.add(name)
+        logger.warning("ignoring unknown request field %r (logged once per field name)", name)
+
+
+class _RequestBase(OpenAIBase):
+    """Any request body: lone surrogates replaced, unknown fields logged once and ignored."""
 
     @model_validator(mode="before")
     @classmethod
     def _clean_strings(cls, data: Any) -> Any:
+        warn_unknown_fields(cls, data)
         return replace_lone_surrogates(data)
 
+
+class ToolChoiceFunction(OpenAIBase):
+    name: str
+
+
+class NamedToolChoice(OpenAIBase):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class ResponseFormat(OpenAIBase):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class _Request(_RequestBase):
+    """Fields shared by completions and chat requests (OpenAI's, then vLLM's extras)."""
+
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stream: bool = False
     stream_options: "StreamOptions | None" = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    seed: int | None = Field(None, ge=-(2**63 - 1), le=2**63 - 1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]] | None = None
+    user: str | None = None  # a label: shown in the request's log line
     # vLLM's extra sampling fields
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    bad_words: list[NonEmptyStr] | None = None
     priority: int = 0
     request_id: str | None = None
     return_tokens_as_token_ids: bool = False
+    # Structured outputs: not implemented yet, refused in `_refuse_structured_outputs`.
+    response_format: ResponseFormat | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def _check_fields(self) -> None:
+        """Refuse what cannot be honoured (ValueError naming the field)."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        self._refuse_structured_outputs()
+        for name, off_values in self._REFUSED.items():
+            value = getattr(self, name)
+            if value is not None and value not in off_values:
+                raise ValueError(f"{name} is not supported by this server; got {value!r}")
+
+    def _refuse_structured_outputs(self) -> None:
+        """The one place that refuses structured outputs (JSON schema, regex, choice, grammar, tools)."""
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format {self.response_format.type!r} is not supported (no guided "
+                             "decoding yet); only {'type': 'text'}")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported by this server (no guided decoding yet)")
+
+    # Fields of the OpenAI / vLLM APIs this server does not implement -> the values that mean "off".
+    _REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = dict(
@@ -98,30 +153,18 @@ class _Request(OpenAIBase):
             stop_token_ids=self.stop_token_ids, skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, logit_bias=self.logit_bias,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
                      "repetition_penalty"):
             value = getattr(self, name)
             if value is not None:
                 kw[name] = value
-        if self.logit_bias:
-            kw["logit_bias"] = _parse_logit_bias(self.logit_bias)
         return kw
 
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
-
-
-def _parse_logit_bias(bias: dict[str, float]) -> dict[int, float]:
-    out = {}
-    for key, value in bias.items():
-        try:
-            out[int(key)] = value
-        except ValueError:
-            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
-    return out
 
 
 class StreamOptions(OpenAIBase):
@@ -132,14 +175,22 @@ class StreamOptions(OpenAIBase):
 class CompletionRequest(_Request):
     """``POST /v1/completions``. ``prompt``: a string, strings, token ids, or lists of token ids."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt alone, scored
+    logprobs: int | None = Field(None, ge=0)
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
-    prompt_logprobs: int | None = None
+    best_of: int | None = Field(None, ge=1)
+    prompt_logprobs: int | None = Field(None, ge=0)
     add_special_tokens: bool = True
+    suffix: str | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    truncate_prompt_tokens: int | None = None
+
+    _REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "suffix": ("",), "use_beam_search": (False,), "length_penalty": (1.0,), "truncate_prompt_tokens": ()}
 
     @property
     def is_prompt_only(self) -> bool:
@@ -148,10 +199,11 @@ class CompletionRequest(_Request):
 
     def to_sampling_params(self) -> SamplingParams:
         """SamplingParams of this request (raises ValueError naming the field)."""
-        if self.suffix:
-            raise ValueError("suffix is not supported")
+        self._check_fields()
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of must equal n ({self.n}) when given; got {self.best_of}")
+            raise ValueError(f"best_of must equal n ({self.n}) when given (no best-of selection); got {self.best_of}")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available when stream is true")
         kw = self._sampling_kwargs()
         kw["max_tokens"] = 1 if self.is_prompt_only else self.max_tokens  # the one token is dropped
         kw["logprobs"] = self.logprobs
@@ -160,6 +212,27 @@ class CompletionRequest(_Request):
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
         kw["prompt_logprobs"] = prompt_logprobs
         return SamplingParams(**kw)
+
+
+class LogprobInfo(OpenAIBase):
+    """One token's entry in ``prompt_logprobs`` (vLLM's shape)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token: None for the first, then {token id (as a string key): LogprobInfo}.
+PromptLogprobs = list[dict[str, LogprobInfo] | None]
+
+
+def make_prompt_logprobs(entries: list | None, decode: Any) -> PromptLogprobs | None:
+    """``RequestOutput.prompt_logprobs`` as the response field (``decode(token_id) -> text``)."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): LogprobInfo(logprob=finite_logprob(l.logprob), rank=l.rank,
+                                                        decoded_token=decode(t)) for t, l in e.items()}
+            for e in entries]
 
 
 class CompletionLogprobs(OpenAIBase):
@@ -175,6 +248,7 @@ class CompletionChoice(OpenAIBase):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class PromptTokensDetails(OpenAIBase):
@@ -224,32 +298,53 @@ class ChatMessage(OpenAIBase):
 class ChatCompletionRequest(_Request):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
-    # Accepted so that asking for them gets a clear 400 rather than being silently ignored.
-    response_format: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    # Tools are structured outputs too: refused in `_refuse_structured_outputs`.
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # no effect without tools
+    echo: bool = False
+    store: bool | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
-        """SamplingParams of this request (raises ValueError naming the field)."""
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported "
-                             "(no guided decoding); only {'type': 'text'}")
+    _REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "echo": (False,), "store": (False,), "audio": (), "modalities": (["text"],), "prediction": (),
+        "reasoning_effort": (), "chat_template_kwargs": ({},), "documents": ([],)}
+
+    def _refuse_structured_outputs(self) -> None:
+        super()._refuse_structured_outputs()
         if self.tools:
             raise ValueError("tools (function calling) are not supported by this server")
         if self.tool_choice not in (None, "none"):
             raise ValueError("tool_choice is not supported by this server (no tools)")
+
+    def to_sampling_params(self) -> SamplingParams:
+        """SamplingParams of this request (raises ValueError naming the field)."""
+        self._check_fields()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available when stream is true")
         kw = self._sampling_kwargs()
         kw["max_tokens"] = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.logprobs:
             kw["logprobs"] = self.top_logprobs or 0
+        kw["prompt_logprobs"] = self.prompt_logprobs
         return SamplingParams(**kw)
 
     def conversation(self) -> list[dict[str, Any]]:
@@ -290,6 +385,7 @@ class ChatCompletionResponse(OpenAIBase):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(OpenAIBase):
@@ -329,19 +425,15 @@ class ModelList(OpenAIBase):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIBase):
-    """``POST /tokenize``: either ``prompt`` or chat ``messages``."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _clean_strings(cls, data: Any) -> Any:
-        return replace_lone_surrogates(data)
+class TokenizeRequest(_RequestBase):
+    """``POST /tokenize``: either ``prompt`` or chat ``messages`` (rendered as chat would)."""
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizeResponse(OpenAIBase):
@@ -350,13 +442,17 @@ class TokenizeResponse(OpenAIBase):
     max_model_len: int
 
 
-class DetokenizeRequest(OpenAIBase):
+class DetokenizeRequest(_RequestBase):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(OpenAIBase):
     prompt: str
+
+
+class VersionResponse(OpenAIBase):
+    version: str
 
 
 class ErrorInfo(OpenAIBase):

@@ -61,6 +61,11 @@ class OpenAIServing:
     def new_id(prefix: str, requested: str | None = None) -> str:
         return requested or f"{prefix}-{uuid.uuid4().hex}"
 
+    @staticmethod
+    def label(request_id: str, user: str | None) -> str:
+        """The engine's label of a request: its id, and the client's ``user`` when given (for logs)."""
+        return request_id if not user else f"{request_id} (user {user!r})"
+
     def token_text(self, token_id: int, as_token_id: bool = False) -> str:
         """The text of one token for logprobs (``token_id:N`` when asked for ids)."""
         if as_token_id:

@@ -28,7 +28,7 @@ from fastapi.responses import Response, StreamingResponse
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionStreamResponse, ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob,
-    DeltaMessage, finite_logprob, make_usage)
+    DeltaMessage, finite_logprob, make_prompt_logprobs, make_usage)
 from pagedllm.entrypoints.openai.serving_base import (
     OpenAIServing, guarded_sse, json_response, raise_if_failed, sse)
 from pagedllm.engine.async_engine import EngineInput
@@ -48,12 +48,17 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
 
-    async def render(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Prompt token ids of a conversation (raises APIError 400 naming ``messages``)."""
-        template = self.chat_template
+    async def render(self, messages: list[dict], add_generation_prompt: bool = True,
+                     continue_final_message: bool = False, chat_template: str | None = None) -> list[int]:
+        """Prompt token ids of a conversation (raises APIError 400 naming ``messages``).
+
+        ``chat_template``: a request's own template, over the server's and the model's.
+        """
+        template = chat_template or self.chat_template
+        kwargs = {"continue_final_message": True} if continue_final_message else {}
         try:
             return await self.engine.call(lambda e: e.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, chat_template=template))
+                messages, add_generation_prompt=add_generation_prompt, chat_template=template, **kwargs))
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
 
@@ -62,11 +67,11 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(req.model)
         self.check_n(req.n)
         params = req.to_sampling_params()
-        if not req.messages:
-            raise APIError(400, "messages must be a non-empty list", "messages")
-        prompt_ids = await self.render(req.conversation(), req.add_generation_prompt)
+        prompt_ids = await self.render(req.conversation(), req.add_generation_prompt, req.continue_final_message,
+                                       req.chat_template)
         request_id = self.new_id("chatcmpl", req.request_id)
-        streams = await self.add_requests(request_id, [EngineInput(prompt_ids)], params, req.priority)
+        streams = await self.add_requests(self.label(request_id, req.user), [EngineInput(prompt_ids)], params,
+                                          req.priority)
         created = int(time.time())
         if req.stream:
             return StreamingResponse(guarded_sse(self._events(req, request_id, created, streams), streams),
@@ -85,7 +90,8 @@ class OpenAIServingChat(OpenAIServing):
         num_completion = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                       usage=make_usage(len(out.prompt_token_ids), num_completion,
-                                                       out.num_cached_tokens))
+                                                       out.num_cached_tokens),
+                                      prompt_logprobs=make_prompt_logprobs(out.prompt_logprobs, self.token_text))
 
     def _logprobs(self, req: ChatCompletionRequest, c: CompletionOutput) -> ChatChoiceLogprobs:
         entries = c.logprobs or []

@@ -26,7 +26,7 @@ from pagedllm.engine.request_stream import merge_streams
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, CompletionStreamResponse,
-    finite_logprob, make_usage)
+    finite_logprob, make_prompt_logprobs, make_usage)
 from pagedllm.entrypoints.openai.serving_base import (
     OpenAIServing, guarded_sse, json_response, raise_if_failed, sse)
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -53,7 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = req.to_sampling_params()
         prompts = await self._engine_prompts(req)
         request_id = self.new_id("cmpl", req.request_id)
-        streams = await self.add_requests(request_id, prompts, params, req.priority)
+        streams = await self.add_requests(self.label(request_id, req.user), prompts, params, req.priority)
         created = int(time.time())
         if req.stream:
             return StreamingResponse(guarded_sse(self._events(req, request_id, created, streams, prompts), streams),
@@ -97,8 +97,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     if req.echo:
                         self._add_prompt_logprobs(logprobs, out, req)
                     self._add_logprobs(logprobs, c.token_ids, c.logprobs, req)
+                prompt_logprobs = None
+                if req.prompt_logprobs is not None:
+                    prompt_logprobs = make_prompt_logprobs(out.prompt_logprobs, self.token_text)
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=text, logprobs=logprobs,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                prompt_logprobs=prompt_logprobs))
         choices.sort(key=lambda ch: ch.index)
         return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                   usage=make_usage(num_prompt, num_completion, num_cached))

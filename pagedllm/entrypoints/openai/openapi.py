@@ -1,0 +1,64 @@
+"""What the OpenAPI document says of each route's answers, so ``/openapi.json`` is the server:
+OpenAI error bodies with 400 (never FastAPI's 422), JSON or SSE bodies, Prometheus text,
+the empty ``/health`` body, and the limits that are server options."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from pagedllm.entrypoints.openai.errors import RETRY_AFTER_S
+from pagedllm.entrypoints.openai.protocol import ErrorResponse
+
+_ERROR_TEXT = {400: "Invalid request (the field is in error.param)", 401: "Missing or wrong API key",
+               404: "Unknown model", 500: "The request failed inside the engine",
+               503: "Overloaded, shutting down, or the engine is down"}
+_SSE = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events, ending with "
+                                                                        "`data: [DONE]`"}}}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` entries for OpenAI error bodies (503 with Retry-After, 401 with WWW-Authenticate)."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in (*statuses, 503):
+        entry: dict[str, Any] = {"model": ErrorResponse, "description": _ERROR_TEXT[status]}
+        if status == 503:
+            entry["headers"] = {"Retry-After": {"description": f"seconds ({RETRY_AFTER_S})",
+                                                "schema": {"type": "integer"}}}
+        if status == 401:
+            entry["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}
+        out[status] = entry
+    return out
+
+
+def json_or_sse(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """A 200 that is ``model`` as JSON, or server-sent events with ``stream: true``."""
+    return {200: {"model": model, "description": "JSON, or server-sent events with `stream: true`",
+                  "content": dict(_SSE)}}
+
+
+def finish_document(doc: dict[str, Any], limits: dict[str, int]) -> dict[str, Any]:
+    """Drop FastAPI's 422 (validation errors are 400 here) and state ``limits`` (field name →
+    maximum, from server options) on every request schema that has such a field."""
+    for path in doc.get("paths", {}).values():
+        for op in path.values():
+            op.get("responses", {}).pop("422", None)
+    schemas = doc.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    for schema in schemas.values():
+        for field, maximum in limits.items():
+            _set_maximum(schema.get("properties", {}).get(field), maximum)
+    return doc
+
+
+def _set_maximum(prop: dict[str, Any] | None, maximum: int) -> None:
+    """An integer's maximum, or the most items of a list of prompts (not of one prompt's token ids)."""
+    if prop is None:
+        return
+    for option in prop.get("anyOf", [prop]):
+        if option.get("type") == "integer":
+            option["maximum"] = maximum
+        elif option.get("type") == "array" and option.get("items", {}).get("type") in ("string", "array"):
+            option["maxItems"] = maximum

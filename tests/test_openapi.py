@@ -1,0 +1,91 @@
+"""The OpenAPI document is the server: schemathesis sends generated valid and invalid requests
+to every operation of ``/openapi.json`` (fake engine, bounded examples per operation) and
+checks each answer against the document: no 5xx, documented status codes, media types,
+response schemas and headers, invalid input refused, 405 with ``Allow``.
+
+``positive_data_acceptance`` is off: rules that span fields or depend on the model
+(prompt + max_tokens within the context, token ids within the vocabulary, min_tokens <=
+max_tokens, stream_options only with stream, ...) cannot be stated in a JSON schema, so a
+schema-valid request may rightly get a 400. The single-field constraints are pinned by
+:func:`test_schema_refuses_what_the_server_refuses`.
+"""
+
+from __future__ import annotations
+
+import httpx
+import jsonschema_rs
+import pytest
+import schemathesis
+from schemathesis import GenerationMode
+from hypothesis import HealthCheck, given, settings
+from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+from test_async_engine import FakeEngine
+from test_server import MODEL, make_server
+
+MAX_EXAMPLES = 20  # per operation: the whole run stays well under a minute
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv, _ = make_server(FakeEngine(max_model_len=4096, max_logprobs=5), api_key="k")
+    with srv:
+        yield srv
+
+
+def test_every_operation_conforms_to_the_document(server):
+    api = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    operations = [op.ok() for op in api.get_all_operations()]
+    assert len(operations) == 8
+    for op in operations:
+        @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE)
+               | op.as_strategy(generation_mode=GenerationMode.NEGATIVE))
+        @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def check(case):
+            case.call_and_validate(headers={"Authorization": "Bearer k"}, excluded_checks=[positive_data_acceptance])
+
+        check()
+
+
+def _request_schema(doc: dict, name: str) -> dict:
+    return {**doc["components"]["schemas"][name], "components": doc["components"]}
+
+
+_VALID = {"ChatCompletionRequest": {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "none"},
+          "CompletionRequest": {"prompt": "a", "n": 1, "logprobs": 1, "allowed_token_ids": [1], "temperature": 0,
+                                "stop": ["x"]}}
+
+
+@pytest.mark.parametrize("name, body", [
+    ("ChatCompletionRequest", {"messages": []}),
+    ("CompletionRequest", {"prompt": ""}),
+    ("CompletionRequest", {"prompt": []}),
+    ("CompletionRequest", {"prompt": [[]]}),
+    ("CompletionRequest", {"prompt": "a", "allowed_token_ids": []}),
+    ("ChatCompletionRequest", {"messages": [{"role": "user"}], "tool_choice": {}}),
+    ("CompletionRequest", {"prompt": "a", "n": 17}),  # --max-n 16
+    ("CompletionRequest", {"prompt": "a", "logprobs": 6}),  # max_logprobs 5
+    ("CompletionRequest", {"prompt": ["a"] * 1025}),  # --max-prompts-per-request 1024
+    ("CompletionRequest", {"prompt": "a", "temperature": -1}),
+    ("CompletionRequest", {"prompt": "a", "stop": [""]}),
+])
+def test_schema_refuses_what_the_server_refuses(server, name, body):
+    doc = httpx.get(server.url + "/openapi.json").json()
+    schema = _request_schema(doc, name)
+    assert not jsonschema_rs.is_valid(schema, body)
+    assert jsonschema_rs.is_valid(schema, {**body, **_VALID[name]})
+    path = "/v1/chat/completions" if name.startswith("Chat") else "/v1/completions"
+    r = httpx.post(server.url + path, json={"model": MODEL, **body}, headers={"Authorization": "Bearer k"})
+    assert r.status_code == 400
+
+
+def test_document_media_types_and_errors(server):
+    doc = httpx.get(server.url + "/openapi.json").json()
+    paths = doc["paths"]
+    assert all("422" not in op["responses"] for p in paths.values() for op in p.values())
+    completions = paths["/v1/completions"]["post"]["responses"]
+    assert set(completions["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert completions["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    assert "Retry-After" in completions["503"]["headers"] and "WWW-Authenticate" in completions["401"]["headers"]
+    assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert "content" not in paths["/health"]["get"]["responses"]["200"]
