@@ -26,6 +26,7 @@ Conventions (documented choices where engines differ):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -35,6 +36,11 @@ _MAX_SEED = 2**63 - 1
 
 # Temperatures below this are greedy (argmax): logits / 1e-6 overflows float32.
 SAMPLING_EPS = 1e-5
+
+
+def _f(default: Any, help: str) -> Any:
+    """A user-facing sampling field; its help text becomes the command-line flag's help."""
+    return field(default=default, metadata={"help": help})
 
 
 class RequestOutputKind(enum.Enum):
@@ -53,28 +59,28 @@ class SamplingParams:
         ValueError: naming the field, for any out-of-range or wrongly typed value.
     """
 
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    n: int = _f(1, "samples per prompt")
+    presence_penalty: float = _f(0.0, "penalty for output tokens already present, -2..2")
+    frequency_penalty: float = _f(0.0, "penalty per occurrence in the output, -2..2")
+    repetition_penalty: float = _f(1.0, "penalty on prompt and output tokens (1 = off)")
+    temperature: float = _f(1.0, "0 = greedy")
+    top_p: float = _f(1.0, "nucleus sampling mass (1 = off)")
+    top_k: int = _f(0, "keep the k most likely tokens (0 or -1 = off)")
+    min_p: float = _f(0.0, "min probability relative to the top token (0 = off)")
+    seed: int | None = _f(None, "per-request sampling seed")
+    stop: str | list[str] | None = _f(None, "stop string (repeatable)")
+    stop_token_ids: list[int] | None = _f(None, "token ids that stop generation")
+    bad_words: list[str] | None = _f(None, "words never generated (repeatable)")
+    include_stop_str_in_output: bool = _f(False, "keep the matched stop string in the text")
+    ignore_eos: bool = _f(False, "generate past the end-of-sequence token")
+    max_tokens: int | None = _f(16, "most new tokens per sample (None = up to max_model_len)")
+    min_tokens: int = _f(0, "fewest new tokens before EOS or a stop may end a sample")
+    logprobs: int | None = _f(None, "log-probabilities of the top N tokens per output position")
+    prompt_logprobs: int | None = _f(None, "log-probabilities of the top N tokens per prompt position")
     logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = _f(None, "generate only these token ids")
+    skip_special_tokens: bool = _f(True, "leave special tokens out of the text")
+    spaces_between_special_tokens: bool = _f(True, "put spaces between special tokens in the text")
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by the engine (tokenizer-dependent), not by users.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
@@ -132,8 +138,7 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty")
             for t in self.allowed_token_ids:
                 _int("allowed_token_ids", t, lo=0)
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
-                     "spaces_between_special_tokens"):
+        for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
@@ -177,6 +182,14 @@ class SamplingParams:
         if p.seed is not None:
             p.seed = (p.seed + index) % _MAX_SEED
         return p
+
+
+_BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.type in ("bool", bool))
+
+
+def sampling_field_names() -> list[str]:
+    """The sampling fields a user sets (everything but ``output_kind`` and engine-filled ones)."""
+    return [f.name for f in dataclasses.fields(SamplingParams) if f.name not in ("output_kind", "bad_words_token_ids")]
 
 
 def _as_list(name: str, value: Any) -> list:

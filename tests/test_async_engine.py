@@ -35,6 +35,11 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) if 3 <= ord(c) < 128 else ord("?") for c in text]
 
+    added_tokens_decoder = specials
+
+    def convert_ids_to_tokens(self, token_id: int) -> str:
+        return self.decode([token_id], skip_special_tokens=False)
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         out = []
         for t in ids:

@@ -50,3 +50,21 @@ def test_chat_keeps_the_conversation_and_reuses_its_prefix(tiny_model_dir, monke
     assert turns[0].endswith(", 0 from the prefix cache]")
     cached = int(turns[1].split(", ")[1].split()[0])
     assert cached >= 16 and cached % 16 == 0
+
+
+def test_sampling_flags_come_from_sampling_params():
+    import dataclasses
+
+    from pagedllm.entrypoints.args import sampling_params_from_args
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "hi", "--top-k", "5", "--sampling-seed", "7", "--stop", "a", "--stop", "b",
+                              "--stop-token-ids", "3", "--no-skip-special-tokens", "--min-tokens", "2",
+                              "--logprobs", "1"])
+    params = sampling_params_from_args(args)
+    assert (params.top_k, params.seed, params.stop, params.stop_token_ids, params.skip_special_tokens,
+            params.min_tokens, params.logprobs) == (5, 7, ["a", "b"], [3], False, 2, 1)
+    assert (params.temperature, params.max_tokens, args.seed) == (0.0, 256, 0)  # CLI defaults; engine seed apart
+    flags = {a.dest for a in parser._subparsers._group_actions[0].choices["chat"]._actions}
+    user_fields = {f.name for f in dataclasses.fields(SamplingParams) if "help" in f.metadata}
+    assert {"sampling_seed" if n == "seed" else n for n in user_fields} <= flags

@@ -214,7 +214,7 @@ class IncrementalDetokenizer:
         for the invalid bytes ("\\xf0\\x9f"), as the OpenAI API shows such tokens; the
         raw bytes are :func:`token_bytes`. Cached per tokenizer.
         """
-        return _tokenizer_info(self.tokenizer).token_text(token_id)
+        return token_text(self.tokenizer, token_id)
 
     # ---- internals -------------------------------------------------------------------
     def _decode(self, ids: list[int]) -> str:
@@ -383,6 +383,12 @@ def _tokenizer_info(tokenizer: Any) -> _TokenizerInfo:
     if info is None:
         info = _INFO_CACHE[tokenizer] = _TokenizerInfo(tokenizer)
     return info
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """Text of one token for logprobs: the one rule shared by ``Logprob.decoded_token`` and the
+    server's ``tokens`` / ``top_logprobs`` keys (see :meth:`IncrementalDetokenizer.decode_token`)."""
+    return _tokenizer_info(tokenizer).token_text(token_id)
 
 
 def token_bytes(tokenizer: Any, token_id: int) -> bytes:

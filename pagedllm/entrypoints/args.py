@@ -1,4 +1,5 @@
-"""Command-line flags derived from :class:`EngineConfig` fields (never listed twice)."""
+"""Command-line flags derived from :class:`EngineConfig` and :class:`SamplingParams` fields
+(never listed twice)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 import typing
 
 from pagedllm.config import EngineConfig
+from pagedllm.sampling_params import SamplingParams
 
 
 def _flag(name: str) -> str:
@@ -40,3 +42,38 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
     kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
     kwargs.update(overrides)
     return EngineConfig(**kwargs)
+
+
+# Sampling flags whose name would clash with an engine flag get a prefix.
+_SAMPLING_FLAG_NAMES = {"seed": "sampling_seed"}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, **defaults) -> None:
+    """Add one ``--flag`` per user-facing SamplingParams field with help text (``--seed`` is
+    ``--sampling-seed``: the engine has its own). ``defaults`` override SamplingParams' defaults."""
+    hints = typing.get_type_hints(SamplingParams)
+    group = parser.add_argument_group("sampling options")
+    for f in dataclasses.fields(SamplingParams):
+        if "help" not in f.metadata:
+            continue
+        dest = _SAMPLING_FLAG_NAMES.get(f.name, f.name)
+        default = defaults.get(f.name, f.default)
+        kw = dict(dest=dest, default=default, help=f"{f.metadata['help']} (default: {default})")
+        hint = hints[f.name]
+        if hint is bool:
+            group.add_argument(_flag(dest), action=argparse.BooleanOptionalAction, **kw)
+        elif hint in (int, int | None):
+            group.add_argument(_flag(dest), type=int, **kw)
+        elif hint in (float, float | None):
+            group.add_argument(_flag(dest), type=float, **kw)
+        elif hint == list[int] | None:
+            group.add_argument(_flag(dest), type=int, action="append", **kw)
+        else:  # strings and lists of strings: repeatable
+            group.add_argument(_flag(dest), type=str, action="append", **kw)
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    """Build SamplingParams from flags added by :func:`add_sampling_args`. Raises ValueError."""
+    kwargs = {f.name: getattr(args, _SAMPLING_FLAG_NAMES.get(f.name, f.name)) for f in dataclasses.fields(SamplingParams)
+              if "help" in f.metadata}
+    return SamplingParams(**kwargs)

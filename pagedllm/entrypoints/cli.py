@@ -1,7 +1,7 @@
 """``pagedllm generate | chat | serve | plan``: the command line.
 
-Engine flags are derived from EngineConfig (``pagedllm.entrypoints.args``), so they match
-``LLM(**kwargs)`` exactly.
+Engine flags are derived from EngineConfig and sampling flags from SamplingParams
+(``pagedllm.entrypoints.args``), so they match ``LLM(**kwargs)`` and ``SamplingParams(**kwargs)``.
 """
 
 from __future__ import annotations
@@ -12,30 +12,12 @@ import sys
 import time
 
 from pagedllm.config import DEFAULT_MODEL
-from pagedllm.entrypoints.args import add_engine_args, engine_config_from_args
+from pagedllm.entrypoints.args import (
+    add_engine_args, add_sampling_args, engine_config_from_args, sampling_params_from_args)
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256, help="most new tokens per answer (default: 256)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0 = off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="min probability relative to the top token (default: 0)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="(default: 1.0 = off)")
-    g.add_argument("--sampling-seed", dest="sample_seed", type=int, default=None,
-                   help="per-request sampling seed (--seed is the engine's global seed)")
-    g.add_argument("--n", type=int, default=1, help="samples per prompt (default: 1)")
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true", help="generate max-tokens even past EOS")
-
-
-def _sampling_params(args):
-    from pagedllm.sampling_params import SamplingParams
-
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.sample_seed, n=args.n, stop=args.stop, ignore_eos=args.ignore_eos)
+# The command line samples greedily and at more length than the API's defaults.
+_SAMPLING_DEFAULTS = {"max_tokens": 256, "temperature": 0.0}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,13 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     g.add_argument("--system", default=None, help="system message (with --chat)")
     g.add_argument("-m", "--model", default=DEFAULT_MODEL, help="model alias, .gguf path or HF folder")
-    _add_sampling_args(g)
+    add_sampling_args(g, **_SAMPLING_DEFAULTS)
     add_engine_args(g)
 
     c = sub.add_parser("chat", help="interactive chat that keeps the conversation")
     c.add_argument("-m", "--model", default=DEFAULT_MODEL)
     c.add_argument("--system", default=None)
-    _add_sampling_args(c)
+    add_sampling_args(c, **_SAMPLING_DEFAULTS)
     add_engine_args(c)
 
     from pagedllm.entrypoints.openai.api_server import add_server_args
@@ -145,7 +127,7 @@ def _generate(args) -> int:
     args.prompts = _read_prompts(args)
     config = engine_config_from_args(args)
     llm = LLM(**vars(config))
-    params = _sampling_params(args)
+    params = sampling_params_from_args(args)
     t0 = time.perf_counter()
     if args.chat:
         convs = [_conversation(args.system, p) for p in args.prompts]
@@ -174,7 +156,7 @@ def _chat(args) -> int:
     from pagedllm.llm import LLM
 
     llm = LLM(**vars(engine_config_from_args(args)))
-    params = _sampling_params(args)
+    params = sampling_params_from_args(args)
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("pagedllm chat — empty line or Ctrl-D to quit", file=sys.stderr)
     while True:

@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, sampling_field_names
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -147,19 +147,15 @@ class _Request(_RequestBase):
     # Fields of the OpenAI / vLLM APIs this server does not implement -> the values that mean "off".
     _REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
+    # Sampling fields whose meaning differs from SamplingParams': each request sets them itself.
+    _OWN_SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = ("max_tokens", "logprobs", "prompt_logprobs")
+
     def _sampling_kwargs(self) -> dict[str, Any]:
-        kw: dict[str, Any] = dict(
-            n=self.n, seed=self.seed, stop=self.stop, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-            stop_token_ids=self.stop_token_ids, skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, logit_bias=self.logit_bias,
-            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-                     "repetition_penalty"):
-            value = getattr(self, name)
-            if value is not None:
-                kw[name] = value
+        """The SamplingParams fields this request sets, by name (None = SamplingParams' default)."""
+        kw: dict[str, Any] = {name: getattr(self, name) for name in sampling_field_names()
+                              if name in type(self).model_fields and name not in self._OWN_SAMPLING_FIELDS
+                              and getattr(self, name) is not None}
+        kw["output_kind"] = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
         return kw
 
     @property

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineInput
+from pagedllm.engine.detokenizer import token_bytes, token_text
 from pagedllm.engine.request_stream import RequestStream, merge_streams
 from pagedllm.entrypoints.openai.errors import APIError, to_api_error
 from pagedllm.outputs import RequestOutput
@@ -40,7 +41,6 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_n = max_n
-        self._token_text: dict[int, str] = {}
 
     @property
     def model_name(self) -> str:
@@ -67,14 +67,15 @@ class OpenAIServing:
         return request_id if not user else f"{request_id} (user {user!r})"
 
     def token_text(self, token_id: int, as_token_id: bool = False) -> str:
-        """The text of one token for logprobs (``token_id:N`` when asked for ids)."""
+        """The text of one token for logprobs (``token_id:N`` when asked for ids), as the engine
+        reports it in ``Logprob.decoded_token``."""
+        return f"token_id:{token_id}" if as_token_id else token_text(self.engine.tokenizer, token_id)
+
+    def token_bytes(self, token_id: int, as_token_id: bool = False) -> list[int]:
+        """The raw bytes of one token (OpenAI's ``logprobs[].bytes``)."""
         if as_token_id:
-            return f"token_id:{token_id}"
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
-            self._token_text[token_id] = text
-        return text
+            return list(self.token_text(token_id, True).encode())
+        return list(token_bytes(self.engine.tokenizer, token_id))
 
     async def add_requests(self, label: str, prompts: list[EngineInput], params: SamplingParams,
                            priority: int = 0) -> list[RequestStream]:

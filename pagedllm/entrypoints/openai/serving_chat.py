@@ -14,8 +14,7 @@ accepted, then content deltas; each choice gets exactly one chunk with a non-nul
 Logprobs: ``logprobs: true`` reports the chosen token's logprob per position, and
 ``top_logprobs: k`` the k most likely tokens, most likely first (the chosen token is not
 added to that list when outside it; its own value is in ``logprob``). ``bytes`` are the
-UTF-8 bytes of the token's decoded text (a token that ends inside a multi-byte character
-decodes to U+FFFD).
+token's raw bytes (part of a multi-byte character for some tokens).
 """
 
 from __future__ import annotations
@@ -106,9 +105,9 @@ class OpenAIServingChat(OpenAIServing):
             top = [(t, l) for t, l in ranked if l.rank is None or l.rank <= k][:k]
             content.append(ChatTokenLogprob(
                 token=text, logprob=finite_logprob(chosen.logprob) if chosen else finite_logprob(float("-inf")),
-                bytes=list(text.encode("utf-8")),
+                bytes=self.token_bytes(tid, as_ids),
                 top_logprobs=[ChatTopLogprob(token=self.token_text(t, as_ids), logprob=finite_logprob(l.logprob),
-                                             bytes=list(self.token_text(t, as_ids).encode("utf-8")))
+                                             bytes=self.token_bytes(t, as_ids))
                               for t, l in top]))
         return ChatChoiceLogprobs(content=content)
 
