@@ -46,6 +46,13 @@ def parse_bytes(value: int | float | str, field_name: str = "kv_cache_memory") -
     return int(num)
 
 
+def validate_block_size(block_size: object) -> None:
+    """Raise ValueError unless ``block_size`` is a power of two from 1 to 256 (the one rule)."""
+    bs = block_size
+    if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1 or bs > 256 or bs & (bs - 1):
+        raise ValueError(f"block_size must be a power of two from 1 to 256, got {bs!r}")
+
+
 def _f(default, help: str, **kw):
     """A dataclass field carrying its command-line help text."""
     return field(default=default, metadata={"help": help, **kw})
@@ -91,9 +98,7 @@ class EngineConfig:
     disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers (one block table for all layers) instead of freeing blocks outside the window")
 
     def __post_init__(self) -> None:
-        bs = self.block_size
-        if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1 or bs > 256 or bs & (bs - 1):
-            raise ValueError(f"block_size must be a power of two from 1 to 256, got {bs!r}")
+        validate_block_size(self.block_size)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -23,6 +23,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pagedllm.attention.backend import AttentionMetadata, set_forward_context  # noqa: E402
+from pagedllm.utils import cdiv  # noqa: E402
 
 
 def tiny_llama_config(vocab_size: int = 512, **overrides):
@@ -127,7 +128,7 @@ def allocate_block_tables(num_tokens: Sequence[int], block_size: int, seed: int 
                           extra_blocks: int = 3) -> tuple[list[list[int]], int]:
     """Disjoint block tables in a shuffled pool: request i gets ceil(num_tokens[i] / block_size)
     blocks at random physical ids. Returns (block_tables, num_blocks in the pool)."""
-    needed = [-(-n // block_size) for n in num_tokens]
+    needed = [cdiv(n, block_size) for n in num_tokens]
     num_blocks = sum(needed) + extra_blocks
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
     tables, start = [], 0

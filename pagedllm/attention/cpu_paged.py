@@ -43,6 +43,7 @@ import torch
 
 from pagedllm.attention.backend import AttentionMetadata, ForwardContext, current_context
 from pagedllm.attention.torch_paged import TorchPagedAttention
+from pagedllm.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -291,10 +292,10 @@ def _validate_decodes(tables: torch.Tensor, lens: list[int], num_blocks: int, bl
     if min(lens) < 1 or max(lens) > max_blocks * block_size:
         raise ValueError(f"decode seq_lens must be in [1, {max_blocks * block_size}] (block_tables width "
                          f"{max_blocks} x block_size {block_size}), got min {min(lens)} max {max(lens)}")
-    needed = -(-max(lens) // block_size)
+    needed = cdiv(max(lens), block_size)
     used = tables[:, :needed]
     # Only the blocks each request actually reads must be valid; padding past its seq_len may be anything.
-    valid = torch.arange(needed).unsqueeze(0) < ((torch.tensor(lens) + block_size - 1) // block_size).unsqueeze(1)
+    valid = torch.arange(needed).unsqueeze(0) < cdiv(torch.tensor(lens), block_size).unsqueeze(1)
     bad = valid & ((used < 0) | (used >= num_blocks))
     if bool(bad.any()):
         r, i = (int(x) for x in bad.nonzero()[0])

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionMetadata, ForwardContext, check_shapes, current_context, write_kv_cache
+from pagedllm.utils import cdiv
 
 _CPU_WORKSPACE_BYTES = 8 * 1024**2
 _CUDA_WORKSPACE_BYTES = 1024**3
@@ -54,7 +55,7 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -
         keys, values: each (seq_len, num_kv_heads, head_dim), new contiguous tensors.
     """
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    num_blocks = -(-seq_len // block_size)
+    num_blocks = cdiv(seq_len, block_size)
     kv = kv_cache.index_select(1, block_table[:num_blocks])  # (2, num_blocks, block_size, num_kv_heads, head_dim)
     kv = kv.view(2, num_blocks * block_size, num_kv_heads, head_dim)[:, :seq_len]  # (2, seq_len, num_kv_heads, head_dim)
     return kv[0], kv[1]
@@ -141,7 +142,7 @@ class TorchPagedAttention:
         if owner is not None and plan is not None and plan.owner is owner and plan.block_size == block_size:
             return plan
         num_decodes = metadata.num_decodes
-        num_blocks = -(-max(metadata.seq_lens_cpu[:num_decodes]) // block_size)
+        num_blocks = cdiv(max(metadata.seq_lens_cpu[:num_decodes]), block_size)
         max_len = num_blocks * block_size
         positions = torch.arange(max_len, device=metadata.seq_lens.device)
         mask = positions < metadata.seq_lens[:num_decodes].unsqueeze(1)  # (D, max_len), True = attend

@@ -43,6 +43,8 @@ import sys
 from array import array
 from typing import Callable, Iterable, Iterator, Sequence
 
+from pagedllm.config import validate_block_size
+
 # Parent hash of the first block of every sequence: a fixed, documented constant (not a
 # per-process random seed, so hashes are reproducible across runs and processes).
 ROOT_BLOCK_HASH = hashlib.sha256(b"pagedllm-prefix-cache-root").digest()
@@ -177,9 +179,7 @@ class BlockPool:
                  reserve_null_block: bool = False) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1 + reserve_null_block:
             raise ValueError(f"num_blocks must be an integer >= {1 + reserve_null_block}, got {num_blocks!r}")
-        if (not isinstance(block_size, int) or isinstance(block_size, bool) or not 1 <= block_size <= 256
-                or block_size & (block_size - 1)):
-            raise ValueError(f"block_size must be a power of two from 1 to 256, got {block_size!r}")
+        validate_block_size(block_size)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching

@@ -35,10 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division for non-negative ints."""
-    return -(-a // b)
+from pagedllm.utils import cdiv
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.loader.model_files import ModelFiles
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sizing import KVCacheSpec, format_bytes, kv_bytes_per_block, num_blocks_for_budget
+from pagedllm.utils import cdiv
 from pagedllm.worker.cuda_graph import DecodeGraphRunner, capture_sizes, cuda_graph_mode
 
 logger = logging.getLogger("pagedllm")
@@ -147,7 +148,7 @@ class ModelRunner:
         self.eos_token_id = model_files.eos_token_id
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
-        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
@@ -229,7 +230,7 @@ class ModelRunner:
 
     def _dummy_forward(self, num_tokens: int) -> None:
         """One prefill of ``num_tokens`` tokens through a temporary KV cache (memory profiling)."""
-        num_blocks = -(-num_tokens // self.block_size)
+        num_blocks = cdiv(num_tokens, self.block_size)
         caches = self._new_kv_caches(num_blocks)
         self._bind_kv_caches(caches)
         block_table = torch.arange(num_blocks, dtype=torch.int32, device=self.device).view(1, -1)
@@ -405,7 +406,7 @@ class ModelRunner:
         input_ids = self.token_buf[rows, positions]
         block_idx, offsets = positions // self.block_size, positions % self.block_size
         seq_lens = b.num_computed + b.num_scheduled
-        max_blocks = int(-(-seq_lens.max() // self.block_size))
+        max_blocks = int(cdiv(seq_lens.max(), self.block_size))
         num_decodes = int((b.num_scheduled == 1).sum())
         dev = self.device
         metas = []

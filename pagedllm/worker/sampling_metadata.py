@@ -156,7 +156,7 @@ class SamplingMetadata:
         device = torch.device(device)
         V = vocab_size
 
-        greedy = [p.temperature < SAMPLING_EPS or p.top_k == 1 for p in params]
+        greedy = [p.is_greedy for p in params]
         all_greedy = all(greedy)
         all_random = not any(greedy)
 
