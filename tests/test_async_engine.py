@@ -110,7 +110,7 @@ class FakeEngine:
         self.added_at_step: list[int] = []  # engine steps run before each add_request
 
     # ---- prompts
-    def tokenize_prompt(self, prompt) -> list[int]:
+    def tokenize_prompt(self, prompt, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, dict):
             prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Protoc
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError, EngineUnhealthyError
+from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.request_stream import RequestStream, merge_request_output
 from pagedllm.engine.request_tracker import RequestTracker, StatusLogger
 from pagedllm.outputs import RequestOutput
@@ -31,8 +32,6 @@ logger = logging.getLogger("pagedllm.async_engine")
 
 __all__ = ["AsyncLLMEngine", "EngineInput", "RequestStream", "EngineDeadError", "EngineOverloadedError",
            "EngineUnhealthyError", "merge_request_output"]
-
-PromptType = Union[str, list[int], dict]
 
 
 class SyncEngine(Protocol):

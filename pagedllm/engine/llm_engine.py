@@ -18,13 +18,12 @@ from pagedllm.core.kv_snapshot import KVCacheSnapshot
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
-
-PromptType = str | list[int] | dict
 
 
 def child_request_id(request_id: str, index: int) -> str:
@@ -76,6 +75,8 @@ class LLMEngine:
         self.extra_stop_token_ids = [t for t in files.stop_token_ids if t != files.eos_token_id]
         self.runner = ModelRunner(config, files)
         self.vocab_size = self.runner.vocab_size
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, config.max_model_len,
+                                              config.max_logprobs, self.extra_stop_token_ids)
         self.kv_cache_spec = self.runner.initialize_kv_cache()
         self.kv_offload_spec = self.runner.initialize_kv_offload()
         self.scheduler = Scheduler(config, self.kv_cache_spec.num_blocks,
@@ -99,55 +100,15 @@ class LLMEngine:
         return config
 
     # ------------------------------------------------------------------ prompts
-    def tokenize_prompt(self, prompt: PromptType) -> list[int]:
-        """Token ids of a text prompt, a token-id list, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": str}``.
-
-        Raises ValueError for an empty prompt, a wrong type, or a token id outside the vocabulary.
-        """
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise ValueError(f"prompt must be a string, a list of token ids, or a dict; got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt must not be empty (it has 0 tokens)")
-        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt contains token id {bad[0]}, outside the vocabulary (size {self.vocab_size})")
-        return ids
+    def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt (see :meth:`InputProcessor.tokenize`). Raises ValueError."""
+        return self.input_processor.tokenize(prompt, add_special_tokens)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, continue_final_message: bool = False) -> list[int]:
-        """Render a conversation with the model's chat template and tokenize it.
-
-        Messages are ``{"role": "system"|"user"|"assistant"|"tool"|"developer", "content": str |
-        [{"type": "text", "text": ...}, ...]}``. The rendered text already contains the
-        template's special tokens, so it is tokenized with ``add_special_tokens=False``
-        (no doubled BOS). Raises ValueError for an empty conversation, an unknown role,
-        non-text content, or a model without a chat template. ``continue_final_message``
-        leaves the last (assistant) message open so the model continues it (then no
-        generation prompt is added).
-        """
-        from pagedllm.engine.chat import normalize_conversation
-
-        messages = normalize_conversation(conversation)
-        template = chat_template or getattr(self.tokenizer, "chat_template", None)
-        if not template:
-            raise ValueError("this model has no chat template; pass chat_template= or use a plain prompt")
-        if continue_final_message and messages[-1]["role"] != "assistant":
-            raise ValueError("continue_final_message needs the last message to have role 'assistant'")
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, chat_template=template, continue_final_message=continue_final_message,
-            add_generation_prompt=add_generation_prompt and not continue_final_message)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """Prompt token ids of a conversation (see :meth:`InputProcessor.render_chat`). Raises ValueError."""
+        return self.input_processor.render_chat(conversation, add_generation_prompt, chat_template,
+                                                continue_final_message)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
@@ -162,14 +123,10 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.tokenize_prompt(prompt)
+        processed = self.input_processor.process(prompt, params)
+        ids, max_tokens, params = processed.token_ids, processed.max_tokens, processed.params
         if prompt_text is None and isinstance(prompt, str):
             prompt_text = prompt
-        params.validate_for_model(self.vocab_size, self.config.max_logprobs)
-        max_tokens = self._resolve_max_tokens(len(ids), params)
-        if params.bad_words and not params.bad_words_token_ids:
-            params.bad_words_token_ids = self._bad_words_ids(params.bad_words)
-        params = self._with_extra_stop_ids(params)
         arrival = time.time() if arrival_time is None else arrival_time
         children = [
             Request(child_request_id(request_id, i), ids, params if params.n == 1 else params.child(i),
@@ -185,40 +142,6 @@ class LLMEngine:
                 raise
         self.output_processor.add_request(request_id, prompt_text, children, params, arrival)
         return request_id
-
-    def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
-        limit = self.config.max_model_len
-        if num_prompt >= limit:
-            raise ValueError(f"This model's maximum context length is {limit} tokens, but the prompt has "
-                             f"{num_prompt} tokens (at least one token must be left for the output)")
-        if params.max_tokens is None:
-            return limit - num_prompt
-        if num_prompt + params.max_tokens > limit:
-            raise ValueError(f"This model's maximum context length is {limit} tokens. However, you requested "
-                             f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, "
-                             f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.")
-        return params.max_tokens
-
-    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
-        """Each bad word as token ids, with and without a leading space (as vLLM does)."""
-        out = []
-        for w in words:
-            for variant in {w, " " + w.lstrip()}:
-                ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                if ids and ids not in out:
-                    out.append(ids)
-        return out
-
-    def _with_extra_stop_ids(self, params: SamplingParams) -> SamplingParams:
-        """Add the model's extra EOS ids (generation config) to stop_token_ids unless ignore_eos."""
-        if params.ignore_eos or not self.extra_stop_token_ids:
-            return params
-        missing = [t for t in self.extra_stop_token_ids if t not in params.stop_token_ids]
-        if not missing:
-            return params
-        params = params.clone()
-        params.stop_token_ids = params.stop_token_ids + missing
-        return params
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort user requests (unknown ids are ignored); their blocks are freed at once."""

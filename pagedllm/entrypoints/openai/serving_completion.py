@@ -74,7 +74,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if not req.add_special_tokens:
             texts = [item for item in items if isinstance(item, str)]
             encoded = iter(await self.engine.call(
-                lambda e: [e.tokenizer.encode(t, add_special_tokens=False) for t in texts]))
+                lambda e: [e.tokenize_prompt(t, add_special_tokens=False) for t in texts]))
             return [EngineInput({"prompt_token_ids": next(encoded)}, item) if isinstance(item, str)
                     else EngineInput(list(item)) for item in items]
         return [EngineInput(item, item) if isinstance(item, str) else EngineInput(list(item)) for item in items]

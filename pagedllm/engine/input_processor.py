@@ -1,0 +1,136 @@
+"""Prompt processing shared by the offline ``LLM`` and the server: tokenize a prompt, render and
+tokenize a chat conversation, and check a prompt and its SamplingParams against the model
+(vocabulary, ``max_model_len``, ``max_logprobs``), resolving what depends on the tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from pagedllm.engine.chat import normalize_conversation
+from pagedllm.sampling_params import SamplingParams
+
+PromptType = Union[str, list[int], dict]
+
+
+@dataclass
+class ProcessedPrompt:
+    """A checked prompt: its token ids, its resolved ``max_tokens`` and the params to run with."""
+
+    token_ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+
+
+class InputProcessor:
+    """Turns user prompts into checked token ids. Not thread-safe (the tokenizer is not).
+
+    Args:
+        tokenizer: the model's (transformers) tokenizer.
+        vocab_size: the model's vocabulary size (token ids must be below it).
+        max_model_len: most tokens per sequence, prompt + output.
+        max_logprobs: the largest ``logprobs`` / ``prompt_logprobs`` a request may ask for.
+        extra_stop_token_ids: end-of-turn ids beyond EOS (from the generation config).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, max_logprobs: int,
+                 extra_stop_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.extra_stop_token_ids = extra_stop_token_ids
+
+    def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt, a token-id list, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": str}``.
+
+        Raises ValueError for an empty prompt, a wrong type, or a token id outside the vocabulary.
+        """
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string, a list of token ids, or a dict; got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt must not be empty (it has 0 tokens)")
+        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt contains token id {bad[0]}, outside the vocabulary (size {self.vocab_size})")
+        return ids
+
+    def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
+                    chat_template: str | None = None, continue_final_message: bool = False) -> list[int]:
+        """Render a conversation with the chat template and tokenize it.
+
+        Messages are ``{"role": "system"|"user"|"assistant"|"tool"|"developer", "content": str |
+        [{"type": "text", "text": ...}, ...]}``. The rendered text already contains the
+        template's special tokens, so it is tokenized with ``add_special_tokens=False``
+        (no doubled BOS). ``continue_final_message`` leaves the last (assistant) message open
+        so the model continues it (then no generation prompt is added). Raises ValueError
+        for an empty conversation, an unknown role, non-text content, or no chat template.
+        """
+        messages = normalize_conversation(conversation)
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError("this model has no chat template; pass chat_template= or use a plain prompt")
+        if continue_final_message and messages[-1]["role"] != "assistant":
+            raise ValueError("continue_final_message needs the last message to have role 'assistant'")
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, chat_template=template, continue_final_message=continue_final_message,
+            add_generation_prompt=add_generation_prompt and not continue_final_message)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        """Tokenize and check ``prompt`` with ``params``. Raises ValueError naming what is wrong.
+
+        The returned params carry the tokenized ``bad_words`` and the model's extra stop ids
+        (unless ``ignore_eos``); ``max_tokens`` None becomes what is left of ``max_model_len``.
+        """
+        ids = self.tokenize(prompt)
+        params.validate_for_model(self.vocab_size, self.max_logprobs)
+        max_tokens = self._resolve_max_tokens(len(ids), params)
+        if params.bad_words and not params.bad_words_token_ids:
+            params.bad_words_token_ids = self._bad_words_ids(params.bad_words)
+        return ProcessedPrompt(ids, max_tokens, self._with_extra_stop_ids(params))
+
+    def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise ValueError(f"This model's maximum context length is {limit} tokens, but the prompt has "
+                             f"{num_prompt} tokens (at least one token must be left for the output)")
+        if params.max_tokens is None:
+            return limit - num_prompt
+        if num_prompt + params.max_tokens > limit:
+            raise ValueError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                             f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, "
+                             f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.")
+        return params.max_tokens
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, with and without a leading space (as vLLM does)."""
+        out = []
+        for w in words:
+            for variant in {w, " " + w.lstrip()}:
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+    def _with_extra_stop_ids(self, params: SamplingParams) -> SamplingParams:
+        """Add the model's extra EOS ids (generation config) to stop_token_ids unless ignore_eos."""
+        if params.ignore_eos or not self.extra_stop_token_ids:
+            return params
+        missing = [t for t in self.extra_stop_token_ids if t not in params.stop_token_ids]
+        if not missing:
+            return params
+        params = params.clone()
+        params.stop_token_ids = params.stop_token_ids + missing
+        return params
