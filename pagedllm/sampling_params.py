@@ -1,26 +1,8 @@
 """SamplingParams: how one request is sampled and when it stops.
 
 Field names, meanings and defaults follow vLLM's ``SamplingParams`` (and through it the
-OpenAI API), so users can bring their settings unchanged. No torch import here.
-
-Conventions (documented choices where engines differ):
-
-- ``temperature == 0`` is greedy (argmax); top-k/top-p/min-p are then ignored. Temperatures
-  below ``SAMPLING_EPS`` (1e-5) are treated as greedy too: dividing logits by them would
-  overflow float32 to inf and softmax to NaN.
-- ``top_k``: 0 or -1 disable it; values above the vocabulary size mean "no top-k".
-- ``top_p`` must lie in (0, 1]; 0 is rejected (an empty candidate set has no meaning).
-  A tiny top_p such as 1e-9 keeps only the most likely token (= greedy).
-- ``presence_penalty`` / ``frequency_penalty`` count *output* tokens only (OpenAI);
-  ``repetition_penalty`` covers prompt + output tokens, applied once per distinct token
-  (CTRL paper, Keskar et al. 2019; as in HF transformers and vLLM).
-- ``logprobs`` are the log-softmax of the *processed* logits: after allowed_token_ids,
-  bad_words, min_tokens masks, logit_bias, penalties and temperature (1 for temperature
-  0), before top-k/top-p/min-p truncation; excluded tokens report a finite floor
-  (-9999.0), never -inf. ``prompt_logprobs`` are the raw model distribution.
-- ``max_tokens=None`` means "up to max_model_len".
-- ``min_tokens`` counts delivered output tokens; EOS and ``stop_token_ids`` are masked
-  and stop strings are not matched until it is reached.
+OpenAI API); where engines differ, the choices made are listed in ``docs/architecture.md``
+("Sampling conventions"). No torch import here.
 """
 
 from __future__ import annotations

@@ -151,6 +151,7 @@ class FakeEngine:
         self.order.append(request_id)
         self.prompt_seen.append(ids)
         self.added_at_step.append(self.stats.num_steps)
+        self.last_params, self.last_priority = params, priority
         return request_id
 
     def abort_request(self, request_ids) -> None:

@@ -682,3 +682,31 @@ def test_continue_final_message_reaches_the_template(server, client):
     assert server.fake.last_continue_final_message is True
     assert client.post("/v1/chat/completions", json={**body, "continue_final_message": False}).status_code == 200
     assert server.fake.last_continue_final_message is False
+
+
+_SAMPLING_FIELDS = {"n": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1, "seed": 11,
+                    "presence_penalty": 0.3, "frequency_penalty": -0.4, "repetition_penalty": 1.2,
+                    "stop": ["zz"], "stop_token_ids": [5], "bad_words": ["qq"], "include_stop_str_in_output": True,
+                    "ignore_eos": True, "min_tokens": 1, "logit_bias": {"7": 2.5}, "allowed_token_ids": [97, 98, 99],
+                    "skip_special_tokens": False, "spaces_between_special_tokens": False}
+
+
+@pytest.mark.parametrize("path, extra", [("/v1/completions", {"prompt": "a", "logprobs": 2, "prompt_logprobs": 1}),
+                                         ("/v1/chat/completions", {"messages": _USER, "logprobs": True,
+                                                                   "top_logprobs": 2, "prompt_logprobs": 1})])
+def test_every_sampling_field_reaches_the_engine(server, client, path, extra):
+    body = {"model": MODEL, "max_tokens": 3, "priority": 4, **_SAMPLING_FIELDS, **extra}
+    assert client.post(path, json=body).status_code == 200
+    params = server.fake.last_params
+    got = {name: getattr(params, name) for name in _SAMPLING_FIELDS}
+    assert got == {**_SAMPLING_FIELDS, "logit_bias": {7: 2.5}}
+    assert (params.max_tokens, params.logprobs, params.prompt_logprobs, server.fake.last_priority) == (3, 2, 1, 4)
+
+
+def test_token_ids_as_logprob_tokens_special_tokens_and_request_chat_template(server, client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 0,
+                                             "return_tokens_as_token_ids": True, "add_special_tokens": False})
+    assert r.json()["choices"][0]["logprobs"]["tokens"] == ["token_id:97", "token_id:98"]
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": _USER, "max_tokens": 1,
+                                                  "chat_template": "{{ custom }}"})
+    assert r.status_code == 200 and server.fake.last_chat_template == "{{ custom }}"

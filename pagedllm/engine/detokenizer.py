@@ -1,60 +1,13 @@
 """Incremental detokenization and stop strings, one ``IncrementalDetokenizer`` per sequence.
 
-Each engine step appends the newly sampled token ids of a sequence; the detokenizer
-extends the sequence's text by only the new characters, checks the stop strings on the
-text (across token boundaries), and hands the output processor the text that is safe to
-stream.
-
-Contract (what the tests pin):
-
-- **Text is the tokenizer's own decode.** ``output_text`` always equals
-  ``tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens,
-  spaces_between_special_tokens=params.spaces_between_special_tokens,
-  clean_up_tokenization_spaces=False)`` of the delivered output ids (minus the stop token
-  that ended the sequence, and cut at a matched stop string). Nothing is decoded by hand:
-  a window of recent ids is decoded with the tokenizer's ``decode``, so byte-level BPE
-  ("Ġ" → space), SentencePiece "▁" and byte fallback, special tokens and
-  ``skip_special_tokens`` behave exactly as in Hugging Face. The prompt is *not* used as
-  decoding context (vLLM does, which makes its text differ from ``decode(output ids)`` by
-  a leading space on SentencePiece models); a leading space of the first output token is
-  kept when the tokenizer's decode keeps it (byte-level BPE: ``[33662]`` → ``" hello"``).
-  ``clean_up_tokenization_spaces`` is off: it rewrites across token boundaries (" ." →
-  ".") and transformers 5 ignores it for BPE anyway. ``spaces_between_special_tokens``
-  is passed through to ``decode``; transformers 5 and all fast tokenizers ignore it, so
-  it changes nothing there (as in vLLM's fast path).
-- **Incomplete characters are held back.** A multi-byte UTF-8 character split across
-  tokens (emoji, CJK) decodes to a trailing run of U+FFFD until its last byte arrives;
-  that run is never appended to ``output_text``. Text before it is final (UTF-8 decoding
-  with replacement is left to right). If the sequence finishes while bytes are still
-  incomplete, or the model emitted a genuinely invalid byte sequence, the text gets what
-  ``decode`` gives for those bytes (U+FFFD per the tokenizer's replacement rule), so the
-  "text == decode(ids)" contract holds even then.
-- **Stop strings** are matched on the text, so a stop string may span token boundaries
-  and start inside a token. The sequence stops at the earliest point at which any stop
-  string is complete (smallest end offset; ties go to the longest string) and
-  ``output_text`` is cut before it, or after it with ``include_stop_str_in_output``.
-- **min_tokens.** Output tokens are counted as they are delivered to :meth:`update`
-  (1-based, every id, special or not, excluding a stop token passed with
-  ``stop_terminated``). The text of token number k can complete a stop string only when
-  k > ``min_tokens``; a match may *start* in earlier text. This is the same floor the
-  sampler applies to EOS and ``stop_token_ids`` (they are masked for tokens 1..min_tokens).
-- **Streaming never leaks.** While unfinished, :meth:`get_next_output_text` holds back
-  the longest suffix of the text that is a proper prefix of a stop string (only when stop
-  strings are excluded from the output), and releases it once it can no longer become
-  one. Concatenating every delta gives the final ``output_text``, always.
-
-Cost per step is O(new tokens), independent of the text length: one ``decode`` call per
-new token over a window of recent ids (at most ``_MAX_WINDOW_TOKENS`` + 1 ids, except
-while no token boundary falls on a character boundary, e.g. a run of CJK characters cut
-mid-character at every token: the window restarts only at a boundary), plus O(L) work
-for stop strings of length at most L. The text lives in a buffer whose appends and tail
-reads never copy the whole text; only reading ``output_text`` (cumulative mode, the final
-output) joins it.
-
-Algorithm: the prefix/read-offset scheme of vLLM's ``detokenize_incrementally``
-(vllm/transformers_utils/detokenizer_utils.py), itself from Hugging Face TGI's
-``decode_token``, reduced to one ``decode`` per token by caching what the window already
-emitted.
+Each step appends a sequence's new token ids; the detokenizer extends its text by only the
+new characters (decoding a window of recent ids with the tokenizer's own ``decode``),
+matches stop strings across token boundaries, and hands out the text that is safe to
+stream. The contract (text == ``decode(ids)``, incomplete characters held back, stop
+strings, ``min_tokens``, no leaks while streaming) and the cost per step are in
+``docs/architecture.md`` ("Detokenization"). Algorithm: the prefix/read-offset scheme of
+vLLM's ``detokenize_incrementally``, from Hugging Face TGI's ``decode_token``, with one
+``decode`` per token.
 """
 
 from __future__ import annotations
