@@ -341,7 +341,7 @@ class KVCacheSpec:
     @property
     def full_attention_max_concurrency(self) -> float:
         """The same pool's max concurrency if every layer kept every block."""
-        blocks_per_seq = -(-self.max_model_len // self.block_size) * self.num_layers / self.layers_per_block
+        blocks_per_seq = cdiv(self.max_model_len, self.block_size) * self.num_layers / self.layers_per_block
         return self.num_blocks / blocks_per_seq
 
     def describe(self) -> str:

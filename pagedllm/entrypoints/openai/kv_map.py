@@ -27,6 +27,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from pagedllm.engine.async_engine import EngineDeadError
 from pagedllm.entrypoints.openai.errors import error_response
+from pagedllm.entrypoints.openai.openapi import errors
 
 KV_PAGE_PATH = "/kv"
 KV_STATE_PATH = "/kv/state"
@@ -46,7 +47,8 @@ def add_kv_map_routes(app: FastAPI, engine: Any, model_name: str) -> None:
     async def kv_page() -> Response:
         return HTMLResponse(kv_map_html(), headers={"Cache-Control": "no-store"})
 
-    @app.get(KV_STATE_PATH)
+    @app.get(KV_STATE_PATH, responses={200: {"description": "a snapshot of the KV cache (JSON object)"},
+                                       **errors(401, 404)})
     async def kv_state() -> Response:
         try:
             snapshot = await engine.call(lambda e: e.kv_cache_snapshot())
