@@ -31,7 +31,7 @@ request could hit.
 
 Block hash (chained, as in vLLM's automatic prefix caching): ``sha256(parent hash ‖
 token ids as 8-byte little-endian integers ‖ extra keys)``. Token ids are hashed at full
-width (ids 65 and 321 differ, case C03). A hit is additionally verified against the
+width (ids 65 and 321 differ; test_hash_full_width_token_ids_c03). A hit is additionally verified against the
 stored parent hash and token ids of the block, so even a hash collision cannot hand a
 request another prompt's K/V.
 """
@@ -221,7 +221,7 @@ class BlockPool:
         """Publish a full, computed block under ``block_hash``.
 
         A hash maps to at most one block: when another block already holds this hash
-        (identical prompts computed in the same step, case C01) this block stays
+        (identical prompts computed in the same step) this block stays
         unpublished and False is returned. No-op (False) when caching is off.
         """
         if not self.enable_caching or block.block_hash is not None:

@@ -13,7 +13,7 @@ the forward pass has not written yet, which is only correct if every attention b
 writes all of a layer's K/V before any attention of that layer; publishing after the
 step holds for any backend. Consequence: two identical never-seen prompts in one step
 both compute their blocks; the second finds the hashes taken and leaves its own blocks
-unpublished (private to it), so a hash never maps to two blocks (case C01).
+unpublished (private to it), so a hash never maps to two blocks.
 
 Hybrid KV cache (sliding-window layers; see :mod:`pagedllm.core.kv_cache_groups`): with
 several KV-cache groups a request holds one block table per group, all of the same

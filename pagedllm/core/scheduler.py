@@ -20,7 +20,7 @@ Policies (documented choices):
   many prompt tokens (chunks of running prefills first, then admissions), so one long
   prompt cannot stretch every stream's inter-token gap; a step with no decode uses the
   whole token budget.
-* **Head-of-line blocking (case C12): strict order, no bypass** (vLLM's policy). The
+* **Head-of-line blocking: strict order, no bypass** (vLLM's policy). The
   waiting loop stops at the first request that cannot be admitted — not enough free
   blocks, or (chunked prefill off) a prompt larger than what is left of the token
   budget. Nothing passes a blocked head, so no request starves; the price is idle

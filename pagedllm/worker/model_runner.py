@@ -157,7 +157,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.kv_spec: KVCacheSpec | None = None
         self.kv_offloader = None  # the offload tiers' copies (worker/kv_offload.py), when configured
-        # Test hook (case C06): called with each sampling request id; raising fails that request only.
+        # Test hook (test_failure_in_one_request_fails_only_it): called with each sampling request id;
+        # raising fails that request only.
         self.fault_injector: Callable[[str], None] | None = None
 
     def _load_model(self, model_files: ModelFiles) -> torch.nn.Module:

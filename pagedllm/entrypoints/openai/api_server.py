@@ -1,24 +1,17 @@
 """The OpenAI-compatible HTTP server: ``pagedllm serve [MODEL] --host --port --api-key ...``.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (200 empty body, 503 + error body when the engine is dead or its steps
-fail), ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
-(Prometheus, see :mod:`pagedllm.metrics`), ``GET /kv`` and ``GET /kv/state`` (the live
-KV-cache map, :mod:`pagedllm.entrypoints.openai.kv_map`; off with ``--disable-kv-map``).
-
-Errors are OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for
-invalid input (pydantic validation errors, malformed JSON, SamplingParams and engine
-ValueErrors, prompt + max_tokens beyond the context), 401 for a missing or wrong API key
-(``--api-key`` or ``PAGEDLLM_API_KEY``; ``/health``, ``/metrics`` and ``/version`` stay
-open for probes and scrapers, and so does the ``/kv`` page, which holds no data), 404 for an unknown model or route, 503 when the waiting
-queue is full or the engine is down, 500 (without a traceback) for failures inside the
-engine. Run it with :func:`run_server` or ``python -m pagedllm.entrypoints.openai.api_server``.
+``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
+(Prometheus), ``GET /kv`` and ``GET /kv/state`` (the live KV-cache map; off with
+``--disable-kv-map``), ``GET /openapi.json``. Without a key stay open: probes, scrapers,
+the document and the ``/kv`` page (no data). The error contract, limits and shutdown are
+in ``docs/architecture.md`` ("The HTTP server"). Run it with :func:`run_server` or
+``python -m pagedllm.entrypoints.openai.api_server``.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import hmac
 import logging
