@@ -32,6 +32,7 @@ import torch
 
 from pagedllm.attention.backend import (AttentionMetadata, ForwardContext, check_shapes, get_forward_context,
                                         write_kv_cache)
+from pagedllm.utils import cdiv
 
 _WORKSPACE_BYTES = 256 * 1024**2
 
@@ -57,7 +58,7 @@ def block_tables_to_csr(block_tables: torch.Tensor, seq_lens: list[int], block_s
         them there) and indices on the block tables' device.
     """
     lens = np.asarray(seq_lens, dtype=np.int64)
-    num_pages = -(-lens // block_size)
+    num_pages = cdiv(lens, block_size)
     indptr = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(num_pages, out=indptr[1:])
     rows = np.repeat(np.arange(len(lens)), num_pages)
