@@ -12,11 +12,10 @@ import importlib.util
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.backend import (AttentionBackend, AttentionMetadata, ForwardContext, get_forward_context,
-                                        set_forward_context)
+from pagedllm.attention.backend import (AttentionBackend, AttentionMetadata, ForwardContext, attention_mask,
+                                        get_forward_context, masked_attention, set_forward_context)
 from pagedllm.attention.cpu_paged import CpuPagedAttention
 from pagedllm.attention.torch_paged import TorchPagedAttention
 
@@ -83,20 +82,28 @@ class Attention(nn.Module):
     Args:
         num_heads: query heads; num_kv_heads: key/value heads (divides ``num_heads``);
         head_dim: size of each head; scale: softmax scale;
-        backend: shared :class:`AttentionBackend` (one per model is enough).
+        backend: shared :class:`AttentionBackend` (one per model is enough);
+        sliding_window: W for a sliding-window layer (a token sees the W keys ending at
+            itself), None for full attention;
+        logit_soft_cap: c to cap scores as ``c * tanh(s / c)`` (Gemma 2), or None.
 
     ``kv_cache`` is ``None`` until the runner binds a
     ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` tensor.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, sliding_window: int | None = None,
+                 logit_soft_cap: float | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
                              f"num_key_value_heads ({num_kv_heads})")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logit_soft_cap = logit_soft_cap or None
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
         # KV-cache group whose block tables this layer reads (set by the model runner
@@ -114,12 +121,16 @@ class Attention(nn.Module):
         """
         metadata = get_forward_context().metadata_for(self.kv_cache_group)
         if metadata is None:
-            out = F.scaled_dot_product_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-                                                 is_causal=True, scale=self.scale, enable_gqa=True)
+            positions = torch.arange(query.shape[0], device=query.device)
+            mask = None if self.sliding_window is None else attention_mask(positions, positions, self.sliding_window)
+            out = masked_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), mask,
+                                   self.scale, self.logit_soft_cap)
             return out.transpose(0, 1)  # (T, num_heads, head_dim)
         if self.kv_cache is None:
             raise RuntimeError("attention metadata given but no KV cache bound: call model.bind_kv_caches() first")
-        return self.backend.forward(query, key, value, self.kv_cache, metadata, self.scale)
+        return self.backend.forward(query, key, value, self.kv_cache, metadata, self.scale,
+                                    sliding_window=self.sliding_window, logit_soft_cap=self.logit_soft_cap)
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"sliding_window={self.sliding_window}, logit_soft_cap={self.logit_soft_cap}")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -57,15 +58,22 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     """Writes new K/V into the paged cache and computes causal attention.
 
-    ``forward(query, key, value, kv_cache, metadata, scale)``:
+    ``forward(query, key, value, kv_cache, metadata, scale, sliding_window=None, logit_soft_cap=None)``:
         query: [T, num_heads, head_dim]; key/value: [T, num_kv_heads, head_dim]
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (written in place)
+        scale: the softmax scale (``head_dim ** -0.5`` unless the model says otherwise)
+        sliding_window: W, or None for full attention: the token at position p attends to
+            keys at positions p - W < k <= p (transformers' sliding-window mask); blocks
+            wholly before p - W + 1 are never read, so their table entries may be stale
+        logit_soft_cap: c, or None: scores become ``c * tanh(scores / c)`` before the mask
+            and softmax (Gemma 2's attention-logit soft-capping)
         returns: [T, num_heads, head_dim], dtype of ``query``.
     Grouped-query attention: query head h reads KV head h // (num_heads // num_kv_heads).
     """
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor: ...
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                sliding_window: int | None = None, logit_soft_cap: float | None = None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -157,3 +165,43 @@ def current_context(metadata: AttentionMetadata) -> ForwardContext | None:
     except RuntimeError:
         return None
     return ctx if ctx.attn_metadata is metadata else None
+
+
+def attention_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """Causal (and sliding-window) mask, True = attend: (Q,) and (S,) positions -> (Q, S) bool.
+
+    Key k is visible to query q when ``k <= q`` and, with a window W, ``k > q - W``.
+    """
+    q, k = query_pos.unsqueeze(1), key_pos.unsqueeze(0)
+    mask = k <= q
+    if sliding_window is not None:
+        mask &= k > q - sliding_window
+    return mask
+
+
+def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float, logit_soft_cap: float | None = None) -> torch.Tensor:
+    """softmax(cap(scale * q k^T) masked) v, the reference every backend must equal.
+
+    Args:
+        query: (..., Hq, Q, D); key, value: (..., Hk, S, D) with Hq a multiple of Hk (query
+            head h reads key head h // (Hq // Hk)).
+        mask: bool broadcastable to (..., Hq, Q, S), True = attend; None = causal, top-left
+            aligned (Q == S). Every query row must see at least one key.
+        logit_soft_cap: c or None: scores become ``c * tanh(scores / c)`` before masking.
+    Returns:
+        (..., Hq, Q, D) in query's dtype.
+    """
+    key, value = key.to(query.dtype), value.to(query.dtype)
+    if logit_soft_cap is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,
+                                              scale=scale, enable_gqa=True)
+    group = query.shape[-3] // key.shape[-3]
+    if group > 1:
+        key, value = key.repeat_interleave(group, dim=-3), value.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale  # (..., Hq, Q, S)
+    scores = torch.tanh(scores / logit_soft_cap) * logit_soft_cap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(value.dtype), value)

@@ -14,7 +14,9 @@
  *   k/v cache:     [num_blocks, block_size, num_kv_heads, head_dim] (float32 or bf16 as uint16),
  *                  addressed as block * kv_block_stride + offset * kv_token_stride + kv_head * head_dim
  *   block_tables:  [*, block_table_stride] int32; row r holds request r's physical block ids
- *   seq_lens:      [*] int32; request r attends to its tokens 0 .. seq_lens[r] - 1
+ *   seq_lens:      [*] int32; request r attends to its tokens 0 .. seq_lens[r] - 1, or with a
+ *                  sliding window W > 0 to its last W tokens only (earlier blocks are not read)
+ * Attention-logit soft-capping (Gemma 2): with soft_cap c > 0 each score s becomes c * tanh(s / c).
  * Query head h reads KV head h / (num_heads / num_kv_heads) (grouped-query attention).
  *
  * Vectorization: GCC/Clang vector extensions over 16-float chunks of head_dim (one AVX-512
@@ -43,7 +45,7 @@
  * tile being computed; measured at batch 64, context 300, block 16: 2 beats 3 by ~1.5x. */
 #define PREFETCH_LOCALITY 2
 
-int pagedllm_cpu_paged_abi_version(void) { return 1; }
+int pagedllm_cpu_paged_abi_version(void) { return 2; }
 int pagedllm_cpu_paged_max_heads(void) { return MAX_HEADS; }
 int pagedllm_cpu_paged_max_head_dim(void) { return 16 * MAX_CHUNKS; }
 
@@ -113,7 +115,7 @@ static inline float hsum(v16f x) {
 static inline __attribute__((always_inline)) void decode_one(
     const float *restrict q, const void *k_cache, const void *v_cache, const int32_t *restrict block_table,
     int seq_len, float *restrict out, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    long long kv_block_stride, long long kv_token_stride, float scale, int is_bf16) {
+    long long kv_block_stride, long long kv_token_stride, float scale, int window, float soft_cap, int is_bf16) {
     const int group = num_heads / num_kv_heads;
     const int num_chunks = head_dim / 16; /* a constant in the specialised copies (64, 128) */
     float scores[MAX_HEADS][TILE];
@@ -127,7 +129,8 @@ static inline __attribute__((always_inline)) void decode_one(
     }
     memset(out, 0, sizeof(float) * (size_t)num_heads * head_dim);
 
-    for (int t0 = 0; t0 < seq_len; t0 += TILE) {
+    const int first = window > 0 && seq_len > window ? seq_len - window : 0;
+    for (int t0 = first; t0 < seq_len; t0 += TILE) {
         const int n = seq_len - t0 < TILE ? seq_len - t0 : TILE;
         /* Element offset of each token's row (KV head 0) in the cache, through the block table. */
         for (int i = 0; i < n; i++) {
@@ -155,7 +158,8 @@ static inline __attribute__((always_inline)) void decode_one(
                     const float *qh = q + (size_t)h * head_dim;
                     v16f acc = load_f32(qh) * k[0];
                     for (int c = 1; c < num_chunks; c++) acc += load_f32(qh + 16 * c) * k[c];
-                    scores[h][i] = scale * hsum(acc);
+                    const float s = scale * hsum(acc);
+                    scores[h][i] = soft_cap > 0.0f ? soft_cap * tanhf(s / soft_cap) : s;
                 }
             }
         }
@@ -198,7 +202,7 @@ static inline __attribute__((always_inline)) void decode_one(
     const float *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,                  \
         const int32_t *seq_lens, float *out, int req_begin, int req_end, int num_heads, int num_kv_heads,   \
         int head_dim, int block_size, long long block_table_stride, long long kv_block_stride,              \
-        long long kv_token_stride, float scale
+        long long kv_token_stride, float scale, int window, float soft_cap
 
 /* head_dim 64 and 128 get copies with the chunk loops fully unrolled (accumulators in registers). */
 #define DECODE_REQUESTS(HEAD_DIM, IS_BF16)                                                                  \
@@ -206,7 +210,7 @@ static inline __attribute__((always_inline)) void decode_one(
         const size_t row = (size_t)r * num_heads * (HEAD_DIM);                                              \
         decode_one(q + row, k_cache, v_cache, block_tables + (long long)r * block_table_stride, seq_lens[r], \
                    out + row, num_heads, num_kv_heads, (HEAD_DIM), block_size, kv_block_stride,             \
-                   kv_token_stride, scale, IS_BF16);                                                        \
+                   kv_token_stride, scale, window, soft_cap, IS_BF16);                                                        \
     }
 
 #define PAGED_DECODE_BODY(IS_BF16)                                                                          \

@@ -51,13 +51,14 @@ __all__ = ["CpuPagedAttention", "CpuPagedKernel", "load_kernel"]
 
 _SOURCE = Path(__file__).with_name("cpu_paged.c")
 _CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _CACHE_ENV = "PAGEDLLM_CACHE_DIR"
 
 _c_int, _c_ll, _c_float, _c_void_p = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p
 # paged_decode_{f32,bf16}(q, k_cache, v_cache, block_tables, seq_lens, out, req_begin, req_end, num_heads,
-#   num_kv_heads, head_dim, block_size, block_table_stride, kv_block_stride, kv_token_stride, scale)
-_ARGTYPES = [_c_void_p] * 6 + [_c_int] * 6 + [_c_ll] * 3 + [_c_float]
+#   num_kv_heads, head_dim, block_size, block_table_stride, kv_block_stride, kv_token_stride, scale, window,
+#   soft_cap)
+_ARGTYPES = [_c_void_p] * 6 + [_c_int] * 6 + [_c_ll] * 3 + [_c_float, _c_int, _c_float]
 
 
 class CpuPagedKernel:
@@ -90,7 +91,8 @@ class CpuPagedKernel:
                 and 0 < head_dim <= self.max_head_dim)
 
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-               seq_lens: torch.Tensor, out: torch.Tensor, req_begin: int, req_end: int, scale: float) -> None:
+               seq_lens: torch.Tensor, out: torch.Tensor, req_begin: int, req_end: int, scale: float,
+               sliding_window: int | None = None, logit_soft_cap: float | None = None) -> None:
         """Decode attention of requests ``[req_begin, req_end)`` into ``out``. Nothing is checked
         here (a bad block id reads out of bounds): :class:`CpuPagedAttention` validates the block
         tables and ``seq_lens`` once per step.
@@ -100,6 +102,7 @@ class CpuPagedKernel:
             kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim) float32 or bfloat16, contiguous.
             block_tables: (>= D, max_blocks) int32 with a unit last stride; ids < num_blocks.
             seq_lens: (>= D,) int32 contiguous; 1 <= seq_lens[r] <= max_blocks * block_size.
+            sliding_window: attend to the last W tokens only (None: all); logit_soft_cap: c or None.
         """
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         kv_block_stride = block_size * num_kv_heads * head_dim
@@ -107,7 +110,7 @@ class CpuPagedKernel:
             query.data_ptr(), kv_cache.data_ptr(), kv_cache.data_ptr() + num_blocks * kv_block_stride *
             kv_cache.element_size(), block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), req_begin,
             req_end, query.shape[1], num_kv_heads, head_dim, block_size, block_tables.stride(0), kv_block_stride,
-            num_kv_heads * head_dim, scale)
+            num_kv_heads * head_dim, scale, sliding_window or 0, logit_soft_cap or 0.0)
 
 
 _load_lock = threading.Lock()
@@ -240,7 +243,8 @@ class CpuPagedAttention(TorchPagedAttention):
         return self.kernel is not None
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                scale: float, out: torch.Tensor) -> None:
+                scale: float, out: torch.Tensor, sliding_window: int | None = None,
+                logit_soft_cap: float | None = None) -> None:
         """Attention of the decode requests into ``out``. query, out: (D, num_heads, head_dim).
 
         The D requests are split into ``num_threads`` contiguous ranges of about equal total
@@ -249,7 +253,7 @@ class CpuPagedAttention(TorchPagedAttention):
         kernel = self.kernel
         if not (kernel is not None and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
                 and kernel.supports(kv_cache.dtype, query.shape[1], kv_cache.shape[-1])):
-            super()._decode(query, kv_cache, metadata, scale, out)
+            super()._decode(query, kv_cache, metadata, scale, out, sliding_window, logit_soft_cap)
             return
         plan = self._kernel_plan(metadata, kv_cache)
         q = query.to(torch.float32).contiguous()  # a no-op for contiguous float32 queries
@@ -258,8 +262,9 @@ class CpuPagedAttention(TorchPagedAttention):
         args = (q, kv_cache, plan.block_tables, plan.seq_lens, result)
         first, *rest = plan.ranges
         pool = _get_pool(len(rest)) if rest else None
-        futures = [pool.submit(kernel.decode, *args, *r, scale) for r in rest] if pool else []
-        kernel.decode(*args, *first, scale)
+        extra = (scale, sliding_window, logit_soft_cap)
+        futures = [pool.submit(kernel.decode, *args, *r, *extra) for r in rest] if pool else []
+        kernel.decode(*args, *first, *extra)
         for f in futures:
             f.result()
         if not direct:

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backend import AttentionMetadata, ForwardContext, check_shapes, current_context, write_kv_cache
+from pagedllm.attention.backend import (AttentionMetadata, ForwardContext, attention_mask, check_shapes, current_context,
+                                        masked_attention, write_kv_cache)
 from pagedllm.utils import cdiv
 
 _CPU_WORKSPACE_BYTES = 8 * 1024**2
@@ -82,10 +83,11 @@ class TorchPagedAttention:
             raise ValueError(f"max_workspace_bytes must be positive, got {max_workspace_bytes}")
         self.max_workspace_bytes = max_workspace_bytes
         self._workspace: torch.Tensor | None = None
-        self._plan: _DecodePlan | None = None
+        self._plans: dict[int | None, _DecodePlan] = {}  # this pass's decode plans, by sliding window
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                sliding_window: int | None = None, logit_soft_cap: float | None = None) -> torch.Tensor:
         """Write this step's K/V into ``kv_cache`` and return causal attention per request.
 
         Args:
@@ -95,6 +97,7 @@ class TorchPagedAttention:
             kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim); written in place.
             metadata: the step's :class:`AttentionMetadata` (decodes first, then prefills).
             scale: softmax scale, usually ``head_dim ** -0.5``.
+            sliding_window, logit_soft_cap: see :class:`~pagedllm.attention.backend.AttentionBackend`.
         Returns:
             (T, num_heads, head_dim), dtype of ``query``.
         Raises:
@@ -106,12 +109,14 @@ class TorchPagedAttention:
         output = torch.empty_like(query)
         num_decodes = metadata.num_decodes
         if num_decodes > 0:
-            self._decode(query[:num_decodes], kv_cache, metadata, scale, output[:num_decodes])
+            self._decode(query[:num_decodes], kv_cache, metadata, scale, output[:num_decodes], sliding_window,
+                         logit_soft_cap)
         qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
         for b in range(num_decodes, metadata.num_reqs):
             start, end = qsl[b], qsl[b + 1]
             output[start:end] = _prefill_one(query[start:end], key[start:end], value[start:end], kv_cache,
-                                             metadata.block_tables[b], seq_lens[b], scale)
+                                             metadata.block_tables[b], seq_lens[b], scale, sliding_window,
+                                             logit_soft_cap)
         return output
 
     __call__ = forward
@@ -119,36 +124,40 @@ class TorchPagedAttention:
     # -- decode ----------------------------------------------------------------------------
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                scale: float, out: torch.Tensor) -> None:
+                scale: float, out: torch.Tensor, sliding_window: int | None = None,
+                logit_soft_cap: float | None = None) -> None:
         """Attention of the decode requests into ``out``. query, out: (D, num_heads, head_dim)."""
         num_decodes = query.shape[0]
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        plan = self._decode_plan(metadata, block_size)
+        plan = self._decode_plan(metadata, block_size, sliding_window)
         bytes_per_req = 2 * plan.max_len * num_kv_heads * head_dim * kv_cache.element_size()
         cap = self.max_workspace_bytes or _default_workspace_bytes(kv_cache.device)
         group = max(1, min(num_decodes, cap // bytes_per_req))
         workspace = self._get_workspace(group * bytes_per_req // kv_cache.element_size(), kv_cache)
         for i in range(0, num_decodes, group):  # one iteration unless the batch outgrows the workspace
             j = min(i + group, num_decodes)
-            out[i:j] = _decode_group(query[i:j], kv_cache, plan.block_tables[i:j], plan.mask[i:j], scale, workspace)
+            out[i:j] = _decode_group(query[i:j], kv_cache, plan.block_tables[i:j], plan.mask[i:j], scale, workspace,
+                                     logit_soft_cap)
 
-    def _decode_plan(self, metadata: AttentionMetadata, block_size: int) -> "_DecodePlan":
+    def _decode_plan(self, metadata: AttentionMetadata, block_size: int, sliding_window: int | None = None
+                     ) -> "_DecodePlan":
         """Block tables and key mask of the step's decodes, computed once per forward pass and
-        shared by every layer. The cache key is the pass's ForwardContext object (new for each
-        ``set_forward_context``), so a runner that refills one metadata object in place every
-        step never sees a stale plan; outside a forward context nothing is cached."""
+        sliding window, and shared by every layer with that window. The cache key is the pass's
+        ForwardContext object (new for each ``set_forward_context``), so a runner that refills
+        one metadata object in place every step never sees a stale plan; outside a forward
+        context nothing is cached."""
         owner = current_context(metadata)
-        plan = self._plan
+        plan = self._plans.get(sliding_window)
         if owner is not None and plan is not None and plan.owner is owner and plan.block_size == block_size:
             return plan
-        num_decodes = metadata.num_decodes
-        num_blocks = cdiv(max(metadata.seq_lens_cpu[:num_decodes]), block_size)
-        max_len = num_blocks * block_size
-        positions = torch.arange(max_len, device=metadata.seq_lens.device)
-        mask = positions < metadata.seq_lens[:num_decodes].unsqueeze(1)  # (D, max_len), True = attend
-        plan = _DecodePlan(owner, block_size, max_len, metadata.block_tables[:num_decodes, :num_blocks],
-                           mask.view(num_decodes, 1, 1, max_len))
-        self._plan = plan if owner is not None else None
+        if owner is None or any(p.owner is not owner for p in self._plans.values()):
+            self._plans = {}
+        if sliding_window is None:
+            plan = _full_decode_plan(owner, metadata, block_size)
+        else:
+            plan = _window_decode_plan(owner, metadata, block_size, sliding_window)
+        if owner is not None:
+            self._plans[sliding_window] = plan
         return plan
 
     def _get_workspace(self, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -171,6 +180,36 @@ class _DecodePlan:
     mask: torch.Tensor  # (D, 1, 1, max_len) bool, True = attend
 
 
+def _full_decode_plan(owner: ForwardContext | None, metadata: AttentionMetadata, block_size: int) -> _DecodePlan:
+    """Every decode reads its blocks 0 .. ceil(seq_len / block_size) - 1."""
+    num_decodes = metadata.num_decodes
+    num_blocks = cdiv(max(metadata.seq_lens_cpu[:num_decodes]), block_size)
+    max_len = num_blocks * block_size
+    positions = torch.arange(max_len, device=metadata.seq_lens.device)
+    mask = positions < metadata.seq_lens[:num_decodes].unsqueeze(1)  # (D, max_len), True = attend
+    return _DecodePlan(owner, block_size, max_len, metadata.block_tables[:num_decodes, :num_blocks],
+                       mask.view(num_decodes, 1, 1, max_len))
+
+
+def _window_decode_plan(owner: ForwardContext | None, metadata: AttentionMetadata, block_size: int,
+                        window: int) -> _DecodePlan:
+    """Each decode reads only the blocks holding its last ``window`` tokens (positions
+    seq_len - window .. seq_len - 1): at most (window - 1) // block_size + 2 blocks from its
+    first needed one, so blocks before the window are never touched."""
+    num_decodes = metadata.num_decodes
+    device = metadata.seq_lens.device
+    seq_lens = metadata.seq_lens[:num_decodes].long()  # (D,)
+    num_blocks = cdiv(max(metadata.seq_lens_cpu[:num_decodes]), block_size)
+    width = min(num_blocks, (window - 1) // block_size + 2)
+    first = (seq_lens - window).clamp(min=0) // block_size  # (D,) first block needed
+    logical = first.unsqueeze(1) + torch.arange(width, device=device)  # (D, width) logical block index
+    tables = metadata.block_tables[:num_decodes].gather(1, logical.clamp(max=num_blocks - 1))  # (D, width)
+    positions = (logical.unsqueeze(2) * block_size + torch.arange(block_size, device=device)).view(num_decodes, -1)
+    mask = (positions < seq_lens.unsqueeze(1)) & (positions >= (seq_lens - window).unsqueeze(1))  # (D, width * bs)
+    max_len = width * block_size
+    return _DecodePlan(owner, block_size, max_len, tables, mask.view(num_decodes, 1, 1, max_len))
+
+
 def _default_workspace_bytes(device: torch.device) -> int:
     """CPU: a few MiB, so each group's gathered K/V is still in cache when SDPA reads it.
     CUDA: large (one group), bounded so a huge batch cannot allocate without limit."""
@@ -178,7 +217,8 @@ def _default_workspace_bytes(device: torch.device) -> int:
 
 
 def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                  mask: torch.Tensor, scale: float, workspace: torch.Tensor) -> torch.Tensor:
+                  mask: torch.Tensor, scale: float, workspace: torch.Tensor,
+                  logit_soft_cap: float | None = None) -> torch.Tensor:
     """Batched decode attention for D requests with one query token each.
 
     Args:
@@ -204,24 +244,29 @@ def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     values = kv[1].transpose(1, 2).to(query.dtype)  # (D, num_kv_heads, max_len, head_dim), a view
     # Query head h reads KV head h // group_size: fold a group's heads into the query axis.
     q = query.view(num_reqs, num_kv_heads, group_size, head_dim)  # (D, num_kv_heads, group, head_dim)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    out = masked_attention(q, keys, values, mask, scale, logit_soft_cap)
     return out.reshape(num_reqs, num_heads, head_dim)  # (D, num_heads, head_dim)
 
 
 def _prefill_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+                 block_table: torch.Tensor, seq_len: int, scale: float, sliding_window: int | None = None,
+                 logit_soft_cap: float | None = None) -> torch.Tensor:
     """Causal attention of one request's Q new tokens, the last Q of its ``seq_len``.
 
     query: (Q, num_heads, head_dim); key/value: (Q, num_kv_heads, head_dim) (already in the
-    cache). With no earlier context, one causal SDPA call over the fresh K/V. With C =
-    ``seq_len - Q`` cached tokens (chunked prefill, prefix-cache hit) the attention splits
-    into the prefix part (every query sees all C cached keys: no mask) and the in-chunk part
-    (causal over the Q fresh keys), merged by log-sum-exp (:func:`_prefix_chunk_attention`)
-    on CPU; elsewhere one SDPA call with a bottom-right causal mask. Every SDPA call gets
-    4-D (batch 1) tensors: on CPU only those reach the fused flash kernel, 3-D ones take the
-    math path that materializes the (Q x keys) score matrix per head.
-    Returns (Q, num_heads, head_dim).
+    cache). Full attention without soft-capping: with no earlier context, one causal SDPA
+    call over the fresh K/V. With C = ``seq_len - Q`` cached tokens (chunked prefill,
+    prefix-cache hit) the attention splits into the prefix part (every query sees all C
+    cached keys: no mask) and the in-chunk part (causal over the Q fresh keys), merged by
+    log-sum-exp (:func:`_prefix_chunk_attention`) on CPU; elsewhere one SDPA call with a
+    bottom-right causal mask. Every SDPA call gets 4-D (batch 1) tensors: on CPU only those
+    reach the fused flash kernel, 3-D ones take the math path that materializes the
+    (Q x keys) score matrix per head. A sliding window or a soft cap goes to
+    :func:`_prefill_one_masked`. Returns (Q, num_heads, head_dim).
     """
+    if sliding_window is not None or logit_soft_cap is not None:
+        return _prefill_one_masked(query, key, value, kv_cache, block_table, seq_len, scale, sliding_window,
+                                   logit_soft_cap)
     query_len = query.shape[0]
     num_context = seq_len - query_len
     q = query.transpose(0, 1).unsqueeze(0)  # (1, num_heads, Q, head_dim)
@@ -277,3 +322,26 @@ def _prefix_chunk_attention(q: torch.Tensor, prefix_keys: torch.Tensor, prefix_v
     torch.lerp(o1.float(), o2.float(), weight, out=out.transpose(0, 1).unsqueeze(0))
     return out.to(dtype)
 
+def _prefill_one_masked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                        block_table: torch.Tensor, seq_len: int, scale: float, sliding_window: int | None,
+                        logit_soft_cap: float | None) -> torch.Tensor:
+    """:func:`_prefill_one` with a sliding window and/or attention-logit soft-capping: one
+    explicit-mask attention call (:func:`~pagedllm.attention.backend.masked_attention`). The
+    context is read back through ``block_table`` only from the first block the first query
+    token can see. Returns (Q, num_heads, head_dim)."""
+    query_len = query.shape[0]
+    num_context = seq_len - query_len
+    q = query.transpose(0, 1).unsqueeze(0)  # (1, num_heads, Q, head_dim)
+    block_size = kv_cache.shape[2]
+    first_block = 0 if sliding_window is None else max(0, num_context - sliding_window + 1) // block_size
+    first_key = first_block * block_size
+    if num_context == 0:
+        keys, values = key, value  # (Q, num_kv_heads, head_dim)
+    else:
+        keys, values = gather_kv(kv_cache, block_table[first_block:], seq_len - first_key)  # (S, kv_heads, hd)
+    # Bottom-right causal mask: query i (position num_context + i) sees keys up to num_context + i.
+    mask = attention_mask(torch.arange(num_context, seq_len, device=query.device),
+                          torch.arange(first_key, seq_len, device=query.device), sliding_window)  # (Q, S)
+    out = masked_attention(q, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), mask, scale,
+                           logit_soft_cap)
+    return out[0].transpose(0, 1)  # (Q, num_heads, head_dim)
