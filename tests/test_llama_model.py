@@ -12,7 +12,8 @@ import torch
 
 from pagedllm.attention.backend import set_forward_context
 from pagedllm.models import get_model_class, supported_architectures
-from pagedllm.models.llama import LlamaForCausalLM, rope_inv_freq, rope_parameters
+from pagedllm.models.layers.rotary import rope_inv_freq, rope_parameters
+from pagedllm.models.llama import LlamaForCausalLM
 from tests.model_utils import make_llama_pair, random_llama_weights, run_paged, tiny_llama_config
 
 ATOL = 1e-4
@@ -175,7 +176,7 @@ def test_registry():
 def test_cpu_prepacked_linears_follow_reloads_and_can_be_disabled(monkeypatch):
     """load_weights prepacks projections for oneDNN on CPU; reloading repacks; the env switch
     keeps the plain F.linear path. Every variant matches transformers."""
-    from pagedllm.models.llama import Linear
+    from pagedllm.models.layers.linear import Linear
 
     config = tiny_llama_config()
     hf, model = make_llama_pair(config, seed=11)

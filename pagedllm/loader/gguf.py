@@ -77,7 +77,12 @@ _CONFIG_KEYS = {
     "attention.sliding_window": "sliding_window",
     "rope.freq_base": "rope_theta",
     "vocab_size": "vocab_size",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
 }
+# The 27B Gemmas scale queries by hidden_size / num_heads instead of head_dim: llama.cpp tells
+# them apart by layer count (LLM_TYPE_27B) since the GGUF has no query_pre_attn_scalar.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 _GGUF_MAGIC = b"GGUF"
@@ -239,10 +244,20 @@ def gguf_config(metadata: dict, tensor_names: set[str], rope_freqs: np.ndarray |
         raise ValueError("the GGUF has a rope_freqs tensor: pass it as rope_freqs to rebuild rope scaling")
     if rope_scaling is not None:
         fields["rope_scaling"] = rope_scaling
+    if arch in _GEMMA_27B_LAYERS:
+        fields["query_pre_attn_scalar"] = _gemma_query_pre_attn_scalar(fields, arch)
     fields["tie_word_embeddings"] = "output.weight" not in tensor_names
     config = AutoConfig.for_model(model_type, **fields)
     config.architectures = [_ARCHITECTURES[model_type]]
     return config
+
+
+def _gemma_query_pre_attn_scalar(fields: dict, arch: str) -> int:
+    """Gemma 2/3 scale queries by ``query_pre_attn_scalar ** -0.5``, which the GGUF does not
+    store; llama.cpp uses head_dim, or hidden_size / num_heads for the 27B models."""
+    if fields.get("num_hidden_layers") == _GEMMA_27B_LAYERS[arch]:
+        return fields["hidden_size"] // fields["num_attention_heads"]
+    return fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
 
 
 def _rope_scaling(metadata: dict, arch: str) -> dict | None:

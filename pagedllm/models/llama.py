@@ -1,16 +1,19 @@
-"""The Llama family (Llama 2/3, SmolLM2, TinyLlama, ...) in plain PyTorch over the paged KV cache.
+"""The Llama family (Llama 2/3, SmolLM2, TinyLlama, ...) and the decoder every dense family builds on.
 
 Numerically the same model as transformers' ``LlamaForCausalLM`` (RMSNorm, neox-style
-rotary embeddings with the config's base and rope scaling, grouped-query attention,
-SwiGLU MLP, tied or untied output embedding), restructured for serving:
+rotary embeddings with the config's base and scaling, grouped-query attention, SwiGLU MLP,
+tied or untied output embedding), restructured for serving:
 
 - it takes a flat batch of T tokens (no padding, no batch axis) with their positions;
   which request each token belongs to is in the step's ``AttentionMetadata``, read by the
   attention layers from the forward context;
-- q/k/v and gate/up projections are fused into one matmul each (``qkv_proj``,
-  ``gate_up_proj``); :meth:`LlamaForCausalLM.load_weights` takes Hugging Face names and
-  fills the fused parameters;
+- q/k/v and gate/up projections are fused into one matmul each; :meth:`load_weights` takes
+  Hugging Face names and fills the fused parameters;
 - the residual add is fused into the following RMSNorm call (nano-vllm's layout).
+
+Other families subclass :class:`LlamaForCausalLM` and override the few hooks where they
+differ (``_attention``, ``_mlp``, ``_decoder_layer``, ``_embedding_scale``,
+``_final_logit_soft_cap``, ``norm_class``); see qwen2.py, qwen3.py, gemma.py.
 """
 
 from __future__ import annotations
@@ -19,270 +22,93 @@ import os
 from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention import Attention, AttentionBackend, TorchPagedAttention
+from pagedllm.attention import AttentionBackend, TorchPagedAttention
+from pagedllm.models.layer_types import layer_types, sliding_windows
+from pagedllm.models.layers import (GatedMLP, LMHead, MergedLinear, RMSNorm, RotaryEmbedding, SelfAttention,
+                                    VocabEmbedding, pack_linears_for_cpu, unpack_linears)
+from pagedllm.models.layers.rotary import rope_parameters
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 _PACKED_LINEAR_ENV = "PAGEDLLM_CPU_PACKED_LINEAR"
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints still carry
+DEFAULT_ROPE = "default"
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` that can run from a oneDNN-prepacked copy of its weight on CPU.
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``+ mlp(norm(x))``.
 
-    :meth:`pack_for_cpu` reorders the weight once into oneDNN's blocked layout (the same
-    prepacking torch.compile's CPU freezing pass does); forward then calls the oneDNN
-    linear directly instead of re-packing the weight inside every matmul. Measured on this
-    project's 2-core AVX-512 machine at 64 tokens (SmolLM2 shapes, one thread): each matmul
-    20-40 % faster in float32 (the 49152-row lm_head 58 -> 36 ms) and 15-25 % in bfloat16;
-    a whole batch-64 decode step 19 % (float32) and 16 % (bfloat16) faster.
-
-    The packed copy lives on the CPU: pack after the model reaches its device (as
-    ``load_weights`` does), not before a ``.to("cuda")``.
+    ``mlp`` is any module mapping (T, hidden) -> (T, hidden): a dense gated MLP or a
+    mixture-of-experts block.
     """
 
-    packed_weight: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (T, in_features) -> (T, out_features)."""
-        if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-    def pack_for_cpu(self, batch_hint: int) -> bool:
-        """Prepack the weight for oneDNN (CPU, float32/bfloat16 only); returns whether it did.
-
-        The packed copy is extra memory (one more copy of the weight); ``self.weight``
-        stays valid, but the packed copy does not follow later in-place edits of it: call
-        this again (``load_weights`` does) after changing weights.
-        """
-        w = self.weight
-        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) \
-                or not torch.backends.mkldnn.is_available():
-            return False
-        try:
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
-        except (RuntimeError, AttributeError):  # a torch build without this private op: stay plain
-            self.packed_weight = None
-        return self.packed_weight is not None
-
-    def unpack(self) -> None:
-        """Back to the plain ``F.linear`` path."""
-        self.packed_weight = None
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (Zhang & Sennrich, 2019), optionally fused with a residual add.
-
-    ``forward(x)`` returns ``weight * x / sqrt(mean(x**2) + eps)`` (statistics in float32),
-    x: (T, hidden). ``forward(x, residual)`` first adds ``residual`` and returns
-    ``(normed, x + residual)`` — the new residual stream.
-    """
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, self_attn: SelfAttention, mlp: nn.Module, input_layernorm: nn.Module,
+                 post_attention_layernorm: nn.Module) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None:
-            x = x + residual  # in the model dtype, as transformers does
-            residual = x
-        out = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
-        return out if residual is None else (out, residual)
-
-
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """The config's rotary-embedding parameters as one dict with ``rope_type`` and ``rope_theta``.
-
-    transformers >= 5 keeps them in ``config.rope_parameters``; 4.x in ``config.rope_theta`` and
-    ``config.rope_scaling`` (whose type key may be ``type``). Raises ValueError for rope types
-    this model does not implement.
-    """
-    params = getattr(config, "rope_parameters", None)
-    if not params:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params = dict(params)
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in _SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(_SUPPORTED_ROPE_TYPES)})")
-    params["rope_type"] = rope_type
-    return params
-
-
-def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (head_dim // 2,) float32 and the cos/sin scale ("attention factor").
-
-    ``default``: ``1 / theta ** (2i / head_dim)`` (Su et al., RoFormer). Scaled types
-    (``linear``, ``dynamic``, ``yarn``, ``llama3``) use transformers' own init functions so
-    the frequencies match the reference exactly. ``dynamic`` (NTK) is evaluated at the
-    model's trained length, i.e. unscaled: transformers rescales only past
-    ``max_position_embeddings``, which a served sequence never reaches here.
-    """
-    params = rope_parameters(config)
-    if params["rope_type"] == "default":
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        return 1.0 / (float(params["rope_theta"]) ** exponent), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"))
-    return inv_freq.float(), float(attention_factor)
-
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary position embedding with a precomputed cos/sin table.
-
-    The table ``cos_sin`` is (max_positions, 2, head_dim) in the model dtype: row p holds
-    ``cat(cos, cos)`` and ``cat(-sin, sin)`` of ``p * inv_freq`` (times the attention
-    factor), so rotating is ``x * cos + roll(x, head_dim / 2) * sin`` — equal to
-    transformers' ``x * cos + rotate_half(x) * sin``.
-    """
-
-    def __init__(self, inv_freq: torch.Tensor, attention_factor: float, max_positions: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq.float())  # (max_positions, head_dim // 2)
-        cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
-        table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], 1)  # (max_pos, 2, head_dim)
-        self.register_buffer("cos_sin", table.to(dtype=dtype, device=device), persistent=False)
-        self.max_positions = max_positions
-
-    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
-        """positions: (T,) int64 in [0, max_positions) -> (T, 2, head_dim) cos/sin rows."""
-        return self.cos_sin.index_select(0, positions)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x: (T, num_heads, head_dim) by cos_sin: (T, 2, head_dim) -> (T, num_heads, head_dim)."""
-        cos, sin = cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)  # (T, 1, head_dim)
-        rotated = torch.roll(x, x.shape[-1] // 2, dims=-1)  # (T, num_heads, head_dim): cat(x2, x1)
-        return torch.addcmul(x * cos, rotated, sin)
-
-
-class LlamaAttention(nn.Module):
-    """Grouped-query self-attention with a fused qkv projection and rotary embeddings."""
-
-    def __init__(self, config: Any, head_dim: int, backend) -> None:
-        super().__init__()
-        hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = head_dim
-        self.q_size = self.num_heads * head_dim
-        self.kv_size = self.num_kv_heads * head_dim
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=bias)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, backend)
-
-    def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        """hidden: (T, hidden), cos_sin: (T, 2, head_dim) -> (T, hidden)."""
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # (T, q_size + 2 * kv_size)
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)  # (T, heads + kv_heads, head_dim)
-        qk = RotaryEmbedding.apply(qk, cos_sin)  # q and k rotated in one pass
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, heads, hd), (T, kv_heads, hd)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, head_dim)
-        out = self.attn(q, k, v)  # (T, heads, head_dim)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))  # (T, hidden)
-
-
-class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer, 2020): ``down(silu(gate(x)) * up(x))`` with gate/up fused."""
-
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        act = getattr(config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act must be 'silu' for a Llama model, got {act!r}")
-        bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
-        self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (T, hidden) -> (T, hidden)."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each (T, intermediate)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm transformer block: attention then MLP, each with a residual connection."""
-
-    def __init__(self, config: Any, head_dim: int, backend) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config, head_dim, backend)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = input_layernorm
+        self.post_attention_layernorm = post_attention_layernorm
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                cos_sin: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden, residual: (T, hidden) (residual None for the first layer) -> (mlp_out, residual)."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos_sin)
+        hidden = self.self_attn(hidden, cos_sin[self.self_attn.rope_key])
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     """Embedding, decoder layers and the final norm (the HF ``model.`` prefix)."""
 
-    def __init__(self, config: Any, head_dim: int, backend) -> None:
+    def __init__(self, embed_tokens: nn.Module, layers: list[nn.Module], norm: nn.Module) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, head_dim, backend)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
 
-    def forward(self, input_ids: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        """input_ids: (T,) int64, cos_sin: (T, 2, head_dim) -> final hidden states (T, hidden)."""
+    def forward(self, input_ids: torch.Tensor, cos_sin: dict[str, torch.Tensor]) -> torch.Tensor:
+        """input_ids: (T,) int64, cos_sin: rotary rows per table, each (T, 2, rotary_dim) -> (T, hidden)."""
         hidden = self.embed_tokens(input_ids)  # (T, hidden)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos_sin)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-
-# HF projection name -> (fused parameter, shard index) inside each layer.
-_FUSED_SHARDS = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints still carry
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
     """A Llama-architecture causal LM over the paged KV cache.
 
     Args:
-        config: a transformers ``LlamaConfig`` (or any config with the same fields:
-            vocab_size, hidden_size, intermediate_size, num_hidden_layers,
-            num_attention_heads, num_key_value_heads, head_dim (optional), rms_norm_eps,
-            max_position_embeddings, tie_word_embeddings, rope_parameters or
-            rope_theta/rope_scaling, attention_bias, mlp_bias).
+        config: a transformers config with the Llama fields (vocab_size, hidden_size,
+            intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+            head_dim (optional), rms_norm_eps, max_position_embeddings, tie_word_embeddings,
+            rope_parameters or rope_theta/rope_scaling, attention_bias, mlp_bias, hidden_act,
+            sliding_window / layer_types (optional)).
         dtype: parameter and activation dtype (float32, bfloat16, float16).
-        device: where parameters, the rope table and activations live.
+        device: where parameters, the rope tables and activations live.
         attn_backend: the paged-attention backend every layer calls (the model runner
             chooses it for the device); default :class:`TorchPagedAttention`.
 
     Parameters are allocated uninitialized: call :meth:`load_weights` before use. The rope
-    table covers positions ``[0, max_position_embeddings)``.
+    tables cover positions ``[0, max_position_embeddings)``.
 
-    Attributes the model runner uses: ``num_layers``, ``num_heads``, ``num_kv_heads``,
-    ``head_dim``, ``vocab_size``, ``max_positions``, ``dtype``, ``device``.
+    Attributes the model runner and the KV-cache manager use: ``num_layers``, ``num_heads``,
+    ``num_kv_heads``, ``head_dim``, ``vocab_size``, ``max_positions``, ``dtype``, ``device``,
+    ``sliding_windows`` (per layer: W tokens, or None for full attention).
+    Raises ValueError for config values the model does not implement (rope type, activation).
     """
+
+    norm_class: type[nn.Module] = RMSNorm
+    # HF projection -> (fused module, shard index): checkpoints store q/k/v and gate/up apart.
+    packed_modules: dict[str, tuple[str, int]] = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  attn_backend: AttentionBackend | None = None) -> None:
@@ -297,17 +123,63 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = config.vocab_size
         self.max_positions = config.max_position_embeddings
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        inv_freq, attention_factor = rope_inv_freq(config, self.head_dim)
+        self.sliding_windows = sliding_windows(config)
+        self.rope_keys = self._rope_keys(config)
+        rotary = {key: RotaryEmbedding.from_config(config, self.head_dim, self.max_positions, dtype, self.device,
+                                                   None if key == DEFAULT_ROPE else key)
+                  for key in dict.fromkeys(self.rope_keys)}
         backend = attn_backend if attn_backend is not None else TorchPagedAttention()
         with torch.device("meta"):  # no time spent initialising weights load_weights overwrites
-            self.model = LlamaModel(config, self.head_dim, backend)
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            layers = [self._decoder_layer(config, i, backend) for i in range(self.num_layers)]
+            norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
+            embed = VocabEmbedding(config.vocab_size, config.hidden_size, self._embedding_scale(config))
+            self.model = DecoderModel(embed, layers, norm)
+            self.lm_head = LMHead(config.hidden_size, config.vocab_size, self._final_logit_soft_cap(config))
             self.to(dtype)
         self.to_empty(device=self.device)
         self.requires_grad_(False)  # inference only
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary_emb = RotaryEmbedding(inv_freq, attention_factor, self.max_positions, dtype, self.device)
+        self.rotary_embs = nn.ModuleDict(rotary)
+
+    # -- family hooks ------------------------------------------------------------------------
+
+    def _decoder_layer(self, config: Any, layer_idx: int, backend: AttentionBackend) -> nn.Module:
+        norm = self.norm_class
+        return DecoderLayer(self._attention(config, layer_idx, backend), self._mlp(config, layer_idx),
+                            norm(config.hidden_size, config.rms_norm_eps), norm(config.hidden_size, config.rms_norm_eps))
+
+    def _attention(self, config: Any, layer_idx: int, backend: AttentionBackend, **options: Any) -> SelfAttention:
+        """The layer's attention; ``options`` are :class:`SelfAttention` keywords a family sets."""
+        bias = bool(getattr(config, "attention_bias", False))
+        options = {"qkv_bias": bias, "o_bias": bias, **options}
+        return SelfAttention(config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, backend,
+                             sliding_window=self.sliding_windows[layer_idx], rope_key=self.rope_keys[layer_idx],
+                             **options)
+
+    def _mlp(self, config: Any, layer_idx: int) -> nn.Module:
+        act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu"
+        return GatedMLP(config.hidden_size, config.intermediate_size, act, bool(getattr(config, "mlp_bias", False)))
+
+    def _embedding_scale(self, config: Any) -> float | None:
+        return None
+
+    def _final_logit_soft_cap(self, config: Any) -> float | None:
+        return None
+
+    def _rope_keys(self, config: Any) -> list[str]:
+        """Which rotary table each layer uses: one per layer type when the config's rope
+        parameters are given per layer type (Gemma 3), else one shared table."""
+        params = getattr(config, "rope_parameters", None) or {}
+        types = layer_types(config)
+        if all(isinstance(params.get(t), dict) for t in types):
+            for t in set(types):
+                rope_parameters(config, t)  # validate the rope type early
+            return types
+        rope_parameters(config)
+        return [DEFAULT_ROPE] * self.num_layers
+
+    # -- forward -----------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Final hidden states of a flat batch.
@@ -322,12 +194,12 @@ class LlamaForCausalLM(nn.Module):
         ``attn_metadata=None`` the T tokens are treated as one causal sequence and no KV
         cache is read or written (memory profiling, quick checks).
         """
-        cos_sin = self.rotary_emb.lookup(positions)  # (T, 2, head_dim), shared by every layer
+        cos_sin = {key: emb.lookup(positions) for key, emb in self.rotary_embs.items()}  # shared by the layers
         return self.model(input_ids, cos_sin)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, hidden_size) -> logits (N, vocab_size) float32."""
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Give layer i the cache ``kv_caches[i]``, (2, num_blocks, block_size, num_kv_heads, head_dim).
@@ -345,39 +217,41 @@ class LlamaForCausalLM(nn.Module):
                                  f"{self.head_dim}], got {tuple(cache.shape)}")
             layer.self_attn.attn.kv_cache = cache
 
+    # -- weights -----------------------------------------------------------------------------
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters, casting to the model dtype.
 
-        Names: ``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
-        ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``,
-        ``model.layers.{i}.{input,post_attention}_layernorm.weight``, ``model.norm.weight``,
-        ``lm_head.weight`` (optional when embeddings are tied; it fills the shared matrix),
-        and ``*_proj.bias`` when the config has biases. ``*rotary_emb.inv_freq`` is ignored.
+        Names are the transformers checkpoint's (``model.embed_tokens.weight``,
+        ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight``, optional when
+        embeddings are tied). Projections stored apart (``packed_modules``) fill their rows of
+        the fused parameter; ones stored fused (Phi-3's ``qkv_proj``) load as they are.
+        ``*rotary_emb.inv_freq`` is ignored.
 
         Raises:
             ValueError: an unknown name, a shape mismatch (naming both shapes), or, after
-                the last tensor, the list of parameters that were never filled.
+                the last tensor, the parameters that were never filled (named, with the
+                architecture).
         """
-        self.unpack_linears()
+        unpack_linears(self)
         params = dict(self.named_parameters(remove_duplicate=False))
-        expected = self._expected_weight_keys()
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
-            target, key = self._weight_target(name, params)
+            target = self._weight_target(name, params, modules)
             if target.shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(target.shape)}")
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
             target.copy_(tensor)
-            loaded.add(key)
+            loaded.add(name)
         if self.tie_word_embeddings and loaded & {"model.embed_tokens.weight", "lm_head.weight"}:
             loaded |= {"model.embed_tokens.weight", "lm_head.weight"}
-        missing = sorted(expected - loaded)
+        missing = self._missing_weights(modules, loaded)
         if missing:
             shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
-            raise ValueError(f"weights missing from the checkpoint: {shown}")
+            raise ValueError(f"weights missing from the checkpoint for {type(self).__name__}: {shown}")
         if os.environ.get(_PACKED_LINEAR_ENV, "1") != "0":
             self.pack_linears_for_cpu()
 
@@ -388,48 +262,42 @@ class LlamaForCausalLM(nn.Module):
         one extra copy of the projection and lm_head weights in memory.
         Returns how many were packed (0 on CUDA or without oneDNN).
         """
-        return sum(m.pack_for_cpu(batch_hint) for m in self.modules() if isinstance(m, Linear))
+        return pack_linears_for_cpu(self, batch_hint)
 
     def unpack_linears(self) -> None:
         """Undo :meth:`pack_linears_for_cpu` (plain weights back in the parameters)."""
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.unpack()
+        unpack_linears(self)
 
-    def _weight_target(self, name: str, params: dict[str, nn.Parameter]) -> tuple[torch.Tensor, str]:
-        """The parameter (or fused-parameter slice) an HF weight fills, and its bookkeeping key."""
-        for hf_part, (fused_part, shard) in _FUSED_SHARDS.items():
-            prefix, sep, suffix = name.partition(f".{hf_part}.")
-            if sep and prefix.startswith("model.layers."):
-                fused_name = f"{prefix}.{fused_part}.{suffix}"
-                if fused_name not in params:
-                    break
-                offset, size = self._shard_range(fused_part, shard)
-                return params[fused_name].narrow(0, offset, size), name
-        if name not in params:
-            raise ValueError(f"unknown weight {name!r} for {type(self).__name__} "
-                             f"({self.num_layers} layers; expected Hugging Face Llama parameter names)")
-        return params[name], name
+    def _weight_target(self, name: str, params: dict[str, nn.Parameter], modules: dict[str, nn.Module]
+                       ) -> torch.Tensor:
+        """The parameter (or fused-parameter rows) an HF weight fills."""
+        if name in params:
+            return params[name]
+        module_path, _, param_name = name.rpartition(".")
+        parent, _, leaf = module_path.rpartition(".")
+        if leaf in self.packed_modules:
+            fused_name, shard = self.packed_modules[leaf]
+            fused = modules.get(f"{parent}.{fused_name}")
+            if isinstance(fused, MergedLinear) and hasattr(fused, param_name):
+                return fused.shard(getattr(fused, param_name), shard)
+        raise ValueError(f"unknown weight {name!r} for {type(self).__name__} ({self.num_layers} layers; "
+                         f"expected Hugging Face parameter names)")
 
-    def _shard_range(self, fused_part: str, shard: int) -> tuple[int, int]:
-        """(row offset, rows) of shard ``shard`` inside fused parameter ``fused_part``."""
-        if fused_part == "self_attn.qkv_proj":
-            q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            return [(0, q), (q, kv), (q + kv, kv)][shard]
-        inter = self.config.intermediate_size
-        return shard * inter, inter
-
-    def _expected_weight_keys(self) -> set[str]:
-        """Every HF name a complete checkpoint provides (fused parameters expanded to their parts)."""
-        keys = set()
-        fused_to_parts: dict[str, list[str]] = {}
-        for hf_part, (fused_part, _) in _FUSED_SHARDS.items():
-            fused_to_parts.setdefault(fused_part, []).append(hf_part)
+    def _missing_weights(self, modules: dict[str, nn.Module], loaded: set[str]) -> list[str]:
+        """HF names of the parameters not filled: a fused parameter loaded whole counts as
+        filled, else each of its parts (``q_proj``, ...) must have been given."""
+        parts_of: dict[str, list[str]] = {}
+        for leaf, (fused_name, _) in self.packed_modules.items():
+            parts_of.setdefault(fused_name, []).append(leaf)
+        missing = []
         for name, _ in self.named_parameters(remove_duplicate=False):
-            for fused_part, parts in fused_to_parts.items():
-                if f".{fused_part}." in name:
-                    keys.update(name.replace(fused_part, part) for part in parts)
-                    break
+            if name in loaded:
+                continue
+            module_path, _, param_name = name.rpartition(".")
+            parent, _, leaf = module_path.rpartition(".")
+            if isinstance(modules.get(module_path), MergedLinear) and leaf in parts_of:
+                missing += [part for part in (f"{parent}.{p}.{param_name}" for p in parts_of[leaf])
+                            if part not in loaded]
             else:
-                keys.add(name)
-        return keys
+                missing.append(name)
+        return sorted(missing)

@@ -14,10 +14,18 @@ from torch import nn
 # config.architectures[0] -> "module:Class"
 _ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "pagedllm.models.mistral:MistralForCausalLM",
+    "Phi3ForCausalLM": "pagedllm.models.mistral:Phi3ForCausalLM",
+    "Qwen2ForCausalLM": "pagedllm.models.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "pagedllm.models.qwen3:Qwen3ForCausalLM",
+    "Gemma2ForCausalLM": "pagedllm.models.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "pagedllm.models.gemma:Gemma3ForCausalLM",
 }
 # config.model_type -> architecture, for configs without ``architectures`` (e.g. built from GGUF metadata)
 _MODEL_TYPES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 

@@ -1,0 +1,76 @@
+"""Gemma 2 (``Gemma2ForCausalLM``) and Gemma 3 text (``Gemma3ForCausalLM``).
+
+What differs from Llama (Gemma Team 2024, "Gemma 2"; 2025, "Gemma 3"; transformers' modeling
+files are the reference):
+
+- embeddings multiplied by ``sqrt(hidden_size)`` (rounded to the model dtype);
+- ``(1 + w)`` RMSNorm computed in float32, and four norms per layer: before and after the
+  attention, before and after the MLP (no residual fusion);
+- GeGLU MLP (``gelu_pytorch_tanh``);
+- softmax scale ``query_pre_attn_scalar ** -0.5``;
+- interleaved sliding-window layers (``layer_types``);
+- Gemma 2: attention-logit and final-logit tanh soft-capping;
+- Gemma 3: per-head ``(1 + w)`` RMSNorm on q and k, and separate rotary tables for local
+  (sliding) and global layers (``rope_parameters`` per layer type).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.attention import AttentionBackend
+from pagedllm.models.layers import GemmaRMSNorm, SelfAttention
+from pagedllm.models.llama import LlamaForCausalLM
+
+
+class GemmaDecoderLayer(nn.Module):
+    """``x + post_attn_norm(attn(input_norm(x)))``, then ``+ post_ff_norm(mlp(pre_ff_norm(x)))``."""
+
+    def __init__(self, self_attn: SelfAttention, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = GemmaRMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden_size, eps)
+
+    def forward(self, hidden: torch.Tensor, residual: None, cos_sin: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor, None]:
+        """hidden: (T, hidden) -> (T, hidden); no residual is carried between layers."""
+        attn = self.self_attn(self.input_layernorm(hidden), cos_sin[self.self_attn.rope_key])
+        hidden = hidden + self.post_attention_layernorm(attn)
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden))), None
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """Same contract as :class:`~pagedllm.models.llama.LlamaForCausalLM` for a ``Gemma2Config``."""
+
+    norm_class = GemmaRMSNorm
+    has_qk_norm = False
+
+    def _decoder_layer(self, config: Any, layer_idx: int, backend: AttentionBackend) -> nn.Module:
+        return GemmaDecoderLayer(self._attention(config, layer_idx, backend), self._mlp(config, layer_idx),
+                                 config.hidden_size, config.rms_norm_eps)
+
+    def _attention(self, config: Any, layer_idx: int, backend: AttentionBackend, **options: Any) -> SelfAttention:
+        if self.has_qk_norm:
+            options.update(qk_norm=GemmaRMSNorm, qk_norm_eps=config.rms_norm_eps)
+        return super()._attention(config, layer_idx, backend, scale=config.query_pre_attn_scalar**-0.5,
+                                  logit_soft_cap=getattr(config, "attn_logit_softcapping", None), **options)
+
+    def _embedding_scale(self, config: Any) -> float | None:
+        return config.hidden_size**0.5
+
+    def _final_logit_soft_cap(self, config: Any) -> float | None:
+        return getattr(config, "final_logit_softcapping", None)
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Same contract as :class:`~pagedllm.models.llama.LlamaForCausalLM` for a ``Gemma3TextConfig``
+    (the text model; the multimodal ``Gemma3ForConditionalGeneration`` is not supported)."""
+
+    has_qk_norm = True

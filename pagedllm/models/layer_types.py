@@ -1,0 +1,40 @@
+"""Per-layer attention type of a transformers config, without torch: the one place that says
+which layers use a sliding window (the KV-cache manager and the models both read it).
+
+transformers >= 5 configs of Gemma 2/3, Qwen 2/3 list ``layer_types``
+(``"sliding_attention"`` / ``"full_attention"``) with one ``sliding_window``; Mistral and
+Phi-3 configs have only ``sliding_window``, which then applies to every layer (their
+transformers models mask every layer with it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+def layer_types(config: Any) -> list[str]:
+    """``"sliding_attention"`` or ``"full_attention"`` per layer (length ``num_hidden_layers``).
+
+    Raises ValueError for a ``layer_types`` of the wrong length or with another attention type.
+    """
+    num_layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [SLIDING if window else FULL] * num_layers
+    types = list(types)
+    if len(types) != num_layers or any(t not in (SLIDING, FULL) for t in types):
+        raise ValueError(f"layer_types must list {num_layers} entries of {SLIDING!r} or {FULL!r}, got {types}")
+    if SLIDING in types and not window:
+        raise ValueError("layer_types has sliding_attention layers but the config has no sliding_window")
+    return types
+
+
+def sliding_windows(config: Any) -> list[int | None]:
+    """Per layer: its sliding window W in tokens (the token at position p sees keys p - W < k <= p),
+    or None for full attention."""
+    window = getattr(config, "sliding_window", None)
+    return [int(window) if t == SLIDING else None for t in layer_types(config)]

@@ -1,0 +1,23 @@
+"""Building blocks shared by every model family (one concept per module).
+
+- :mod:`~pagedllm.models.layers.linear`: ``Linear`` (oneDNN-prepacked on CPU), ``MergedLinear``
+  (q/k/v or gate/up in one matmul);
+- :mod:`~pagedllm.models.layers.norm`: ``RMSNorm`` and Gemma's ``(1 + w)`` ``GemmaRMSNorm``;
+- :mod:`~pagedllm.models.layers.rotary`: rotary embeddings with the scaling variants;
+- :mod:`~pagedllm.models.layers.activation`, :mod:`~pagedllm.models.layers.mlp`: gated MLP
+  (SwiGLU, GeGLU);
+- :mod:`~pagedllm.models.layers.embedding`: scaled token embedding, soft-capped LM head;
+- :mod:`~pagedllm.models.layers.attention`: the self-attention block (window, soft cap and
+  scale passed to the attention backend).
+"""
+
+from pagedllm.models.layers.attention import SelfAttention
+from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
+from pagedllm.models.layers.linear import Linear, MergedLinear, pack_linears_for_cpu, unpack_linears
+from pagedllm.models.layers.mlp import GatedMLP
+from pagedllm.models.layers.norm import GemmaRMSNorm, RMSNorm
+from pagedllm.models.layers.rotary import RotaryEmbedding, rope_inv_freq, rope_parameters
+
+__all__ = ["GatedMLP", "GemmaRMSNorm", "LMHead", "Linear", "MergedLinear", "RMSNorm", "RotaryEmbedding",
+           "SelfAttention", "VocabEmbedding", "pack_linears_for_cpu", "rope_inv_freq", "rope_parameters",
+           "unpack_linears"]

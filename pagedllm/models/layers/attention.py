@@ -1,0 +1,69 @@
+"""The self-attention block of a decoder layer: fused q/k/v projection, optional per-head q/k
+norm, rotary embedding, paged attention, output projection.
+
+Family differences are arguments, not subclasses: biases (Qwen 2: q/k/v only; Llama:
+``attention_bias`` on all four), per-head RMSNorm on q and k before the rotation (Qwen 3,
+Gemma 3), the softmax scale (Gemma: ``query_pre_attn_scalar ** -0.5``), a sliding window
+and attention-logit soft-capping, both passed through to the attention backend.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from pagedllm.attention import Attention, AttentionBackend
+from pagedllm.models.layers.linear import Linear, MergedLinear
+from pagedllm.models.layers.rotary import RotaryEmbedding
+
+
+class SelfAttention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache.
+
+    Args:
+        hidden_size, num_heads, num_kv_heads, head_dim: shapes (num_heads a multiple of num_kv_heads).
+        backend: the attention backend the model runner chose.
+        scale: softmax scale; default ``head_dim ** -0.5``.
+        qkv_bias / o_bias: biases on the q/k/v and the output projections.
+        qk_norm: a norm class (``cls(head_dim, eps)``) applied to each head of q and k before
+            the rotation, or None; qk_norm_eps its epsilon.
+        sliding_window, logit_soft_cap: see :class:`~pagedllm.attention.Attention`.
+        rope_key: which of the model's rotary tables this layer uses (Gemma 3: per layer type).
+
+    Parameters (HF names after the loader fuses q/k/v): ``qkv_proj``, ``o_proj``,
+    ``q_norm``/``k_norm`` when qk_norm is set.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 backend: AttentionBackend, *, scale: float | None = None, qkv_bias: bool = False,
+                 o_bias: bool = False, qk_norm: Callable[[int, float], nn.Module] | None = None,
+                 qk_norm_eps: float = 1e-6, sliding_window: int | None = None,
+                 logit_soft_cap: float | None = None, rope_key: str = "default") -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.rope_key = rope_key
+        self.qkv_proj = MergedLinear(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden_size, bias=o_bias)
+        self.q_norm = qk_norm(head_dim, qk_norm_eps) if qk_norm else None
+        self.k_norm = qk_norm(head_dim, qk_norm_eps) if qk_norm else None
+        self.attn = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5 if scale is None else scale, backend,
+                              sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
+
+    def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """hidden: (T, hidden), cos_sin: (T, 2, rotary_dim) -> (T, hidden)."""
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # (T, q_size + 2 * kv_size)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)  # (T, heads + kv_heads, hd)
+        if self.q_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)  # per-head norm over head_dim
+        qk = RotaryEmbedding.apply(qk, cos_sin)  # q and k rotated in one pass
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, heads, hd), (T, kv_heads, hd)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, head_dim)
+        out = self.attn(q, k, v)  # (T, heads, head_dim)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))  # (T, hidden)

@@ -1,0 +1,42 @@
+"""Token embedding (optionally scaled, as Gemma's) and the output head (optionally soft-capped)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.models.layers.linear import Linear
+
+
+class VocabEmbedding(nn.Embedding):
+    """ids (T,) int64 -> (T, hidden). With ``scale``, rows are multiplied by it in the model
+    dtype (Gemma multiplies by sqrt(hidden_size) rounded to the dtype, as transformers does)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, scale: float | None = None) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.scale = scale
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = F.embedding(input_ids, self.weight)
+        if self.scale is not None:
+            out = out * torch.tensor(self.scale, dtype=out.dtype)
+        return out
+
+
+class LMHead(Linear):
+    """hidden (N, hidden) -> logits (N, vocab) float32.
+
+    With ``soft_cap`` c the logits become ``c * tanh(logits / c)`` (Gemma 2's final-logit
+    soft-capping, Gemma Team 2024), computed in the model dtype as transformers does.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, soft_cap: float | None = None) -> None:
+        super().__init__(hidden_size, vocab_size, bias=False)
+        self.soft_cap = soft_cap
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(hidden)
+        if self.soft_cap is not None:
+            logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
+        return logits.float()

@@ -1,0 +1,90 @@
+"""Linear projections: plain, and several projections of one input fused into one matmul.
+
+:class:`Linear` can run from a oneDNN-prepacked copy of its weight on CPU. :class:`MergedLinear`
+stacks projections that read the same input (q/k/v, gate/up) on the output axis; checkpoints
+store them apart, so it tells the loader which rows each one fills (:meth:`MergedLinear.shard`).
+A mixture-of-experts block slots in where a dense MLP is: it only needs
+``forward(x: (T, hidden)) -> (T, hidden)`` and parameters named as its checkpoint names them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that can run from a oneDNN-prepacked copy of its weight on CPU.
+
+    :meth:`pack_for_cpu` reorders the weight once into oneDNN's blocked layout (the same
+    prepacking torch.compile's CPU freezing pass does); forward then calls the oneDNN
+    linear directly instead of re-packing the weight inside every matmul (measurements in
+    ``benchmarks/results/``).
+
+    The packed copy lives on the CPU: pack after the model reaches its device (as
+    ``load_weights`` does), not before a ``.to("cuda")``.
+    """
+
+    packed_weight: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, in_features) -> (T, out_features)."""
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def pack_for_cpu(self, batch_hint: int) -> bool:
+        """Prepack the weight for oneDNN (CPU, float32/bfloat16 only); returns whether it did.
+
+        The packed copy is extra memory (one more copy of the weight); ``self.weight``
+        stays valid, but the packed copy does not follow later in-place edits of it: call
+        this again (``load_weights`` does) after changing weights.
+        """
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) \
+                or not torch.backends.mkldnn.is_available():
+            return False
+        try:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
+        except (RuntimeError, AttributeError):  # a torch build without this private op: stay plain
+            self.packed_weight = None
+        return self.packed_weight is not None
+
+    def unpack(self) -> None:
+        """Back to the plain ``F.linear`` path."""
+        self.packed_weight = None
+
+
+class MergedLinear(Linear):
+    """Projections of the same input stacked on the output axis: one matmul instead of several.
+
+    Args:
+        in_features: input size.
+        output_sizes: rows of each projection, in order (e.g. ``[q, kv, kv]`` or
+            ``[intermediate, intermediate]``).
+        bias: whether every projection has a bias.
+
+    ``forward`` returns (T, sum(output_sizes)); split it with ``output_sizes``.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = list(output_sizes)
+
+    def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
+        """The rows of projection ``index`` inside ``param`` (this module's weight or bias), a view."""
+        offset = sum(self.output_sizes[:index])
+        return param.narrow(0, offset, self.output_sizes[index])
+
+
+def pack_linears_for_cpu(module: nn.Module, batch_hint: int = 64) -> int:
+    """Prepack every :class:`Linear` under ``module`` for oneDNN; returns how many were packed."""
+    return sum(m.pack_for_cpu(batch_hint) for m in module.modules() if isinstance(m, Linear))
+
+
+def unpack_linears(module: nn.Module) -> None:
+    """Undo :func:`pack_linears_for_cpu`."""
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.unpack()

@@ -1,0 +1,30 @@
+"""The gated feed-forward block every dense family uses: ``down(act(gate(x)) * up(x))``.
+
+SwiGLU with ``silu`` (Shazeer, 2020, "GLU Variants Improve Transformer"), GeGLU with
+``gelu_pytorch_tanh`` (Gemma). gate and up are one fused matmul (``gate_up_proj``, as
+Phi-3 checkpoints store it; others store ``gate_proj`` and ``up_proj``, which the loader
+writes into the two halves).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.models.layers.activation import get_activation
+from pagedllm.models.layers.linear import Linear, MergedLinear
+
+
+class GatedMLP(nn.Module):
+    """x: (T, hidden) -> (T, hidden). Raises ValueError for an unknown activation name."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False) -> None:
+        super().__init__()
+        self.act = get_activation(activation)
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each (T, intermediate)
+        return self.down_proj(self.act(gate) * up)

@@ -1,0 +1,44 @@
+"""RMSNorm (Zhang & Sennrich, 2019) in its two conventions, optionally fused with the residual add.
+
+- :class:`RMSNorm` (Llama, Qwen, Mistral, Phi-3): ``w * normalize(x)``, the normalized value
+  cast back to the model dtype before the weight multiplies it (transformers' LlamaRMSNorm).
+- :class:`GemmaRMSNorm` (Gemma 2/3): ``normalize(x) * (1 + w)`` computed in float32 and cast
+  at the end; the stored weight is the offset from 1 (transformers' Gemma3RMSNorm).
+
+``forward(x)`` returns the normed x, (T, ..., dim) -> same shape. ``forward(x, residual)``
+first adds ``residual`` (in the model dtype, as transformers does) and returns
+``(normed, x + residual)``, the new residual stream (nano-vllm's fused layout).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x**2) + eps)`` over the last axis, statistics in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = self._norm(x)
+        return out if residual is None else (out, residual)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+
+
+class GemmaRMSNorm(RMSNorm):
+    """``x / sqrt(mean(x**2) + eps) * (1 + weight)``, all in float32, cast to x's dtype at the end."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())
+        return out.to(x.dtype)

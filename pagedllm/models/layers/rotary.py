@@ -1,0 +1,108 @@
+"""Rotary position embeddings (Su et al., 2021, "RoFormer"), neox style, with the scaling variants.
+
+Frequencies: ``default`` is ``1 / theta ** (2i / rotary_dim)``; the scaled types ``linear``,
+``dynamic`` (NTK), ``yarn`` and ``llama3`` call transformers' own init functions
+(``ROPE_INIT_FUNCTIONS``) so they match the reference exactly. ``dynamic`` is evaluated at
+the trained length, i.e. unscaled: transformers rescales only past
+``max_position_embeddings``, which a served sequence never reaches (``max_model_len`` is
+capped by it). ``longrope`` switches frequencies with the length of the whole batch in
+transformers, which a continuous-batching engine cannot reproduce per request, so it is
+refused.
+
+Per-layer-type parameters (Gemma 3: a local base for sliding layers, a global base and
+scaling for full ones) come from ``config.rope_parameters[layer_type]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The rotary parameters of ``config`` (for ``layer_type`` when they are given per layer type)
+    as one dict with ``rope_type`` and ``rope_theta``.
+
+    transformers >= 5 keeps them in ``config.rope_parameters`` (nested by layer type for
+    Gemma 3); 4.x in ``config.rope_theta`` and ``config.rope_scaling`` (whose type key may be
+    ``type``). Raises ValueError for a rope type not in :data:`SUPPORTED_ROPE_TYPES`.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if params and layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params = dict(params)
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    params["rope_type"] = rope_type
+    return params
+
+
+def rope_inv_freq(config: Any, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (rotary_dim // 2,) float32 and the cos/sin scale ("attention factor").
+
+    ``rotary_dim`` is ``head_dim * partial_rotary_factor`` (1 unless the config says otherwise).
+    """
+    params = rope_parameters(config, layer_type)
+    partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
+    rotary_dim = int(head_dim * partial)
+    if params["rope_type"] == "default":
+        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        return 1.0 / (float(params["rope_theta"]) ** exponent), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    nested = layer_type is not None and isinstance((getattr(config, "rope_parameters", None) or {}).get(layer_type),
+                                                   dict)
+    kwargs = {"layer_type": layer_type} if nested else {}
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"), **kwargs)
+    return inv_freq.float(), float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """A precomputed cos/sin table and the rotation.
+
+    The table ``cos_sin`` is (max_positions, 2, rotary_dim) in the model dtype: row p holds
+    ``cat(cos, cos)`` and ``cat(-sin, sin)`` of ``p * inv_freq`` (times the attention factor),
+    so rotating is ``x * cos + roll(x, rotary_dim / 2) * sin``, equal to transformers'
+    ``x * cos + rotate_half(x) * sin``. With ``rotary_dim < head_dim`` (partial rotary) only
+    the first ``rotary_dim`` features of each head rotate.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, attention_factor: float, max_positions: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq.float())  # (max_positions, rotary_dim // 2)
+        cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
+        table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], 1)  # (max_pos, 2, rotary_dim)
+        self.register_buffer("cos_sin", table.to(dtype=dtype, device=device), persistent=False)
+        self.max_positions = max_positions
+
+    @classmethod
+    def from_config(cls, config: Any, head_dim: int, max_positions: int, dtype: torch.dtype, device: torch.device,
+                    layer_type: str | None = None) -> "RotaryEmbedding":
+        """The table for ``config`` (and ``layer_type``); see :func:`rope_inv_freq`."""
+        inv_freq, attention_factor = rope_inv_freq(config, head_dim, layer_type)
+        return cls(inv_freq, attention_factor, max_positions, dtype, device)
+
+    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions: (T,) int64 in [0, max_positions) -> (T, 2, rotary_dim) cos/sin rows."""
+        return self.cos_sin.index_select(0, positions)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x: (T, num_heads, head_dim) by cos_sin: (T, 2, rotary_dim) -> (T, num_heads, head_dim)."""
+        rotary_dim = cos_sin.shape[-1]
+        if rotary_dim < x.shape[-1]:
+            rot, rest = x.split([rotary_dim, x.shape[-1] - rotary_dim], dim=-1)
+            return torch.cat([RotaryEmbedding.apply(rot, cos_sin), rest], dim=-1)
+        cos, sin = cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)  # (T, 1, rotary_dim)
+        rotated = torch.roll(x, rotary_dim // 2, dims=-1)  # (T, num_heads, head_dim): cat(x2, x1)
+        return torch.addcmul(x * cos, rotated, sin)

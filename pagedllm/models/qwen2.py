@@ -1,0 +1,18 @@
+"""Qwen 2 / 2.5 (``Qwen2ForCausalLM``): Llama with biases on the q/k/v projections (not on o_proj),
+and sliding-window attention on layers ``>= max_window_layers`` when ``use_sliding_window`` is
+set (the config's ``layer_types`` says which)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.attention import AttentionBackend
+from pagedllm.models.layers import SelfAttention
+from pagedllm.models.llama import LlamaForCausalLM
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Same contract as :class:`~pagedllm.models.llama.LlamaForCausalLM` for a ``Qwen2Config``."""
+
+    def _attention(self, config: Any, layer_idx: int, backend: AttentionBackend, **options: Any) -> SelfAttention:
+        return super()._attention(config, layer_idx, backend, qkv_bias=True, o_bias=False, **options)
