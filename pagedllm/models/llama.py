@@ -296,8 +296,12 @@ class LlamaForCausalLM(nn.Module):
             module_path, _, param_name = name.rpartition(".")
             parent, _, leaf = module_path.rpartition(".")
             if isinstance(modules.get(module_path), MergedLinear) and leaf in parts_of:
-                missing += [part for part in (f"{parent}.{p}.{param_name}" for p in parts_of[leaf])
-                            if part not in loaded]
+                parts = [f"{parent}.{p}.{param_name}" for p in parts_of[leaf]]
+                absent = [part for part in parts if part not in loaded]
+                if len(absent) < len(parts):  # given in parts, some missing
+                    missing += absent
+                elif absent:
+                    missing.append(f"{name} (or its parts {', '.join(parts_of[leaf])})")
             else:
                 missing.append(name)
         return sorted(missing)

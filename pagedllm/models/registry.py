@@ -37,15 +37,16 @@ def supported_architectures() -> list[str]:
 def get_model_class(hf_config: Any) -> type[nn.Module]:
     """The model class for a transformers config.
 
-    Looks up ``hf_config.architectures[0]`` first, then ``hf_config.model_type``.
-    Raises ValueError naming the config's architecture and listing the supported ones.
+    Looks up ``hf_config.architectures[0]``; only a config without ``architectures`` falls
+    back to ``hf_config.model_type`` (a ``LlamaForSequenceClassification`` is not a causal LM
+    even though its model_type is ``llama``). Raises ValueError naming the config's
+    architecture and listing the supported ones.
     """
     architectures = list(getattr(hf_config, "architectures", None) or [])
     model_type = getattr(hf_config, "model_type", None)
-    candidates = architectures[:1] + ([_MODEL_TYPES[model_type]] if model_type in _MODEL_TYPES else [])
-    for arch in candidates:
-        if arch in _ARCHITECTURES:
-            module_name, class_name = _ARCHITECTURES[arch].split(":")
-            return getattr(importlib.import_module(module_name), class_name)
+    arch = architectures[0] if architectures else _MODEL_TYPES.get(model_type)
+    if arch in _ARCHITECTURES:
+        module_name, class_name = _ARCHITECTURES[arch].split(":")
+        return getattr(importlib.import_module(module_name), class_name)
     raise ValueError(f"unsupported model architecture {architectures or model_type!r}; "
                      f"supported: {', '.join(supported_architectures())}")
