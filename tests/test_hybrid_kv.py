@@ -2,64 +2,31 @@
 runner and the scheduler, out-of-window blocks freed, against transformers.
 
 The model is transformers' Qwen2 with ``layer_types`` (layers 0, 2 sliding with window 8,
-layers 1, 3 full): a Llama-shaped model whose q/k/v carry biases, so pagedllm's
-``LlamaForCausalLM`` (``attention_bias=True``, zero o_proj bias) holds the same weights.
-Its windowed layers get :class:`WindowedReferenceAttention`, a plain paged attention that
-honours the window; the runner reads each layer's ``sliding_window`` to build the groups.
+layers 1, 3 full), loaded as pagedllm's ``Qwen2ForCausalLM``, whose sliding layers honour the
+window in the attention backend the runner chose; the runner reads each layer's
+``sliding_window`` to build the groups.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from pagedllm.attention.torch_paged import gather_kv, write_kv_cache
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.loader.model_files import ModelFiles
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
-from tests.model_utils import _init_, tiny_llama_config
+from tests.model_utils import _init_
 
 WINDOW = 8
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
 
-class WindowedReferenceAttention:
-    """Paged attention, one request at a time, where query position p sees keys p - W + 1 .. p.
-
-    Reads every context position through the block table and masks the ones outside the
-    window, so an entry the KV-cache manager freed (null block, or a stale id now owned by
-    another request) is read but never weighted.
-    """
-
-    def __init__(self, window: int) -> None:
-        self.window = window
-
-    def forward(self, query, key, value, kv_cache, metadata, scale):
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        out = torch.empty_like(query)
-        qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-        for b in range(metadata.num_reqs):
-            start, end, seq_len = qsl[b], qsl[b + 1], seq_lens[b]
-            keys, values = gather_kv(kv_cache, metadata.block_tables[b], seq_len)  # (seq_len, kv_heads, hd)
-            q_pos = torch.arange(seq_len - (end - start), seq_len).unsqueeze(1)
-            k_pos = torch.arange(seq_len).unsqueeze(0)
-            mask = (k_pos <= q_pos) & (k_pos > q_pos - self.window)  # (Q, seq_len)
-            o = F.scaled_dot_product_attention(query[start:end].transpose(0, 1), keys.transpose(0, 1),
-                                               values.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
-            out[start:end] = o.transpose(0, 1)  # (Q, num_heads, head_dim)
-        return out
-
-    __call__ = forward
-
-
 @pytest.fixture(scope="module")
 def qwen2_reference():
-    """(transformers Qwen2 with sliding layers, the same weights under Llama names with a zero o_proj bias,
-    the matching LlamaConfig)."""
+    """(transformers Qwen2 with sliding layers, its weights, its config)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     dims = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -70,25 +37,16 @@ def qwen2_reference():
     hf = Qwen2ForCausalLM(hf_config).eval()
     with torch.no_grad():
         _init_(hf.named_parameters(), torch.Generator().manual_seed(0))
-    weights = dict(hf.state_dict())
-    for i in range(4):
-        weights[f"model.layers.{i}.self_attn.o_proj.bias"] = torch.zeros(64)
-    config = tiny_llama_config(**dims, attention_bias=True, architectures=["LlamaForCausalLM"])
-    return hf, weights, config
+    hf_config.architectures = ["Qwen2ForCausalLM"]
+    return hf, dict(hf.state_dict()), hf_config
 
 
 def _make_runner(reference, cfg: EngineConfig) -> ModelRunner:
-    """A runner over the Llama-named weights whose sliding layers honour the window."""
+    """A runner over the Qwen2 weights (its sliding layers honour the window)."""
     _, weights, config = reference
     files = ModelFiles(hf_config=config, tokenizer=None, chat_template=None, eos_token_id=None, stop_token_ids=[],
                        max_model_len=128, source="test", format="hf", _weights_fn=lambda dtype: iter(weights.items()))
-    runner = ModelRunner(cfg, files)
-    for i, kind in enumerate(LAYER_TYPES):
-        if kind == "sliding_attention":
-            attn = runner.model.model.layers[i].self_attn.attn
-            attn.sliding_window = WINDOW
-            attn.backend = WindowedReferenceAttention(WINDOW)
-    return runner
+    return ModelRunner(cfg, files)
 
 
 def _generate(reference, prompts, max_tokens, *, hybrid, kv_cache_memory=None, budget=16):
