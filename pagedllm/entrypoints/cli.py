@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-file", default=None, help="file with one prompt per line (added to PROMPTS)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     g.add_argument("--system", default=None, help="system message (with --chat)")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template file (with --chat), for models without one or to override theirs")
     g.add_argument("-m", "--model", default=DEFAULT_MODEL, help="model alias, .gguf path or HF folder")
     add_sampling_args(g, **_SAMPLING_DEFAULTS)
     add_engine_args(g)
@@ -37,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="interactive chat that keeps the conversation")
     c.add_argument("-m", "--model", default=DEFAULT_MODEL)
     c.add_argument("--system", default=None)
+    c.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template file")
     add_sampling_args(c, **_SAMPLING_DEFAULTS)
     add_engine_args(c)
 
@@ -131,7 +134,8 @@ def _generate(args) -> int:
     t0 = time.perf_counter()
     if args.chat:
         convs = [_conversation(args.system, p) for p in args.prompts]
-        outputs = llm.chat(convs, params, use_tqdm=len(convs) > 1)
+        outputs = llm.chat(convs, params, use_tqdm=len(convs) > 1,
+                           chat_template=_read_chat_template(args.chat_template))
     else:
         outputs = llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1)
     elapsed = time.perf_counter() - t0
@@ -147,6 +151,17 @@ def _generate(args) -> int:
     return 0
 
 
+def _read_chat_template(path: str | None) -> str | None:
+    """The text of a ``--chat-template`` file (None without one). Raises ValueError naming the file."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"--chat-template {path!r}: {e.strerror or e}") from e
+
+
 def _conversation(system: str | None, user: str) -> list[dict]:
     msgs = [{"role": "system", "content": system}] if system else []
     return msgs + [{"role": "user", "content": user}]
@@ -157,6 +172,7 @@ def _chat(args) -> int:
 
     llm = LLM(**vars(engine_config_from_args(args)))
     params = sampling_params_from_args(args)
+    template = _read_chat_template(args.chat_template)
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("pagedllm chat — empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -167,7 +183,7 @@ def _chat(args) -> int:
         if not line:
             break
         history.append({"role": "user", "content": line})
-        out = llm.chat(history, params, use_tqdm=False)[0]
+        out = llm.chat(history, params, use_tqdm=False, chat_template=template)[0]
         answer = out.outputs[0].text
         print(f"assistant> {answer}")
         print(f"[{len(out.prompt_token_ids)} prompt tokens, {out.num_cached_tokens} from the prefix cache]",
