@@ -16,13 +16,6 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-if importlib.util.find_spec("triton") is not None:
-    import torch
-
-    if not torch.cuda.is_available():
-        # triton.language's own helpers (tl.sum, tl.max) are jitted when triton is first
-        # imported, so the interpreter must be on before anything (transformers) imports it.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _use_triton_interpreter_without_gpu() -> None:
