@@ -48,11 +48,19 @@ def _config(name: str):
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    if name == "mixtral":  # 8 experts, 2 per token, renormalised
+        return tf.MixtralConfig(**COMMON, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2,
+                                tie_word_embeddings=False)
+    if name == "qwen3_moe":  # layer 1 dense (mlp_only_layers); top-k not renormalised
+        return tf.Qwen3MoeConfig(**COMMON, num_hidden_layers=3, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                 moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[1],
+                                 tie_word_embeddings=False)
     raise KeyError(name)
 
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"]
-GGUF_ARCHS = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma2": "GEMMA2", "gemma3": "GEMMA3"}
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
+GGUF_ARCHS = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma2": "GEMMA2", "gemma3": "GEMMA3",
+              "mixtral": "LLAMA"}
 
 
 def family_config(name: str, **overrides):
@@ -112,6 +120,9 @@ def write_gguf(model, family: str, path: Path) -> Path:
     if family == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if family == "mixtral":
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
     if rope.get("rope_type", "default") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -120,7 +131,17 @@ def write_gguf(model, family: str, path: Path) -> Path:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         values = tensor.float().numpy()
-        if family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if name.endswith("experts.gate_up_proj"):  # llama.cpp stacks each projection of all experts
+            prefix = names.get_name(name.replace("experts.gate_up_proj", "gate")).removesuffix("gate_inp")
+            gate, up = np.split(values, 2, axis=1)  # (experts, intermediate, hidden) each
+            writer.add_tensor(f"{prefix}gate_exps.weight", np.ascontiguousarray(gate))
+            writer.add_tensor(f"{prefix}up_exps.weight", np.ascontiguousarray(up))
+            continue
+        if name.endswith("experts.down_proj"):
+            prefix = names.get_name(name.replace("experts.down_proj", "gate")).removesuffix("gate_inp")
+            writer.add_tensor(f"{prefix}down_exps.weight", np.ascontiguousarray(values))
+            continue
+        if family in ("llama", "mixtral") and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             values = _llama_cpp_permute(values, heads)
         if family.startswith("gemma") and name.endswith("norm.weight"):

@@ -55,14 +55,16 @@ def family(request, tmp_path_factory, smollm2_path):
 
 def test_every_family_is_registered():
     for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                 "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+                 "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
+                 "Qwen3MoeForCausalLM"):
         assert arch in supported_architectures()
 
 
 def test_sliding_windows_per_layer(family):
     name, hf, _, model = family
     expected = {"llama": [None] * 2, "qwen2": [None, WINDOW], "qwen3": [None] * 2, "mistral": [WINDOW] * 2,
-                "phi3": [WINDOW] * 2, "gemma2": [WINDOW, None, WINDOW], "gemma3": [WINDOW, None, WINDOW]}[name]
+                "phi3": [WINDOW] * 2, "gemma2": [WINDOW, None, WINDOW], "gemma3": [WINDOW, None, WINDOW],
+                "mixtral": [None] * 2, "qwen3_moe": [None] * 3}[name]
     assert model.sliding_windows == expected
     assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == expected
 

@@ -41,7 +41,7 @@ _MODEL_TYPES = {
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
 }
 # llama.cpp permutes Q/K rows only for these (convert_hf_to_gguf.py: LlamaModel and subclasses).
 _PERMUTED_QK_ARCHS = frozenset({"llama", "mistral"})
@@ -57,6 +57,11 @@ _BLOCK_TENSORS = {
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    # mixture of experts: the router, and each projection of all experts stacked (experts, out, in);
+    # "*" is the expert index, filled in when the stack is split (iter_gguf_weights)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.*.gate_proj", "ffn_up_exps": "mlp.experts.*.up_proj",
+    "ffn_down_exps": "mlp.experts.*.down_proj",
 }
 # Gemma 2/3 have four norms per layer; the one before the MLP is HF's pre_feedforward_layernorm.
 _GEMMA_BLOCK_OVERRIDES = {"ffn_norm": "pre_feedforward_layernorm"}
@@ -80,6 +85,9 @@ _CONFIG_KEYS = {
     "attn_logit_softcapping": "attn_logit_softcapping",
     "final_logit_softcapping": "final_logit_softcapping",
 }
+# llama.cpp writes Mixtral as architecture "llama" with these keys (convert_hf_to_gguf.py,
+# LlamaModel.set_gguf_parameters): their presence makes the model a MixtralForCausalLM.
+_MIXTRAL_KEYS = {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"}
 # The 27B Gemmas scale queries by hidden_size / num_heads instead of head_dim: llama.cpp tells
 # them apart by layer count (LLM_TYPE_27B) since the GGUF has no query_pre_attn_scalar.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -229,6 +237,9 @@ def gguf_config(metadata: dict, tensor_names: set[str], rope_freqs: np.ndarray |
                          f"into one file with `llama-gguf-split --merge first-shard.gguf merged.gguf`")
     model_type = _MODEL_TYPES[arch]
     fields = {hf: metadata[f"{arch}.{key}"] for key, hf in _CONFIG_KEYS.items() if f"{arch}.{key}" in metadata}
+    if arch == "llama" and metadata.get("llama.expert_count", 0) > 0:
+        model_type = "mixtral"
+        fields.update({hf: metadata[f"llama.{key}"] for key, hf in _MIXTRAL_KEYS.items()})
     if "vocab_size" not in fields:
         fields["vocab_size"] = len(metadata["tokenizer.ggml.tokens"])
     if "head_dim" not in fields and f"{arch}.rope.dimension_count" in metadata and arch in _PERMUTED_QK_ARCHS:
@@ -372,6 +383,10 @@ def iter_gguf_weights(gguf_file: GGUFFile, config: PretrainedConfig, dtype: torc
             continue
         values = dequantize_tensor(gguf_file.raw(info), info.tensor_type, info.name)
         values = _undo_converter(values, info.name, arch, config)
+        if "*" in name:  # stacked experts: one tensor per expert, as HF checkpoints store them
+            for e, expert in enumerate(values):
+                yield name.replace("*", str(e)), torch.from_numpy(expert).to(dtype)
+            continue
         yield name, torch.from_numpy(values).to(dtype)
 
 

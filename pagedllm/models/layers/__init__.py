@@ -7,6 +7,8 @@
 - :mod:`~pagedllm.models.layers.activation`, :mod:`~pagedllm.models.layers.mlp`: gated MLP
   (SwiGLU, GeGLU);
 - :mod:`~pagedllm.models.layers.embedding`: scaled token embedding, soft-capped LM head;
+- :mod:`~pagedllm.models.layers.moe`: mixture-of-experts block (router + experts run on
+  their routed tokens) and its weight loading;
 - :mod:`~pagedllm.models.layers.attention`: the self-attention block (window, soft cap and
   scale passed to the attention backend).
 """

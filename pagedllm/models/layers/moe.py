@@ -1,0 +1,175 @@
+"""Mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE): a router and gated experts.
+
+Each token goes to its ``top_k`` experts (Shazeer et al., 2017, "Outrageously Large Neural
+Networks"; Jiang et al., 2024, "Mixtral of Experts"): the router's logits are
+softmax-normalised over all experts in float32, the ``top_k`` largest probabilities are
+kept and — with ``renormalize`` (Mixtral always; Qwen3-MoE when ``norm_topk_prob``) —
+divided by their sum, which equals a softmax over the top-k logits. The block's output is
+the weighted sum of the chosen experts' SwiGLU outputs.
+
+Experts run only on their routed tokens: the (token, expert) pairs are sorted by expert
+once, each expert with at least one token does two matmuls on its contiguous slice, and
+the weighted results are added back to their tokens with one ``index_add_``. The loop is
+over experts, never over tokens; an expert no token chose costs nothing.
+
+Parameters follow transformers' fused layout (``experts.gate_up_proj``: (E, 2I, H) with the
+gate rows first, ``experts.down_proj``: (E, H, I); ``gate.weight``: (E, H)), and
+:meth:`MoEExperts.expert_weight` maps the per-expert names checkpoints store
+(``experts.{e}.w1/w3/w2`` in Mixtral, ``experts.{e}.gate_proj/up_proj/down_proj`` in
+Qwen3-MoE) onto their rows.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.models.layers.activation import get_activation
+from pagedllm.models.layers.linear import Linear
+
+# per-expert checkpoint names -> (fused parameter, which half of gate_up_proj or None)
+_EXPERT_PARTS = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0),
+                 "w3": ("gate_up_proj", 1), "up_proj": ("gate_up_proj", 1),
+                 "w2": ("down_proj", None), "down_proj": ("down_proj", None)}
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing.
+
+    Args:
+        router_logits: (T, num_experts), any float dtype.
+        top_k: experts per token (1 <= top_k <= num_experts).
+        renormalize: divide the kept probabilities by their sum.
+    Returns:
+        weights (T, top_k) float32 and expert ids (T, top_k) int64, in descending weight.
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)  # (T, E)
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # (T, k)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class MoEExperts(nn.Module):
+    """``num_experts`` SwiGLU experts stored as stacked tensors, run on their routed tokens."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.act = get_activation(activation)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def expert_weight(self, expert: int, part: str) -> torch.Tensor:
+        """The rows of expert ``expert``'s ``part`` (``w1``/``gate_proj``, ``w3``/``up_proj``,
+        ``w2``/``down_proj``) inside the fused parameters, a view to copy a checkpoint
+        tensor into. Raises ValueError for an unknown part or expert index."""
+        if part not in _EXPERT_PARTS or not 0 <= expert < self.num_experts:
+            raise ValueError(f"no expert weight {part!r} for expert {expert} (experts 0..{self.num_experts - 1}; "
+                             f"parts {', '.join(_EXPERT_PARTS)})")
+        fused, half = _EXPERT_PARTS[part]
+        param = getattr(self, fused)[expert]
+        return param if half is None else param.narrow(0, half * self.intermediate_size, self.intermediate_size)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """x: (T, hidden); weights: (T, k) float32; expert_ids: (T, k) int64 -> (T, hidden).
+
+        Output row t is ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``.
+        """
+        top_k = expert_ids.shape[1]
+        flat_ids = expert_ids.reshape(-1)  # (T*k,) pair p = token p // k, its (p % k)-th expert
+        order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
+        # host copy of the group sizes: the expert loop needs them (one sync per layer)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        tokens = order // top_k  # (T*k,) token of each sorted pair
+        hidden = x.index_select(0, tokens)  # (T*k, hidden): each token once per chosen expert
+        out = torch.empty_like(hidden)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            gate, up = F.linear(hidden[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)  # (n, I) each
+            out[start:start + n] = F.linear(self.act(gate) * up, self.down_proj[e])  # (n, hidden)
+            start += n
+        out = (out.float() * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)  # (T*k, hidden)
+        return torch.zeros_like(x).index_add_(0, tokens, out)  # (T, hidden)
+
+
+class FusedMoE(nn.Module):
+    """Router (``gate``) + experts: x (T, hidden) -> (T, hidden).
+
+    Args:
+        hidden_size: model width; intermediate_size: each expert's SwiGLU width.
+        num_experts: experts; top_k: experts per token.
+        activation: the experts' gate activation (``silu``).
+        renormalize: whether the top-k probabilities are divided by their sum.
+
+    Raises ValueError for ``top_k`` outside ``1..num_experts`` or an unknown activation.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, activation: str,
+                 renormalize: bool) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..{num_experts} (num_experts), got {top_k}")
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = Linear(hidden_size, num_experts, bias=False)  # the router
+        self.experts = MoEExperts(num_experts, hidden_size, intermediate_size, activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)  # (T, k) each
+        return self.experts(x, weights, ids)
+
+
+# (...experts).{e}.{part}.weight: one expert's matrix as checkpoints store it
+_EXPERT_WEIGHT = re.compile(r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.weight")
+
+
+class MoEWeightsMixin:
+    """Weight loading for a :class:`~pagedllm.models.llama.LlamaForCausalLM` family whose MLPs
+    are (some or all) :class:`FusedMoE` blocks: put it first among the bases.
+
+    Accepts each expert's matrices under the checkpoint's per-expert names
+    (``{experts}.{e}.{part}.weight`` with the family's ``expert_parts``), or transformers'
+    fused ``{experts}.gate_up_proj`` / ``{experts}.down_proj``. ``module_aliases`` renames a
+    checkpoint's module (Mixtral's ``block_sparse_moe`` is this engine's ``mlp``).
+    """
+
+    module_aliases: dict[str, str] = {}
+    expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+
+    def _canonical_name(self, name: str) -> str:
+        for old, new in self.module_aliases.items():
+            name = name.replace(f".{old}.", f".{new}.")
+        return name
+
+    def _weight_target(self, name: str, params: dict, modules: dict) -> torch.Tensor:
+        name = self._canonical_name(name)
+        match = _EXPERT_WEIGHT.fullmatch(name)
+        if match and isinstance(modules.get(match["experts"]), MoEExperts):
+            return modules[match["experts"]].expert_weight(int(match["expert"]), match["part"])
+        return super()._weight_target(name, params, modules)
+
+    def _missing_weights(self, modules: dict, loaded: set[str]) -> list[str]:
+        loaded = {self._canonical_name(n) for n in loaded}
+        missing = []
+        for path, module in modules.items():
+            if not isinstance(module, MoEExperts):
+                continue
+            gate, up, down = self.expert_parts
+            for fused, parts in (("gate_up_proj", (gate, up)), ("down_proj", (down,))):
+                if f"{path}.{fused}" in loaded:
+                    continue
+                # an expert's matrix counts as given under any of its names (GGUF gives gate_proj...)
+                missing += [f"{path}.{e}.{part}.weight" for e in range(module.num_experts) for part in parts
+                            if not any(f"{path}.{e}.{alias}.weight" in loaded for alias in _aliases(part))]
+                loaded.add(f"{path}.{fused}")  # reported per expert, not as the fused parameter
+        return sorted(super()._missing_weights(modules, loaded) + missing)
+
+
+def _aliases(part: str) -> list[str]:
+    """Every per-expert name of the matrix ``part`` names (``w1`` and ``gate_proj``, ...)."""
+    return [name for name, target in _EXPERT_PARTS.items() if target == _EXPERT_PARTS[part]]
