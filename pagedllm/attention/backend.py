@@ -159,7 +159,12 @@ def check_shapes(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor)
 
 
 def current_context(metadata: AttentionMetadata) -> ForwardContext | None:
-    """The active forward context if it carries ``metadata``, else None."""
+    """The active forward context if ``metadata`` is its group-0 metadata, else None.
+
+    Backends key per-pass caches (decode plans) by this context; the other KV-cache groups'
+    metadata have other block tables, so they get None (no caching) and never a plan of
+    another group's tables.
+    """
     try:
         ctx = get_forward_context()
     except RuntimeError:
