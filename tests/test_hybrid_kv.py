@@ -88,12 +88,14 @@ def test_groups_and_capacity_report(qwen2_reference):
     assert "hybrid: 2 KV-cache groups of 2 layers, 1 sliding-window" in spec.describe()
 
 
-def test_greedy_equals_transformers_and_keeping_all_blocks(qwen2_reference):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_greedy_equals_transformers_and_keeping_all_blocks(qwen2_reference, backend, monkeypatch):
     """The same 96 KiB pool: 48 blocks of 2 layers (hybrid) or 24 blocks of 4 layers (all
     blocks kept). Kept, the four sequences end holding 25 blocks (the shared 24-token prefix
     6, their own tails 7 + 3 + 5, the short one 4): one preemption. Hybrid, the full group
     holds those 25 and the sliding group at most 3 per decoding sequence: none. The
     tokens are the same, and transformers' greedy choices."""
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", backend)  # the runner picks the backend at construction
     hf = qwen2_reference[0]
     prompts = _prompts()
     hybrid, s, spec = _generate(qwen2_reference, prompts, 12, hybrid=True, kv_cache_memory=98304)
@@ -108,3 +110,21 @@ def test_greedy_equals_transformers_and_keeping_all_blocks(qwen2_reference):
         for prompt, out in zip(prompts, hybrid):
             logits = hf(torch.tensor([prompt + out])).logits[0]
             assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == out
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_families_through_the_hybrid_runner(family):
+    """Gemma 3 (sliding and full layers, a rope table per layer type) and Mistral (every layer
+    sliding: one sliding group) served with blocks freed: transformers' greedy tokens."""
+    from tests.family_utils import family_config, make_hf_model
+
+    hf = make_hf_model(family_config(family), seed=5)
+    hf.config.architectures = [type(hf).__name__]
+    prompts = _prompts()
+    out, s, spec = _generate((hf, dict(hf.state_dict()), hf.config), prompts, 10, hybrid=True,
+                             kv_cache_memory="4MiB")
+    assert spec.is_hybrid and s.kv_cache_manager.num_window_freed_blocks > 0
+    with torch.no_grad():
+        for prompt, tokens in zip(prompts, out):
+            logits = hf(torch.tensor([prompt + tokens])).logits[0]
+            assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == tokens
