@@ -112,3 +112,19 @@ def test_missing_expert_names_it_and_the_architecture(tmp_path, smollm2_path):
         model.load_weights(weights)
     with pytest.raises(ValueError, match="no expert weight 'w2' for expert 8"):
         model.load_weights([("model.layers.0.block_sparse_moe.experts.8.w2.weight", torch.zeros(64, 128))])
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_served_greedy_equals_transformers(name):
+    """Through the model runner and the scheduler (chunked prefill, prefix hits, decodes of a
+    few sequences at once): transformers' greedy tokens."""
+    from tests.test_hybrid_kv import _generate, _prompts
+
+    hf = make_hf_model(family_config(name), seed=11)
+    hf.config.architectures = [type(hf).__name__]
+    prompts = _prompts()
+    out, _, _ = _generate((hf, dict(hf.state_dict()), hf.config), prompts, 8, hybrid=True, kv_cache_memory="4MiB")
+    with torch.no_grad():
+        for prompt, tokens in zip(prompts, out):
+            logits = hf(torch.tensor([prompt + tokens])).logits[0]
+            assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == tokens
