@@ -1,0 +1,47 @@
+"""Weight formats kept at run time (int8, int4, GGUF blocks) and KV-cache dtypes.
+
+- :mod:`~pagedllm.quantization.base`: the quant-method seam (:class:`LinearMethod`,
+  :class:`QuantizationConfig`) and the tiled dequantize-then-matmul;
+- :mod:`~pagedllm.quantization.int8`, :mod:`~pagedllm.quantization.int4`,
+  :mod:`~pagedllm.quantization.gguf`: one module per weight format.
+
+:func:`get_quantization_config` maps the engine's ``quantization`` option to a config.
+"""
+
+from __future__ import annotations
+
+from pagedllm.quantization.base import (LinearMethod, QuantizationConfig, create_quantized_weights,
+                                        process_quantized_weights, weight_bytes)
+
+QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+
+__all__ = ["LinearMethod", "QUANTIZATION_METHODS", "QuantizationConfig", "create_quantized_weights",
+           "get_quantization_config", "process_quantized_weights", "weight_bytes"]
+
+
+def get_quantization_config(name: str, group_size: int = 128, gguf_tensor_types: dict | None = None,
+                            fused_parts: dict[str, list[str]] | None = None) -> QuantizationConfig:
+    """The config for ``quantization=name``.
+
+    Args:
+        name: one of :data:`QUANTIZATION_METHODS`.
+        group_size: int4 group size (32, 64, 128, 256).
+        gguf_tensor_types: for ``"gguf"``, HF weight name -> GGUF type of the model file
+            (None when the model is not a GGUF file).
+        fused_parts: fused module leaf -> checkpoint leaves stored in it (``"gguf"`` only).
+    Raises:
+        ValueError naming ``quantization`` for an unknown name or ``"gguf"`` on a model that
+        is not a GGUF file; naming ``quantization_group_size`` for a bad int4 group.
+    """
+    if name == "int8":
+        from pagedllm.quantization.int8 import Int8Config
+        return Int8Config()
+    if name == "int4":
+        from pagedllm.quantization.int4 import Int4Config
+        return Int4Config(group_size)
+    if name == "gguf":
+        if gguf_tensor_types is None:
+            raise ValueError("quantization='gguf' needs a .gguf model file; use 'int8' or 'int4' for other models")
+        from pagedllm.quantization.gguf import GGUFConfig
+        return GGUFConfig(gguf_tensor_types, fused_parts or {})
+    raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), got {name!r}")

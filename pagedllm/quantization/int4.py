@@ -1,0 +1,137 @@
+"""Weight-only int4 with group scales: ``W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]``,
+``g = k // group_size``, q in [0, 15].
+
+This is the affine form of torch's int4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``,
+the tinygemm convention). It holds, exactly up to float32 rounding of ``zero``:
+
+- asymmetric round-to-nearest quantization of a float checkpoint (``quantization="int4"``,
+  group 32..256): per group ``scale = (max - min) / 15``, ``q = round((W - min) / scale)``,
+  ``zero = min + 8 * scale``;
+- GGUF's 4-bit blocks (group 32): Q4_0 ``(q - 8) * d`` (zero 0), Q4_1 ``q * d + m``
+  (zero ``m + 8d``), Q4_K ``d * sc * q - dmin * m`` (scale ``d * sc``, zero
+  ``8 * d * sc - dmin * m``) — see :mod:`pagedllm.quantization.gguf`.
+
+Storage: ``qweight`` (N, K / 2) uint8, element 2j in the low nibble and 2j+1 in the high
+one; ``scales`` and ``zeros`` (N, K / group) float32. Matmul: bfloat16/float16 activations
+with at most ``kernel_max_tokens`` rows use torch's kernel on a copy packed into its own
+(opaque) layout, made once for such models; everything else dequantizes a tile of output
+rows at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.quantization.base import LinearMethod, QuantizationConfig, replace_weight, tile_rows, tiled_linear
+from pagedllm.quantization.int8 import KERNEL_DTYPES
+
+GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's int4 kernel accepts
+
+
+def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of ``group_size`` input features.
+
+    weight (N, K) float, K a multiple of group_size -> q (N, K) uint8 in [0, 15],
+    scales (N, K / group) float32, zeros (N, K / group) float32.
+    """
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // group_size, group_size)
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
+    scales = (hi - lo) / 15.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.clamp(torch.round((w - lo.unsqueeze(2)) / scales.unsqueeze(2)), 0, 15).to(torch.uint8)
+    return q.view(n, k), scales, lo + 8.0 * scales
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q (N, K) uint8 in [0, 15], K even -> (N, K / 2) uint8: element 2j low nibble, 2j+1 high."""
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_nibbles`: (N, K / 2) uint8 -> (N, K) uint8."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
+
+
+class Int4LinearMethod(LinearMethod):
+    """Keeps ``layer.qweight`` (N, K / 2) uint8, ``layer.scales`` / ``layer.zeros`` (N, K / group)
+    float32. Quantizes a loaded float weight unless :meth:`set_quantized` already filled it.
+
+    Raises ValueError (naming ``quantization_group_size``) when in_features is not a multiple
+    of the group size.
+    """
+
+    kernel_max_tokens = 16
+
+    def __init__(self, group_size: int = 128) -> None:
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of {GROUP_SIZES} for int4, got {group_size}")
+        self.group_size = group_size
+
+    def create_weights(self, layer: nn.Module) -> None:
+        if layer.in_features % self.group_size:
+            raise ValueError(f"quantization_group_size {self.group_size} does not divide the layer's "
+                             f"in_features {layer.in_features}; choose one of {GROUP_SIZES} that does")
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not hasattr(layer, "qweight"):
+            self.set_quantized(layer, *quantize_groups(layer.weight, self.group_size))
+        # torch's kernel packs N in blocks of 16 rows
+        if layer.weight_dtype in KERNEL_DTYPES and layer.qweight.is_cpu and layer.qweight.shape[0] % 16 == 0:
+            q = unpack_nibbles(layer.qweight).to(torch.int32)
+            layer.kernel_qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            scale_zero = torch.stack([layer.scales.t(), layer.zeros.t()], dim=-1)  # (K / group, N, 2)
+            layer.kernel_scale_zero = scale_zero.to(layer.weight_dtype).contiguous()
+
+    @staticmethod
+    def set_quantized(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """Store q (N, K) uint8 in [0, 15] packed, scales/zeros (N, K / group) float32; drop the float weight.
+
+        ``layer.weight_dtype`` keeps the float dtype the layer had (the model dtype).
+        """
+        weight = layer._parameters.get("weight")
+        device = weight.device if weight is not None else q.device
+        layer.weight_dtype = weight.dtype if weight is not None and weight.is_floating_point() \
+            else getattr(layer, "weight_dtype", torch.float32)
+        replace_weight(layer, None)
+        layer.register_buffer("qweight", pack_nibbles(q.to(device)).contiguous())
+        layer.register_buffer("scales", scales.to(device=device, dtype=torch.float32).contiguous())
+        layer.register_buffer("zeros", zeros.to(device=device, dtype=torch.float32).contiguous())
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return self._rows(layer, 0, layer.qweight.shape[0], torch.float32)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        kernel_q = getattr(layer, "kernel_qweight", None)
+        if kernel_q is not None and x.dtype == layer.kernel_scale_zero.dtype and x.shape[0] <= self.kernel_max_tokens:
+            group = layer.qweight.shape[1] * 2 // layer.scales.shape[1]
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), kernel_q, group, layer.kernel_scale_zero)
+        else:
+            n, half_k = layer.qweight.shape
+            out = tiled_linear(x, n, lambda s, e: self._rows(layer, s, e, x.dtype), tile_rows(2 * half_k, x.dtype))
+        return out if layer.bias is None else out.add_(layer.bias)
+
+    @staticmethod
+    def _rows(layer: nn.Module, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [start, end) of W, (end - start, K) in ``dtype``."""
+        q = unpack_nibbles(layer.qweight[start:end])  # (rows, K) uint8
+        scales, zeros = layer.scales[start:end], layer.zeros[start:end]
+        rows, k = q.shape
+        groups = scales.shape[1]
+        w = q.view(rows, groups, k // groups).to(dtype).sub_(8)  # (rows, groups, group_size)
+        w = torch.addcmul(zeros.to(dtype).unsqueeze(2), w, scales.to(dtype).unsqueeze(2))
+        return w.view(rows, k)
+
+
+class Int4Config(QuantizationConfig):
+    """``quantization="int4"``: every projection (not a tied LM head) int4 with group scales."""
+
+    name = "int4"
+
+    def __init__(self, group_size: int = 128) -> None:
+        Int4LinearMethod(group_size)  # validate now
+        self.group_size = group_size
+
+    def get_linear_method(self, prefix: str, layer: nn.Module) -> LinearMethod | None:
+        return Int4LinearMethod(self.group_size)

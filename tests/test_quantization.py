@@ -1,0 +1,132 @@
+"""Weight formats kept at run time: each quantized linear equals dequantize-then-matmul, the
+kept values are within the format's rounding of the float weight, and GGUF blocks convert to
+exactly what ``gguf.quants.dequantize`` gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+from torch import nn
+
+from pagedllm.quantization import get_quantization_config
+from pagedllm.quantization.gguf import GGUFLinearMethod, row_bytes
+from pagedllm.quantization.int4 import Int4LinearMethod, pack_nibbles, unpack_nibbles
+from pagedllm.quantization.int8 import Int8LinearMethod
+
+
+def _layer(out_features: int = 96, in_features: int = 256, bias: bool = True, dtype=torch.float32, seed: int = 0):
+    torch.manual_seed(seed)
+    layer = nn.Linear(in_features, out_features, bias=bias).to(dtype).requires_grad_(False)
+    return layer
+
+
+def _quantized(method, layer):
+    method.create_weights(layer)
+    method.process_weights_after_loading(layer)
+    layer.quant_method = method
+    return layer
+
+
+def _check_matmul(method, layer, dtype):
+    """apply() equals F.linear with the dequantized weight: tight in float32; in 16-bit within
+    the rounding of the activation dtype. Both the kernel (few rows) and the tile path (many)."""
+    w = method.dequantize(layer)
+    bias = None if layer.bias is None else layer.bias.float()
+    for num_tokens in (1, 5, 40):
+        x = torch.randn(num_tokens, layer.in_features).to(dtype)
+        got = method.apply(layer, x)
+        assert got.dtype == dtype and got.shape == (num_tokens, w.shape[0])
+        ref = F.linear(x.float(), w, bias)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (got.float() - ref).abs().max() <= tol * ref.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_per_channel(dtype):
+    layer = _layer(dtype=dtype)
+    w = layer.weight.float().clone()
+    method = _quantized(Int8LinearMethod(), layer).quant_method
+    assert layer.qweight.dtype == torch.int8 and layer.scales.shape == (96,) and "weight" not in layer._parameters
+    # round-to-nearest: every weight within half a step of its channel's scale
+    assert ((method.dequantize(layer) - w).abs() <= layer.scales.unsqueeze(1) / 2 + 1e-7).all()
+    _check_matmul(method, layer, dtype)
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_groups(group_size, dtype):
+    layer = _layer(dtype=dtype)
+    w = layer.weight.float().clone()
+    method = _quantized(Int4LinearMethod(group_size), layer).quant_method
+    assert layer.qweight.shape == (96, 128) and layer.scales.shape == (96, 256 // group_size)
+    step = layer.scales.repeat_interleave(group_size, dim=1)
+    assert ((method.dequantize(layer) - w).abs() <= step / 2 + 1e-6).all()
+    _check_matmul(method, layer, dtype)
+    assert (hasattr(layer, "kernel_qweight")) == (dtype == torch.bfloat16)
+
+
+def test_nibble_packing_round_trips():
+    q = torch.randint(0, 16, (3, 10), dtype=torch.uint8)
+    assert torch.equal(unpack_nibbles(pack_nibbles(q)), q)
+
+
+def test_int4_group_must_divide_in_features():
+    with pytest.raises(ValueError, match="quantization_group_size"):
+        Int4LinearMethod(128).create_weights(_layer(in_features=96))
+    with pytest.raises(ValueError, match="quantization_group_size"):
+        Int4LinearMethod(48)
+
+
+def test_unknown_quantization_is_rejected():
+    with pytest.raises(ValueError, match="quantization"):
+        get_quantization_config("int3")
+    with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf"):
+        get_quantization_config("gguf")
+
+
+def _q4_k_blocks(num_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Random valid Q4_K super-blocks: sane f16 d/dmin, random 6-bit scales/mins and nibbles
+    (gguf's Python package cannot quantize to Q4_K)."""
+    blocks = rng.integers(0, 256, size=(num_blocks, 144), dtype=np.uint8)
+    blocks[:, 0:2] = np.float16(rng.uniform(1e-3, 1e-2, num_blocks)).view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:4] = np.float16(rng.uniform(1e-3, 1e-2, num_blocks)).view(np.uint8).reshape(-1, 2)
+    return blocks
+
+
+def _gguf_raw(kind, n: int, k: int, rng) -> np.ndarray:
+    if kind == Q.Q4_K:
+        return _q4_k_blocks(n * k // 256, rng).reshape(n, row_bytes(k, kind))
+    return gguf_quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, kind)
+
+
+@pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gguf_blocks_kept_packed(kind, dtype):
+    n, k = 64, 512
+    raw = _gguf_raw(kind, n, k, np.random.default_rng(0))
+    reference = torch.from_numpy(gguf_dequantize(raw, kind).astype(np.float32))  # (n, k)
+    layer = _layer(n, k, bias=False, dtype=dtype)
+    method = GGUFLinearMethod(kind)
+    method.create_weights(layer)
+    assert layer.weight.shape == raw.shape and layer.weight.dtype == torch.uint8
+    layer.weight.copy_(torch.from_numpy(raw))  # what load_weights does
+    method.process_weights_after_loading(layer)
+    # Scales and mins are converted, not requantized: the same values as gguf's dequantization
+    # (up to float32 rounding of the folded zero point).
+    assert (method.dequantize(layer) - reference).abs().max() <= 1e-6 * reference.abs().max()
+    kept_bytes = sum(b.numel() * b.element_size() for b in layer.buffers() if b is layer.qweight)
+    assert kept_bytes == (n * k if kind == Q.Q8_0 else n * k // 2)
+    x = torch.randn(3, k).to(dtype)
+    ref = F.linear(x.float(), reference)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (method.apply(layer, x).float() - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_float32_kernel_is_not_used_for_float32_models():
+    """float32 activations go through the tiles (torch's float32 int8/int4 path is the slow generic one)."""
+    layer = _quantized(Int4LinearMethod(32), _layer())
+    assert not hasattr(layer, "kernel_qweight")
