@@ -95,6 +95,7 @@ class EngineConfig:
     kv_offload_disk_space: int | str = _f("8GiB", "most bytes the disk tier keeps in kv_offload_dir (least recently used blocks go first)")
     preemption_mode: str = _f("recompute", "how a request is preempted when blocks run out: recompute (free its K/V, recompute on resumption), swap (copy its blocks to the swap space and back), or auto (per request, whichever costs less by measured prefill speed and copy bandwidth); swap falls back to recompute when the swap space is full")
     swap_space: int | str = _f("4GiB", "swap space for preemption_mode swap/auto, in bytes or like '4GiB' (host memory)")
+    usage_metrics: bool = _f(True, "report each request's cache story in the server's usage (usage.metrics: cached tokens by tier, preemptions and their modes, queue / prefill / decode time); --no-usage-metrics leaves it out")
     disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers (one block table for all layers) instead of freeing blocks outside the window")
 
     def __post_init__(self) -> None:

@@ -24,7 +24,14 @@ PositionLogprobs = dict[int, Logprob]
 
 @dataclass
 class RequestMetrics:
-    """Timings of one request, in seconds since the epoch (``time.time()``)."""
+    """One request's story: its timings, in seconds since the epoch (``time.time()``),
+    where its cached prompt tokens came from, and its preemptions.
+
+    ``cached_tokens_by_tier``: prompt tokens served from cache by where their K/V was
+    (``pool``: the KV pool's prefix cache; ``host`` / ``disk``: the offload tiers); their
+    sum is ``RequestOutput.num_cached_tokens``. ``preemption_modes``: ``recompute`` or
+    ``swap``, one per preemption (of any of its ``n`` sequences).
+    """
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -34,6 +41,26 @@ class RequestMetrics:
     preemption_modes: list[str] = field(default_factory=list)  # "recompute" / "swap", one per preemption
     # prompt tokens served from cache by where their K/V was: "pool", "host", "disk" tier
     cached_tokens_by_tier: dict[str, int] | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from arrival to the first scheduling, or None before it."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        """Seconds from the first scheduling to the first token (the prompt's prefill,
+        chunks and waits between them included), or None before the first token."""
+        if self.first_token_time is None or self.first_scheduled_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> float | None:
+        """Seconds from the first token to the finish, or None until finished."""
+        if self.finished_time is None or self.first_token_time is None:
+            return None
+        return self.finished_time - self.first_token_time
 
     @property
     def time_to_first_token(self) -> float | None:

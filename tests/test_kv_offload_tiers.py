@@ -64,6 +64,12 @@ def test_host_tier_hit_after_churn_gives_the_same_tokens(tiny_model_dir, referen
     llm = _make(tiny_model_dir, kv_offload_memory="1MiB")
     first, again = _session(llm)
     assert first.metrics.cached_tokens_by_tier == {"pool": 0, "host": 0, "disk": 0}
+    m = again.metrics
+    assert m.num_preemptions == 0 and m.preemption_modes == []
+    assert m.queue_time >= 0 and m.prefill_time >= 0 and m.decode_time >= 0
+    assert m.queue_time + m.prefill_time == pytest.approx(m.time_to_first_token)
+    pool_hit = _generate(llm, PROMPT)  # right after: the blocks are back in the pool
+    assert pool_hit.metrics.cached_tokens_by_tier == {"pool": 64, "host": 0, "disk": 0}
     assert again.num_cached_tokens == 64
     assert again.metrics.cached_tokens_by_tier == {"pool": 0, "host": 64, "disk": 0}
     assert _result(first) == _result(again) == reference

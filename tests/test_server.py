@@ -110,8 +110,23 @@ def test_completion_text_usage_and_finish(client):
     body = r.json()
     assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
     assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [(0, "abc", "length")]
+    story = body["usage"].pop("metrics")
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
                              "prompt_tokens_details": {"cached_tokens": 0}}
+    # the request's story: nothing cached, never preempted, every phase timed
+    assert story["num_preemptions"] == 0 and story["preemption_modes"] == []
+    assert all(story[k] is not None and story[k] >= 0 for k in ("queue_time", "prefill_time", "decode_time"))
+
+
+def test_usage_metrics_can_be_switched_off():
+    fake = FakeEngine(max_model_len=64)
+    fake.config = fake.config.replace(usage_metrics=False)
+    srv, _ = make_server(fake)
+    with srv, httpx.Client(base_url=srv.url, timeout=10) as c:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["metrics"] is None
+        assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 @pytest.mark.parametrize("prompt, expected_prompt_tokens", [

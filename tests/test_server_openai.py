@@ -95,6 +95,10 @@ def test_usage_cached_tokens_from_prefix_cache(client):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     # every full block except one holding the last prompt token (recomputed for its logits)
     assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    # usage.metrics tells where they came from (the pool here: no offload tiers)
+    assert first.usage.metrics["cached_tokens_by_tier"] == {"pool": 0, "host": 0, "disk": 0}
+    assert again.usage.metrics["cached_tokens_by_tier"] == {"pool": (n - 1) // 16 * 16, "host": 0, "disk": 0}
+    assert again.usage.metrics["num_preemptions"] == 0
 
 
 def test_completions_stream_concatenates_to_non_stream(client, served, http):

@@ -251,17 +251,54 @@ class PromptTokensDetails(OpenAIBase):
     cached_tokens: int = 0
 
 
+class UsageMetrics(OpenAIBase):
+    """pagedllm's per-request story in ``usage.metrics`` (an extension of OpenAI's usage):
+    cached prompt tokens by tier (``pool``, ``host``, ``disk``; they sum to
+    ``prompt_tokens_details.cached_tokens``), preemptions and their modes, and the
+    request's queue, prefill and decode time in seconds (the longest over the prompts of
+    a multi-prompt completion; null when not reached)."""
+
+    cached_tokens_by_tier: dict[str, int] = Field(default_factory=dict)
+    num_preemptions: int = 0
+    preemption_modes: list[str] = Field(default_factory=list)
+    queue_time: float | None = None
+    prefill_time: float | None = None
+    decode_time: float | None = None
+
+
 class UsageInfo(OpenAIBase):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    metrics: UsageMetrics | None = None
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+def _longest(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(max(known), 6) if known else None
+
+
+def usage_metrics(metrics: list) -> UsageMetrics:
+    """The usage story of one or more requests' ``RequestMetrics`` (counts summed, times the longest)."""
+    tiers: dict[str, int] = {}
+    for m in metrics:
+        for tier, n in (m.cached_tokens_by_tier or {}).items():
+            tiers[tier] = tiers.get(tier, 0) + n
+    return UsageMetrics(cached_tokens_by_tier=tiers, num_preemptions=sum(m.num_preemptions for m in metrics),
+                        preemption_modes=[x for m in metrics for x in m.preemption_modes],
+                        queue_time=_longest([m.queue_time for m in metrics]),
+                        prefill_time=_longest([m.prefill_time for m in metrics]),
+                        decode_time=_longest([m.decode_time for m in metrics]))
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, metrics: list | None = None
+               ) -> UsageInfo:
+    """OpenAI's usage; ``metrics`` (the requests' ``RequestMetrics``) adds ``usage.metrics``."""
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+                     metrics=usage_metrics(metrics) if metrics else None)
 
 
 class CompletionResponse(OpenAIBase):

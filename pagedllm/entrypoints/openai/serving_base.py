@@ -42,6 +42,12 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.max_n = max_n
 
+    def story(self, *outputs) -> list | None:
+        """The outputs' RequestMetrics for ``usage.metrics``, or None when ``usage_metrics`` is off."""
+        if not self.engine.config.usage_metrics:
+            return None
+        return [o.metrics for o in outputs if o is not None and o.metrics is not None]
+
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]

@@ -89,7 +89,7 @@ class OpenAIServingChat(OpenAIServing):
         num_completion = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                       usage=make_usage(len(out.prompt_token_ids), num_completion,
-                                                       out.num_cached_tokens),
+                                                       out.num_cached_tokens, self.story(out)),
                                       prompt_logprobs=make_prompt_logprobs(out.prompt_logprobs, self.token_text))
 
     def _logprobs(self, req: ChatCompletionRequest, c: CompletionOutput) -> ChatChoiceLogprobs:
@@ -118,11 +118,12 @@ class OpenAIServingChat(OpenAIServing):
                                                     choices=choices, usage=usage).model_dump_json())
 
         num_prompt = num_cached = num_completion = 0
+        last = None
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(req.n)])
         async for _, out in merge_streams(streams):
             raise_if_failed(out)
-            num_prompt, num_cached = len(out.prompt_token_ids), out.num_cached_tokens
+            num_prompt, num_cached, last = len(out.prompt_token_ids), out.num_cached_tokens, out
             choices = []
             for c in out.outputs:
                 num_completion += len(c.token_ids)
@@ -133,4 +134,4 @@ class OpenAIServingChat(OpenAIServing):
             if choices:
                 yield chunk(choices)
         if req.include_usage_in_stream:
-            yield chunk([], make_usage(num_prompt, num_completion, num_cached))
+            yield chunk([], make_usage(num_prompt, num_completion, num_cached, self.story(last)))

@@ -105,7 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                                 prompt_logprobs=prompt_logprobs))
         choices.sort(key=lambda ch: ch.index)
         return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
-                                  usage=make_usage(num_prompt, num_completion, num_cached))
+                                  usage=make_usage(num_prompt, num_completion, num_cached, self.story(*finals)))
 
     @staticmethod
     def _visible(req: CompletionRequest, outputs: list[CompletionOutput]) -> list[CompletionOutput]:
@@ -161,13 +161,14 @@ class OpenAIServingCompletion(OpenAIServing):
         n = req.n
         num_prompt = [0] * len(streams)
         num_cached = [0] * len(streams)
+        last: list = [None] * len(streams)
         num_completion = 0
         offsets: dict[int, int] = {}  # choice index -> text offset of the next token
         started: set[int] = set()
         async for i, out in merge_streams(streams):
             raise_if_failed(out)
             num_prompt[i] = len(out.prompt_token_ids)
-            num_cached[i] = out.num_cached_tokens
+            num_cached[i], last[i] = out.num_cached_tokens, out
             choices = []
             for c in self._visible(req, out.outputs):
                 index = i * n + c.index
@@ -179,7 +180,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield sse(chunk.model_dump_json())
         if req.include_usage_in_stream:
             chunk = CompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[],
-                                             usage=make_usage(sum(num_prompt), num_completion, sum(num_cached)))
+                                             usage=make_usage(sum(num_prompt), num_completion, sum(num_cached),
+                                                              self.story(*last)))
             yield sse(chunk.model_dump_json())
 
     def _stream_choice(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, index: int,
