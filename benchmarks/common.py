@@ -158,6 +158,18 @@ def peers_workload(num_requests: int = 32, seed: int = 0, prompt_min: int = 20, 
     return Workload("peers", random_prompts(rng, plens), [output_len] * num_requests)
 
 
+def generate_greedy(llm, prompts: list[list[int]], max_tokens: int) -> list:
+    """``llm.generate`` of token-id prompts, greedy with EOS ignored (each produces exactly
+    ``max_tokens``). Returns the RequestOutputs; raises RuntimeError if any failed."""
+    from pagedllm import SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed in the engine, first: {errors[0]}")
+    return outs
+
+
 def load_hf_model(gguf: str | Path, dtype: str = "float32"):
     """transformers ``LlamaForCausalLM`` holding the GGUF's dequantized weights, eval mode.
 
