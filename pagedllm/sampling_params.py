@@ -25,6 +25,75 @@ def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's ``StructuredOutputsParams``; exactly one kind set).
+
+    Fields:
+        json: a JSON schema (dict or its JSON text); the output is one JSON value valid
+            against it (JSON Schema as xgrammar supports it: objects, arrays, enums,
+            ``const``, ``required``, numeric/length bounds, ``$ref``, ``anyOf``...).
+        regex: the output matches this regular expression (whole output).
+        choice: the output is exactly one of these strings (non-empty list).
+        grammar: an EBNF grammar (xgrammar/GBNF syntax, start rule ``root``).
+        json_object: any JSON object (OpenAI ``response_format={"type": "json_object"}``).
+        disable_any_whitespace: JSON without optional whitespace (compact output).
+        disable_additional_properties: accepted for vLLM compatibility; with xgrammar
+            objects never get properties beyond those the schema lists unless the schema
+            allows them (``additionalProperties``), as OpenAI's ``strict`` asks.
+        whitespace_pattern: accepted for vLLM compatibility; must be None (xgrammar has no
+            custom whitespace pattern).
+
+    Raises:
+        ValueError: naming the field, when none or more than one kind is set or a value
+            has the wrong type. Whether a schema, regex or grammar *compiles* is checked
+            when the engine admits the request (``validate_structured_outputs``).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            self.choice = _as_list("structured_outputs.choice", self.choice)
+        kinds = self.kinds()
+        if not kinds:
+            raise ValueError("structured_outputs needs one of json, regex, choice, grammar or json_object")
+        if len(kinds) > 1:
+            raise ValueError(f"structured_outputs takes one kind of constraint, got {', '.join(kinds)}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or string), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {v!r}")
+        if self.choice is not None:
+            if not self.choice:
+                raise ValueError("structured_outputs.choice must not be empty")
+            for c in self.choice:
+                if not isinstance(c, str) or not c:
+                    raise ValueError(f"structured_outputs.choice must hold non-empty strings, got {c!r}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern is not supported (xgrammar backend)")
+
+    def kinds(self) -> list[str]:
+        """The constraint kinds set (a valid instance has exactly one)."""
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        return kinds + (["json_object"] if self.json_object else [])
+
+    @property
+    def kind(self) -> str:
+        return self.kinds()[0]
+
+
 class RequestOutputKind(enum.Enum):
     """What each RequestOutput of a streaming request carries."""
 
@@ -64,6 +133,7 @@ class SamplingParams:
     skip_special_tokens: bool = _f(True, "leave special tokens out of the text")
     spaces_between_special_tokens: bool = _f(True, "put spaces between special tokens in the text")
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine (tokenizer-dependent), not by users.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -80,6 +150,8 @@ class SamplingParams:
             self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids)
         if self.logit_bias is not None:
             self.logit_bias = _parse_logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     # ---- validation -----------------------------------------------------------------
@@ -123,6 +195,8 @@ class SamplingParams:
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams)):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 

@@ -14,15 +14,21 @@ from pagedllm.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
-    """Life cycle: WAITING → RUNNING ⇄ PREEMPTED → one of the FINISHED_* states."""
+    """Life cycle: [WAITING_FOR_GRAMMAR →] WAITING → RUNNING ⇄ PREEMPTED → one of the FINISHED_* states.
+
+    A structured-output request waits in WAITING_FOR_GRAMMAR while its grammar compiles
+    off the step loop; the scheduler skips it (it blocks nobody) until the engine
+    declares the grammar ready.
+    """
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3  # EOS, a stop token id or a stop string
-    FINISHED_LENGTH_CAPPED = 4  # max_tokens or max_model_len reached
-    FINISHED_ABORTED = 5  # cancelled by the user / client gone
-    FINISHED_ERROR = 6  # failed inside a step; the engine kept serving
+    WAITING_FOR_GRAMMAR = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4  # EOS, a stop token id, a stop string, or the grammar terminated
+    FINISHED_LENGTH_CAPPED = 5  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = 6  # cancelled by the user / client gone
+    FINISHED_ERROR = 7  # failed inside a step (or its grammar failed to compile); the engine kept serving
 
     @property
     def is_finished(self) -> bool:
@@ -91,6 +97,11 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.block_hashes: list[bytes] = []  # filled by the KV-cache manager, one per full block
+
+    @property
+    def use_structured_output(self) -> bool:
+        """Whether a grammar constrains this request's output (it then waits for its compile)."""
+        return self.sampling_params.structured_outputs is not None
 
     @property
     def num_tokens(self) -> int:

@@ -34,6 +34,9 @@ Policies (documented choices):
   (hitting its own published blocks if prefix caching is on). No request is admitted
   in a step that preempted. If the victim is the request being scheduled, the running
   phase stops.
+* **Structured outputs**: a request whose grammar is still compiling (status
+  WAITING_FOR_GRAMMAR) is skipped in the waiting queue, not blocking those behind it,
+  until the engine calls ``set_grammar_ready``. The scheduler never sees the grammar itself.
 * **n > 1 groups** (children sharing ``parent_id`` and the prompt): the first child to
   be admitted computes the prompt; the others are held in the waiting queue until a
   running sibling has computed the prompt's full blocks, then are admitted with those
@@ -164,7 +167,8 @@ class Scheduler:
             if siblings and siblings[0].prompt_token_ids != request.prompt_token_ids:
                 raise ValueError(f"request {rid!r}: children of {request.parent_id!r} must share one prompt")
             siblings.append(request)
-        request.status = RequestStatus.WAITING
+        request.status = (RequestStatus.WAITING_FOR_GRAMMAR if request.use_structured_output
+                          else RequestStatus.WAITING)
         self.requests[rid] = request
         self._arrival_seq[rid] = self._next_seq
         self._next_seq += 1
@@ -237,6 +241,9 @@ class Scheduler:
         while (can_admit and i < len(self.waiting) and min(budget, prefill_left) > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[i]
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:  # compiling off the loop: skip, don't block
+                i += 1
+                continue
             swapped = self.swap_space.swapped.get(req.request_id)
             if swapped is not None:  # resumes from the swap space: no prefix lookup
                 if not self._admit_swapped(req, swapped, budget):
@@ -399,6 +406,15 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.running) + len(self.waiting)
 
+    def set_grammar_ready(self, request_id: str) -> None:
+        """Make a request whose grammar has compiled admissible (WAITING_FOR_GRAMMAR → WAITING).
+
+        Unknown, finished or already admissible requests are left alone.
+        """
+        req = self.requests.get(request_id)
+        if req is not None and req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            req.status = RequestStatus.WAITING
+
     def has_finished_requests(self) -> bool:
         """Whether the runner still has state to drop (sent with the next schedule())."""
         return bool(self._finished_req_ids)
@@ -443,7 +459,8 @@ class Scheduler:
             assert r.num_computed_tokens <= r.num_tokens <= self.max_model_len, f"{r} overflows"
             assert len(kv.get_block_ids(r)) * self.block_size >= r.num_computed_tokens, f"{r} lacks blocks"
         for r in self.waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r} is in waiting"
+            assert r.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR,
+                                RequestStatus.PREEMPTED), f"{r} is in waiting"
             assert r.num_computed_tokens == 0, f"waiting {r} has computed tokens"
         assert set(kv.req_to_blocks) <= set(running_ids), "a request that is not running holds blocks"
         for parent_id, children in self._groups.items():

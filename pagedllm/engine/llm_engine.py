@@ -22,6 +22,7 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
 
@@ -83,6 +84,9 @@ class LLMEngine:
                                    kv_cache_groups=self.kv_cache_spec.kv_cache_groups,
                                    kv_offload=self.kv_offload_spec, swap_space=self.runner.initialize_swap_space())
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, [t for t in [self.eos_token_id] if t is not None]
+            + self.extra_stop_token_ids, config.max_num_seqs)
         self._ids = itertools.count()
         self.num_steps = 0
         self.prompt_tokens_total = 0
@@ -127,6 +131,7 @@ class LLMEngine:
         ids, max_tokens, params = processed.token_ids, processed.max_tokens, processed.params
         if prompt_text is None and isinstance(prompt, str):
             prompt_text = prompt
+        spec = self.structured_output.validate(params) if params.structured_outputs is not None else None
         arrival = time.time() if arrival_time is None else arrival_time
         children = [
             Request(child_request_id(request_id, i), ids, params if params.n == 1 else params.child(i),
@@ -140,6 +145,9 @@ class LLMEngine:
             except ValueError:
                 self.scheduler.abort_request([c.request_id for c in children[:i]])
                 raise
+        if spec is not None:
+            for child in children:
+                self.structured_output.add_request(child, spec)
         self.output_processor.add_request(request_id, prompt_text, children, params, arrival)
         return request_id
 
@@ -152,25 +160,58 @@ class LLMEngine:
             child_ids.extend(self.output_processor.remove_request(rid))
         if child_ids:
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            self.structured_output.remove_requests(child_ids)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of the requests it advanced."""
+        grammar_failed = self._admit_compiled_grammars()
         scheduler_output = self.scheduler.schedule()
+        bitmask = self.structured_output.grammar_bitmask(scheduler_output, self.scheduler.requests)
         t0 = time.perf_counter()
-        runner_output = self._execute(scheduler_output)
+        runner_output = self._execute(scheduler_output, bitmask)
         self._observe_prefill(scheduler_output, runner_output, time.perf_counter() - t0)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        updated += self._advance_grammars(updated, runner_output, grammar_failed)
         processed = self.output_processor.process(updated, runner_output)
         if processed.stop_string_finished:
             self.scheduler.finish_requests(processed.stop_string_finished, RequestStatus.FINISHED_STOPPED)
+            self.structured_output.remove_requests(processed.stop_string_finished)
         self._count(scheduler_output, runner_output)
         return processed.outputs
 
-    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def _admit_compiled_grammars(self) -> dict[str, str]:
+        """Requests whose grammar compiled become admissible; returns failed compiles {id: error}.
+
+        When nothing but grammar compiles is waiting, waits briefly for one instead of
+        spinning through empty steps.
+        """
+        so = self.structured_output
+        if not so.has_pending():
+            return {}
+        sched = self.scheduler
+        idle = not sched.running and all(r.status == RequestStatus.WAITING_FOR_GRAMMAR for r in sched.waiting)
+        return so.update_ready(sched, block=idle)
+
+    def _advance_grammars(self, updated: list[Request], ro: ModelRunnerOutput,
+                          grammar_failed: dict[str, str]) -> list[Request]:
+        """Advance matchers by this step's tokens; end requests whose grammar terminated (stop),
+        was violated or failed to compile (error). Returns requests ended here that
+        ``updated`` does not hold (failed compiles), for the output processor."""
+        result = self.structured_output.accept_tokens(updated)
+        if result.terminated:
+            self.scheduler.finish_requests(result.terminated, RequestStatus.FINISHED_STOPPED)
+        errors = {**grammar_failed, **result.rejected}
+        if not errors:
+            return []
+        ro.failed.update(errors)
+        ended = self.scheduler.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)
+        return [r for r in ended if r.request_id in grammar_failed]
+
+    def _execute(self, so: SchedulerOutput, grammar_bitmask=None) -> ModelRunnerOutput:
         """Run the model; an exception fails only this step's requests, and the engine keeps serving."""
         try:
-            return self.runner.execute_model(so)
+            return self.runner.execute_model(so, grammar_bitmask)
         except Exception as e:  # noqa: BLE001
             logger.exception("step failed; failing its %d requests", len(so.num_scheduled_tokens))
             # Runner state may be half-updated: drop it all and have the scheduler resend

@@ -4,8 +4,10 @@ Each step it turns a :class:`SchedulerOutput` into one flat ragged batch (no pad
 ``input_ids[T]``, ``positions[T]``, ``slot_mapping[T]``, ``query_start_loc[B+1]``,
 ``seq_lens[B]``, ``block_tables[B, max_blocks]``, runs the model, computes logits only for
 the rows that need them (the last scheduled token of each request that samples this step,
-plus prompt positions of requests that asked for prompt logprobs), samples, and returns
-a :class:`ModelRunnerOutput`.
+plus prompt positions of requests that asked for prompt logprobs), applies the grammar
+bitmask of structured-output requests to their rows (one batched call, before the
+sampler, so every sampling step and logprobs see the constrained distribution), samples,
+and returns a :class:`ModelRunnerOutput`.
 
 Per-request state persists between steps in host-side numpy buffers indexed by a row
 number per request (token ids ``[max_num_seqs, max_model_len]`` and block tables
@@ -43,6 +45,8 @@ from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.loader.model_files import ModelFiles
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sizing import KVCacheSpec, format_bytes, kv_bytes_per_block, num_blocks_for_budget
+from pagedllm.structured_output.bitmask import apply_grammar_bitmask
+from pagedllm.structured_output.manager import GrammarBitmask
 from pagedllm.utils import cdiv
 from pagedllm.worker.cuda_graph import DecodeGraphRunner, capture_sizes, cuda_graph_mode
 
@@ -430,8 +434,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. Returns sampled ids (and logprobs) for requests that sample this step."""
+    def execute_model(self, so: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        """Run one step. Returns sampled ids (and logprobs) for requests that sample this step.
+
+        ``grammar_bitmask``: the structured-output masks of this step's constrained
+        requests (from the engine's StructuredOutputManager), applied to their logits
+        before sampling.
+        """
         self._update_states(so)
         if self.kv_offloader is not None and not so.kv_transfers.is_empty:
             self.kv_offloader.apply(so.kv_transfers)
@@ -442,7 +451,7 @@ class ModelRunner:
         hidden = self._forward(input_ids, positions, metas)  # (T, hidden)
         out = ModelRunnerOutput()
         self._compute_prompt_logprobs(b, hidden, cu, out)
-        self._sample(b, hidden, cu, out)
+        self._sample(b, hidden, cu, out, grammar_bitmask)
         return out
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -454,7 +463,8 @@ class ModelRunner:
         with set_forward_context(metas):
             return self.model(input_ids, positions)
 
-    def _sample(self, b: _StepBatch, hidden: torch.Tensor, cu: np.ndarray, out: ModelRunnerOutput) -> None:
+    def _sample(self, b: _StepBatch, hidden: torch.Tensor, cu: np.ndarray, out: ModelRunnerOutput,
+                grammar_bitmask: GrammarBitmask | None = None) -> None:
         from pagedllm.worker.sampling_metadata import SamplingMetadata
 
         idx = np.nonzero(b.sample_mask)[0]
@@ -476,6 +486,8 @@ class ModelRunner:
                 self._reseed(s)
         logits_rows = torch.from_numpy(cu[idx + 1] - 1).to(self.device)
         logits = self.model.compute_logits(hidden.index_select(0, logits_rows))  # (N, vocab) float32
+        if grammar_bitmask is not None:  # structured outputs: forbidden tokens -> -inf, before any sampling step
+            apply_grammar_bitmask(logits, [s.req_id for s in states], grammar_bitmask)
         md = SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             prompt_token_ids=[s.prompt_token_ids for s in states],

@@ -1,0 +1,172 @@
+"""The grammar backend on xgrammar: spec → grammar, compile against the tokenizer, matchers.
+
+xgrammar (Dong et al. 2024, "XGrammar: Flexible and Efficient Structured Generation
+Engine for Large Language Models") compiles a JSON schema, regex or EBNF grammar once per
+tokenizer into a pushdown automaton with precomputed token masks; a ``GrammarMatcher``
+then walks it token by token and fills the next-token bitmask (int32 words, bit j of
+word i = token 32*i + j allowed) in microseconds.
+
+Nothing here runs on the step loop except matcher calls: compiles run on the manager's
+worker thread (:mod:`pagedllm.structured_output.manager`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.sampling_params import StructuredOutputsParams
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint in canonical, hashable form: the compile cache's key (with the tokenizer).
+
+    ``kind`` is one of ``json``, ``regex``, ``grammar`` (EBNF; ``choice`` becomes one) or
+    ``json_object``; ``text`` the schema (JSON text), regex or EBNF; ``any_whitespace``
+    whether JSON may hold optional whitespace.
+    """
+
+    kind: str
+    text: str
+    any_whitespace: bool = True
+
+
+def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
+    """Canonical spec of ``params``. Raises ValueError naming the field for JSON that does not parse."""
+    ws = not params.disable_any_whitespace
+    kind = params.kind
+    if kind == "json":
+        schema = params.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema object, got {schema!r}")
+        return GrammarSpec("json", json.dumps(schema, ensure_ascii=False), ws)
+    if kind == "choice":
+        return GrammarSpec("grammar", choice_as_ebnf(params.choice))
+    if kind == "json_object":
+        return GrammarSpec("json_object", "", ws)
+    return GrammarSpec(kind, getattr(params, kind))
+
+
+def choice_as_ebnf(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly ``choices`` (literal strings, any characters)."""
+    # JSON string escaping (\" \\ \n \uXXXX) is valid EBNF string-literal escaping in xgrammar.
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def validate_structured_outputs(params: StructuredOutputsParams) -> GrammarSpec:
+    """Check that the constraint compiles (grammar level, no tokenizer: milliseconds).
+
+    Returns its :class:`GrammarSpec`. Raises ValueError naming the field
+    (``structured_outputs.json`` / ``.regex`` / ``.grammar`` / ``.choice``) with xgrammar's
+    reason for an invalid JSON schema, a regex it cannot compile or a malformed grammar;
+    ImportError when xgrammar is not installed.
+    """
+    xgr = _import_xgrammar()
+    spec = grammar_spec(params)
+    field = f"structured_outputs.{params.kind}"
+    try:
+        if spec.kind == "json":
+            _check_json_schema(json.loads(spec.text))
+            xgr.Grammar.from_json_schema(spec.text, any_whitespace=spec.any_whitespace)
+        elif spec.kind == "regex":
+            xgr.Grammar.from_regex(spec.text)
+        elif spec.kind == "grammar":
+            xgr.Grammar.from_ebnf(spec.text)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(f"{field} is invalid: {_clean_error(e)}") from None
+    return spec
+
+
+def _check_json_schema(schema: Any) -> None:
+    """Reject schemas the JSON Schema meta-schema rejects (``jsonschema``, when installed)."""
+    try:
+        import jsonschema
+    except ImportError:  # xgrammar's own checks still run
+        return
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        path = "/".join(str(p) for p in e.absolute_path)
+        raise ValueError(f"{e.message}" + (f" (at {path})" if path else "")) from None
+
+
+def _clean_error(e: Exception) -> str:
+    """xgrammar's message without its C++ source prefix (``[12:00:00] /project/cpp/x.cc:94: ``)."""
+    msg = str(e).strip()
+    return re.sub(r"^\[[\d:]+\] [^:]+:\d+: ", "", msg).replace("Check failed: (error.empty()) is false: ", "")
+
+
+def _import_xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ImportError("structured outputs need xgrammar: pip install 'pagedllm[structured]'") from e
+    return xgrammar
+
+
+def tokenizer_fingerprint(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> str:
+    """sha256 of the vocabulary (id → token text), the model's vocab size and the stop ids.
+
+    Two engines with the same fingerprint produce the same compiled grammars, so it is the
+    tokenizer half of the compile-cache key.
+    """
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    h = hashlib.sha256()
+    h.update(json.dumps([vocab_size, sorted(stop_token_ids)]).encode())
+    for text, tid in vocab:
+        h.update(f"{tid}\x00{text}\x01".encode())
+    return h.hexdigest()
+
+
+class XgrammarBackend:
+    """Compiles :class:`GrammarSpec`\\ s against one tokenizer and makes matchers for them.
+
+    Args:
+        tokenizer: a transformers tokenizer (fast); its vocabulary and byte encoding are
+            read by ``xgrammar.TokenizerInfo.from_huggingface``.
+        vocab_size: the model's logits width (may exceed the tokenizer's vocabulary; the
+            extra ids are never allowed).
+        stop_token_ids: the ids that end generation (EOS and the model's other end-of-turn
+            ids): allowed once the grammar is complete, and they terminate the matcher.
+        max_threads: xgrammar's compile threads.
+
+    ``compile`` is thread-safe (the manager calls it from its worker thread); matchers are
+    used from the engine thread only.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int = 2) -> None:
+        xgr = _import_xgrammar()
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        # Our manager caches compiled grammars by spec; xgrammar's own cache would hold a second copy.
+        self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+        self.vocab_size = vocab_size
+
+    def compile(self, spec: GrammarSpec):
+        """The ``xgrammar.CompiledGrammar`` of ``spec``. Raises RuntimeError from xgrammar on failure."""
+        c = self.compiler
+        if spec.kind == "json":
+            # strict_mode (xgrammar's default, as in vLLM): objects get no properties beyond
+            # those listed unless the schema allows more (additionalProperties).
+            return c.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace)
+        if spec.kind == "json_object":
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace,
+                                         strict_mode=False)
+        if spec.kind == "regex":
+            return c.compile_regex(spec.text)
+        if spec.kind == "grammar":
+            return c.compile_grammar(spec.text)
+        raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+    def new_matcher(self, compiled):
+        """A fresh ``xgrammar.GrammarMatcher`` at the grammar's start (unbounded rollback)."""
+        return self._xgr.GrammarMatcher(compiled)
