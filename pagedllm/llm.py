@@ -59,12 +59,13 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
 
         ``continue_final_message=True`` makes the model continue the last (assistant)
-        message instead of starting a new turn. Raises ValueError for an empty
-        conversation or an unknown role.
+        message instead of starting a new turn. ``tools`` (OpenAI function tools) are passed to
+        the chat template. Raises ValueError for an empty conversation or an unknown role.
         """
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not convs:
@@ -72,7 +73,8 @@ class LLM:
         engine = self.llm_engine
         prompts = []
         for conv in convs:
-            ids = engine.apply_chat_template(conv, add_generation_prompt, chat_template, continue_final_message)
+            ids = engine.apply_chat_template(conv, add_generation_prompt, chat_template, continue_final_message,
+                                             tools=tools)
             prompts.append({"prompt_token_ids": ids, "prompt": engine.tokenizer.decode(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Triton decorates its own language functions when first imported, and importing torch
+# imports it (torch._native) when it is installed (xgrammar requires it): on a machine
+# without a GPU the interpreter must be chosen before that, so the Triton kernel tests
+# run under TRITON_INTERPRET=1 whatever test imported torch first.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _use_triton_interpreter_without_gpu() -> None:

@@ -251,11 +251,26 @@ _BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": [[]]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
-    # features not supported must be refused, never silently ignored
+    # output constraints and tools (structured outputs): refused before the engine sees them
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+                              "response_format": {"type": "xml"}}, 400, "response_format"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "a", "schema": {"type": "object", "properties": {"a": {"type": "bogus"}}}}}},
+     400, "response_format"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "guided_regex": "(abc"}, 400, "guided_regex"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "structured_outputs": {"grammar": "root ::= nothing"}},
+     400, "structured_outputs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]},
+     400, "guided_choice"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"description": "no name"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tool_choice": "required"}, 400, "tool_choice"),
 ]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 VALID_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -21,7 +23,34 @@ def normalize_conversation(conversation: list[dict]) -> list[dict]:
         role = msg.get("role")
         if role not in VALID_ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(VALID_ROLES)}; got {role!r}")
-        out.append({"role": role, "content": _content_text(msg.get("content"), i)})
+        norm = {"role": role, "content": _content_text(msg.get("content"), i)}
+        if role == "assistant" and msg.get("tool_calls"):
+            norm["tool_calls"] = _tool_calls(msg["tool_calls"], i)
+        if role == "tool" and msg.get("tool_call_id") is not None:
+            norm["tool_call_id"] = str(msg["tool_call_id"])
+        if isinstance(msg.get("name"), str):
+            norm["name"] = msg["name"]
+        out.append(norm)
+    return out
+
+
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant turn's tool calls for the template: ``function.arguments`` as a dict when
+    it is JSON text (templates such as Qwen's render it with ``tojson``), as vLLM does."""
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{i}].tool_calls must be a list")
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"messages[{i}].tool_calls entries need function.name")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        out.append({**call, "type": call.get("type", "function"), "function": {**fn, "arguments": args}})
     return out
 
 

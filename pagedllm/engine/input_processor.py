@@ -67,15 +67,19 @@ class InputProcessor:
         return ids
 
     def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | None = None, continue_final_message: bool = False) -> list[int]:
+                    chat_template: str | None = None, continue_final_message: bool = False,
+                    tools: list[dict] | None = None) -> list[int]:
         """Render a conversation with the chat template and tokenize it.
 
         Messages are ``{"role": "system"|"user"|"assistant"|"tool"|"developer", "content": str |
         [{"type": "text", "text": ...}, ...]}``. The rendered text already contains the
         template's special tokens, so it is tokenized with ``add_special_tokens=False``
         (no doubled BOS). ``continue_final_message`` leaves the last (assistant) message open
-        so the model continues it (then no generation prompt is added). Raises ValueError
-        for an empty conversation, an unknown role, non-text content, or no chat template.
+        so the model continues it (then no generation prompt is added). ``tools`` (OpenAI
+        function tools) are passed to the template, which renders them if it knows how (Qwen's
+        and Hermes' templates do); assistant messages may carry ``tool_calls`` and tool
+        messages ``tool_call_id``. Raises ValueError for an empty conversation, an unknown
+        role, non-text content, or no chat template.
         """
         messages = normalize_conversation(conversation)
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
@@ -84,7 +88,8 @@ class InputProcessor:
         if continue_final_message and messages[-1]["role"] != "assistant":
             raise ValueError("continue_final_message needs the last message to have role 'assistant'")
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, chat_template=template, continue_final_message=continue_final_message,
+            messages, tools=tools or None, tokenize=False, chat_template=template,
+            continue_final_message=continue_final_message,
             add_generation_prompt=add_generation_prompt and not continue_final_message)
         return self.tokenizer.encode(text, add_special_tokens=False)
 

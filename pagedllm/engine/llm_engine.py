@@ -109,10 +109,12 @@ class LLMEngine:
         return self.input_processor.tokenize(prompt, add_special_tokens)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, continue_final_message: bool = False) -> list[int]:
-        """Prompt token ids of a conversation (see :meth:`InputProcessor.render_chat`). Raises ValueError."""
+                            chat_template: str | None = None, continue_final_message: bool = False,
+                            tools: list[dict] | None = None) -> list[int]:
+        """Prompt token ids of a conversation, the template receiving ``tools`` (see
+        :meth:`InputProcessor.render_chat`). Raises ValueError."""
         return self.input_processor.render_chat(conversation, add_generation_prompt, chat_template,
-                                                continue_final_message)
+                                                continue_final_message, tools)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,

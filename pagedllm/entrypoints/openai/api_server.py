@@ -36,6 +36,7 @@ from pagedllm.entrypoints.openai.lifecycle import DrainingServer, InFlight, InFl
 from pagedllm.entrypoints.openai.serving_base import ClientDisconnected, json_response, until_disconnected
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from pagedllm.metrics import CONTENT_TYPE_LATEST
 
 logger = logging.getLogger("pagedllm.server")
@@ -91,7 +92,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None, *, api_key: str | None = None,
               chat_template: str | None = None, max_n: int = 16, enable_kv_map: bool = True,
-              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS) -> FastAPI:
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS, tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (started in the app's lifespan, stopped at its end).
 
     Args:
@@ -102,12 +103,18 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
         max_n: largest ``n`` per request.
         enable_kv_map: serve the live KV-cache map at ``/kv`` and ``/kv/state``.
         max_prompts_per_request: most prompts in one completions request (400 beyond).
+        tool_call_parser: the tool-call parser for ``tool_choice: "auto"`` (e.g. ``hermes``);
+            default: the one the chat template teaches, if any.
 
     ``app.state.in_flight`` counts requests in flight; :class:`DrainingServer` drains with it.
+    Raises ValueError for an unknown ``tool_call_parser``.
     """
+    if tool_call_parser is not None:
+        get_tool_parser(tool_call_parser)
     names = list(served_model_names or [engine.model_name])
     completions = OpenAIServingCompletion(engine, names, max_n=max_n, max_prompts=max_prompts_per_request)
-    chat = OpenAIServingChat(engine, names, max_n=max_n, chat_template=chat_template)
+    chat = OpenAIServingChat(engine, names, max_n=max_n, chat_template=chat_template,
+                             tool_call_parser=tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -246,7 +253,7 @@ def add_server_args(parser: argparse.ArgumentParser, include_engine_args: bool =
     """Add the ``serve`` flags to ``parser`` and return it.
 
     Adds MODEL (positional, optional; skipped when the parser already has a ``model``
-    destination), --host, --port, --api-key, --served-model-name, --chat-template,
+    destination), --host, --port, --api-key, --served-model-name, --chat-template, --tool-call-parser,
     --max-n, --disable-log-requests, --stats-log-interval; with ``include_engine_args``
     also one flag per EngineConfig field (``pagedllm.entrypoints.args.add_engine_args``,
     skipped when the parser already has them). ``--log-level`` is left to the caller
@@ -265,6 +272,9 @@ def add_server_args(parser: argparse.ArgumentParser, include_engine_args: bool =
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="model name(s) clients use in 'model' (default: the model argument)")
     group.add_argument("--chat-template", default=None, help="file with a Jinja chat template overriding the model's")
+    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="how tool calls appear in the model's text, for tool_choice 'auto' "
+                            "(default: detected from the chat template)")
     group.add_argument("--max-n", type=int, default=16, help="largest n (samples per request) accepted (default: 16)")
     group.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS,
                        help=f"most prompts in one completions request (default: {DEFAULT_MAX_PROMPTS})")
@@ -299,7 +309,8 @@ def build_app_from_args(args: argparse.Namespace) -> FastAPI:
             chat_template = f.read()
     return build_app(async_engine, names, api_key=resolve_api_key(args), chat_template=chat_template,
                      max_n=args.max_n, enable_kv_map=not args.disable_kv_map,
-                     max_prompts_per_request=args.max_prompts_per_request)
+                     max_prompts_per_request=args.max_prompts_per_request,
+                     tool_call_parser=getattr(args, "tool_call_parser", None))
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:

@@ -15,8 +15,10 @@ import re
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_of
+from pagedllm.entrypoints.openai.tools import DeltaToolCallItem, ToolCallItem
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, sampling_field_names
 
 logger = logging.getLogger("pagedllm.server")
@@ -117,7 +119,7 @@ class _Request(_RequestBase):
     priority: int = 0
     request_id: str | None = None
     return_tokens_as_token_ids: bool = False
-    # Structured outputs: not implemented yet, refused in `_refuse_structured_outputs`.
+    # Output constraints: translated and validated by structured_outputs.py (400 naming the field).
     response_format: ResponseFormat | None = None
     guided_json: Any = None
     guided_regex: str | None = None
@@ -129,20 +131,10 @@ class _Request(_RequestBase):
         """Refuse what cannot be honoured (ValueError naming the field)."""
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        self._refuse_structured_outputs()
         for name, off_values in self._REFUSED.items():
             value = getattr(self, name)
             if value is not None and value not in off_values:
                 raise ValueError(f"{name} is not supported by this server; got {value!r}")
-
-    def _refuse_structured_outputs(self) -> None:
-        """The one place that refuses structured outputs (JSON schema, regex, choice, grammar, tools)."""
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not supported (no guided "
-                             "decoding yet); only {'type': 'text'}")
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name} is not supported by this server (no guided decoding yet)")
 
     # Fields of the OpenAI / vLLM APIs this server does not implement -> the values that mean "off".
     _REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {}
@@ -156,6 +148,7 @@ class _Request(_RequestBase):
                               if name in type(self).model_fields and name not in self._OWN_SAMPLING_FIELDS
                               and getattr(self, name) is not None}
         kw["output_kind"] = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
+        kw["structured_outputs"] = structured_outputs_of(self)  # APIError(400) naming the field
         return kw
 
     @property
@@ -326,6 +319,8 @@ class ChatMessage(OpenAIBase):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class ChatCompletionRequest(_Request):
@@ -340,7 +335,7 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
-    # Tools are structured outputs too: refused in `_refuse_structured_outputs`.
+    # Tools: validated and planned by tools.py (the template receives them).
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # no effect without tools
@@ -356,13 +351,6 @@ class ChatCompletionRequest(_Request):
     _REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "echo": (False,), "store": (False,), "audio": (), "modalities": (["text"],), "prediction": (),
         "reasoning_effort": (), "chat_template_kwargs": ({},), "documents": ([],)}
-
-    def _refuse_structured_outputs(self) -> None:
-        super()._refuse_structured_outputs()
-        if self.tools:
-            raise ValueError("tools (function calling) are not supported by this server")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported by this server (no tools)")
 
     def to_sampling_params(self) -> SamplingParams:
         """SamplingParams of this request (raises ValueError naming the field)."""
@@ -398,9 +386,21 @@ class ChatChoiceLogprobs(OpenAIBase):
     content: list[ChatTokenLogprob] | None = None
 
 
-class ChatResponseMessage(OpenAIBase):
+class _OmitsNoToolCalls(OpenAIBase):
+    """A message whose ``tool_calls`` key is left out when there are none (OpenAI's shape)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_tool_calls(self, handler):
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
+
+
+class ChatResponseMessage(_OmitsNoToolCalls):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallItem] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(OpenAIBase):
@@ -421,9 +421,10 @@ class ChatCompletionResponse(OpenAIBase):
     prompt_logprobs: PromptLogprobs | None = None
 
 
-class DeltaMessage(OpenAIBase):
+class DeltaMessage(_OmitsNoToolCalls):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCallItem] | None = None
 
 
 class ChatStreamChoice(OpenAIBase):

@@ -33,6 +33,8 @@ from pagedllm.entrypoints.openai.serving_base import (
 from pagedllm.engine.async_engine import EngineInput
 from pagedllm.engine.request_stream import merge_streams
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.tools import ToolPlan, ToolStream, apply_tool_plan, message_parts, plan_tools
+from pagedllm.loader.tokenizer import chat_template_of
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 
@@ -43,49 +45,64 @@ class OpenAIServingChat(OpenAIServing):
     model's own (the contents of ``--chat-template FILE``), or None.
     """
 
-    def __init__(self, *args, chat_template: str | None = None, **kwargs) -> None:
+    def __init__(self, *args, chat_template: str | None = None, tool_call_parser: str | None = None,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
+        self.tool_call_parser = tool_call_parser
 
     async def render(self, messages: list[dict], add_generation_prompt: bool = True,
-                     continue_final_message: bool = False, chat_template: str | None = None) -> list[int]:
+                     continue_final_message: bool = False, chat_template: str | None = None,
+                     tools: list[dict] | None = None) -> list[int]:
         """Prompt token ids of a conversation (raises APIError 400 naming ``messages``).
 
-        ``chat_template``: a request's own template, over the server's and the model's.
+        ``chat_template``: a request's own template, over the server's and the model's;
+        ``tools``: passed to the template.
         """
         template = chat_template or self.chat_template
         kwargs = {"continue_final_message": True} if continue_final_message else {}
+        if tools:
+            kwargs["tools"] = tools
         try:
             return await self.engine.call(lambda e: e.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, chat_template=template, **kwargs))
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
 
+    def plan_tools(self, req: ChatCompletionRequest, params) -> ToolPlan | None:
+        """Validate tools/tool_choice (APIError 400) and put their constraint on ``params``."""
+        template = req.chat_template or self.chat_template or chat_template_of(self.engine.tokenizer)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser, template)
+        apply_tool_plan(plan, params)
+        return plan
+
     async def create_chat_completion(self, req: ChatCompletionRequest) -> Response:
         """Validate, submit and answer one chat request (JSON or SSE). Raises APIError."""
         self.check_model(req.model)
         self.check_n(req.n)
         params = req.to_sampling_params()
+        plan = self.plan_tools(req, params)
         prompt_ids = await self.render(req.conversation(), req.add_generation_prompt, req.continue_final_message,
-                                       req.chat_template)
+                                       req.chat_template, plan.tools if plan else None)
         request_id = self.new_id("chatcmpl", req.request_id)
         streams = await self.add_requests(self.label(request_id, req.user), [EngineInput(prompt_ids)], params,
                                           req.priority)
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(guarded_sse(self._events(req, request_id, created, streams), streams),
+            return StreamingResponse(guarded_sse(self._events(req, request_id, created, streams, plan), streams),
                                      media_type="text/event-stream")
         (final,) = await self.collect_final(streams)
-        return json_response(self._response(req, request_id, created, final))
+        return json_response(self._response(req, request_id, created, final, plan))
 
-    def _response(self, req: ChatCompletionRequest, request_id: str, created: int, out: RequestOutput
-                  ) -> ChatCompletionResponse:
+    def _response(self, req: ChatCompletionRequest, request_id: str, created: int, out: RequestOutput,
+                  plan: ToolPlan | None = None) -> ChatCompletionResponse:
         choices = []
         for c in out.outputs:
+            content, tool_calls, finish_reason = message_parts(plan, c.text, c.finish_reason)
             choices.append(ChatCompletionChoice(
-                index=c.index, message=ChatResponseMessage(content=c.text),
+                index=c.index, message=ChatResponseMessage(content=content, tool_calls=tool_calls),
                 logprobs=self._logprobs(req, c) if req.logprobs else None,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                finish_reason=finish_reason, stop_reason=c.stop_reason))
         num_completion = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                       usage=make_usage(len(out.prompt_token_ids), num_completion,
@@ -111,14 +128,15 @@ class OpenAIServingChat(OpenAIServing):
                               for t, l in top]))
         return ChatChoiceLogprobs(content=content)
 
-    async def _events(self, req: ChatCompletionRequest, request_id: str, created: int, streams: list
-                      ) -> AsyncIterator[str]:
+    async def _events(self, req: ChatCompletionRequest, request_id: str, created: int, streams: list,
+                      plan: ToolPlan | None = None) -> AsyncIterator[str]:
         def chunk(choices: list[ChatStreamChoice], usage=None) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                     choices=choices, usage=usage).model_dump_json())
 
         num_prompt = num_cached = num_completion = 0
         last = None
+        tool_stream = ToolStream(plan)
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(req.n)])
         async for _, out in merge_streams(streams):
@@ -127,10 +145,11 @@ class OpenAIServingChat(OpenAIServing):
             choices = []
             for c in out.outputs:
                 num_completion += len(c.token_ids)
+                content, tool_calls, finish_reason = tool_stream.delta(c.index, c.text, c.finish_reason)
                 choices.append(ChatStreamChoice(
-                    index=c.index, delta=DeltaMessage(content=c.text),
+                    index=c.index, delta=DeltaMessage(content=content, tool_calls=tool_calls),
                     logprobs=self._logprobs(req, c) if req.logprobs else None,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                    finish_reason=finish_reason, stop_reason=c.stop_reason))
             if choices:
                 yield chunk(choices)
         if req.include_usage_in_stream:

@@ -1,0 +1,35 @@
+"""Tool-call parsers: the model's text → OpenAI ``tool_calls`` (whole and streamed).
+
+One parser per model output format, chosen with ``--tool-call-parser NAME`` (vLLM's
+names) or from the chat template. Each parser turns a completed output into
+``(content, tool_calls)`` and, fed the output's text deltas one by one, yields the
+streaming deltas (content fragments and ``delta.tool_calls`` entries) whose
+concatenation is the same call.
+"""
+
+from __future__ import annotations
+
+from pagedllm.entrypoints.openai.tool_parsers.base import ExtractedToolCalls, ToolCallDelta, ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
+
+
+def get_tool_parser(name: str) -> type[ToolParser]:
+    """The parser class registered as ``name``. Raises ValueError listing the known names."""
+    try:
+        return TOOL_PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}") from None
+
+
+def detect_tool_parser(chat_template: str | None) -> type[ToolParser] | None:
+    """The parser whose format ``chat_template`` teaches the model, or None (no tool format)."""
+    for cls in TOOL_PARSERS.values():
+        if chat_template and cls.matches_template(chat_template):
+            return cls
+    return None
+
+
+__all__ = ["ExtractedToolCalls", "ToolCallDelta", "ToolParser", "TOOL_PARSERS", "get_tool_parser",
+           "detect_tool_parser"]
