@@ -213,6 +213,8 @@ class LLMEngine:
     def _execute(self, so: SchedulerOutput, grammar_bitmask=None) -> ModelRunnerOutput:
         """Run the model; an exception fails only this step's requests, and the engine keeps serving."""
         try:
+            if grammar_bitmask is None:  # the common case; keeps the runner's one-argument form
+                return self.runner.execute_model(so)
             return self.runner.execute_model(so, grammar_bitmask)
         except Exception as e:  # noqa: BLE001
             logger.exception("step failed; failing its %d requests", len(so.num_scheduled_tokens))
