@@ -175,6 +175,25 @@ def test_throughput_quick(tmp_path):
     assert set(rec["ratios"]) == {"pagedllm-continuous / pagedllm-static"}
 
 
+@pytest.mark.slow
+def test_structured_output_quick(tmp_path):
+    pytest.importorskip("xgrammar")
+    out = tmp_path / "so.json"
+    res = subprocess.run([sys.executable, str(BENCH / "structured_output.py"), "--quick", "--out", str(out)],
+                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600,
+                         cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.startswith("structured_output: batch 8, decode step ")
+    rec = json.loads(out.read_text())
+    results = rec["results"]
+    assert list(results) == ["0pct_constrained", "25pct_constrained", "100pct_constrained"]
+    assert all(r["num_steps"] > 0 for r in results.values())
+    # Unconstrained batches never reach the mask kernel; constrained ones do, every step.
+    assert results["0pct_constrained"]["apply_ms_median"] == 0.0
+    assert results["100pct_constrained"]["apply_ms_median"] > 0.0
+    assert rec["compile_ms"]["tokenizer_info_ms"] > 0 and "json_schema_0_ms" in rec["compile_ms"]
+
+
 # ---- batching_model (real scheduler, no model) ------------------------------------------
 
 def test_batching_model_static_waits_for_the_longest():
