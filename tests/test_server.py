@@ -648,8 +648,6 @@ _USER = [{"role": "user", "content": "x"}]
     ("/v1/completions", {"prompt": "a", "length_penalty": 0.5}, "length_penalty"),
     ("/v1/completions", {"prompt": "a", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "a", "best_of": 3}, "best_of"),
-    ("/v1/completions", {"prompt": "a", "guided_regex": "a+"}, "guided_regex"),
-    ("/v1/completions", {"prompt": "a", "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/completions", {"prompt": "a", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"500": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
