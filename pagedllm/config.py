@@ -96,6 +96,10 @@ class EngineConfig:
     preemption_mode: str = _f("recompute", "how a request is preempted when blocks run out: recompute (free its K/V, recompute on resumption), swap (copy its blocks to the swap space and back), or auto (per request, whichever costs less by measured prefill speed and copy bandwidth); swap falls back to recompute when the swap space is full")
     swap_space: int | str = _f("4GiB", "swap space for preemption_mode swap/auto, in bytes or like '4GiB' (host memory)")
     usage_metrics: bool = _f(True, "report each request's cache story in the server's usage (usage.metrics: cached tokens by tier, preemptions and their modes, queue / prefill / decode time); --no-usage-metrics leaves it out")
+    tensor_parallel_size: int = _f(1, "ranks (processes; GPUs on CUDA) the model's weights and KV heads are split "
+                                      "across, Megatron-style; must divide the attention heads")
+    worker_timeout_s: float = _f(300.0, "tensor parallelism: seconds a collective or a call may wait on a worker "
+                                        "before the engine fails with an error naming it")
     disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers (one block table for all layers) instead of freeing blocks outside the window")
 
     def __post_init__(self) -> None:
@@ -122,6 +126,13 @@ class EngineConfig:
         self._positive("max_num_batched_tokens", allow_none=True)
         self._positive("max_prefill_tokens_while_decoding", allow_none=True)
         self._positive("max_waiting_requests", allow_none=True)
+        self._positive("tensor_parallel_size")
+        if self.tensor_parallel_size > 1 and self.kv_offload_dir is not None:
+            raise ValueError("kv_offload_dir (the disk tier) is not supported with tensor_parallel_size > 1: "
+                             "every rank would write its shard's blocks to the same files")
+        if isinstance(self.worker_timeout_s, bool) or not isinstance(self.worker_timeout_s, (int, float)) \
+                or not self.worker_timeout_s > 0:
+            raise ValueError(f"worker_timeout_s must be a positive number of seconds, got {self.worker_timeout_s!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.batching not in ("continuous", "static"):

@@ -73,7 +73,7 @@ _GPU_ALIASES = {"rtx-4090": "24gb", "rtx-3090": "24gb", "a100": "a100-80", "h100
 
 # Options of plan() that are not EngineConfig fields (a later EngineConfig field of the
 # same name is used from the config instead).
-PLAN_OPTIONS = ("device_memory", "gpu", "quantization", "kv_cache_dtype", "tensor_parallel_size", "context_lens")
+PLAN_OPTIONS = ("device_memory", "gpu", "quantization", "kv_cache_dtype", "context_lens")
 
 
 @dataclass
@@ -243,10 +243,11 @@ def plan(model: str | None = None, **options: Any) -> Plan:
 
 
 def plan_from_config(config: EngineConfig, *, device_memory: int | str | None = None, gpu: str | None = None,
-                     quantization: str | None = None, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
+                     quantization: str | None = None, kv_cache_dtype: str = "auto",
                      context_lens: list[int] | None = None) -> Plan:
-    """:func:`plan` for an already validated EngineConfig (the CLI's path). Raises as :func:`plan`."""
-    inputs = _PlanInputs.build(config, device_memory, gpu, quantization, kv_cache_dtype, tensor_parallel_size)
+    """:func:`plan` for an already validated EngineConfig (the CLI's path); the tensor-parallel
+    size is the engine's own ``config.tensor_parallel_size``. Raises as :func:`plan`."""
+    inputs = _PlanInputs.build(config, device_memory, gpu, quantization, kv_cache_dtype, config.tensor_parallel_size)
     shape, source = resolve_model_shape(config.model)
     return _compute(config, inputs, shape, source, context_lens)
 

@@ -62,8 +62,8 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        from pagedllm.distributed.executor import make_executor
         from pagedllm.loader import load_model_files
-        from pagedllm.worker.model_runner import ModelRunner
 
         t0 = time.perf_counter()
         files = load_model_files(config.model, config.tokenizer)
@@ -74,15 +74,17 @@ class LLMEngine:
         self.model_name = config.model
         self.eos_token_id = files.eos_token_id
         self.extra_stop_token_ids = [t for t in files.stop_token_ids if t != files.eos_token_id]
-        self.runner = ModelRunner(config, files)
+        # tensor_parallel_size > 1: worker processes hold the other shards; ``runner`` is rank 0's
+        self.executor = make_executor(config, files)
+        self.runner = self.executor.driver
         self.vocab_size = self.runner.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, config.max_model_len,
                                               config.max_logprobs, self.extra_stop_token_ids)
-        self.kv_cache_spec = self.runner.initialize_kv_cache()
-        self.kv_offload_spec = self.runner.initialize_kv_offload()
+        self.kv_cache_spec = self.executor.initialize_kv_cache()
+        self.kv_offload_spec = self.executor.initialize_kv_offload()
         self.scheduler = Scheduler(config, self.kv_cache_spec.num_blocks,
                                    kv_cache_groups=self.kv_cache_spec.kv_cache_groups,
-                                   kv_offload=self.kv_offload_spec, swap_space=self.runner.initialize_swap_space())
+                                   kv_offload=self.kv_offload_spec, swap_space=self.executor.initialize_swap_space())
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.vocab_size, [t for t in [self.eos_token_id] if t is not None]
@@ -211,16 +213,26 @@ class LLMEngine:
         return [r for r in ended if r.request_id in grammar_failed]
 
     def _execute(self, so: SchedulerOutput, grammar_bitmask=None) -> ModelRunnerOutput:
-        """Run the model; an exception fails only this step's requests, and the engine keeps serving."""
+        """Run the model; an exception fails only this step's requests, and the engine keeps serving.
+
+        A tensor-parallel worker that died is fatal: every request is aborted (its blocks
+        freed) and TensorParallelWorkerError propagates to the caller."""
+        from pagedllm.distributed.executor import TensorParallelWorkerError
+
         try:
-            if grammar_bitmask is None:  # the common case; keeps the runner's one-argument form
-                return self.runner.execute_model(so)
-            return self.runner.execute_model(so, grammar_bitmask)
+            return self.executor.execute_model(so, grammar_bitmask)
+        except TensorParallelWorkerError:
+            self._abort_all()
+            raise
         except Exception as e:  # noqa: BLE001
             logger.exception("step failed; failing its %d requests", len(so.num_scheduled_tokens))
             # Runner state may be half-updated: drop it all and have the scheduler resend
             # every running request in full next step.
-            self.runner.reset_state()
+            try:
+                self.executor.reset_state()
+            except TensorParallelWorkerError:
+                self._abort_all()
+                raise
             self.scheduler.reset_runner_state()
             msg = f"{type(e).__name__}: {e}"
             return ModelRunnerOutput(failed={rid: msg for rid in so.num_scheduled_tokens})
@@ -230,6 +242,14 @@ class LLMEngine:
         least 32 prompt tokens, so the per-step overhead does not dominate)."""
         if so.total_num_scheduled_tokens - len(ro.req_ids) >= 32:
             self.scheduler.swap_space.observe_prefill(seconds, so.total_num_scheduled_tokens)
+
+    def _abort_all(self) -> None:
+        """Abort every request (the engine cannot step any more); frees all their blocks."""
+        self.abort_request(list(self.output_processor.requests))
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent). The engine cannot step afterwards."""
+        self.executor.shutdown()
 
     def _count(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> None:
         self.num_steps += 1

@@ -71,8 +71,6 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     if "kv_cache_dtype" not in existing:
         q.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *DTYPE_BYTES],
                        help="K/V element type (default: auto = --dtype)")
-    if "tensor_parallel_size" not in existing:
-        q.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the model is split over")
     q.add_argument("--context-len", dest="context_lens", type=int, action="append", default=None,
                    help="table row for this context length in tokens (repeatable; default max_model_len/8../1)")
     q.add_argument("--json", action="store_true", help="print one JSON object (with a boolean 'fits')")
@@ -106,7 +104,7 @@ def _plan(args) -> int:
     config = engine_config_from_args(args)
     result = plan_from_config(config, device_memory=args.device_memory, gpu=args.gpu,
                               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                              tensor_parallel_size=args.tensor_parallel_size, context_lens=args.context_lens)
+                              context_lens=args.context_lens)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.render())
     if not result.fits:
         print("error: does not fit: " + "; ".join(result.problems), file=sys.stderr)

@@ -1,0 +1,45 @@
+"""Collectives over the tensor-parallel group; with one rank each returns its input.
+
+Megatron-LM's pattern (Shoeybi et al., 2019): a row-parallel projection ends with
+:func:`all_reduce` (sum of partial products), the vocabulary-parallel embedding with
+:func:`all_reduce` (each token's row lives on one rank), the vocabulary-parallel LM head
+with :func:`all_gather` of the logits of the rows being sampled.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pagedllm.distributed.parallel_state import get_tensor_parallel_backend, get_tensor_parallel_size
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise sum of ``x`` over the ranks (any shape, in place on ``x``); returns ``x``."""
+    if get_tensor_parallel_size() == 1:
+        return x
+    dist.all_reduce(x)
+    return x
+
+
+def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's ``x`` (same shape on each) along ``dim``, in rank order.
+
+    x: (..., n, ...) -> (..., world_size * n, ...) along ``dim``.
+    """
+    size = get_tensor_parallel_size()
+    if size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest of every rank's ``value`` (e.g. the KV block count every rank can hold)."""
+    if get_tensor_parallel_size() == 1:
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if get_tensor_parallel_backend() == "nccl" else None
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())

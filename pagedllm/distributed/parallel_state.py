@@ -1,0 +1,79 @@
+"""The tensor-parallel process group of this process.
+
+One group per process (the engine process is rank 0, workers are 1..N-1). Before
+:func:`init_tensor_parallel` — and always when ``tensor_parallel_size`` is 1 — the rank is 0
+and the size 1, so model code reads the same functions whether or not it is sharded.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class _TensorParallelState:
+    rank: int
+    world_size: int
+    backend: str
+
+
+_STATE: _TensorParallelState | None = None
+
+
+def get_tensor_parallel_rank() -> int:
+    """This process's rank in the tensor-parallel group (0 when not sharded)."""
+    return _STATE.rank if _STATE is not None else 0
+
+
+def get_tensor_parallel_size() -> int:
+    """Number of ranks the model is sharded across (1 when not sharded)."""
+    return _STATE.world_size if _STATE is not None else 1
+
+
+def get_tensor_parallel_backend() -> str:
+    """The group's torch.distributed backend (``gloo`` or ``nccl``; ``gloo`` when not sharded)."""
+    return _STATE.backend if _STATE is not None else "gloo"
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for the group's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str,
+                         timeout_s: float = 300.0) -> None:
+    """Join the tensor-parallel group (blocks until all ``world_size`` ranks have joined).
+
+    Args:
+        rank: 0..world_size-1; world_size: the tensor-parallel size.
+        init_method: torch.distributed rendezvous, e.g. ``tcp://127.0.0.1:PORT``.
+        backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors).
+        timeout_s: a collective that waits longer than this raises instead of hanging
+            (a peer that died mid-step).
+
+    Raises ValueError for a rank outside the group, RuntimeError when this process is
+    already in a group.
+    """
+    global _STATE
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if _STATE is not None:
+        raise RuntimeError("this process already belongs to a tensor-parallel group")
+    if world_size > 1:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    _STATE = _TensorParallelState(rank, world_size, backend)
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the group (idempotent); afterwards rank 0 of size 1 again."""
+    global _STATE
+    if _STATE is not None and _STATE.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE = None
