@@ -191,8 +191,8 @@ class MultiprocExecutor:
             try:
                 conn.send((method, args))
             except (OSError, ValueError):
-                self._fail(f"cannot reach tensor-parallel worker rank {rank} (pid {proc.pid}, "
-                           f"exit code {proc.exitcode})")
+                proc.join(timeout=1.0)
+                self._fail(_describe_gone(rank, proc, self.timeout_s))
         try:
             result = getattr(self.driver, method)(*args)
         except Exception as e:
@@ -217,9 +217,7 @@ class MultiprocExecutor:
                 proc.join(timeout=1.0)
                 self._fail(f"tensor-parallel worker rank {rank} (pid {proc.pid}) failed: {detail}")
             proc.join(timeout=1.0)
-            why = (f"died with exit code {proc.exitcode}" if not proc.is_alive()
-                   else f"did not answer within worker_timeout_s={self.timeout_s:g} s")
-            self._fail(f"tensor-parallel worker rank {rank} (pid {proc.pid}) {why}")
+            self._fail(_describe_gone(rank, proc, self.timeout_s))
 
     def _fail(self, message: str) -> None:
         self._error = message
@@ -235,6 +233,15 @@ class MultiprocExecutor:
         if self._error is None:
             self._error = "the engine has been shut down"
         destroy_tensor_parallel()
+
+
+def _describe_gone(rank: int, proc, timeout_s: float) -> str:
+    """Why worker ``rank`` cannot answer: its exit (code, or the signal that killed it) or the timeout."""
+    if proc.is_alive():
+        return f"tensor-parallel worker rank {rank} (pid {proc.pid}) did not answer within worker_timeout_s={timeout_s:g} s"
+    code = proc.exitcode
+    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    return f"tensor-parallel worker rank {rank} (pid {proc.pid}) died ({how})"
 
 
 def _stop_workers(workers: list) -> None:

@@ -39,6 +39,22 @@ def get_tensor_parallel_backend() -> str:
     return _STATE.backend if _STATE is not None else "gloo"
 
 
+def heads_per_rank(num_heads: int, num_kv_heads: int, tensor_parallel_size: int | None = None) -> tuple[int, int]:
+    """(attention heads, KV heads) each rank holds with ``tensor_parallel_size`` ranks
+    (default: this process's group). KV heads are replicated when fewer than the ranks.
+
+    Raises ValueError naming ``tensor_parallel_size`` when it does not divide the attention
+    heads, or neither divides nor is a multiple of the KV heads.
+    """
+    tp = get_tensor_parallel_size() if tensor_parallel_size is None else tensor_parallel_size
+    if num_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the model's {num_heads} attention heads")
+    if num_kv_heads % tp and tp % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the model's {num_kv_heads} KV heads "
+                         f"or be a multiple of them (then they are replicated)")
+    return num_heads // tp, max(1, num_kv_heads // tp)
+
+
 def free_port() -> int:
     """A free TCP port on the loopback interface (for the group's rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

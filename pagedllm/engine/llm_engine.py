@@ -74,6 +74,12 @@ class LLMEngine:
         self.model_name = config.model
         self.eos_token_id = files.eos_token_id
         self.extra_stop_token_ids = [t for t in files.stop_token_ids if t != files.eos_token_id]
+        if config.tensor_parallel_size > 1:  # before any worker starts
+            from pagedllm.distributed.parallel_state import heads_per_rank
+
+            hf = files.hf_config
+            heads_per_rank(hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+                           config.tensor_parallel_size)
         # tensor_parallel_size > 1: worker processes hold the other shards; ``runner`` is rank 0's
         self.executor = make_executor(config, files)
         self.runner = self.executor.driver
