@@ -36,7 +36,7 @@ def _greedy(folder, tp: int, **engine):
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("kv_heads,vocab,tied", [(2, 509, False), (1, 512, True)],
+@pytest.mark.parametrize("kv_heads,vocab,tied", [(2, 509, False), pytest.param(1, 512, True, marks=pytest.mark.slow)],
                          ids=["kv-heads-split-odd-vocab", "kv-heads-replicated-tied"])
 def test_tp2_equals_tp1(tmp_path, kv_heads, vocab, tied):
     folder = write_random_llama_folder(tmp_path / "m", num_key_value_heads=kv_heads, vocab_size=vocab,

@@ -26,8 +26,9 @@ from torch import nn
 
 from pagedllm.attention import AttentionBackend, TorchPagedAttention
 from pagedllm.models.layer_types import layer_types, sliding_windows
-from pagedllm.models.layers import (GatedMLP, LMHead, MergedLinear, RMSNorm, RotaryEmbedding, SelfAttention,
-                                    VocabEmbedding, pack_linears_for_cpu, unpack_linears)
+from pagedllm.distributed.parallel_state import heads_per_rank
+from pagedllm.models.layers import (GatedMLP, MergedLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, SelfAttention,
+                                    VocabParallelEmbedding, pack_linears_for_cpu, unpack_linears)
 from pagedllm.models.layers.rotary import rope_parameters
 
 _PACKED_LINEAR_ENV = "PAGEDLLM_CPU_PACKED_LINEAR"
@@ -99,7 +100,10 @@ class LlamaForCausalLM(nn.Module):
 
     Attributes the model runner and the KV-cache manager use: ``num_layers``, ``num_heads``,
     ``num_kv_heads``, ``head_dim``, ``vocab_size``, ``max_positions``, ``dtype``, ``device``,
-    ``sliding_windows`` (per layer: W tokens, or None for full attention).
+    ``sliding_windows`` (per layer: W tokens, or None for full attention). With tensor
+    parallelism (:mod:`pagedllm.distributed`) ``num_heads``/``num_kv_heads`` are this rank's
+    (its KV pool's shape), ``total_num_heads``/``total_num_kv_heads`` the model's; every
+    rank builds only its shard and :meth:`load_weights` copies only its rows.
     Raises ValueError for config values the model does not implement (rope type, activation).
     """
 
@@ -117,9 +121,10 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
         self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
+        self.num_heads, self.num_kv_heads = heads_per_rank(self.total_num_heads, self.total_num_kv_heads)
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.total_num_heads
         self.vocab_size = config.vocab_size
         self.max_positions = config.max_position_embeddings
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -132,9 +137,9 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):  # no time spent initialising weights load_weights overwrites
             layers = [self._decoder_layer(config, i, backend) for i in range(self.num_layers)]
             norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
-            embed = VocabEmbedding(config.vocab_size, config.hidden_size, self._embedding_scale(config))
+            embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self._embedding_scale(config))
             self.model = DecoderModel(embed, layers, norm)
-            self.lm_head = LMHead(config.hidden_size, config.vocab_size, self._final_logit_soft_cap(config))
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, self._final_logit_soft_cap(config))
             self.to(dtype)
         self.to_empty(device=self.device)
         self.requires_grad_(False)  # inference only
@@ -153,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
         """The layer's attention; ``options`` are :class:`SelfAttention` keywords a family sets."""
         bias = bool(getattr(config, "attention_bias", False))
         options = {"qkv_bias": bias, "o_bias": bias, **options}
-        return SelfAttention(config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, backend,
+        return SelfAttention(config.hidden_size, self.total_num_heads, self.total_num_kv_heads, self.head_dim, backend,
                              sliding_window=self.sliding_windows[layer_idx], rope_key=self.rope_keys[layer_idx],
                              **options)
 
@@ -241,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
-            target = self._weight_target(name, params, modules)
+            target, tensor = self._weight_target(name, tensor, params, modules)
             if target.shape != tensor.shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
             target.copy_(tensor)
@@ -268,18 +273,24 @@ class LlamaForCausalLM(nn.Module):
         """Undo :meth:`pack_linears_for_cpu` (plain weights back in the parameters)."""
         unpack_linears(self)
 
-    def _weight_target(self, name: str, params: dict[str, nn.Parameter], modules: dict[str, nn.Module]
-                       ) -> torch.Tensor:
-        """The parameter (or fused-parameter rows) an HF weight fills."""
-        if name in params:
-            return params[name]
+    def _weight_target(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter],
+                       modules: dict[str, nn.Module]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the parameter or fused-parameter rows an HF weight fills, the part of the weight
+        this rank holds: a tensor-parallel layer's ``checkpoint_slice``, else all of it)."""
         module_path, _, param_name = name.rpartition(".")
+        if name in params:
+            module = modules.get(module_path)
+            if hasattr(module, "checkpoint_slice"):
+                tensor = module.checkpoint_slice(tensor, param_name, None)
+            return params[name], tensor
         parent, _, leaf = module_path.rpartition(".")
         if leaf in self.packed_modules:
             fused_name, shard = self.packed_modules[leaf]
             fused = modules.get(f"{parent}.{fused_name}")
             if isinstance(fused, MergedLinear) and hasattr(fused, param_name):
-                return fused.shard(getattr(fused, param_name), shard)
+                if hasattr(fused, "checkpoint_slice"):
+                    tensor = fused.checkpoint_slice(tensor, param_name, shard)
+                return fused.shard(getattr(fused, param_name), shard), tensor
         raise ValueError(f"unknown weight {name!r} for {type(self).__name__} ({self.num_layers} layers; "
                          f"expected Hugging Face parameter names)")
 

@@ -293,7 +293,11 @@ class ModelRunner:
         and allocate the KV cache, bind it to the model's attention layers. Logs the sizes.
         Call before the first step."""
         self._layout_kv_cache()
-        num_blocks = self.determine_num_blocks()
+        from pagedllm.distributed.communication import all_reduce_min
+
+        # tensor parallelism: every rank sizes its own pool; all use the smallest count, since
+        # the one scheduler hands out block ids valid on every rank
+        num_blocks = all_reduce_min(self.determine_num_blocks())
         padded = self.graph_mode != "off"  # one extra block, past the scheduler's pool, for padding rows
         self.kv_caches = self._new_kv_caches(num_blocks + int(padded))
         self._bind_kv_caches(self.kv_caches)

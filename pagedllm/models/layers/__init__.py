@@ -9,6 +9,8 @@
 - :mod:`~pagedllm.models.layers.embedding`: scaled token embedding, soft-capped LM head;
 - :mod:`~pagedllm.models.layers.moe`: mixture-of-experts block (router + experts run on
   their routed tokens) and its weight loading;
+- :mod:`~pagedllm.models.layers.tensor_parallel`: column-/row-parallel linears and the
+  vocabulary-parallel embedding and LM head (the plain layers with one rank);
 - :mod:`~pagedllm.models.layers.attention`: the self-attention block (window, soft cap and
   scale passed to the attention backend).
 """
@@ -19,7 +21,10 @@ from pagedllm.models.layers.linear import Linear, MergedLinear, pack_linears_for
 from pagedllm.models.layers.mlp import GatedMLP
 from pagedllm.models.layers.norm import GemmaRMSNorm, RMSNorm
 from pagedllm.models.layers.rotary import RotaryEmbedding, rope_inv_freq, rope_parameters
+from pagedllm.models.layers.tensor_parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                                                    RowParallelLinear, VocabParallelEmbedding)
 
-__all__ = ["GatedMLP", "GemmaRMSNorm", "LMHead", "Linear", "MergedLinear", "RMSNorm", "RotaryEmbedding",
-           "SelfAttention", "VocabEmbedding", "pack_linears_for_cpu", "rope_inv_freq", "rope_parameters",
-           "unpack_linears"]
+__all__ = ["GatedMLP", "GemmaRMSNorm", "LMHead", "Linear", "MergedColumnParallelLinear", "MergedLinear",
+           "ParallelLMHead", "QKVParallelLinear", "RMSNorm", "RotaryEmbedding", "RowParallelLinear",
+           "SelfAttention", "VocabEmbedding", "VocabParallelEmbedding", "pack_linears_for_cpu", "rope_inv_freq",
+           "rope_parameters", "unpack_linears"]

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from pagedllm.attention import Attention, AttentionBackend
-from pagedllm.models.layers.linear import Linear, MergedLinear
+from pagedllm.distributed.parallel_state import heads_per_rank
+from pagedllm.models.layers.tensor_parallel import QKVParallelLinear, RowParallelLinear
 from pagedllm.models.layers.rotary import RotaryEmbedding
 
 
@@ -23,7 +24,10 @@ class SelfAttention(nn.Module):
     """Grouped-query self-attention over the paged KV cache.
 
     Args:
-        hidden_size, num_heads, num_kv_heads, head_dim: shapes (num_heads a multiple of num_kv_heads).
+        hidden_size, num_heads, num_kv_heads, head_dim: the model's shapes (num_heads a multiple
+            of num_kv_heads). With tensor parallelism this rank runs its share of the heads
+            (:class:`~pagedllm.models.layers.tensor_parallel.QKVParallelLinear`) and ``o_proj``
+            sums the ranks' partial outputs; ``num_heads``/``num_kv_heads`` are then this rank's.
         backend: the attention backend the model runner chose.
         scale: softmax scale; default ``head_dim ** -0.5``.
         qkv_bias / o_bias: biases on the q/k/v and the output projections.
@@ -42,12 +46,13 @@ class SelfAttention(nn.Module):
                  qk_norm_eps: float = 1e-6, sliding_window: int | None = None,
                  logit_soft_cap: float | None = None, rope_key: str = "default") -> None:
         super().__init__()
+        self.qkv_proj = QKVParallelLinear(hidden_size, num_heads, num_kv_heads, head_dim, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=o_bias)
+        num_heads, num_kv_heads = heads_per_rank(num_heads, num_kv_heads)  # this rank's
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
         self.rope_key = rope_key
-        self.qkv_proj = MergedLinear(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden_size, bias=o_bias)
         self.q_norm = qk_norm(head_dim, qk_norm_eps) if qk_norm else None
         self.k_norm = qk_norm(head_dim, qk_norm_eps) if qk_norm else None
         self.attn = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5 if scale is None else scale, backend,

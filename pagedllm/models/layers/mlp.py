@@ -12,18 +12,21 @@ import torch
 from torch import nn
 
 from pagedllm.models.layers.activation import get_activation
-from pagedllm.models.layers.linear import Linear, MergedLinear
+from pagedllm.models.layers.tensor_parallel import MergedColumnParallelLinear, RowParallelLinear
 
 
 class GatedMLP(nn.Module):
-    """x: (T, hidden) -> (T, hidden). Raises ValueError for an unknown activation name."""
+    """x: (T, hidden) -> (T, hidden). Raises ValueError for an unknown activation name.
+
+    With tensor parallelism gate/up are column-parallel (each rank its slice of the
+    intermediate features) and down is row-parallel (one all-reduce)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False) -> None:
         super().__init__()
         self.act = get_activation(activation)
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each (T, intermediate)

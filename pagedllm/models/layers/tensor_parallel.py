@@ -1,0 +1,174 @@
+"""Tensor-parallel variants of the linear and embedding layers (Megatron-LM: Shoeybi et al.,
+2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism").
+
+With ``N`` ranks (:func:`~pagedllm.distributed.get_tensor_parallel_size`):
+
+- :class:`QKVParallelLinear`, :class:`MergedColumnParallelLinear` — column-parallel: each
+  rank holds its rows of every fused projection (its attention heads of q, its KV heads
+  of k and v; its slice of gate and up), so the following attention / activation runs on
+  local data with no communication. KV heads are replicated when there are fewer than N
+  (ranks ``r`` with the same ``r // (N / num_kv_heads)`` share one).
+- :class:`RowParallelLinear` — row-parallel: each rank holds its columns (the input slice
+  the column-parallel layer before it produced), multiplies, and one all-reduce sums the
+  partial products. The bias is added once (rank 0 holds it; the others hold zeros).
+- :class:`VocabParallelEmbedding` — each rank holds ``ceil(vocab / N)`` rows; a token's
+  row lives on one rank, the others contribute zeros, one all-reduce.
+- :class:`ParallelLMHead` — the same vocabulary split for the output projection; the
+  logits of the rows being sampled are all-gathered and the padding columns dropped.
+
+Every layer is the plain layer when N == 1. Each rank allocates only its shard, and the
+loader asks the layer for its rows of each checkpoint tensor (``checkpoint_slice``), so
+no rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.distributed.communication import all_gather, all_reduce
+from pagedllm.distributed.parallel_state import get_tensor_parallel_rank, get_tensor_parallel_size, heads_per_rank
+from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
+from pagedllm.models.layers.linear import Linear, MergedLinear
+
+
+def _split(size: int, what: str) -> int:
+    tp = get_tensor_parallel_size()
+    if size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the {size} {what}")
+    return size // tp
+
+
+class _MergedColumnParallel(MergedLinear):
+    """Shared loading logic: ``ranges[i]`` is (first row, rows) of this rank's part of projection i."""
+
+    full_sizes: list[int]
+    ranges: list[tuple[int, int]]
+
+    def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
+        """This rank's rows of a checkpoint tensor: projection ``shard`` alone (``q_proj``, ...)
+        or, with ``shard=None``, the fused tensor (Phi-3's ``qkv_proj``) split and re-stacked."""
+        if shard is not None:
+            start, rows = self.ranges[shard]
+            return tensor.narrow(0, start, rows)
+        parts = tensor.split(self.full_sizes, dim=0)
+        return torch.cat([p.narrow(0, s, n) for p, (s, n) in zip(parts, self.ranges)], dim=0)
+
+
+class MergedColumnParallelLinear(_MergedColumnParallel):
+    """Projections of one input stacked on the output axis (gate/up), each split by rows.
+
+    x: (T, in_features) -> (T, sum(output_sizes) / N). Raises ValueError when N does not
+    divide an output size.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        local = [_split(size, "output features of a column-parallel projection") for size in output_sizes]
+        super().__init__(in_features, local, bias=bias)
+        rank = get_tensor_parallel_rank()
+        self.full_sizes = list(output_sizes)
+        self.ranges = [(rank * n, n) for n in local]
+
+
+class QKVParallelLinear(_MergedColumnParallel):
+    """Fused q/k/v projection holding this rank's attention heads and KV heads.
+
+    x: (T, hidden) -> (T, (heads_per_rank + 2 * kv_heads_per_rank) * head_dim).
+    Raises ValueError as :func:`heads_per_rank`.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 bias: bool = False) -> None:
+        heads, kv_heads = heads_per_rank(num_heads, num_kv_heads)
+        super().__init__(hidden_size, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], bias=bias)
+        tp, rank = get_tensor_parallel_size(), get_tensor_parallel_rank()
+        # fewer KV heads than ranks: tp // num_kv_heads consecutive ranks share (replicate) one
+        kv_first = rank // (tp // num_kv_heads) if num_kv_heads < tp else rank * kv_heads
+        self.full_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        q_range = (rank * heads * head_dim, heads * head_dim)
+        kv_range = (kv_first * head_dim, kv_heads * head_dim)
+        self.ranges = [q_range, kv_range, kv_range]
+
+
+class RowParallelLinear(Linear):
+    """A projection whose input features are split across ranks, then summed (one all-reduce).
+
+    x: (T, in_features / N) -> (T, out_features). The bias lives on rank 0 only (zeros
+    elsewhere), so the sum adds it once. Raises ValueError when N does not divide in_features.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(_split(in_features, "input features of a row-parallel projection"), out_features, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(super().forward(x))
+
+    def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
+        """weight (out, in) -> this rank's columns (out, in / N); bias -> itself on rank 0, zeros elsewhere."""
+        if param_name == "bias":
+            return tensor if get_tensor_parallel_rank() == 0 else torch.zeros_like(tensor)
+        cols = self.in_features
+        return tensor.narrow(1, get_tensor_parallel_rank() * cols, cols)
+
+
+class _VocabShard:
+    """This rank's vocabulary rows ``[start, end)``; ``padded_rows`` = ceil(vocab / N) on every rank."""
+
+    def __init__(self, vocab_size: int) -> None:
+        tp, rank = get_tensor_parallel_size(), get_tensor_parallel_rank()
+        self.vocab_size = vocab_size
+        self.padded_rows = -(-vocab_size // tp)
+        self.start = min(rank * self.padded_rows, vocab_size)
+        self.end = min(self.start + self.padded_rows, vocab_size)
+
+    def slice(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rows ``[start, end)`` of a (vocab, hidden) checkpoint tensor, zero-padded to ``padded_rows``."""
+        rows = tensor.narrow(0, self.start, self.end - self.start)
+        if rows.shape[0] == self.padded_rows:
+            return rows
+        return torch.cat([rows, rows.new_zeros(self.padded_rows - rows.shape[0], *rows.shape[1:])])
+
+
+class VocabParallelEmbedding(VocabEmbedding):
+    """ids (T,) int64 -> (T, hidden); this rank holds rows ``[start, end)`` of the vocabulary
+    (``ceil(vocab / N)`` rows, zero-padded on the last rank)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, scale: float | None = None) -> None:
+        self.vocab_shard = _VocabShard(vocab_size)
+        super().__init__(self.vocab_shard.padded_rows, hidden_size, scale)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if get_tensor_parallel_size() == 1:
+            return super().forward(input_ids)
+        mine = (input_ids >= self.vocab_shard.start) & (input_ids < self.vocab_shard.end)  # (T,) bool
+        local = torch.where(mine, input_ids - self.vocab_shard.start, 0)
+        out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)  # other ranks' rows: 0
+        out = all_reduce(out)
+        if self.scale is not None:
+            out = out * torch.tensor(self.scale, dtype=out.dtype)
+        return out
+
+    def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
+        return self.vocab_shard.slice(tensor)
+
+
+class ParallelLMHead(LMHead):
+    """hidden (N_rows, hidden) -> logits (N_rows, vocab) float32: each rank computes its
+    vocabulary columns, one all-gather joins them (only the rows passed in: the ones being
+    sampled), the padding columns are dropped, then the optional soft-cap."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, soft_cap: float | None = None) -> None:
+        self.vocab_shard = _VocabShard(vocab_size)
+        super().__init__(hidden_size, self.vocab_shard.padded_rows, soft_cap)
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if get_tensor_parallel_size() == 1:
+            return super().forward(hidden)
+        logits = all_gather(Linear.forward(self, hidden), dim=-1)[:, :self.vocab_size]  # (N_rows, vocab)
+        if self.soft_cap is not None:
+            logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
+        return logits.float()
+
+    def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
+        return self.vocab_shard.slice(tensor)
