@@ -36,6 +36,18 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints s
 DEFAULT_ROPE = "default"
 
 
+def _rank_part(module: nn.Module | None, name: str, tensor: torch.Tensor, param_name: str,
+               shard: int | None) -> torch.Tensor:
+    """The part of checkpoint tensor ``name`` this rank holds: a tensor-parallel layer's
+    ``checkpoint_slice`` (ValueError naming the weight for a wrong shape), else all of it."""
+    if not hasattr(module, "checkpoint_slice"):
+        return tensor
+    try:
+        return module.checkpoint_slice(tensor, param_name, shard)
+    except ValueError as e:
+        raise ValueError(f"weight {name!r} {e}") from None
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: ``x + attn(norm(x))``, then ``+ mlp(norm(x))``.
 
@@ -279,18 +291,14 @@ class LlamaForCausalLM(nn.Module):
         this rank holds: a tensor-parallel layer's ``checkpoint_slice``, else all of it)."""
         module_path, _, param_name = name.rpartition(".")
         if name in params:
-            module = modules.get(module_path)
-            if hasattr(module, "checkpoint_slice"):
-                tensor = module.checkpoint_slice(tensor, param_name, None)
-            return params[name], tensor
+            return params[name], _rank_part(modules.get(module_path), name, tensor, param_name, None)
         parent, _, leaf = module_path.rpartition(".")
         if leaf in self.packed_modules:
             fused_name, shard = self.packed_modules[leaf]
             fused = modules.get(f"{parent}.{fused_name}")
             if isinstance(fused, MergedLinear) and hasattr(fused, param_name):
-                if hasattr(fused, "checkpoint_slice"):
-                    tensor = fused.checkpoint_slice(tensor, param_name, shard)
-                return fused.shard(getattr(fused, param_name), shard), tensor
+                return (fused.shard(getattr(fused, param_name), shard),
+                        _rank_part(fused, name, tensor, param_name, shard))
         raise ValueError(f"unknown weight {name!r} for {type(self).__name__} ({self.num_layers} layers; "
                          f"expected Hugging Face parameter names)")
 

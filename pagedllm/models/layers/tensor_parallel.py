@@ -32,6 +32,14 @@ from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.models.layers.linear import Linear, MergedLinear
 
 
+def _check_shape(tensor: torch.Tensor, param: torch.Tensor, axis: int, full: int) -> None:
+    """Raise ValueError unless ``tensor`` is ``param``'s shape with ``full`` rows on ``axis``."""
+    expected = list(param.shape)
+    expected[axis] = full
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
+
+
 def _split(size: int, what: str) -> int:
     tp = get_tensor_parallel_size()
     if size % tp:
@@ -47,7 +55,10 @@ class _MergedColumnParallel(MergedLinear):
 
     def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
         """This rank's rows of a checkpoint tensor: projection ``shard`` alone (``q_proj``, ...)
-        or, with ``shard=None``, the fused tensor (Phi-3's ``qkv_proj``) split and re-stacked."""
+        or, with ``shard=None``, the fused tensor (Phi-3's ``qkv_proj``) split and re-stacked.
+        Raises ValueError when the tensor is not the full projection's shape."""
+        param = getattr(self, param_name)
+        _check_shape(tensor, param, 0, sum(self.full_sizes) if shard is None else self.full_sizes[shard])
         if shard is not None:
             start, rows = self.ranges[shard]
             return tensor.narrow(0, start, rows)
@@ -104,7 +115,10 @@ class RowParallelLinear(Linear):
         return all_reduce(super().forward(x))
 
     def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
-        """weight (out, in) -> this rank's columns (out, in / N); bias -> itself on rank 0, zeros elsewhere."""
+        """weight (out, in) -> this rank's columns (out, in / N); bias -> itself on rank 0, zeros elsewhere.
+        Raises ValueError for a tensor of another shape."""
+        param = getattr(self, param_name)
+        _check_shape(tensor, param, -1, param.shape[-1] * (get_tensor_parallel_size() if param.dim() == 2 else 1))
         if param_name == "bias":
             return tensor if get_tensor_parallel_rank() == 0 else torch.zeros_like(tensor)
         cols = self.in_features
@@ -121,8 +135,10 @@ class _VocabShard:
         self.start = min(rank * self.padded_rows, vocab_size)
         self.end = min(self.start + self.padded_rows, vocab_size)
 
-    def slice(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Rows ``[start, end)`` of a (vocab, hidden) checkpoint tensor, zero-padded to ``padded_rows``."""
+    def slice(self, tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """Rows ``[start, end)`` of a (vocab, hidden) checkpoint tensor, zero-padded to ``padded_rows``.
+        Raises ValueError for another shape."""
+        _check_shape(tensor, param, 0, self.vocab_size)
         rows = tensor.narrow(0, self.start, self.end - self.start)
         if rows.shape[0] == self.padded_rows:
             return rows
@@ -149,7 +165,7 @@ class VocabParallelEmbedding(VocabEmbedding):
         return out
 
     def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
-        return self.vocab_shard.slice(tensor)
+        return self.vocab_shard.slice(tensor, getattr(self, param_name))
 
 
 class ParallelLMHead(LMHead):
@@ -171,4 +187,4 @@ class ParallelLMHead(LMHead):
         return logits.float()
 
     def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
-        return self.vocab_shard.slice(tensor)
+        return self.vocab_shard.slice(tensor, getattr(self, param_name))
