@@ -146,12 +146,14 @@ class MoEWeightsMixin:
             name = name.replace(f".{old}.", f".{new}.")
         return name
 
-    def _weight_target(self, name: str, params: dict, modules: dict) -> torch.Tensor:
+    def _weight_target(self, name: str, tensor: torch.Tensor, params: dict,
+                       modules: dict) -> tuple[torch.Tensor, torch.Tensor]:
         name = self._canonical_name(name)
         match = _EXPERT_WEIGHT.fullmatch(name)
         if match and isinstance(modules.get(match["experts"]), MoEExperts):
-            return modules[match["experts"]].expert_weight(int(match["expert"]), match["part"])
-        return super()._weight_target(name, params, modules)
+            # experts are not sharded: with tensor parallelism every rank holds all of them
+            return modules[match["experts"]].expert_weight(int(match["expert"]), match["part"]), tensor
+        return super()._weight_target(name, tensor, params, modules)
 
     def _missing_weights(self, modules: dict, loaded: set[str]) -> list[str]:
         loaded = {self._canonical_name(n) for n in loaded}
