@@ -20,6 +20,10 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 # (benchmarks/results/step_cost.json). Offline (LLM.generate) nobody waits between tokens:
 # no cap, like vLLM's larger offline budget (its defaults differ by usage context too).
 SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING = 64
+# Weight formats kept at run time (pagedllm.quantization) and KV-cache dtypes (vLLM's names).
+QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's int4 CPU kernel accepts
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
           "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
@@ -71,6 +75,12 @@ class EngineConfig:
     tokenizer: str | None = _f(None, "tokenizer folder or .gguf (default: the model's own)")
     dtype: str = _f("auto", "weights and activations dtype: auto, float32, bfloat16, float16 (auto = float32 on CPU, bfloat16 on CUDA)")
     device: str = _f("auto", "auto, cpu or cuda")
+    quantization: str | None = _f(None, "keep weights quantized at run time: int8 (per-channel), int4 (group "
+                                  "scales), gguf (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K blocks kept packed); "
+                                  "default: float weights in dtype")
+    quantization_group_size: int = _f(128, "int4 group size in input features: 32, 64, 128 or 256")
+    kv_cache_dtype: str = _f("auto", "KV-cache storage: auto (the model dtype), bfloat16, fp8 (= fp8_e4m3), "
+                             "fp8_e5m2, int8 (per token-and-head scales)")
     seed: int = _f(0, "global random seed (requests without their own seed)")
     max_model_len: int | None = _f(None, "maximum tokens per sequence, prompt + output (default: the model's context length)")
     block_size: int = _f(16, "tokens per KV-cache block (power of two, 1..256)")
@@ -106,6 +116,14 @@ class EngineConfig:
         validate_block_size(self.block_size)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, "
+                             f"got {self.quantization!r}")
+        if self.quantization_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES}, "
+                             f"got {self.quantization_group_size!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -130,3 +130,21 @@ def test_float32_kernel_is_not_used_for_float32_models():
     """float32 activations go through the tiles (torch's float32 int8/int4 path is the slow generic one)."""
     layer = _quantized(Int4LinearMethod(32), _layer())
     assert not hasattr(layer, "kernel_qweight")
+
+
+def test_smollm2_packed_rows_equal_dequantized_rows(smollm2_path):
+    """The loader's raw Q4_1 rows of a Q projection (un-permuted as bytes) convert to exactly
+    the dequantized, un-permuted float rows it yields without ``packed``."""
+    from pagedllm.loader import load_model_files
+    from pagedllm.quantization.gguf import convert_q4
+
+    files = load_model_files(str(smollm2_path))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    kind = files.gguf_tensor_types[name]
+    assert kind == Q.Q4_1
+    dense = dict(files.weights(torch.float32))[name]
+    raw = dict(files.weights(torch.float32, packed=frozenset({name})))[name]
+    assert raw.dtype == torch.uint8 and raw.shape == (dense.shape[0], row_bytes(dense.shape[1], kind))
+    q, scales, zeros = convert_q4(raw.numpy(), kind)
+    values = (q.astype(np.float32).reshape(q.shape[0], -1, 32) - 8) * scales[..., None] + zeros[..., None]
+    assert np.abs(values.reshape(dense.shape) - dense.numpy()).max() <= 1e-6 * dense.abs().max().item()

@@ -369,17 +369,24 @@ def dequantize_tensor(data: np.ndarray, tensor_type: GGMLQuantizationType, name:
     return values
 
 
-def iter_gguf_weights(gguf_file: GGUFFile, config: PretrainedConfig, dtype: torch.dtype
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(gguf_file: GGUFFile, config: PretrainedConfig, dtype: torch.dtype,
+                      packed: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every weight of the file, dequantized to ``dtype``.
 
-    One tensor is materialized at a time (the file stays memory-mapped). Tensors are yielded in
-    file order; with ``tie_word_embeddings`` there is no ``lm_head.weight``.
+    Tensors named in ``packed`` are yielded as stored instead: their raw block bytes,
+    (rows, bytes per row) uint8, rows un-permuted like the dequantized ones (the weight formats
+    of :mod:`pagedllm.quantization.gguf` convert them). One tensor is materialized at a time
+    (the file stays memory-mapped). Tensors are yielded in file order; with
+    ``tie_word_embeddings`` there is no ``lm_head.weight``.
     """
     arch = gguf_file.metadata["general.architecture"]
     for info in gguf_file.tensors:
         name = hf_tensor_name(info.name, arch)
         if name is None:
+            continue
+        if name in packed:
+            raw = gguf_file.raw(info).reshape(info.shape[0], -1)  # (rows, bytes per row)
+            yield name, torch.from_numpy(np.array(_undo_converter(raw, info.name, arch, config, is_raw=True)))
             continue
         values = dequantize_tensor(gguf_file.raw(info), info.tensor_type, info.name)
         values = _undo_converter(values, info.name, arch, config)
@@ -390,12 +397,22 @@ def iter_gguf_weights(gguf_file: GGUFFile, config: PretrainedConfig, dtype: torc
         yield name, torch.from_numpy(values).to(dtype)
 
 
-def _undo_converter(values: np.ndarray, gguf_name: str, arch: str, config: PretrainedConfig) -> np.ndarray:
+def gguf_tensor_types(gguf_file: GGUFFile) -> dict[str, GGMLQuantizationType]:
+    """HF weight name -> GGUF storage type of each tensor of the file (recomputed ones left out)."""
+    arch = gguf_file.metadata["general.architecture"]
+    names = ((hf_tensor_name(info.name, arch), info.tensor_type) for info in gguf_file.tensors)
+    return {name: kind for name, kind in names if name is not None}
+
+
+def _undo_converter(values: np.ndarray, gguf_name: str, arch: str, config: PretrainedConfig,
+                    is_raw: bool = False) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (rows of values or of raw blocks) and, for dense
+    values only, its ``+ 1`` on Gemma norm weights (norms are never kept packed)."""
     if arch in _PERMUTED_QK_ARCHS:
         if ".attn_q." in gguf_name:
             return unpermute_qk(values, config.num_attention_heads)
         if ".attn_k." in gguf_name:
             return unpermute_qk(values, config.num_key_value_heads)
-    if arch in _NORM_PLUS_ONE_ARCHS and gguf_name.endswith("norm.weight"):
+    if not is_raw and arch in _NORM_PLUS_ONE_ARCHS and gguf_name.endswith("norm.weight"):
         return values - 1.0
     return values

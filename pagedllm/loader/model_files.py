@@ -14,7 +14,7 @@ from pagedllm.loader.resolve import ResolvedModel, resolve_model
 from pagedllm.loader.tokenizer import (chat_template_of, gguf_end_of_generation_ids, load_gguf_tokenizer,
                                        load_hf_tokenizer)
 
-WeightsFn = Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]]
+WeightsFn = Callable[[torch.dtype, frozenset], Iterator[tuple[str, torch.Tensor]]]
 
 # Config fields that bound the context length, as vLLM's _get_and_verify_max_len reads them.
 _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
@@ -37,6 +37,8 @@ class ModelFiles:
         max_model_len: the model's context length in tokens.
         source: resolved path (the .gguf file or the HF folder).
         format: ``"gguf"`` or ``"hf"``.
+        gguf_tensor_types: GGUF only: HF weight name -> the file's storage type
+            (``gguf.GGMLQuantizationType``), for ``quantization="gguf"``; None for HF folders.
     """
 
     hf_config: PretrainedConfig = field(repr=False)
@@ -48,19 +50,27 @@ class ModelFiles:
     source: str
     format: Literal["gguf", "hf"]
     _weights_fn: WeightsFn = field(repr=False)
+    gguf_tensor_types: dict | None = field(default=None, repr=False)
 
-    def weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, dtype: torch.dtype = torch.float32, packed: frozenset[str] = frozenset()
+                ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_parameter_name, tensor)`` one at a time, dense, in ``dtype``, on CPU.
 
         Names follow transformers (``model.embed_tokens.weight``,
         ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight`` only if untied).
         GGUF tensors are dequantized and their Q/K rows un-permuted. Only one tensor is
-        materialized at a time, so the caller can copy it into place and drop it. Raises
-        ValueError if ``dtype`` is not a floating-point torch dtype.
+        materialized at a time, so the caller can copy it into place and drop it.
+        GGUF tensors named in ``packed`` come as their raw block bytes (rows, bytes per row)
+        uint8 instead (see :func:`pagedllm.loader.gguf.iter_gguf_weights`).
+
+        Raises ValueError if ``dtype`` is not a floating-point torch dtype, or ``packed`` is
+        given for a model that is not a GGUF file.
         """
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-        return self._weights_fn(dtype)
+        if packed and self.format != "gguf":
+            raise ValueError("packed weights exist only in GGUF files")
+        return self._weights_fn(dtype, packed)
 
 
 def load_model_files(model: str, tokenizer: str | None = None) -> ModelFiles:
@@ -100,7 +110,8 @@ def _load_gguf(resolved: ResolvedModel, tokenizer_source: ResolvedModel) -> Mode
         chat_template=_with_chat_template(tokenizer, metadata.get("tokenizer.chat_template")),
         eos_token_id=eos, stop_token_ids=stops, max_model_len=max_model_len_of(config),
         source=str(resolved.path), format="gguf",
-        _weights_fn=lambda dtype: gguf_loader.iter_gguf_weights(gguf_file, config, dtype))
+        _weights_fn=lambda dtype, packed: gguf_loader.iter_gguf_weights(gguf_file, config, dtype, packed),
+        gguf_tensor_types=gguf_loader.gguf_tensor_types(gguf_file))
 
 
 def _load_hf(resolved: ResolvedModel, tokenizer_source: ResolvedModel) -> ModelFiles:
@@ -118,7 +129,7 @@ def _load_hf(resolved: ResolvedModel, tokenizer_source: ResolvedModel) -> ModelF
         chat_template=_with_chat_template(tokenizer, hf_loader.read_chat_template(folder)),
         eos_token_id=eos, stop_token_ids=stops, max_model_len=max_model_len_of(config),
         source=str(folder), format="hf",
-        _weights_fn=lambda dtype: hf_loader.iter_safetensors_weights(folder, config, dtype))
+        _weights_fn=lambda dtype, packed: hf_loader.iter_safetensors_weights(folder, config, dtype))
 
 
 def _with_chat_template(tokenizer: PreTrainedTokenizerFast, model_template: str | None) -> str | None:

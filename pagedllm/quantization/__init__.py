@@ -10,10 +10,9 @@
 
 from __future__ import annotations
 
+from pagedllm.config import QUANTIZATION_METHODS
 from pagedllm.quantization.base import (LinearMethod, QuantizationConfig, create_quantized_weights,
                                         process_quantized_weights, weight_bytes)
-
-QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 
 __all__ = ["LinearMethod", "QUANTIZATION_METHODS", "QuantizationConfig", "create_quantized_weights",
            "get_quantization_config", "process_quantized_weights", "weight_bytes"]

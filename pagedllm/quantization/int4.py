@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.config import INT4_GROUP_SIZES as GROUP_SIZES
 from pagedllm.quantization.base import LinearMethod, QuantizationConfig, replace_weight, tile_rows, tiled_linear
 from pagedllm.quantization.int8 import KERNEL_DTYPES
 
-GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's int4 kernel accepts
 
 
 def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

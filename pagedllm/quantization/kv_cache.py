@@ -1,0 +1,110 @@
+"""KV-cache dtypes: what the paged cache stores per token and head, and how to get it back.
+
+``kv_cache_dtype`` (vLLM's names where they exist):
+
+- ``auto``: the model dtype (no conversion);
+- ``bfloat16``: K/V rounded to bfloat16 (half of float32's bytes);
+- ``fp8`` / ``fp8_e4m3``: float8 e4m3 (``torch.float8_e4m3fn``, max 448), ``fp8_e5m2``
+  (max 57344), with one per-tensor scale per layer for K and one for V. As in vLLM when the
+  checkpoint carries no ``k_scale``/``v_scale``, the scale is 1.0: values are rounded to the
+  nearest float8 and saturate at the format's maximum;
+- ``int8``: symmetric int8 with one float32 scale per token and KV head,
+  ``scale = max|x| / 127`` over head_dim, kept in a tensor beside the blocks
+  (``kv_scales[2, num_blocks, block_size, num_kv_heads]``, indexed by the same slots).
+
+The cache tensor is ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` in the storage
+dtype. Writing quantizes; every backend reads through :func:`dequantize_kv` (or its own
+kernel doing the same arithmetic), so attention itself runs in the model dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.config import KV_CACHE_DTYPES
+_FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+@dataclass(frozen=True)
+class KVCacheDtype:
+    """The resolved storage of the KV cache.
+
+    Attributes:
+        name: the ``kv_cache_dtype`` option (``fp8`` resolved to ``fp8_e4m3``).
+        storage: dtype of the cache tensor.
+        has_token_scales: int8: a float32 scale per (token, KV head) beside the blocks.
+        tensor_scale: fp8's per-tensor scale (stored = value / scale); 1.0 otherwise.
+    """
+
+    name: str
+    storage: torch.dtype
+    has_token_scales: bool = False
+    tensor_scale: float = 1.0
+
+    @property
+    def is_quantized(self) -> bool:
+        """True when writing rounds to fewer bits than bfloat16 (fp8, int8)."""
+        return self.storage in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+
+    def bytes_per_token_head(self, head_dim: int) -> int:
+        """Bytes one token's K (or V) takes for one KV head, scales included."""
+        return head_dim * torch.tensor([], dtype=self.storage).element_size() + (4 if self.has_token_scales else 0)
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> KVCacheDtype:
+    """The storage for ``kv_cache_dtype=name`` with a model in ``model_dtype``.
+
+    Raises ValueError naming ``kv_cache_dtype`` for an unknown name, or for fp8 on a torch
+    build without float8 dtypes.
+    """
+    if name == "auto":
+        return KVCacheDtype("auto", model_dtype)
+    if name == "bfloat16":
+        return KVCacheDtype("bfloat16", torch.bfloat16)
+    if name == "int8":
+        return KVCacheDtype("int8", torch.int8, has_token_scales=True)
+    if name in _FP8:
+        storage = getattr(torch, _FP8[name], None)
+        if storage is None:
+            raise ValueError(f"kv_cache_dtype={name!r} needs a torch build with {_FP8[name]} (torch {torch.__version__} "
+                             f"has none)")
+        return KVCacheDtype("fp8_e5m2" if name == "fp8_e5m2" else "fp8_e4m3", storage)
+    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+
+
+def quantize_kv(x: torch.Tensor, storage: torch.dtype, tensor_scale: float = 1.0
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """New K or V rows for the cache.
+
+    x: (T, num_kv_heads, head_dim) float -> (values (T, num_kv_heads, head_dim) in ``storage``,
+    scales (T, num_kv_heads) float32 for int8, else None). fp8 saturates at its maximum
+    (torch's float8 conversion does); int8 rounds to nearest.
+    """
+    if storage == torch.int8:
+        xf = x.float()
+        scales = xf.abs().amax(dim=-1) / 127.0  # (T, num_kv_heads)
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = torch.round(xf / scales.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+        return q, scales
+    if tensor_scale != 1.0:
+        x = x / tensor_scale
+    return x.to(storage), None
+
+
+def dequantize_kv(values: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype,
+                  tensor_scale: float = 1.0) -> torch.Tensor:
+    """Cached K or V back in ``dtype``: values (..., head_dim), scales (...) float32 for int8."""
+    out = values.to(dtype)
+    if scales is not None:
+        out = out.mul_(scales.to(dtype).unsqueeze(-1))
+    elif tensor_scale != 1.0:
+        out = out.mul_(tensor_scale)
+    return out
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A same-shape uint8/int8 view for 1-byte dtypes whose CPU copy/gather ops are missing
+    (float8 has no ``index_copy_``/``index_select`` on CPU); other tensors unchanged."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
