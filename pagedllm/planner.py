@@ -133,7 +133,7 @@ class Plan:
     def kv_cache_spec(self) -> sizing.KVCacheSpec:
         """The KVCacheSpec the engine would build from these inputs."""
         return sizing.KVCacheSpec(self.num_blocks, self.block_size, self.bytes_per_block, self.max_model_len,
-                                  tuple(self.kv_cache_groups), self.max_chunk_tokens)
+                                  tuple(self.kv_cache_groups), self.max_chunk_tokens, self.kv_cache_dtype)
 
     def render(self) -> str:
         """The human-readable table."""

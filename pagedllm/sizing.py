@@ -175,11 +175,13 @@ def kv_bytes_per_token(shape: Any, kv_dtype_bytes: int, tensor_parallel_size: in
 
 
 def kv_bytes_per_block(shape: Any, block_size: int, kv_dtype_bytes: int, num_layers_per_block: int | None = None,
-                       tensor_parallel_size: int = 1) -> int:
+                       tensor_parallel_size: int = 1, scale_bytes: int = 0) -> int:
     """Bytes of one block on one rank: ``block_size`` tokens of ``num_layers_per_block``
-    layers (default all of them: one full-attention group)."""
+    layers (default all of them: one full-attention group). ``scale_bytes``: per token and KV
+    head, beside the values (an int8 cache keeps a float32 scale there)."""
     layers = shape.num_layers if num_layers_per_block is None else num_layers_per_block
-    return 2 * layers * block_size * kv_heads_per_rank(shape, tensor_parallel_size) * shape.head_dim * kv_dtype_bytes
+    per_token_head = shape.head_dim * kv_dtype_bytes + scale_bytes
+    return 2 * layers * block_size * kv_heads_per_rank(shape, tensor_parallel_size) * per_token_head
 
 
 def kv_tokens_per_layer(shape: ModelShape, num_tokens: int) -> list[int]:
@@ -278,6 +280,7 @@ class KVCacheSpec:
     max_model_len: int
     kv_cache_groups: tuple[KVCacheGroupSpec, ...] = ()
     max_chunk_tokens: int = 2048
+    kv_cache_dtype: str | None = None  # what the cache stores (the engine's kv_cache_dtype, auto resolved)
 
     @property
     def num_tokens(self) -> int:
@@ -346,7 +349,8 @@ class KVCacheSpec:
 
     def describe(self) -> str:
         """The start-up log line."""
-        text = (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
+        dtype = f" ({self.kv_cache_dtype})" if self.kv_cache_dtype else ""
+        text = (f"KV cache{dtype}: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
                 f"{self.num_bytes / GiB:.2f} GiB; max concurrency {self.max_concurrency:.2f} "
                 f"sequences at max_model_len {self.max_model_len}")
         if self.is_hybrid:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.quantization.kv_cache import dequantize_kv, quantize_kv, resolve_kv_cache_dtype
+from pagedllm.quantization.kv_cache import as_bytes, dequantize_kv, quantize_kv, resolve_kv_cache_dtype
 
 
 def test_names_resolve_to_storage():
@@ -62,3 +62,133 @@ def test_int8_per_token_head_scales():
     back = dequantize_kv(q, scales, torch.float32)
     assert ((back - x).abs() <= scales.unsqueeze(-1) / 2 * (1 + 1e-5)).all()
     assert torch.equal(back[7, 1], torch.zeros(16))
+
+
+# -- paged attention over each KV dtype -----------------------------------------------------
+
+from pagedllm.attention import CpuPagedAttention, TorchPagedAttention  # noqa: E402
+from pagedllm.attention.backend import write_kv_cache  # noqa: E402
+from tests.model_utils import allocate_block_tables, make_metadata  # noqa: E402
+from tests.test_attention import HEAD_DIM, MIXED, NUM_HEADS, NUM_KV_HEADS, SCALE, reference_attention  # noqa: E402
+
+KV_NAMES = ["bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"]
+
+
+def _backends():
+    cpu = CpuPagedAttention()
+    return [TorchPagedAttention()] + ([cpu] if cpu.is_kernel_available else [])
+
+
+def _round_trip(x: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+    stored, scales = quantize_kv(x, storage)
+    return dequantize_kv(stored, scales, torch.float32)
+
+
+def _case(name: str, block_size: int, seed: int = 0):
+    """Random float32 Q/K/V for MIXED; the context written into a cache of the KV dtype
+    through write_kv_cache (as earlier steps would have)."""
+    spec = resolve_kv_cache_dtype(name, torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in MIXED]
+    tables, num_blocks = allocate_block_tables(seq_lens, block_size, seed)
+    cache = torch.zeros(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=spec.storage)
+    scales = torch.ones(2, num_blocks, block_size, NUM_KV_HEADS) if spec.has_token_scales else None
+    ks = [2 * torch.randn(s, NUM_KV_HEADS, HEAD_DIM, generator=g) for s in seq_lens]
+    vs = [torch.randn(s, NUM_KV_HEADS, HEAD_DIM, generator=g) for s in seq_lens]
+    qs = [torch.randn(q, NUM_HEADS, HEAD_DIM, generator=g) for _, q in MIXED]
+    for (c, _), table, k, v in zip(MIXED, tables, ks, vs):
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(c)], dtype=torch.int64)
+        write_kv_cache(k[:c], v[:c], cache, slots, scales)
+    meta = make_metadata([c for c, _ in MIXED], [q for _, q in MIXED], tables, block_size)
+    new_k = torch.cat([k[c:] for (c, _), k in zip(MIXED, ks)])
+    new_v = torch.cat([v[c:] for (c, _), v in zip(MIXED, vs)])
+    return spec, torch.cat(qs), new_k, new_v, cache, scales, meta, (qs, ks, vs)
+
+
+def _error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
+    """Per query row, a bound on |attn(q, k2, v2) - attn(q, k, v)| from the K/V rounding:
+    with score errors at most d = scale * max_i |q . (k2_i - k_i)|, softmax weights change by a
+    factor within e^(±2d), so |p2 - p|_1 <= e^(2d) - 1, and the output error is at most
+    max|v2 - v| + (e^(2d) - 1) * max|v|. q: (Q, H, D); k, v, k2, v2: (S, KV, D) -> (Q, H)."""
+    group = q.shape[1] // k.shape[1]
+    dk = (k2 - k).double().repeat_interleave(group, dim=1)  # (S, H, D)
+    d = (torch.einsum("qhd,khd->qhk", q.double(), dk).abs().amax(-1)) * SCALE  # (Q, H)
+    return (v2 - v).abs().max().double() + (torch.exp(2 * d) - 1) * v.abs().max().double()
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("name", KV_NAMES)
+def test_paged_attention_reads_and_writes_each_kv_dtype(name, block_size):
+    for backend in _backends():
+        spec, query, key, value, cache, scales, meta, (qs, ks, vs) = _case(name, block_size)
+        kwargs = {"kv_scales": scales} if scales is not None else {}
+        out = backend.forward(query, key, value, cache, meta, SCALE, **kwargs).double()
+        start = 0
+        for (c, n), q, k, v in zip(MIXED, qs, ks, vs):
+            k2, v2 = _round_trip(k, spec.storage), _round_trip(v, spec.storage)
+            got = out[start:start + n]
+            # exactly the attention over the stored (rounded) K/V ...
+            torch.testing.assert_close(got, reference_attention(q, k2, v2, c), atol=2e-5, rtol=0)
+            # ... hence within the rounding's bound of the float32 attention
+            err = (got - reference_attention(q, k, v, c)).abs().amax(-1)  # (Q, H)
+            assert (err <= _error_bound(q, k[:c + n], v[:c + n], k2[:c + n], v2[:c + n]) + 2e-5).all()
+            start += n
+        # this step's K/V landed at their slots, rounded
+        slot_k = as_bytes(cache[0]).view(-1, NUM_KV_HEADS, HEAD_DIM)[meta.slot_mapping].view(spec.storage)
+        slot_s = None if scales is None else scales[0].view(-1, NUM_KV_HEADS)[meta.slot_mapping]
+        torch.testing.assert_close(dequantize_kv(slot_k, slot_s, torch.float32), _round_trip(key, spec.storage))
+
+
+def test_int8_cache_needs_its_scales():
+    spec, query, key, value, cache, scales, meta, _ = _case("int8", 16)
+    with pytest.raises(ValueError, match="kv_scales"):
+        TorchPagedAttention().forward(query, key, value, cache, meta, SCALE)
+
+
+# -- the engine over a quantized KV cache -----------------------------------------------------
+
+from pagedllm import LLM, SamplingParams  # noqa: E402
+from tests.test_engine_equivalence import _prompts, _tokens  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8"])
+def test_engine_prefix_caching_chunking_preemption_unchanged(tiny_model_dir, name):
+    """With a quantized KV cache every prefill reads K/V back from the cache, so greedy output
+    is the same token for token alone, batched, with a prefix hit, chunked and preempted."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    system = _prompts(1, seed=7, lo=40, hi=40)[0]["prompt_token_ids"]
+    prompts = _prompts(6, seed=3, lo=3, hi=60, prefix=system)
+
+    def make(**kw):
+        kw.setdefault("max_model_len", 256)
+        return LLM(model=str(tiny_model_dir), kv_cache_dtype=name, **kw)
+
+    alone = make(num_kv_blocks=256, enable_prefix_caching=False, enable_chunked_prefill=False,
+                 max_num_batched_tokens=256)
+    ref = [_tokens(alone.generate([p], greedy, use_tqdm=False))[0] for p in prompts]
+    cached = make(num_kv_blocks=256, enable_prefix_caching=True)
+    outs = cached.generate(prompts[:1], greedy, use_tqdm=False) + cached.generate(prompts[1:], greedy, use_tqdm=False)
+    assert _tokens(outs) == ref and all(o.num_cached_tokens == 32 for o in outs[1:])
+    chunked = make(num_kv_blocks=256, enable_prefix_caching=False, max_num_batched_tokens=16)
+    assert _tokens(chunked.generate(prompts, greedy, use_tqdm=False)) == ref
+    small = make(num_kv_blocks=10, max_model_len=128, enable_prefix_caching=False)
+    assert _tokens(small.generate(prompts, greedy, use_tqdm=False)) == ref
+    assert small.llm_engine.get_stats().num_preemptions_total > 0
+
+
+def test_capacity_report_states_dtype_and_tokens(tiny_model_dir):
+    """Same byte budget: int8 (head_dim 16: 16 + 4 bytes per token and head) holds 64/20 as
+    many tokens as float32 (64 bytes), fp8 4x, bfloat16 2x."""
+    blocks = {}
+    for name, label in [("auto", "float32"), ("bfloat16", "bfloat16"), ("fp8", "fp8"), ("int8", "int8")]:
+        llm = LLM(model=str(tiny_model_dir), kv_cache_dtype=name, kv_cache_memory="4MiB", max_model_len=256)
+        spec = llm.llm_engine.kv_cache_spec
+        # 2 layers x 2 (K, V) x 16 tokens x 2 KV heads x bytes per token-head
+        per_token_head = {"auto": 64, "bfloat16": 32, "fp8": 16, "int8": 20}[name]
+        assert spec.bytes_per_block == 2 * 2 * 16 * 2 * per_token_head
+        assert spec.num_blocks == 4 * 2**20 // spec.bytes_per_block
+        assert spec.describe().startswith(f"KV cache ({label}): {spec.num_blocks} blocks x 16 tokens = "
+                                          f"{spec.num_tokens} tokens")
+        blocks[name] = spec.num_blocks
+    assert blocks["bfloat16"] == 2 * blocks["auto"] and blocks["fp8"] == 4 * blocks["auto"]
+    assert blocks["int8"] == 4 * 2**20 // (2 * 2 * 16 * 2 * 20)

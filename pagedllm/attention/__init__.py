@@ -88,7 +88,8 @@ class Attention(nn.Module):
         logit_soft_cap: c to cap scores as ``c * tanh(s / c)`` (Gemma 2), or None.
 
     ``kv_cache`` is ``None`` until the runner binds a
-    ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` tensor.
+    ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` tensor; an int8 cache comes with
+    ``kv_scales`` ``(2, num_blocks, block_size, num_kv_heads)`` float32, passed to the backend.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -106,6 +107,7 @@ class Attention(nn.Module):
         self.logit_soft_cap = logit_soft_cap or None
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None  # an int8 cache's per token-and-head scales
         # KV-cache group whose block tables this layer reads (set by the model runner
         # with the cache; see pagedllm.core.kv_cache_groups).
         self.kv_cache_group = 0
@@ -128,8 +130,10 @@ class Attention(nn.Module):
             return out.transpose(0, 1)  # (T, num_heads, head_dim)
         if self.kv_cache is None:
             raise RuntimeError("attention metadata given but no KV cache bound: call model.bind_kv_caches() first")
-        return self.backend.forward(query, key, value, self.kv_cache, metadata, self.scale,
-                                    sliding_window=self.sliding_window, logit_soft_cap=self.logit_soft_cap)
+        options = {"sliding_window": self.sliding_window, "logit_soft_cap": self.logit_soft_cap}
+        if self.kv_scales is not None:  # only backends that store int8 K/V take scales
+            options["kv_scales"] = self.kv_scales
+        return self.backend.forward(query, key, value, self.kv_cache, metadata, self.scale, **options)
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "

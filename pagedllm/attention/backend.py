@@ -19,6 +19,8 @@ from typing import Iterator, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
+from pagedllm.quantization.kv_cache import as_bytes, dequantize_kv, quantize_kv
+
 
 @dataclass
 class AttentionMetadata:
@@ -129,20 +131,45 @@ def get_forward_context() -> ForwardContext:
 # -- helpers shared by the backends ------------------------------------------------------
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Write new keys/values into the paged cache, in place.
+                   slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
+    """Write new keys/values into the paged cache, in place, in the cache's storage dtype.
 
     Args:
-        key, value: (T, num_kv_heads, head_dim), any float dtype (cast to the cache's).
+        key, value: (T, num_kv_heads, head_dim), any float dtype; rounded to the cache's
+            dtype (float8 saturates; int8 is quantized per token and head,
+            :func:`pagedllm.quantization.kv_cache.quantize_kv`).
         kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim), contiguous.
         slot_mapping: (T,) int64, each in [0, num_blocks * block_size). Negative slots are
             not supported (the runner never pads).
+        kv_scales: (2, num_blocks, block_size, num_kv_heads) float32 for an int8 cache (the
+            per token-and-head scales, written at the same slots); None otherwise.
+    Raises ValueError for an int8 cache without ``kv_scales``.
     """
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # (num_slots, num_kv_heads, head_dim)
-    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)  # (num_slots, num_kv_heads, head_dim)
-    key_cache.index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    value_cache.index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    if (kv_cache.dtype == torch.int8) != (kv_scales is not None):
+        raise ValueError("an int8 KV cache needs kv_scales (and only an int8 one has them)")
+    for i, new in enumerate((key, value)):
+        stored, scales = quantize_kv(new, kv_cache.dtype)
+        cache = as_bytes(kv_cache[i]).view(-1, num_kv_heads, head_dim)  # (num_slots, num_kv_heads, head_dim)
+        cache.index_copy_(0, slot_mapping, as_bytes(stored))
+        if scales is not None:
+            kv_scales[i].view(-1, num_kv_heads).index_copy_(0, slot_mapping, scales)
+
+
+def read_kv_blocks(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, block_ids: torch.Tensor,
+                   dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """K and V of the blocks ``block_ids`` (n,), dequantized to ``dtype``.
+
+    Returns (2, n, block_size, num_kv_heads, head_dim). ``out``, if given, is a buffer of the
+    cache's dtype and that shape the raw blocks are gathered into (no allocation when the
+    cache is already in ``dtype``: the result is then ``out`` itself).
+    """
+    raw = torch.index_select(as_bytes(kv_cache), 1, block_ids, out=None if out is None else as_bytes(out))
+    raw = raw.view(kv_cache.dtype)
+    scales = None if kv_scales is None else kv_scales.index_select(1, block_ids)
+    if raw.dtype == dtype:
+        return raw
+    return dequantize_kv(raw, scales, dtype)
 
 
 def check_shapes(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor) -> None:

@@ -17,7 +17,8 @@ of the source, the flags and the host CPU, written atomically, and loaded with
 run in parallel on a persistent thread pool, without OpenMP. When no compiler is found or the
 build fails, one warning is logged and the backend behaves exactly like the torch one.
 
-Supported by the kernel: contiguous float32 and bfloat16 KV caches on CPU with head_dim a
+Supported by the kernel: contiguous float32 and bfloat16 KV caches (``kv_cache_dtype`` auto
+or bfloat16; fp8 and int8 caches decode with the torch code, which dequantizes gathered blocks) on CPU with head_dim a
 multiple of 16 (up to 256) and up to 256 query heads; anything else (other dtypes, non-CPU
 tensors, odd head sizes) goes to the torch backend, as do steps without decodes.
 """
@@ -244,7 +245,7 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float, out: torch.Tensor, sliding_window: int | None = None,
-                logit_soft_cap: float | None = None) -> None:
+                logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> None:
         """Attention of the decode requests into ``out``. query, out: (D, num_heads, head_dim).
 
         The D requests are split into ``num_threads`` contiguous ranges of about equal total
@@ -253,7 +254,7 @@ class CpuPagedAttention(TorchPagedAttention):
         kernel = self.kernel
         if not (kernel is not None and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
                 and kernel.supports(kv_cache.dtype, query.shape[1], kv_cache.shape[-1])):
-            super()._decode(query, kv_cache, metadata, scale, out, sliding_window, logit_soft_cap)
+            super()._decode(query, kv_cache, metadata, scale, out, sliding_window, logit_soft_cap, kv_scales)
             return
         plan = self._kernel_plan(metadata, kv_cache)
         q = query.to(torch.float32).contiguous()  # a no-op for contiguous float32 queries

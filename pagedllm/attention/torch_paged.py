@@ -38,26 +38,31 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import (AttentionMetadata, ForwardContext, attention_mask, check_shapes, current_context,
-                                        masked_attention, write_kv_cache)
+                                        masked_attention, read_kv_blocks, write_kv_cache)
+from pagedllm.quantization.kv_cache import round_trip_kv
 from pagedllm.utils import cdiv
 
 _CPU_WORKSPACE_BYTES = 8 * 1024**2
 _CUDA_WORKSPACE_BYTES = 1024**3
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, kv_scales: torch.Tensor | None = None,
+              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``seq_len`` tokens' K and V of one request, read through its block table.
 
     Args:
         kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim).
         block_table: (>= ceil(seq_len / block_size),) int32/int64 physical block ids.
         seq_len: tokens to read.
+        kv_scales: an int8 cache's (2, num_blocks, block_size, num_kv_heads) scales, else None.
+        dtype: the dtype to return (dequantizing fp8/int8); default the cache's.
     Returns:
         keys, values: each (seq_len, num_kv_heads, head_dim), new contiguous tensors.
     """
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_blocks = cdiv(seq_len, block_size)
-    kv = kv_cache.index_select(1, block_table[:num_blocks])  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv = read_kv_blocks(kv_cache, kv_scales, block_table[:num_blocks], dtype or kv_cache.dtype)
+    # kv: (2, num_blocks, block_size, num_kv_heads, head_dim)
     kv = kv.view(2, num_blocks * block_size, num_kv_heads, head_dim)[:, :seq_len]  # (2, seq_len, num_kv_heads, head_dim)
     return kv[0], kv[1]
 
@@ -87,7 +92,8 @@ class TorchPagedAttention:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-                sliding_window: int | None = None, logit_soft_cap: float | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, logit_soft_cap: float | None = None,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Write this step's K/V into ``kv_cache`` and return causal attention per request.
 
         Args:
@@ -98,6 +104,8 @@ class TorchPagedAttention:
             metadata: the step's :class:`AttentionMetadata` (decodes first, then prefills).
             scale: softmax scale, usually ``head_dim ** -0.5``.
             sliding_window, logit_soft_cap: see :class:`~pagedllm.attention.backend.AttentionBackend`.
+            kv_scales: the per token-and-head scales of an int8 cache,
+                (2, num_blocks, block_size, num_kv_heads) float32; None for other dtypes.
         Returns:
             (T, num_heads, head_dim), dtype of ``query``.
         Raises:
@@ -105,18 +113,18 @@ class TorchPagedAttention:
                 or ``num_heads`` is not a multiple of ``num_kv_heads``.
         """
         check_shapes(query, key, kv_cache)
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
         output = torch.empty_like(query)
         num_decodes = metadata.num_decodes
         if num_decodes > 0:
             self._decode(query[:num_decodes], kv_cache, metadata, scale, output[:num_decodes], sliding_window,
-                         logit_soft_cap)
+                         logit_soft_cap, kv_scales)
         qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
         for b in range(num_decodes, metadata.num_reqs):
             start, end = qsl[b], qsl[b + 1]
             output[start:end] = _prefill_one(query[start:end], key[start:end], value[start:end], kv_cache,
                                              metadata.block_tables[b], seq_lens[b], scale, sliding_window,
-                                             logit_soft_cap)
+                                             logit_soft_cap, kv_scales)
         return output
 
     __call__ = forward
@@ -125,7 +133,7 @@ class TorchPagedAttention:
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float, out: torch.Tensor, sliding_window: int | None = None,
-                logit_soft_cap: float | None = None) -> None:
+                logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> None:
         """Attention of the decode requests into ``out``. query, out: (D, num_heads, head_dim)."""
         num_decodes = query.shape[0]
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -137,7 +145,7 @@ class TorchPagedAttention:
         for i in range(0, num_decodes, group):  # one iteration unless the batch outgrows the workspace
             j = min(i + group, num_decodes)
             out[i:j] = _decode_group(query[i:j], kv_cache, plan.block_tables[i:j], plan.mask[i:j], scale, workspace,
-                                     logit_soft_cap)
+                                     logit_soft_cap, kv_scales)
 
     def _decode_plan(self, metadata: AttentionMetadata, block_size: int, sliding_window: int | None = None
                      ) -> "_DecodePlan":
@@ -218,7 +226,7 @@ def _default_workspace_bytes(device: torch.device) -> int:
 
 def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   mask: torch.Tensor, scale: float, workspace: torch.Tensor,
-                  logit_soft_cap: float | None = None) -> torch.Tensor:
+                  logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Batched decode attention for D requests with one query token each.
 
     Args:
@@ -227,7 +235,8 @@ def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         block_tables: (D, nb) int32 — every request's first nb blocks (padding entries are
             any valid block id; they are masked out).
         mask: (D, 1, 1, nb * block_size) bool, True for keys before each request's seq_len.
-        workspace: at least 2 * D * nb * block_size * num_kv_heads * head_dim elements.
+        workspace: at least 2 * D * nb * block_size * num_kv_heads * head_dim elements of the cache's dtype.
+        kv_scales: an int8 cache's scales, else None (fp8/int8 blocks are dequantized after the gather).
     Returns:
         (D, num_heads, head_dim).
     """
@@ -238,7 +247,7 @@ def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     group_size = num_heads // num_kv_heads
     kv = workspace[:2 * num_reqs * max_len * num_kv_heads * head_dim].view(
         2, num_reqs * nb, block_size, num_kv_heads, head_dim)
-    torch.index_select(kv_cache, 1, block_tables.reshape(-1), out=kv)
+    kv = read_kv_blocks(kv_cache, kv_scales, block_tables.reshape(-1), query.dtype, out=kv)
     kv = kv.view(2, num_reqs, max_len, num_kv_heads, head_dim)
     keys = kv[0].transpose(1, 2).to(query.dtype)  # (D, num_kv_heads, max_len, head_dim), a view
     values = kv[1].transpose(1, 2).to(query.dtype)  # (D, num_kv_heads, max_len, head_dim), a view
@@ -250,7 +259,7 @@ def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
 
 def _prefill_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  block_table: torch.Tensor, seq_len: int, scale: float, sliding_window: int | None = None,
-                 logit_soft_cap: float | None = None) -> torch.Tensor:
+                 logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one request's Q new tokens, the last Q of its ``seq_len``.
 
     query: (Q, num_heads, head_dim); key/value: (Q, num_kv_heads, head_dim) (already in the
@@ -262,11 +271,15 @@ def _prefill_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
     bottom-right causal mask. Every SDPA call gets 4-D (batch 1) tensors: on CPU only those
     reach the fused flash kernel, 3-D ones take the math path that materializes the
     (Q x keys) score matrix per head. A sliding window or a soft cap goes to
-    :func:`_prefill_one_masked`. Returns (Q, num_heads, head_dim).
+    :func:`_prefill_one_masked`. With a KV cache of lower precision than the query, the fresh
+    K/V are first rounded as the cache stores them, so a prefill sees the same values whether
+    its prefix was cached, chunked or computed in this step. Returns (Q, num_heads, head_dim).
     """
+    if kv_cache.dtype != query.dtype:  # attend over the K/V as stored, as every later read will
+        key, value = round_trip_kv(key, kv_cache.dtype, query.dtype), round_trip_kv(value, kv_cache.dtype, query.dtype)
     if sliding_window is not None or logit_soft_cap is not None:
         return _prefill_one_masked(query, key, value, kv_cache, block_table, seq_len, scale, sliding_window,
-                                   logit_soft_cap)
+                                   logit_soft_cap, kv_scales)
     query_len = query.shape[0]
     num_context = seq_len - query_len
     q = query.transpose(0, 1).unsqueeze(0)  # (1, num_heads, Q, head_dim)
@@ -276,9 +289,10 @@ def _prefill_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
                                              enable_gqa=True)
         return out[0].transpose(0, 1)  # (Q, num_heads, head_dim)
     if query.device.type == "cpu" and _cpu_flash_attention is not None:
-        prefix_keys, prefix_values = gather_kv(kv_cache, block_table, num_context)  # (C, num_kv_heads, head_dim)
+        # (C, num_kv_heads, head_dim)
+        prefix_keys, prefix_values = gather_kv(kv_cache, block_table, num_context, kv_scales, query.dtype)
         return _prefix_chunk_attention(q, prefix_keys, prefix_values, key, value, scale)
-    keys, values = gather_kv(kv_cache, block_table, seq_len)  # (seq_len, num_kv_heads, head_dim)
+    keys, values = gather_kv(kv_cache, block_table, seq_len, kv_scales, query.dtype)  # (seq_len, kv_heads, head_dim)
     # Bottom-right causal mask: query i (position num_context + i) sees keys 0..num_context + i.
     key_pos = torch.arange(seq_len, device=query.device)
     query_pos = torch.arange(num_context, seq_len, device=query.device)
@@ -324,7 +338,7 @@ def _prefix_chunk_attention(q: torch.Tensor, prefix_keys: torch.Tensor, prefix_v
 
 def _prefill_one_masked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                         block_table: torch.Tensor, seq_len: int, scale: float, sliding_window: int | None,
-                        logit_soft_cap: float | None) -> torch.Tensor:
+                        logit_soft_cap: float | None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`_prefill_one` with a sliding window and/or attention-logit soft-capping: one
     explicit-mask attention call (:func:`~pagedllm.attention.backend.masked_attention`). The
     context is read back through ``block_table`` only from the first block the first query
@@ -338,7 +352,8 @@ def _prefill_one_masked(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if num_context == 0:
         keys, values = key, value  # (Q, num_kv_heads, head_dim)
     else:
-        keys, values = gather_kv(kv_cache, block_table[first_block:], seq_len - first_key)  # (S, kv_heads, hd)
+        # (S, kv_heads, hd)
+        keys, values = gather_kv(kv_cache, block_table[first_block:], seq_len - first_key, kv_scales, query.dtype)
     # Bottom-right causal mask: query i (position num_context + i) sees keys up to num_context + i.
     mask = attention_mask(torch.arange(num_context, seq_len, device=query.device),
                           torch.arange(first_key, seq_len, device=query.device), sliding_window)  # (Q, S)

@@ -14,7 +14,8 @@ from pagedllm.loader.resolve import ResolvedModel, resolve_model
 from pagedllm.loader.tokenizer import (chat_template_of, gguf_end_of_generation_ids, load_gguf_tokenizer,
                                        load_hf_tokenizer)
 
-WeightsFn = Callable[[torch.dtype, frozenset], Iterator[tuple[str, torch.Tensor]]]
+# (dtype) -> weights; GGUF's also takes the names to keep packed as a second argument.
+WeightsFn = Callable[..., Iterator[tuple[str, torch.Tensor]]]
 
 # Config fields that bound the context length, as vLLM's _get_and_verify_max_len reads them.
 _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
@@ -70,7 +71,7 @@ class ModelFiles:
             raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         if packed and self.format != "gguf":
             raise ValueError("packed weights exist only in GGUF files")
-        return self._weights_fn(dtype, packed)
+        return self._weights_fn(dtype, packed) if packed else self._weights_fn(dtype)
 
 
 def load_model_files(model: str, tokenizer: str | None = None) -> ModelFiles:
@@ -110,7 +111,7 @@ def _load_gguf(resolved: ResolvedModel, tokenizer_source: ResolvedModel) -> Mode
         chat_template=_with_chat_template(tokenizer, metadata.get("tokenizer.chat_template")),
         eos_token_id=eos, stop_token_ids=stops, max_model_len=max_model_len_of(config),
         source=str(resolved.path), format="gguf",
-        _weights_fn=lambda dtype, packed: gguf_loader.iter_gguf_weights(gguf_file, config, dtype, packed),
+        _weights_fn=lambda dtype, packed=frozenset(): gguf_loader.iter_gguf_weights(gguf_file, config, dtype, packed),
         gguf_tensor_types=gguf_loader.gguf_tensor_types(gguf_file))
 
 
@@ -129,7 +130,7 @@ def _load_hf(resolved: ResolvedModel, tokenizer_source: ResolvedModel) -> ModelF
         chat_template=_with_chat_template(tokenizer, hf_loader.read_chat_template(folder)),
         eos_token_id=eos, stop_token_ids=stops, max_model_len=max_model_len_of(config),
         source=str(folder), format="hf",
-        _weights_fn=lambda dtype, packed: hf_loader.iter_safetensors_weights(folder, config, dtype))
+        _weights_fn=lambda dtype: hf_loader.iter_safetensors_weights(folder, config, dtype))
 
 
 def _with_chat_template(tokenizer: PreTrainedTokenizerFast, model_template: str | None) -> str | None:

@@ -104,6 +104,12 @@ def dequantize_kv(values: torch.Tensor, scales: torch.Tensor | None, dtype: torc
     return out
 
 
+def round_trip_kv(x: torch.Tensor, storage: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded as a cache of ``storage`` stores it, back in ``dtype`` (same shape)."""
+    stored, scales = quantize_kv(x, storage)
+    return dequantize_kv(stored, scales, dtype)
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A same-shape uint8/int8 view for 1-byte dtypes whose CPU copy/gather ops are missing
     (float8 has no ``index_copy_``/``index_select`` on CPU); other tensors unchanged."""

@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pagedllm.attention import Attention, get_attention_backend
+from pagedllm.attention import Attention, TorchPagedAttention, get_attention_backend
 from pagedllm.attention.backend import AttentionMetadata, set_forward_context
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_groups import layers_per_block, make_kv_cache_groups
@@ -43,6 +43,7 @@ from pagedllm.core.kv_offload import KVOffloadSpec
 from pagedllm.core.swap_space import SwapSpace
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.loader.model_files import ModelFiles
+from pagedllm.quantization.kv_cache import resolve_kv_cache_dtype
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sizing import KVCacheSpec, format_bytes, kv_bytes_per_block, num_blocks_for_budget
 from pagedllm.structured_output.bitmask import apply_grammar_bitmask
@@ -147,6 +148,10 @@ class ModelRunner:
         self.graph_mode = cuda_graph_mode(config.enforce_eager, self.device, self.attn_backend)
         self.decode_graphs: DecodeGraphRunner | None = None
         self.memory_profile = None  # worker.memory_profiler.MemoryProfile after CUDA sizing
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        if self.kv_dtype.is_quantized and not isinstance(self.attn_backend, TorchPagedAttention):
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported by the "
+                             f"{type(self.attn_backend).__name__} backend; use auto or bfloat16")
         self.model = self._load_model(model_files)
         self.vocab_size = int(model_files.hf_config.vocab_size)
         self.eos_token_id = model_files.eos_token_id
@@ -159,6 +164,7 @@ class ModelRunner:
         self.token_buf = np.zeros((config.max_num_seqs, self.max_model_len), dtype=np.int64)
         self._layout_kv_cache()
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_scales: list[torch.Tensor | None] = []
         self.kv_spec: KVCacheSpec | None = None
         self.kv_offloader = None  # the offload tiers' copies (worker/kv_offload.py), when configured
         # Test hook (test_failure_in_one_request_fails_only_it): called with each sampling request id;
@@ -180,10 +186,12 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache sizing
     def bytes_per_block(self) -> int:
         """Bytes one block takes across all KV tensors: 2 (K, V) × layers_per_block (all
-        layers without sliding windows) × block_size × kv_heads × head_dim × dtype size
-        (:func:`pagedllm.sizing.kv_bytes_per_block`)."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return kv_bytes_per_block(self.model, self.block_size, elem, self.num_kv_tensors)
+        layers without sliding windows) × block_size × kv_heads × (head_dim × KV element
+        size, plus a float32 scale for int8) (:func:`pagedllm.sizing.kv_bytes_per_block`)."""
+        kv = self.kv_dtype
+        elem = torch.tensor([], dtype=kv.storage).element_size()
+        return kv_bytes_per_block(self.model, self.block_size, elem, self.num_kv_tensors,
+                                  scale_bytes=4 if kv.has_token_scales else 0)
 
     def determine_num_blocks(self) -> int:
         """Number of KV blocks: ``num_kv_blocks`` if set; on CPU ``kv_cache_memory`` bytes;
@@ -237,7 +245,7 @@ class ModelRunner:
         """One prefill of ``num_tokens`` tokens through a temporary KV cache (memory profiling)."""
         num_blocks = cdiv(num_tokens, self.block_size)
         caches = self._new_kv_caches(num_blocks)
-        self._bind_kv_caches(caches)
+        self._bind_kv_caches(caches, self._new_kv_scales(num_blocks))
         block_table = torch.arange(num_blocks, dtype=torch.int32, device=self.device).view(1, -1)
         meta = AttentionMetadata(
             slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=self.device),
@@ -255,26 +263,42 @@ class ModelRunner:
         del caches
 
     def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        """``layers_per_block`` tensors of (2, num_blocks, block_size, num_kv_heads, head_dim)."""
+        """``layers_per_block`` tensors of (2, num_blocks, block_size, num_kv_heads, head_dim)
+        in the KV dtype's storage."""
         m = self.model
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         # zeros, not empty: padded block-table entries point at block 0, whose values are
         # masked out but must not be NaN (0 × NaN would poison the weighted sum).
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_kv_tensors)]
+        return [torch.zeros(shape, dtype=self.kv_dtype.storage, device=self.device)
+                for _ in range(self.num_kv_tensors)]
 
-    def _bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
-        """Give layer ``group.layer_ids[j]`` tensor ``j`` and tell its attention its group."""
+    def _new_kv_scales(self, num_blocks: int) -> list[torch.Tensor | None]:
+        """An int8 cache's per token-and-head scales, one (2, num_blocks, block_size,
+        num_kv_heads) float32 tensor beside each cache tensor; Nones for other dtypes."""
+        if not self.kv_dtype.has_token_scales:
+            return [None] * self.num_kv_tensors
+        shape = (2, num_blocks, self.block_size, self.model.num_kv_heads)
+        return [torch.ones(shape, dtype=torch.float32, device=self.device) for _ in range(self.num_kv_tensors)]
+
+    def _bind_kv_caches(self, caches: list[torch.Tensor], scales: list[torch.Tensor | None] | None = None) -> None:
+        """Give layer ``group.layer_ids[j]`` tensor ``j`` (and its scales) and tell its attention its group."""
         per_layer: list[torch.Tensor | None] = [None] * self.model.num_layers
         layers = attention_layers(self.model)
         for g, group in enumerate(self.kv_cache_groups):
             for j, layer in enumerate(group.layer_ids):
                 per_layer[layer] = caches[j]
                 layers[layer].kv_cache_group = g
+                layers[layer].kv_scales = scales[j] if scales else None
         self.model.bind_kv_caches(per_layer)
 
     def _new_kv_spec(self, num_blocks: int) -> KVCacheSpec:
         return KVCacheSpec(num_blocks, self.block_size, self.bytes_per_block(), self.max_model_len,
-                           self.kv_cache_groups, self.config.token_budget)
+                           self.kv_cache_groups, self.config.token_budget, self.kv_storage_name())
+
+    def kv_storage_name(self) -> str:
+        """What the KV cache stores: ``kv_cache_dtype``, or for ``auto`` the model dtype's name."""
+        name = self.config.kv_cache_dtype
+        return str(self.dtype).removeprefix("torch.") if name == "auto" else name
 
     def _layout_kv_cache(self) -> None:
         """KV-cache groups from the layers' sliding windows, and the block-table buffer per group."""
@@ -300,7 +324,8 @@ class ModelRunner:
         num_blocks = all_reduce_min(self.determine_num_blocks())
         padded = self.graph_mode != "off"  # one extra block, past the scheduler's pool, for padding rows
         self.kv_caches = self._new_kv_caches(num_blocks + int(padded))
-        self._bind_kv_caches(self.kv_caches)
+        self.kv_scales = self._new_kv_scales(num_blocks + int(padded))
+        self._bind_kv_caches(self.kv_caches, self.kv_scales)
         self.kv_spec = self._new_kv_spec(num_blocks)
         if padded:
             self.decode_graphs = self._new_decode_graphs(padding_block=num_blocks)
