@@ -43,6 +43,8 @@ from pagedllm.core.kv_offload import KVOffloadSpec
 from pagedllm.core.swap_space import SwapSpace
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.loader.model_files import ModelFiles
+from pagedllm.quantization import (QuantizationConfig, create_quantized_weights, get_quantization_config,
+                                   process_quantized_weights, weight_bytes)
 from pagedllm.quantization.kv_cache import resolve_kv_cache_dtype
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sizing import KVCacheSpec, format_bytes, kv_bytes_per_block, num_blocks_for_budget
@@ -180,8 +182,27 @@ class ModelRunner:
         with torch.device(self.device):
             model = model_cls(model_files.hf_config, dtype=self.dtype, device=self.device,
                               attn_backend=self.attn_backend)
-        model.load_weights(model_files.weights(self.dtype))
+        quant = self._quantization_config(model_files, model)
+        if quant is None:
+            model.load_weights(model_files.weights(self.dtype))
+            return model.eval()
+        num_quantized = create_quantized_weights(model, quant)
+        model.load_weights(model_files.weights(self.dtype, quant.packed_weight_names))
+        process_quantized_weights(model)
+        logger.info("weights: %d linear layers kept as %s, %.1f MiB in all", num_quantized, quant.name,
+                    weight_bytes(model) / 2**20)
         return model.eval()
+
+    def _quantization_config(self, model_files: ModelFiles, model: torch.nn.Module) -> QuantizationConfig | None:
+        """The weight format for ``config.quantization`` (None: float weights)."""
+        name = self.config.quantization
+        if name is None:
+            return None
+        fused_parts: dict[str, list[str]] = {}
+        for part, (fused, _) in getattr(model, "packed_modules", {}).items():
+            fused_parts.setdefault(fused, []).append(part)
+        return get_quantization_config(name, self.config.quantization_group_size, model_files.gguf_tensor_types,
+                                       fused_parts)
 
     # ------------------------------------------------------------------ KV cache sizing
     def bytes_per_block(self) -> int:

@@ -24,12 +24,18 @@ class Linear(nn.Linear):
 
     The packed copy lives on the CPU: pack after the model reaches its device (as
     ``load_weights`` does), not before a ``.to("cuda")``.
+
+    A weight format kept at run time (:mod:`pagedllm.quantization`) sets ``quant_method``:
+    the method then owns the weight and computes the matmul (vLLM's ``LinearMethod`` seam).
     """
 
     packed_weight: torch.Tensor | None = None
+    quant_method = None  # a pagedllm.quantization.LinearMethod, or None for a float weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, in_features) -> (T, out_features)."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -41,8 +47,9 @@ class Linear(nn.Linear):
         stays valid, but the packed copy does not follow later in-place edits of it: call
         this again (``load_weights`` does) after changing weights.
         """
-        w = self.weight
-        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) \
+        w = getattr(self, "weight", None)
+        if w is None or self.quant_method is not None or w.device.type != "cpu" \
+                or w.dtype not in (torch.float32, torch.bfloat16) \
                 or not torch.backends.mkldnn.is_available():
             return False
         try:
