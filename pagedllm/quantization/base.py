@@ -141,9 +141,15 @@ def tiled_linear(x: torch.Tensor, out_features: int, dequantize_rows: Callable[[
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and persistent buffer of ``model`` (shared tensors counted once)."""
+    """Bytes the model's weights take: every parameter (shared ones once) plus, for layers kept
+    quantized, their stored buffers and any kernel-layout copy (``kernel_*`` attributes)."""
     seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
+    tensors = list(model.parameters())
+    for module in model.modules():
+        if getattr(module, "quant_method", None) is not None:
+            tensors += list(module.buffers(recurse=False))
+            tensors += [v for k, v in vars(module).items() if k.startswith("kernel_") and isinstance(v, torch.Tensor)]
+    for t in tensors:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()

@@ -331,7 +331,7 @@ class ModelRunner:
 
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters on the device (what ``pagedllm plan`` calls weights)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return weight_bytes(self.model)
 
     def initialize_kv_cache(self) -> KVCacheSpec:
         """Group the layers by attention type (their sliding windows as they are now), size
