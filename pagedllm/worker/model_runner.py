@@ -250,7 +250,7 @@ class ModelRunner:
         """Capture the decode graphs on a one-block temporary cache (capture runs padding rows only,
         which read and write the padding block); return the bytes the graphs took."""
         caches = self._new_kv_caches(1)
-        self._bind_kv_caches(caches)
+        self._bind_kv_caches(caches, self._new_kv_scales(1))
         graphs = self._new_decode_graphs(padding_block=0)
         used = graphs.capture()
         self.model.bind_kv_caches([])
