@@ -211,3 +211,63 @@ def test_int4_group_that_does_not_divide_hidden_size_is_rejected(tiny_model_dir)
         _runner_model(tiny_model_dir, quantization="int4")  # hidden size 64
     with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf"):
         _runner_model(tiny_model_dir, quantization="gguf")
+
+
+# -- the real default model (slow) --------------------------------------------------------------
+
+def _questions() -> list[str]:
+    """The 16 chat prompts of benchmarks/bf16_accuracy.py (the benchmarks measure the same runs)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bf16_accuracy.py"
+    spec = importlib.util.spec_from_file_location("bf16_accuracy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.QUESTIONS
+
+
+def _smollm2_greedy(smollm2_path, **kw):
+    llm = LLM(model=str(smollm2_path), max_model_len=512, kv_cache_memory="256MiB", **kw)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    outs = llm.chat([[{"role": "user", "content": q}] for q in _questions()], params, use_tqdm=False)
+    return llm, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _prefix_agreement(ref, alt):
+    """Share of the 16 x 64 positions before each prompt's first divergence."""
+    same = sum(next((i for i, (a, b) in enumerate(zip(r, x)) if a != b), len(r)) for r, x in zip(ref, alt))
+    return same / sum(map(len, ref))
+
+
+@pytest.fixture(scope="module")
+def smollm2_float32(smollm2_path):
+    llm, tokens = _smollm2_greedy(smollm2_path)
+    return llm.llm_engine.runner.weight_bytes(), tokens
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_blocks_kept_packed(smollm2_path, smollm2_float32):
+    """Q4_1 blocks kept packed represent exactly the float32 weights the default load
+    dequantizes to; only the order of float operations differs. Weights: the 120
+    projections at 4 bits + float32 scale and zero per 32 (0.75 bytes per weight) instead of 4."""
+    float_bytes, ref = smollm2_float32
+    llm, got = _smollm2_greedy(smollm2_path, quantization="gguf")
+    model = llm.llm_engine.runner.model
+    kept = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]
+    assert len(kept) == 30 * 4
+    linear_weights = sum(m.in_features * m.out_features for m in kept)
+    assert float_bytes - llm.llm_engine.runner.weight_bytes() == linear_weights * 4 - linear_weights * 3 // 4
+    assert _prefix_agreement(ref, got) >= 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options, floor", [(dict(quantization="int8"), 0.0), (dict(kv_cache_dtype="bfloat16"), 0.0)])
+def test_smollm2_int8_weights_and_bfloat16_kv_agree_with_float32(smollm2_path, smollm2_float32, options, floor):
+    float_bytes, ref = smollm2_float32
+    llm, got = _smollm2_greedy(smollm2_path, **options)
+    if "quantization" in options:  # 1 byte per weight + a float32 scale per output row, instead of 4 bytes
+        kept = [m for m in llm.llm_engine.runner.model.modules() if getattr(m, "quant_method", None) is not None]
+        saved = sum(3 * m.in_features * m.out_features - 4 * m.out_features for m in kept)
+        assert float_bytes - llm.llm_engine.runner.weight_bytes() == saved
+    assert _prefix_agreement(ref, got) >= floor
