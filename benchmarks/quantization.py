@@ -8,8 +8,8 @@ float32 weights with the KV cache in bfloat16 / fp8 / int8, it measures:
   oneDNN-prepacked copy of their projections, reported apart) and KV bytes per token;
 - how many sequences of 2048 tokens fit in a fixed memory budget (weights + KV), for every
   weights x KV combination (arithmetic from the two measured sizes);
-- output tokens/s at several batch sizes (each request: a chat prompt, 32 new tokens, EOS
-  ignored). Configurations run one after another in each round and the rounds repeat, so
+- output tokens/s at several batch sizes (each request: a chat prompt, new tokens with EOS
+  ignored; 16 by default). Configurations run one after another in each round and the rounds repeat, so
   every configuration sees the same load over time; the median round is reported;
 - accuracy against float32: greedy agreement over 64 tokens on 16 chat prompts (share of
   positions before the first divergence, prompts identical end to end), perplexity on a
@@ -72,7 +72,7 @@ def sizes(llm: LLM) -> dict:
             "kv_bytes_per_token": spec.bytes_per_block // spec.block_size}
 
 
-def throughput(llm: LLM, convs: list, batch: int, max_tokens: int = 32) -> float:
+def throughput(llm: LLM, convs: list, batch: int, max_tokens: int) -> float:
     """Output tokens/s of one generate call over ``batch`` chat prompts (prefill included)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     batch_convs = [convs[i % len(convs)] for i in range(batch)]
@@ -147,6 +147,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--rounds", type=int, default=2, help="throughput rounds over all configurations")
     ap.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt for agreement")
+    ap.add_argument("--output-tokens", type=int, default=16, help="new tokens per request in the throughput runs")
     ap.add_argument("--budget", default="1GiB", help="memory for weights + KV in the users-that-fit table")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
     ap.add_argument("--out", default=str(RESULTS_DIR / "quantization.json"))
@@ -167,7 +168,7 @@ def main() -> None:
                 runs[name] = accuracy_run(llm, convs, args.max_tokens, text_ids)
             throughput(llm, convs, 2, 4)  # warm-up
             for b in args.batches:
-                results[name]["tok_s_rounds"][str(b)].append(throughput(llm, convs, b))
+                results[name]["tok_s_rounds"][str(b)].append(throughput(llm, convs, b, args.output_tokens))
             del llm
             gc.collect()
     ref = runs.get("float32")
@@ -184,7 +185,7 @@ def main() -> None:
               + (f", greedy agreement {r['greedy_prefix_agreement']:.3f} ({r['prompts_identical']}/16 identical)"
                  if ref is not None else ""))
     record = {"model": "SmolLM2-135M-Instruct Q4_1 GGUF", "batches": args.batches, "rounds": args.rounds,
-              "output_tokens_per_request": 32, "greedy_tokens": args.max_tokens, "num_prompts": len(convs),
+              "output_tokens_per_request": args.output_tokens, "greedy_tokens": args.max_tokens, "num_prompts": len(convs),
               "budget_bytes": parse_bytes(args.budget, "budget"), "context_tokens": CONTEXT,
               "configs": {n: {k: v for k, v in r.items()} for n, r in results.items()}}
     if all(n in results for n in WEIGHT_CONFIGS + list(KV_CONFIGS.values())):
