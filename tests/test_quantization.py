@@ -262,8 +262,14 @@ def test_smollm2_gguf_blocks_kept_packed(smollm2_path, smollm2_float32):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options, floor", [(dict(quantization="int8"), 0.0), (dict(kv_cache_dtype="bfloat16"), 0.0)])
+@pytest.mark.parametrize("options, floor", [(dict(quantization="int8"), 0.4), (dict(kv_cache_dtype="bfloat16"), 0.6)])
 def test_smollm2_int8_weights_and_bfloat16_kv_agree_with_float32(smollm2_path, smollm2_float32, options, floor):
+    """Greedy agreement over 16 prompts x 64 tokens (share before the first divergence).
+    Measured (benchmarks/results/quantization.json): int8 weights 0.496, bfloat16 KV 0.778,
+    and bfloat16 weights — the usual reference for "close to float32" — 0.526: one flipped
+    near-tie changes the rest of a greedy continuation. The floors sit below the measurements
+    by a margin for the numerics of other batch compositions, and far above what a broken
+    format gives (a wrong scale or layout diverges at the first token: ~0)."""
     float_bytes, ref = smollm2_float32
     llm, got = _smollm2_greedy(smollm2_path, **options)
     if "quantization" in options:  # 1 byte per weight + a float32 scale per output row, instead of 4 bytes
