@@ -145,6 +145,9 @@ class EngineConfig:
         self._positive("max_prefill_tokens_while_decoding", allow_none=True)
         self._positive("max_waiting_requests", allow_none=True)
         self._positive("tensor_parallel_size")
+        if self.tensor_parallel_size > 1 and self.quantization == "gguf":
+            raise ValueError("quantization='gguf' is not supported with tensor_parallel_size > 1 (GGUF blocks "
+                             "cannot be split along input features); use int8 or int4")
         if self.tensor_parallel_size > 1 and self.kv_offload_dir is not None:
             raise ValueError("kv_offload_dir (the disk tier) is not supported with tensor_parallel_size > 1: "
                              "every rank would write its shard's blocks to the same files")

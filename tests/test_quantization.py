@@ -82,8 +82,14 @@ def test_int4_group_must_divide_in_features():
 
 
 def test_unknown_quantization_is_rejected():
+    from pagedllm.config import EngineConfig
+
     with pytest.raises(ValueError, match="quantization"):
         get_quantization_config("int3")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(ValueError, match="quantization='gguf' is not supported with tensor_parallel_size"):
+        EngineConfig(quantization="gguf", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf"):
         get_quantization_config("gguf")
 
