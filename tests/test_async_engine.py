@@ -414,12 +414,19 @@ def test_backpressure_rejects_beyond_max_waiting_requests():
         eng = AsyncLLMEngine(fake, max_waiting_requests=2, stats_log_interval_s=0)
         params = SamplingParams(max_tokens=200, output_kind=RequestOutputKind.FINAL_ONLY)
         streams = [await eng.add_request(f"r{i}", "a", params) for i in range(3)]  # 1 running + 2 waiting
-        await asyncio.sleep(0.05)  # a step refreshes the stats snapshot
+        # A step refreshes the stats snapshot; wait (bounded) until it shows the 2 waiting.
+        for _ in range(1000):
+            if eng.num_waiting_estimate() >= 2:
+                break
+            await asyncio.sleep(0.01)
         with pytest.raises(EngineOverloadedError):
             await eng.add_request("r3", "a", params)
         for s in streams:
             s.abort()
-        await asyncio.sleep(0.05)
+        for _ in range(1000):  # bounded wait for a step to drop the aborted requests
+            if eng.num_waiting_estimate() < 2:
+                break
+            await asyncio.sleep(0.01)
         again = await eng.add_request("r4", "a", SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY))
         out = [o async for o in again]
         await _stop(eng)
