@@ -121,7 +121,7 @@ class RowParallelLinear(Linear):
         _check_shape(tensor, param, -1, param.shape[-1] * (get_tensor_parallel_size() if param.dim() == 2 else 1))
         if param_name == "bias":
             return tensor if get_tensor_parallel_rank() == 0 else torch.zeros_like(tensor)
-        cols = self.in_features
+        cols = param.shape[-1]  # this rank's stored width: in / N, or packed bytes of a kept-quantized weight
         return tensor.narrow(1, get_tensor_parallel_rank() * cols, cols)
 
 
