@@ -2,7 +2,8 @@
 
 SmolLM2-135M shapes (9 query heads, 3 KV heads, head_dim 64), ``--batch`` decodes (64) with
 context lengths drawn uniformly from ``ctx ± 15 %`` (fixed seed), block size 16, shuffled block
-tables, float32 and bfloat16 KV caches. One timed sample = ``--layers`` (30) backend calls
+tables, KV caches in float32, bfloat16, fp8 (e4m3) and int8 (per token-and-head scales; the torch
+backend dequantizes the gathered blocks, the kernel as it reads). One timed sample = ``--layers`` (30) backend calls
 (KV write + attention) inside one forward context, the way a model step runs them, divided by
 the number of layers; the two backends are measured alternately, sample after sample, so a
 noisy shared machine hurts both alike; medians are reported.
@@ -31,10 +32,12 @@ sys.path.insert(0, str(common.REPO_ROOT))  # run from a checkout without install
 
 from pagedllm.attention import CpuPagedAttention, TorchPagedAttention  # noqa: E402
 from pagedllm.attention.backend import AttentionMetadata, set_forward_context  # noqa: E402
+from pagedllm.quantization.kv_cache import quantize_kv, resolve_kv_cache_dtype  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 9, 3, 64, 30
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-MAX_ABS_DIFF = {"float32": 1e-4, "bfloat16": 5e-2}  # kernel vs torch backend on the timed inputs
+DTYPES = {"float32": "auto", "bfloat16": "bfloat16", "fp8": "fp8", "int8": "int8"}  # name -> kv_cache_dtype
+# kernel vs torch backend on the timed inputs (both read the same stored values; the bfloat16 query differs)
+MAX_ABS_DIFF = {"float32": 1e-4, "bfloat16": 5e-2, "fp8": 1e-4, "int8": 1e-4}
 
 
 def decode_metadata(seq_lens: list[int], block_size: int, gen: torch.Generator) -> tuple[AttentionMetadata, int]:
@@ -66,23 +69,37 @@ def time_layers(backend, inputs, caches, meta: AttentionMetadata) -> float:
     scale = HEAD_DIM**-0.5
     t0 = time.perf_counter()
     with set_forward_context(meta):
-        for cache in caches:
-            backend.forward(query, key, value, cache, meta, scale)
+        for cache, scales in caches:
+            backend.forward(query, key, value, cache, meta, scale, **scales)
     return (time.perf_counter() - t0) / len(caches)
 
 
-def bench_attention(args, dtype: torch.dtype, backends: dict[str, object]) -> dict[str, float]:
+def random_cache(num_blocks: int, block_size: int, kv_cache_dtype: str, gen: torch.Generator
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A random cache in the storage of ``kv_cache_dtype`` (quantized as the writers do) and the
+    backend's extra arguments (an int8 cache's ``kv_scales``)."""
+    spec = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32)
+    x = torch.randn(2 * num_blocks * block_size, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    stored, scales = quantize_kv(x, spec.storage)
+    cache = stored.view(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    if scales is None:
+        return cache, {}
+    return cache, {"kv_scales": scales.view(2, num_blocks, block_size, NUM_KV_HEADS)}
+
+
+def bench_attention(args, name: str, backends: dict[str, object]) -> dict[str, float]:
     gen = torch.Generator().manual_seed(args.seed)
     spread = int(0.15 * args.ctx)
     seq_lens = torch.randint(args.ctx - spread, args.ctx + spread + 1, (args.batch,), generator=gen).tolist()
     meta, num_blocks = decode_metadata(seq_lens, args.block_size, gen)
-    caches = [torch.randn(2, num_blocks, args.block_size, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-              for _ in range(args.layers)]
+    caches = [random_cache(num_blocks, args.block_size, DTYPES[name], gen) for _ in range(args.layers)]
+    dtype = torch.bfloat16 if name == "bfloat16" else torch.float32  # the model (query) dtype
     inputs = (torch.randn(args.batch, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype),
               torch.randn(args.batch, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype),
               torch.randn(args.batch, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype))
     with set_forward_context(meta):  # same answer from both (sanity check, not a test)
-        outs = [b.forward(*inputs, caches[0], meta, HEAD_DIM**-0.5).float() for b in backends.values()]
+        outs = [b.forward(*inputs, caches[0][0].clone(), meta, HEAD_DIM**-0.5, **caches[0][1]).float()
+                for b in backends.values()]
     max_diff = (outs[0] - outs[1]).abs().max().item()
     samples: dict[str, list[float]] = {name: [] for name in backends}
     for rep in range(args.warmup + args.reps):
@@ -90,7 +107,7 @@ def bench_attention(args, dtype: torch.dtype, backends: dict[str, object]) -> di
             t = time_layers(backend, inputs, caches, meta)
             if rep >= args.warmup:
                 samples[name].append(t)
-    kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * caches[0].element_size()
+    kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * (HEAD_DIM * caches[0][0].element_size() + 4 * bool(caches[0][1]))
     result = {f"{name}_ms": 1e3 * statistics.median(s) for name, s in samples.items()}
     result.update(max_abs_diff=max_diff, kv_mib_per_layer=kv_bytes / 2**20,
                   kernel_gib_s=kv_bytes / 2**30 / (result["kernel_ms"] / 1e3),
@@ -159,7 +176,7 @@ def main() -> None:
     record = {"config": {k: v for k, v in vars(args).items() if k not in ("out",)},
               "threads": torch.get_num_threads(), "load_avg_before": os.getloadavg()[0], "attention": {}}
     for name in args.dtypes:
-        record["attention"][name] = result = bench_attention(args, DTYPES[name], backends)
+        record["attention"][name] = result = bench_attention(args, name, backends)
         if result["max_abs_diff"] > MAX_ABS_DIFF[name]:
             sys.exit(f"{name}: kernel and torch backend differ by {result['max_abs_diff']:.3g}")
     if args.model_step:

@@ -3,6 +3,9 @@ each format's rounding error."""
 
 from __future__ import annotations
 
+import os
+import platform
+
 import pytest
 import torch
 
@@ -51,6 +54,8 @@ def test_float_round_trip_within_half_an_ulp(name, rel_step):
 def test_fp8_saturates_instead_of_overflowing():
     stored, _ = quantize_kv(torch.tensor([[[1000.0, -1e6]]]), torch.float8_e4m3fn)
     assert dequantize_kv(stored, None, torch.float32).tolist() == [[[448.0, -448.0]]]
+    stored, _ = quantize_kv(torch.tensor([[[1e5, -float("inf")]]]), torch.float8_e5m2)
+    assert dequantize_kv(stored, None, torch.float32).tolist() == [[[57344.0, -57344.0]]]
 
 
 def test_int8_per_token_head_scales():
@@ -67,9 +72,11 @@ def test_int8_per_token_head_scales():
 # -- paged attention over each KV dtype -----------------------------------------------------
 
 from pagedllm.attention import CpuPagedAttention, TorchPagedAttention  # noqa: E402
-from pagedllm.attention.backend import write_kv_cache  # noqa: E402
+from pagedllm.attention import cpu_paged  # noqa: E402
+from pagedllm.attention.backend import set_forward_context, write_kv_cache  # noqa: E402
 from tests.model_utils import allocate_block_tables, make_metadata  # noqa: E402
-from tests.test_attention import HEAD_DIM, MIXED, NUM_HEADS, NUM_KV_HEADS, SCALE, reference_attention  # noqa: E402
+from tests.test_attention import HEAD_DIM, MIXED, NUM_HEADS, NUM_KV_HEADS, SCALE  # noqa: E402
+from tests.test_cpu_paged_attention import reference_attention  # noqa: E402
 
 KV_NAMES = ["bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"]
 
@@ -84,35 +91,39 @@ def _round_trip(x: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
     return dequantize_kv(stored, scales, torch.float32)
 
 
-def _case(name: str, block_size: int, seed: int = 0):
-    """Random float32 Q/K/V for MIXED; the context written into a cache of the KV dtype
-    through write_kv_cache (as earlier steps would have)."""
+def _case(name: str, block_size: int, seed: int = 0, reqs=MIXED, heads=(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)):
+    """Random float32 Q/K/V for requests ``reqs`` [(context_len, query_len)]; the context written
+    into a cache of the KV dtype through write_kv_cache (as earlier steps would have)."""
+    num_heads, num_kv_heads, head_dim = heads
     spec = resolve_kv_cache_dtype(name, torch.float32)
     g = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in MIXED]
+    seq_lens = [c + q for c, q in reqs]
     tables, num_blocks = allocate_block_tables(seq_lens, block_size, seed)
-    cache = torch.zeros(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=spec.storage)
-    scales = torch.ones(2, num_blocks, block_size, NUM_KV_HEADS) if spec.has_token_scales else None
-    ks = [2 * torch.randn(s, NUM_KV_HEADS, HEAD_DIM, generator=g) for s in seq_lens]
-    vs = [torch.randn(s, NUM_KV_HEADS, HEAD_DIM, generator=g) for s in seq_lens]
-    qs = [torch.randn(q, NUM_HEADS, HEAD_DIM, generator=g) for _, q in MIXED]
-    for (c, _), table, k, v in zip(MIXED, tables, ks, vs):
+    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=spec.storage)
+    scales = torch.ones(2, num_blocks, block_size, num_kv_heads) if spec.has_token_scales else None
+    ks = [2 * torch.randn(s, num_kv_heads, head_dim, generator=g) for s in seq_lens]
+    vs = [torch.randn(s, num_kv_heads, head_dim, generator=g) for s in seq_lens]
+    for k in ks:  # values in float8's subnormal range too
+        k[::7] *= 1e-3
+    qs = [torch.randn(q, num_heads, head_dim, generator=g) for _, q in reqs]
+    for (c, _), table, k, v in zip(reqs, tables, ks, vs):
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(c)], dtype=torch.int64)
         write_kv_cache(k[:c], v[:c], cache, slots, scales)
-    meta = make_metadata([c for c, _ in MIXED], [q for _, q in MIXED], tables, block_size)
-    new_k = torch.cat([k[c:] for (c, _), k in zip(MIXED, ks)])
-    new_v = torch.cat([v[c:] for (c, _), v in zip(MIXED, vs)])
+    meta = make_metadata([c for c, _ in reqs], [q for _, q in reqs], tables, block_size)
+    new_k = torch.cat([k[c:] for (c, _), k in zip(reqs, ks)])
+    new_v = torch.cat([v[c:] for (c, _), v in zip(reqs, vs)])
     return spec, torch.cat(qs), new_k, new_v, cache, scales, meta, (qs, ks, vs)
 
 
-def _error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
+def _error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor,
+                 scale: float = SCALE) -> torch.Tensor:
     """Per query row, a bound on |attn(q, k2, v2) - attn(q, k, v)| from the K/V rounding:
     with score errors at most d = scale * max_i |q . (k2_i - k_i)|, softmax weights change by a
     factor within e^(±2d), so |p2 - p|_1 <= e^(2d) - 1, and the output error is at most
     max|v2 - v| + (e^(2d) - 1) * max|v|. q: (Q, H, D); k, v, k2, v2: (S, KV, D) -> (Q, H)."""
     group = q.shape[1] // k.shape[1]
     dk = (k2 - k).double().repeat_interleave(group, dim=1)  # (S, H, D)
-    d = (torch.einsum("qhd,khd->qhk", q.double(), dk).abs().amax(-1)) * SCALE  # (Q, H)
+    d = (torch.einsum("qhd,khd->qhk", q.double(), dk).abs().amax(-1)) * scale  # (Q, H)
     return (v2 - v).abs().max().double() + (torch.exp(2 * d) - 1) * v.abs().max().double()
 
 
@@ -128,15 +139,82 @@ def test_paged_attention_reads_and_writes_each_kv_dtype(name, block_size):
             k2, v2 = _round_trip(k, spec.storage), _round_trip(v, spec.storage)
             got = out[start:start + n]
             # exactly the attention over the stored (rounded) K/V ...
-            torch.testing.assert_close(got, reference_attention(q, k2, v2, c), atol=2e-5, rtol=0)
+            torch.testing.assert_close(got, reference_attention(q, k2, v2, c, SCALE), atol=2e-5, rtol=0)
             # ... hence within the rounding's bound of the float32 attention
-            err = (got - reference_attention(q, k, v, c)).abs().amax(-1)  # (Q, H)
+            err = (got - reference_attention(q, k, v, c, SCALE)).abs().amax(-1)  # (Q, H)
             assert (err <= _error_bound(q, k[:c + n], v[:c + n], k2[:c + n], v2[:c + n]) + 2e-5).all()
             start += n
         # this step's K/V landed at their slots, rounded
         slot_k = as_bytes(cache[0]).view(-1, NUM_KV_HEADS, HEAD_DIM)[meta.slot_mapping].view(spec.storage)
         slot_s = None if scales is None else scales[0].view(-1, NUM_KV_HEADS)[meta.slot_mapping]
         torch.testing.assert_close(dequantize_kv(slot_k, slot_s, torch.float32), _round_trip(key, spec.storage))
+
+
+def _decode_reqs(block_size: int) -> list[tuple[int, int]]:
+    """Decode contexts ending at, just past and just before block and kernel-tile (32) boundaries."""
+    lens = {1, 2, block_size, block_size + 1, 3 * block_size - 1, 31, 32, 33, 65, 200}
+    return [(n - 1, 1) for n in sorted(lens)]
+
+
+def _kernel_only(backend: CpuPagedAttention, monkeypatch) -> None:
+    """Make a fallback to the torch decode an error, so the C kernel is what is tested."""
+    assert backend.is_kernel_available
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("decode fell back to the torch code")
+    monkeypatch.setattr(TorchPagedAttention, "_decode", no_fallback)
+
+
+def _check_decode_kernel(backend: CpuPagedAttention, name: str, block_size: int, heads, seed: int = 0) -> torch.Tensor:
+    """The kernel's decodes over a cache of ``name`` against the attention over the stored
+    (dequantized) K/V (2e-5) and the float32 attention (the rounding's bound). Returns its output."""
+    reqs = _decode_reqs(block_size)
+    scale = heads[2] ** -0.5
+    spec, query, key, value, cache, scales, meta, (qs, ks, vs) = _case(name, block_size, seed, reqs, heads)
+    kwargs = {"kv_scales": scales} if scales is not None else {}
+    with set_forward_context(meta):
+        out = backend.forward(query, key, value, cache, meta, scale, **kwargs).double()
+    for b, ((c, _), q, k, v) in enumerate(zip(reqs, qs, ks, vs)):
+        k2, v2 = _round_trip(k, spec.storage), _round_trip(v, spec.storage)
+        torch.testing.assert_close(out[b:b + 1], reference_attention(q, k2, v2, c, scale), atol=2e-5, rtol=0)
+        err = (out[b:b + 1] - reference_attention(q, k, v, c, scale)).abs().amax(-1)  # (1, H)
+        assert (err <= _error_bound(q, k, v, k2, v2, scale) + 2e-5).all()
+    return out
+
+
+# (num_heads, num_kv_heads, head_dim): SmolLM2's GQA at 64 (an unrolled copy), MQA at 32 and MHA at 48
+# (the generic head_dim loop), GQA at 128 (the other unrolled copy)
+KERNEL_HEADS = [(9, 3, 64), (8, 1, 32), (4, 4, 48), (4, 2, 128)]
+
+
+@pytest.mark.parametrize("heads", KERNEL_HEADS, ids=lambda h: "x".join(map(str, h)))
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("name", KV_NAMES)
+def test_cpu_kernel_decodes_each_kv_dtype(name, block_size, heads, monkeypatch):
+    """The C kernel reads bfloat16/fp8/int8 blocks itself (no torch fallback), block ids shuffled,
+    contexts across block and tile boundaries, float8 subnormals included."""
+    backend = CpuPagedAttention()
+    if not backend.is_kernel_available:
+        pytest.skip("no C compiler: the kernel cannot be built here")
+    _kernel_only(backend, monkeypatch)
+    _check_decode_kernel(backend, name, block_size, heads)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 ISA levels")
+def test_cpu_kernel_built_for_avx2_only_gives_the_same_decodes(tmp_path, monkeypatch):
+    """Built for x86-64-v3 (AVX2 + FMA, no AVX-512), as on an AVX2-only CPU, the quantized decodes
+    still read correctly and match the native build."""
+    native = CpuPagedAttention()
+    if not native.is_kernel_available:
+        pytest.skip("no C compiler: the kernel cannot be built here")
+    monkeypatch.setenv(cpu_paged._CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(cpu_paged, "_CFLAGS", tuple(f if f != "-march=native" else "-march=x86-64-v3"
+                                                    for f in cpu_paged._CFLAGS))
+    avx2 = CpuPagedAttention(kernel=cpu_paged.CpuPagedKernel(cpu_paged._build(os.environ.get("CC", "cc"))))
+    _kernel_only(avx2, monkeypatch)
+    for name in ("fp8_e4m3", "fp8_e5m2", "int8"):
+        out = _check_decode_kernel(avx2, name, 16, (9, 3, 64), seed=4)
+        torch.testing.assert_close(out, _check_decode_kernel(native, name, 16, (9, 3, 64), seed=4), atol=1e-6, rtol=0)
 
 
 def test_int8_cache_needs_its_scales():

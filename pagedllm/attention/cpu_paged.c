@@ -11,13 +11,25 @@
  * Layout (the one of pagedllm.attention.backend):
  *   q, out:        [num_reqs, num_heads, head_dim] float32, contiguous (out doubles as the
  *                  accumulator, so it must not alias q)
- *   k/v cache:     [num_blocks, block_size, num_kv_heads, head_dim] (float32 or bf16 as uint16),
+ *   k/v cache:     [num_blocks, block_size, num_kv_heads, head_dim] in one of the KV formats below,
  *                  addressed as block * kv_block_stride + offset * kv_token_stride + kv_head * head_dim
+ *   k/v scales:    int8 caches only: [num_blocks, block_size, num_kv_heads] float32, one scale per
+ *                  token and KV head (stored value = round(x / scale)), indexed by the element offset
+ *                  of the row divided by head_dim
  *   block_tables:  [*, block_table_stride] int32; row r holds request r's physical block ids
  *   seq_lens:      [*] int32; request r attends to its tokens 0 .. seq_lens[r] - 1, or with a
  *                  sliding window W > 0 to its last W tokens only (earlier blocks are not read)
  * Attention-logit soft-capping (Gemma 2): with soft_cap c > 0 each score s becomes c * tanh(s / c).
  * Query head h reads KV head h / (num_heads / num_kv_heads) (grouped-query attention).
+ *
+ * KV formats (pagedllm.quantization.kv_cache): float32; bfloat16 (raw uint16 bits); float8 e4m3fn
+ * and e5m2 (raw bytes; with vLLM's per-tensor k_scale / v_scale: x = code * scale); int8 with per
+ * token-and-head scales. Dequantization is folded into the arithmetic: a token's K scale multiplies
+ * its score (q . (s k) = s (q . k)), its V scale the softmax weight p (p (s v) = (p s) v), and the
+ * per-tensor fp8 scales multiply the softmax scale and the final output, so only the 8-bit to
+ * float conversion runs per element. The float8 decode is integer arithmetic on 32-bit lanes
+ * (exact for every finite code, subnormals included; the writers saturate, so no NaN/inf codes are
+ * stored), so no F16C/AVX-512 instruction is needed.
  *
  * Vectorization: GCC/Clang vector extensions over 16-float chunks of head_dim (one AVX-512
  * register, two AVX2 ones), so head_dim must be a multiple of 16; head_dim 64 and 128 get
@@ -45,7 +57,7 @@
  * tile being computed; measured at batch 64, context 300, block 16: 2 beats 3 by ~1.5x. */
 #define PREFETCH_LOCALITY 2
 
-int pagedllm_cpu_paged_abi_version(void) { return 2; }
+int pagedllm_cpu_paged_abi_version(void) { return 3; }
 int pagedllm_cpu_paged_max_heads(void) { return MAX_HEADS; }
 int pagedllm_cpu_paged_max_head_dim(void) { return 16 * MAX_CHUNKS; }
 
@@ -94,6 +106,58 @@ static inline v16f load_bf16(const uint16_t *p) {
     return (v16f)(__builtin_convertvector(h, v16u32) << 16);
 }
 
+/* 8-bit loads widen through a plain loop: GCC 12 vectorizes it (vpmovsxbd/vpmovzxbd), while its
+ * __builtin_convertvector from 8-bit lanes is scalarized (measured ~3x slower decode). */
+typedef int32_t v16i32 __attribute__((vector_size(64)));
+
+static inline v16f load_i8(const int8_t *p) {
+    int32_t t[16];
+    for (int j = 0; j < 16; j++) t[j] = p[j];
+    v16i32 x;
+    memcpy(&x, t, sizeof x);
+    return __builtin_convertvector(x, v16f);
+}
+
+static inline v16u32 load_u8(const uint8_t *p) {
+    uint32_t t[16];
+    for (int j = 0; j < 16; j++) t[j] = p[j];
+    v16u32 x;
+    memcpy(&x, t, sizeof x);
+    return x;
+}
+
+/* 16 float8 codes with MANT mantissa bits and exponent bias BIAS (e4m3fn: 3, 7; e5m2: 2, 15) to
+ * float32. Normal codes: the 7 magnitude bits shifted so the exponent and mantissa fields line up
+ * with float32's, the exponent rebiased by an integer add. Subnormal codes (exponent field 0):
+ * mantissa * 2^(1 - BIAS - MANT), an exact integer-to-float conversion and multiply. */
+static inline v16f load_fp8(const uint8_t *p, const int mant, const int bias) {
+    const v16u32 code = load_u8(p);
+    const v16u32 mag = code & 0x7f;
+    const v16u32 normal = (mag << (23 - mant)) + ((uint32_t)(127 - bias) << 23);
+    const v16f sub = __builtin_convertvector(mag, v16f) * (1.0f / (float)(1u << (bias - 1 + mant)));
+    v16u32 sub_bits;
+    memcpy(&sub_bits, &sub, sizeof sub_bits);
+    const v16u32 is_sub = (v16u32)(mag < (1u << mant)); /* all-ones lanes where the exponent field is 0 */
+    const v16u32 bits = ((sub_bits & is_sub) | (normal & ~is_sub)) | ((code & 0x80) << 24);
+    v16f x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8_E4M3 = 2, KV_FP8_E5M2 = 3, KV_INT8 = 4 };
+
+/* Elements [off, off + 16) of a cache in format fmt (a compile-time constant at every call), as
+ * float32 codes: still to be multiplied by the tensor scale (fp8) or the token's scale (int8). */
+static inline __attribute__((always_inline)) v16f load_kv(const void *cache, long long off, const int fmt) {
+    switch (fmt) {
+    case KV_BF16: return load_bf16((const uint16_t *)cache + off);
+    case KV_FP8_E4M3: return load_fp8((const uint8_t *)cache + off, 3, 7);
+    case KV_FP8_E5M2: return load_fp8((const uint8_t *)cache + off, 2, 15);
+    case KV_INT8: return load_i8((const int8_t *)cache + off);
+    default: return load_f32((const float *)cache + off);
+    }
+}
+
 static inline void store_f32(float *p, v16f x) { memcpy(p, &x, sizeof x); }
 
 /* Sum of the 16 lanes, in a fixed order (halving). */
@@ -110,18 +174,21 @@ static inline float hsum(v16f x) {
 }
 
 /* One request: out[h, :] = softmax(scale * q[h] . K^T) V over its first seq_len tokens.
- * head_dim is a multiple of 16. is_bf16 is a compile-time constant at both call sites, so
- * each gets its own specialised copy. */
+ * head_dim is a multiple of 16. fmt (a KV_* format) is a compile-time constant at every call
+ * site, so each format gets its own specialised copy. k_scales/v_scales: int8's per token-and-head
+ * scales (NULL otherwise); k_scale/v_scale: the per-tensor scales (1 unless fp8 has others). */
 static inline __attribute__((always_inline)) void decode_one(
-    const float *restrict q, const void *k_cache, const void *v_cache, const int32_t *restrict block_table,
-    int seq_len, float *restrict out, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    long long kv_block_stride, long long kv_token_stride, float scale, int window, float soft_cap, int is_bf16) {
+    const float *restrict q, const void *k_cache, const void *v_cache, const float *k_scales,
+    const float *v_scales, const int32_t *restrict block_table, int seq_len, float *restrict out, int num_heads,
+    int num_kv_heads, int head_dim, int block_size, long long kv_block_stride, long long kv_token_stride,
+    float scale, float k_scale, float v_scale, int window, float soft_cap, const int fmt) {
     const int group = num_heads / num_kv_heads;
     const int num_chunks = head_dim / 16; /* a constant in the specialised copies (64, 128) */
     float scores[MAX_HEADS][TILE];
     float row_max[MAX_HEADS], row_sum[MAX_HEADS];
     long long offsets[TILE];
-    const long long elem_size = is_bf16 ? 2 : 4;
+    const long long elem_size = fmt == KV_F32 ? 4 : fmt == KV_BF16 ? 2 : 1;
+    scale *= k_scale;
     const long long row_bytes = (long long)num_kv_heads * head_dim * elem_size;
     for (int h = 0; h < num_heads; h++) {
         row_max[h] = -INFINITY;
@@ -150,15 +217,14 @@ static inline __attribute__((always_inline)) void decode_one(
             for (int kvh = 0; kvh < num_kv_heads; kvh++) {
                 const long long off = offsets[i] + (long long)kvh * head_dim;
                 v16f k[MAX_CHUNKS];
-                for (int c = 0; c < num_chunks; c++)
-                    k[c] = is_bf16 ? load_bf16((const uint16_t *)k_cache + off + 16 * c)
-                                   : load_f32((const float *)k_cache + off + 16 * c);
+                for (int c = 0; c < num_chunks; c++) k[c] = load_kv(k_cache, off + 16 * c, fmt);
+                const float token_scale = fmt == KV_INT8 ? scale * k_scales[off / head_dim] : scale;
                 for (int g = 0; g < group; g++) {
                     const int h = kvh * group + g;
                     const float *qh = q + (size_t)h * head_dim;
                     v16f acc = load_f32(qh) * k[0];
                     for (int c = 1; c < num_chunks; c++) acc += load_f32(qh + 16 * c) * k[c];
-                    const float s = scale * hsum(acc);
+                    const float s = token_scale * hsum(acc);
                     scores[h][i] = soft_cap > 0.0f ? soft_cap * tanhf(s / soft_cap) : s;
                 }
             }
@@ -183,47 +249,49 @@ static inline __attribute__((always_inline)) void decode_one(
             for (int c = 0; c < num_chunks; c++) acc[c] = load_f32(dst + 16 * c) * alpha;
             for (int i = 0; i < n; i++) {
                 const long long off = offsets[i] + head_off;
-                const float p = scores[h][i];
-                for (int c = 0; c < num_chunks; c++)
-                    acc[c] += p * (is_bf16 ? load_bf16((const uint16_t *)v_cache + off + 16 * c)
-                                           : load_f32((const float *)v_cache + off + 16 * c));
+                const float p = fmt == KV_INT8 ? scores[h][i] * v_scales[off / head_dim] : scores[h][i];
+                for (int c = 0; c < num_chunks; c++) acc[c] += p * load_kv(v_cache, off + 16 * c, fmt);
             }
             for (int c = 0; c < num_chunks; c++) store_f32(dst + 16 * c, acc[c]);
         }
     }
     for (int h = 0; h < num_heads; h++) {
-        const float inv = 1.0f / row_sum[h];
+        const float inv = v_scale / row_sum[h];
         float *acc = out + (size_t)h * head_dim;
         for (int d = 0; d < head_dim; d++) acc[d] *= inv;
     }
 }
 
 #define PAGED_DECODE_ARGS                                                                                   \
-    const float *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,                  \
-        const int32_t *seq_lens, float *out, int req_begin, int req_end, int num_heads, int num_kv_heads,   \
-        int head_dim, int block_size, long long block_table_stride, long long kv_block_stride,              \
-        long long kv_token_stride, float scale, int window, float soft_cap
+    const float *q, const void *k_cache, const void *v_cache, const float *k_scales, const float *v_scales,  \
+        const int32_t *block_tables, const int32_t *seq_lens, float *out, int req_begin, int req_end,         \
+        int num_heads, int num_kv_heads, int head_dim, int block_size, long long block_table_stride,          \
+        long long kv_block_stride, long long kv_token_stride, float scale, float k_scale, float v_scale,      \
+        int window, float soft_cap
 
 /* head_dim 64 and 128 get copies with the chunk loops fully unrolled (accumulators in registers). */
-#define DECODE_REQUESTS(HEAD_DIM, IS_BF16)                                                                  \
+#define DECODE_REQUESTS(HEAD_DIM, FMT)                                                                      \
     for (int r = req_begin; r < req_end; r++) {                                                             \
         const size_t row = (size_t)r * num_heads * (HEAD_DIM);                                              \
-        decode_one(q + row, k_cache, v_cache, block_tables + (long long)r * block_table_stride, seq_lens[r], \
-                   out + row, num_heads, num_kv_heads, (HEAD_DIM), block_size, kv_block_stride,             \
-                   kv_token_stride, scale, window, soft_cap, IS_BF16);                                                        \
+        decode_one(q + row, k_cache, v_cache, k_scales, v_scales, block_tables + (long long)r * block_table_stride, \
+                   seq_lens[r], out + row, num_heads, num_kv_heads, (HEAD_DIM), block_size, kv_block_stride, \
+                   kv_token_stride, scale, k_scale, v_scale, window, soft_cap, FMT);                          \
     }
 
-#define PAGED_DECODE_BODY(IS_BF16)                                                                          \
+#define PAGED_DECODE_BODY(FMT)                                                                              \
     if (head_dim == 64) {                                                                                   \
-        DECODE_REQUESTS(64, IS_BF16)                                                                        \
+        DECODE_REQUESTS(64, FMT)                                                                            \
     } else if (head_dim == 128) {                                                                           \
-        DECODE_REQUESTS(128, IS_BF16)                                                                       \
+        DECODE_REQUESTS(128, FMT)                                                                           \
     } else {                                                                                                \
-        DECODE_REQUESTS(head_dim, IS_BF16)                                                                  \
+        DECODE_REQUESTS(head_dim, FMT)                                                                      \
     }
 
-/* Decode attention of requests [req_begin, req_end), float32 K/V cache. */
-void paged_decode_f32(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(0) }
-
-/* Same, bf16 K/V cache (raw uint16 bit patterns); q and out stay float32. */
-void paged_decode_bf16(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(1) }
+/* Decode attention of requests [req_begin, req_end), one function per KV format; q and out are
+ * float32 whatever the cache stores. k_scales/v_scales are read by the int8 one only, k_scale and
+ * v_scale by every one (pass 1 for an unscaled cache). */
+void paged_decode_f32(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(KV_F32) }
+void paged_decode_bf16(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(KV_BF16) }
+void paged_decode_fp8_e4m3(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(KV_FP8_E4M3) }
+void paged_decode_fp8_e5m2(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(KV_FP8_E5M2) }
+void paged_decode_int8(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(KV_INT8) }

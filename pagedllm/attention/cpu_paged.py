@@ -17,10 +17,12 @@ of the source, the flags and the host CPU, written atomically, and loaded with
 run in parallel on a persistent thread pool, without OpenMP. When no compiler is found or the
 build fails, one warning is logged and the backend behaves exactly like the torch one.
 
-Supported by the kernel: contiguous float32 and bfloat16 KV caches (``kv_cache_dtype`` auto
-or bfloat16; fp8 and int8 caches decode with the torch code, which dequantizes gathered blocks) on CPU with head_dim a
-multiple of 16 (up to 256) and up to 256 query heads; anything else (other dtypes, non-CPU
-tensors, odd head sizes) goes to the torch backend, as do steps without decodes.
+Supported by the kernel: contiguous KV caches of every ``kv_cache_dtype`` — float32,
+bfloat16, float8 e4m3fn/e5m2 and int8 with its per token-and-head scales
+(:mod:`pagedllm.quantization.kv_cache`; the kernel dequantizes as it reads, no gather copy;
+queries are computed in float32) — on CPU with head_dim a multiple of 16 (up to 256) and up to 256 query heads; anything else
+(float16 caches, non-CPU tensors, odd head sizes) goes to the torch backend, as do steps
+without decodes.
 """
 
 from __future__ import annotations
@@ -52,14 +54,18 @@ __all__ = ["CpuPagedAttention", "CpuPagedKernel", "load_kernel"]
 
 _SOURCE = Path(__file__).with_name("cpu_paged.c")
 _CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _CACHE_ENV = "PAGEDLLM_CACHE_DIR"
 
 _c_int, _c_ll, _c_float, _c_void_p = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p
-# paged_decode_{f32,bf16}(q, k_cache, v_cache, block_tables, seq_lens, out, req_begin, req_end, num_heads,
-#   num_kv_heads, head_dim, block_size, block_table_stride, kv_block_stride, kv_token_stride, scale, window,
-#   soft_cap)
-_ARGTYPES = [_c_void_p] * 6 + [_c_int] * 6 + [_c_ll] * 3 + [_c_float, _c_int, _c_float]
+# paged_decode_<format>(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, out, req_begin, req_end,
+#   num_heads, num_kv_heads, head_dim, block_size, block_table_stride, kv_block_stride, kv_token_stride, scale,
+#   k_scale, v_scale, window, soft_cap)
+_ARGTYPES = [_c_void_p] * 8 + [_c_int] * 6 + [_c_ll] * 3 + [_c_float] * 3 + [_c_int, _c_float]
+# the kernel's function per KV-cache storage dtype
+_KERNEL_NAMES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16",
+                 torch.float8_e4m3fn: "paged_decode_fp8_e4m3", torch.float8_e5m2: "paged_decode_fp8_e5m2",
+                 torch.int8: "paged_decode_int8"}
 
 
 class CpuPagedKernel:
@@ -79,39 +85,49 @@ class CpuPagedKernel:
         self.max_head_dim: int = lib.pagedllm_cpu_paged_max_head_dim()
         self.path = path
         self._fns = {}
-        for dtype, name in ((torch.float32, "paged_decode_f32"), (torch.bfloat16, "paged_decode_bf16")):
+        for dtype, name in _KERNEL_NAMES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = _ARGTYPES, None
             self._fns[dtype] = fn
         self._lib = lib  # keep the library loaded
 
     def supports(self, dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
-        """Whether the kernel handles a KV cache of ``dtype`` (float32, bfloat16) with these
-        shapes (``num_heads <= max_heads``; ``head_dim`` a multiple of 16, ``<= max_head_dim``)."""
+        """Whether the kernel handles a KV cache of ``dtype`` (float32, bfloat16, float8 e4m3fn/e5m2,
+        int8) with these shapes (``num_heads <= max_heads``; ``head_dim`` a multiple of 16, ``<= max_head_dim``)."""
         return (dtype in self._fns and 1 <= num_heads <= self.max_heads and head_dim % 16 == 0
                 and 0 < head_dim <= self.max_head_dim)
 
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, out: torch.Tensor, req_begin: int, req_end: int, scale: float,
-               sliding_window: int | None = None, logit_soft_cap: float | None = None) -> None:
+               sliding_window: int | None = None, logit_soft_cap: float | None = None,
+               kv_scales: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         """Decode attention of requests ``[req_begin, req_end)`` into ``out``. Nothing is checked
         here (a bad block id reads out of bounds): :class:`CpuPagedAttention` validates the block
         tables and ``seq_lens`` once per step.
 
         Args:
             query, out: (D, num_heads, head_dim) float32, contiguous, CPU; ``out`` is written.
-            kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim) float32 or bfloat16, contiguous.
+            kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim), contiguous, a dtype of
+                :meth:`supports`.
             block_tables: (>= D, max_blocks) int32 with a unit last stride; ids < num_blocks.
             seq_lens: (>= D,) int32 contiguous; 1 <= seq_lens[r] <= max_blocks * block_size.
             sliding_window: attend to the last W tokens only (None: all); logit_soft_cap: c or None.
+            kv_scales: an int8 cache's (2, num_blocks, block_size, num_kv_heads) float32 scales,
+                contiguous (read for int8 only).
+            k_scale, v_scale: per-tensor scales (stored = value / scale; vLLM's fp8 ``k_scale``/``v_scale``).
         """
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         kv_block_stride = block_size * num_kv_heads * head_dim
+        k_scales = v_scales = 0
+        if kv_scales is not None:
+            k_scales = kv_scales.data_ptr()
+            v_scales = k_scales + num_blocks * block_size * num_kv_heads * kv_scales.element_size()
         self._fns[kv_cache.dtype](
             query.data_ptr(), kv_cache.data_ptr(), kv_cache.data_ptr() + num_blocks * kv_block_stride *
-            kv_cache.element_size(), block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), req_begin,
-            req_end, query.shape[1], num_kv_heads, head_dim, block_size, block_tables.stride(0), kv_block_stride,
-            num_kv_heads * head_dim, scale, sliding_window or 0, logit_soft_cap or 0.0)
+            kv_cache.element_size(), k_scales, v_scales, block_tables.data_ptr(), seq_lens.data_ptr(),
+            out.data_ptr(), req_begin, req_end, query.shape[1], num_kv_heads, head_dim, block_size,
+            block_tables.stride(0), kv_block_stride, num_kv_heads * head_dim, scale, k_scale, v_scale,
+            sliding_window or 0, logit_soft_cap or 0.0)
 
 
 _load_lock = threading.Lock()
@@ -253,7 +269,8 @@ class CpuPagedAttention(TorchPagedAttention):
         """
         kernel = self.kernel
         if not (kernel is not None and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
-                and kernel.supports(kv_cache.dtype, query.shape[1], kv_cache.shape[-1])):
+                and kernel.supports(kv_cache.dtype, query.shape[1], kv_cache.shape[-1])
+                and (kv_cache.dtype != torch.int8 or _scales_fit(kv_scales, kv_cache))):
             super()._decode(query, kv_cache, metadata, scale, out, sliding_window, logit_soft_cap, kv_scales)
             return
         plan = self._kernel_plan(metadata, kv_cache)
@@ -263,7 +280,7 @@ class CpuPagedAttention(TorchPagedAttention):
         args = (q, kv_cache, plan.block_tables, plan.seq_lens, result)
         first, *rest = plan.ranges
         pool = _get_pool(len(rest)) if rest else None
-        extra = (scale, sliding_window, logit_soft_cap)
+        extra = (scale, sliding_window, logit_soft_cap, kv_scales)
         futures = [pool.submit(kernel.decode, *args, *r, *extra) for r in rest] if pool else []
         kernel.decode(*args, *first, *extra)
         for f in futures:
@@ -290,6 +307,13 @@ class CpuPagedAttention(TorchPagedAttention):
         plan = _KernelPlan(owner, num_blocks, tables, seq_lens, _balanced_ranges(lens, num_threads))
         self._kernel_plan_cache = plan if owner is not None else None
         return plan
+
+
+def _scales_fit(kv_scales: torch.Tensor | None, kv_cache: torch.Tensor) -> bool:
+    """Whether an int8 cache's scales are the contiguous float32 (2, num_blocks, block_size,
+    num_kv_heads) tensor the kernel indexes (anything else decodes with the torch code)."""
+    return (kv_scales is not None and kv_scales.dtype == torch.float32 and kv_scales.is_contiguous()
+            and tuple(kv_scales.shape) == tuple(kv_cache.shape[:4]) and kv_scales.device == kv_cache.device)
 
 
 def _validate_decodes(tables: torch.Tensor, lens: list[int], num_blocks: int, block_size: int) -> None:

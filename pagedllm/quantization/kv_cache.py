@@ -79,8 +79,8 @@ def quantize_kv(x: torch.Tensor, storage: torch.dtype, tensor_scale: float = 1.0
     """New K or V rows for the cache.
 
     x: (T, num_kv_heads, head_dim) float -> (values (T, num_kv_heads, head_dim) in ``storage``,
-    scales (T, num_kv_heads) float32 for int8, else None). fp8 saturates at its maximum
-    (torch's float8 conversion does); int8 rounds to nearest.
+    scales (T, num_kv_heads) float32 for int8, else None). fp8 rounds to nearest even and
+    saturates at the format's maximum (448 for e4m3fn, 57344 for e5m2); int8 rounds to nearest even.
     """
     if storage == torch.int8:
         xf = x.float()
@@ -90,6 +90,10 @@ def quantize_kv(x: torch.Tensor, storage: torch.dtype, tensor_scale: float = 1.0
         return q, scales
     if tensor_scale != 1.0:
         x = x / tensor_scale
+    if storage in (torch.float8_e4m3fn, torch.float8_e5m2):
+        # saturate (torch's e5m2 conversion overflows to inf; every backend's writer clamps alike)
+        limit = torch.finfo(storage).max
+        x = x.clamp(-limit, limit)
     return x.to(storage), None
 
 
