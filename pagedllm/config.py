@@ -95,6 +95,15 @@ class EngineConfig:
     max_prefill_tokens_while_decoding: int | None = _f(
         None, "while requests are decoding, at most this many prompt tokens per step (chunked prefill): bounds "
               "inter-token latency; default: off offline, 64 for `serve` on CPU (see benchmarks/step_cost.py)")
+    long_prefill_token_threshold: int = _f(
+        0, "chunked prefill: a prompt with more than this many tokens left to compute is long, and computes at "
+           "most this many per step (vLLM's name; 0 = off; default: off, or 4% of max_model_len when "
+           "max_num_partial_prefills > 1)")
+    max_num_partial_prefills: int = _f(1, "chunked prefill: most requests whose prompt is partly computed at the end "
+                                          "of a step")
+    max_long_partial_prefills: int = _f(1, "chunked prefill: most long prompts (long_prefill_token_threshold) partly "
+                                           "computed at once; a long prompt beyond it lets shorter ones pass it "
+                                           "(at most max_num_partial_prefills)")
     scheduling_policy: str = _f("fcfs", "fcfs or priority")
     batching: str = _f("continuous", "continuous, or static (admit a batch, wait for all of it; benchmarks only)")
     max_logprobs: int = _f(20, "largest logprobs / prompt_logprobs a request may ask for")
@@ -144,6 +153,7 @@ class EngineConfig:
         self._positive("max_num_batched_tokens", allow_none=True)
         self._positive("max_prefill_tokens_while_decoding", allow_none=True)
         self._positive("max_waiting_requests", allow_none=True)
+        self._check_partial_prefills()
         self._positive("tensor_parallel_size")
         if self.tensor_parallel_size > 1 and self.quantization == "gguf":
             raise ValueError("quantization='gguf' is not supported with tensor_parallel_size > 1 (GGUF blocks "
@@ -165,6 +175,24 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when enable_chunked_prefill is off, or a long prompt could never run")
+
+    def _check_partial_prefills(self) -> None:
+        """vLLM's rules for ``long_prefill_token_threshold`` / ``max_num_partial_prefills`` /
+        ``max_long_partial_prefills`` (vllm/config/scheduler.py), each error naming the field."""
+        self._positive("max_num_partial_prefills")
+        self._positive("max_long_partial_prefills")
+        t = self.long_prefill_token_threshold
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"long_prefill_token_threshold must be a non-negative integer (0 = off), got {t!r}")
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be <= "
+                             f"max_num_partial_prefills ({self.max_num_partial_prefills})")
+        if self.max_num_partial_prefills > 1 and not self.enable_chunked_prefill:
+            raise ValueError("max_num_partial_prefills > 1 needs enable_chunked_prefill")
+        if t and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill (it splits prompts)")
+        if self.max_model_len is not None and t > self.max_model_len:
+            raise ValueError(f"long_prefill_token_threshold ({t}) must be <= max_model_len ({self.max_model_len})")
 
     def _positive(self, name: str, allow_none: bool = False) -> None:
         v = getattr(self, name)
@@ -192,6 +220,15 @@ class EngineConfig:
     def swap_space_bytes(self) -> int:
         """The swap space in bytes (allocated only when ``preemption_mode`` is not recompute)."""
         return parse_bytes(self.swap_space, "swap_space")
+
+    @property
+    def long_prefill_threshold(self) -> int:
+        """``long_prefill_token_threshold`` resolved (0 = off): unset with ``max_num_partial_prefills``
+        > 1 it is 4% of ``max_model_len``, as vLLM resolves it."""
+        if self.long_prefill_token_threshold or self.max_num_partial_prefills == 1:
+            return self.long_prefill_token_threshold
+        assert self.max_model_len is not None, "max_model_len must be resolved first"
+        return max(1, int(self.max_model_len * 0.04))
 
     @property
     def token_budget(self) -> int:

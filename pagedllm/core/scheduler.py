@@ -20,6 +20,19 @@ Policies (documented choices):
   many prompt tokens (chunks of running prefills first, then admissions), so one long
   prompt cannot stretch every stream's inter-token gap; a step with no decode uses the
   whole token budget.
+* **Long prompts** (vLLM's ``long_prefill_token_threshold``, ``max_num_partial_prefills``,
+  ``max_long_partial_prefills``). A prompt with more than ``long_prefill_token_threshold``
+  tokens left to compute is *long* and computes at most that many per step, so the step's
+  prompt tokens are shared rather than taken by the first long prompt. A request is a
+  *partial prefill* in a step whose chunk leaves part of its prompt uncomputed; at most
+  ``max_num_partial_prefills`` of them per step (running ones first, in admission order),
+  of which at most ``max_long_partial_prefills`` long. A running prefill without a slot
+  waits for the next step (keeping its blocks); a waiting one ends the admission loop,
+  except a long one refused only for the long slots: it is passed by shorter prompts
+  (the point of ``max_long_partial_prefills < max_num_partial_prefills``). The holders
+  of the slots run first every step, so the slots free up and nothing starves.
+  Defaults (threshold off, one partial prefill) are the plain rule above: a step ends
+  at most one prompt partway.
 * **Head-of-line blocking: strict order, no bypass** (vLLM's policy). The
   waiting loop stops at the first request that cannot be admitted — not enough free
   blocks, or (chunked prefill off) a prompt larger than what is left of the token
@@ -88,8 +101,8 @@ class Scheduler:
     Args:
         config: the engine configuration; reads ``block_size``, ``enable_prefix_caching``,
             ``enable_chunked_prefill``, ``max_num_seqs``, ``token_budget``,
-            ``max_prefill_tokens_while_decoding``,
-            ``max_model_len`` (must be resolved), ``scheduling_policy`` and ``batching``.
+            ``max_prefill_tokens_while_decoding``, ``long_prefill_threshold``,
+            ``max_num_partial_prefills``, ``max_long_partial_prefills``, ``max_model_len`` (must be resolved), ``scheduling_policy`` and ``batching``.
         num_kv_blocks: physical KV blocks available.
         record_trace: keep ``step_trace``, one ``{request_id: num_tokens}`` dict per
             step (tests, benchmarks; grows without bound, so off by default).
@@ -116,6 +129,9 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.token_budget = config.token_budget
         self.max_prefill_tokens_while_decoding = config.max_prefill_tokens_while_decoding
+        self.long_prefill_threshold = config.long_prefill_threshold  # 0: no prompt is long
+        self.max_num_partial_prefills = config.max_num_partial_prefills
+        self.max_long_partial_prefills = config.max_long_partial_prefills
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.is_priority = config.scheduling_policy == "priority"
         self.is_static = config.batching == "static"
@@ -193,6 +209,8 @@ class Scheduler:
         # Prefill tokens this step may still take: capped while requests decode (inter-token latency).
         prefill_left = self._prefill_cap()
         prefill_ids: set[str] = set()  # requests scheduled this step that count against prefill_left
+        partial_ids: set[str] = set()  # prefills this step leaves unfinished (max_num_partial_prefills)
+        long_partial_ids: set[str] = set()  # those of them that are long (max_long_partial_prefills)
 
         # Phase 1: running requests. Decodes first, then unfinished prefill chunks.
         order = sorted(self.running, key=lambda r: len(r.all_token_ids) - r.num_computed_tokens > 1)
@@ -201,15 +219,17 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = len(req.all_token_ids) - req.num_computed_tokens
+            num_left = num_new = len(req.all_token_ids) - req.num_computed_tokens
             is_prefill = num_new > 1
-            limit = min(budget, prefill_left) if is_prefill else budget
+            limit = min(budget, prefill_left, self._chunk_limit(num_left)) if is_prefill else budget
             if num_new > limit:
                 if not self.enable_chunked_prefill:
                     continue
                 num_new = limit
             if num_new <= 0:
                 continue
+            if is_prefill and self._partial_refusal(num_left, num_new, partial_ids, long_partial_ids):
+                continue  # no partial-prefill slot this step: keeps its blocks, runs next step
             while True:
                 block_ids = self._allocate(req, num_new)
                 if block_ids is not None:
@@ -221,6 +241,8 @@ class Scheduler:
                     if victim.request_id in prefill_ids:
                         prefill_ids.discard(victim.request_id)
                         prefill_left += undone
+                    partial_ids.discard(victim.request_id)
+                    long_partial_ids.discard(victim.request_id)
                     new_block_ids.pop(victim.request_id)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -234,6 +256,7 @@ class Scheduler:
             if is_prefill:
                 prefill_ids.add(req.request_id)
                 prefill_left -= num_new
+                self._take_partial_slot(req.request_id, num_left, num_new, partial_ids, long_partial_ids)
 
         # Phase 2: waiting requests, in queue order, with their prefix hits.
         can_admit = not preempted and not (self.is_static and self.running)
@@ -265,11 +288,18 @@ class Scheduler:
             tier_hits = kv.get_tier_hits(req, num_computed // self.block_size)
             num_pool_hit = num_computed
             num_computed += len(tier_hits) * self.block_size
-            num_new = req.num_tokens - num_computed
-            if num_new > min(budget, prefill_left):
+            num_left = num_new = req.num_tokens - num_computed
+            limit = min(budget, prefill_left, self._chunk_limit(num_left))
+            if num_new > limit:
                 if not self.enable_chunked_prefill:
                     break  # admitted whole or waits; nothing passes it
-                num_new = min(budget, prefill_left)
+                num_new = limit
+            refusal = self._partial_refusal(num_left, num_new, partial_ids, long_partial_ids)
+            if refusal == "long":  # long slots taken: shorter prompts behind it may pass
+                i += 1
+                continue
+            if refusal:
+                break  # no partial-prefill slot: head-of-line, nothing passes it
             lookahead = 0
             if self.is_static:  # reserve the worst case now: the batch never grows again
                 worst = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
@@ -290,6 +320,7 @@ class Scheduler:
             num_scheduled[req.request_id] = num_new
             budget -= num_new
             prefill_left -= num_new
+            self._take_partial_slot(req.request_id, num_left, num_new, partial_ids, long_partial_ids)
 
         # Phase 3: the output for the model runner.
         out = SchedulerOutput(num_scheduled_tokens=num_scheduled,
@@ -538,6 +569,35 @@ class Scheduler:
         if any(len(r.all_token_ids) - r.num_computed_tokens == 1 for r in self.running):
             return min(cap, self.token_budget)
         return self.token_budget
+
+    def _chunk_limit(self, num_left: int) -> int:
+        """Most tokens a prefill with ``num_left`` tokens to compute may take this step:
+        ``long_prefill_threshold`` for a long prompt (vLLM V1's rule), else no limit."""
+        if 0 < self.long_prefill_threshold < num_left:
+            return self.long_prefill_threshold
+        return num_left
+
+    def _partial_refusal(self, num_left: int, num_new: int, partial_ids: set[str],
+                         long_partial_ids: set[str]) -> str | None:
+        """Why a chunk of ``num_new`` of ``num_left`` prompt tokens may not run this step:
+        ``"full"`` (max_num_partial_prefills prefills already left unfinished), ``"long"``
+        (a long prompt, max_long_partial_prefills of them already), or None. A chunk that
+        finishes the prompt always may."""
+        if num_new >= num_left:
+            return None
+        if len(partial_ids) >= self.max_num_partial_prefills:
+            return "full"
+        if 0 < self.long_prefill_threshold < num_left and len(long_partial_ids) >= self.max_long_partial_prefills:
+            return "long"
+        return None
+
+    def _take_partial_slot(self, rid: str, num_left: int, num_new: int, partial_ids: set[str],
+                           long_partial_ids: set[str]) -> None:
+        """Count ``rid`` against the partial-prefill slots when its chunk leaves prompt tokens."""
+        if num_new < num_left:
+            partial_ids.add(rid)
+            if 0 < self.long_prefill_threshold < num_left:
+                long_partial_ids.add(rid)
 
     def _pick_victim(self) -> Request:
         """Lowest priority (largest value), latest arrival among running (FCFS: latest)."""

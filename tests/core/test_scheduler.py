@@ -461,3 +461,94 @@ def test_serving_default_caps_prompt_tokens_on_cpu_only():
     assert make_config(max_prefill_tokens_while_decoding=500).with_serving_defaults("cpu").max_prefill_tokens_while_decoding == 500
     with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
         make_config(max_prefill_tokens_while_decoding=0)
+
+
+# ---- long prompts: long_prefill_token_threshold, max_num_partial_prefills ------------------
+def _long_prompt_run(**kw):
+    """`a` decodes while two long prompts (L1: 20 tokens, L2: 12) and a short one (s: 3) arrive."""
+    s = Scheduler(make_config(max_num_batched_tokens=16, long_prefill_token_threshold=4, **kw), num_kv_blocks=30,
+                  record_trace=True)
+    r = FakeRunner(s)
+    reqs = [make_request("a", [1, 2], max_tokens=12)]
+    s.add_request(reqs[0])
+    r.step()
+    reqs += [make_request("L1", list(range(3, 23)), max_tokens=2), make_request("L2", list(range(30, 42)), max_tokens=2),
+             make_request("s", [5, 6, 7], max_tokens=3)]
+    for req in reqs[1:]:
+        s.add_request(req)
+    run_to_completion(r)
+    for req in reqs:  # nobody starved, and splitting changed no token
+        assert req.output_token_ids == reference_output(req.prompt_token_ids, req.max_tokens, 64), req.request_id
+    assert s.kv_cache_manager.num_used_blocks == 0
+    return s.step_trace
+
+
+def test_long_prompts_split_across_steps_while_decodes_continue_and_short_ones_pass():
+    trace = _long_prompt_run(max_num_partial_prefills=2, max_long_partial_prefills=1)
+    assert trace == [
+        {"a": 2},
+        {"a": 1, "L1": 4, "s": 3},  # L1 is long: 4 per step; so is L2, and the long slot is taken: s passes it
+        {"a": 1, "s": 1, "L1": 4},
+        {"a": 1, "s": 1, "L1": 4},
+        {"a": 1, "L1": 4},
+        {"a": 1, "L1": 4, "L2": 4},  # L1's last chunk frees the long slot
+        {"a": 1, "L1": 1, "L2": 4},
+        {"a": 1, "L2": 4},  # L2: 12 tokens in 4-token chunks
+        {"a": 1, "L2": 1},
+        {"a": 1}, {"a": 1}, {"a": 1},
+    ]
+    assert all("a" in step for step in trace[:12])  # a decodes every step until it finishes
+
+
+def test_one_partial_prefill_keeps_strict_order():
+    trace = _long_prompt_run(max_num_partial_prefills=1, max_long_partial_prefills=1)
+    assert trace[:7] == [
+        {"a": 2},
+        {"a": 1, "L1": 4},  # L2 would be a second partial prefill: it waits, and s may not pass it
+        {"a": 1, "L1": 4},
+        {"a": 1, "L1": 4},
+        {"a": 1, "L1": 4},
+        {"a": 1, "L1": 4, "L2": 4, "s": 3},  # L1 completes: the slot is L2's, s completes in this step
+        {"a": 1, "L1": 1, "s": 1, "L2": 4},
+    ]
+    assert all("a" in step for step in trace[:12])
+
+
+def test_partial_prefill_knobs_are_validated_by_name():
+    from pagedllm.entrypoints.args import add_engine_args, engine_config_from_args
+    import argparse
+
+    for kw, field in [(dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
+                      (dict(long_prefill_token_threshold=65), "long_prefill_token_threshold"),  # > max_model_len
+                      (dict(long_prefill_token_threshold=8, enable_chunked_prefill=False, max_num_batched_tokens=64),
+                       "long_prefill_token_threshold"),
+                      (dict(max_num_partial_prefills=0), "max_num_partial_prefills"),
+                      (dict(max_num_partial_prefills=2, enable_chunked_prefill=False), "max_num_partial_prefills"),
+                      (dict(max_long_partial_prefills=0), "max_long_partial_prefills"),
+                      (dict(max_num_partial_prefills=2, max_long_partial_prefills=3), "max_long_partial_prefills")]:
+        with pytest.raises(ValueError, match=field):
+            make_config(**kw)
+    # vLLM's resolution: unset with concurrent partial prefills = 4% of max_model_len
+    assert make_config(max_model_len=1000, max_num_partial_prefills=2).long_prefill_threshold == 40
+    assert make_config(max_model_len=1000).long_prefill_threshold == 0
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    config = engine_config_from_args(p.parse_args(["--long-prefill-token-threshold", "32", "--max-num-partial-prefills",
+                                                   "3", "--max-long-partial-prefills", "2"]))
+    assert (config.long_prefill_token_threshold, config.max_num_partial_prefills,
+            config.max_long_partial_prefills) == (32, 3, 2)
+
+
+def test_long_prompt_passed_by_short_ones_does_not_starve():
+    s = Scheduler(make_config(max_num_batched_tokens=16, long_prefill_token_threshold=4, max_num_partial_prefills=2,
+                              max_num_seqs=64), num_kv_blocks=200, record_trace=True)
+    r = FakeRunner(s)
+    s.add_request(make_request("L1", list(range(3, 15)), max_tokens=1))  # 12 tokens: 3 steps
+    s.add_request(make_request("L2", list(range(30, 42)), max_tokens=1))
+    for step in range(8):  # a new short prompt every step, each behind L2
+        s.add_request(make_request(f"s{step}", [5, 6, step + 7], max_tokens=1))
+        r.step()
+    first = {rid: next(i for i, t in enumerate(s.step_trace) if rid in t) for rid in ("L1", "L2", "s0", "s3")}
+    assert first == {"L1": 0, "L2": 2, "s0": 0, "s3": 3}  # L2 starts with L1's last chunk; s3 after it
+    run_to_completion(r)
+    assert s.kv_cache_manager.num_used_blocks == 0 and not s.has_unfinished_requests()
