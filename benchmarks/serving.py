@@ -18,6 +18,8 @@ and writes a JSON record to ``benchmarks/results/``.
     python benchmarks/serving.py --launch --num-prompts 64 --max-concurrency 32 -- --num-kv-blocks 2048
     # the same workload through LLM.generate, no server: the overhead baseline
     python benchmarks/serving.py --offline --num-prompts 64 --label offline
+    # a 6,000-token prompt arrives while one client streams: that client's largest token gap
+    python benchmarks/serving.py --launch --long-prompt-tokens 6000 --label long_prompt
 """
 
 from __future__ import annotations
@@ -160,6 +162,60 @@ async def run_load(args: argparse.Namespace, work: list[tuple[list[int], int]],
         return list(results), duration
 
 
+async def stream_until(client: httpx.AsyncClient, args: argparse.Namespace, prompt: list[int], started: asyncio.Event,
+                       done: asyncio.Event, times: list[float]) -> None:
+    """Stream one long completion, appending each text chunk's arrival time; set ``started``
+    after ``--long-prompt-after`` tokens; close the stream (the server aborts it) four tokens
+    after ``done``."""
+    body = {"model": args.model, "prompt": prompt, "max_tokens": args.long_prompt_stream_tokens, "temperature": 0.0,
+            "stream": True, **({} if args.no_extras else {"ignore_eos": True})}
+    num_after_done = 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if any(c.get("text") for c in json.loads(line[6:]).get("choices", [])):
+                times.append(time.perf_counter())
+                if len(times) == args.long_prompt_after:
+                    started.set()
+                num_after_done += done.is_set()
+                if num_after_done > 4:
+                    return
+    started.set()
+
+
+async def run_long_prompt(args: argparse.Namespace) -> dict:
+    """One client streams; after its first ``--long-prompt-after`` tokens a prompt of
+    ``--long-prompt-tokens`` tokens arrives. Records the streaming client's inter-token gaps
+    (largest, median) and the long request's TTFT and latency (the issue's worst case: a
+    6,000-token prompt stretching another stream's gap to over a minute)."""
+    rng = random.Random(args.seed)
+    stream_prompt = [rng.randrange(200, 40000) for _ in range(args.input_len_min)]
+    long_prompt = [rng.randrange(200, 40000) for _ in range(args.long_prompt_tokens)]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, headers=headers) as client:
+        warm = await one_request(client, args, stream_prompt[:16], 4)
+        if not warm.ok:
+            raise SystemExit(f"warm-up request failed: {warm.status} {warm.error}")
+        started, done, times = asyncio.Event(), asyncio.Event(), []
+        streamer = asyncio.create_task(stream_until(client, args, stream_prompt, started, done, times))
+        await started.wait()
+        sent = time.perf_counter()
+        long_res = await one_request(client, args, long_prompt, args.long_prompt_output_tokens)
+        done.set()
+        await streamer
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    during = [b - a for a, b in zip(times, times[1:]) if b > sent and a < sent + (long_res.e2e_s or 0)]
+    return {"long_prompt": {"ok": long_res.ok, "error": long_res.error, "prompt_tokens": len(long_prompt),
+                            "ttft_ms": None if long_res.ttft_s is None else 1000.0 * long_res.ttft_s,
+                            "e2e_ms": None if long_res.e2e_s is None else 1000.0 * long_res.e2e_s},
+            "stream": {"num_tokens": len(times), "max_gap_ms": 1000.0 * max(gaps, default=0.0),
+                       "median_gap_ms": percentiles(gaps, (50,))["p50"],
+                       "max_gap_during_long_prompt_ms": 1000.0 * max(during, default=0.0),
+                       "median_gap_during_long_prompt_ms": percentiles(during, (50,))["p50"]}}
+
+
 def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float]:
     """Nearest-rank percentiles in milliseconds (None when there are no values)."""
     if not values:
@@ -255,6 +311,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-extras", action="store_true", help="omit vLLM extra fields (ignore_eos)")
     p.add_argument("--health-interval", type=float, default=0.1,
                    help="seconds between GET /health probes during the load (0 = no probes)")
+    p.add_argument("--long-prompt-tokens", type=int, default=0,
+                   help="scenario instead of the load: a prompt of this many tokens arrives while one client streams")
+    p.add_argument("--long-prompt-after", type=int, default=8, help="stream tokens received before it arrives")
+    p.add_argument("--long-prompt-output-tokens", type=int, default=8)
+    p.add_argument("--long-prompt-stream-tokens", type=int, default=4096, help="max_tokens of the streaming client")
     p.add_argument("--label", default="pagedllm", help="system name recorded in the JSON")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving_<label>_<time>.json)")
     args = p.parse_args(argv)
@@ -265,6 +326,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.launch and not args.offline:
         proc, args.base_url = launch_server(args, engine_flags)
     try:
+        if args.long_prompt_tokens:
+            return long_prompt_main(args, engine_flags)
         if args.offline:
             results, duration = run_offline(args, work, engine_flags)
         else:
@@ -291,6 +354,22 @@ def main(argv: list[str] | None = None) -> dict:
           f"{summary['request_throughput']:.2f} req/s, {summary['output_throughput_tok_s']:.1f} out tok/s, "
           f"TTFT p50/p90/p99 {pct(summary['ttft_ms'])} ms, ITL p50/p90/p99 {pct(summary['itl_ms'])} ms"
           + (f", /health p50/p90/p99 {pct(summary['health_ms'])} ms" if "health_ms" in summary else "") + f" -> {out}")
+    return record
+
+
+def long_prompt_main(args: argparse.Namespace, engine_flags: list[str]) -> dict:
+    """Run the long-prompt scenario, print its result line and write its JSON record."""
+    scenario = asyncio.run(run_long_prompt(args))
+    record = {"benchmark": "serving_long_prompt", "label": args.label, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "args": {k: v for k, v in vars(args).items() if k != "api_key"}, "engine_flags": engine_flags,
+              "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()], **scenario}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else RESULTS / f"serving_{args.label}_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    out.write_text(json.dumps(record, indent=2, default=str))
+    lp, st = scenario["long_prompt"], scenario["stream"]
+    print(f"serving {args.label}: {lp['prompt_tokens']}-token prompt during a stream: its TTFT "
+          f"{lp['ttft_ms'] or float('nan'):.0f} ms; the stream's largest gap {st['max_gap_ms']:.0f} ms "
+          f"(median {st['median_gap_ms'] or 0:.0f} ms, {st['num_tokens']} tokens) -> {out}")
     return record
 
 
