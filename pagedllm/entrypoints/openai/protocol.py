@@ -51,7 +51,7 @@ class OpenAIBase(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, strict=True)]  # strict: a JSON boolean is not a token id
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 _warned_fields: set[str] = set()
 
