@@ -9,6 +9,7 @@
 - :func:`make_metadata`: an :class:`AttentionMetadata` from per-request
   (context_len, query_len, block_table) lists.
 - :func:`allocate_block_tables`: shuffled, disjoint block tables.
+- :func:`kv_rounding_error_bound`: how far attention may move when a KV cache rounds K/V.
 - :func:`run_paged`: drive a model through prefill (optionally chunked) and decode steps
   through a paged KV cache, mixing requests in one batch, and collect every position's logits.
 """
@@ -223,3 +224,16 @@ def run_paged(model, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[i
     finally:
         model.bind_kv_caches([])
     return [torch.cat(rows) for rows in logits]
+
+
+def kv_rounding_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Per query row, a bound on |attn(q, k2, v2) - attn(q, k, v)| from rounding K/V to k2/v2 (a
+    quantized KV cache): with score errors at most d = scale * max_i |q . (k2_i - k_i)|, softmax
+    weights change by a factor within e^(±2d), so |p2 - p|_1 <= e^(2d) - 1, and the output error
+    is at most max|v2 - v| + (e^(2d) - 1) * max|v|. q: (Q, H, D); k, v, k2, v2: (S, KV, D) -> (Q, H)
+    float64 (holds for any causal mask, every row attending to a subset of the S keys)."""
+    group = q.shape[1] // k.shape[1]
+    dk = (k2 - k).double().repeat_interleave(group, dim=1)  # (S, H, D)
+    d = (torch.einsum("qhd,khd->qhk", q.double(), dk).abs().amax(-1)) * scale  # (Q, H)
+    return (v2 - v).abs().max().double() + (torch.exp(2 * d) - 1) * v.abs().max().double()

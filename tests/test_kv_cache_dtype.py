@@ -3,6 +3,7 @@ each format's rounding error."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 
@@ -74,7 +75,7 @@ def test_int8_per_token_head_scales():
 from pagedllm.attention import CpuPagedAttention, TorchPagedAttention  # noqa: E402
 from pagedllm.attention import cpu_paged  # noqa: E402
 from pagedllm.attention.backend import set_forward_context, write_kv_cache  # noqa: E402
-from tests.model_utils import allocate_block_tables, make_metadata  # noqa: E402
+from tests.model_utils import allocate_block_tables, kv_rounding_error_bound, make_metadata  # noqa: E402
 from tests.test_attention import HEAD_DIM, MIXED, NUM_HEADS, NUM_KV_HEADS, SCALE  # noqa: E402
 from tests.test_cpu_paged_attention import reference_attention  # noqa: E402
 
@@ -115,18 +116,6 @@ def _case(name: str, block_size: int, seed: int = 0, reqs=MIXED, heads=(NUM_HEAD
     return spec, torch.cat(qs), new_k, new_v, cache, scales, meta, (qs, ks, vs)
 
 
-def _error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor,
-                 scale: float = SCALE) -> torch.Tensor:
-    """Per query row, a bound on |attn(q, k2, v2) - attn(q, k, v)| from the K/V rounding:
-    with score errors at most d = scale * max_i |q . (k2_i - k_i)|, softmax weights change by a
-    factor within e^(±2d), so |p2 - p|_1 <= e^(2d) - 1, and the output error is at most
-    max|v2 - v| + (e^(2d) - 1) * max|v|. q: (Q, H, D); k, v, k2, v2: (S, KV, D) -> (Q, H)."""
-    group = q.shape[1] // k.shape[1]
-    dk = (k2 - k).double().repeat_interleave(group, dim=1)  # (S, H, D)
-    d = (torch.einsum("qhd,khd->qhk", q.double(), dk).abs().amax(-1)) * scale  # (Q, H)
-    return (v2 - v).abs().max().double() + (torch.exp(2 * d) - 1) * v.abs().max().double()
-
-
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("name", KV_NAMES)
 def test_paged_attention_reads_and_writes_each_kv_dtype(name, block_size):
@@ -142,7 +131,7 @@ def test_paged_attention_reads_and_writes_each_kv_dtype(name, block_size):
             torch.testing.assert_close(got, reference_attention(q, k2, v2, c, SCALE), atol=2e-5, rtol=0)
             # ... hence within the rounding's bound of the float32 attention
             err = (got - reference_attention(q, k, v, c, SCALE)).abs().amax(-1)  # (Q, H)
-            assert (err <= _error_bound(q, k[:c + n], v[:c + n], k2[:c + n], v2[:c + n]) + 2e-5).all()
+            assert (err <= kv_rounding_error_bound(q, k[:c + n], v[:c + n], k2[:c + n], v2[:c + n], SCALE) + 2e-5).all()
             start += n
         # this step's K/V landed at their slots, rounded
         slot_k = as_bytes(cache[0]).view(-1, NUM_KV_HEADS, HEAD_DIM)[meta.slot_mapping].view(spec.storage)
@@ -178,7 +167,7 @@ def _check_decode_kernel(backend: CpuPagedAttention, name: str, block_size: int,
         k2, v2 = _round_trip(k, spec.storage), _round_trip(v, spec.storage)
         torch.testing.assert_close(out[b:b + 1], reference_attention(q, k2, v2, c, scale), atol=2e-5, rtol=0)
         err = (out[b:b + 1] - reference_attention(q, k, v, c, scale)).abs().amax(-1)  # (1, H)
-        assert (err <= _error_bound(q, k, v, k2, v2, scale) + 2e-5).all()
+        assert (err <= kv_rounding_error_bound(q, k, v, k2, v2, scale) + 2e-5).all()
     return out
 
 
@@ -271,3 +260,34 @@ def test_capacity_report_states_dtype_and_tokens(tiny_model_dir):
         blocks[name] = spec.num_blocks
     assert blocks["bfloat16"] == 2 * blocks["auto"] and blocks["fp8"] == 4 * blocks["auto"]
     assert blocks["int8"] == 4 * 2**20 // (2 * 2 * 16 * 2 * 20)
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8"])
+def test_engine_on_triton_backend_matches_torch_backend(tiny_model_dir, monkeypatch, name):
+    """The Triton kernels (interpreted on CPU) write and read the quantized cache as the torch
+    backend does: the same greedy tokens, prefix hit and chunked prefill included."""
+    if importlib.util.find_spec("triton") is None or (not torch.cuda.is_available()
+                                                       and os.environ.get("TRITON_INTERPRET") != "1"):
+        pytest.skip("needs triton (interpreted on CPU)")
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    system = _prompts(1, seed=7, lo=20, hi=20)[0]["prompt_token_ids"]
+    prompts = _prompts(3, seed=5, lo=3, hi=12, prefix=system)
+    outs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", backend)
+        llm = LLM(model=str(tiny_model_dir), kv_cache_dtype=name, num_kv_blocks=64, max_model_len=64,
+                  max_num_batched_tokens=24, enforce_eager=True)
+        outs[backend] = _tokens(llm.generate(prompts[:1], greedy, use_tqdm=False)
+                                + llm.generate(prompts[1:], greedy, use_tqdm=False))
+    assert outs["triton"] == outs["torch"]
+
+
+def test_backend_without_quantized_kv_refuses_it(tiny_model_dir, monkeypatch):
+    """A backend that cannot store fp8/int8 (FlashInfer) is refused up front, naming the field."""
+    from pagedllm.worker import model_runner
+
+    class FloatOnly(TorchPagedAttention):
+        supports_quantized_kv = False
+    monkeypatch.setattr(model_runner, "get_attention_backend", lambda device: FloatOnly())
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not supported by the FloatOnly backend"):
+        LLM(model=str(tiny_model_dir), kv_cache_dtype="int8", num_kv_blocks=16, max_model_len=64)

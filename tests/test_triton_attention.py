@@ -4,7 +4,9 @@ Each case puts every request's cached context into a shuffled paged cache (other
 of large garbage, one of them NaN), runs a kernel for a ragged batch mixing decodes,
 prefills and chunked prefills with cached context, and compares with causal attention over
 the contiguous K/V (GQA by repeating KV heads, sliding window and logit soft-cap applied the
-way Hugging Face's Mistral/Gemma 2 do). Tolerances: float32 1e-4, bfloat16/float16 2e-2.
+way Hugging Face's Mistral/Gemma 2 do). Tolerances: float32 1e-4, bfloat16/float16 2e-2. Quantized
+KV caches (fp8, int8) are checked against the attention over the K/V as stored and, through
+it, against the float attention within the rounding's computed bound.
 
 On a CUDA machine the same tests run on the GPU (``scripts/gpu_check.sh``).
 """
@@ -28,7 +30,9 @@ from pagedllm.attention.triton_kv_write import write_kv_cache_triton  # noqa: E4
 from pagedllm.attention.triton_paged import TritonPagedAttention  # noqa: E402
 from pagedllm.attention.triton_split_kv import choose_num_splits, split_kv_decode  # noqa: E402
 from pagedllm.attention.triton_unified import find_seq_idx, tile_shape, unified_attention  # noqa: E402,F401
-from tests.model_utils import allocate_block_tables, make_metadata  # noqa: E402
+from pagedllm.attention.backend import write_kv_cache  # noqa: E402
+from pagedllm.quantization.kv_cache import dequantize_kv, quantize_kv, resolve_kv_cache_dtype  # noqa: E402
+from tests.model_utils import allocate_block_tables, kv_rounding_error_bound, make_metadata  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -214,6 +218,118 @@ def test_kv_write_strided_input_and_padding_slots(cache_dtype):
     assert (flat[:, untouched] == 0).all()
     with pytest.raises(ValueError, match="do not match"):
         write_kv_cache_triton(key[:, :2], value[:, :2], cache, slots)
+
+
+# -- quantized KV caches (fp8 e4m3fn/e5m2 with per-tensor scale, int8 with per token-and-head scales) ----
+
+QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8"]
+
+
+def build_quantized(reqs, name, *, dtype=torch.float32, num_kv_heads=2, group=3, head_dim=64, block_size=16,
+                    seed=0):
+    """A case whose context sits in a cache of ``kv_cache_dtype=name``, written by the torch
+    backend (the reference writer; other slots hold random codes and scales, NaN scales past a
+    request's end). Returns (query, key, value, cache, kv_scales, meta, stored_ref, float_ref, bound, scale):
+    the float64 attention over the K/V as stored, over the float K/V, and the rounding's bound
+    between the two (:func:`kv_rounding_error_bound`), all (T, num_heads, head_dim) / (T, num_heads)."""
+    spec = resolve_kv_cache_dtype(name, torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    num_heads = num_kv_heads * group
+    seq_lens = [c + n for c, n in reqs]
+    tables, num_blocks = allocate_block_tables(seq_lens, block_size, seed)
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    cache = torch.randint(-128, 128, shape, generator=g, dtype=torch.int8).view(spec.storage)  # random codes
+    scales = None
+    if spec.has_token_scales:
+        scales = 10 * torch.rand(shape[:4], generator=g)
+        scales[:, tables[0][0], -1] = float("nan")  # a stale slot past request 0's end
+    ks = [2 * torch.randn(s, num_kv_heads, head_dim, generator=g) for s in seq_lens]
+    vs = [torch.randn(s, num_kv_heads, head_dim, generator=g) for s in seq_lens]
+    for k in ks:  # float8 subnormals too
+        k[::5] *= 1e-3
+    ks, vs = [k.to(dtype).float() for k in ks], [v.to(dtype).float() for v in vs]  # what the model computes
+    qs = [torch.randn(n, num_heads, head_dim, generator=g).to(dtype).float() for _, n in reqs]
+    for (c, _), table, k, v in zip(reqs, tables, ks, vs):
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(c)], dtype=torch.int64)
+        write_kv_cache(k[:c], v[:c], cache, slots, scales)
+    scale = head_dim**-0.5
+    stored, floats, bounds = [], [], []
+    for (c, _), q, k, v in zip(reqs, qs, ks, vs):
+        k2, v2 = (dequantize_kv(*quantize_kv(x, spec.storage), torch.float32) for x in (k, v))
+        stored.append(reference(q.to(dtype), k2, v2, c, scale))
+        floats.append(reference(q.to(dtype), k, v, c, scale))
+        bounds.append(kv_rounding_error_bound(q, k, v, k2, v2, scale))
+    meta = make_metadata([c for c, _ in reqs], [n for _, n in reqs], tables, block_size, DEVICE)
+    key = torch.cat([k[c:] for (c, _), k in zip(reqs, ks)]).to(dtype)
+    value = torch.cat([v[c:] for (c, _), v in zip(reqs, vs)]).to(dtype)
+    return (torch.cat(qs).to(dtype).to(DEVICE), key.to(DEVICE), value.to(DEVICE), cache.to(DEVICE),
+            None if scales is None else scales.to(DEVICE), meta, torch.cat(stored), torch.cat(floats),
+            torch.cat(bounds), scale)
+
+
+def check_quantized(out, stored_ref, float_ref, bound, dtype):
+    """Attention over the K/V as stored (float32 1e-4; bfloat16 queries 2e-2), hence within the
+    rounding's bound of the float attention."""
+    out = out.cpu().double()
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, stored_ref, atol=TOLERANCE[dtype], rtol=0)
+    assert ((out - float_ref).abs().amax(-1) <= bound + TOLERANCE[dtype]).all()
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_kv_write_quantized_equals_torch_writer(name):
+    """The Triton writer stores the torch writer's codes and scales bit for bit (strided key/value
+    from a fused projection, padding slots skipped, values past the format's range saturate)."""
+    spec = resolve_kv_cache_dtype(name, torch.float32)
+    g = torch.Generator().manual_seed(9)
+    num_blocks, block_size, num_kv_heads, head_dim = 5, 16, 3, 48  # head_dim 48: a padded BLOCK_D
+    qkv = 3 * torch.randn(7, 6 * num_kv_heads * head_dim, generator=g)
+    qkv[:, ::11] *= 1e-4  # float8 subnormals
+    qkv[2, 0] = 1e6  # saturates
+    key = qkv[:, 4 * num_kv_heads * head_dim:5 * num_kv_heads * head_dim].view(7, num_kv_heads, head_dim)
+    value = qkv[:, 5 * num_kv_heads * head_dim:].view(7, num_kv_heads, head_dim)
+    value[1, 2] = 0.0  # an all-zero head: int8 scale 1
+    slots = torch.tensor([3, 17, -1, 79, 40, -1, 0])  # -1: padding, not written
+    real = slots >= 0
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    ref_cache = torch.zeros(shape, dtype=spec.storage)
+    ref_scales = torch.ones(shape[:4]) if spec.has_token_scales else None
+    write_kv_cache(key[real], value[real], ref_cache, slots[real], ref_scales)
+    cache = torch.zeros(shape, dtype=spec.storage, device=DEVICE)
+    scales = torch.ones(shape[:4], device=DEVICE) if spec.has_token_scales else None
+    write_kv_cache_triton(key.to(DEVICE), value.to(DEVICE), cache, slots.to(DEVICE), scales)
+    assert torch.equal(cache.cpu().view(torch.uint8), ref_cache.view(torch.uint8))
+    if scales is not None:
+        assert torch.equal(scales.cpu(), ref_scales)
+    with pytest.raises(ValueError, match="kv_scales"):
+        write_kv_cache_triton(key.to(DEVICE), value.to(DEVICE), cache, slots.to(DEVICE),
+                              None if scales is not None else torch.ones(shape[:4], device=DEVICE))
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_quantized_kv_unified_and_split(name):
+    """The backend over a mixed batch (unified kernel: decodes, prefills, chunks reading cached
+    context) and split-KV decodes, each KV dtype, against the float32 reference within the
+    rounding bound."""
+    query, key, value, cache, scales, meta, stored, floats, bound, scale = build_quantized(MIXED, name, seed=10)
+    out = TritonPagedAttention().forward(query, key, value, cache, meta, scale, kv_scales=scales)
+    check_quantized(out, stored, floats, bound, torch.float32)
+    query, key, value, cache, scales, meta, stored, floats, bound, scale = build_quantized(
+        DECODES, name, num_kv_heads=1, group=8, block_size=4, seed=11)
+    write_kv_cache_triton(key, value, cache, meta.slot_mapping, scales)
+    out = torch.full_like(query, float("nan"))
+    split_kv_decode(query, cache[0], cache[1], out, meta.block_tables, meta.seq_lens, meta.query_start_loc, 4,
+                    scale, kv_scales=scales)
+    check_quantized(out, stored, floats, bound, torch.float32)
+
+
+def test_quantized_kv_bfloat16_queries_and_missing_scales():
+    query, key, value, cache, scales, meta, stored, floats, bound, scale = build_quantized(
+        MIXED, "int8", dtype=torch.bfloat16, head_dim=128, block_size=32, seed=12)
+    out = TritonPagedAttention().forward(query, key, value, cache, meta, scale, kv_scales=scales)
+    check_quantized(out, stored, floats, bound, torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_scales"):
+        TritonPagedAttention().forward(query, key, value, cache, meta, scale)
 
 
 # -- the backend --------------------------------------------------------------------------------

@@ -71,6 +71,10 @@ class AttentionBackend(Protocol):
             and softmax (Gemma 2's attention-logit soft-capping)
         returns: [T, num_heads, head_dim], dtype of ``query``.
     Grouped-query attention: query head h reads KV head h // (num_heads // num_kv_heads).
+
+    A backend with ``supports_quantized_kv = True`` also takes fp8/int8 caches, an int8 one
+    with ``kv_scales=`` (2, num_blocks, block_size, num_kv_heads) float32
+    (:mod:`pagedllm.quantization.kv_cache`); without the attribute, only float caches.
     """
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -21,6 +21,10 @@ New K/V are written with :func:`~pagedllm.attention.backend.write_kv_cache` firs
 Sliding window maps to FlashInfer's ``window_left = sliding_window - 1``, the soft-cap to
 ``logits_soft_cap``. Not used inside CUDA graphs (``supports_cuda_graphs = False``): its
 plan runs on the host each step.
+
+KV caches in the model dtype or bfloat16 only (``supports_quantized_kv = False``): FlashInfer has
+no int8 KV cache with per token-and-head scales, and its float8 paths are not exercised here, so
+the model runner refuses ``kv_cache_dtype`` fp8/int8 with this backend (use the Triton one).
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class FlashInferPagedAttention:
     """
 
     supports_cuda_graphs = False
+    supports_quantized_kv = False  # no int8 KV with per-token scales (see the module docstring)
 
     def __init__(self, workspace_bytes: int = _WORKSPACE_BYTES) -> None:
         import flashinfer

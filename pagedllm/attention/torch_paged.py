@@ -83,6 +83,8 @@ class TorchPagedAttention:
             CUDA (one group).
     """
 
+    supports_quantized_kv = True  # fp8 and int8 caches (kv_scales) are written and read
+
     def __init__(self, max_workspace_bytes: int | None = None) -> None:
         if max_workspace_bytes is not None and max_workspace_bytes <= 0:
             raise ValueError(f"max_workspace_bytes must be positive, got {max_workspace_bytes}")

@@ -2,7 +2,9 @@
 
 Each new token's key and value rows go to its slot of the paged cache
 (slot = block_id × block_size + offset, see :mod:`pagedllm.attention.backend`), cast to the
-cache dtype. One program per token copies its ``num_kv_heads × head_dim`` keys and values;
+cache dtype — or quantized for a float8 or int8 cache (:mod:`pagedllm.attention.triton_kv_dtype`:
+the torch backend's codes bit for bit; int8 writes each token's per-head scales beside the
+block). One program per token writes its ``num_kv_heads × head_dim`` keys and values;
 key/value may be strided views of the fused QKV projection (no copy to make them
 contiguous). A negative slot means "padding, write nothing" (a CUDA-graph batch padded to a
 captured size may carry such tokens).
@@ -14,40 +16,66 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.attention.triton_kv_dtype import (check_kv_scales, encode_fp8, kernel_view, kv_format,
+                                                quantize_int8_rows)
+
+
+@triton.jit
+def _store_row(x, cache_ptr, scales_ptr, cache_offs, scale_offs, mask, head_mask, tensor_scale,
+               KV_FORMAT: tl.constexpr):
+    """One token's (BLOCK_H, BLOCK_D) keys or values into the cache, in its format."""
+    if KV_FORMAT == 0:
+        tl.store(cache_ptr + cache_offs, x.to(cache_ptr.dtype.element_ty), mask=mask)
+    elif KV_FORMAT == 3:
+        codes, scales = quantize_int8_rows(tl.where(mask, x.to(tl.float32), 0.0))
+        tl.store(cache_ptr + cache_offs, codes, mask=mask)
+        tl.store(scales_ptr + scale_offs, scales, mask=head_mask)
+    else:
+        tl.store(cache_ptr + cache_offs, encode_fp8(x.to(tl.float32) / tensor_scale, KV_FORMAT), mask=mask)
+
 
 @triton.jit
 def _kv_write_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cslot, stride_ch,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cslot, stride_ch, k_scale, v_scale,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
-    """Program t: key[t], value[t] (NUM_KV_HEADS, HEAD_DIM) -> cache slot slot_mapping[t]."""
+    """Program t: key[t], value[t] (NUM_KV_HEADS, HEAD_DIM) -> cache slot slot_mapping[t] (and an
+    int8 cache's scales at [slot, head])."""
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot < 0:
         return
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    head_mask = h < NUM_KV_HEADS
+    mask = head_mask[:, None] & (d < HEAD_DIM)[None, :]
     row = t.to(tl.int64)
     cache_offs = slot * stride_cslot + h[:, None] * stride_ch + d[None, :]
+    scale_offs = slot * NUM_KV_HEADS + h
     k = tl.load(key_ptr + row * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    _store_row(k, k_cache_ptr, k_scales_ptr, cache_offs, scale_offs, mask, head_mask, k_scale, KV_FORMAT)
     v = tl.load(value_ptr + row * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    _store_row(v, v_cache_ptr, v_scales_ptr, cache_offs, scale_offs, mask, head_mask, v_scale, KV_FORMAT)
 
 
 def write_kv_cache_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor) -> None:
+                          slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None,
+                          k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write new keys/values into the paged cache, in place (one launch).
 
     Args:
         key, value: (T, num_kv_heads, head_dim), last dim contiguous, any float dtype.
         kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim), contiguous; its dtype
-            is the stored dtype (float32/bfloat16/float16).
+            is the stored dtype (float32/bfloat16/float16, float8 e4m3fn/e5m2, int8).
         slot_mapping: (T,) int64 (or int32); a negative slot skips that token.
+        kv_scales: an int8 cache's (2, num_blocks, block_size, num_kv_heads) float32 scales,
+            written at the same slots; None for other caches.
+        k_scale, v_scale: fp8's per-tensor scales (code = value / scale).
     Raises:
-        ValueError: when key/value/cache shapes disagree or a last dim is strided.
+        ValueError: when key/value/cache shapes disagree, a last dim is strided, or an int8
+            cache comes without its ``kv_scales`` (or another cache with some).
     """
     num_tokens = key.shape[0]
     if key.shape != value.shape or tuple(key.shape[1:]) != tuple(kv_cache.shape[3:]):
@@ -55,14 +83,17 @@ def write_kv_cache_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torc
                          f"(num_kv_heads, head_dim)={tuple(kv_cache.shape[3:])}")
     if key.stride(-1) != 1 or value.stride(-1) != 1 or not kv_cache.is_contiguous():
         raise ValueError("key/value need a contiguous last dim and the kv_cache must be contiguous")
+    check_kv_scales(kv_cache, kv_scales)
     if num_tokens == 0:
         return
     num_kv_heads, head_dim = kv_cache.shape[3:]
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    cache = kernel_view(kv_cache)
+    scales = kv_scales if kv_scales is not None else cache  # a placeholder pointer, never touched
     _kv_write_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
+        key, value, cache[0], cache[1], scales[0], scales[1], slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        num_kv_heads * head_dim, head_dim,
+        num_kv_heads * head_dim, head_dim, k_scale, v_scale,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        KV_FORMAT=kv_format(kv_cache.dtype),
     )

@@ -40,6 +40,7 @@ class TritonPagedAttention:
     """
 
     supports_cuda_graphs = True  # no host sync, launch shapes from host-side batch sizes only
+    supports_quantized_kv = True  # fp8 and int8 caches (kv_scales), pagedllm.attention.triton_kv_dtype
 
     def __init__(self, split_kv_max_programs: int = 128, split_kv_min_seq_len: int = 512) -> None:
         self.split_kv_max_programs = split_kv_max_programs
@@ -47,14 +48,18 @@ class TritonPagedAttention:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, *,
-                sliding_window: int | None = None, logit_soft_cap: float | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, logit_soft_cap: float | None = None,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Write this step's K/V and return causal attention per request.
 
         ``sliding_window``: a query at position i sees keys j with i - j < sliding_window
         (None = all); ``logit_soft_cap``: scores become cap × tanh(scores / cap) (None = off).
+        The cache may hold any ``kv_cache_dtype``: float8 is written and read as vLLM's
+        per-tensor-scaled codes, int8 with ``kv_scales`` (2, num_blocks, block_size,
+        num_kv_heads) float32, one scale per token and KV head (ValueError without them).
         """
         check_shapes(query, key, kv_cache)
-        write_kv_cache_triton(key, value, kv_cache, metadata.slot_mapping)
+        write_kv_cache_triton(key, value, kv_cache, metadata.slot_mapping, kv_scales)
         if query.stride(-1) != 1:
             query = query.contiguous()
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -64,11 +69,11 @@ class TritonPagedAttention:
         num_splits = self.num_splits(metadata, kv_cache)
         if num_splits > 1:
             split_kv_decode(query, key_cache, value_cache, out, metadata.block_tables, metadata.seq_lens,
-                            metadata.query_start_loc, num_splits, scale, sliding_window, logit_soft_cap)
+                            metadata.query_start_loc, num_splits, scale, sliding_window, logit_soft_cap, kv_scales)
         else:
             unified_attention(query, key_cache, value_cache, out, metadata.block_tables, metadata.seq_lens,
                               metadata.query_start_loc, metadata.max_query_len, scale, sliding_window,
-                              logit_soft_cap)
+                              logit_soft_cap, kv_scales)
         return out
 
     __call__ = forward

@@ -24,19 +24,20 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.triton_unified import (_check_options, attend_key_tile, dot_precision, key_tile,
+from pagedllm.attention.triton_kv_dtype import kernel_view, kv_format
+from pagedllm.attention.triton_unified import (_check_options, attend_key_tile, dot_precision, key_tile, scale_pointers,
                                                upcast_for_interpreter)
 
 
 @triton.jit
 def _split_kv_partial_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale, softcap, window,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale, k_scale, v_scale, softcap, window,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FORMAT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
     """Program (seq, kv_head, split): the GROUP query heads of kv_head over one key range."""
     seq = tl.program_id(0)
@@ -71,8 +72,9 @@ def _split_kv_partial_kernel(
     for j in range(lo, hi):
         m_i, l_i, acc = attend_key_tile(
             q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_len, kv_head, k_cache_ptr,
-            v_cache_ptr, block_tables_ptr, stride_bt, stride_cb, stride_cs, stride_ch, scale, softcap, window,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION)
+            v_cache_ptr, k_scales_ptr, v_scales_ptr, k_scale, v_scale, block_tables_ptr, stride_bt, stride_cb,
+            stride_cs, stride_ch, scale, softcap, window,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FORMAT, NUM_KV_HEADS)
 
     # partials laid out (seq, head, split[, d]), float32
     part = (seq * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split
@@ -119,7 +121,8 @@ def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, blo
 def split_kv_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, num_splits: int, scale: float,
-                    sliding_window: int | None = None, logit_soft_cap: float | None = None) -> None:
+                    sliding_window: int | None = None, logit_soft_cap: float | None = None,
+                    kv_scales: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Decode attention (one query token per request) with the keys split ``num_splits`` ways.
 
     Args:
@@ -131,10 +134,11 @@ def split_kv_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         query_start_loc: (B + 1,) int32 (only the first B entries are read).
         num_splits: key ranges per request (>= 1); partials take
             B × num_heads × num_splits × (head_dim + 2) float32 of scratch.
-        scale, sliding_window, logit_soft_cap: as in
-            :func:`~pagedllm.attention.triton_unified.unified_attention`.
+        scale, sliding_window, logit_soft_cap, kv_scales, k_scale, v_scale: as in
+            :func:`~pagedllm.attention.triton_unified.unified_attention` (any KV-cache dtype).
     Raises:
-        ValueError: for a bad head grouping, ``num_splits < 1`` or a non-positive option.
+        ValueError: for a bad head grouping, ``num_splits < 1``, a non-positive option or
+            ``kv_scales`` that do not fit the cache.
     """
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -143,6 +147,7 @@ def split_kv_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     _check_options(sliding_window, logit_soft_cap)
+    k_scales, v_scales = scale_pointers(key_cache, kv_scales)
     num_decodes = seq_lens.shape[0]
     if num_decodes == 0:
         return
@@ -152,14 +157,16 @@ def split_kv_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     part_l = torch.empty_like(part_m)
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     _split_kv_partial_kernel[(num_decodes, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, part_acc, part_m, part_l, block_tables, seq_lens, query_start_loc,
-        scale, float(logit_soft_cap or 0.0), int(sliding_window or 0),
+        query, kernel_view(key_cache), kernel_view(value_cache), k_scales, v_scales, part_acc, part_m, part_l,
+        block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, float(logit_soft_cap or 0.0),
+        int(sliding_window or 0),
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=key_tile(block_size),
         USE_SOFTCAP=logit_soft_cap is not None, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=dot_precision(query.dtype), UPCAST=upcast_for_interpreter(query.dtype),
+        KV_FORMAT=kv_format(key_cache.dtype), NUM_KV_HEADS=num_kv_heads,
     )
     _split_kv_reduce_kernel[(num_decodes, num_heads)](
         part_acc, part_m, part_l, out, query_start_loc, out.stride(0), out.stride(1),

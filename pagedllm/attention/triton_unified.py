@@ -25,6 +25,10 @@ KV cache (Kwon et al., SOSP 2023), in the layout of vLLM's unified Triton attent
   captured for it); a program finds its request by binary search over
   ``query_start_loc`` and exits when its tile is past the request's last token.
 
+KV caches in float32/bfloat16/float16 are read as they are; float8 (e4m3fn/e5m2, per-tensor
+scale) and int8 (per token-and-head scales beside the blocks) are dequantized tile by tile as
+they are loaded (:mod:`pagedllm.attention.triton_kv_dtype`), so attention runs in the query dtype.
+
 Options a model family needs: ``sliding_window`` (a query at position i sees keys j with
 ``i - j < sliding_window``, Mistral/Gemma) and ``logit_soft_cap`` (scores become
 ``cap × tanh(scores / cap)`` after scaling, Gemma 2).
@@ -37,6 +41,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.attention.triton_kv_dtype import check_kv_scales, dequantize_kv_tile, kernel_view, kv_format
 
 
 @triton.jit
@@ -63,16 +69,20 @@ def soft_cap(scores, cap):
 
 @triton.jit
 def attend_key_tile(q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_len, kv_head, k_cache_ptr,
-                    v_cache_ptr, block_tables_ptr, stride_bt, stride_cb, stride_cs, stride_ch, scale, softcap, window,
+                    v_cache_ptr, k_scales_ptr, v_scales_ptr, k_scale, v_scale, block_tables_ptr, stride_bt, stride_cb,
+                    stride_cs, stride_ch, scale, softcap, window,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, KV_FORMAT: tl.constexpr, NUM_KV_HEADS: tl.constexpr):
     """One online-softmax step over key tile j (keys j*TILE_N ..) of request ``seq``.
 
     q: (BLOCK_M, BLOCK_D) rows at positions q_pos (BLOCK_M,); m_i, l_i (BLOCK_M,) and
     acc (BLOCK_M, BLOCK_D) float32 are the running max, normalizer and unnormalized output.
     Keys before ``first_key`` (outside every row's window) are not read: their block-table
-    entries may be stale. Returns the updated (m_i, l_i, acc).
+    entries may be stale. K/V of a quantized cache (KV_FORMAT, :mod:`triton_kv_dtype`) are
+    dequantized as loaded: int8 with the (block, offset, head) scales of ``k/v_scales_ptr``
+    (a (num_blocks, block_size, NUM_KV_HEADS) float32 layout), float8 with ``k/v_scale``.
+    Returns the updated (m_i, l_i, acc).
     """
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
@@ -84,9 +94,17 @@ def attend_key_tile(q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_le
     kv_offs = blocks * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
     # keys past seq_len are masked on load too: their slots may hold anything (0 x NaN is NaN)
     k = tl.load(k_cache_ptr + kv_offs[None, :] + d[:, None],
-                mask=key_mask[None, :] & d_mask[:, None], other=0.0).to(q.dtype)  # (BLOCK_D, TILE_N)
+                mask=key_mask[None, :] & d_mask[:, None], other=0)  # (BLOCK_D, TILE_N)
     v = tl.load(v_cache_ptr + kv_offs[:, None] + d[None, :],
-                mask=key_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)  # (TILE_N, BLOCK_D)
+                mask=key_mask[:, None] & d_mask[None, :], other=0)  # (TILE_N, BLOCK_D)
+    k_scales = 1.0
+    v_scales = 1.0
+    if KV_FORMAT == 3:  # int8: each key's scale, (TILE_N,)
+        scale_offs = (blocks * BLOCK_SIZE + key_pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+        k_scales = tl.load(k_scales_ptr + scale_offs, mask=key_mask, other=0.0)[None, :]
+        v_scales = tl.load(v_scales_ptr + scale_offs, mask=key_mask, other=0.0)[:, None]
+    k = dequantize_kv_tile(k, k_scales, k_scale, KV_FORMAT).to(q.dtype)
+    v = dequantize_kv_tile(v, v_scales, v_scale, KV_FORMAT).to(q.dtype)
     scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # (BLOCK_M, TILE_N) float32
     if USE_SOFTCAP:
         scores = soft_cap(scores, softcap)
@@ -106,12 +124,12 @@ def attend_key_tile(q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_le
 
 @triton.jit
 def _unified_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale, softcap, window, num_seqs,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
+    query_start_loc_ptr, scale, k_scale, v_scale, softcap, window, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FORMAT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
     """Program (tile, kv_head): BLOCK_Q query tokens of one request x the GROUP query heads of kv_head."""
     tile = tl.program_id(0)
@@ -149,8 +167,9 @@ def _unified_attention_kernel(
     for j in range(start_key // TILE_N, tl.cdiv(last_pos + 1, TILE_N)):
         m_i, l_i, acc = attend_key_tile(
             q, q_pos, row_mask, m_i, l_i, acc, j, start_key, seq, seq_len, kv_head, k_cache_ptr,
-            v_cache_ptr, block_tables_ptr, stride_bt, stride_cb, stride_cs, stride_ch, scale, softcap, window,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION)
+            v_cache_ptr, k_scales_ptr, v_scales_ptr, k_scale, v_scale, block_tables_ptr, stride_bt, stride_cb,
+            stride_cs, stride_ch, scale, softcap, window,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FORMAT, NUM_KV_HEADS)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -190,28 +209,34 @@ def dot_precision(dtype: torch.dtype) -> str:
 def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                      sliding_window: int | None = None, logit_soft_cap: float | None = None) -> None:
+                      sliding_window: int | None = None, logit_soft_cap: float | None = None,
+                      kv_scales: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Causal paged attention of a flat ragged batch into ``out`` (one kernel launch).
 
     Args:
         query: (T, num_heads, head_dim), last dim contiguous; float32/bfloat16/float16.
         key_cache, value_cache: (num_blocks, block_size, num_kv_heads, head_dim), already holding
-            every token of this step (write first).
+            every token of this step (write first); float32/bfloat16/float16, float8 or int8.
         out: (T, num_heads, head_dim), written for every real token.
         block_tables: (B, max_blocks) int32; seq_lens: (B,) int32 (cached + new tokens);
         query_start_loc: (B + 1,) int32, request b's query rows are qsl[b]:qsl[b+1].
         max_query_len: the longest query in the batch (host int; picks the tile shape).
         scale: softmax scale; sliding_window: keys a query sees, itself included (None = all);
         logit_soft_cap: Gemma 2's score cap (None = off).
+        kv_scales: an int8 cache's (2, num_blocks, block_size, num_kv_heads) float32 scales
+            (index 0 for key_cache, 1 for value_cache); None for other caches.
+        k_scale, v_scale: fp8's per-tensor scales (value = code × scale).
     Raises:
-        ValueError: when ``num_heads`` is not a multiple of ``num_kv_heads`` or
-            ``sliding_window`` / ``logit_soft_cap`` is not positive.
+        ValueError: when ``num_heads`` is not a multiple of ``num_kv_heads``,
+            ``sliding_window`` / ``logit_soft_cap`` is not positive, or ``kv_scales`` does not
+            fit the cache (:func:`~pagedllm.attention.triton_kv_dtype.check_kv_scales`).
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     _check_options(sliding_window, logit_soft_cap)
+    k_scales, v_scales = scale_pointers(key_cache, kv_scales)
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return
@@ -219,15 +244,25 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     block_m, block_q = tile_shape(group, max_query_len)
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _unified_attention_kernel[grid](
-        query, key_cache, value_cache, out, block_tables, seq_lens, query_start_loc,
-        scale, float(logit_soft_cap or 0.0), int(sliding_window or 0), num_reqs,
+        query, kernel_view(key_cache), kernel_view(value_cache), k_scales, v_scales, out, block_tables, seq_lens,
+        query_start_loc, scale, k_scale, v_scale, float(logit_soft_cap or 0.0), int(sliding_window or 0), num_reqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=key_tile(block_size), USE_SOFTCAP=logit_soft_cap is not None,
         USE_WINDOW=sliding_window is not None, DOT_PRECISION=dot_precision(query.dtype),
-        UPCAST=upcast_for_interpreter(query.dtype),
+        UPCAST=upcast_for_interpreter(query.dtype), KV_FORMAT=kv_format(key_cache.dtype), NUM_KV_HEADS=num_kv_heads,
     )
+
+
+def scale_pointers(key_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensors a kernel gets for an int8 cache's key and value scales (``kv_scales[0]``,
+    ``kv_scales[1]``); for other caches a placeholder (the key cache, never read). Raises ValueError
+    when ``kv_scales`` does not fit ``key_cache`` (:func:`~pagedllm.attention.triton_kv_dtype.check_kv_scales`)."""
+    check_kv_scales(key_cache.unsqueeze(0).expand(2, *key_cache.shape), kv_scales)
+    if kv_scales is None:
+        return key_cache, key_cache
+    return kv_scales[0], kv_scales[1]
 
 
 def _check_options(sliding_window: int | None, logit_soft_cap: float | None) -> None:

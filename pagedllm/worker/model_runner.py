@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pagedllm.attention import Attention, TorchPagedAttention, get_attention_backend
+from pagedllm.attention import Attention, get_attention_backend
 from pagedllm.attention.backend import AttentionMetadata, set_forward_context
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_groups import layers_per_block, make_kv_cache_groups
@@ -151,9 +151,10 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None
         self.memory_profile = None  # worker.memory_profiler.MemoryProfile after CUDA sizing
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        if self.kv_dtype.is_quantized and not isinstance(self.attn_backend, TorchPagedAttention):
+        if self.kv_dtype.is_quantized and not getattr(self.attn_backend, "supports_quantized_kv", False):
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported by the "
-                             f"{type(self.attn_backend).__name__} backend; use auto or bfloat16")
+                             f"{type(self.attn_backend).__name__} backend; use auto or bfloat16, or the torch, cpu or "
+                             f"triton attention backend")
         self.model = self._load_model(model_files)
         self.vocab_size = int(model_files.hf_config.vocab_size)
         self.eos_token_id = model_files.eos_token_id
