@@ -24,6 +24,7 @@ SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING = 64
 QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's int4 CPU kernel accepts
+DATA_PARALLEL_ROUTERS = ("prefix", "least_loaded", "round_robin")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
           "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
@@ -119,6 +120,11 @@ class EngineConfig:
                                       "across, Megatron-style; must divide the attention heads")
     worker_timeout_s: float = _f(300.0, "tensor parallelism: seconds a collective or a call may wait on a worker "
                                         "before the engine fails with an error naming it")
+    data_parallel_size: int = _f(1, "`serve`: engine replicas (one process each, with its own KV cache) behind one "
+                                    "OpenAI front end; requests are routed by prompt prefix, else to the least loaded")
+    data_parallel_router: str = _f("prefix", "`serve` with data_parallel_size > 1: how requests pick a replica: prefix "
+                                   "(the replica that last served the prompt's first blocks, unless it is overloaded), "
+                                   "least_loaded, round_robin")
     disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers (one block table for all layers) instead of freeing blocks outside the window")
 
     def __post_init__(self) -> None:
@@ -155,6 +161,10 @@ class EngineConfig:
         self._positive("max_waiting_requests", allow_none=True)
         self._check_partial_prefills()
         self._positive("tensor_parallel_size")
+        self._positive("data_parallel_size")
+        if self.data_parallel_router not in DATA_PARALLEL_ROUTERS:
+            raise ValueError(f"data_parallel_router must be one of {', '.join(DATA_PARALLEL_ROUTERS)}, "
+                             f"got {self.data_parallel_router!r}")
         if self.tensor_parallel_size > 1 and self.quantization == "gguf":
             raise ValueError("quantization='gguf' is not supported with tensor_parallel_size > 1 (GGUF blocks "
                              "cannot be split along input features); use int8 or int4")

@@ -65,6 +65,9 @@ class LLMEngine:
         from pagedllm.distributed.executor import make_executor
         from pagedllm.loader import load_model_files
 
+        if config.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={config.data_parallel_size}: an LLMEngine (and LLM) is one replica; "
+                             "replicas are served by `pagedllm serve --data-parallel-size N`")
         t0 = time.perf_counter()
         files = load_model_files(config.model, config.tokenizer)
         config = self._resolve_max_model_len(config, files.max_model_len)
