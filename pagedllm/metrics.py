@@ -1,7 +1,8 @@
 """Prometheus metrics of the serving engine, named as vLLM names them (``vllm:`` → ``pagedllm:``).
 
 Existing vLLM dashboards work after replacing the prefix. Every metric carries a
-``model_name`` label. prometheus_client appends ``_total`` to counters in the
+``model_name`` label and an ``engine`` label (the data-parallel replica: ``"0"`` .. ``"N-1"``,
+as vLLM labels its engines). prometheus_client appends ``_total`` to counters in the
 exposition, so the counter ``pagedllm:prompt_tokens`` is scraped as
 ``pagedllm:prompt_tokens_total`` (as in vLLM).
 
@@ -38,27 +39,21 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
-class EngineMetrics:
-    """The server's Prometheus metrics.
+class _Families:
+    """The metric families of one registry, labelled ``model_name`` and ``engine`` (the
+    data-parallel replica, ``"0"`` without data parallelism, as in vLLM)."""
 
-    Args:
-        model_name: value of the ``model_name`` label (the served model name).
-        registry: where to register; default a fresh ``CollectorRegistry``.
-    """
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r, lbl = registry, ["model_name", "engine"]
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        self.model_name = model_name
-        r, lbl = self.registry, ["model_name"]
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pagedllm:{name}", doc, lbl, registry=r)
 
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(f"pagedllm:{name}", doc, lbl, registry=r).labels(model_name)
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"pagedllm:{name}", doc, lbl, registry=r)
 
-        def counter(name: str, doc: str) -> Any:
-            return Counter(f"pagedllm:{name}", doc, lbl, registry=r).labels(model_name)
-
-        def histogram(name: str, doc: str, buckets: tuple) -> Any:
-            return Histogram(f"pagedllm:{name}", doc, lbl, buckets=buckets, registry=r).labels(model_name)
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(f"pagedllm:{name}", doc, lbl, buckets=buckets, registry=r)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -71,10 +66,8 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self._success = Counter("pagedllm:request_success", "Finished requests by finish reason.",
-                                ["model_name", "finished_reason"], registry=r)
-        for reason in FINISH_REASONS:  # expose zeros from the start, as vLLM does
-            self._success.labels(model_name, reason)
+        self.request_success = Counter("pagedllm:request_success", "Finished requests by finish reason.",
+                                       [*lbl, "finished_reason"], registry=r)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token (s).", _TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens (s).",
                              _ITL_BUCKETS)
@@ -88,8 +81,44 @@ class EngineMetrics:
         self.request_generation_tokens = histogram("request_generation_tokens",
                                                    "Generated tokens per request (all n sequences).",
                                                    _TOKEN_BUCKETS)
+
+
+_PER_ENGINE = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_kv_blocks_used",
+               "num_kv_blocks_total", "engine_healthy", "prefix_cache_queries", "prefix_cache_hits",
+               "num_preemptions", "prompt_tokens", "generation_tokens", "ttft", "itl", "tpot", "e2e", "queue_time",
+               "request_prompt_tokens", "request_generation_tokens")
+
+
+class EngineMetrics:
+    """The Prometheus metrics of one engine (one data-parallel replica).
+
+    Args:
+        model_name: value of the ``model_name`` label (the served model name).
+        registry: where to register; default a fresh ``CollectorRegistry``.
+        engine_index: value of the ``engine`` label (the data-parallel replica's index).
+
+    :meth:`for_engine` gives another replica's metrics in the same registry; :meth:`render`
+    of any of them exposes them all.
+    """
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, engine_index: int = 0,
+                 *, _families: _Families | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.engine_index = engine_index
+        self._families = _families if _families is not None else _Families(self.registry)
+        labels = (model_name, str(engine_index))
+        for name in _PER_ENGINE:
+            setattr(self, name, getattr(self._families, name).labels(*labels))
+        self._success = self._families.request_success
+        for reason in FINISH_REASONS:  # expose zeros from the start, as vLLM does
+            self._success.labels(*labels, reason)
         self._lock = threading.Lock()
         self._last_totals: dict[str, int] = {}
+
+    def for_engine(self, engine_index: int) -> "EngineMetrics":
+        """The metrics of replica ``engine_index`` in this registry (same model name)."""
+        return EngineMetrics(self.model_name, self.registry, engine_index, _families=self._families)
 
     # ------------------------------------------------------------------ engine snapshots
     def record_stats(self, stats: Any) -> None:
@@ -124,7 +153,7 @@ class EngineMetrics:
     def record_finished(self, finish_reason: str, e2e_s: float, queue_s: float | None,
                         num_prompt_tokens: int, num_generation_tokens: int, tpot_s: float | None) -> None:
         """One finished (or aborted / failed) request."""
-        self._success.labels(self.model_name, finish_reason or "abort").inc()
+        self._success.labels(self.model_name, str(self.engine_index), finish_reason or "abort").inc()
         self.e2e.observe(max(e2e_s, 0.0))
         if queue_s is not None:
             self.queue_time.observe(max(queue_s, 0.0))

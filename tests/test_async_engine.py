@@ -408,6 +408,39 @@ def test_engine_death_fails_pending_and_new_requests_promptly():
     assert took < 1.0 and healthy is False
 
 
+class StoppableFakeEngine(FakeEngine):
+    """A FakeEngine that counts ``shutdown()`` calls (LLMEngine's stops tensor-parallel workers)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.num_shutdowns = 0
+
+    def shutdown(self) -> None:
+        self.num_shutdowns += 1
+
+
+def test_shutdown_stops_the_engine_itself_once():
+    """AsyncLLMEngine.shutdown ends with engine.shutdown() — after a normal run, without a start,
+    and after the loop died — so nothing the engine started (TP workers) outlives it."""
+    async def main():
+        served = StoppableFakeEngine()
+        eng = AsyncLLMEngine(served, stats_log_interval_s=0)
+        await _collect(eng, "hi", SamplingParams(max_tokens=2), "a")
+        await eng.shutdown()
+        await eng.shutdown()
+        never_started = StoppableFakeEngine()
+        await AsyncLLMEngine(never_started, stats_log_interval_s=0).shutdown()
+        dying = StoppableFakeEngine()
+        eng = AsyncLLMEngine(dying, stats_log_interval_s=0)
+        dying.die = True
+        with pytest.raises(EngineDeadError):
+            await _collect(eng, "hi", SamplingParams(max_tokens=2), "b")
+        await eng.shutdown()
+        return served.num_shutdowns, never_started.num_shutdowns, dying.num_shutdowns
+
+    assert run(main()) == (1, 1, 1)
+
+
 def test_backpressure_rejects_beyond_max_waiting_requests():
     async def main():
         fake = FakeEngine(max_num_seqs=1, step_s=0.01, max_model_len=512)
@@ -447,13 +480,13 @@ def test_metrics_recorded_per_request():
         return metrics.render().decode()
 
     text = run(main())
-    assert 'pagedllm:request_success_total{finished_reason="length",model_name="fake-model"} 2.0' in text
-    assert 'pagedllm:time_to_first_token_seconds_count{model_name="fake-model"} 2.0' in text
+    assert 'pagedllm:request_success_total{engine="0",finished_reason="length",model_name="fake-model"} 2.0' in text
+    assert 'pagedllm:time_to_first_token_seconds_count{engine="0",model_name="fake-model"} 2.0' in text
     # 3 + 2 tokens, one TTFT each: 2 + 1 inter-token gaps
-    assert 'pagedllm:inter_token_latency_seconds_count{model_name="fake-model"} 3.0' in text
-    assert 'pagedllm:generation_tokens_total{model_name="fake-model"} 5.0' in text
-    assert 'pagedllm:request_prompt_tokens_sum{model_name="fake-model"} 10.0' in text
-    assert 'pagedllm:kv_cache_usage_perc{model_name="fake-model"} 0.0' in text
+    assert 'pagedllm:inter_token_latency_seconds_count{engine="0",model_name="fake-model"} 3.0' in text
+    assert 'pagedllm:generation_tokens_total{engine="0",model_name="fake-model"} 5.0' in text
+    assert 'pagedllm:request_prompt_tokens_sum{engine="0",model_name="fake-model"} 10.0' in text
+    assert 'pagedllm:kv_cache_usage_perc{engine="0",model_name="fake-model"} 0.0' in text
 
 
 def test_caller_ids_are_labels_internal_ids_never_collide():

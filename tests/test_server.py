@@ -344,7 +344,7 @@ def test_metrics_endpoint_names(client):
                  "pagedllm:inter_token_latency_seconds_bucket", "pagedllm:e2e_request_latency_seconds_bucket",
                  "pagedllm:request_queue_time_seconds_bucket", "pagedllm:num_preemptions_total"):
         assert name in text, name
-    m = re.search(r'pagedllm:request_success_total\{finished_reason="length",model_name="fake-model"\} (\S+)', text)
+    m = re.search(r'pagedllm:request_success_total\{engine="0",finished_reason="length",model_name="fake-model"\} (\S+)', text)
     assert m and float(m.group(1)) >= 1
 
 
@@ -418,8 +418,8 @@ def test_client_disconnect_aborts_and_frees_blocks():
         assert not fake.requests and fake.used_blocks() == 0
         time.sleep(0.1)
         text = c.get("/metrics").text
-        assert 'pagedllm:kv_cache_usage_perc{model_name="fake-model"} 0.0' in text
-        assert 'pagedllm:request_success_total{finished_reason="abort",model_name="fake-model"} 1.0' in text
+        assert 'pagedllm:kv_cache_usage_perc{engine="0",model_name="fake-model"} 0.0' in text
+        assert 'pagedllm:request_success_total{engine="0",finished_reason="abort",model_name="fake-model"} 1.0' in text
 
 
 def test_non_streaming_client_gone_aborts_too():

@@ -82,3 +82,26 @@ def test_killed_worker_fails_the_engine_with_a_clear_error(tmp_path):
             engine.step()
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_async_engine_shutdown_stops_the_workers(tmp_path):
+    import asyncio
+
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    folder = write_random_llama_folder(tmp_path / "m", num_key_value_heads=2, vocab_size=64,
+                                       **{**SHAPE, "num_hidden_layers": 1})
+    llm = LLM(str(folder), tensor_parallel_size=2, **ENGINE)
+    (_, proc, _), = llm.llm_engine.executor.workers
+
+    async def serve_one_then_shut_down() -> list[int]:
+        engine = AsyncLLMEngine(llm.llm_engine, stats_log_interval_s=0)
+        outs = [o async for o in engine.generate([1, 5, 9], SamplingParams(temperature=0.0, max_tokens=3,
+                                                                          ignore_eos=True))]
+        await engine.shutdown()
+        return outs[-1].outputs[0].token_ids
+
+    assert len(asyncio.run(serve_one_then_shut_down())) == 3
+    proc.join(timeout=10)
+    assert not proc.is_alive()  # stopped by the shutdown, not left for the interpreter's exit

@@ -171,6 +171,11 @@ class AsyncLLMEngine:
         """Requests accepted and not yet finished or aborted."""
         return len(self._streams)
 
+    def is_active(self, request_id: str) -> bool:
+        """Whether the engine request ``request_id`` (an internal id) is accepted and not yet
+        finished, aborted or failed."""
+        return request_id in self._streams
+
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
         """Start the engine thread bound to the running event loop (idempotent)."""
@@ -184,10 +189,12 @@ class AsyncLLMEngine:
             self.metrics.record_stats(self.stats)
 
     async def shutdown(self, timeout_s: float = 30.0, reason: str = "the engine has been shut down") -> None:
-        """Stop the engine thread after its current step; every open stream then raises
-        EngineDeadError(``reason``), and so does every later request. Idempotent."""
+        """Stop the engine thread after its current step, then the engine itself
+        (``engine.shutdown()``: tensor-parallel workers, replica processes); every open stream
+        then raises EngineDeadError(``reason``), and so does every later request. Idempotent."""
         self._is_stopped = True
         if self._thread is None:
+            await asyncio.to_thread(self._shutdown_engine)  # never started: nothing else will
             return
         self._commands.put(_StopCommand())
         await asyncio.to_thread(self._thread.join, timeout_s)
@@ -342,6 +349,15 @@ class AsyncLLMEngine:
         self._submit(_CallCommand(fn, future))
         return await future
 
+    async def kv_cache_snapshot(self, engine_index: int = 0):
+        """The engine's :class:`~pagedllm.core.kv_snapshot.KVCacheSnapshot`, taken between two steps.
+
+        Raises ValueError for an ``engine_index`` other than 0 (one engine), AttributeError
+        when the engine has no KV cache to show, EngineDeadError when the loop has stopped."""
+        if engine_index != 0:
+            raise ValueError(f"engine must be 0 (this server runs one engine), got {engine_index}")
+        return await self.call(lambda e: e.kv_cache_snapshot())
+
     def _submit(self, command: Command) -> None:
         with self._dead_lock:  # pairs with _on_dead: a command never lands in a dead queue
             self._raise_if_dead()
@@ -385,6 +401,19 @@ class AsyncLLMEngine:
                 self._refresh_stats()
         except BaseException as e:  # noqa: BLE001 - the loop must report any death
             self._on_dead(e)
+        finally:
+            self._shutdown_engine()  # stopped or dead, this thread was the engine's last user
+
+    def _shutdown_engine(self) -> None:
+        """``engine.shutdown()`` (tensor-parallel workers, replica processes), if it has one;
+        a failure is logged, never raised (the engine is going away either way)."""
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is None:
+            return
+        try:
+            shutdown()
+        except Exception as e:  # noqa: BLE001
+            logger.warning("engine shutdown failed: %s: %s", type(e).__name__, e)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands; wait for one when idle. Returns False on stop."""

@@ -299,10 +299,16 @@ def build_app_from_args(args: argparse.Namespace) -> FastAPI:
     from pagedllm.worker.model_runner import resolve_device
 
     config = engine_config_from_args(args, model=args.model)
-    engine = LLMEngine(config.with_serving_defaults(resolve_device(config.device).type))
+    config = config.with_serving_defaults(resolve_device(config.device).type)
     names = args.served_model_name or [args.model]
-    async_engine = AsyncLLMEngine(engine, metrics=EngineMetrics(names[0]), log_requests=not args.disable_log_requests,
-                                  stats_log_interval_s=args.stats_log_interval)
+    options = dict(metrics=EngineMetrics(names[0]), log_requests=not args.disable_log_requests,
+                   stats_log_interval_s=args.stats_log_interval)
+    if config.data_parallel_size > 1:
+        from pagedllm.engine.data_parallel import DataParallelAsyncEngine
+
+        async_engine = DataParallelAsyncEngine.from_config(config, **options)
+    else:
+        async_engine = AsyncLLMEngine(LLMEngine(config), **options)
     chat_template = None
     if args.chat_template:
         with open(args.chat_template, encoding="utf-8") as f:

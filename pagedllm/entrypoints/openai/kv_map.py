@@ -1,6 +1,7 @@
 """The live KV-cache map: ``GET /kv`` (an HTML page) and ``GET /kv/state`` (JSON).
 
-``/kv/state`` is :meth:`LLMEngine.kv_cache_snapshot` as JSON — every block's state
+``/kv/state`` (``?engine=i``: data-parallel replica i, default 0) is
+:meth:`LLMEngine.kv_cache_snapshot` as JSON — every block's state
 (free, cached-evictable, in use, shared), every unfinished request's block table and
 token counts, cumulative prefix-cache / eviction / preemption counters and the last
 preemption and caching events — taken on the engine thread between two steps
@@ -22,7 +23,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from pagedllm.engine.async_engine import EngineDeadError
@@ -48,14 +49,18 @@ def add_kv_map_routes(app: FastAPI, engine: Any, model_name: str) -> None:
         return HTMLResponse(kv_map_html(), headers={"Cache-Control": "no-store"})
 
     @app.get(KV_STATE_PATH, responses={200: {"description": "a snapshot of the KV cache (JSON object)"},
-                                       **errors(401, 404)})
-    async def kv_state() -> Response:
+                                       **errors(400, 401, 404)})
+    async def kv_state(engine_index: int = Query(0, alias="engine", description="the data-parallel replica")
+                       ) -> Response:
         try:
-            snapshot = await engine.call(lambda e: e.kv_cache_snapshot())
+            snapshot = await engine.kv_cache_snapshot(engine_index)
+        except ValueError as e:
+            return error_response(400, str(e), "engine")
         except EngineDeadError as e:
             return error_response(503, str(e))
         except AttributeError:
             return error_response(404, "this engine has no KV cache to show")
         body = snapshot.to_dict()
         body["model"] = model_name
+        body["engine"] = engine_index
         return JSONResponse(body, headers={"Cache-Control": "no-store"})

@@ -1,0 +1,372 @@
+"""Data parallelism for the server: N engine replicas behind one OpenAI front end.
+
+``pagedllm serve --data-parallel-size N`` starts N replica processes (each an ``LLMEngine``
+with its own weights, KV cache and prefix cache; see :mod:`pagedllm.engine.replica`), each
+driven by an ordinary :class:`AsyncLLMEngine` in the server process, and answers through
+:class:`DataParallelAsyncEngine`, which has ``AsyncLLMEngine``'s API, so the HTTP layer is
+the same for one engine or N.
+
+The front end tokenizes each prompt once, on its own thread (the tokenizer is not
+thread-safe), so the router can hash it and the replicas receive token ids. The router
+(:mod:`pagedllm.engine.router`, ``--data-parallel-router``) picks the replica; all prompts
+of one request go to the same replica (admitted together). Streams, aborts (client gone)
+and errors are the chosen replica's.
+
+A replica that dies fails its requests at once (EngineDeadError naming it: HTTP 503, or
+an in-band error event in a stream), takes no new requests, and makes ``/health`` answer
+503 naming it, while the other replicas keep serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineInput
+from pagedllm.engine.errors import EngineDeadError, EngineUnhealthyError
+from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.replica import EngineFactory, ReplicaEngine, ReplicaInfo, threads_per_replica
+from pagedllm.engine.request_stream import RequestStream
+from pagedllm.engine.router import ReplicaLoad, Router, make_router
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm.data_parallel")
+
+__all__ = ["DataParallelAsyncEngine", "FrontEnd"]
+
+
+class FrontEnd:
+    """The server's tokenizer work under data parallelism (prompts, chat templates), with the
+    same checks as the engines' :class:`InputProcessor`.
+
+    Args:
+        model_files: the model's files (only the tokenizer is used).
+        info: what replica 0 reported (vocabulary size, resolved ``max_model_len``).
+    """
+
+    def __init__(self, model_files: Any, info: ReplicaInfo) -> None:
+        self.tokenizer = model_files.tokenizer
+        self.input_processor = InputProcessor(self.tokenizer, info.vocab_size, info.config.max_model_len,
+                                              info.config.max_logprobs, [])
+
+    def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
+        """As :meth:`LLMEngine.tokenize_prompt`. Raises ValueError."""
+        return self.input_processor.tokenize(prompt, add_special_tokens)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, continue_final_message: bool = False,
+                            tools: list[dict] | None = None) -> list[int]:
+        """As :meth:`LLMEngine.apply_chat_template`. Raises ValueError."""
+        return self.input_processor.render_chat(conversation, add_generation_prompt, chat_template,
+                                                continue_final_message, tools)
+
+
+class DataParallelAsyncEngine:
+    """``AsyncLLMEngine``'s API over N replicas (build it with :meth:`from_config`).
+
+    Args:
+        replicas: one AsyncLLMEngine per replica, each driving a :class:`ReplicaEngine`.
+        front: the tokenizer work (:class:`FrontEnd`, or anything with ``tokenizer``,
+            ``tokenize_prompt`` and ``apply_chat_template``).
+        config: the served config (``data_parallel_size`` N, ``max_model_len`` resolved).
+        router: chooses each request's replica.
+        metrics: the metrics of replica 0 (:meth:`EngineMetrics.for_engine` gives the others);
+            rendering them exposes every replica's, labelled ``engine``.
+
+    Event-loop thread only, like AsyncLLMEngine.
+    """
+
+    def __init__(self, replicas: list[AsyncLLMEngine], front: Any, config: EngineConfig, router: Router,
+                 metrics: Any = None) -> None:
+        self.replicas = replicas
+        self.front = front
+        self.config = config
+        self.router = router
+        self.metrics = metrics
+        self._front_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-frontend")
+        self._in_flight: list[dict[str, int]] = [{} for _ in replicas]  # request id -> tokens, per replica
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._is_stopped = False
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, metrics: Any = None, log_requests: bool = True,
+                    stats_log_interval_s: float = 10.0, engine_factory: EngineFactory | None = None,
+                    front: Any = None, start_timeout_s: float | None = None) -> "DataParallelAsyncEngine":
+        """Start ``config.data_parallel_size`` replica processes and wait for their engines
+        (blocking: each loads the model).
+
+        ``engine_factory`` builds each replica's engine from its config (default
+        ``LLMEngine``; must be picklable); ``front`` replaces the :class:`FrontEnd` loaded from
+        the model's files (tests pass a fake). Raises ValueError for a config the replicas
+        cannot run (too few GPUs), ReplicaDeadError when a replica fails to start (its
+        traceback in the message; the others are stopped).
+        """
+        n = config.data_parallel_size
+        replica_config = config.replace(data_parallel_size=1)
+        devices = _cuda_device_slices(config)
+        threads = threads_per_replica(n, config.tensor_parallel_size)
+        proxies: list[ReplicaEngine] = []
+        try:
+            for i in range(n):
+                proxies.append(ReplicaEngine(i, replica_config, engine_factory=engine_factory, num_threads=threads,
+                                             cuda_devices=devices[i]))
+            files = None
+            if front is None:  # while the replicas load their weights
+                from pagedllm.loader import load_model_files
+
+                files = load_model_files(config.model, config.tokenizer)
+            infos = [p.wait_ready(start_timeout_s) for p in proxies]
+        except BaseException:
+            for p in proxies:
+                p.shutdown()
+            raise
+        front = front if front is not None else FrontEnd(files, infos[0])
+        replicas = []
+        for i, proxy in enumerate(proxies):
+            proxy.tokenizer = front.tokenizer
+            replicas.append(AsyncLLMEngine(proxy, metrics=None if metrics is None else metrics.for_engine(i),
+                                           log_requests=log_requests, stats_log_interval_s=stats_log_interval_s))
+        served = config.replace(max_model_len=infos[0].config.max_model_len)
+        engine = cls(replicas, front, served, make_router(config.data_parallel_router, config.block_size), metrics)
+        for proxy in proxies:
+            proxy.on_exit, proxy.on_stats = engine._on_replica_exit, engine._on_replica_stats
+        logger.info("data parallel: %d replicas (pids %s), %d CPU threads each, router %s", n,
+                    [p.process.pid for p in proxies], threads, config.data_parallel_router)
+        return engine
+
+    # ------------------------------------------------------------------ engine facts
+    @property
+    def tokenizer(self) -> Any:
+        """The front end's tokenizer (decoding from the event loop is safe; encoding goes
+        through :meth:`call`)."""
+        return self.front.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.replicas[0].model_name
+
+    @property
+    def vocab_size(self) -> int:
+        return self.replicas[0].vocab_size
+
+    @property
+    def num_active_streams(self) -> int:
+        return sum(r.num_active_streams for r in self.replicas)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.replicas)
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self) -> None:
+        """Start every replica's engine thread, bound to the running event loop (idempotent)."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        for replica in self.replicas:
+            replica.start()
+
+    async def shutdown(self, timeout_s: float = 30.0, reason: str = "the engine has been shut down") -> None:
+        """Stop every replica (its thread, then its process); open streams raise
+        EngineDeadError(``reason``). Idempotent."""
+        self._is_stopped = True
+        await asyncio.gather(*(r.shutdown(timeout_s, reason) for r in self.replicas))
+        self._front_thread.shutdown(wait=False)
+
+    @property
+    def is_running(self) -> bool:
+        """True while at least one replica serves."""
+        return any(r.is_running for r in self.replicas)
+
+    @property
+    def is_healthy(self) -> bool:
+        """True while every replica is alive and healthy."""
+        return not self._is_stopped and all(self._down_reason(i) is None and r.is_healthy
+                                            for i, r in enumerate(self.replicas))
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        """Set only when no replica can serve any more."""
+        if any(self._down_reason(i) is None for i in range(len(self.replicas))):
+            return None
+        return EngineDeadError("; ".join(self._down_reasons()))
+
+    async def check_health(self, probe_timeout_s: float = 10.0) -> None:
+        """Raise EngineDeadError when no replica serves, EngineUnhealthyError when some replica
+        is down or failing; the message names each such replica and why."""
+        if self._is_stopped:
+            raise EngineDeadError("the engine has been shut down")
+        problems = self._down_reasons()
+        for i, replica in enumerate(self.replicas):
+            if self._down_reason(i) is not None:
+                continue
+            try:
+                await replica.check_health(probe_timeout_s)
+            except (EngineDeadError, EngineUnhealthyError) as e:
+                problems.append(f"data-parallel engine {i}: {e}")
+        if not problems:
+            return
+        message = f"{len(problems)} of {len(self.replicas)} data-parallel engines unhealthy: " + "; ".join(problems)
+        if len(problems) == len(self.replicas):
+            raise EngineDeadError(message)
+        raise EngineUnhealthyError(message)
+
+    def _down_reason(self, index: int) -> str | None:
+        """Why replica ``index`` cannot serve (its process died or was stopped), or None."""
+        proxy: ReplicaEngine = self.replicas[index].engine
+        return None if proxy.is_alive() else proxy.exit_reason
+
+    def _down_reasons(self) -> list[str]:
+        return [r for r in (self._down_reason(i) for i in range(len(self.replicas))) if r is not None]
+
+    def _on_replica_exit(self, index: int) -> None:
+        """Reader thread of replica ``index``: its process is gone."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stop_replica, index)
+
+    def _on_replica_stats(self, index: int) -> None:
+        """Reader thread of replica ``index``: fresh stats outside a step (an abort freed blocks,
+        say). An idle engine thread waits for a command: wake it so it records them."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake_idle, index)
+
+    def _wake_idle(self, index: int) -> None:
+        replica = self.replicas[index]
+        if replica.is_running and not replica.engine.has_unfinished_requests():
+            asyncio.ensure_future(_quietly(replica.call(lambda proxy: None)))
+
+    def _stop_replica(self, index: int) -> None:
+        reason = self._down_reason(index) or f"data-parallel engine {index} stopped"
+        logger.error("%s; its requests fail, the other replicas keep serving", reason)
+        forget = getattr(self.router, "forget", None)
+        if forget is not None:
+            forget(index)
+        replica = self.replicas[index]
+        if replica.metrics is not None:
+            replica.metrics.set_healthy(False)
+        asyncio.ensure_future(replica.shutdown(reason=reason))
+
+    def _raise_if_dead(self) -> None:
+        if self._is_stopped:
+            raise EngineDeadError("the engine has been shut down")
+        error = self.dead_error
+        if error is not None:
+            raise error
+
+    # ------------------------------------------------------------------ requests
+    async def add_requests(self, label: str, inputs: list[EngineInput], params: SamplingParams, *,
+                           arrival_time: float | None = None, priority: int = 0) -> list[RequestStream]:
+        """Tokenize the prompts, route them (all to one replica) and add them there; returns
+        their streams once that replica accepted every one of them (or none).
+
+        Raises as :meth:`AsyncLLMEngine.add_requests` (ValueError for a bad prompt, with
+        ``prompt[i]:`` for i > 0; EngineOverloadedError; EngineDeadError when no replica serves
+        or the chosen one died meanwhile).
+        """
+        self.start()
+        self._raise_if_dead()
+        arrival = time.time() if arrival_time is None else arrival_time
+        tokenized = await self.call(lambda front: _tokenize_inputs(front, inputs))
+        index = self.router.route(tokenized[0].prompt["prompt_token_ids"], self._loads())
+        streams = await self.replicas[index].add_requests(label, tokenized, params, arrival_time=arrival,
+                                                          priority=priority)
+        tokens = sum(len(t.prompt["prompt_token_ids"]) for t in tokenized) + params.n * (params.max_tokens or 0)
+        for stream in streams:
+            self._in_flight[index][stream.request_id] = tokens // len(streams)
+        return streams
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+                          arrival_time: float | None = None, priority: int = 0,
+                          prompt_text: str | None = None) -> RequestStream:
+        """As :meth:`add_requests` with one prompt."""
+        (stream,) = await self.add_requests(request_id, [EngineInput(prompt, prompt_text)], params,
+                                            arrival_time=arrival_time, priority=priority)
+        return stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, *,
+                       arrival_time: float | None = None, priority: int = 0,
+                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+        """As :meth:`AsyncLLMEngine.generate`: the outputs of one request; leaving early aborts it."""
+        stream = await self.add_request(request_id or "req", prompt, params, arrival_time=arrival_time,
+                                        priority=priority, prompt_text=prompt_text)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def _loads(self) -> list[ReplicaLoad | None]:
+        """Each replica's requests and tokens in flight; None for a replica that cannot serve."""
+        loads: list[ReplicaLoad | None] = []
+        for i, replica in enumerate(self.replicas):
+            if self._down_reason(i) is not None or not replica.is_running:
+                loads.append(None)
+                continue
+            live = self._in_flight[i]
+            for rid in [rid for rid in live if not replica.is_active(rid)]:
+                del live[rid]
+            loads.append(ReplicaLoad(len(live), sum(live.values())))
+        if all(load is None for load in loads):
+            raise EngineDeadError("no data-parallel engine can serve: " + "; ".join(self._down_reasons()))
+        return loads
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(front)`` on the front end's thread (tokenizer work) and return its result.
+        Exceptions of ``fn`` propagate; raises EngineDeadError once shut down."""
+        self.start()
+        if self._is_stopped:
+            raise EngineDeadError("the engine has been shut down")
+        return await self._loop.run_in_executor(self._front_thread, fn, self.front)
+
+    async def kv_cache_snapshot(self, engine_index: int = 0) -> Any:
+        """Replica ``engine_index``'s KV-cache snapshot. Raises ValueError for an index outside
+        0..N-1, EngineDeadError when that replica is down."""
+        if not 0 <= engine_index < len(self.replicas):
+            raise ValueError(f"engine must be in 0..{len(self.replicas) - 1}, got {engine_index}")
+        return await self.replicas[engine_index].call(lambda proxy: proxy.kv_cache_snapshot())
+
+
+async def _quietly(awaitable: Any) -> None:
+    """Await, ignoring EngineDeadError (a replica that stopped meanwhile)."""
+    try:
+        await awaitable
+    except EngineDeadError:
+        pass
+
+
+def _tokenize_inputs(front: Any, inputs: list[EngineInput]) -> list[EngineInput]:
+    """Each prompt as ``{"prompt_token_ids": ids}`` with its text to report (front-end thread).
+    Raises ValueError (``prompt[i]:`` for i > 0) as the engine would."""
+    out = []
+    for i, item in enumerate(inputs):
+        try:
+            ids = front.tokenize_prompt(item.prompt)
+        except ValueError as e:
+            raise ValueError(f"prompt[{i}]: {e}" if i else str(e)) from None
+        text = item.prompt_text if item.prompt_text is not None or not isinstance(item.prompt, str) else item.prompt
+        out.append(EngineInput({"prompt_token_ids": ids}, text))
+    return out
+
+
+def _cuda_device_slices(config: EngineConfig) -> list[str | None]:
+    """``CUDA_VISIBLE_DEVICES`` of each replica: replica i gets GPUs ``i*tp .. (i+1)*tp - 1``
+    of the visible ones; None for all (CPU). Raises ValueError naming data_parallel_size when
+    there are too few GPUs."""
+    n, tp = config.data_parallel_size, config.tensor_parallel_size
+    if config.device == "cpu":
+        return [None] * n
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return [None] * n
+    if count < n * tp:
+        raise ValueError(f"data_parallel_size={n} x tensor_parallel_size={tp} needs {n * tp} GPUs, found {count}")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(count)]
+    return [",".join(ids[i * tp:(i + 1) * tp]) for i in range(n)]
