@@ -10,6 +10,7 @@ and a replica killed mid-stream (its request fails with an error naming it, /hea
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -33,7 +34,7 @@ MODEL = "fake-model"
 
 
 def make_dp_server(n: int = 2) -> tuple[ServerThread, DataParallelAsyncEngine]:
-    config = EngineConfig(model=MODEL, max_model_len=64, block_size=4, data_parallel_size=n)
+    config = EngineConfig(model=MODEL, max_model_len=512, block_size=4, data_parallel_size=n)
     engine = DataParallelAsyncEngine.from_config(config, engine_factory=fake_replica, front=FakeEngine(),
                                                  metrics=EngineMetrics(MODEL), log_requests=False,
                                                  stats_log_interval_s=0, start_timeout_s=120)
@@ -88,11 +89,26 @@ def test_stream_and_n_through_two_replicas(dp):
         chat = client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
                                                          "messages": [{"role": "user", "content": "hi"}]})
         assert chat.json()["choices"][0]["message"]["content"] == "ab"
-        bad = client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 70, "max_tokens": 1})
+        bad = client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 600, "max_tokens": 1})
         assert bad.status_code == 400 and "maximum context length" in bad.json()["error"]["message"]
         assert client.get("/health").status_code == 200
         text = client.get("/metrics").text
         assert metric(text, "engine_healthy", 0) == metric(text, "engine_healthy", 1) == 1.0
+
+
+def test_prompts_of_one_request_are_admitted_in_one_replica_turn(dp):
+    def steps_before_adds() -> list[list[int]]:  # each replica's, read on its engine thread
+        calls = [r.call(lambda proxy: proxy.call_engine("steps_before_adds")) for r in dp.engine.replicas]
+        return [asyncio.run_coroutine_threadsafe(c, dp.engine._loop).result(10) for c in calls]
+
+    before = steps_before_adds()
+    with httpx.Client(base_url=dp.url, timeout=30) as client:
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": ["p one", "p two", "p three", "p four"],
+                                                 "max_tokens": 3})
+        assert r.status_code == 200 and [c["text"] for c in r.json()["choices"]] == ["abc"] * 4
+    new = [after[len(b):] for after, b in zip(steps_before_adds(), before)]
+    (adds,) = [n for n in new if n]  # all four on one replica ...
+    assert len(adds) == 4 and len(set(adds)) == 1  # ... added with no step between them
 
 
 def test_requests_sharing_a_prefix_land_on_one_replica(dp):
@@ -113,7 +129,7 @@ def test_client_disconnect_aborts_on_its_replica(dp):
     with httpx.Client(base_url=dp.url, timeout=30) as client:
         before = client.get("/metrics").text
         aborted_before = [metric(before, "request_success_total", i, finished_reason="abort") for i in range(2)]
-        body = {"model": MODEL, "prompt": "a long one", "max_tokens": 50, "stream": True}
+        body = {"model": MODEL, "prompt": "a long one", "max_tokens": 400, "stream": True}
         with client.stream("POST", "/v1/completions", json=body) as resp:
             next(resp.iter_lines())  # the stream has started on some replica
             index = next(i for i, r in enumerate(dp.engine.replicas) if r.num_active_streams)
@@ -135,7 +151,7 @@ def test_kv_state_per_replica(dp):
 def test_killed_replica_fails_its_requests_and_health_names_it():
     server, engine = make_dp_server()
     with server, httpx.Client(base_url=server.url, timeout=30) as client:
-        body = {"model": MODEL, "prompt": "doomed request", "max_tokens": 45, "stream": True}
+        body = {"model": MODEL, "prompt": "doomed request", "max_tokens": 400, "stream": True}
         events: list[str] = []
         with client.stream("POST", "/v1/completions", json=body) as resp:
             lines = resp.iter_lines()

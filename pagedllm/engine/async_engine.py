@@ -107,6 +107,7 @@ class AsyncLLMEngine:
         metrics: the Prometheus metrics to feed, or None.
         log_requests: log one line per finished request.
         stats_log_interval_s: seconds between status log lines (0 disables them).
+        name: how status lines name the engine (``"engine 1"`` for a data-parallel replica).
 
     Request ids: the id a caller passes is a *label* (logs, responses), never used by the
     engine; each engine request gets an internal id ``f"{label}-{k}"`` with ``k`` from a
@@ -117,7 +118,7 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: SyncEngine, *, max_waiting_requests: int | None = None,
                  metrics: "EngineMetrics | None" = None, log_requests: bool = True,
-                 stats_log_interval_s: float = 10.0) -> None:
+                 stats_log_interval_s: float = 10.0, name: str = "engine") -> None:
         self.engine = engine
         if max_waiting_requests is None:
             max_waiting_requests = engine.config.max_waiting_requests
@@ -138,7 +139,7 @@ class AsyncLLMEngine:
         # Engine-thread state.
         self._tracker = RequestTracker(metrics, log_requests)
         self.stats = engine.get_stats()  # the latest EngineStats snapshot (replaced, never mutated)
-        self._status_logger = StatusLogger(stats_log_interval_s, self.stats)
+        self._status_logger = StatusLogger(stats_log_interval_s, self.stats, name)
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> "AsyncLLMEngine":

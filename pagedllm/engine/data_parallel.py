@@ -131,7 +131,8 @@ class DataParallelAsyncEngine:
         for i, proxy in enumerate(proxies):
             proxy.tokenizer = front.tokenizer
             replicas.append(AsyncLLMEngine(proxy, metrics=None if metrics is None else metrics.for_engine(i),
-                                           log_requests=log_requests, stats_log_interval_s=stats_log_interval_s))
+                                           log_requests=log_requests, stats_log_interval_s=stats_log_interval_s,
+                                           name=f"engine {i}"))
         served = config.replace(max_model_len=infos[0].config.max_model_len)
         engine = cls(replicas, front, served, make_router(config.data_parallel_router, config.block_size), metrics)
         for proxy in proxies:

@@ -15,7 +15,8 @@ Messages (pickled over one ``multiprocessing`` pipe; requests carry token ids, a
 tokenized by the front end):
 
 - server → replica: ``("add", call_id, request_id, prompt, params, arrival_time, priority,
-  prompt_text)``, ``("abort", [request_ids])``, ``("call", call_id, method, args)``, ``("stop",)``;
+  prompt_text)``, ``("abort", [request_ids])``, ``("call", call_id, method, args)``,
+  ``("go",)`` (adds done: step), ``("stop",)``;
 - replica → server: ``("ready", ReplicaInfo)`` or ``("start_failed", traceback)`` once, then
   ``("reply", call_id, is_ok, value)``, ``("step", outputs, stats)`` after every step,
   ``("stats", stats)`` after commands applied without a step, ``("dead", traceback)`` when its
@@ -130,13 +131,18 @@ class _ReplicaLoop:
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every command waiting (at least one when ``block``). False on stop or when the
-        server is gone."""
+        server is gone.
+
+        After an ``add`` it waits for the next message before stepping: the prompts of one
+        request arrive as consecutive adds, each answered at once, and are admitted in one
+        turn; the server's first ``step()`` after them sends ``go``."""
         try:
             if block or self.conn.poll():
                 while True:
-                    if not self._apply(self.conn.recv()):
+                    msg = self.conn.recv()
+                    if not self._apply(msg):
                         return False
-                    if not self.conn.poll():
+                    if msg[0] != "add" and not self.conn.poll():
                         return True
         except (EOFError, OSError):  # the server's end closed
             return False
@@ -212,6 +218,7 @@ class ReplicaEngine:
         self._replies: dict[int, tuple] = {}
         self._call_ids = itertools.count()
         self._unfinished: set[str] = set()
+        self._is_holding = False  # the last message sent was an add
         self._exit_reason: str | None = None
         self._is_shut_down = False
         self.info: ReplicaInfo | None = None
@@ -280,6 +287,7 @@ class ReplicaEngine:
         (ValueError for bad input), ReplicaDeadError when the replica is gone."""
         self._call(("add", None, request_id, prompt, params, arrival_time, priority, prompt_text))
         self._unfinished.add(request_id)
+        self._is_holding = True  # the replica waits for the next message before its next step
         return request_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -290,6 +298,9 @@ class ReplicaEngine:
     def step(self) -> list:
         """The outputs of the replica's next step (blocks until it sends them).
         Raises ReplicaDeadError when the replica is gone."""
+        if self._is_holding:
+            self._is_holding = False
+            self._send(("go",))
         outputs = (self._steps.popleft() if self._steps else self._next_step())[1]
         for out in outputs:
             if out.finished:
@@ -308,7 +319,12 @@ class ReplicaEngine:
 
     def kv_cache_snapshot(self) -> Any:
         """The replica's KV-cache snapshot (round trip, between two of its steps)."""
-        return self._call(("call", None, "kv_cache_snapshot", ()))
+        return self.call_engine("kv_cache_snapshot")
+
+    def call_engine(self, method: str, *args: Any) -> Any:
+        """``engine.<method>(*args)`` in the replica, between two of its steps (round trip);
+        returns its (picklable) result or raises its exception."""
+        return self._call(("call", None, method, args))
 
     def is_alive(self) -> bool:
         """Whether the replica's process runs and its loop has not failed."""

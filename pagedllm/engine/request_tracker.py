@@ -113,8 +113,9 @@ class StatusLogger:
     since the previous line, divided by the time between the two lines.
     """
 
-    def __init__(self, interval_s: float, stats: "EngineStats") -> None:
+    def __init__(self, interval_s: float, stats: "EngineStats", name: str = "engine") -> None:
         self.interval_s = interval_s
+        self.name = name  # starts the line: "engine 1" for a data-parallel replica
         self._last_time = time.monotonic()
         self._last_stats = stats
 
@@ -129,9 +130,9 @@ class StatusLogger:
             return  # idle: nothing new to say
         queries = s.prefix_cache_queries - prev.prefix_cache_queries
         hits = s.prefix_cache_hits - prev.prefix_cache_hits
-        logger.info("engine: running=%d waiting=%d kv_usage=%.1f%% prefix_cache_hit_rate=%.1f%% "
+        logger.info("%s: running=%d waiting=%d kv_usage=%.1f%% prefix_cache_hit_rate=%.1f%% "
                     "prompt_throughput=%.1f tok/s generation_throughput=%.1f tok/s preemptions=%d",
-                    s.num_running, s.num_waiting, 100.0 * s.kv_cache_usage,
+                    self.name, s.num_running, s.num_waiting, 100.0 * s.kv_cache_usage,
                     100.0 * hits / queries if queries else 0.0,
                     (s.prompt_tokens_total - prev.prompt_tokens_total) / dt,
                     (s.generation_tokens_total - prev.generation_tokens_total) / dt, s.num_preemptions_total)
