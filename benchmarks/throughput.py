@@ -23,6 +23,13 @@ Systems (``--mode`` and ``--peer`` take comma-separated lists):
 - ``--peer llamacpp``: a ``llama-server -np N`` binary (``--llama-server``) fed by N
   concurrent HTTP clients; it runs the Q4_1 GGUF weights (not the same numerics).
 
+With ``--dtype bfloat16`` each system also runs the workload once in float32 before the
+timed rounds (``--reference-dtype``, untimed, loaded and closed one at a time), and the
+record gives every system's greedy agreement with its own float32 output and with
+pagedllm's: requests identical end to end, and the share of tokens before the first
+divergence. A peer whose environment is missing (no venv, no exported weights, no
+binary) is skipped with a message saying how to create it (``benchmarks/setup_peers.sh``).
+
 Workloads (``--workload``): ``high-load`` (default: 128 prompts uniform in 20–500 tokens,
 outputs log-normal median 64, clipped to 8–512) and ``peers`` (the 32 × 128 workload of
 ``/work/shared/peers.md``: prompts 20–200 tokens, 128 output tokens each).
@@ -30,6 +37,7 @@ outputs log-normal median 64, clipped to 8–512) and ``peers`` (the 32 × 128 w
     python benchmarks/throughput.py                                  # continuous vs static
     python benchmarks/throughput.py --peer hf --repeats 2
     python benchmarks/throughput.py --workload peers --mode continuous --peer hf,vllm
+    python benchmarks/throughput.py --workload peers --mode continuous --peer vllm --dtype bfloat16
     python benchmarks/throughput.py --quick                          # tiny, for tests
 """
 
@@ -65,6 +73,10 @@ def default_gguf(model: str = "smollm2-135m-instruct") -> str:
 
 
 # ---- systems ----------------------------------------------------------------------------
+
+class PeerUnavailable(RuntimeError):
+    """A peer's environment (venv, exported weights, binary) is not on this machine."""
+
 
 class System:
     """One system under test: ``load()`` once, ``run(workload)`` per repeat, ``close()``.
@@ -177,9 +189,11 @@ class VLLMSystem(System):
 
     def load(self) -> None:
         if not Path(self.python).exists():
-            raise FileNotFoundError(f"--vllm-python {self.python} not found; see benchmarks/peers.md")
+            raise PeerUnavailable(f"vllm: --vllm-python {self.python} not found; create it with "
+                                  f"`bash benchmarks/setup_peers.sh` (benchmarks/peers.md)")
         if not (Path(self.model_dir) / "config.json").exists():
-            raise FileNotFoundError(f"--hf-dir {self.model_dir} has no config.json; run benchmarks/export_hf.py")
+            raise PeerUnavailable(f"vllm: --hf-dir {self.model_dir} has no config.json; run "
+                                  f"`bash benchmarks/setup_peers.sh` or benchmarks/export_hf.py --out {self.model_dir}")
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
         worker = common.BENCH_DIR / "peer_vllm_worker.py"
@@ -231,7 +245,8 @@ class LlamaCppSystem(System):
     def load(self) -> None:
         import httpx
         if not Path(self.server).exists():
-            raise FileNotFoundError(f"--llama-server {self.server} not found; see benchmarks/peers.md")
+            raise PeerUnavailable(f"llamacpp: --llama-server {self.server} not found; build it as "
+                                  f"benchmarks/peers.md says")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -322,6 +337,26 @@ def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(1 for x, y in zip(a, b) if x == y) / max(len(a), 1)
 
 
+def prefix_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of ``a``'s tokens generated before the first divergence from ``b`` (1.0: identical).
+
+    Greedy decoding feeds each token back, so after the first differing token the two
+    continuations are different texts; positions past it say nothing about numerics.
+    """
+    same = 0
+    for x, y in zip(a, b):
+        n = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        same += n
+    return same / max(sum(len(x) for x in a), 1)
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Greedy agreement of two runs of the same workload: identical requests and token prefix share."""
+    return {"identical_requests": round(greedy_agreement(a, b), 3),
+            "num_identical": sum(1 for x, y in zip(a, b) if x == y),
+            "tokens_before_divergence": round(prefix_agreement(a, b), 3)}
+
+
 def plot(record: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -341,7 +376,9 @@ def plot(record: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def build_systems(args) -> list[System]:
+def build_systems(args, dtype: str | None = None) -> list[System]:
+    """The systems named by ``--mode`` and ``--peer``, each in ``dtype`` (default ``--dtype``)."""
+    dtype = dtype or args.dtype
     engine_kwargs = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
                      "kv_cache_memory": args.kv_cache_memory}
     systems: list[System] = []
@@ -351,12 +388,12 @@ def build_systems(args) -> list[System]:
         kw = dict(engine_kwargs)
         if mode == "static":
             kw["max_num_batched_tokens"] = args.static_token_budget
-        systems.append(PagedLLMSystem(mode, args.dtype, kw, args.model))
+        systems.append(PagedLLMSystem(mode, dtype, kw, args.model))
     for peer in filter(None, args.peer.split(",")):
         if peer == "hf":
-            systems.append(HFSystem(args.dtype, args.hf_batch_size, args.gguf))
+            systems.append(HFSystem(dtype, args.hf_batch_size, args.gguf))
         elif peer == "vllm":
-            systems.append(VLLMSystem(args.vllm_python, args.hf_dir, args.dtype, args.max_model_len))
+            systems.append(VLLMSystem(args.vllm_python, args.hf_dir, dtype, args.max_model_len))
         elif peer == "llamacpp":
             systems.append(LlamaCppSystem(args.llama_server, args.gguf, args.llamacpp_parallel, args.max_model_len))
         else:
@@ -373,6 +410,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--workload", default="high-load", choices=["high-load", "peers"])
     p.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--reference-dtype", default=None, choices=["", "float32", "bfloat16"],
+                   help="run every system once in this dtype (untimed) and report greedy agreement with it "
+                        "(default: float32 when --dtype is not; '' for none)")
     p.add_argument("--repeats", type=int, default=1, help="alternating rounds over all systems")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -398,24 +438,53 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     if args.quick:
         args.max_model_len, args.kv_cache_memory, args.static_token_budget = 256, "64MiB", 2048
+    if args.reference_dtype is None:
+        args.reference_dtype = "float32" if args.dtype != "float32" else ""
     wl = make_workload(args.workload, args.quick, args.seed, args.num_requests)
     warm = make_workload("high-load", True, args.seed + 1, 4)
-    systems = build_systems(args)
+    skipped: dict[str, str] = {}
+    reference: dict[str, list[list[int]]] = {}
+    if args.reference_dtype and args.reference_dtype != args.dtype:
+        for s in build_systems(args, args.reference_dtype):  # one at a time: never two engines' memory at once
+            try:
+                s.load()
+                run = s.run(wl)
+                check_run(s.name, run, wl)
+                reference[s.name] = run["output_token_ids"]
+                print(f"  {args.reference_dtype} reference {s.name}: done", file=sys.stderr)
+            except PeerUnavailable as e:
+                skipped[s.name] = str(e)
+                print(f"  skipping {s.name}: {e}", file=sys.stderr)
+            finally:
+                s.close()
+    systems = [s for s in build_systems(args) if s.name not in skipped]
     runs: dict[str, list[dict]] = {s.name: [] for s in systems}
     load_s: dict[str, float] = {}
+    loads: list[list[float]] = []
     try:
-        for s in systems:
+        for s in list(systems):
             t0 = time.perf_counter()
-            s.load()
+            try:
+                s.load()
+            except PeerUnavailable as e:
+                skipped[s.name] = str(e)
+                print(f"  skipping {s.name}: {e}", file=sys.stderr)
+                systems.remove(s)
+                del runs[s.name]
+                continue
             check_run(s.name, s.run(warm), warm)  # warm-up: first-call allocations, oneDNN kernel creation
             load_s[s.name] = round(time.perf_counter() - t0, 2)
+        if not systems:
+            raise SystemExit("throughput: every system was skipped: " + "; ".join(skipped.values()))
         for r in range(args.repeats):
+            loads.append([round(x, 2) for x in os.getloadavg()])
             order = systems[r % len(systems):] + systems[:r % len(systems)]  # rotate who goes first
             for s in order:
                 runs[s.name].append(s.run(wl))
                 check_run(s.name, runs[s.name][-1], wl)
                 print(f"  repeat {r + 1}/{args.repeats} {s.name}: {wl.num_output_tokens / runs[s.name][-1]['elapsed_s']:.1f} "
                       f"output tok/s", file=sys.stderr)
+        loads.append([round(x, 2) for x in os.getloadavg()])
     finally:
         for s in systems:
             s.close()
@@ -424,6 +493,8 @@ def main(argv: list[str] | None = None) -> dict:
                                  "kv_cache_memory": args.kv_cache_memory,
                                  "static_max_num_batched_tokens": args.static_token_budget},
               "hf_batch_size": args.hf_batch_size, "load_and_warmup_s": load_s,
+              "load_average_1_5_15min_before_each_repeat_and_after": loads,
+              "skipped": skipped,
               "system_info": {s.name: s.info() for s in systems},
               "systems": {n: summarize(n, rs, wl) for n, rs in runs.items()}}
     ref_name = systems[0].name
@@ -432,12 +503,21 @@ def main(argv: list[str] | None = None) -> dict:
     for n, rec in record["systems"].items():
         rec["greedy_agreement_with_" + ref_name] = round(
             greedy_agreement(runs[ref_name][-1]["output_token_ids"], runs[n][-1]["output_token_ids"]), 3)
+        if n in reference:
+            rec[f"agreement_with_own_{args.reference_dtype}"] = agreement(reference[n], runs[n][-1]["output_token_ids"])
+        if ref_name in reference:
+            rec[f"agreement_with_{ref_name}_{args.reference_dtype}"] = agreement(
+                reference[ref_name], runs[n][-1]["output_token_ids"])
         if n != ref_name:
             per = [a / b for a, b in zip(ref["runs_output_tokens_per_s"], rec["runs_output_tokens_per_s"])]
             ratios[f"{ref_name} / {n}"] = {"median_ratio": round(ref["output_tokens_per_s"] / rec["output_tokens_per_s"], 3),
                                            "per_repeat": [round(x, 3) for x in per]}
+    if len(reference) > 1 and ref_name in reference:
+        record[f"{args.reference_dtype}_reference_agreement"] = {
+            f"{ref_name} vs {n}": agreement(reference[ref_name], ids) for n, ids in reference.items() if n != ref_name}
     record["ratios"] = ratios
     name = "throughput" if args.workload == "high-load" else "throughput_peers"
+    name += "" if args.dtype == "float32" else f"_{args.dtype}"
     path = common.write_result(name + ("_quick" if args.quick else ""), record, args.out)
     if not args.no_plot:
         plot(record, common.plot_path(path))

