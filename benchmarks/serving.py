@@ -56,15 +56,10 @@ from pathlib import Path
 
 import httpx
 
+from throughput import DEFAULT_HF_DIR, DEFAULT_VLLM_PYTHON, VLLM_ENV, PeerUnavailable
+
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS = BENCH_DIR / "results"
-DEFAULT_VLLM_PYTHON = "/work/peers/vllm/bin/python"
-DEFAULT_HF_DIR = "/work/peers/smollm2-135m-hf"
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-
-
-class PeerUnavailable(RuntimeError):
-    """The peer venv or its exported weights are not on this machine."""
 
 
 @dataclass
@@ -500,6 +495,35 @@ def long_prompt_main(args: argparse.Namespace, engine_flags: list[str]) -> dict:
     return record
 
 
+def tree_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` and its descendants (Linux /proc; None elsewhere).
+
+    Lets the record show that the server not under load stayed idle while the other ran.
+    """
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        stats = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                stats[int(d.name)] = (int(f[1]), (int(f[11]) + int(f[12])) / tick)  # ppid, utime + stime
+    except (OSError, ValueError, AttributeError):
+        return None
+    tree, total, frontier = {pid}, 0.0, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, _) in stats.items():
+            if ppid == parent and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    for q in tree:
+        total += stats.get(q, (0, 0.0))[1]
+    return total
+
+
 def run_client(args: argparse.Namespace, url: str, work: list[tuple[list[int], int]]) -> dict:
     """One load run against ``url`` with the chosen client; the summary with /health latencies and load averages."""
     health: list[float] | None = [] if args.health_interval > 0 else None
@@ -599,7 +623,11 @@ def compare_servers(args: argparse.Namespace, engine_flags: list[str]) -> dict:
         for r in range(args.repeats):
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
+                cpu0 = {m: tree_cpu_seconds(procs[m].pid) for m in names}
                 summary = run_client(args, urls[n], work)
+                cpu1 = {m: tree_cpu_seconds(procs[m].pid) for m in names}
+                summary["server_cpu_s_during_run"] = {
+                    m: None if cpu0[m] is None or cpu1[m] is None else round(cpu1[m] - cpu0[m], 2) for m in names}
                 runs[n].append(summary)
                 print(f"  repeat {r + 1}/{args.repeats} {n}: {summary['num_success']}/{summary['num_requests']} ok, "
                       f"{summary['output_throughput_tok_s']:.1f} out tok/s, TTFT p50 {summary['ttft_ms']['p50']:.0f} ms, "

