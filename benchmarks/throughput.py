@@ -27,7 +27,8 @@ With ``--dtype bfloat16`` each system also runs the workload once in float32 bef
 timed rounds (``--reference-dtype``, untimed, loaded and closed one at a time), and the
 record gives every system's greedy agreement with its own float32 output and with
 pagedllm's: requests identical end to end, and the share of tokens before the first
-divergence. A peer whose environment is missing (no venv, no exported weights, no
+divergence (``--reference-outputs`` takes them from an earlier run's ``.outputs.json``,
+which every run writes next to its record). A peer whose environment is missing (no venv, no exported weights, no
 binary) is skipped with a message saying how to create it (``benchmarks/setup_peers.sh``).
 
 Workloads (``--workload``): ``high-load`` (default: 128 prompts uniform in 20–500 tokens,
@@ -359,6 +360,33 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
             "tokens_before_divergence": round(prefix_agreement(a, b), 3)}
 
 
+def outputs_path(json_path: Path) -> Path:
+    """Where a record's generated token ids go (next to it): ``<stem>.outputs.json``."""
+    return json_path.with_suffix(".outputs.json")
+
+
+def workload_digest(wl: common.Workload) -> str:
+    import hashlib
+    return hashlib.sha256(json.dumps([wl.prompts, wl.output_lens]).encode()).hexdigest()[:16]
+
+
+def save_outputs(path: Path, wl: common.Workload, dtype: str, outputs: dict[str, list[list[int]]]) -> None:
+    """Each system's greedy token ids of the last repeat (one line per system), for ``--reference-outputs``."""
+    lines = [json.dumps({"workload": workload_digest(wl), "dtype": dtype})]
+    lines += [json.dumps({"system": n, "output_token_ids": ids}) for n, ids in outputs.items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def load_outputs(path: str | Path, wl: common.Workload, dtype: str) -> dict[str, list[list[int]]]:
+    """The token ids ``save_outputs`` wrote; ValueError unless they are ``dtype`` runs of this very workload."""
+    head, *rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if head["workload"] != workload_digest(wl) or head["dtype"] != dtype:
+        raise ValueError(f"--reference-outputs {path}: {head['dtype']} outputs of workload {head['workload']}, "
+                         f"need {dtype} outputs of workload {workload_digest(wl)} (same --workload, --seed, "
+                         f"--num-requests)")
+    return {r["system"]: r["output_token_ids"] for r in rows}
+
+
 def plot(record: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -415,6 +443,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--reference-dtype", default=None, choices=["", "float32", "bfloat16"],
                    help="run every system once in this dtype (untimed) and report greedy agreement with it "
                         "(default: float32 when --dtype is not; '' for none)")
+    p.add_argument("--reference-outputs", default=None,
+                   help="the .outputs.json of a --reference-dtype run of the same workload: systems found "
+                        "there are not rerun for the reference")
     p.add_argument("--repeats", type=int, default=1, help="alternating rounds over all systems")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -446,8 +477,13 @@ def main(argv: list[str] | None = None) -> dict:
     warm = make_workload("high-load", True, args.seed + 1, 4)
     skipped: dict[str, str] = {}
     reference: dict[str, list[list[int]]] = {}
+    if args.reference_outputs:
+        reference = load_outputs(args.reference_outputs, wl, args.reference_dtype)
     if args.reference_dtype and args.reference_dtype != args.dtype:
         for s in build_systems(args, args.reference_dtype):  # one at a time: never two engines' memory at once
+            if s.name in reference:
+                s.close()
+                continue
             try:
                 s.load()
                 run = s.run(wl)
@@ -521,6 +557,7 @@ def main(argv: list[str] | None = None) -> dict:
     name = "throughput" if args.workload == "high-load" else "throughput_peers"
     name += "" if args.dtype == "float32" else f"_{args.dtype}"
     path = common.write_result(name + ("_quick" if args.quick else ""), record, args.out)
+    save_outputs(outputs_path(path), wl, args.dtype, {n: rs[-1]["output_token_ids"] for n, rs in runs.items()})
     if not args.no_plot:
         plot(record, common.plot_path(path))
     parts = [f"{n} {rec['output_tokens_per_s']:.1f} tok/s" for n, rec in record["systems"].items()]

