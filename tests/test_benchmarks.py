@@ -343,7 +343,6 @@ def test_throughput_bf16_reports_agreement_with_float32_and_skips_a_missing_peer
 
 
 def throughput_outputs(path):
-    import common
     import throughput
     return throughput.load_outputs(path, throughput.make_workload("high-load", True, 0, None), "bfloat16")
 
