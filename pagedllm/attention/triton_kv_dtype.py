@@ -6,16 +6,25 @@ checkpoint gives others), round to nearest even, saturating at the format's maxi
 one float32 scale per token and KV head (``max|x| / 127`` over head_dim), stored beside the
 blocks in ``kv_scales[2, num_blocks, block_size, num_kv_heads]``.
 
-Float8 codes are encoded and decoded with integer arithmetic on uint8 views of the cache, not
-with Triton's float8 types: those need a GPU with native float8 conversions (compute
-capability 8.9+), and the interpreter's conversion flushes subnormals. Encoding (after Giesen's
-float-to-half with round-to-nearest-even): a normal value's float32 bits are rounded at the
-target's last mantissa bit by an integer add, then rebiased; a subnormal one is added to a
-power of two whose float32 spacing is the target's subnormal step, so the hardware's own
-round-to-nearest-even produces the code in the low bits.
+Float8 codes are kept in uint8 views of the cache and encoded with integer arithmetic, not
+with Triton's float8 types: those convert natively only on GPUs of compute capability 8.9+,
+and the interpreter's conversion flushes subnormals. Encoding (after Giesen's float-to-half
+with round-to-nearest-even): a normal value's float32 bits are rounded at the target's last
+mantissa bit by an integer add, then rebiased; a subnormal one is added to a power of two
+whose float32 spacing is the target's subnormal step, so the hardware's own
+round-to-nearest-even produces the code in the low bits. Decoding uses the GPU's float8
+conversion where it has one (exact for every finite code; :func:`native_fp8`), the integer
+path elsewhere. Divisions are ``div_rn`` (IEEE round to nearest): a GPU's default float32
+division is approximate, and the codes and scales must be the torch writer's bit for bit.
+
+Reading folds the scales into the attention arithmetic instead of into every element: an int8
+key's scale multiplies its score column, a value's scale the softmax weight that multiplies
+it; fp8's per-tensor scales multiply the scores and the weights alike.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -28,6 +37,13 @@ def kv_format(dtype: torch.dtype) -> int:
     """The kernels' KV_FORMAT for a cache of ``dtype`` (float32/bfloat16/float16 are KV_FLOAT)."""
     return {torch.float8_e4m3fn: KV_FP8_E4M3, torch.float8_e5m2: KV_FP8_E5M2, torch.int8: KV_INT8}.get(dtype,
                                                                                                        KV_FLOAT)
+
+
+def native_fp8(cache: torch.Tensor) -> bool:
+    """Whether kernels decode ``cache``'s float8 codes with the GPU's conversion instructions
+    (CUDA compute capability 8.9+, not under the interpreter)."""
+    return (cache.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(cache.device) >= (8, 9))
 
 
 def kernel_view(cache: torch.Tensor) -> torch.Tensor:
@@ -86,9 +102,9 @@ def decode_fp8(code, KV_FORMAT: tl.constexpr):
 def quantize_int8_rows(x):
     """x (H, D) float32 -> (int8 codes (H, D), scales (H,) float32): ``scale = max|x| / 127`` per
     row (1 for an all-zero row), codes ``round(x / scale)`` to nearest even."""
-    scales = tl.max(tl.abs(x), axis=1) / 127.0
+    scales = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
     scales = tl.where(scales > 0, scales, 1.0)
-    y = x / scales[:, None]
+    y = tl.math.div_rn(x, scales[:, None])
     # 1.5 * 2^23 + y (|y| <= 127) has float32 spacing 1: the hardware rounds y to nearest even
     q = (y + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
     q = tl.minimum(tl.maximum(q, -127), 127)
@@ -96,12 +112,15 @@ def quantize_int8_rows(x):
 
 
 @triton.jit
-def dequantize_kv_tile(raw, scales, tensor_scale, KV_FORMAT: tl.constexpr):
-    """Cached K or V codes -> float32 values. ``scales``: an int8 cache's per-token scales,
-    broadcastable to ``raw`` (ignored otherwise); ``tensor_scale``: fp8's per-tensor scale."""
-    if KV_FORMAT == 3:
-        return raw.to(tl.float32) * scales
-    elif KV_FORMAT == 0:
-        return raw
+def kv_codes(raw, dtype, KV_FORMAT: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """Cached K or V codes as ``dtype`` values, still to be multiplied by their scales: float
+    caches as they are, int8 codes as integers (exact in bfloat16 too), float8 codes decoded."""
+    if KV_FORMAT == 0 or KV_FORMAT == 3:
+        return raw.to(dtype)
+    elif NATIVE_FP8:
+        if KV_FORMAT == 1:
+            return raw.to(tl.float8e4nv, bitcast=True).to(dtype)
+        else:
+            return raw.to(tl.float8e5, bitcast=True).to(dtype)
     else:
-        return decode_fp8(raw, KV_FORMAT) * tensor_scale
+        return decode_fp8(raw, KV_FORMAT).to(dtype)

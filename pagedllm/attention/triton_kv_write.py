@@ -31,7 +31,7 @@ def _store_row(x, cache_ptr, scales_ptr, cache_offs, scale_offs, mask, head_mask
         tl.store(cache_ptr + cache_offs, codes, mask=mask)
         tl.store(scales_ptr + scale_offs, scales, mask=head_mask)
     else:
-        tl.store(cache_ptr + cache_offs, encode_fp8(x.to(tl.float32) / tensor_scale, KV_FORMAT), mask=mask)
+        tl.store(cache_ptr + cache_offs, encode_fp8(tl.math.div_rn(x.to(tl.float32), tensor_scale), KV_FORMAT), mask=mask)
 
 
 @triton.jit

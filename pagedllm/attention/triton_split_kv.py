@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.triton_kv_dtype import kernel_view, kv_format
+from pagedllm.attention.triton_kv_dtype import kernel_view, kv_format, native_fp8
 from pagedllm.attention.triton_unified import (_check_options, attend_key_tile, dot_precision, key_tile, scale_pointers,
                                                upcast_for_interpreter)
 
@@ -38,6 +38,7 @@ def _split_kv_partial_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FORMAT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
 ):
     """Program (seq, kv_head, split): the GROUP query heads of kv_head over one key range."""
     seq = tl.program_id(0)
@@ -74,7 +75,8 @@ def _split_kv_partial_kernel(
             q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_len, kv_head, k_cache_ptr,
             v_cache_ptr, k_scales_ptr, v_scales_ptr, k_scale, v_scale, block_tables_ptr, stride_bt, stride_cb,
             stride_cs, stride_ch, scale, softcap, window,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FORMAT, NUM_KV_HEADS)
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FORMAT, NUM_KV_HEADS,
+            NATIVE_FP8)
 
     # partials laid out (seq, head, split[, d]), float32
     part = (seq * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split
@@ -166,7 +168,7 @@ def split_kv_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=key_tile(block_size),
         USE_SOFTCAP=logit_soft_cap is not None, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=dot_precision(query.dtype), UPCAST=upcast_for_interpreter(query.dtype),
-        KV_FORMAT=kv_format(key_cache.dtype), NUM_KV_HEADS=num_kv_heads,
+        KV_FORMAT=kv_format(key_cache.dtype), NUM_KV_HEADS=num_kv_heads, NATIVE_FP8=native_fp8(key_cache),
     )
     _split_kv_reduce_kernel[(num_decodes, num_heads)](
         part_acc, part_m, part_l, out, query_start_loc, out.stride(0), out.stride(1),

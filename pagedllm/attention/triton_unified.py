@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.triton_kv_dtype import check_kv_scales, dequantize_kv_tile, kernel_view, kv_format
+from pagedllm.attention.triton_kv_dtype import check_kv_scales, kernel_view, kv_codes, kv_format, native_fp8
 
 
 @triton.jit
@@ -73,15 +73,17 @@ def attend_key_tile(q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_le
                     stride_cs, stride_ch, scale, softcap, window,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, KV_FORMAT: tl.constexpr, NUM_KV_HEADS: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, KV_FORMAT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                    NATIVE_FP8: tl.constexpr):
     """One online-softmax step over key tile j (keys j*TILE_N ..) of request ``seq``.
 
     q: (BLOCK_M, BLOCK_D) rows at positions q_pos (BLOCK_M,); m_i, l_i (BLOCK_M,) and
     acc (BLOCK_M, BLOCK_D) float32 are the running max, normalizer and unnormalized output.
     Keys before ``first_key`` (outside every row's window) are not read: their block-table
     entries may be stale. K/V of a quantized cache (KV_FORMAT, :mod:`triton_kv_dtype`) are
-    dequantized as loaded: int8 with the (block, offset, head) scales of ``k/v_scales_ptr``
-    (a (num_blocks, block_size, NUM_KV_HEADS) float32 layout), float8 with ``k/v_scale``.
+    loaded as codes; their scales — int8's (block, offset, head) scales of ``k/v_scales_ptr``
+    (a (num_blocks, block_size, NUM_KV_HEADS) float32 layout), float8's ``k/v_scale`` — multiply
+    the score columns (K) and the softmax weights (V).
     Returns the updated (m_i, l_i, acc).
     """
     d = tl.arange(0, BLOCK_D)
@@ -97,15 +99,15 @@ def attend_key_tile(q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_le
                 mask=key_mask[None, :] & d_mask[:, None], other=0)  # (BLOCK_D, TILE_N)
     v = tl.load(v_cache_ptr + kv_offs[:, None] + d[None, :],
                 mask=key_mask[:, None] & d_mask[None, :], other=0)  # (TILE_N, BLOCK_D)
-    k_scales = 1.0
-    v_scales = 1.0
-    if KV_FORMAT == 3:  # int8: each key's scale, (TILE_N,)
-        scale_offs = (blocks * BLOCK_SIZE + key_pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
-        k_scales = tl.load(k_scales_ptr + scale_offs, mask=key_mask, other=0.0)[None, :]
-        v_scales = tl.load(v_scales_ptr + scale_offs, mask=key_mask, other=0.0)[:, None]
-    k = dequantize_kv_tile(k, k_scales, k_scale, KV_FORMAT).to(q.dtype)
-    v = dequantize_kv_tile(v, v_scales, v_scale, KV_FORMAT).to(q.dtype)
+    k = kv_codes(k, q.dtype, KV_FORMAT, NATIVE_FP8)
+    v = kv_codes(v, q.dtype, KV_FORMAT, NATIVE_FP8)
     scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # (BLOCK_M, TILE_N) float32
+    if KV_FORMAT == 3:  # int8: q . (s k) = s (q . k), each key's own scale s
+        scale_offs = (blocks * BLOCK_SIZE + key_pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+        scores = scores * tl.load(k_scales_ptr + scale_offs, mask=key_mask, other=0.0)[None, :]
+        v_scales = tl.load(v_scales_ptr + scale_offs, mask=key_mask, other=0.0)  # (TILE_N,)
+    elif KV_FORMAT != 0:
+        scores = scores * k_scale
     if USE_SOFTCAP:
         scores = soft_cap(scores, softcap)
     visible = key_pos[None, :] <= q_pos[:, None]  # causal, with the context offset
@@ -118,6 +120,10 @@ def attend_key_tile(q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_le
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(scores - m_safe[:, None])  # (BLOCK_M, TILE_N)
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    if KV_FORMAT == 3:  # p (s v) = (p s) v: each value's scale on its weight, after the normalizer
+        p = p * v_scales[None, :]
+    elif KV_FORMAT != 0:
+        p = p * v_scale
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -130,6 +136,7 @@ def _unified_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FORMAT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
 ):
     """Program (tile, kv_head): BLOCK_Q query tokens of one request x the GROUP query heads of kv_head."""
     tile = tl.program_id(0)
@@ -169,7 +176,8 @@ def _unified_attention_kernel(
             q, q_pos, row_mask, m_i, l_i, acc, j, start_key, seq, seq_len, kv_head, k_cache_ptr,
             v_cache_ptr, k_scales_ptr, v_scales_ptr, k_scale, v_scale, block_tables_ptr, stride_bt, stride_cb,
             stride_cs, stride_ch, scale, softcap, window,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FORMAT, NUM_KV_HEADS)
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FORMAT, NUM_KV_HEADS,
+            NATIVE_FP8)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -252,6 +260,7 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=key_tile(block_size), USE_SOFTCAP=logit_soft_cap is not None,
         USE_WINDOW=sliding_window is not None, DOT_PRECISION=dot_precision(query.dtype),
         UPCAST=upcast_for_interpreter(query.dtype), KV_FORMAT=kv_format(key_cache.dtype), NUM_KV_HEADS=num_kv_heads,
+        NATIVE_FP8=native_fp8(key_cache),
     )
 
 
