@@ -198,3 +198,22 @@ def test_cpu_prefill_uses_fused_flash_attention_not_the_math_path():
     assert "aten::_scaled_dot_product_attention_math" not in ops
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=0)
+
+
+def test_log_sum_exp_merge_equals_one_softmax():
+    """The torch backend's CPU chunked prefill: attention over the cached prefix and causal
+    attention over the chunk, merged by their log-sum-exps, equals one softmax over the union
+    (float64 reference with the bottom-right causal mask), GQA included."""
+    from pagedllm.attention.torch_paged import _prefix_chunk_attention
+    g = torch.Generator().manual_seed(11)
+    num_context, num_queries, num_heads, num_kv_heads, head_dim = 150, 37, 6, 2, 32
+    q = 3 * torch.randn(num_queries, num_heads, head_dim, generator=g)
+    k, v = torch.randn(2, num_context + num_queries, num_kv_heads, head_dim, generator=g)
+    out = _prefix_chunk_attention(q.transpose(0, 1).unsqueeze(0), k[:num_context], v[:num_context],
+                                  k[num_context:], v[num_context:], head_dim**-0.5)
+    kk, vv = (x.double().repeat_interleave(num_heads // num_kv_heads, dim=1) for x in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * head_dim**-0.5
+    query_pos = torch.arange(num_context, num_context + num_queries).unsqueeze(1)
+    hidden = torch.arange(num_context + num_queries).unsqueeze(0) > query_pos  # (Q, S): key after the query
+    expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), vv)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)

@@ -1,4 +1,4 @@
-"""The fused CPU decode kernel (``pagedllm/attention/cpu_paged.c``) against plain attention.
+"""The fused CPU decode and prefill kernels (``pagedllm/attention/cpu_paged.c``) against plain attention.
 
 Each case puts every request's context K/V into a paged cache with shuffled block tables
 (all other slots hold large garbage, so a read through a wrong slot shows), runs one step
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pagedllm.attention import CpuPagedAttention, TorchPagedAttention, get_attention_backend
-from pagedllm.attention import cpu_paged
+from pagedllm.attention import cpu_paged, torch_paged
 from pagedllm.attention.backend import set_forward_context
 from tests.model_utils import allocate_block_tables, make_metadata
 
@@ -110,8 +110,53 @@ def test_mixed_decode_and_prefill_batch(kernel, block_size, dtype):
     assert meta.num_decodes == 5
     out, ref = run_both(query, key, value, cache, meta, scale, CpuPagedAttention(kernel=kernel))
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
-    # Prefill rows come from the torch backend's own code: identical.
-    torch.testing.assert_close(out[meta.num_decodes:], ref[meta.num_decodes:], atol=0, rtol=0)
+    torch.testing.assert_close(out.double(), ref.double(), atol=TOLERANCE[dtype], rtol=0)
+
+
+# (cached context, new tokens): fresh prompts, chunks over a long cached prefix, lengths just off
+# the kernel's 64-key tiles and its query tiles (64 queries for 3-way GQA, 96 for 2-way).
+PREFILLS = [(0, 2), (0, 100), (300, 64), (17, 33), (64, 64), (1000, 97), (129, 5)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", ["gqa", "mha64", "gqa128", "mqa"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_prefill_over_cached_prefix_matches_causal_attention(kernel, block_size, heads, dtype, monkeypatch):
+    """Chunked prefill / prefix hits: every chunk query sees the whole cached prefix and the chunk
+    causally, read in place through shuffled blocks; the kernel runs (the torch path would fail)."""
+    shapes = {**HEADS, "mha64": (4, 4, 64), "mqa": (8, 1, 64)}
+    query, key, value, cache, meta, expected, scale = build_case([(40, 1), *PREFILLS], block_size, dtype,
+                                                                 shapes[heads], seed=7)
+    backend = CpuPagedAttention(kernel=kernel, min_tokens_per_thread=64)
+    with set_forward_context(meta):
+        ref = TorchPagedAttention().forward(query, key, value, cache.clone(), meta, scale)
+        monkeypatch.setattr(torch_paged, "_prefill_one", None)  # any fallback to the torch code fails
+        out = backend.forward(query, key, value, cache, meta, scale)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
+    torch.testing.assert_close(out.double(), ref.double(), atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_prefill_thread_split_is_bitwise_deterministic(kernel):
+    query, key, value, cache, meta, expected, scale = build_case([(500, 200), (0, 70)], 16, torch.float32,
+                                                                 HEADS["gqa"], seed=8)
+    outs = [CpuPagedAttention(num_threads=n, kernel=kernel, min_tokens_per_thread=1).forward(
+        query, key, value, cache.clone(), meta, scale) for n in (1, 2, 3)]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], atol=0, rtol=0)
+    torch.testing.assert_close(outs[0].double(), expected, atol=2e-5, rtol=0)
+    costs = kernel.prefill_work_items(200, 500, 9, 3)  # 64-query tiles (x 3 heads = 192 rows) x 3 KV heads
+    assert len(costs) == 4 * 3 and costs[:3] == [564] * 3 and costs[-1] == 700
+
+
+def test_prefill_falls_back_for_window_soft_cap_and_head_dim(kernel):
+    """Sliding-window and soft-capped layers and head_dim not a multiple of 64 run the torch code."""
+    assert not kernel.supports_prefill(torch.float32, 4, 48) and kernel.supports_prefill(torch.bfloat16, 4, 128)
+    query, key, value, cache, meta, _, scale = build_case(PREFILLS[:4], 16, torch.float32, HEADS["gqa"], seed=9)
+    for kwargs in ({"sliding_window": 50}, {"logit_soft_cap": 30.0}):
+        out = CpuPagedAttention(kernel=kernel).forward(query, key, value, cache.clone(), meta, scale, **kwargs)
+        ref = TorchPagedAttention().forward(query, key, value, cache.clone(), meta, scale, **kwargs)
+        torch.testing.assert_close(out, ref, atol=0, rtol=0)
 
 
 def test_thread_split_is_bitwise_deterministic(kernel):
@@ -160,6 +205,10 @@ def test_block_id_outside_cache_raises(kernel):
     query, key, value, cache, meta, _, scale = build_case([(20, 1), (5, 1)], 16, torch.float32, HEADS["gqa"])
     meta.block_tables[1, 0] = cache.shape[1]  # one past the last block
     with pytest.raises(ValueError, match=r"block_tables\[1, 0\]"):
+        CpuPagedAttention(kernel=kernel).forward(query, key, value, cache, meta, scale)
+    query, key, value, cache, meta, _, scale = build_case([(20, 1), (40, 9)], 16, torch.float32, HEADS["gqa"])
+    meta.block_tables[1, 2] = -1
+    with pytest.raises(ValueError, match=r"block_tables\[1, 2\] = -1"):
         CpuPagedAttention(kernel=kernel).forward(query, key, value, cache, meta, scale)
 
 
@@ -231,3 +280,23 @@ def test_benchmark_quick_runs(kernel):
                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("attention_kernel B=4 ctx~40 block 16") and "bfloat16: torch" in res.stdout
+
+
+@pytest.mark.parametrize("chunk_size", [None, 64])
+def test_model_chunked_prefill_with_long_prefix_matches_transformers(kernel, chunk_size):
+    """A Llama with SmolLM2's head layout (3-way GQA, head_dim 64) on the C kernels: a 300-token
+    prompt in one step or in 64-token chunks over its growing cached prefix, then decodes; logits
+    equal transformers' on the same weights."""
+    from pagedllm.models.llama import LlamaForCausalLM
+    from tests.model_utils import make_hf_llama, run_paged, tiny_llama_config
+    config = tiny_llama_config(hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
+                               max_position_embeddings=512)
+    hf = make_hf_llama(config, seed=3)
+    model = LlamaForCausalLM(config, torch.float32, torch.device("cpu"), attn_backend=CpuPagedAttention(kernel=kernel))
+    model.load_weights(hf.state_dict().items())
+    seqs = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (306, 90)]
+    out = run_paged(model.eval(), seqs, [300, 90], block_size=16, chunk_size=chunk_size)
+    with torch.no_grad():
+        for seq, logits in zip(seqs, out):
+            diff = (logits - hf(torch.tensor([seq])).logits[0]).abs().max().item()
+            assert diff < 1e-4, f"max abs diff {diff} (len {len(seq)})"

@@ -57,7 +57,7 @@
  * tile being computed; measured at batch 64, context 300, block 16: 2 beats 3 by ~1.5x. */
 #define PREFETCH_LOCALITY 2
 
-int pagedllm_cpu_paged_abi_version(void) { return 3; }
+int pagedllm_cpu_paged_abi_version(void) { return 4; }
 int pagedllm_cpu_paged_max_heads(void) { return MAX_HEADS; }
 int pagedllm_cpu_paged_max_head_dim(void) { return 16 * MAX_CHUNKS; }
 
@@ -295,3 +295,275 @@ void paged_decode_bf16(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(KV_BF16) }
 void paged_decode_fp8_e4m3(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(KV_FP8_E4M3) }
 void paged_decode_fp8_e5m2(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(KV_FP8_E5M2) }
 void paged_decode_int8(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(KV_INT8) }
+
+/* ---------------------------------------------------------------------------------------------
+ * Prefill attention (chunked prefill, prefix-cache hits): the Q new tokens of one request, at
+ * positions num_context .. num_context + Q - 1, attend causally to the request's keys
+ * 0 .. num_context + Q - 1, all read in place through the block table (the chunk's own K/V are
+ * written to the cache before the call). Nothing of size Q x keys is built.
+ *
+ * FlashAttention-2's loop order (Dao 2023, "FlashAttention-2: Faster Attention with Better
+ * Parallelism and Work Partitioning", Algorithm 1): one work item = one tile of queries x one
+ * KV head, the group's query heads folded into the tile's rows (row r = query r / group, head
+ * kvh * group + r % group), so each K/V row is read once for the whole group (grouped-query
+ * attention without repeated K/V). The rows are kept transposed (Q^T: head_dim x rows, scaled
+ * by the softmax scale once), so both products vectorize over rows or head_dim and take K and V
+ * rows straight from the cache by broadcast / vector loads (float32 caches are never copied;
+ * bf16 rows are widened into a small buffer per key tile). Per key tile of PF_BK tokens (the next tile's rows prefetched):
+ * S^T = K Q^T by a register-blocked micro-kernel (PF_RK keys x up to 6 row vectors); the online
+ * softmax (Milakov & Gimelshein 2018) updates each row's max m and denominator l and rescales its
+ * accumulator by exp(m_old - m_new); then O^T += V^T P^T (PF_RD dims x up to 6 row vectors per micro-tile). Key
+ * tiles past the item's last query are never touched; tiles crossing the diagonal are masked.
+ *
+ * q, out: [num_queries, num_heads, head_dim] float32 contiguous. head_dim is a multiple of 64
+ * (<= 16 * MAX_CHUNKS). Items are numbered tile * num_kv_heads + kvh; a call computes items
+ * [item_begin, item_end). Returns 0, or -1 when the scratch allocation fails (nothing written).
+ */
+#include <stdlib.h>
+
+#define PF_BK 64   /* keys per tile */
+#define PF_ROWS 192 /* target rows (queries x group) per work item: 12 vectors; each K/V row read serves them all */
+#define PF_RK 4    /* keys per S micro-tile: 4 x 6 accumulators (24 of the 32 AVX-512 registers) */
+#define PF_RD 4    /* head_dim entries per O micro-tile: 4 x 6 accumulators */
+
+int pagedllm_cpu_paged_prefill_block_queries(int group) { return group >= PF_ROWS ? 1 : PF_ROWS / group; }
+
+/* exp_nonpos on 16 lanes (the same polynomial; lanes below -87.3 are clamped). */
+static inline v16f exp_nonpos_v16(v16f x) {
+    const v16f lim = (v16f){0} - 87.3f;
+    const v16i32 low = x < lim;
+    x = (v16f)(((v16i32)x & ~low) | ((v16i32)lim & low));
+    const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    v16f r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v16f y = (v16f){0} + 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    const v16i32 bits = (__builtin_convertvector(n, v16i32) + 127) << 23;
+    return y * (v16f)bits;
+}
+
+static inline v16f select_f(v16i32 keep, v16f a, v16f b) { return (v16f)(((v16i32)a & keep) | ((v16i32)b & ~keep)); }
+
+/* s[j][r0 ..] = sum_d k_j[d] qt[d][r0 ..] for NK keys and NV row vectors (qt: [head_dim][ld], s: [keys][ld]). */
+static inline __attribute__((always_inline)) void pf_scores(const float *const *restrict k, const float *restrict qt,
+                                                            float *restrict s, int ld, int head_dim, int nk, int nv) {
+    v16f acc[PF_RK][6];
+    for (int j = 0; j < nk; j++)
+        for (int c = 0; c < nv; c++) acc[j][c] = (v16f){0};
+    for (int d = 0; d < head_dim; d++) {
+        v16f qv[6];
+        for (int c = 0; c < nv; c++) qv[c] = load_f32(qt + (size_t)d * ld + 16 * c);
+        for (int j = 0; j < nk; j++) {
+            const float x = k[j][d];
+            for (int c = 0; c < nv; c++) acc[j][c] += x * qv[c];
+        }
+    }
+    for (int j = 0; j < nk; j++)
+        for (int c = 0; c < nv; c++) store_f32(s + (size_t)j * ld + 16 * c, acc[j][c]);
+}
+
+/* Dispatch on the number of row vectors NV (1..6) so every micro-kernel call is specialised. */
+#define PF_BY_NV(CALL)                                                                                    \
+    switch (nv) {                                                                                          \
+    case 6: CALL(6); break;                                                                                \
+    case 5: CALL(5); break;                                                                                \
+    case 4: CALL(4); break;                                                                                \
+    case 3: CALL(3); break;                                                                                \
+    case 2: CALL(2); break;                                                                                \
+    default: CALL(1); break;                                                                               \
+    }
+
+/* S^T over keys 0 .. n - 1 and row vectors 0 .. nvec - 1: blocks of 6 row vectors outermost, so a
+ * block of Q^T stays in L1 while every key of the tile passes. */
+static void pf_scores_tile(const float *const *k, const float *qt, float *s, int ld, int head_dim, int n, int nvec) {
+    for (int c = 0; c < nvec; c += 6) {
+        const int nv = nvec - c < 6 ? nvec - c : 6;
+        int j = 0;
+#define PF_S(NK, NV) pf_scores(k + j, qt + 16 * c, s + (size_t)j * ld + 16 * c, ld, head_dim, NK, NV)
+#define PF_S4(NV) PF_S(PF_RK, NV)
+#define PF_S3(NV) PF_S(3, NV)
+#define PF_S2(NV) PF_S(2, NV)
+#define PF_S1(NV) PF_S(1, NV)
+        for (; j + PF_RK <= n; j += PF_RK) PF_BY_NV(PF_S4)
+        switch (n - j) {
+        case 3: PF_BY_NV(PF_S3) break;
+        case 2: PF_BY_NV(PF_S2) break;
+        case 1: PF_BY_NV(PF_S1) break;
+        default: break;
+        }
+    }
+}
+
+/* O^T[d0 + i][c ..] = alpha[c ..] O^T[d0 + i][c ..] + sum_j v_j[d0 + i] P^T[j][c ..] for PF_RD dims
+ * x NV row vectors (pt: [keys][ld], ot: [head_dim][ld]; the same broadcast-times-row-vector form
+ * as the S micro-kernel, so P^T is read as contiguous vectors). */
+static inline __attribute__((always_inline)) void pf_accumulate(const float *restrict pt, const float *const *restrict v,
+                                                                float *restrict ot, const float *restrict alpha, int ld,
+                                                                int d0, int n, int nv) {
+    v16f acc[PF_RD][6];
+    for (int c = 0; c < nv; c++) {
+        const v16f a = load_f32(alpha + 16 * c);
+        for (int i = 0; i < PF_RD; i++) acc[i][c] = load_f32(ot + (size_t)(d0 + i) * ld + 16 * c) * a;
+    }
+    for (int j = 0; j < n; j++) {
+        v16f p[6];
+        for (int c = 0; c < nv; c++) p[c] = load_f32(pt + (size_t)j * ld + 16 * c);
+        const float *vj = v[j] + d0;
+        for (int i = 0; i < PF_RD; i++) {
+            const float x = vj[i];
+            for (int c = 0; c < nv; c++) acc[i][c] += x * p[c];
+        }
+    }
+    for (int i = 0; i < PF_RD; i++)
+        for (int c = 0; c < nv; c++) store_f32(ot + (size_t)(d0 + i) * ld + 16 * c, acc[i][c]);
+}
+
+static void pf_accumulate_tile(const float *pt, const float *const *v, float *ot, const float *alpha, int ld,
+                               int head_dim, int n, int nvec) {
+    for (int c = 0; c < nvec; c += 6) {
+        const int nv = nvec - c < 6 ? nvec - c : 6;
+#define PF_PV(NV) pf_accumulate(pt + 16 * c, v, ot + 16 * c, alpha + 16 * c, ld, d0, n, NV)
+        for (int d0 = 0; d0 < head_dim; d0 += PF_RD) PF_BY_NV(PF_PV)
+    }
+}
+
+/* Online-softmax update for one key tile (keys k0 .. k0 + n - 1), 16 rows per vector: row r sees
+ * key k iff k <= row_pos[r]. s[j][r] becomes p = exp(s - m_new) (0 where masked); alpha[r] =
+ * exp(m_old - m_new); l[r] = alpha l + sum_j p. Masks are applied only when `masked`. */
+static void pf_softmax(float *restrict s, float *restrict m, float *restrict l, float *restrict alpha,
+                       const int32_t *restrict row_pos, int ld, int nvec, int k0, int n, int masked) {
+    const v16f neg_inf = (v16f){0} - INFINITY;
+    for (int c = 0; c < nvec; c++) {
+        v16i32 pos;
+        memcpy(&pos, row_pos + 16 * c, sizeof pos);
+        v16f mx = neg_inf;
+        for (int j = 0; j < n; j++) {
+            v16f x = load_f32(s + (size_t)j * ld + 16 * c);
+            if (masked) {
+                x = select_f((v16i32){0} + (k0 + j) <= pos, x, neg_inf);
+                store_f32(s + (size_t)j * ld + 16 * c, x);
+            }
+            mx = select_f(x > mx, x, mx);
+        }
+        const v16f m_old = load_f32(m + 16 * c);
+        const v16f m_new = select_f(mx > m_old, mx, m_old);
+        /* A row that has seen no key yet (m_old = -inf) has nothing to rescale. */
+        const v16f a = select_f(m_old > neg_inf, exp_nonpos_v16(m_old - m_new), (v16f){0});
+        v16f sum = (v16f){0};
+        for (int j = 0; j < n; j++) {
+            const v16f x = load_f32(s + (size_t)j * ld + 16 * c);
+            v16f p = exp_nonpos_v16(x - m_new);
+            if (masked) p = select_f(x > neg_inf, p, (v16f){0}); /* exactly 0 for hidden keys */
+            store_f32(s + (size_t)j * ld + 16 * c, p);
+            sum += p;
+        }
+        store_f32(m + 16 * c, m_new);
+        store_f32(alpha + 16 * c, a);
+        store_f32(l + 16 * c, load_f32(l + 16 * c) * a + sum);
+    }
+}
+
+static inline __attribute__((always_inline)) int prefill_items(
+    const float *q, const void *k_cache, const void *v_cache, const int32_t *block_table, float *out,
+    int num_queries, int num_context, int num_heads, int num_kv_heads, int head_dim, int block_size,
+    long long kv_block_stride, long long kv_token_stride, float scale, int item_begin, int item_end, int is_bf16) {
+    const int group = num_heads / num_kv_heads;
+    const int bq = pagedllm_cpu_paged_prefill_block_queries(group);
+    const int ld = (bq * group + 15) / 16 * 16; /* rows rounded up to whole vectors */
+    const size_t d = (size_t)head_dim;
+    /* Scratch: Q^T (d x ld), O^T (d x ld), S^T (PF_BK x ld), m, l, alpha (ld each), widened bf16 K/V rows. */
+    const size_t floats = 2 * d * ld + (size_t)PF_BK * ld + 3 * (size_t)ld + (is_bf16 ? 2 * (size_t)PF_BK * d : 0);
+    float *scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+    int32_t *row_pos = malloc(sizeof(int32_t) * ld);
+    if (scratch == NULL || row_pos == NULL) {
+        free(scratch);
+        free(row_pos);
+        return -1;
+    }
+    float *qt = scratch, *o = qt + d * ld, *s = o + d * ld, *m = s + (size_t)PF_BK * ld, *l = m + ld;
+    float *alpha = l + ld, *wide = alpha + ld;
+    const float *k_rows[PF_BK], *v_rows[PF_BK];
+    const long long elem_size = is_bf16 ? 2 : 4, row_bytes = (long long)head_dim * elem_size;
+    for (int item = item_begin; item < item_end; item++) {
+        const int tile = item / num_kv_heads, kvh = item % num_kv_heads;
+        const int q0 = tile * bq, nq = num_queries - q0 < bq ? num_queries - q0 : bq;
+        const int rows = nq * group, nvec = (rows + 15) / 16;
+        for (int r = 0; r < nvec * 16; r++) {
+            const float *src = q + ((size_t)(q0 + r / group) * num_heads + kvh * group + r % group) * d;
+            for (size_t c = 0; c < d; c++) qt[c * ld + r] = r < rows ? src[c] * scale : 0.0f;
+            /* Padding rows (zero queries) see every key: their scores stay finite and are never written out. */
+            row_pos[r] = r < rows ? num_context + q0 + r / group : 0x7fffffff;
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+        }
+        memset(o, 0, sizeof(float) * d * ld);
+        const int first_pos = num_context + q0, num_keys = first_pos + nq; /* keys this item sees */
+        for (int k0 = 0; k0 < num_keys; k0 += PF_BK) {
+            const int n = num_keys - k0 < PF_BK ? num_keys - k0 : PF_BK;
+            for (int j = 0; j < n; j++) {
+                const int t = k0 + j;
+                const long long off = (long long)block_table[t / block_size] * kv_block_stride
+                                      + (long long)(t % block_size) * kv_token_stride + (long long)kvh * head_dim;
+                if (is_bf16) {
+                    float *kw = wide + (size_t)j * d, *vw = wide + (PF_BK + (size_t)j) * d;
+                    for (int c = 0; c < head_dim; c += 16) {
+                        store_f32(kw + c, load_bf16((const uint16_t *)k_cache + off + c));
+                        store_f32(vw + c, load_bf16((const uint16_t *)v_cache + off + c));
+                    }
+                    k_rows[j] = kw;
+                    v_rows[j] = vw;
+                } else {
+                    k_rows[j] = (const float *)k_cache + off;
+                    v_rows[j] = (const float *)v_cache + off;
+                }
+            }
+            /* Ask for the next tile's K/V rows now: its blocks are scattered, so the hardware prefetcher
+             * misses them (the same reason as in decode_one). */
+            const int k1 = k0 + PF_BK, n1 = num_keys - k1 < PF_BK ? num_keys - k1 : PF_BK;
+            for (int j = 0; j < n1; j++) {
+                const int t = k1 + j;
+                const long long off = (long long)block_table[t / block_size] * kv_block_stride
+                                      + (long long)(t % block_size) * kv_token_stride + (long long)kvh * head_dim;
+                prefetch_row((const char *)k_cache + off * elem_size, row_bytes);
+                prefetch_row((const char *)v_cache + off * elem_size, row_bytes);
+            }
+            pf_scores_tile(k_rows, qt, s, ld, head_dim, n, nvec);
+            pf_softmax(s, m, l, alpha, row_pos, ld, nvec, k0, n, k0 + n - 1 > first_pos);
+            pf_accumulate_tile(s, v_rows, o, alpha, ld, head_dim, n, nvec);
+        }
+        for (int r = 0; r < rows; r++) {
+            float *dst = out + ((size_t)(q0 + r / group) * num_heads + kvh * group + r % group) * d;
+            const float inv = 1.0f / l[r];
+            for (size_t c = 0; c < d; c++) dst[c] = o[c * ld + r] * inv;
+        }
+    }
+    free(scratch);
+    free(row_pos);
+    return 0;
+}
+
+#define PAGED_PREFILL_ARGS                                                                                  \
+    const float *q, const void *k_cache, const void *v_cache, const int32_t *block_table, float *out,       \
+        int num_queries, int num_context, int num_heads, int num_kv_heads, int head_dim, int block_size,    \
+        long long kv_block_stride, long long kv_token_stride, float scale, int item_begin, int item_end
+
+/* head_dim 64 gets its own copy (the head_dim loops unrolled). */
+#define PAGED_PREFILL_BODY(IS_BF16)                                                                         \
+    if (head_dim == 64)                                                                                     \
+        return prefill_items(q, k_cache, v_cache, block_table, out, num_queries, num_context, num_heads,   \
+                             num_kv_heads, 64, block_size, kv_block_stride, kv_token_stride, scale,         \
+                             item_begin, item_end, IS_BF16);                                                \
+    return prefill_items(q, k_cache, v_cache, block_table, out, num_queries, num_context, num_heads,       \
+                         num_kv_heads, head_dim, block_size, kv_block_stride, kv_token_stride, scale,       \
+                         item_begin, item_end, IS_BF16);
+
+/* Prefill attention of items [item_begin, item_end) of one request, float32 K/V cache. */
+int paged_prefill_f32(PAGED_PREFILL_ARGS) { PAGED_PREFILL_BODY(0) }
+
+/* Same, bf16 K/V cache (raw uint16 bit patterns); q and out stay float32. */
+int paged_prefill_bf16(PAGED_PREFILL_ARGS) { PAGED_PREFILL_BODY(1) }

@@ -1,11 +1,19 @@
-"""CPU paged-attention backend with a fused C decode kernel (``cpu_paged.c``).
+"""CPU paged-attention backend with fused C decode and prefill kernels (``cpu_paged.c``).
 
 :class:`CpuPagedAttention` is a :class:`~pagedllm.attention.torch_paged.TorchPagedAttention`
-that differs only in how it runs **decodes**: instead of gathering every request's K/V blocks into a workspace
-(``index_select``) and calling SDPA on the copy, a small C kernel reads each K and V row once,
-straight through the block table, with an online softmax (Milakov & Gimelshein 2018;
-FlashAttention's tiling), all query heads of a GQA group sharing each row. K/V writes and prefills (including chunked
-prefill and prefix-cache hits) are the inherited torch code.
+that differs in how it runs attention:
+
+- **Decodes**: instead of gathering every request's K/V blocks into a workspace
+  (``index_select``) and calling SDPA on the copy, a small C kernel reads each K and V row once,
+  straight through the block table, with an online softmax (Milakov & Gimelshein 2018;
+  FlashAttention's tiling), all query heads of a GQA group sharing each row.
+- **Prefills** (fresh prompts, chunked prefill, prefix-cache hits): a tiled kernel in
+  FlashAttention-2's loop order (query tile x KV head per work item, register-blocked Q K^T and
+  P V micro-kernels, online softmax) reads the cached prefix and the chunk's own K/V alike in
+  place through the block table: no gathered copy of the prefix, no (chunk x context) mask or
+  score matrix, no second call and merge for the chunk, and no repeated K/V for GQA.
+
+K/V writes, sliding-window and soft-capped layers, and fp8/int8 caches are the inherited torch code.
 
 The kernel is plain C11 with no torch headers. It is compiled on first use with the system C
 compiler (``$CC``, default ``cc``; ``-O3 -march=native -ffp-contract=fast -fPIC -shared``, no
@@ -17,12 +25,13 @@ of the source, the flags and the host CPU, written atomically, and loaded with
 run in parallel on a persistent thread pool, without OpenMP. When no compiler is found or the
 build fails, one warning is logged and the backend behaves exactly like the torch one.
 
-Supported by the kernel: contiguous KV caches of every ``kv_cache_dtype`` — float32,
+Supported by the decode kernel: contiguous KV caches of every ``kv_cache_dtype`` — float32,
 bfloat16, float8 e4m3fn/e5m2 and int8 with its per token-and-head scales
 (:mod:`pagedllm.quantization.kv_cache`; the kernel dequantizes as it reads, no gather copy;
 queries are computed in float32) — on CPU with head_dim a multiple of 16 (up to 256) and up to 256 query heads; anything else
-(float16 caches, non-CPU tensors, odd head sizes) goes to the torch backend, as do steps
-without decodes.
+(float16 caches, non-CPU tensors, odd head sizes) goes to the torch backend. The prefill kernel takes
+float32 and bfloat16 caches with head_dim a multiple of 64 (fp8/int8 caches prefill with the torch code) and
+computes in float32 whatever the query dtype.
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ __all__ = ["CpuPagedAttention", "CpuPagedKernel", "load_kernel"]
 
 _SOURCE = Path(__file__).with_name("cpu_paged.c")
 _CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 _CACHE_ENV = "PAGEDLLM_CACHE_DIR"
 
 _c_int, _c_ll, _c_float, _c_void_p = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p
@@ -66,6 +75,10 @@ _ARGTYPES = [_c_void_p] * 8 + [_c_int] * 6 + [_c_ll] * 3 + [_c_float] * 3 + [_c_
 _KERNEL_NAMES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16",
                  torch.float8_e4m3fn: "paged_decode_fp8_e4m3", torch.float8_e5m2: "paged_decode_fp8_e5m2",
                  torch.int8: "paged_decode_int8"}
+# paged_prefill_{f32,bf16}(q, k_cache, v_cache, block_table, out, num_queries, num_context, num_heads,
+#   num_kv_heads, head_dim, block_size, kv_block_stride, kv_token_stride, scale, item_begin, item_end) -> int
+_PREFILL_ARGTYPES = [_c_void_p] * 5 + [_c_int] * 6 + [_c_ll] * 2 + [_c_float, _c_int, _c_int]
+_PREFILL_KERNEL_NAMES = {torch.float32: "paged_prefill_f32", torch.bfloat16: "paged_prefill_bf16"}
 
 
 class CpuPagedKernel:
@@ -83,12 +96,18 @@ class CpuPagedKernel:
         lib.pagedllm_cpu_paged_max_head_dim.restype = _c_int
         self.max_heads: int = lib.pagedllm_cpu_paged_max_heads()
         self.max_head_dim: int = lib.pagedllm_cpu_paged_max_head_dim()
+        lib.pagedllm_cpu_paged_prefill_block_queries.argtypes = [_c_int]
+        lib.pagedllm_cpu_paged_prefill_block_queries.restype = _c_int
         self.path = path
-        self._fns = {}
+        self._fns, self._prefill_fns = {}, {}
         for dtype, name in _KERNEL_NAMES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = _ARGTYPES, None
             self._fns[dtype] = fn
+        for dtype, name in _PREFILL_KERNEL_NAMES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = _PREFILL_ARGTYPES, _c_int
+            self._prefill_fns[dtype] = fn
         self._lib = lib  # keep the library loaded
 
     def supports(self, dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
@@ -128,6 +147,46 @@ class CpuPagedKernel:
             out.data_ptr(), req_begin, req_end, query.shape[1], num_kv_heads, head_dim, block_size,
             block_tables.stride(0), kv_block_stride, num_kv_heads * head_dim, scale, k_scale, v_scale,
             sliding_window or 0, logit_soft_cap or 0.0)
+
+    def supports_prefill(self, dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
+        """Whether :meth:`prefill` handles a KV cache of ``dtype`` (float32, bfloat16) with these
+        shapes (``head_dim`` a multiple of 64, ``<= max_head_dim``)."""
+        return dtype in self._prefill_fns and num_heads >= 1 and head_dim % 64 == 0 and 0 < head_dim <= self.max_head_dim
+
+    def prefill_work_items(self, num_queries: int, num_context: int, num_heads: int,
+                           num_kv_heads: int) -> list[int]:
+        """The prefill kernel's work items for one request, in order, as their cost: item
+        ``tile * num_kv_heads + kvh`` (one tile of queries x one KV head) reads every key up to
+        its tile's last query, so its cost is that many keys."""
+        block_queries = self._lib.pagedllm_cpu_paged_prefill_block_queries(num_heads // num_kv_heads)
+        return [num_context + min(num_queries, (tile + 1) * block_queries)
+                for tile in range(cdiv(num_queries, block_queries)) for _ in range(num_kv_heads)]
+
+    def prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
+                num_context: int, scale: float, item_begin: int, item_end: int) -> None:
+        """Causal prefill attention of one request's Q new tokens (positions ``num_context`` ..
+        ``num_context + Q - 1``) over its keys 0 .. num_context + Q - 1, read in place through
+        ``block_table`` (the new tokens' K/V must already be in the cache), for work items
+        ``[item_begin, item_end)`` of :meth:`prefill_work_items`. Nothing is checked here (a bad
+        block id reads out of bounds): :class:`CpuPagedAttention` validates the block table.
+
+        Args:
+            query, out: (Q, num_heads, head_dim) float32, contiguous, CPU; ``out``'s rows of the
+                items' queries and heads are written.
+            kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim) float32 or bfloat16, contiguous.
+            block_table: (>= ceil((num_context + Q) / block_size),) int32, contiguous, ids < num_blocks.
+        Raises:
+            MemoryError: when the kernel cannot allocate its scratch (a few hundred KiB).
+        """
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        kv_block_stride = block_size * num_kv_heads * head_dim
+        status = self._prefill_fns[kv_cache.dtype](
+            query.data_ptr(), kv_cache.data_ptr(), kv_cache.data_ptr() + num_blocks * kv_block_stride *
+            kv_cache.element_size(), block_table.data_ptr(), out.data_ptr(), query.shape[0], num_context,
+            query.shape[1], num_kv_heads, head_dim, block_size, kv_block_stride, num_kv_heads * head_dim, scale,
+            item_begin, item_end)
+        if status != 0:
+            raise MemoryError("CPU paged-attention prefill kernel: scratch allocation failed")
 
 
 _load_lock = threading.Lock()
@@ -208,6 +267,15 @@ def _get_pool(num_workers: int) -> ThreadPoolExecutor:
 
 
 @dataclass
+class _PrefillPlan:
+    """The step's prefill block tables, validated once and shared by all layers of a forward pass."""
+
+    owner: ForwardContext | None
+    num_blocks: int  # the cache's num_blocks the block ids were checked against
+    block_tables: torch.Tensor  # (P, max_blocks) int32 contiguous: the prefill requests' rows
+
+
+@dataclass
 class _KernelPlan:
     """Per-step decode inputs shared by all layers of one forward pass."""
 
@@ -221,22 +289,23 @@ class _KernelPlan:
 class CpuPagedAttention(TorchPagedAttention):
     """Paged attention on CPU with a fused C decode kernel (the ``AttentionBackend`` protocol).
 
-    A :class:`TorchPagedAttention` whose decode step runs in the C kernel: ``forward`` (K/V
-    write through the slot mapping, decodes, then prefills with the torch code) is inherited
-    unchanged, only :meth:`_decode` is replaced. Decodes fall back to the torch code when the
-    kernel is unavailable or does not handle the cache (see :meth:`CpuPagedKernel.supports`;
-    non-CPU or non-contiguous caches).
+    A :class:`TorchPagedAttention` whose decodes and prefills run in the C kernels: ``forward``
+    (K/V write through the slot mapping, decodes, then prefills) is inherited unchanged, only
+    :meth:`_decode` and :meth:`_prefill` are replaced. Each falls back to the torch code when the
+    kernel is unavailable or does not handle the cache (see :meth:`CpuPagedKernel.supports`,
+    :meth:`CpuPagedKernel.supports_prefill`; non-CPU or non-contiguous caches).
 
     Args:
         num_threads: threads for the decode kernel; default (None) ``torch.get_num_threads()``
             at each step.
-        min_tokens_per_thread: context tokens (summed over the decodes) each thread must get
-            before the step is split; the default 2048 is ~0.1 ms of kernel work, several
-            times the cost of handing a range to the pool (tens of microseconds).
+        min_tokens_per_thread: context tokens (summed over the decodes; for a prefill, keys
+            summed over its work items) each thread must get before the work is split; the
+            default 2048 is ~0.1 ms of decode kernel work, several times the cost of handing a
+            range to the pool (tens of microseconds).
         kernel: a loaded :class:`CpuPagedKernel`; default :func:`load_kernel` (None when the
             build fails: the backend then is exactly the torch one).
 
-    Extra errors from ``forward``: ValueError when a decode's block table names a block
+    Extra errors from ``forward``: ValueError when a decode's or prefill's block table names a block
     outside the cache or is too short for its ``seq_len`` (the kernel trusts its inputs, so
     they are checked once per step). One instance may be shared by every layer of a model,
     not by two threads running forwards at the same time (it caches the current pass's plan).
@@ -253,6 +322,7 @@ class CpuPagedAttention(TorchPagedAttention):
         self.min_tokens_per_thread = min_tokens_per_thread
         self.kernel = kernel if kernel is not None else load_kernel()
         self._kernel_plan_cache: _KernelPlan | None = None
+        self._prefill_plan_cache: _PrefillPlan | None = None
 
     @property
     def is_kernel_available(self) -> bool:
@@ -277,16 +347,57 @@ class CpuPagedAttention(TorchPagedAttention):
         q = query.to(torch.float32).contiguous()  # a no-op for contiguous float32 queries
         direct = out.dtype == torch.float32 and out.is_contiguous()
         result = out if direct else torch.empty(q.shape, dtype=torch.float32)
-        args = (q, kv_cache, plan.block_tables, plan.seq_lens, result)
-        first, *rest = plan.ranges
-        pool = _get_pool(len(rest)) if rest else None
-        extra = (scale, sliding_window, logit_soft_cap, kv_scales)
-        futures = [pool.submit(kernel.decode, *args, *r, *extra) for r in rest] if pool else []
-        kernel.decode(*args, *first, *extra)
-        for f in futures:
-            f.result()
+        _run_split(lambda *a: kernel.decode(*a, scale, sliding_window, logit_soft_cap, kv_scales), plan.ranges,
+                   q, kv_cache, plan.block_tables, plan.seq_lens, result)
         if not direct:
             out.copy_(result)
+
+    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 metadata: AttentionMetadata, scale: float, output: torch.Tensor, sliding_window: int | None = None,
+                 logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> None:
+        """Attention of the prefill requests into their rows of ``output``, in the C kernel: each
+        request's queries over all its keys (cached prefix and the chunk itself, already written)
+        read in place through its block table, in one pass with no gather, no mask and no merge.
+        A request's work items are split into ``num_threads`` contiguous ranges of about equal
+        cost. Layers with a sliding window or a soft cap, and caches the kernel does not handle
+        (see :meth:`CpuPagedKernel.supports_prefill`), use the torch code."""
+        kernel = self.kernel
+        num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
+        if not (kernel is not None and sliding_window is None and logit_soft_cap is None
+                and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
+                and kernel.supports_prefill(kv_cache.dtype, num_heads, kv_cache.shape[-1])):
+            super()._prefill(query, key, value, kv_cache, metadata, scale, output, sliding_window, logit_soft_cap,
+                             kv_scales)
+            return
+        tables = self._prefill_plan(metadata, kv_cache).block_tables
+        qsl, seq_lens, num_decodes = metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.num_decodes
+        direct = output.dtype == torch.float32 and output.is_contiguous()
+        for b in range(num_decodes, metadata.num_reqs):
+            start, end = qsl[b], qsl[b + 1]
+            q = query[start:end].to(torch.float32).contiguous()  # (Q, num_heads, head_dim); a no-op for float32
+            result = output[start:end] if direct else torch.empty(q.shape, dtype=torch.float32)
+            num_context = seq_lens[b] - (end - start)
+            costs = kernel.prefill_work_items(end - start, num_context, num_heads, num_kv_heads)
+            num_threads = min(self.num_threads or torch.get_num_threads(), sum(costs) // self.min_tokens_per_thread)
+            _run_split(kernel.prefill, _balanced_ranges(costs, num_threads), q, kv_cache, tables[b - num_decodes],
+                       result, num_context, scale)
+            if not direct:
+                output[start:end] = result
+
+    def _prefill_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _PrefillPlan:
+        """The prefill requests' int32 block tables, validated once per forward pass (keyed by its
+        ForwardContext, as the decode plan)."""
+        owner = current_context(metadata)
+        num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+        plan = self._prefill_plan_cache
+        if owner is not None and plan is not None and plan.owner is owner and plan.num_blocks == num_blocks:
+            return plan
+        num_decodes = metadata.num_decodes
+        tables = metadata.block_tables[num_decodes:metadata.num_reqs].to(device="cpu", dtype=torch.int32).contiguous()
+        _validate_tables(tables, metadata.seq_lens_cpu[num_decodes:], num_blocks, block_size, "prefill", num_decodes)
+        plan = _PrefillPlan(owner, num_blocks, tables)
+        self._prefill_plan_cache = plan if owner is not None else None
+        return plan
 
     def _kernel_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _KernelPlan:
         """Validated int32 block tables / seq_lens and the thread split of the step's decodes,
@@ -301,7 +412,7 @@ class CpuPagedAttention(TorchPagedAttention):
         tables = metadata.block_tables[:num_decodes].to(device="cpu", dtype=torch.int32)
         if tables.dim() != 2 or tables.stride(-1) != 1:
             tables = tables.contiguous()
-        _validate_decodes(tables, lens, num_blocks, block_size)
+        _validate_tables(tables, lens, num_blocks, block_size)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         num_threads = min(self.num_threads or torch.get_num_threads(), sum(lens) // self.min_tokens_per_thread)
         plan = _KernelPlan(owner, num_blocks, tables, seq_lens, _balanced_ranges(lens, num_threads))
@@ -316,11 +427,25 @@ def _scales_fit(kv_scales: torch.Tensor | None, kv_cache: torch.Tensor) -> bool:
             and tuple(kv_scales.shape) == tuple(kv_cache.shape[:4]) and kv_scales.device == kv_cache.device)
 
 
-def _validate_decodes(tables: torch.Tensor, lens: list[int], num_blocks: int, block_size: int) -> None:
-    """The kernel trusts its inputs: check once per step that every read stays inside the cache."""
+def _run_split(fn, ranges: list[tuple[int, int]], *args) -> None:
+    """``fn(*args, begin, end)`` for every range, the first on the calling thread and the others
+    on the pool (ctypes releases the GIL, so they run in parallel); returns when all are done."""
+    first, *rest = ranges
+    pool = _get_pool(len(rest)) if rest else None
+    futures = [pool.submit(fn, *args, *r) for r in rest] if pool else []
+    fn(*args, *first)
+    for f in futures:
+        f.result()
+
+
+def _validate_tables(tables: torch.Tensor, lens: list[int], num_blocks: int, block_size: int,
+                     kind: str = "decode", first_row: int = 0) -> None:
+    """The kernel trusts its inputs: check once per step that every read stays inside the cache.
+    ``kind`` ("decode" or "prefill") names the requests in the error; ``tables`` row i is the
+    step's request ``first_row + i``."""
     max_blocks = tables.shape[1]
     if min(lens) < 1 or max(lens) > max_blocks * block_size:
-        raise ValueError(f"decode seq_lens must be in [1, {max_blocks * block_size}] (block_tables width "
+        raise ValueError(f"{kind} seq_lens must be in [1, {max_blocks * block_size}] (block_tables width "
                          f"{max_blocks} x block_size {block_size}), got min {min(lens)} max {max(lens)}")
     needed = cdiv(max(lens), block_size)
     used = tables[:, :needed]
@@ -329,7 +454,7 @@ def _validate_decodes(tables: torch.Tensor, lens: list[int], num_blocks: int, bl
     bad = valid & ((used < 0) | (used >= num_blocks))
     if bool(bad.any()):
         r, i = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(f"block_tables[{r}, {i}] = {int(used[r, i])} is outside the KV cache's "
+        raise ValueError(f"block_tables[{first_row + r}, {i}] = {int(used[r, i])} is outside the KV cache's "
                          f"{num_blocks} blocks")
 
 

@@ -121,15 +121,26 @@ class TorchPagedAttention:
         if num_decodes > 0:
             self._decode(query[:num_decodes], kv_cache, metadata, scale, output[:num_decodes], sliding_window,
                          logit_soft_cap, kv_scales)
+        if num_decodes < metadata.num_reqs:
+            self._prefill(query, key, value, kv_cache, metadata, scale, output, sliding_window, logit_soft_cap,
+                          kv_scales)
+        return output
+
+    __call__ = forward
+
+    # -- prefill ---------------------------------------------------------------------------
+
+    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 metadata: AttentionMetadata, scale: float, output: torch.Tensor, sliding_window: int | None = None,
+                 logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> None:
+        """Attention of the prefill requests (after the decodes) into their rows of ``output``.
+        query, output: (T, num_heads, head_dim) for the whole step; their K/V are already in the cache."""
         qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-        for b in range(num_decodes, metadata.num_reqs):
+        for b in range(metadata.num_decodes, metadata.num_reqs):
             start, end = qsl[b], qsl[b + 1]
             output[start:end] = _prefill_one(query[start:end], key[start:end], value[start:end], kv_cache,
                                              metadata.block_tables[b], seq_lens[b], scale, sliding_window,
                                              logit_soft_cap, kv_scales)
-        return output
-
-    __call__ = forward
 
     # -- decode ----------------------------------------------------------------------------
 
