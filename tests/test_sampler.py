@@ -18,6 +18,7 @@ from pagedllm.worker.sampler import (
     LogprobsTensors,
     Sampler,
     apply_top_k_top_p,
+    argmax_rows,
     compute_prompt_logprobs,
 )
 from pagedllm.worker.sampling_metadata import SamplingMetadata
@@ -54,6 +55,22 @@ def logits():
 
 
 # ----------------------------------------------------------------------------- greedy
+@pytest.mark.parametrize("V", [5, 2047, 2048, 3000, 49152, 49153])
+def test_argmax_rows_equals_torch_argmax_ties_nan_and_ragged_chunks(V):
+    torch.manual_seed(V)
+    x = torch.randn(9, V)
+    x[1] = 1.0  # all tied: the first column
+    x[2, V // 3] = x[2, V - 1] = 50.0  # tie across chunks (the ragged last chunk when V % chunk)
+    x[3, V - 1] = 60.0  # maximum in the last column
+    x[4] = float("-inf")
+    x[4, V // 2] = 0.0
+    x[5] = float("-inf")  # nothing finite
+    x[6, V // 2] = float("nan")  # NaN counts as the maximum in torch.argmax
+    x[7, 0] = 70.0
+    assert argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+    assert argmax_rows(x[:0]).shape == (0,)
+
+
 def test_temperature_zero_is_argmax_even_with_top_p_top_k(logits):
     params = [SamplingParams(temperature=0.0, top_p=0.9, top_k=50)] * 8
     out = sample(logits, params)
