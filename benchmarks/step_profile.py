@@ -5,8 +5,12 @@ Puts ``--batch`` requests into decode (prompts prefilled first), then times
 logits + sampling (split into the lm_head matmul and the sampler proper), scheduler
 update, detokenization/outputs — and, with torch's
 profiler, splits the forward into matmuls, attention and the rest. "Python overhead"
-is the step's wall time outside torch operators (host-side bookkeeping). One result
-line; JSON to benchmarks/results/step_profile.json.
+is the step's wall time outside torch operators and the C decode kernel (host-side
+bookkeeping), measured within each profiled step. Figures are medians over steps (a shared
+machine makes some steps outliers). ``fractions_of_step`` states the shares the issue's
+targets are about: Python overhead, the lm_head matmul, and logits processing + sampling
+(everything of the runner's ``_sample`` but the lm_head). One result line; JSON to
+benchmarks/results/step_profile.json.
 
     .venv/bin/python benchmarks/step_profile.py --batch 64
 """
@@ -15,7 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import statistics
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -43,6 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--profile-steps", type=int, default=5, help="steps profiled one by one (Python overhead)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default="benchmarks/results/step_profile.json")
@@ -50,7 +58,7 @@ def main() -> None:
     llm = LLM(dtype=args.dtype, max_model_len=1024, kv_cache_memory="2GiB", max_num_seqs=max(args.batch, 8))
     eng = llm.llm_engine
     rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.steps + args.profile_steps + 8, ignore_eos=True)
     for _ in range(args.batch):
         eng.add_request(None, [rng.randrange(3, 49000) for _ in range(args.prompt_len)], params)
     while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
@@ -71,38 +79,78 @@ def main() -> None:
     wrap(runner.sampler, "forward", acc, "logits_and_sampling.sampler")
     wrap(eng.scheduler, "update_from_output", acc, "scheduler_update")
     wrap(eng.output_processor, "process", acc, "outputs_detokenize")
-    t0 = time.perf_counter()
+    walls, phases = [], defaultdict(list)
     for _ in range(args.steps):
+        acc.clear()
+        t0 = time.perf_counter()
         eng.step()
-    wall = (time.perf_counter() - t0) / args.steps
-    per_step = {k: v / args.steps for k, v in acc.items()}
-    # torch profiler over a few more steps: operator self time by kind
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(4):
+        walls.append(time.perf_counter() - t0)
+        for k, v in acc.items():
+            phases[k].append(v)
+    wall = statistics.median(walls)
+    per_step = {k: statistics.median(v) for k, v in phases.items()}
+    # Python overhead: each of a few more steps profiled on its own; the step's wall time minus
+    # the time inside torch operators (and the C decode kernel) in that same step. The median
+    # over steps: on a shared machine a step that lost its core for a while is an outlier.
+    kinds_per_step, python_fracs = defaultdict(list), []
+    for _ in range(args.profile_steps):
+        acc.clear()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
             eng.step()
+            step_wall = time.perf_counter() - t0
+        kinds = operator_time_by_kind(prof)
+        # the fused C decode kernel runs outside torch operators: count it as attention, not Python
+        kinds["attention"] += acc.get("forward.decode_attention", 0.0)
+        for k, v in kinds.items():
+            kinds_per_step[k].append(v)
+        python_fracs.append(max(step_wall - sum(kinds.values()), 0.0) / step_wall)
+    kinds = {k: statistics.median(v) for k, v in kinds_per_step.items()}
+    python_fraction = statistics.median(python_fracs)
+    lm_head = per_step.get("logits_and_sampling.lm_head", 0.0)
+    sampling = per_step.get("logits_and_sampling", 0.0) - lm_head
+    fractions = {"python_overhead": python_fraction,
+                 "lm_head": lm_head / wall,
+                 # everything of _sample but the lm_head matmul: row gather, sampling metadata,
+                 # logits processing, the sampler, the host copy of the ids
+                 "logits_processing_and_sampling": sampling / wall,
+                 "forward": per_step.get("forward", 0.0) / wall,
+                 "host_phases": sum(per_step.get(k, 0.0) for k in HOST_PHASES) / wall}
+    rec = {"load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()], "batch": args.batch,
+           "dtype": args.dtype, "params": params_desc(params), "step_wall_s": wall,
+           "step_wall_s_min_max": [min(walls), max(walls)], "phases_s": per_step,
+           "op_time_by_kind_s": kinds, "python_overhead_s": python_fraction * wall,
+           "python_overhead_fraction": python_fraction, "fractions_of_step": fractions,
+           "tokens_per_s": args.batch / wall, "torch_threads": torch.get_num_threads(),
+           "command": "benchmarks/step_profile.py " + " ".join(sys.argv[1:])}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rec, indent=2))
+    phases_txt = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in per_step.items())
+    ops = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in kinds.items())
+    fr = ", ".join(f"{k} {v:.1%}" for k, v in fractions.items())
+    print(f"decode step at batch {args.batch} ({args.dtype}): {wall * 1e3:.1f} ms = {args.batch / wall:.0f} tok/s; "
+          f"phases (ms): {phases_txt}; operators (ms): {ops}; fractions of the step: {fr}")
+
+
+HOST_PHASES = ("schedule", "input_prep", "scheduler_update", "outputs_detokenize")
+
+
+def operator_time_by_kind(prof) -> dict[str, float]:
+    """Self time (s) of the profiled torch operators, by kind: matmul, attention, other_ops."""
     kinds: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():
         n = evt.key
+        if not (n.startswith("aten::") or "mkldnn" in n):
+            continue
         kind = ("matmul" if any(s in n for s in ("linear", "addmm", "mm", "matmul")) else
                 "attention" if any(s in n for s in ("attention", "index_select", "index_copy")) else
                 "other_ops")
-        if n.startswith("aten::") or "mkldnn" in n:
-            kinds[kind] += evt.self_cpu_time_total / 1e6 / 4
-    # the fused C decode kernel runs outside torch operators: count it as attention, not Python
-    kinds["attention"] += per_step.get("forward.decode_attention", 0.0)
-    op_total = sum(kinds.values())
-    python = max(wall - op_total, 0.0)
-    import os
-    rec = {"load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()], "batch": args.batch, "dtype": args.dtype, "step_wall_s": wall, "phases_s": per_step,
-           "op_time_by_kind_s": dict(kinds), "python_overhead_s": python,
-           "python_overhead_fraction": python / wall, "tokens_per_s": args.batch / wall,
-           "torch_threads": torch.get_num_threads()}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rec, indent=2))
-    phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in per_step.items())
-    ops = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in kinds.items())
-    print(f"decode step at batch {args.batch} ({args.dtype}): {wall * 1e3:.1f} ms = {args.batch / wall:.0f} tok/s; "
-          f"phases (ms): {phases}; operators (ms): {ops}; python overhead {python / wall:.1%}")
+        kinds[kind] += evt.self_cpu_time_total / 1e6
+    return kinds
+
+
+def params_desc(params) -> str:
+    return f"temperature={params.temperature}, max_tokens={params.max_tokens}, ignore_eos={params.ignore_eos}"
 
 
 if __name__ == "__main__":
