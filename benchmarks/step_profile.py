@@ -32,18 +32,66 @@ import torch
 from pagedllm import LLM, SamplingParams
 
 
-def wrap(obj, name: str, acc: dict, key: str) -> None:
-    """Accumulate the wall time of ``obj.name(...)`` into ``acc[key]``."""
+def wrap(obj, name: str, acc: dict, key: str, clock=time.perf_counter) -> None:
+    """Accumulate the ``clock`` time (default: wall) of ``obj.name(...)`` into ``acc[key]``."""
     fn = getattr(obj, name)
 
     def timed(*a, **kw):
-        t = time.perf_counter()
+        t = clock()
         try:
             return fn(*a, **kw)
         finally:
-            acc[key] += time.perf_counter() - t
+            acc[key] += clock() - t
 
     setattr(obj, name, timed)
+
+
+def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
+    """Process CPU time (ms) per decode step and per part, with one torch thread.
+
+    CPU time does not grow when another process takes the core, so on a shared machine
+    these shares hold where wall-clock shares do not. Parts (nested parts are also inside
+    their parents): linear layers (lm_head included), RMSNorm (with its residual add), the
+    rotary embedding, attention (K/V write + decode kernel), and ``_sample`` (lm_head included).
+    """
+    from pagedllm.models.layers.linear import Linear
+    from pagedllm.models.layers.norm import RMSNorm
+    from pagedllm.models.layers.rotary import RotaryEmbedding
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    acc: dict[str, float] = defaultdict(float)
+    clock = time.process_time
+    layer = eng.runner.model.model.layers[0]
+    parts = [(Linear, "forward", "linear"), (RMSNorm, "forward", "rms_norm"),
+             (layer.self_attn.attn.backend, "forward", "attention"), (eng.runner, "_sample", "sample")]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in parts]
+    rotary_apply = RotaryEmbedding.apply
+    try:
+        for obj, name, key in parts:
+            wrap(obj, name, acc, key, clock)
+        RotaryEmbedding.apply = staticmethod(_cpu_timed(rotary_apply, acc, "rotary"))
+        total = 0.0
+        for _ in range(num_steps):
+            t = clock()
+            eng.step()
+            total += clock() - t
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+        RotaryEmbedding.apply = staticmethod(rotary_apply)
+        torch.set_num_threads(threads)
+    return {"step": total / num_steps * 1e3, **{k: v / num_steps * 1e3 for k, v in acc.items()}}
+
+
+def _cpu_timed(fn, acc: dict, key: str):
+    def timed(*a, **kw):
+        t = time.process_time()
+        try:
+            return fn(*a, **kw)
+        finally:
+            acc[key] += time.process_time() - t
+    return timed
 
 
 def main() -> None:
@@ -53,12 +101,14 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=5, help="steps profiled one by one (Python overhead)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--cpu-time-steps", type=int, default=0,
+                    help="then this many steps with one torch thread, CPU time per part (robust on a shared machine)")
     ap.add_argument("--out", default="benchmarks/results/step_profile.json")
     args = ap.parse_args()
     llm = LLM(dtype=args.dtype, max_model_len=1024, kv_cache_memory="2GiB", max_num_seqs=max(args.batch, 8))
     eng = llm.llm_engine
     rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=args.steps + args.profile_steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.steps + args.profile_steps + args.cpu_time_steps + 8, ignore_eos=True)
     for _ in range(args.batch):
         eng.add_request(None, [rng.randrange(3, 49000) for _ in range(args.prompt_len)], params)
     while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
@@ -123,13 +173,17 @@ def main() -> None:
            "python_overhead_fraction": python_fraction, "fractions_of_step": fractions,
            "tokens_per_s": args.batch / wall, "torch_threads": torch.get_num_threads(),
            "command": "benchmarks/step_profile.py " + " ".join(sys.argv[1:])}
+    if args.cpu_time_steps:
+        rec["cpu_time_ms_per_step_1_thread"] = cpu_time_breakdown(eng, args.cpu_time_steps)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rec, indent=2))
     phases_txt = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in per_step.items())
     ops = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in kinds.items())
     fr = ", ".join(f"{k} {v:.1%}" for k, v in fractions.items())
     print(f"decode step at batch {args.batch} ({args.dtype}): {wall * 1e3:.1f} ms = {args.batch / wall:.0f} tok/s; "
-          f"phases (ms): {phases_txt}; operators (ms): {ops}; fractions of the step: {fr}")
+          f"phases (ms): {phases_txt}; operators (ms): {ops}; fractions of the step: {fr}"
+          + ("; 1-thread CPU ms: " + ", ".join(f"{k} {v:.1f}" for k, v in rec["cpu_time_ms_per_step_1_thread"].items())
+             if args.cpu_time_steps else ""))
 
 
 HOST_PHASES = ("schedule", "input_prep", "scheduler_update", "outputs_detokenize")
