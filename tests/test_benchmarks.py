@@ -176,6 +176,25 @@ def test_throughput_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_step_profile_reports_fractions_and_cpu_time_parts(tmp_path):
+    out = tmp_path / "sp.json"
+    res = subprocess.run([sys.executable, str(BENCH / "step_profile.py"), "--batch", "2", "--steps", "2",
+                          "--profile-steps", "1", "--prompt-len", "4", "--cpu-time-steps", "2", "--out", str(out)],
+                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300,
+                         cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.startswith("decode step at batch 2 (float32): ")
+    rec = json.loads(out.read_text())
+    fractions = rec["fractions_of_step"]
+    assert set(fractions) == {"python_overhead", "lm_head", "logits_processing_and_sampling", "forward", "host_phases"}
+    assert all(0.0 <= v for v in fractions.values()) and fractions["lm_head"] > 0
+    cpu = rec["cpu_time_ms_per_step_1_thread"]
+    assert {"step", "linear", "rms_norm", "rotary", "attention", "sample"} <= set(cpu)
+    # every part runs inside the step (the lm_head is inside both linear and sample)
+    assert 0 < cpu["linear"] < cpu["step"] and 0 < cpu["rms_norm"] + cpu["attention"] + cpu["rotary"] < cpu["step"]
+
+
+@pytest.mark.slow
 def test_structured_output_quick(tmp_path):
     pytest.importorskip("xgrammar")
     out = tmp_path / "so.json"
