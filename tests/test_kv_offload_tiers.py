@@ -110,6 +110,22 @@ def test_disk_files_of_another_setup_are_ignored(tiny_model_dir, tmp_path, caplo
     assert _generate(other, PROMPT).num_cached_tokens == 0
 
 
+@pytest.mark.parametrize("name", ["fp8", "int8"])
+def test_tiers_with_quantized_kv_give_the_same_tokens(tiny_model_dir, tmp_path, name):
+    """fp8 blocks, and int8 blocks with their scales, saved to the host tier and to disk and
+    loaded back: the same tokens and logprobs as computing the prompt, before and after a restart."""
+    reference = _result(_generate(_make(tiny_model_dir, kv_cache_dtype=name, enable_prefix_caching=False), PROMPT))
+    llm = _make(tiny_model_dir, kv_cache_dtype=name, kv_offload_memory="1MiB", kv_offload_dir=str(tmp_path))
+    first, again = _session(llm)
+    assert again.metrics.cached_tokens_by_tier == {"pool": 0, "host": 64, "disk": 0}
+    assert _result(first) == _result(again) == reference
+    del llm
+    restarted = _make(tiny_model_dir, kv_cache_dtype=name, kv_offload_dir=str(tmp_path))
+    out = _generate(restarted, PROMPT)
+    assert out.metrics.cached_tokens_by_tier == {"pool": 0, "host": 0, "disk": 64}
+    assert _result(out) == reference
+
+
 @pytest.mark.parametrize("kw, field", [
     ({"kv_offload_memory": -5}, "kv_offload_memory"),
     ({"kv_offload_memory": "lots"}, "kv_offload_memory"),

@@ -71,3 +71,17 @@ def test_bad_preemption_settings_are_clear_errors(kw, field):
 
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kw)
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8"])
+def test_swap_preemption_with_quantized_kv_matches_recompute(tiny_model_dir, name):
+    """fp8 codes, and int8 codes with their per token-and-head scales, go to the swap space and
+    back: the tokens and logprobs of recompute preemption and of an unpreempted run, same KV dtype."""
+    big = LLM(model=str(tiny_model_dir), max_model_len=256, num_kv_blocks=256, enable_prefix_caching=False,
+              kv_cache_dtype=name)
+    reference = _tokens(big)[0]
+    tokens, outs = _tokens(_small(tiny_model_dir, kv_cache_dtype=name, preemption_mode="swap", swap_space="4MiB"))
+    assert {m for o in outs for m in o.metrics.preemption_modes} == {"swap"}
+    recomputed, outs = _tokens(_small(tiny_model_dir, kv_cache_dtype=name, preemption_mode="recompute"))
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert tokens == recomputed == reference

@@ -4,13 +4,17 @@ The core decides which blocks to save, load and drop (:mod:`pagedllm.core.kv_off
 as :class:`~pagedllm.core.outputs.KVTransferOps` in each ``SchedulerOutput``); this
 module owns the data and performs them, at the start of the step, before the forward
 pass. One block's data is the slice of every KV tensor at that block id, a tensor of
-shape ``(num_kv_tensors, 2, block_size, num_kv_heads, head_dim)`` in the KV dtype.
+shape ``(num_kv_tensors, 2, block_size, num_kv_heads, head_dim)`` in the KV dtype (float8
+moved as its bytes, uint8: CPU torch has no float8 gather), plus, for an int8 cache, its
+per token-and-head scales ``(num_kv_tensors, 2, block_size, num_kv_heads)`` float32: a
+block's scales travel with it everywhere its codes go (swap space, host tier, disk file).
 
 * :class:`HostKVTier`: a dict ``block hash → tensor`` in host RAM (pinned memory when
   the pool is on a GPU).
 * :class:`DiskKVTier`: one safetensors file per block in ``kv_offload_dir``, named by the
   block hash, with the block's parent hash and token ids (to verify a hit) and the
-  engine's identity — model, block size, KV dtype, block shape — in its metadata. At
+  engine's identity — model, block size, KV dtype, block shape — in its metadata (an int8
+  cache's scales as a second tensor, ``kv_scales``). At
   start-up the directory is scanned: files of another identity, unreadable or truncated
   files are ignored with a warning; the valid ones (least recently modified first) seed
   the core's disk index, so a restarted engine hits the blocks of the previous one.
@@ -31,11 +35,16 @@ import torch
 
 from pagedllm.core.kv_offload import TIER_DISK, TIER_HOST, KVOffloadSpec
 from pagedllm.core.outputs import KVTransferOps
+from pagedllm.quantization.kv_cache import as_bytes
 
 logger = logging.getLogger("pagedllm")
 
 DISK_FORMAT = "pagedllm-kv-block-v1"
 _SUFFIX = ".safetensors"
+
+# One block's data: (K/V codes (num_kv_tensors, 2, block_size, num_kv_heads, head_dim),
+# an int8 cache's scales (num_kv_tensors, 2, block_size, num_kv_heads) float32, or None).
+BlockData = tuple[torch.Tensor, "torch.Tensor | None"]
 
 
 class HostKVTier:
@@ -43,12 +52,12 @@ class HostKVTier:
 
     def __init__(self, pin: bool = False) -> None:
         self.pin = pin
-        self.blocks: dict[bytes, torch.Tensor] = {}
+        self.blocks: dict[bytes, BlockData] = {}
 
-    def save(self, key: bytes, data: torch.Tensor) -> None:
-        self.blocks[key] = data.pin_memory() if self.pin else data
+    def save(self, key: bytes, data: BlockData) -> None:
+        self.blocks[key] = tuple(t.pin_memory() if self.pin and t is not None else t for t in data)
 
-    def load(self, key: bytes) -> torch.Tensor:
+    def load(self, key: bytes) -> BlockData:
         """The block's data. Raises KeyError when the tier does not hold ``key``."""
         return self.blocks[key]
 
@@ -116,25 +125,28 @@ class DiskKVTier:
             return None
         return key, parent, token_ids
 
-    def save(self, key: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...], data: torch.Tensor) -> None:
+    def save(self, key: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...], data: BlockData) -> None:
         from safetensors.torch import save_file
 
         meta = {**self.identity, "parent_hash": parent_hash.hex() if parent_hash else "",
                 "token_ids": json.dumps(list(token_ids))}
+        kv, scales = data
+        tensors = {"kv": kv.contiguous()} | ({"kv_scales": scales.contiguous()} if scales is not None else {})
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=_SUFFIX)
         os.close(fd)
         try:
-            save_file({"kv": data.contiguous()}, tmp, metadata=meta)
+            save_file(tensors, tmp, metadata=meta)
             os.replace(tmp, self.path(key))
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
 
-    def load(self, key: bytes) -> torch.Tensor:
+    def load(self, key: bytes) -> BlockData:
         """The block's data. Raises OSError / safetensors errors for a missing or damaged file."""
         from safetensors.torch import load_file
 
-        return load_file(str(self.path(key)))["kv"]
+        tensors = load_file(str(self.path(key)))
+        return tensors["kv"], tensors.get("kv_scales")
 
     def drop(self, key: bytes) -> None:
         self.path(key).unlink(missing_ok=True)
@@ -150,52 +162,79 @@ class KVOffloader:
         disk: the disk tier, or None.
         num_swap_blocks: slots of the swap space (host memory, pinned for a GPU pool;
             ``torch.empty``, so pages are committed only when first written).
+        kv_scales: an int8 pool's scales, one ``(2, num_blocks, block_size, num_kv_heads)``
+            float32 tensor per KV tensor (moved with their blocks); None (or Nones) otherwise.
     """
 
     def __init__(self, kv_caches: list[torch.Tensor], host: HostKVTier | None, disk: DiskKVTier | None,
-                 num_swap_blocks: int = 0) -> None:
-        self.kv_caches = kv_caches
+                 num_swap_blocks: int = 0, kv_scales: list[torch.Tensor | None] | None = None) -> None:
+        self.kv_caches = [as_bytes(c) for c in kv_caches]  # float8 moved as bytes
+        self.kv_scales = list(kv_scales) if kv_scales is not None and kv_scales[0] is not None else None
         self.tiers = {name: t for name, t in ((TIER_HOST, host), (TIER_DISK, disk)) if t is not None}
-        c = kv_caches[0]
+        c = self.kv_caches[0]
         # (slots, num_kv_tensors, 2, block_size, num_kv_heads, head_dim): one slot = one block
         self.swap = torch.empty((num_swap_blocks, len(kv_caches), 2, *c.shape[2:]), dtype=c.dtype,
                                 pin_memory=c.is_cuda)
+        self.swap_scales = None  # (slots, num_kv_tensors, 2, block_size, num_kv_heads) float32
+        if self.kv_scales is not None:
+            self.swap_scales = torch.empty((num_swap_blocks, len(kv_caches), 2, *c.shape[2:4]), dtype=torch.float32,
+                                           pin_memory=c.is_cuda)
 
     def apply(self, ops: KVTransferOps) -> None:
         """Swap-outs, saves, loads, swap-ins, drops: every read of the pool before any
         write (:class:`KVTransferOps`)."""
         if ops.swap_out:
             slots = torch.tensor([s for _, s in ops.swap_out], dtype=torch.int64)
-            self.swap[slots] = self.gather([b for b, _ in ops.swap_out])
+            kv, scales = self.gather([b for b, _ in ops.swap_out])
+            self.swap[slots] = kv
+            if scales is not None:
+                self.swap_scales[slots] = scales
         if ops.saves:
-            data = self.gather([s.block_id for s in ops.saves])
+            kv, scales = self.gather([s.block_id for s in ops.saves])
             for i, s in enumerate(ops.saves):
+                block = (kv[i], None if scales is None else scales[i])
                 if s.tier == TIER_DISK:
-                    self.tiers[TIER_DISK].save(s.key, s.parent_hash, s.token_ids, data[i])
+                    self.tiers[TIER_DISK].save(s.key, s.parent_hash, s.token_ids, block)
                 else:
-                    self.tiers[s.tier].save(s.key, data[i].clone())
+                    self.tiers[s.tier].save(s.key, tuple(t if t is None else t.clone() for t in block))
         if ops.loads:
-            self.scatter([b for _, _, b in ops.loads], [self.tiers[t].load(k) for t, k, _ in ops.loads])
+            blocks = [self.tiers[t].load(k) for t, k, _ in ops.loads]
+            self.scatter([b for _, _, b in ops.loads], torch.stack([kv for kv, _ in blocks]),
+                         None if self.kv_scales is None else torch.stack([s for _, s in blocks]))
         if ops.swap_in:
-            self.scatter([b for _, b in ops.swap_in], list(self.swap[[s for s, _ in ops.swap_in]]))
+            slots = torch.tensor([s for s, _ in ops.swap_in], dtype=torch.int64)
+            self.scatter([b for _, b in ops.swap_in], self.swap[slots],
+                         None if self.swap_scales is None else self.swap_scales[slots])
         for tier, key in ops.drops:
             self.tiers[tier].drop(key)
 
-    def gather(self, block_ids: list[int]) -> torch.Tensor:
-        """Blocks ``block_ids`` of every KV tensor, on the host:
-        ``(len(block_ids), num_kv_tensors, 2, block_size, num_kv_heads, head_dim)``."""
+    def gather(self, block_ids: list[int]) -> BlockData:
+        """Blocks ``block_ids`` of every KV tensor, on the host: codes
+        ``(len(block_ids), num_kv_tensors, 2, block_size, num_kv_heads, head_dim)`` and, for an
+        int8 pool, scales ``(len(block_ids), num_kv_tensors, 2, block_size, num_kv_heads)`` (else None)."""
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.kv_caches[0].device)
         # (num_kv_tensors, 2, n, bs, kvh, hd) -> (n, num_kv_tensors, 2, bs, kvh, hd)
         data = torch.stack([c.index_select(1, ids) for c in self.kv_caches]).permute(2, 0, 1, 3, 4, 5)
-        return data.to("cpu").contiguous()
+        scales = None
+        if self.kv_scales is not None:
+            scales = torch.stack([s.index_select(1, ids) for s in self.kv_scales]).permute(2, 0, 1, 3, 4)
+            scales = scales.to("cpu").contiguous()
+        return data.to("cpu").contiguous(), scales
 
-    def scatter(self, block_ids: list[int], blocks: list[torch.Tensor]) -> None:
-        """Write each block's data (as :meth:`gather` returns one) into pool block ``block_ids[i]``."""
+    def scatter(self, block_ids: list[int], kv: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+        """Write blocks (codes and scales as :meth:`gather` returns them, stacked) into pool blocks
+        ``block_ids``. Raises ValueError when an int8 pool gets no scales."""
+        if (scales is None) != (self.kv_scales is None):
+            raise ValueError("an int8 KV pool's blocks move with their kv_scales (and only its blocks have them)")
         dev = self.kv_caches[0].device
         ids = torch.tensor(block_ids, dtype=torch.int64, device=dev)
-        data = torch.stack(blocks).to(dev)  # (n, num_kv_tensors, 2, bs, kvh, hd)
+        kv = kv.to(dev)  # (n, num_kv_tensors, 2, bs, kvh, hd)
         for j, cache in enumerate(self.kv_caches):
-            cache[:, ids] = data[:, j].transpose(0, 1).to(cache.dtype)  # (2, n, bs, kvh, hd)
+            cache[:, ids] = kv[:, j].transpose(0, 1).to(cache.dtype)  # (2, n, bs, kvh, hd)
+        if scales is not None:
+            scales = scales.to(dev)  # (n, num_kv_tensors, 2, bs, kvh)
+            for j, s in enumerate(self.kv_scales):
+                s[:, ids] = scales[:, j].transpose(0, 1)
 
 
     def measure_copy_bandwidth(self) -> float:
@@ -205,22 +244,27 @@ class KVOffloader:
         if n == 0:
             return 0.0
         ids = list(range(n))
-        self.scatter(ids, list(self.gather(ids)))  # warm-up (and a no-op on the data)
+        self.scatter(ids, *self.gather(ids))  # warm-up (and a no-op on the data)
         t0 = time.perf_counter()
-        data = self.gather(ids)
-        self.swap[:n] = data
-        self.scatter(ids, list(self.swap[:n]))
+        kv, scales = self.gather(ids)
+        self.swap[:n] = kv
+        if scales is not None:
+            self.swap_scales[:n] = scales
+        self.scatter(ids, self.swap[:n], None if scales is None else self.swap_scales[:n])
         if self.kv_caches[0].is_cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        return 2 * data.numel() * data.element_size() / max(seconds, 1e-9)
+        num_bytes = kv.numel() * kv.element_size() + (0 if scales is None else scales.numel() * 4)
+        return 2 * num_bytes / max(seconds, 1e-9)
 
 
 def build_kv_offload(config, kv_caches: list[torch.Tensor], bytes_per_block: int, num_groups: int,
-                     identity: dict[str, str]) -> tuple[KVOffloadSpec, KVOffloader | None]:
+                     identity: dict[str, str], kv_scales: list[torch.Tensor | None] | None = None
+                     ) -> tuple[KVOffloadSpec, KVOffloader | None]:
     """The tiers ``config`` asks for (``kv_offload_memory``, ``kv_offload_dir``,
     ``kv_offload_disk_space``) and the swap space (``swap_space`` unless
-    ``preemption_mode`` is recompute), sized in blocks of ``bytes_per_block`` bytes.
+    ``preemption_mode`` is recompute), sized in blocks of ``bytes_per_block`` bytes (an int8
+    pool's scales, ``kv_scales``, included: they move with their blocks).
 
     Tiers need prefix caching and a single KV-cache group; otherwise they are off (with a
     warning when asked for). Raises ValueError for an unwritable ``kv_offload_dir``.
@@ -232,7 +276,7 @@ def build_kv_offload(config, kv_caches: list[torch.Tensor], bytes_per_block: int
                        "sliding-window layers (one KV-cache group)")
         wanted = False
     if not wanted:
-        return KVOffloadSpec(), KVOffloader(kv_caches, None, None, num_swap) if num_swap else None
+        return KVOffloadSpec(), KVOffloader(kv_caches, None, None, num_swap, kv_scales) if num_swap else None
     num_host = config.kv_offload_memory_bytes // bytes_per_block if config.kv_offload_memory is not None else 0
     host = HostKVTier(pin=kv_caches[0].is_cuda) if num_host else None
     disk, num_disk, entries = None, 0, ()
@@ -245,4 +289,4 @@ def build_kv_offload(config, kv_caches: list[torch.Tensor], bytes_per_block: int
     spec = KVOffloadSpec(num_host, num_disk, entries)
     logger.info("KV offload: host tier %d blocks, disk tier %d blocks%s", num_host, num_disk,
                 f" in {config.kv_offload_dir}" if disk is not None else "")
-    return spec, KVOffloader(kv_caches, host, disk, num_swap) if spec.is_enabled or num_swap else None
+    return spec, KVOffloader(kv_caches, host, disk, num_swap, kv_scales) if spec.is_enabled or num_swap else None

@@ -370,21 +370,9 @@ class ModelRunner:
                     "kv_dtype": self.kv_storage_name(),
                     "shape": json.dumps([self.num_kv_tensors, 2, self.block_size, m.num_kv_heads, m.head_dim]),
                     "num_layers": str(m.num_layers)}
-        spec, self.kv_offloader = build_kv_offload(self._offload_config(), self.kv_caches, self.bytes_per_block(),
-                                                   len(self.kv_cache_groups), identity)
+        spec, self.kv_offloader = build_kv_offload(self.config, self.kv_caches, self.bytes_per_block(),
+                                                   len(self.kv_cache_groups), identity, self.kv_scales)
         return spec
-
-    def _offload_config(self) -> EngineConfig:
-        """The config the offload copies work from. Their copies move the cache tensors only, not
-        an int8 cache's scales, and CPU torch has no float8 gather: with an fp8/int8 cache, swap
-        and the tiers are off (preemption recomputes), with a warning when they were asked for."""
-        cfg = self.config
-        if not self.kv_dtype.is_quantized:
-            return cfg
-        if cfg.preemption_mode == "swap" or cfg.kv_offload_memory is not None or cfg.kv_offload_dir is not None:
-            logger.warning("kv_cache_dtype=%s: swap preemption and KV offload tiers are off (preemption "
-                           "recomputes)", cfg.kv_cache_dtype)
-        return cfg.replace(preemption_mode="recompute", kv_offload_memory=None, kv_offload_dir=None)
 
     def initialize_swap_space(self) -> SwapSpace:
         """The swap space's index for the scheduler (after :meth:`initialize_kv_offload`):
