@@ -14,10 +14,18 @@ between lengths, the machine is shared). Per system and length:
   KV cache of pagedllm is allocated at start-up and not counted);
 - whether the greedy tokens equal transformers'.
 
+With ``--profile`` each system also prefills each length once more (one new token) under
+torch's profiler, and the record gets the op-level split of that prefill: matmuls (oneDNN /
+MKL GEMMs), attention (SDPA kernels; pagedllm's prefill attention as one labelled range,
+since its C kernel is not a torch op) and everything else (norms, rotary, SiLU, residual adds,
+KV writes, embedding), as seconds of wall time on the calling thread and shares.
+
 One result line; JSON to ``benchmarks/results/long_context.json``.
 
     .venv/bin/python benchmarks/long_context.py
     .venv/bin/python benchmarks/long_context.py --lengths 2048 --systems pagedllm
+    .venv/bin/python benchmarks/long_context.py --lengths 2048,8160 --profile --new-tokens 1 \
+        --out benchmarks/results/long_context_profile.json
 """
 
 from __future__ import annotations
@@ -68,6 +76,27 @@ class PeakRss:
         self.peak_above_start = max(self._peak, rss_bytes()) - self._start
 
 
+_MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise"}
+_ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
+                  "pagedllm::prefill_attention"}
+
+
+def profile_split(run) -> dict:
+    """Run ``run()`` under torch's profiler; self time of its ops grouped as matmul / attention /
+    other (seconds, and each as a share of the total)."""
+    import torch
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    split = {"matmul_s": 0.0, "attention_s": 0.0, "other_s": 0.0}
+    for e in prof.key_averages():
+        kind = "matmul_s" if e.key in _MATMUL_OPS else "attention_s" if e.key in _ATTENTION_OPS else "other_s"
+        split[kind] += e.self_cpu_time_total / 1e6
+    total = sum(split.values())
+    split = {k: round(v, 3) for k, v in split.items()}
+    split.update({k.replace("_s", "_share"): round(v / total, 3) for k, v in list(split.items())})
+    return split
+
+
 class PagedLLM:
     name = "pagedllm"
 
@@ -79,6 +108,17 @@ class PagedLLM:
         self.info = {"token_budget": cfg.token_budget, "enable_chunked_prefill": cfg.enable_chunked_prefill,
                      "kv_cache": self.llm.llm_engine.kv_cache_spec.describe(),
                      "attention_backend": type(self.llm.llm_engine.runner.model.model.layers[0].self_attn.attn.backend).__name__}
+
+    def label_prefill_attention(self) -> None:
+        """Make the backend's prefill attention one labelled profiler range (its C kernel is not a torch op)."""
+        import torch
+        backend = self.llm.llm_engine.runner.model.model.layers[0].self_attn.attn.backend  # shared by all layers
+        prefill = backend._prefill
+
+        def labelled(*args, **kwargs):
+            with torch.profiler.record_function("pagedllm::prefill_attention"):
+                return prefill(*args, **kwargs)
+        backend._prefill = labelled
 
     def run(self, prompt: list[int], new_tokens: int) -> dict:
         from pagedllm import SamplingParams
@@ -129,6 +169,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--systems", default="pagedllm,transformers")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="pagedllm step budget (default: its own)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="pagedllm: most prompt tokens a long prompt computes per step (default: its own)")
+    p.add_argument("--profile", action="store_true", help="also record each prefill's matmul / attention / other split")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -137,12 +180,16 @@ def main(argv: list[str] | None = None) -> dict:
     engine_kwargs = {"kv_cache_memory": "1GiB"}
     if args.max_num_batched_tokens:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.long_prefill_token_threshold:
+        engine_kwargs["long_prefill_token_threshold"] = args.long_prefill_token_threshold
     makers = {"pagedllm": lambda: PagedLLM(max_model_len, engine_kwargs), "transformers": Transformers}
     systems = [makers[n]() for n in args.systems.split(",")]
     rng = np.random.default_rng(args.seed)
     warm = common.random_prompts(rng, np.array([64]))[0]
     for s in systems:
         s.run(warm, 2)  # first-call allocations, oneDNN primitive creation
+        if args.profile and isinstance(s, PagedLLM):
+            s.label_prefill_attention()
     results: dict[str, dict] = {s.name: {} for s in systems}
     for i, n in enumerate(lengths):
         prompt = common.random_prompts(rng, np.array([n]))[0]
@@ -152,6 +199,10 @@ def main(argv: list[str] | None = None) -> dict:
                 r = s.run(prompt, args.new_tokens)
             r["peak_rss_above_start_mib"] = round(rss.peak_above_start / 2**20, 1)
             r["prefill_tokens_per_s"] = round(n / r["prefill_s"], 1)
+            if args.profile:
+                # a fresh prompt of the same length: pagedllm's prefix cache holds the timed one
+                other = common.random_prompts(np.random.default_rng(args.seed + n), np.array([n]))[0]
+                r["profile"] = profile_split(lambda: s.run(other, 1))
             results[s.name][str(n)] = r
             print(f"  {n} tokens, {s.name}: prefill {r['prefill_s']:.2f} s, total {r['total_s']:.2f} s, "
                   f"peak RSS +{r['peak_rss_above_start_mib']:.0f} MiB", file=sys.stderr)

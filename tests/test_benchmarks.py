@@ -241,7 +241,7 @@ def test_long_context_quick_chunked_prefill_equals_transformers(tmp_path):
     out = tmp_path / "lc.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     res = subprocess.run([sys.executable, str(BENCH / "long_context.py"), "--lengths", "96,200", "--new-tokens", "3",
-                          "--max-num-batched-tokens", "64", "--out", str(out)],
+                          "--max-num-batched-tokens", "64", "--profile", "--out", str(out)],
                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     rec = json.loads(out.read_text())
@@ -250,6 +250,10 @@ def test_long_context_quick_chunked_prefill_equals_transformers(tmp_path):
         assert rec["pagedllm_vs_transformers"][n]["greedy_equal"] is True
         assert len(rec["results"]["pagedllm"][n]["token_ids"]) == 3
         assert rec["results"]["transformers"][n]["peak_rss_above_start_mib"] >= 0
+        for system in ("pagedllm", "transformers"):  # the op-level split of a profiled prefill
+            split = rec["results"][system][n]["profile"]
+            assert split["matmul_s"] > 0 and split["attention_s"] > 0 and split["other_s"] > 0
+            assert abs(split["matmul_share"] + split["attention_share"] + split["other_share"] - 1) < 0.01
 
 
 # ---- serving: the /health probe ----------------------------------------------------------
