@@ -171,13 +171,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="pagedllm step budget (default: its own)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=None,
                    help="pagedllm: most prompt tokens a long prompt computes per step (default: its own)")
+    p.add_argument("--kv-cache-memory", default="1GiB", help="pagedllm's KV pool (8,176 tokens of SmolLM2 need 377 MiB)")
     p.add_argument("--profile", action="store_true", help="also record each prefill's matmul / attention / other split")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     max_model_len = max(lengths) + args.new_tokens
-    engine_kwargs = {"kv_cache_memory": "1GiB"}
+    engine_kwargs = {"kv_cache_memory": args.kv_cache_memory}
     if args.max_num_batched_tokens:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.long_prefill_token_threshold:
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
                 r["profile"] = profile_split(lambda: s.run(other, 1))
             results[s.name][str(n)] = r
             print(f"  {n} tokens, {s.name}: prefill {r['prefill_s']:.2f} s, total {r['total_s']:.2f} s, "
-                  f"peak RSS +{r['peak_rss_above_start_mib']:.0f} MiB", file=sys.stderr)
+                  f"peak RSS +{r['peak_rss_above_start_mib']:.0f} MiB"
+                  + (f", profiled split {r['profile']}" if args.profile else ""), file=sys.stderr)
     summary = {}
     if {"pagedllm", "transformers"} <= results.keys():
         for n in map(str, lengths):
