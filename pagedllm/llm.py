@@ -38,6 +38,13 @@ class LLM:
         """The model's tokenizer (a transformers PreTrainedTokenizerFast)."""
         return self.llm_engine.tokenizer
 
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Run ``runner.method(*args, **kwargs)`` — or ``method(runner, *args, **kwargs)`` for a
+        callable — on the model runner of every tensor-parallel rank (vLLM's ``collective_rpc``);
+        returns the results in rank order (one with ``tensor_parallel_size=1``). Raises
+        TensorParallelWorkerError when a rank fails."""
+        return self.llm_engine.executor.collective_rpc(method, args, kwargs)
+
     # ------------------------------------------------------------------ generate
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -55,10 +55,10 @@ def heads_per_rank(num_heads: int, num_kv_heads: int, tensor_parallel_size: int 
     return num_heads // tp, max(1, num_kv_heads // tp)
 
 
-def free_port() -> int:
-    """A free TCP port on the loopback interface (for the group's rendezvous)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port on ``host``'s interface (``""``: every interface) for the group's rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -90,6 +90,6 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: 
 def destroy_tensor_parallel() -> None:
     """Leave the group (idempotent); afterwards rank 0 of size 1 again."""
     global _STATE
-    if _STATE is not None and _STATE.world_size > 1 and dist.is_initialized():
+    state, _STATE = _STATE, None
+    if state is not None and state.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
-    _STATE = None

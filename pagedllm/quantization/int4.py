@@ -71,8 +71,12 @@ class Int4LinearMethod(LinearMethod):
 
     def create_weights(self, layer: nn.Module) -> None:
         if layer.in_features % self.group_size:
+            from pagedllm.distributed.parallel_state import get_tensor_parallel_size
+
+            tp = get_tensor_parallel_size()
+            share = f" (this rank's share with tensor_parallel_size={tp})" if tp > 1 else ""
             raise ValueError(f"quantization_group_size {self.group_size} does not divide the layer's "
-                             f"in_features {layer.in_features}; choose one of {GROUP_SIZES} that does")
+                             f"in_features {layer.in_features}{share}; choose one of {GROUP_SIZES} that does")
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not hasattr(layer, "qweight"):

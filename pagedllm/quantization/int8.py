@@ -26,13 +26,15 @@ from pagedllm.quantization.base import LinearMethod, QuantizationConfig, replace
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_channel(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: weight (N, K) float -> (q (N, K) int8, scale (N,) float32).
 
     ``scale = max|W[n]| / 127`` (1 for an all-zero row), ``q = clamp(round(W / scale), -127, 127)``.
+    ``absmax`` (N,) float32: the rows' max|W[n]| when ``weight`` holds only some of each row's
+    columns (a row-parallel shard: the maximum over every rank's columns).
     """
     w = weight.detach().float()
-    scale = w.abs().amax(dim=1) / 127.0
+    scale = (w.abs().amax(dim=1) if absmax is None else absmax) / 127.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.clamp(torch.round(w / scale.unsqueeze(1)), -127, 127).to(torch.int8)
     return q, scale
@@ -48,7 +50,14 @@ class Int8LinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if hasattr(layer, "qweight"):
             return
-        q, scale = quantize_per_channel(layer.weight)
+        absmax = None
+        if getattr(layer, "input_is_parallel", False):
+            # a row-parallel shard holds K / N columns of each row: the scale is the whole
+            # row's, so the quantized weight is the same whatever tensor_parallel_size
+            from pagedllm.distributed.communication import all_reduce_max
+
+            absmax = all_reduce_max(layer.weight.detach().float().abs().amax(dim=1))
+        q, scale = quantize_per_channel(layer.weight, absmax)
         self.set_quantized(layer, q, scale)
 
     @staticmethod

@@ -17,6 +17,13 @@ gate rows first, ``experts.down_proj``: (E, H, I); ``gate.weight``: (E, H)), and
 :meth:`MoEExperts.expert_weight` maps the per-expert names checkpoints store
 (``experts.{e}.w1/w3/w2`` in Mixtral, ``experts.{e}.gate_proj/up_proj/down_proj`` in
 Qwen3-MoE) onto their rows.
+
+Tensor parallelism shards every expert the way a dense MLP is sharded (vLLM's TP for
+``FusedMoE``; Megatron-LM's MLP split): each of the N ranks holds rows ``[r I/N, (r+1) I/N)``
+of every expert's gate and up projections and the same columns of its down projection, so
+``I`` divides over the ranks, every expert's compute and memory splits N ways, and one
+all-reduce after the experts sums the partial outputs. The router is small and replicated;
+every rank routes the same tokens to the same experts.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.communication import all_reduce
+from pagedllm.distributed.parallel_state import get_tensor_parallel_rank, get_tensor_parallel_size
 from pagedllm.models.layers.activation import get_activation
 from pagedllm.models.layers.linear import Linear
 
@@ -54,25 +63,61 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 
 
 class MoEExperts(nn.Module):
-    """``num_experts`` SwiGLU experts stored as stacked tensors, run on their routed tokens."""
+    """``num_experts`` SwiGLU experts stored as stacked tensors, run on their routed tokens.
+
+    With N tensor-parallel ranks each holds ``intermediate_size / N`` of every expert's width
+    (see the module docstring) and :meth:`forward` returns its partial sum; ValueError naming
+    ``tensor_parallel_size`` when N does not divide ``intermediate_size``.
+    """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str) -> None:
         super().__init__()
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        tp = get_tensor_parallel_size()
+        if intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the experts' intermediate size {intermediate_size}")
+        self.num_experts, self.full_intermediate_size = num_experts, intermediate_size
+        self.intermediate_size = intermediate_size // tp  # this rank's width of every expert
         self.act = get_activation(activation)
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
 
     def expert_weight(self, expert: int, part: str) -> torch.Tensor:
         """The rows of expert ``expert``'s ``part`` (``w1``/``gate_proj``, ``w3``/``up_proj``,
         ``w2``/``down_proj``) inside the fused parameters, a view to copy a checkpoint
-        tensor into. Raises ValueError for an unknown part or expert index."""
+        tensor into (this rank's part of it: :meth:`expert_slice`). Raises ValueError for an
+        unknown part or expert index."""
         if part not in _EXPERT_PARTS or not 0 <= expert < self.num_experts:
             raise ValueError(f"no expert weight {part!r} for expert {expert} (experts 0..{self.num_experts - 1}; "
                              f"parts {', '.join(_EXPERT_PARTS)})")
         fused, half = _EXPERT_PARTS[part]
         param = getattr(self, fused)[expert]
         return param if half is None else param.narrow(0, half * self.intermediate_size, self.intermediate_size)
+
+    def expert_slice(self, tensor: torch.Tensor, part: str) -> torch.Tensor:
+        """This rank's part of one expert's checkpoint matrix: gate/up (I, H) -> its rows
+        (I/N, H), down (H, I) -> its columns (H, I/N). Raises ValueError for another shape."""
+        down = _EXPERT_PARTS[part][1] is None
+        hidden = self.down_proj.shape[1]
+        full = (hidden, self.full_intermediate_size) if down else (self.full_intermediate_size, hidden)
+        if tuple(tensor.shape) != full:
+            raise ValueError(f"has shape {tuple(tensor.shape)}, expected {full}")
+        return tensor.narrow(1 if down else 0, get_tensor_parallel_rank() * self.intermediate_size,
+                             self.intermediate_size)
+
+    def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
+        """This rank's part of transformers' fused ``gate_up_proj`` (E, 2I, H) — its rows of
+        the gate half and of the up half — or ``down_proj`` (E, H, I) — its columns."""
+        hidden, n, rank = self.down_proj.shape[1], self.intermediate_size, get_tensor_parallel_rank()
+        if param_name == "down_proj":
+            expected = (self.num_experts, hidden, self.full_intermediate_size)
+        else:
+            expected = (self.num_experts, 2 * self.full_intermediate_size, hidden)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"has shape {tuple(tensor.shape)}, expected {expected}")
+        if param_name == "down_proj":
+            return tensor.narrow(2, rank * n, n)
+        gate, up = tensor.chunk(2, dim=1)
+        return torch.cat([gate.narrow(1, rank * n, n), up.narrow(1, rank * n, n)], dim=1)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden); weights: (T, k) float32; expert_ids: (T, k) int64 -> (T, hidden).
@@ -121,7 +166,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)  # (T, k) each
-        return self.experts(x, weights, ids)
+        return all_reduce(self.experts(x, weights, ids))  # tensor parallel: the ranks' partial sums
 
 
 # (...experts).{e}.{part}.weight: one expert's matrix as checkpoints store it
@@ -151,8 +196,12 @@ class MoEWeightsMixin:
         name = self._canonical_name(name)
         match = _EXPERT_WEIGHT.fullmatch(name)
         if match and isinstance(modules.get(match["experts"]), MoEExperts):
-            # experts are not sharded: with tensor parallelism every rank holds all of them
-            return modules[match["experts"]].expert_weight(int(match["expert"]), match["part"]), tensor
+            experts, part = modules[match["experts"]], match["part"]
+            target = experts.expert_weight(int(match["expert"]), part)
+            try:
+                return target, experts.expert_slice(tensor, part)
+            except ValueError as e:
+                raise ValueError(f"weight {name!r} {e}") from None
         return super()._weight_target(name, tensor, params, modules)
 
     def _missing_weights(self, modules: dict, loaded: set[str]) -> list[str]:

@@ -108,6 +108,9 @@ class RowParallelLinear(Linear):
     elsewhere), so the sum adds it once. Raises ValueError when N does not divide in_features.
     """
 
+    # a weight format whose scale spans a whole output row (per-channel int8) reads it across the ranks
+    input_is_parallel = True
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(_split(in_features, "input features of a row-parallel projection"), out_features, bias=bias)
 
