@@ -246,3 +246,14 @@ def test_async_engine_shutdown_stops_the_workers(tmp_path):
     assert len(asyncio.run(serve_one_then_shut_down())) == 3
     proc.join(timeout=10)
     assert not proc.is_alive()  # stopped by the shutdown, not left for the interpreter's exit
+
+
+def test_distributed_executor_backend_checked(monkeypatch):
+    from pagedllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match="distributed_executor_backend must be one of mp, ray"):
+        EngineConfig(distributed_executor_backend="slurm")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"distributed_executor_backend='ray' needs Ray.*pip install 'pagedllm\[ray\]'"):
+        EngineConfig(distributed_executor_backend="ray", tensor_parallel_size=2)
