@@ -442,7 +442,7 @@ def _notes(p: Plan, source: str) -> list[str]:
     notes = []
     if source == "named shape":
         notes.append("named shape: parameters counted from its config numbers")
-    if p.quantization != "none" or p.kv_cache_dtype != p.dtype or p.tensor_parallel_size > 1:
+    if p.quantization != "none" or p.kv_cache_dtype != p.dtype:
         notes.append("planning only: this build of pagedllm runs weights and K/V in --dtype on one device")
     if p.kv_budget_source == "gpu_memory_utilization":
         notes.append(f"activations are an estimate for a {p.activation_tokens}-token step; the engine measures "
