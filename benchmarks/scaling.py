@@ -112,13 +112,14 @@ def main() -> None:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated: {', '.join(CONFIGS)}")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="8 requests x 32 tokens")
+    p.add_argument("--kv-cache-memory", default="1GiB", help="KV pool per rank")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.quick:
         args.num_requests, args.output_len = 8, 32
     sys.path.insert(0, str(common.REPO_ROOT))
     workload = common.peers_workload(args.num_requests, output_len=args.output_len)
-    engine_options = dict(dtype="float32", max_model_len=1024, max_num_seqs=128, kv_cache_memory="1GiB",
+    engine_options = dict(dtype="float32", max_model_len=1024, max_num_seqs=128, kv_cache_memory=args.kv_cache_memory,
                           worker_timeout_s=600)
     names = args.configs.split(",")
     runs = []
