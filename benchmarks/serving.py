@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import os
 import random
 import socket
@@ -127,23 +128,26 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, promp
     return res
 
 
-async def probe_health(client: httpx.AsyncClient, interval_s: float, stop: asyncio.Event, latencies: list[float]) -> None:
-    """GET /health every ``interval_s`` until ``stop``; append each response time (s), failures as inf.
+def probe_health(base_url: str, headers: dict, interval_s: float, stop, conn) -> None:
+    """GET /health every ``interval_s`` until ``stop`` (a multiprocessing Event) is set; send the
+    response times (s, failures as inf) through ``conn``.
 
     The server's event loop answers /health without the engine: its latency under load is
-    how long the HTTP loop is kept from running (engine work holding the GIL, or blocking calls).
+    how long the HTTP loop is kept from running (engine work holding the GIL, or blocking
+    calls). Runs in its own process, so the load client's event loop (busy with every
+    stream's chunks) does not delay the probe's response and inflate the figure.
     """
-    while not stop.is_set():
-        t = time.perf_counter()
-        try:
-            r = await client.get("/health")
-            latencies.append(time.perf_counter() - t if r.status_code == 200 else math.inf)
-        except httpx.HTTPError:
-            latencies.append(math.inf)
-        try:
-            await asyncio.wait_for(stop.wait(), interval_s)
-        except asyncio.TimeoutError:
-            pass
+    latencies = []
+    with httpx.Client(base_url=base_url, headers=headers, timeout=60.0) as client:
+        while not stop.is_set():
+            t = time.perf_counter()
+            try:
+                r = client.get("/health")
+                latencies.append(time.perf_counter() - t if r.status_code == 200 else math.inf)
+            except httpx.HTTPError:
+                latencies.append(math.inf)
+            stop.wait(interval_s)
+    conn.send(latencies)
 
 
 async def run_load(args: argparse.Namespace, work: list[tuple[list[int], int]],
@@ -164,10 +168,11 @@ async def run_load(args: argparse.Namespace, work: list[tuple[list[int], int]],
             async with sem:
                 return await one_request(client, args, prompt, n_out)
 
-        stop = asyncio.Event()
-        prober = None
+        ctx = multiprocessing.get_context("spawn")
+        stop, (receiver, sender), prober = ctx.Event(), ctx.Pipe(duplex=False), None
         if health_latencies is not None:
-            prober = asyncio.create_task(probe_health(client, args.health_interval, stop, health_latencies))
+            prober = ctx.Process(target=probe_health, args=(args.base_url, headers, args.health_interval, stop, sender))
+            prober.start()
         start = time.perf_counter()
         tasks = []
         for prompt, n_out in work:
@@ -178,7 +183,8 @@ async def run_load(args: argparse.Namespace, work: list[tuple[list[int], int]],
         duration = time.perf_counter() - start
         stop.set()
         if prober is not None:
-            await prober
+            health_latencies.extend(await asyncio.to_thread(receiver.recv))
+            prober.join()
         return list(results), duration
 
 
@@ -207,7 +213,8 @@ async def stream_until(client: httpx.AsyncClient, args: argparse.Namespace, prom
 
 async def run_long_prompt(args: argparse.Namespace) -> dict:
     """One client streams; after its first ``--long-prompt-after`` tokens a prompt of
-    ``--long-prompt-tokens`` tokens arrives. Records the streaming client's inter-token gaps
+    ``--long-prompt-tokens`` tokens arrives (and, 1 s later, ``--long-prompt-short-requests``
+    short ones, whose TTFT shows whether they wait behind the long prompt). Records the streaming client's inter-token gaps
     (largest, median) and the long request's TTFT and latency (the issue's worst case: a
     6,000-token prompt stretching another stream's gap to over a minute)."""
     rng = random.Random(args.seed)
@@ -222,7 +229,13 @@ async def run_long_prompt(args: argparse.Namespace) -> dict:
         streamer = asyncio.create_task(stream_until(client, args, stream_prompt, started, done, times))
         await started.wait()
         sent = time.perf_counter()
-        long_res = await one_request(client, args, long_prompt, args.long_prompt_output_tokens)
+        long_task = asyncio.create_task(one_request(client, args, long_prompt, args.long_prompt_output_tokens))
+        await asyncio.sleep(1.0)  # the long prompt is admitted first; short requests arrive behind it
+        short_prompts = [[rng.randrange(200, 40000) for _ in range(args.input_len_min)]
+                         for _ in range(args.long_prompt_short_requests)]
+        shorts = [asyncio.create_task(one_request(client, args, p, 4)) for p in short_prompts]
+        long_res = await long_task
+        short_res = await asyncio.gather(*shorts)
         done.set()
         await streamer
     gaps = [b - a for a, b in zip(times, times[1:])]
@@ -230,6 +243,8 @@ async def run_long_prompt(args: argparse.Namespace) -> dict:
     return {"long_prompt": {"ok": long_res.ok, "error": long_res.error, "prompt_tokens": len(long_prompt),
                             "ttft_ms": None if long_res.ttft_s is None else 1000.0 * long_res.ttft_s,
                             "e2e_ms": None if long_res.e2e_s is None else 1000.0 * long_res.e2e_s},
+            "short_requests": {"num": len(short_res), "num_ok": sum(r.ok for r in short_res),
+                               "ttft_ms": percentiles([r.ttft_s for r in short_res if r.ttft_s is not None])},
             "stream": {"num_tokens": len(times), "max_gap_ms": 1000.0 * max(gaps, default=0.0),
                        "median_gap_ms": percentiles(gaps, (50,))["p50"],
                        "max_gap_during_long_prompt_ms": 1000.0 * max(during, default=0.0),
@@ -424,6 +439,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="scenario instead of the load: a prompt of this many tokens arrives while one client streams")
     p.add_argument("--long-prompt-after", type=int, default=8, help="stream tokens received before it arrives")
     p.add_argument("--long-prompt-output-tokens", type=int, default=8)
+    p.add_argument("--long-prompt-short-requests", type=int, default=0,
+                   help="short requests (--input-len-min tokens, 4 out) sent 1 s after the long prompt: their TTFT")
     p.add_argument("--long-prompt-stream-tokens", type=int, default=4096, help="max_tokens of the streaming client")
     p.add_argument("--label", default="pagedllm", help="system name recorded in the JSON")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving_<label>_<time>.json)")
@@ -491,7 +508,9 @@ def long_prompt_main(args: argparse.Namespace, engine_flags: list[str]) -> dict:
     lp, st = scenario["long_prompt"], scenario["stream"]
     print(f"serving {args.label}: {lp['prompt_tokens']}-token prompt during a stream: its TTFT "
           f"{lp['ttft_ms'] or float('nan'):.0f} ms; the stream's largest gap {st['max_gap_ms']:.0f} ms "
-          f"(median {st['median_gap_ms'] or 0:.0f} ms, {st['num_tokens']} tokens) -> {out}")
+          f"(median {st['median_gap_ms'] or 0:.0f} ms, {st['num_tokens']} tokens)"
+          + (f"; {sh['num']} short requests behind it: TTFT p50/p99 {sh['ttft_ms']['p50'] or 0:.0f}/"
+             f"{sh['ttft_ms']['p99'] or 0:.0f} ms" if (sh := scenario["short_requests"])["num"] else "") + f" -> {out}")
     return record
 
 
