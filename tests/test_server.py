@@ -738,3 +738,23 @@ def test_token_ids_as_logprob_tokens_special_tokens_and_request_chat_template(se
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": _USER, "max_tokens": 1,
                                                   "chat_template": "{{ custom }}"})
     assert r.status_code == 200 and server.fake.last_chat_template == "{{ custom }}"
+
+
+def test_switch_interval_option_sets_the_interpreter_and_is_validated():
+    import sys
+
+    from pagedllm.entrypoints.openai.api_server import DEFAULT_SWITCH_INTERVAL_MS, set_switch_interval
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser, include_engine_args=False)
+    assert parser.parse_args([]).switch_interval_ms == DEFAULT_SWITCH_INTERVAL_MS
+    assert parser.parse_args(["--switch-interval-ms", "2.5"]).switch_interval_ms == 2.5
+    before = sys.getswitchinterval()
+    try:
+        set_switch_interval(2.5)
+        assert sys.getswitchinterval() == pytest.approx(0.0025)
+        for bad in (0, -1, 5000):
+            with pytest.raises(ValueError, match="--switch-interval-ms"):
+                set_switch_interval(bad)
+    finally:
+        sys.setswitchinterval(before)

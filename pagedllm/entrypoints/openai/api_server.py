@@ -16,6 +16,7 @@ import contextlib
 import hmac
 import logging
 import os
+import sys
 from typing import Any, Awaitable
 
 from fastapi import FastAPI, Request
@@ -44,6 +45,9 @@ logger = logging.getLogger("pagedllm.server")
 _OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc")  # probes, scrapers, docs
 _OPEN_PAGES = (KV_PAGE_PATH,)  # exact paths: pages without data (their data routes need the key)
 DEFAULT_MAX_PROMPTS = 1024
+# The GIL switch interval of `serve` (ms): shorter than Python's 5 ms so the HTTP loop waits less for
+# the engine thread (benchmarks/results/serving_sweep_switch_interval_ms.json).
+DEFAULT_SWITCH_INTERVAL_MS = 1.0
 _REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
 
 
@@ -278,6 +282,9 @@ def add_server_args(parser: argparse.ArgumentParser, include_engine_args: bool =
     group.add_argument("--max-n", type=int, default=16, help="largest n (samples per request) accepted (default: 16)")
     group.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS,
                        help=f"most prompts in one completions request (default: {DEFAULT_MAX_PROMPTS})")
+    group.add_argument("--switch-interval-ms", type=float, default=DEFAULT_SWITCH_INTERVAL_MS,
+                       help="most milliseconds the engine thread keeps the GIL while the HTTP loop waits for it "
+                            f"(sys.setswitchinterval; Python's default is 5) (default: {DEFAULT_SWITCH_INTERVAL_MS:g})")
     group.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds requests in flight may take to finish after SIGINT/SIGTERM (default: 30)")
     group.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
@@ -319,6 +326,19 @@ def build_app_from_args(args: argparse.Namespace) -> FastAPI:
                      tool_call_parser=getattr(args, "tool_call_parser", None))
 
 
+def set_switch_interval(interval_ms: float) -> None:
+    """Set the interpreter's thread switch interval (``sys.setswitchinterval``, in ms here).
+
+    The engine thread's Python work (scheduling, input preparation, detokenization) keeps
+    the GIL up to this long each time the event loop asks for it; a shorter interval lets
+    the loop answer ``/health`` and write stream chunks sooner, at the price of more
+    switches. Raises ValueError naming ``--switch-interval-ms`` unless 0 < interval_ms <= 1000.
+    """
+    if not 0 < interval_ms <= 1000:
+        raise ValueError(f"--switch-interval-ms must be in (0, 1000], got {interval_ms!r}")
+    sys.setswitchinterval(interval_ms / 1000.0)
+
+
 def resolve_api_key(args: argparse.Namespace) -> str | None:
     """``--api-key``, else ``$PAGEDLLM_API_KEY``, else None (no authentication)."""
     return getattr(args, "api_key", None) or os.environ.get("PAGEDLLM_API_KEY") or None
@@ -326,6 +346,7 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
 
 def run_server(args: argparse.Namespace) -> None:
     """Load the model and serve until interrupted (blocking). Raises ValueError on bad options."""
+    set_switch_interval(getattr(args, "switch_interval_ms", DEFAULT_SWITCH_INTERVAL_MS))
     level = str(getattr(args, "log_level", "info")).lower()
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("pagedllm").setLevel(level.upper())
