@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import multiprocessing
@@ -150,6 +151,25 @@ def probe_health(base_url: str, headers: dict, interval_s: float, stop, conn) ->
     conn.send(latencies)
 
 
+@contextlib.asynccontextmanager
+async def health_probe(base_url: str, headers: dict, interval_s: float, latencies: list[float] | None):
+    """Run :func:`probe_health` in a separate process for the duration of the block; its
+    response times are appended to ``latencies`` at exit (nothing happens when it is None)."""
+    if latencies is None:
+        yield
+        return
+    ctx = multiprocessing.get_context("spawn")
+    stop, (receiver, sender) = ctx.Event(), ctx.Pipe(duplex=False)
+    prober = ctx.Process(target=probe_health, args=(base_url, headers, interval_s, stop, sender), daemon=True)
+    prober.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        latencies.extend(await asyncio.to_thread(receiver.recv))
+        prober.join()
+
+
 async def run_load(args: argparse.Namespace, work: list[tuple[list[int], int]],
                    health_latencies: list[float] | None = None) -> tuple[list[RequestResult], float]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -168,23 +188,15 @@ async def run_load(args: argparse.Namespace, work: list[tuple[list[int], int]],
             async with sem:
                 return await one_request(client, args, prompt, n_out)
 
-        ctx = multiprocessing.get_context("spawn")
-        stop, (receiver, sender), prober = ctx.Event(), ctx.Pipe(duplex=False), None
-        if health_latencies is not None:
-            prober = ctx.Process(target=probe_health, args=(args.base_url, headers, args.health_interval, stop, sender))
-            prober.start()
-        start = time.perf_counter()
-        tasks = []
-        for prompt, n_out in work:
-            tasks.append(asyncio.create_task(limited(prompt, n_out)))
-            if math.isfinite(args.request_rate):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        stop.set()
-        if prober is not None:
-            health_latencies.extend(await asyncio.to_thread(receiver.recv))
-            prober.join()
+        async with health_probe(args.base_url, headers, args.health_interval, health_latencies):
+            start = time.perf_counter()
+            tasks = []
+            for prompt, n_out in work:
+                tasks.append(asyncio.create_task(limited(prompt, n_out)))
+                if math.isfinite(args.request_rate):
+                    await asyncio.sleep(rng.expovariate(args.request_rate))
+            results = await asyncio.gather(*tasks)
+            duration = time.perf_counter() - start
         return list(results), duration
 
 
@@ -373,16 +385,10 @@ async def run_vllm_client(args: argparse.Namespace, url: str, health_latencies: 
     cmd = [args.vllm_python, str(BENCH_DIR / "peer_vllm_bench_client.py"),
            *vllm_client_argv(args, url, out_dir, "result.json")]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    stop, prober = asyncio.Event(), None
-    async with httpx.AsyncClient(base_url=url, timeout=args.timeout) as client:
-        if health_latencies is not None:
-            prober = asyncio.create_task(probe_health(client, args.health_interval, stop, health_latencies))
+    async with health_probe(url, {}, args.health_interval, health_latencies):
         proc = await asyncio.create_subprocess_exec(*cmd, env=env, cwd=out_dir, stdout=asyncio.subprocess.PIPE,
                                                     stderr=asyncio.subprocess.STDOUT)
         output, _ = await proc.communicate()
-        stop.set()
-        if prober is not None:
-            await prober
     if proc.returncode != 0:
         raise SystemExit(f"vllm bench serve failed ({proc.returncode}):\n{output.decode()[-3000:]}")
     return summary_from_vllm(json.loads((Path(out_dir) / "result.json").read_text()))
