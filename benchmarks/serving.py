@@ -129,7 +129,8 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, promp
     return res
 
 
-def probe_health(base_url: str, headers: dict, interval_s: float, stop, conn) -> None:
+def probe_health(base_url: str, headers: dict, interval_s: float, stop, conn,
+                 transport: httpx.BaseTransport | None = None) -> None:
     """GET /health every ``interval_s`` until ``stop`` (a multiprocessing Event) is set; send the
     response times (s, failures as inf) through ``conn``.
 
@@ -137,9 +138,10 @@ def probe_health(base_url: str, headers: dict, interval_s: float, stop, conn) ->
     how long the HTTP loop is kept from running (engine work holding the GIL, or blocking
     calls). Runs in its own process, so the load client's event loop (busy with every
     stream's chunks) does not delay the probe's response and inflate the figure.
+    ``transport``: for tests (an ``httpx.MockTransport``).
     """
     latencies = []
-    with httpx.Client(base_url=base_url, headers=headers, timeout=60.0) as client:
+    with httpx.Client(base_url=base_url, headers=headers, timeout=60.0, transport=transport) as client:
         while not stop.is_set():
             t = time.perf_counter()
             try:

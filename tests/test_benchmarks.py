@@ -259,27 +259,31 @@ def test_long_context_quick_chunked_prefill_equals_transformers(tmp_path):
 # ---- serving: the /health probe ----------------------------------------------------------
 
 def test_serving_health_probe_records_latency_and_failures():
-    import asyncio
     import math
+    import threading
 
     import httpx
     import serving
 
-    async def probe(status: int) -> list[float]:
-        transport = httpx.MockTransport(lambda request: httpx.Response(status))
-        latencies: list[float] = []
-        stop = asyncio.Event()
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            task = asyncio.create_task(serving.probe_health(client, 0.001, stop, latencies))
-            while len(latencies) < 3:
-                await asyncio.sleep(0.001)
-            stop.set()
-            await task
-        return latencies
+    class Conn:  # the pipe end the probe sends its latencies through
+        def send(self, values):
+            self.values = values
 
-    ok = asyncio.run(probe(200))
-    assert len(ok) >= 3 and all(0 <= x < 5 for x in ok)
-    assert all(math.isinf(x) for x in asyncio.run(probe(503)))  # a failed probe is never a fast one
+    def probe(status: int) -> list[float]:
+        stop, conn = threading.Event(), Conn()
+
+        def handler(request):
+            handler.calls += 1
+            if handler.calls == 3:  # three probes, then stop
+                stop.set()
+            return httpx.Response(status)
+        handler.calls = 0
+        serving.probe_health("http://test", {}, 0.001, stop, conn, transport=httpx.MockTransport(handler))
+        return conn.values
+
+    ok = probe(200)
+    assert len(ok) == 3 and all(0 <= x < 5 for x in ok)
+    assert all(math.isinf(x) for x in probe(503))  # a failed probe is never a fast one
     assert serving.percentiles([0.001, 0.002, math.inf])["p99"] == math.inf
 
 
