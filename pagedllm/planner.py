@@ -277,7 +277,7 @@ class _PlanInputs:
             raise ValueError(f"quantization must be none or one of {', '.join(sizing.QUANTIZATION_BITS)}, "
                              f"got {quantization!r}")
         if kv_cache_dtype != "auto":
-            sizing.dtype_bytes(kv_cache_dtype, "kv_cache_dtype")
+            sizing.kv_dtype_bytes(kv_cache_dtype)
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         return cls(device, mem, quantization, None if kv_cache_dtype == "auto" else kv_cache_dtype, tp)
@@ -304,10 +304,11 @@ def _compute(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, source: 
     weights = sizing.weight_bytes(shape, dbytes, inp.quantization, tp)
     act_tokens = min(config.token_budget, max_model_len)
     activations = sizing.activation_bytes(shape, act_tokens, min(act_tokens, config.max_num_seqs), dbytes, tp)
-    kv_bytes = sizing.dtype_bytes(kv_dtype)
-    per_token = sizing.kv_bytes_per_token(shape, kv_bytes, tp)
+    kv_bytes, scale_bytes = sizing.kv_dtype_bytes(kv_dtype)  # an int8 cache's scales count too
+    per_token = sizing.kv_bytes_per_token(shape, kv_bytes, tp, scale_bytes)
     groups = tuple(sizing.kv_cache_groups_for(shape, hybrid=not config.disable_hybrid_kv_cache_manager))
-    per_block = sizing.kv_bytes_per_block(shape, config.block_size, kv_bytes, sizing.layers_per_block(groups), tp)
+    per_block = sizing.kv_bytes_per_block(shape, config.block_size, kv_bytes, sizing.layers_per_block(groups), tp,
+                                          scale_bytes)
 
     if config.num_kv_blocks is not None:
         budget, budget_source = config.num_kv_blocks * per_block, "num_kv_blocks"
@@ -334,7 +335,7 @@ def _compute(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, source: 
         problems.append(too_small)
 
     contiguous = sizing.contiguous_max_sequences(
-        budget, sizing.contiguous_bytes_per_sequence(shape, max_model_len, kv_bytes, tp))
+        budget, sizing.contiguous_bytes_per_sequence(shape, max_model_len, kv_bytes, tp, scale_bytes))
     rows = [ContextRow(c, spec.blocks_per_seq_at(c), spec.max_concurrency_at(c),
                        spec.num_usable_blocks // spec.blocks_per_seq_at(c), contiguous) for c in contexts]
     result = Plan(

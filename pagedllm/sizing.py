@@ -49,6 +49,25 @@ QUANTIZATION_BITS: dict[str, float] = {
 }
 
 
+# What a KV cache stores beside each token's K (or V) of one KV head, by kv_cache_dtype: int8
+# keeps a float32 scale per token and head (pagedllm.quantization.kv_cache). fp8's per-tensor
+# scales (vLLM's k_scale / v_scale) are two numbers per layer, not per token: 0 here.
+KV_SCALE_BYTES: dict[str, int] = {"int8": 4}
+
+
+def kv_dtype_bytes(name: str) -> tuple[int, int]:
+    """(bytes per element, scale bytes per token and KV head) of a KV cache storing ``name``
+    (a model dtype, ``bfloat16``, ``fp8``/``fp8_e4m3``/``fp8_e5m2`` or ``int8``).
+
+    Raises ValueError naming ``kv_cache_dtype`` for an unknown name.
+    """
+    if name == "int8":
+        return 1, KV_SCALE_BYTES["int8"]
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join([*DTYPE_BYTES, 'int8'])}, got {name!r}")
+    return DTYPE_BYTES[name], KV_SCALE_BYTES.get(name, 0)
+
+
 def dtype_bytes(name: str, field_name: str = "dtype") -> int:
     """Element size in bytes of a dtype name (``float32``, ``bfloat16``, ``fp8``, ...).
 
@@ -169,9 +188,11 @@ def kv_cache_groups_for(shape: ModelShape, hybrid: bool = True) -> list[KVCacheG
     return make_kv_cache_groups(list(windows), hybrid=hybrid)
 
 
-def kv_bytes_per_token(shape: Any, kv_dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
-    """K/V bytes one token takes in all layers on one rank: 2 × layers × KV heads × head_dim × bytes."""
-    return 2 * shape.num_layers * kv_heads_per_rank(shape, tensor_parallel_size) * shape.head_dim * kv_dtype_bytes
+def kv_bytes_per_token(shape: Any, kv_dtype_bytes: int, tensor_parallel_size: int = 1, scale_bytes: int = 0) -> int:
+    """K/V bytes one token takes in all layers on one rank:
+    2 × layers × KV heads × (head_dim × bytes + ``scale_bytes``) (:func:`kv_dtype_bytes`)."""
+    per_token_head = shape.head_dim * kv_dtype_bytes + scale_bytes
+    return 2 * shape.num_layers * kv_heads_per_rank(shape, tensor_parallel_size) * per_token_head
 
 
 def kv_bytes_per_block(shape: Any, block_size: int, kv_dtype_bytes: int, num_layers_per_block: int | None = None,
@@ -192,10 +213,12 @@ def kv_tokens_per_layer(shape: ModelShape, num_tokens: int) -> list[int]:
 
 
 def contiguous_bytes_per_sequence(shape: ModelShape, max_model_len: int, kv_dtype_bytes: int,
-                                  tensor_parallel_size: int = 1) -> int:
+                                  tensor_parallel_size: int = 1, scale_bytes: int = 0) -> int:
     """What a contiguous allocator reserves per sequence: ``max_model_len`` slots in every
-    layer (the window in a sliding layer), on one rank."""
-    per_layer_token = 2 * kv_heads_per_rank(shape, tensor_parallel_size) * shape.head_dim * kv_dtype_bytes
+    layer (the window in a sliding layer), on one rank (``scale_bytes`` per token and KV head
+    beside the values, as in :func:`kv_bytes_per_token`)."""
+    per_layer_token = 2 * kv_heads_per_rank(shape, tensor_parallel_size) * (shape.head_dim * kv_dtype_bytes
+                                                                            + scale_bytes)
     return sum(kv_tokens_per_layer(shape, max_model_len)) * per_layer_token
 
 

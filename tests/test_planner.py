@@ -13,6 +13,7 @@ import pagedllm
 from pagedllm import sizing
 from pagedllm.entrypoints.cli import main
 from pagedllm.planner import MODEL_SHAPES, plan
+from pagedllm.sizing import kv_bytes_per_token, kv_dtype_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -117,6 +118,9 @@ def _engine_and_plan(model_dir: Path, **options):
     ("tiny", dict(dtype="float32", block_size=16, kv_cache_memory="4MiB", max_model_len=512)),
     ("tiny", dict(dtype="bfloat16", block_size=32, kv_cache_memory="3MB", max_model_len=256)),
     ("gqa", dict(dtype="float32", block_size=8, num_kv_blocks=50, max_model_len=128, max_num_seqs=4)),
+    # quantized KV: int8's per token-and-head float32 scales are part of every block
+    ("tiny", dict(dtype="float32", block_size=16, kv_cache_memory="4MiB", max_model_len=512, kv_cache_dtype="int8")),
+    ("gqa", dict(dtype="float32", block_size=8, kv_cache_memory="1MiB", max_model_len=128, kv_cache_dtype="fp8")),
 ])
 def test_plan_equals_engine_startup(which, options, tiny_model_dir, gqa_model_dir):
     engine, p = _engine_and_plan(tiny_model_dir if which == "tiny" else gqa_model_dir, **options)
@@ -126,6 +130,18 @@ def test_plan_equals_engine_startup(which, options, tiny_model_dir, gqa_model_di
     assert p.kv_cache_spec().describe() == spec.describe()  # the start-up log line, word for word
     assert p.weight_bytes == engine.runner.weight_bytes()  # exact parameter count from the file headers
     assert p.fits
+
+
+def test_kv_bytes_per_token_by_kv_dtype():
+    """Per token: 2 x layers x KV heads x (head_dim x element bytes + scale bytes); int8 adds a
+    float32 scale per token and head, fp8's per-tensor scales add nothing per token."""
+    shape = MODEL_SHAPES["llama-3-8b"]  # 32 layers, 8 KV heads, head_dim 128
+    per_token = {name: kv_bytes_per_token(shape, kv_dtype_bytes(name)[0], 1, kv_dtype_bytes(name)[1])
+                 for name in ("bfloat16", "fp8", "int8")}
+    assert per_token == {"bfloat16": 2 * 32 * 8 * 256, "fp8": 2 * 32 * 8 * 128, "int8": 2 * 32 * 8 * 132}
+    assert plan("llama-3-8b", gpu="a100-80", kv_cache_dtype="int8").kv_bytes_per_token == per_token["int8"]
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        kv_dtype_bytes("int4")
 
 
 def test_plan_reports_what_the_engine_rejects(tiny_model_dir):
