@@ -1,7 +1,7 @@
 """Quantized linear layers with float32 activations: torch's CPU kernels against tile-wise dequantization.
 
-SmolLM2-135M's projection shapes (in x out: 576 x 1728 fused q/k/v... as the engine runs them:
-q/k/v 576 -> 960, o 576 -> 576, gate/up 576 -> 3072, down 1536 -> 576), at token counts 1-128
+SmolLM2-135M's projection shapes as the engine runs them (in -> out features: fused q/k/v
+576 -> 960, o 576 -> 576, fused gate/up 576 -> 3072, down 1536 -> 576), at token counts 1-128
 (a decode batch). For each weight format, every way the engine could compute ``x @ W.T`` with
 float32 ``x``:
 
@@ -38,7 +38,7 @@ import common
 sys.path.insert(0, str(common.REPO_ROOT))  # run from a checkout without installing
 
 from pagedllm.quantization.base import tile_rows, tiled_linear  # noqa: E402
-from pagedllm.quantization.int4 import Int4LinearMethod, quantize_groups, unpack_nibbles, pack_nibbles  # noqa: E402,F401
+from pagedllm.quantization.int4 import Int4LinearMethod, pack_nibbles, quantize_groups  # noqa: E402
 from pagedllm.quantization.int8 import quantize_per_channel  # noqa: E402
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
