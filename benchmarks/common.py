@@ -51,6 +51,9 @@ def machine_info() -> dict[str, Any]:
         "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()],
         "isa": sorted(f for f in flags if f in {"avx2", "avx512f", "avx512_bf16", "avx512_vnni",
                                                   "amx_tile", "amx_bf16", "amx_int8"}),
+        # Thread settings every process of the run inherits (peers included): OMP_WAIT_POLICY
+        # decides whether idle OpenMP threads spin, which matters on a shared 2-core machine.
+        "thread_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "KMP_", "MKL_"))},
     }
     if "torch" in sys.modules or _can_import("torch"):
         import torch

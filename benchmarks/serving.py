@@ -58,6 +58,7 @@ from pathlib import Path
 
 import httpx
 
+import common
 from throughput import DEFAULT_HF_DIR, DEFAULT_VLLM_PYTHON, VLLM_ENV, PeerUnavailable
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -674,6 +675,7 @@ def compare_servers(args: argparse.Namespace, engine_flags: list[str]) -> dict:
               "client": ("vllm.benchmarks.serve (random dataset)" if args.client == "vllm"
                          else "benchmarks/serving.py (httpx, streaming)"),
               "vllm_env": VLLM_ENV if "vllm" in names else None, "skipped": skipped, "startup_s": startup_s,
+              "machine": common.machine_info(),
               "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()],
               "runs": runs, "median": {n: median_metrics(rs) for n, rs in runs.items()},
               "ratios_pagedllm_over_vllm": served_ratios(runs)}
