@@ -577,6 +577,7 @@ SERVED_METRICS = {  # name -> (path in the summary, True when higher is better)
     "itl_p50_ms": (("itl_ms", "p50"), False),
     "itl_p99_ms": (("itl_ms", "p99"), False),
     "health_p99_ms": (("health_ms", "p99"), False),
+    "server_cpu_ms_per_output_token": (("server_cpu_ms_per_output_token",), False),
 }
 
 
@@ -675,6 +676,10 @@ def compare_servers(args: argparse.Namespace, engine_flags: list[str]) -> dict:
             summary = run_client(args, url, work)
             cpu1 = tree_cpu_seconds(proc.pid)
             summary["server_cpu_s"] = None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 2)
+            if summary["server_cpu_s"] is not None and summary["completion_tokens"]:
+                # On a shared machine tok/s follows the CPU share a server wins; CPU time per token does not.
+                summary["server_cpu_ms_per_output_token"] = round(
+                    1000.0 * summary["server_cpu_s"] / summary["completion_tokens"], 2)
             runs[n].append(summary)
             print(f"  repeat {r + 1}/{args.repeats} {n}: {summary['num_success']}/{summary['num_requests']} ok, "
                   f"{summary['output_throughput_tok_s']:.1f} out tok/s, TTFT p50 {summary['ttft_ms']['p50']:.0f} ms, "
