@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from test_async_engine import FakeEngine
 
-STEP_S = 0.02  # slow enough that a stream is still running when a test aborts it or kills its replica
+STEP_S = 0.05  # slow enough that a stream is still running when a test aborts it or kills its replica
 
 
 class ReplicaFakeEngine(FakeEngine):

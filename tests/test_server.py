@@ -251,6 +251,12 @@ _BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": [[]]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    # booleans are JSON booleans (OpenAI answers 400 to 0/1 and "true")
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "include_stop_str_in_output": 0}, 400,
+     "include_stop_str_in_output"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": "true"}, 400, "echo"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": 1},
+     400, "logprobs"),
     # output constraints and tools (structured outputs): refused before the engine sees them
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "xml"}}, 400, "response_format"),
@@ -297,6 +303,9 @@ def test_malformed_json_and_wrong_types(client):
     err = assert_error(r, 400)
     assert "JSON" in err["message"]
     assert_error(client.post("/v1/chat/completions", json={"model": MODEL, "messages": "hi"}), 400, "messages")
+    assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": 1}), 400, "stream")
+    assert_error(client.post("/tokenize", json={"model": MODEL, "prompt": "hi", "add_special_tokens": 0}), 400,
+                 "add_special_tokens")
     assert_error(client.get("/v1/nothing-here"), 404)
 
 

@@ -15,7 +15,7 @@ import re
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_serializer, model_validator
 
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_of
 from pagedllm.entrypoints.openai.tools import DeltaToolCallItem, ToolCallItem
@@ -52,6 +52,8 @@ class OpenAIBase(BaseModel):
 
 
 TokenId = Annotated[int, Field(ge=0, strict=True)]  # strict: a JSON boolean is not a token id
+# Boolean fields are StrictBool for the same reason the other way round: OpenAI answers 400 to
+# `"stream": 0` or `"echo": "true"`, and the OpenAPI document says boolean.
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 _warned_fields: set[str] = set()
 
@@ -97,7 +99,7 @@ class _Request(_RequestBase):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: "StreamOptions | None" = None
     seed: int | None = Field(None, ge=-(2**63 - 1), le=2**63 - 1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -109,16 +111,16 @@ class _Request(_RequestBase):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: list[TokenId] | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     bad_words: list[NonEmptyStr] | None = None
     priority: int = 0
     request_id: str | None = None
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: StrictBool = False
     # Output constraints: translated and validated by structured_outputs.py (400 naming the field).
     response_format: ResponseFormat | None = None
     guided_json: Any = None
@@ -157,7 +159,7 @@ class _Request(_RequestBase):
 
 
 class StreamOptions(OpenAIBase):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 # ---------------------------------------------------------------------------- completions
@@ -169,12 +171,12 @@ class CompletionRequest(_Request):
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt alone, scored
     logprobs: int | None = Field(None, ge=0)
-    echo: bool = False
+    echo: StrictBool = False
     best_of: int | None = Field(None, ge=1)
     prompt_logprobs: int | None = Field(None, ge=0)
-    add_special_tokens: bool = True
+    add_special_tokens: StrictBool = True
     suffix: str | None = None
-    use_beam_search: bool | None = None
+    use_beam_search: StrictBool | None = None
     length_penalty: float | None = None
     truncate_prompt_tokens: int | None = None
 
@@ -329,18 +331,18 @@ class ChatCompletionRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0)
     prompt_logprobs: int | None = Field(None, ge=0)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template: str | None = None
     # Tools: validated and planned by tools.py (the template receives them).
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # no effect without tools
-    echo: bool = False
-    store: bool | None = None
+    parallel_tool_calls: StrictBool | None = None  # no effect without tools
+    echo: StrictBool = False
+    store: StrictBool | None = None
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
@@ -465,9 +467,9 @@ class TokenizeRequest(_RequestBase):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
 
 
 class TokenizeResponse(OpenAIBase):
