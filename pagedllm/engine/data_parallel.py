@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineInput
@@ -33,7 +33,6 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.replica import EngineFactory, ReplicaEngine, ReplicaInfo, threads_per_replica
 from pagedllm.engine.request_stream import RequestStream
 from pagedllm.engine.router import ReplicaLoad, Router, make_router
-from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.data_parallel")
@@ -281,25 +280,10 @@ class DataParallelAsyncEngine:
             self._in_flight[index][stream.request_id] = tokens // len(streams)
         return streams
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
-                          arrival_time: float | None = None, priority: int = 0,
-                          prompt_text: str | None = None) -> RequestStream:
-        """As :meth:`add_requests` with one prompt."""
-        (stream,) = await self.add_requests(request_id, [EngineInput(prompt, prompt_text)], params,
-                                            arrival_time=arrival_time, priority=priority)
-        return stream
-
-    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, *,
-                       arrival_time: float | None = None, priority: int = 0,
-                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
-        """As :meth:`AsyncLLMEngine.generate`: the outputs of one request; leaving early aborts it."""
-        stream = await self.add_request(request_id or "req", prompt, params, arrival_time=arrival_time,
-                                        priority=priority, prompt_text=prompt_text)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
+    # One prompt, and a request's outputs until it ends (leaving early aborts it): the single
+    # engine's methods, which only call ``add_requests`` / ``add_request`` on ``self``.
+    add_request = AsyncLLMEngine.add_request
+    generate = AsyncLLMEngine.generate
 
     def _loads(self) -> list[ReplicaLoad | None]:
         """Each replica's requests and tokens in flight; None for a replica that cannot serve."""
