@@ -375,11 +375,12 @@ def test_llama_on_triton_backend_matches_transformers():
 
     config = tiny_llama_config()
     hf = make_hf_llama(config, seed=3)
-    model = LlamaForCausalLM(config, torch.float32, "cpu", attn_backend=TritonPagedAttention())
+    model = LlamaForCausalLM(config, torch.float32, DEVICE, attn_backend=TritonPagedAttention())
     model.load_weights(hf.state_dict().items())
     seqs = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (12, 27)]
     out = run_paged(model, seqs, [5, 20], block_size=16, chunk_size=8)
     for seq, logits in zip(seqs, out):
         with torch.no_grad():
             expected = hf(torch.tensor([seq])).logits[0]
-        assert (logits - expected).abs().max().item() < 1e-4
+        # On a GPU the model runs there (TF32-free float32 matmuls may still differ in summation order).
+        assert (logits.cpu() - expected).abs().max().item() < (1e-4 if DEVICE == "cpu" else 1e-3)
