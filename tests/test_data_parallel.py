@@ -227,3 +227,14 @@ def test_serve_tiny_model_with_two_replicas_equals_llm(tmp_path):
         assert len(served) == 2 and min(served) >= 1 and sum(served) == 4  # both replicas served
         kv = client.get("/kv/state", params={"engine": 1}).json()
         assert kv["engine"] == 1 and len(kv["block_states"]) == 32
+
+
+def test_tensor_parallel_ranks_share_their_replicas_cores(monkeypatch):
+    """A replica's TP ranks split the replica's cores (set by the replica), not the machine's."""
+    from pagedllm.distributed.worker import ENGINE_CORES_ENV, threads_per_rank
+
+    monkeypatch.delenv(ENGINE_CORES_ENV, raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert threads_per_rank(2) == 4
+    monkeypatch.setenv(ENGINE_CORES_ENV, "4")  # a replica of data_parallel_size 2 on 8 cores
+    assert [threads_per_rank(n) for n in (1, 2, 4, 8)] == [4, 2, 1, 1]

@@ -20,9 +20,16 @@ import traceback
 from typing import Any, Callable
 
 
+# The cores one engine may use; a data-parallel replica sets it to its share of the machine so
+# its tensor-parallel ranks split that share, not the whole machine.
+ENGINE_CORES_ENV = "PAGEDLLM_ENGINE_CORES"
+
+
 def threads_per_rank(world_size: int) -> int:
-    """CPU threads each rank's torch uses: this machine's cores shared out, at least one."""
-    return max(1, (os.cpu_count() or 1) // world_size)
+    """CPU threads each rank's torch uses: the engine's cores (``$PAGEDLLM_ENGINE_CORES``, default
+    all of this machine's) shared out among the ``world_size`` ranks, at least one."""
+    cores = int(os.environ.get(ENGINE_CORES_ENV) or 0) or os.cpu_count() or 1
+    return max(1, cores // world_size)
 
 
 def run_on_runner(runner, method: str | Callable, args: tuple, kwargs: dict | None = None) -> Any:
