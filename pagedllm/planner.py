@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm import sizing
-from pagedllm.config import EngineConfig, engine_arg_names, parse_bytes
+from pagedllm.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig, engine_arg_names, parse_bytes
 from pagedllm.core.kv_cache_groups import KVCacheGroupSpec
 from pagedllm.sizing import GiB, ModelShape
 
@@ -443,8 +443,12 @@ def _notes(p: Plan, source: str) -> list[str]:
     notes = []
     if source == "named shape":
         notes.append("named shape: parameters counted from its config numbers")
-    if p.quantization != "none" or p.kv_cache_dtype != p.dtype:
-        notes.append("planning only: this build of pagedllm runs weights and K/V in --dtype on one device")
+    if p.quantization not in ("none", *QUANTIZATION_METHODS):
+        notes.append(f"planning only: the engine does not run --quantization {p.quantization} "
+                     f"(it runs {', '.join(QUANTIZATION_METHODS)})")
+    if p.kv_cache_dtype not in (p.dtype, *KV_CACHE_DTYPES):
+        notes.append(f"planning only: the engine does not store K/V as {p.kv_cache_dtype} "
+                     f"(it stores {', '.join(d for d in KV_CACHE_DTYPES if d != 'auto')} or the model dtype)")
     if p.kv_budget_source == "gpu_memory_utilization":
         notes.append(f"activations are an estimate for a {p.activation_tokens}-token step; the engine measures "
                      "them with a profiling forward pass")

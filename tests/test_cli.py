@@ -68,3 +68,23 @@ def test_sampling_flags_come_from_sampling_params():
     flags = {a.dest for a in parser._subparsers._group_actions[0].choices["chat"]._actions}
     user_fields = {f.name for f in dataclasses.fields(SamplingParams) if "help" in f.metadata}
     assert {"sampling_seed" if n == "seed" else n for n in user_fields} <= flags
+
+
+def test_every_subcommand_prints_its_help(capsys):
+    """argparse %-formats help text: a literal '%' in a field's help (``4% of max_model_len``)
+    made ``--help`` raise TypeError. Every subcommand's help renders and names its flags."""
+    import argparse
+
+    import pytest
+
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"generate", "chat", "serve", "plan"} <= set(subcommands)
+    for name in subcommands:
+        with pytest.raises(SystemExit) as exit_info:
+            main([name, "--help"])
+        assert exit_info.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: pagedllm {name}")
+        if name != "plan":
+            assert "4% of max_model_len" in out  # the engine flag whose help has a literal '%'

@@ -15,6 +15,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _argparse_text(text: str) -> str:
+    """``text`` as an argparse help string: argparse %-formats help (``%(default)s``), so a
+    literal ``%`` (``4% of max_model_len``) must be doubled or ``--help`` raises TypeError."""
+    return text.replace("%", "%%")
+
+
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",)) -> None:
     """Add one ``--flag`` per EngineConfig field (except ``skip``) to ``parser``."""
     hints = typing.get_type_hints(EngineConfig)
@@ -25,6 +31,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("m
         help_text = f.metadata.get("help", "")
         if "default" not in help_text:  # fields whose default is resolved later say so themselves
             help_text += f" (default: {f.default})"
+        help_text = _argparse_text(help_text)
         hint = hints[f.name]
         if hint is bool:
             group.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
@@ -58,7 +65,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, **defaults) -> None:
             continue
         dest = _SAMPLING_FLAG_NAMES.get(f.name, f.name)
         default = defaults.get(f.name, f.default)
-        kw = dict(dest=dest, default=default, help=f"{f.metadata['help']} (default: {default})")
+        kw = dict(dest=dest, default=default, help=_argparse_text(f"{f.metadata['help']} (default: {default})"))
         hint = hints[f.name]
         if hint is bool:
             group.add_argument(_flag(dest), action=argparse.BooleanOptionalAction, **kw)
