@@ -73,3 +73,32 @@ def test_cli_chat_template_flag(no_template_dir, tmp_path, capsys):
     assert main(args + ["--chat-template", str(template)]) == 0
     assert main(args + ["--chat-template", str(tmp_path / "missing.jinja")]) == 2
     assert "missing.jinja" in capsys.readouterr().err
+
+
+BROKEN_TEMPLATES = [
+    "{% for %}",                                        # Jinja syntax error
+    "{{ raise_exception('roles must alternate') }}",    # the template's own refusal
+    "{{ messages[0].content.nope.deeper }}",            # undefined attribute of an undefined
+    "{{ messages[0].content + 1 }}",                    # a type error while rendering
+]
+
+
+@pytest.mark.parametrize("template", BROKEN_TEMPLATES)
+def test_a_template_that_fails_to_render_is_bad_input_not_a_crash(llm, template):
+    """vLLM answers 400 when the chat template fails on a conversation; offline it is a
+    ValueError naming ``chat_template`` (was: jinja2's exception offline, HTTP 500 served)."""
+    from pagedllm import SamplingParams
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    params = SamplingParams(max_tokens=2, temperature=0)
+    with pytest.raises(ValueError, match="^chat_template could not render the conversation: "):
+        llm.chat([{"role": "user", "content": "Hi"}], params, chat_template=template, use_tqdm=False)
+    engine = AsyncLLMEngine(llm.llm_engine, stats_log_interval_s=0)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    with ServerThread(build_app(engine, ["m"], chat_template=TEMPLATE)) as srv:
+        r = httpx.post(srv.url + "/v1/chat/completions", json=dict(body, chat_template=template), timeout=60)
+        error = assert_error(r, 400)
+        assert error["param"] == "chat_template" and "could not render" in error["message"]
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)  # the server goes on
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
+import jinja2
+
 from pagedllm.engine.chat import normalize_conversation
 from pagedllm.sampling_params import SamplingParams
 
@@ -79,7 +81,10 @@ class InputProcessor:
         function tools) are passed to the template, which renders them if it knows how (Qwen's
         and Hermes' templates do); assistant messages may carry ``tool_calls`` and tool
         messages ``tool_call_id``. Raises ValueError for an empty conversation, an unknown
-        role, non-text content, or no chat template.
+        role, non-text content, or no chat template, and when the template fails to render the
+        conversation (a Jinja syntax error, an undefined name, its own ``raise_exception``, a type
+        error): naming ``chat_template`` for a template passed in, else ``messages`` (the
+        model's template refused them), as vLLM answers 400 for either.
         """
         messages = normalize_conversation(conversation)
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
@@ -87,10 +92,15 @@ class InputProcessor:
             raise ValueError("this model has no chat template; pass chat_template= or use a plain prompt")
         if continue_final_message and messages[-1]["role"] != "assistant":
             raise ValueError("continue_final_message needs the last message to have role 'assistant'")
-        text = self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, chat_template=template,
-            continue_final_message=continue_final_message,
-            add_generation_prompt=add_generation_prompt and not continue_final_message)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, tokenize=False, chat_template=template,
+                continue_final_message=continue_final_message,
+                add_generation_prompt=add_generation_prompt and not continue_final_message)
+        except (jinja2.TemplateError, TypeError) as e:
+            where = ("chat_template could not render the conversation" if chat_template
+                     else "messages: the model's chat template refused the conversation")
+            raise ValueError(f"{where}: {e}") from e
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:

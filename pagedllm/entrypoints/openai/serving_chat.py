@@ -54,7 +54,8 @@ class OpenAIServingChat(OpenAIServing):
     async def render(self, messages: list[dict], add_generation_prompt: bool = True,
                      continue_final_message: bool = False, chat_template: str | None = None,
                      tools: list[dict] | None = None) -> list[int]:
-        """Prompt token ids of a conversation (raises APIError 400 naming ``messages``).
+        """Prompt token ids of a conversation (raises APIError 400 naming ``messages``, or
+        ``chat_template`` when the request's own template fails to render).
 
         ``chat_template``: a request's own template, over the server's and the model's;
         ``tools``: passed to the template.
@@ -67,7 +68,8 @@ class OpenAIServingChat(OpenAIServing):
             return await self.engine.call(lambda e: e.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, chat_template=template, **kwargs))
         except ValueError as e:
-            raise APIError(400, str(e), "messages") from None
+            own_template = chat_template is not None and str(e).startswith("chat_template")
+            raise APIError(400, str(e), "chat_template" if own_template else "messages") from None
 
     def plan_tools(self, req: ChatCompletionRequest, params) -> ToolPlan | None:
         """Validate tools/tool_choice (APIError 400) and put their constraint on ``params``."""
