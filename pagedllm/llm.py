@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from pagedllm.config import DEFAULT_MODEL, EngineConfig, engine_arg_names
 from pagedllm.outputs import RequestOutput
@@ -58,6 +58,9 @@ class LLM:
         """
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
+        if priority is not None and not (isinstance(priority, (list, tuple))
+                                         and all(isinstance(p, int) and not isinstance(p, bool) for p in priority)):
+            raise ValueError(f"priority must be a list of ints (one per prompt); got {priority!r}")
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
         ids = self._add_all(prompt_list, params_list, priority)
@@ -74,6 +77,9 @@ class LLM:
         message instead of starting a new turn. ``tools`` (OpenAI function tools) are passed to
         the chat template. Raises ValueError for an empty conversation or an unknown role.
         """
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(f"messages must be a list of message dicts, or a list of such lists; "
+                             f"got {type(messages).__name__}")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not convs:
             raise ValueError("messages must not be empty")
@@ -88,8 +94,9 @@ class LLM:
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def _as_prompt_list(prompts) -> list[PromptInput]:
-        if prompts is None:
-            raise ValueError("prompts must be a string, a token prompt dict, or a list of them; got None")
+        if prompts is None or isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+            raise ValueError("prompts must be a string, a token prompt dict, or a list of them; "
+                             f"got {type(prompts).__name__}")
         if isinstance(prompts, (str, dict)):
             return [prompts]
         if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
@@ -105,7 +112,10 @@ class LLM:
             sp = SamplingParams()
         if isinstance(sp, SamplingParams):
             return [sp] * n
-        sp = list(sp)
+        given = type(sp).__name__
+        sp = list(sp) if isinstance(sp, Iterable) and not isinstance(sp, (str, dict)) else None
+        if sp is None or not all(isinstance(p, SamplingParams) for p in sp):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them (one per prompt); got {given}")
         if len(sp) != n:
             raise ValueError(f"got {len(sp)} sampling_params for {n} prompts")
         return sp

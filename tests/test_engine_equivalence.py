@@ -125,6 +125,17 @@ def test_bad_input_errors_and_engine_stays_usable(tiny_model_dir, ref_tokens):
     # a valid prompt after a failed batch: nothing of the failed batch is left behind
     with pytest.raises(ValueError):
         llm.generate([PROMPTS[0], {"prompt_token_ids": []}], _greedy(), use_tqdm=False)
+    # arguments of the wrong type are ValueErrors naming the argument, not TypeErrors from inside
+    with pytest.raises(ValueError, match="^prompts must be .*; got int"):
+        llm.generate(5, _greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="^sampling_params must be .*; got dict"):
+        llm.generate(PROMPTS[0], {"max_tokens": 2}, use_tqdm=False)
+    with pytest.raises(ValueError, match="^sampling_params must be"):
+        llm.generate(PROMPTS[:2], [_greedy(), None], use_tqdm=False)
+    with pytest.raises(ValueError, match="^priority must be"):
+        llm.generate(PROMPTS[0], _greedy(), use_tqdm=False, priority=3)
+    with pytest.raises(ValueError, match="^messages must be .*; got int"):
+        llm.chat(5, _greedy(), use_tqdm=False)
     _assert_all_free(llm)
     assert _tokens(llm.generate([PROMPTS[0]], _greedy(), use_tqdm=False)) == [ref_tokens[0]]
 
