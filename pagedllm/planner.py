@@ -378,7 +378,16 @@ def _suggest(p: Plan, shape: ModelShape, config: EngineConfig, inp: _PlanInputs)
     """Flags that make it fit (when it does not), or that use what fits (when it does)."""
     if not p.fits:
         return _suggest_fixes(p, shape, config, inp)
-    flags = [f"--dtype {p.dtype}", f"--block-size {p.block_size}", f"--max-model-len {p.max_model_len}"]
+    flags = [f"--dtype {p.dtype}"]
+    # The planned formats and sharding, where the engine runs them: without them `serve` would
+    # size a different (larger) model and may not fit at all.
+    if p.quantization in QUANTIZATION_METHODS:
+        flags.append(f"--quantization {p.quantization}")
+    if p.kv_cache_dtype != p.dtype and p.kv_cache_dtype in KV_CACHE_DTYPES:
+        flags.append(f"--kv-cache-dtype {p.kv_cache_dtype}")
+    if p.tensor_parallel_size > 1:
+        flags.append(f"--tensor-parallel-size {p.tensor_parallel_size}")
+    flags += [f"--block-size {p.block_size}", f"--max-model-len {p.max_model_len}"]
     shortest = p.rows[0]
     # More running sequences than fit at the shortest context would only preempt; fewer leave memory idle.
     flags.append(f"--max-num-seqs {max(1, min(shortest.max_seqs, 1024))}")

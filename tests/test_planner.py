@@ -218,3 +218,20 @@ def test_suggestions_for_a_model_far_too_big():
     p = plan("llama-2-70b", gpu="24gb")
     assert not p.fits and p.suggested_flags == ["--tensor-parallel-size 8"]
     assert plan("llama-2-70b", gpu="24gb", tensor_parallel_size=8).fits
+
+
+@pytest.mark.parametrize("options,flags", [
+    ({"quantization": "int8"}, ["--quantization int8"]),
+    ({"kv_cache_dtype": "fp8"}, ["--kv-cache-dtype fp8"]),
+    ({"tensor_parallel_size": 2}, ["--tensor-parallel-size 2"]),
+    ({"quantization": "int4", "kv_cache_dtype": "int8", "tensor_parallel_size": 2},
+     ["--quantization int4", "--kv-cache-dtype int8", "--tensor-parallel-size 2"]),
+])
+def test_suggested_serve_command_keeps_the_planned_formats_and_sharding(options, flags):
+    """The suggested `serve` line runs what was planned: without --quantization int8 the 13B
+    on 24 GB would load 26 GB of fp16 weights and not start."""
+    p = plan("llama-2-13b", gpu="24gb" if "quantization" in options else "a100-80", dtype="float16", **options)
+    assert p.fits
+    assert [f for f in p.suggested_flags if f.split()[0] in ("--quantization", "--kv-cache-dtype",
+                                                            "--tensor-parallel-size")] == flags
+    assert not any(f.startswith("--quantization") for f in plan("llama-2-13b", gpu="a100-80").suggested_flags)
