@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.cli import build_parser, main
 
@@ -88,3 +90,46 @@ def test_every_subcommand_prints_its_help(capsys):
         assert out.startswith(f"usage: pagedllm {name}")
         if name != "plan":
             assert "4% of max_model_len" in out  # the engine flag whose help has a literal '%'
+
+
+def _no_model_load(monkeypatch):
+    """Make loading a model fail loudly: the inputs below must be refused before it."""
+    import pagedllm.engine.llm_engine
+    import pagedllm.llm
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad input was refused")
+
+    monkeypatch.setattr(pagedllm.llm, "LLM", refuse)
+    monkeypatch.setattr(pagedllm.engine.llm_engine, "LLMEngine", refuse)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "hi", "--max-tokens", "-1"], "max_tokens must be >= 1"),
+    (["generate", "hi", "--top-p", "2"], "top_p must be <= 1.0"),
+    (["chat", "--n", "0"], "n must be >= 1"),
+    (["generate", "--prompts-file", "/nonexistent/prompts.txt"], "--prompts-file '/nonexistent/prompts.txt'"),
+    (["generate", "hi", "--chat", "--chat-template", "/nonexistent/t.jinja"], "--chat-template '/nonexistent/t.jinja'"),
+    (["chat", "--chat-template", "/nonexistent/t.jinja"], "--chat-template '/nonexistent/t.jinja'"),
+    (["serve", "--chat-template", "/nonexistent/t.jinja"], "--chat-template '/nonexistent/t.jinja'"),
+])
+def test_bad_input_is_refused_before_the_model_loads(argv, message, monkeypatch, capsys):
+    """A wrong flag value or a missing file exits 2 naming it, at once (was: after loading the
+    model, or a FileNotFoundError traceback)."""
+    import sys
+
+    _no_model_load(monkeypatch)
+    interval = sys.getswitchinterval()  # `serve` sets it for the process
+    try:
+        assert main(argv) == 2
+    finally:
+        sys.setswitchinterval(interval)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("port", ["-1", "65536", "99999"])
+def test_serve_port_out_of_range_is_an_argument_error(port, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", "--port", port])
+    assert exit_info.value.code == 2
+    assert "--port: must be a TCP port from 0 to 65535" in capsys.readouterr().err

@@ -115,8 +115,11 @@ def _plan(args) -> int:
 def _read_prompts(args) -> list[str]:
     prompts = list(args.prompts)
     if args.prompts_file:
-        with open(args.prompts_file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--prompts-file {args.prompts_file!r}: {getattr(e, 'strerror', None) or e}") from e
     if not prompts:
         raise ValueError("no prompt given: pass PROMPT arguments or --prompts-file")
     return prompts
@@ -125,15 +128,16 @@ def _read_prompts(args) -> list[str]:
 def _generate(args) -> int:
     from pagedllm.llm import LLM
 
+    # Every input is checked before the model loads (seconds to minutes): a typo fails at once.
     args.prompts = _read_prompts(args)
     config = engine_config_from_args(args)
-    llm = LLM(**vars(config))
     params = sampling_params_from_args(args)
+    template = _read_chat_template(args.chat_template)
+    llm = LLM(**vars(config))
     t0 = time.perf_counter()
     if args.chat:
         convs = [_conversation(args.system, p) for p in args.prompts]
-        outputs = llm.chat(convs, params, use_tqdm=len(convs) > 1,
-                           chat_template=_read_chat_template(args.chat_template))
+        outputs = llm.chat(convs, params, use_tqdm=len(convs) > 1, chat_template=template)
     else:
         outputs = llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1)
     elapsed = time.perf_counter() - t0
@@ -168,9 +172,10 @@ def _conversation(system: str | None, user: str) -> list[dict]:
 def _chat(args) -> int:
     from pagedllm.llm import LLM
 
-    llm = LLM(**vars(engine_config_from_args(args)))
+    config = engine_config_from_args(args)
     params = sampling_params_from_args(args)
     template = _read_chat_template(args.chat_template)
+    llm = LLM(**vars(config))
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("pagedllm chat — empty line or Ctrl-D to quit", file=sys.stderr)
     while True:

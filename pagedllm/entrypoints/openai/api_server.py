@@ -270,7 +270,7 @@ def add_server_args(parser: argparse.ArgumentParser, include_engine_args: bool =
                             help=f"model alias, .gguf file or Hugging Face folder (default: {DEFAULT_MODEL})")
     group = parser.add_argument_group("server options")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    group.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    group.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' (default: $PAGEDLLM_API_KEY, else none)")
     group.add_argument("--served-model-name", nargs="+", default=None,
@@ -297,6 +297,14 @@ def add_server_args(parser: argparse.ArgumentParser, include_engine_args: bool =
     return parser
 
 
+def _port(text: str) -> int:
+    """argparse type of ``--port``: a TCP port, 0..65535 (0 = any free port)."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port from 0 to 65535, got {port}")
+    return port
+
+
 def build_app_from_args(args: argparse.Namespace) -> FastAPI:
     """Load the engine named by ``args`` (blocking) and build the app."""
     from pagedllm.engine.llm_engine import LLMEngine
@@ -307,6 +315,13 @@ def build_app_from_args(args: argparse.Namespace) -> FastAPI:
 
     config = engine_config_from_args(args, model=args.model)
     config = config.with_serving_defaults(resolve_device(config.device).type)
+    chat_template = None  # read before the model loads: a wrong path fails at once, by name
+    if args.chat_template:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                chat_template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {args.chat_template!r}: {getattr(e, 'strerror', None) or e}") from e
     names = args.served_model_name or [args.model]
     options = dict(metrics=EngineMetrics(names[0]), log_requests=not args.disable_log_requests,
                    stats_log_interval_s=args.stats_log_interval)
@@ -316,10 +331,6 @@ def build_app_from_args(args: argparse.Namespace) -> FastAPI:
         async_engine = DataParallelAsyncEngine.from_config(config, **options)
     else:
         async_engine = AsyncLLMEngine(LLMEngine(config), **options)
-    chat_template = None
-    if args.chat_template:
-        with open(args.chat_template, encoding="utf-8") as f:
-            chat_template = f.read()
     return build_app(async_engine, names, api_key=resolve_api_key(args), chat_template=chat_template,
                      max_n=args.max_n, enable_kv_map=not args.disable_kv_map,
                      max_prompts_per_request=args.max_prompts_per_request,
