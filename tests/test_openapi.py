@@ -36,7 +36,7 @@ def server():
 def test_every_operation_conforms_to_the_document(server):
     api = schemathesis.openapi.from_url(server.url + "/openapi.json")
     operations = [op.ok() for op in api.get_all_operations()]
-    assert len(operations) == 9  # completions, chat, models, health, version, metrics, (de)tokenize, kv state
+    assert len(operations) == 10  # completions, chat, models, a model, health, version, metrics, (de)tokenize, kv state
     for op in operations:
         @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE)
                | op.as_strategy(generation_mode=GenerationMode.NEGATIVE))

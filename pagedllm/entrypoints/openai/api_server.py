@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: ``pagedllm serve [MODEL] --host --port --api-key ...``.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /v1/models/{model}``,
 ``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
 (Prometheus), ``GET /kv`` and ``GET /kv/state`` (the live KV-cache map; off with
 ``--disable-kv-map``), ``GET /openapi.json``. Without a key stay open: probes, scrapers,
@@ -189,11 +190,18 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await handle(chat.create_chat_completion(body), raw_request)
 
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=engine.config.model, max_model_len=engine.config.max_model_len)
+
     @app.get("/v1/models", response_model=ModelList, responses=errors(*auth_errors))
     async def list_models() -> Response:
-        cards = [ModelCard(id=name, root=engine.config.model, max_model_len=engine.config.max_model_len)
-                 for name in names]
-        return json_response(ModelList(data=cards))
+        return json_response(ModelList(data=[model_card(name) for name in names]))
+
+    # OpenAI's "retrieve model" (the SDK's client.models.retrieve); `:path` as served names may hold '/'
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=errors(*auth_errors, 404))
+    async def retrieve_model(model: str) -> Response:
+        chat.check_model(model)
+        return json_response(model_card(model))
 
     @app.get("/health", response_class=Response,
              responses={200: {"description": "Healthy (empty body)", "content": None}, **errors()})
