@@ -196,10 +196,9 @@ def test_cpu_kernel_built_for_avx2_only_gives_the_same_decodes(tmp_path, monkeyp
     native = CpuPagedAttention()
     if not native.is_kernel_available:
         pytest.skip("no C compiler: the kernel cannot be built here")
-    monkeypatch.setenv(cpu_paged._CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(cpu_paged, "_CFLAGS", tuple(f if f != "-march=native" else "-march=x86-64-v3"
-                                                    for f in cpu_paged._CFLAGS))
-    avx2 = CpuPagedAttention(kernel=cpu_paged.CpuPagedKernel(cpu_paged._build(os.environ.get("CC", "cc"))))
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    avx2 = CpuPagedAttention(kernel=cpu_paged.CpuPagedKernel(cpu_paged._build(os.environ.get("CC", "cc"),
+                                                                              ("-march=x86-64-v3",))))
     _kernel_only(avx2, monkeypatch)
     for name in ("fp8_e4m3", "fp8_e5m2", "int8"):
         out = _check_decode_kernel(avx2, name, 16, (9, 3, 64), seed=4)

@@ -57,7 +57,26 @@
  * tile being computed; measured at batch 64, context 300, block 16: 2 beats 3 by ~1.5x. */
 #define PREFETCH_LOCALITY 2
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 int pagedllm_cpu_paged_abi_version(void) { return 4; }
+
+/* The size of the OpenMP team a `num_threads(n)` region gets here (1 without OpenMP): tests check
+ * that it runs on torch's libgomp thread pool. */
+int pagedllm_cpu_paged_team_size(int n) {
+    int size = 1;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(n)
+    {
+#pragma omp single
+        size = omp_get_num_threads();
+    }
+#endif
+    (void)n;
+    return size;
+}
 int pagedllm_cpu_paged_max_heads(void) { return MAX_HEADS; }
 int pagedllm_cpu_paged_max_head_dim(void) { return 16 * MAX_CHUNKS; }
 

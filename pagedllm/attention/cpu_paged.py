@@ -15,12 +15,9 @@ that differs in how it runs attention:
 
 K/V writes, sliding-window and soft-capped layers, and fp8/int8 caches are the inherited torch code.
 
-The kernel is plain C11 with no torch headers. It is compiled on first use with the system C
-compiler (``$CC``, default ``cc``; ``-O3 -march=native -ffp-contract=fast -fPIC -shared``, no
-``-ffast-math``)
-into ``$PAGEDLLM_CACHE_DIR`` (default ``~/.cache/pagedllm``) under a name keyed by the SHA-256
-of the source, the flags and the host CPU, written atomically, and loaded with
-:mod:`ctypes`. ctypes releases the GIL for the call, so the decode batch is split into
+The kernel is plain C11 with no torch headers, compiled on first use and cached by
+:mod:`pagedllm.native` (``$CC``, ``$PAGEDLLM_CACHE_DIR``; with OpenMP on torch's own libgomp)
+and loaded with :mod:`ctypes`. ctypes releases the GIL for the call, so the decode batch is split into
 ``torch.get_num_threads()`` contiguous ranges of requests (balanced by context length) that
 run in parallel on a persistent thread pool, without OpenMP. When no compiler is found or the
 build fails, one warning is logged and the backend behaves exactly like the torch one.
@@ -38,14 +35,10 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import hashlib
 import itertools
 import logging
 import os
-import platform
-import shlex
 import subprocess
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm import native
 from pagedllm.attention.backend import AttentionMetadata, ForwardContext, current_context
 from pagedllm.attention.torch_paged import TorchPagedAttention
 from pagedllm.utils import cdiv
@@ -62,9 +56,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["CpuPagedAttention", "CpuPagedKernel", "load_kernel"]
 
 _SOURCE = Path(__file__).with_name("cpu_paged.c")
-_CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
 _ABI_VERSION = 4
-_CACHE_ENV = "PAGEDLLM_CACHE_DIR"
 
 _c_int, _c_ll, _c_float, _c_void_p = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p
 # paged_decode_<format>(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, out, req_begin, req_end,
@@ -194,7 +186,7 @@ _loaded: dict[str, CpuPagedKernel | None] = {}
 
 
 def load_kernel() -> CpuPagedKernel | None:
-    """Compile (once per source/flags/CPU, cached on disk) and load the kernel.
+    """Compile (once per source/flags/CPU, cached on disk by :mod:`pagedllm.native`) and load the kernel.
 
     Returns None, after logging one warning per process and compiler, when the compiler is
     missing or the build or load fails; never raises for those. The compiler is ``$CC``
@@ -212,42 +204,10 @@ def load_kernel() -> CpuPagedKernel | None:
         return _loaded[compiler]
 
 
-def _build(compiler: str) -> Path:
-    """Path of the compiled library, building it if absent. Raises OSError/SubprocessError on failure."""
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(_CFLAGS).encode(), compiler.encode(),
-                                     _host_cpu_id().encode()])).hexdigest()[:24]
-    cache_dir = Path(os.environ.get(_CACHE_ENV) or Path.home() / ".cache" / "pagedllm")
-    target = cache_dir / f"cpu_paged_{key}.so"
-    if target.exists():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=cache_dir)
-    os.close(fd)
-    try:
-        result = subprocess.run([*shlex.split(compiler), *_CFLAGS, "-o", tmp, str(_SOURCE)], capture_output=True,
-                                text=True, timeout=120)
-        if result.returncode != 0:
-            raise OSError(f"{compiler} exited with {result.returncode}: {result.stderr.strip()[-2000:]}")
-        os.chmod(tmp, 0o755)  # mkstemp made it 0600
-        os.replace(tmp, target)  # atomic: concurrent builders never see a partial file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _host_cpu_id() -> str:
-    """Machine + CPU model + ISA flags: a library built with -march=native on one CPU must not be
-    loaded on another that shares the cache directory."""
-    text = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags", "Features"))]
-        text = "".join(sorted(set(lines)))
-    except OSError:
-        pass
-    return f"{platform.machine()}|{platform.processor()}|{text}"
+def _build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Path of the compiled library (:func:`pagedllm.native.build_library`, with OpenMP when torch's
+    libgomp is available), building it if absent. Raises OSError/SubprocessError on failure."""
+    return native.build_library(_SOURCE, extra_flags, openmp=True, compiler=compiler)
 
 
 _pool_lock = threading.Lock()
