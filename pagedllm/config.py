@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -21,6 +22,10 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 # (benchmarks/results/step_cost.json). Offline (LLM.generate) nobody waits between tokens:
 # no cap, like vLLM's larger offline budget (its defaults differ by usage context too).
 SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING = 64
+# `serve` on CPU: the time-aware budget instead of that cap: prompt tokens ride along with
+# decodes while the measured step-cost model predicts the step within this multiple of the
+# same step without them (pagedllm.core.step_cost; benchmarks/results/serving_step_time_*.json).
+SERVING_CPU_MAX_STEP_TIME_RATIO = 2.0
 # Weight formats kept at run time (pagedllm.quantization) and KV-cache dtypes (vLLM's names).
 QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
@@ -99,6 +104,17 @@ class EngineConfig:
     max_prefill_tokens_while_decoding: int | None = _f(
         None, "while requests are decoding, at most this many prompt tokens per step (chunked prefill): bounds "
               "inter-token latency; default: off offline, 64 for `serve` on CPU (see benchmarks/step_cost.py)")
+    max_step_time_ratio: float | None = _f(
+        None, "time-aware token budget (chunked prefill): while requests decode, prompt tokens join a step only "
+              "as far as the step-cost model, measured online from the engine's own steps, predicts the step "
+              "within this multiple of the same step without them, so a decoding stream's inter-token gap grows "
+              "at most this factor (a number >= 1; 0 = off; default: off offline, "
+              f"{SERVING_CPU_MAX_STEP_TIME_RATIO} for `serve` on CPU); the step's first prompt chunk always gets "
+              "at least block_size tokens, so every prompt progresses")
+    max_step_time_ms: float | None = _f(
+        None, "time-aware token budget: while requests decode, a step may also grow to this many milliseconds "
+              "when that allows more prompt tokens than max_step_time_ratio (an inter-token latency target: "
+              "slack for new prompts when decode steps are short; 0 = off; default: off)")
     long_prefill_token_threshold: int = _f(
         0, "chunked prefill: a prompt with more than this many tokens left to compute is long, and computes at "
            "most this many per step (vLLM's name; 0 = off; default: off, or 4% of max_model_len when "
@@ -164,6 +180,7 @@ class EngineConfig:
         self._positive("max_num_seqs")
         self._positive("max_num_batched_tokens", allow_none=True)
         self._positive("max_prefill_tokens_while_decoding", allow_none=True)
+        self._check_step_time_targets()
         self._positive("max_waiting_requests", allow_none=True)
         self._check_partial_prefills()
         self._positive("tensor_parallel_size")
@@ -197,6 +214,23 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when enable_chunked_prefill is off, or a long prompt could never run")
+
+    def _check_step_time_targets(self) -> None:
+        """``max_step_time_ratio``: None, 0 (off) or a finite number >= 1; ``max_step_time_ms``:
+        None, 0 (off) or a finite positive number. Each error names the field."""
+        for name, lowest in (("max_step_time_ratio", 1.0), ("max_step_time_ms", 0.0)):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or (v != 0 and not v >= lowest) or v < 0:
+                rule = "a number >= 1" if lowest else "a positive number of milliseconds"
+                raise ValueError(f"{name} must be 0 (off) or {rule}, got {v!r}")
+
+    @property
+    def is_step_time_budget_on(self) -> bool:
+        """Whether the time-aware token budget applies (a target set, chunked prefill on)."""
+        return self.enable_chunked_prefill and bool(self.max_step_time_ratio or self.max_step_time_ms)
 
     def _check_partial_prefills(self) -> None:
         """vLLM's rules for ``long_prefill_token_threshold`` / ``max_num_partial_prefills`` /
@@ -263,11 +297,19 @@ class EngineConfig:
         return max(self.max_model_len, 2048)
 
     def with_serving_defaults(self, device_type: str) -> "EngineConfig":
-        """The config a server runs with on ``device_type`` ("cpu", "cuda"): on CPU an unset
-        ``max_prefill_tokens_while_decoding`` becomes SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING."""
-        if self.max_prefill_tokens_while_decoding is None and device_type == "cpu":
-            return self.replace(max_prefill_tokens_while_decoding=SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING)
-        return self
+        """The config a server runs with on ``device_type`` ("cpu", "cuda"). On CPU an unset
+        ``max_step_time_ratio`` becomes SERVING_CPU_MAX_STEP_TIME_RATIO (the time-aware budget);
+        with that budget turned off (``max_step_time_ratio=0``, no ``max_step_time_ms``) an
+        unset ``max_prefill_tokens_while_decoding`` becomes SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING
+        instead. A value set explicitly is kept (the cap and the budget both apply then)."""
+        if device_type != "cpu":
+            return self
+        config = self
+        if config.max_step_time_ratio is None:
+            config = config.replace(max_step_time_ratio=SERVING_CPU_MAX_STEP_TIME_RATIO)
+        if config.max_prefill_tokens_while_decoding is None and not config.is_step_time_budget_on:
+            config = config.replace(max_prefill_tokens_while_decoding=SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING)
+        return config
 
     def replace(self, **changes) -> "EngineConfig":
         """A copy with ``changes`` applied (validated again)."""

@@ -103,6 +103,20 @@ def test_preemption_equals_large_pool(tiny_model_dir, ref_tokens):
     _assert_all_free(llm)
 
 
+def test_time_aware_budget_equals_budget_off(tiny_model_dir, ref_tokens):
+    # ratio 1: prompt chunks as small as the measured step costs allow, a pool small enough to preempt
+    llm = _make(tiny_model_dir, max_step_time_ratio=1.0, max_num_batched_tokens=64, num_kv_blocks=24,
+                max_model_len=256, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    engine.add_request("first", PROMPTS[0], _greedy())  # decoding while the rest arrive
+    for _ in range(3):
+        engine.step()
+    outs = llm.generate(PROMPTS[1:], _greedy(), use_tqdm=False)
+    assert _tokens(outs) == ref_tokens[1:]
+    assert engine.scheduler.step_cost.num_observations > 0  # the engine fed the model its step times
+    _assert_all_free(llm)
+
+
 def test_seeded_sampling_survives_preemption(tiny_model_dir):
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True)
     big = _make(tiny_model_dir)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.core.step_cost import StepShape
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -98,6 +99,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)  # drop runner state (finished/aborted/preempted)
     preempted_req_ids: set[str] = field(default_factory=set)  # subset of the above, for stats
     kv_transfers: KVTransferOps = field(default_factory=KVTransferOps)  # offload-tier copies, before the forward
+    step_shape: StepShape | None = None  # the step's features for the step-cost model (the runner ignores it)
 
     @property
     def is_empty(self) -> bool:

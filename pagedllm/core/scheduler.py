@@ -20,6 +20,15 @@ Policies (documented choices):
   many prompt tokens (chunks of running prefills first, then admissions), so one long
   prompt cannot stretch every stream's inter-token gap; a step with no decode uses the
   whole token budget.
+* **Time-aware budget while decoding** (``max_step_time_ratio``, ``max_step_time_ms``;
+  :mod:`pagedllm.core.step_cost`). With a target set and chunked prefill on, a step in which
+  some request decodes carries prompt tokens only while the online step-cost model predicts
+  the step within ``max(ratio x`` its time with the decodes alone``, max_step_time_ms)``;
+  each chunk is sized by its own cost (a chunk deep into a long prompt costs more per
+  token). The step's first prompt chunk always gets at least ``block_size`` tokens, so a
+  prompt progresses every step whatever the prediction (with FCFS order: nothing starves).
+  It composes with the token cap above and the long-prompt rules below (the smallest limit
+  wins). The engine feeds the model each step's wall time (``observe_step_time``).
 * **Long prompts** (vLLM's ``long_prefill_token_threshold``, ``max_num_partial_prefills``,
   ``max_long_partial_prefills``). A prompt with more than ``long_prefill_token_threshold``
   tokens left to compute is *long* and computes at most that many per step, so the step's
@@ -84,6 +93,7 @@ from pagedllm.core.kv_cache_groups import KVCacheGroupSpec
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_cache_groups import cdiv
 from pagedllm.core.kv_offload import KVOffloadSpec, tier_hit_counts
+from pagedllm.core.step_cost import PrefillTimeBudget, StepCostModel, StepShape, attention_pairs
 from pagedllm.core.swap_space import PREEMPT_SWAP, SwapSpace
 from pagedllm.core.kv_snapshot import (EVENT_EVICTED, EVENT_PREEMPTED, EVENT_PREFIX_HIT, EVENT_RESUMED,
                                        KVCacheSnapshot, KVEventLog, RequestKVRow)
@@ -101,7 +111,8 @@ class Scheduler:
     Args:
         config: the engine configuration; reads ``block_size``, ``enable_prefix_caching``,
             ``enable_chunked_prefill``, ``max_num_seqs``, ``token_budget``,
-            ``max_prefill_tokens_while_decoding``, ``long_prefill_threshold``,
+            ``max_prefill_tokens_while_decoding``, ``max_step_time_ratio``, ``max_step_time_ms``,
+            ``long_prefill_threshold``,
             ``max_num_partial_prefills``, ``max_long_partial_prefills``, ``max_model_len`` (must be resolved), ``scheduling_policy`` and ``batching``.
         num_kv_blocks: physical KV blocks available.
         record_trace: keep ``step_trace``, one ``{request_id: num_tokens}`` dict per
@@ -133,6 +144,7 @@ class Scheduler:
         self.max_num_partial_prefills = config.max_num_partial_prefills
         self.max_long_partial_prefills = config.max_long_partial_prefills
         self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.step_cost = StepCostModel()  # fed by the engine (observe_step_time), read by the time budget
         self.is_priority = config.scheduling_policy == "priority"
         self.is_static = config.batching == "static"
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
@@ -208,6 +220,7 @@ class Scheduler:
         preempted: list[Request] = []
         # Prefill tokens this step may still take: capped while requests decode (inter-token latency).
         prefill_left = self._prefill_cap()
+        time_budget = self._time_budget()  # None: no time-aware budget
         prefill_ids: set[str] = set()  # requests scheduled this step that count against prefill_left
         partial_ids: set[str] = set()  # prefills this step leaves unfinished (max_num_partial_prefills)
         long_partial_ids: set[str] = set()  # those of them that are long (max_long_partial_prefills)
@@ -221,7 +234,10 @@ class Scheduler:
                 continue
             num_left = num_new = len(req.all_token_ids) - req.num_computed_tokens
             is_prefill = num_new > 1
-            limit = min(budget, prefill_left, self._chunk_limit(num_left)) if is_prefill else budget
+            limit = budget
+            if is_prefill:
+                limit = min(budget, prefill_left, self._chunk_limit(num_left),
+                            self._time_limit(time_budget, req.num_computed_tokens, budget))
             if num_new > limit:
                 if not self.enable_chunked_prefill:
                     continue
@@ -243,6 +259,8 @@ class Scheduler:
                         prefill_left += undone
                     partial_ids.discard(victim.request_id)
                     long_partial_ids.discard(victim.request_id)
+                    if time_budget is not None:
+                        time_budget.give_back(victim.request_id)
                     new_block_ids.pop(victim.request_id)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -257,6 +275,10 @@ class Scheduler:
                 prefill_ids.add(req.request_id)
                 prefill_left -= num_new
                 self._take_partial_slot(req.request_id, num_left, num_new, partial_ids, long_partial_ids)
+                if time_budget is not None:
+                    time_budget.take(req.request_id, req.num_computed_tokens, num_new)
+            elif time_budget is not None:
+                time_budget.add_decode(req.num_computed_tokens)
 
         # Phase 2: waiting requests, in queue order, with their prefix hits.
         can_admit = not preempted and not (self.is_static and self.running)
@@ -289,7 +311,10 @@ class Scheduler:
             num_pool_hit = num_computed
             num_computed += len(tier_hits) * self.block_size
             num_left = num_new = req.num_tokens - num_computed
-            limit = min(budget, prefill_left, self._chunk_limit(num_left))
+            limit = min(budget, prefill_left, self._chunk_limit(num_left),
+                        self._time_limit(time_budget, num_computed, budget))
+            if limit <= 0:
+                break  # the step's time budget is spent: admissions wait for the next step
             if num_new > limit:
                 if not self.enable_chunked_prefill:
                     break  # admitted whole or waits; nothing passes it
@@ -321,10 +346,13 @@ class Scheduler:
             budget -= num_new
             prefill_left -= num_new
             self._take_partial_slot(req.request_id, num_left, num_new, partial_ids, long_partial_ids)
+            if time_budget is not None:
+                time_budget.take(req.request_id, num_computed, num_new)
 
         # Phase 3: the output for the model runner.
         out = SchedulerOutput(num_scheduled_tokens=num_scheduled,
-                              total_num_scheduled_tokens=self.token_budget - budget)
+                              total_num_scheduled_tokens=self.token_budget - budget,
+                              step_shape=self._step_shape(num_scheduled))
         for rid in num_scheduled:
             req = self.requests[rid]
             if rid in self._known_to_runner:
@@ -569,6 +597,40 @@ class Scheduler:
         if any(len(r.all_token_ids) - r.num_computed_tokens == 1 for r in self.running):
             return min(cap, self.token_budget)
         return self.token_budget
+
+    def _time_budget(self) -> PrefillTimeBudget | None:
+        """This step's time-aware prompt-token allowance, or None when the budget is off."""
+        if not self.config.is_step_time_budget_on:
+            return None
+        ms = self.config.max_step_time_ms
+        return PrefillTimeBudget(self.step_cost, self.config.max_step_time_ratio or None,
+                                 ms / 1000.0 if ms else None, self.block_size)
+
+    @staticmethod
+    def _time_limit(time_budget: PrefillTimeBudget | None, num_computed: int, budget: int) -> int:
+        """Most tokens the time budget lets the next prompt chunk take (``budget`` when none)."""
+        if time_budget is None:
+            return budget
+        limit = time_budget.limit(num_computed)
+        return budget if limit is None else limit
+
+    def _step_shape(self, num_scheduled: dict[str, int]) -> StepShape:
+        """The step's decode tokens, prompt tokens and attention pairs (the step-cost model's
+        features); called before ``num_computed_tokens`` advances."""
+        num_decode = num_prefill = num_pairs = 0
+        for rid, n in num_scheduled.items():
+            num_pairs += attention_pairs(self.requests[rid].num_computed_tokens, n)
+            if n == 1:
+                num_decode += 1
+            else:
+                num_prefill += n
+        return StepShape(num_decode, num_prefill, num_pairs)
+
+    def observe_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """Feed the step-cost model: the step ``scheduler_output`` took ``seconds`` of wall
+        time (schedule to outputs; the engine measures it). Empty steps are ignored."""
+        if scheduler_output.step_shape is not None:
+            self.step_cost.observe(scheduler_output.step_shape, seconds)
 
     def _chunk_limit(self, num_left: int) -> int:
         """Most tokens a prefill with ``num_left`` tokens to compute may take this step:

@@ -179,6 +179,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of the requests it advanced."""
         grammar_failed = self._admit_compiled_grammars()
+        t_step = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         bitmask = self.structured_output.grammar_bitmask(scheduler_output, self.scheduler.requests)
         t0 = time.perf_counter()
@@ -191,6 +192,8 @@ class LLMEngine:
             self.scheduler.finish_requests(processed.stop_string_finished, RequestStatus.FINISHED_STOPPED)
             self.structured_output.remove_requests(processed.stop_string_finished)
         self._count(scheduler_output, runner_output)
+        # the step-cost model of the time-aware budget: the whole step, as a stream waits for it
+        self.scheduler.observe_step_time(scheduler_output, time.perf_counter() - t_step)
         return processed.outputs
 
     def _admit_compiled_grammars(self) -> dict[str, str]:
