@@ -5,6 +5,9 @@ Family differences are arguments, not subclasses: biases (Qwen 2: q/k/v only; Ll
 ``attention_bias`` on all four), per-head RMSNorm on q and k before the rotation (Qwen 3,
 Gemma 3), the softmax scale (Gemma: ``query_pre_attn_scalar ** -0.5``), a sliding window
 and attention-logit soft-capping, both passed through to the attention backend.
+
+On CPU the q/k norms and the rotation run as one fused kernel over the projection output
+(:mod:`pagedllm.ops.rotary`): k rotated in place, q into a new contiguous tensor.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pagedllm.attention import Attention, AttentionBackend
 from pagedllm.distributed.parallel_state import heads_per_rank
 from pagedllm.models.layers.tensor_parallel import QKVParallelLinear, RowParallelLinear
 from pagedllm.models.layers.rotary import RotaryEmbedding
+from pagedllm.ops.rotary import rope_qk
 
 
 class SelfAttention(nn.Module):
@@ -62,13 +66,27 @@ class SelfAttention(nn.Module):
         """hidden: (T, hidden), cos_sin: (T, 2, rotary_dim) -> (T, hidden)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # (T, q_size + 2 * kv_size)
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)  # (T, heads + kv_heads, hd)
+        q, k = self._rotated_q_k(qkv, cos_sin)
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, hd)
+        out = self.attn(q, k, v)  # (T, heads, head_dim)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))  # (T, hidden)
+
+    def _rotated_q_k(self, qkv: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (T, heads, head_dim) and k (T, kv_heads, head_dim) of the projection output, normed
+        (when the family has q/k norms) and rotated."""
+        num_tokens = qkv.shape[0]
+        norm = self.q_norm
+        q = rope_qk(qkv, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim,
+                    None if norm is None else norm.weight, None if norm is None else self.k_norm.weight,
+                    0.0 if norm is None else norm.eps, norm is not None and norm.gemma_convention)
+        if q is not None:  # the fused kernel rotated k in place in qkv
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+            return q, k
+        qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
+                                                        self.head_dim)  # (T, heads + kv_heads, hd)
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)  # per-head norm over head_dim
         qk = RotaryEmbedding.apply(qk, cos_sin)  # q and k rotated in one pass
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, heads, hd), (T, kv_heads, hd)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, head_dim)
-        out = self.attn(q, k, v)  # (T, heads, head_dim)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))  # (T, hidden)
+        return q, k

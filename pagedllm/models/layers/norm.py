@@ -8,6 +8,12 @@
 ``forward(x)`` returns the normed x, (T, ..., dim) -> same shape. ``forward(x, residual)``
 first adds ``residual`` (in the model dtype, as transformers does) and returns
 ``(normed, x + residual)``, the new residual stream (nano-vllm's fused layout).
+
+On CPU (float32, bfloat16) both run as one fused kernel (:mod:`pagedllm.ops.norm`, same
+rounding points); ``forward(x, residual)`` then works in place, like vLLM's
+``fused_add_rms_norm``: the sum is written into ``residual`` and the normed value into ``x``,
+and those two tensors are returned. Elsewhere, and with ``PAGEDLLM_CPU_FUSED_OPS=0``, the torch
+code below runs and returns new tensors.
 """
 
 from __future__ import annotations
@@ -16,9 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.ops.norm import fused_add_rms_norm_, rms_norm
+
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x**2) + eps)`` over the last axis, statistics in float32."""
+
+    gemma_convention = False  # the fused kernel's switch between the two conventions
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -26,11 +36,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None:
-            x = x + residual
-            residual = x
-        out = self._norm(x)
-        return out if residual is None else (out, residual)
+        if residual is None:
+            out = rms_norm(x, self.weight, self.eps, self.gemma_convention)  # None: the kernel does not apply
+            return out if out is not None else self._norm(x)
+        if fused_add_rms_norm_(x, residual, self.weight, self.eps, self.gemma_convention):
+            return x, residual
+        x = x + residual
+        return self._norm(x), x
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
@@ -38,6 +50,8 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(RMSNorm):
     """``x / sqrt(mean(x**2) + eps) * (1 + weight)``, all in float32, cast to x's dtype at the end."""
+
+    gemma_convention = True
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         out = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())

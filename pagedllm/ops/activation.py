@@ -1,0 +1,40 @@
+"""Fused gated activation on CPU: ``act(gate) * up`` over the (T, 2I) output of the fused
+gate/up projection, in one pass instead of chunk + activation + multiply.
+
+The torch code it replaces is :class:`~pagedllm.models.layers.mlp.GatedMLP`'s (activation
+from :mod:`pagedllm.models.layers.activation`; rounding points in ``cpu_ops.c``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.ops.library import can_run, cpu_ops, num_threads_for
+
+__all__ = ["FUSED_ACTIVATIONS", "act_and_mul"]
+
+# transformers activation names -> the kernel's code (cpu_ops.c ACT_*); the tanh GELUs are the
+# names activation.py maps to ``F.gelu(approximate="tanh")``.
+FUSED_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu_fast": 1}
+
+
+def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor | None:
+    """``act(x[:, :I]) * x[:, I:]`` for x (T, 2I), as a new contiguous (T, I) tensor.
+
+    Args:
+        x: (T, 2I) float32 or bfloat16 on CPU with a unit last stride.
+        activation: a transformers activation name (see :data:`FUSED_ACTIVATIONS`).
+    Returns:
+        The product, or None when the kernel does not apply (switched off, another activation,
+        dtype, device or layout): the caller then runs the torch code.
+    """
+    ops = cpu_ops()
+    act = FUSED_ACTIVATIONS.get(activation)
+    if ops is None or act is None or x.dtype not in ops.dtypes or x.dim() != 2 or x.stride(1) != 1 \
+            or x.shape[1] % 2 or not can_run(x):
+        return None
+    num_rows, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty(num_rows, inter, dtype=x.dtype)
+    ops.act_and_mul[x.dtype](x.data_ptr(), out.data_ptr(), num_rows, inter, x.stride(0), inter, act,
+                             num_threads_for(out.numel() * 4))  # exp / tanh: ~4x a plain pass per element
+    return out

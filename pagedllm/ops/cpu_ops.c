@@ -1,0 +1,377 @@
+/* Fused elementwise kernels of a decoder layer for CPUs (plain C11 + OpenMP, no torch headers).
+ *
+ * Each kernel replaces a chain of small torch ops (and the tensors between them) by one pass
+ * over the data, threaded over tokens by OpenMP on torch's own thread team (pagedllm.native
+ * links the libgomp torch already loaded; the caller passes torch.get_num_threads()):
+ *
+ *   rms_norm_*        [residual += x;] out = norm(residual or x), per row, in place allowed
+ *   act_and_mul_*     out = act(gate) * up over the fused (T, 2I) gate_up output
+ *   rope_qk_*         optional per-head q/k RMSNorm, then the neox rotary rotation of the q and
+ *                     k heads of the fused qkv output: k in place, q to q_out (may be in place)
+ *
+ * Numerics: every kernel rounds where the torch code it replaces rounds (pagedllm/models/layers:
+ * norm.py, mlp.py + activation.py, rotary.py + attention.py), so that float32 results agree to a
+ * few ulp and bfloat16 results are equal except where a float32 intermediate lies within a few
+ * ulp of a bfloat16 rounding boundary:
+ *   - bfloat16 tensors are widened to float32, every op computed in float32 and rounded to
+ *     bfloat16 (round to nearest even) after each torch op that produced a bfloat16 tensor;
+ *   - RMSNorm: sum of squares in float32 (16 lanes, then halving: torch sums in another order,
+ *     the source of the few-ulp difference), mean = sum / dim, 1 / sqrt(mean + eps) correctly
+ *     rounded like torch.rsqrt; Llama convention w * cast(x * rs), Gemma cast(x * rs * (1 + w));
+ *   - SiLU x / (1 + exp(-x)) and GELU-tanh 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), torch's
+ *     formulas, with Cephes-style exp and tanh (~1-2 ulp; torch uses SLEEF's 1-ulp ones);
+ *   - rotary: x * cos rounded, then fma(roll(x), sin, .) as torch.addcmul computes it (an FMA in
+ *     float32; in bfloat16 the product of two bfloat16 values is exact in float32, rounded
+ *     twice: to float32 by the add, then to bfloat16), so the rotation is bit-exact.
+ * Built without -ffast-math: the order of operations above is the one executed.
+ *
+ * Vectorization: GCC/Clang vector extensions over 16-float chunks (one AVX-512 register, two
+ * AVX2 ones) with scalar tails, so any row length works; the rotation is a scalar loop over
+ * fmaf that the compiler vectorizes (vector extensions have no portable FMA).
+ *
+ * The Python callers (pagedllm/ops/) check devices, dtypes, shapes and strides; the kernels trust
+ * their arguments. Strides and sizes are in elements.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_HEAD_DIM 1024 /* rope_qk's per-head scratch is MAX_HEAD_DIM floats on the stack */
+
+int pagedllm_cpu_ops_abi_version(void) { return 1; }
+int pagedllm_cpu_ops_max_head_dim(void) { return MAX_HEAD_DIM; }
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+/* -- loads, stores and bfloat16 rounding --------------------------------------------------- */
+
+static inline v16f load_f32(const float *p) {
+    v16f x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline v16f load_bf16(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    return (v16f)(__builtin_convertvector(h, v16u) << 16);
+}
+
+/* Round to the nearest bfloat16, ties to even (c10::BFloat16's rule; NaN stays a quiet NaN):
+ * the result's float32 bits with the low 16 bits zero. */
+static inline v16u bf16_bits(v16f x) {
+    const v16u u = (v16u)x;
+    const v16u rounded = u + 0x7fffu + ((u >> 16) & 1u);
+    const v16u is_nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
+    return ((rounded & ~is_nan) | (0x7fc00000u & is_nan)) & 0xffff0000u;
+}
+
+static inline v16f round_bf16(v16f x) { return (v16f)bf16_bits(x); }
+
+static inline void store_f32(float *p, v16f x) { memcpy(p, &x, sizeof x); }
+
+static inline void store_bf16(uint16_t *p, v16f x) {
+    const v16h h = __builtin_convertvector(bf16_bits(x) >> 16, v16h);
+    memcpy(p, &h, sizeof h);
+}
+
+static inline float scalar_round_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    u = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    float r;
+    memcpy(&r, &u, sizeof r);
+    return r;
+}
+
+/* Element i of a float32 or bfloat16 array (bf16 a compile-time constant at every call). */
+static inline float load1(const void *p, ptrdiff_t i, const int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+static inline void store1(void *p, ptrdiff_t i, float x, const int bf16) {
+    if (!bf16) {
+        ((float *)p)[i] = x;
+        return;
+    }
+    const float r = scalar_round_bf16(x);
+    uint32_t u;
+    memcpy(&u, &r, sizeof u);
+    ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+}
+
+static inline v16f load16(const void *p, ptrdiff_t i, const int bf16) {
+    return bf16 ? load_bf16((const uint16_t *)p + i) : load_f32((const float *)p + i);
+}
+
+static inline void store16(void *p, ptrdiff_t i, v16f x, const int bf16) {
+    if (bf16) store_bf16((uint16_t *)p + i, x);
+    else store_f32((float *)p + i, x);
+}
+
+/* x rounded to the storage dtype (the value a torch op would have written). */
+static inline v16f to_dtype(v16f x, const int bf16) { return bf16 ? round_bf16(x) : x; }
+static inline float scalar_to_dtype(float x, const int bf16) { return bf16 ? scalar_round_bf16(x) : x; }
+
+/* Sum of the 16 lanes, in a fixed order (halving). */
+static inline float hsum(v16f x) {
+    float s[16];
+    memcpy(s, &x, sizeof s);
+    for (int w = 8; w >= 1; w /= 2)
+        for (int j = 0; j < w; j++) s[j] += s[j + w];
+    return s[0];
+}
+
+static inline v16f select_v(v16i mask, v16f a, v16f b) { return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask)); }
+
+/* -- exp and tanh ------------------------------------------------------------------------- */
+
+/* exp(x) over the whole float range (0 below -104, inf above 88.8). Cephes expf: x = n ln2 + r,
+ * |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, 2^n applied as 2^(n/2) 2^(n - n/2) so that
+ * results near the overflow and subnormal ends are right. */
+static inline v16f splat(float a) { return (v16f){0} + a; }
+
+static inline v16f exp_v(v16f x) {
+    x = select_v(x < -104.0f, splat(-104.0f), x);
+    x = select_v(x > 88.8f, splat(88.8f), x);
+    const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    v16f r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v16f y = splat(1.9875691500e-4f);
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    const v16i ni = __builtin_convertvector(n, v16i);
+    const v16i n1 = ni >> 1, n2 = ni - n1;
+    return y * (v16f)((n1 + 127) << 23) * (v16f)((n2 + 127) << 23);
+}
+
+/* tanh(x), Cephes tanhf: an odd polynomial for |x| < 0.625, else 1 - 2 / (exp(2|x|) + 1) with
+ * the sign of x. */
+static inline v16f tanh_v(v16f x) {
+    const v16i sign = (v16i)x & INT32_MIN;
+    const v16f ax = (v16f)((v16i)x & INT32_MAX);
+    const v16f z = x * x;
+    v16f p = splat(-5.70498872745e-3f);
+    p = p * z + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    const v16f small = p * z * x + x;
+    const v16f big = (v16f)((v16i)(1.0f - 2.0f / (exp_v(ax + ax) + 1.0f)) | sign);
+    return select_v(ax < 0.625f, small, big);
+}
+
+/* -- RMSNorm, optionally after the residual add -------------------------------------------- */
+
+/* One row of dim elements. With residual: residual = cast(x + residual) and that is normed;
+ * out may alias x (the residual is written before out is). gemma: (1 + w) convention. */
+static inline __attribute__((always_inline)) void rms_norm_row(
+    const void *x, void *residual, const void *w, void *out, int dim, float eps, int gemma, const int bf16) {
+    const void *src = residual ? residual : x;
+    v16f acc = {0};
+    int i = 0;
+    for (; i + 16 <= dim; i += 16) {
+        v16f h = load16(x, i, bf16);
+        if (residual) {
+            h = to_dtype(h + load16(residual, i, bf16), bf16);
+            store16(residual, i, h, bf16);
+        }
+        acc += h * h;
+    }
+    float sum = hsum(acc);
+    for (; i < dim; i++) {
+        float h = load1(x, i, bf16);
+        if (residual) {
+            h = scalar_to_dtype(h + load1(residual, i, bf16), bf16);
+            store1(residual, i, h, bf16);
+        }
+        sum += h * h;
+    }
+    const float rs = 1.0f / sqrtf(sum / (float)dim + eps);
+    for (i = 0; i + 16 <= dim; i += 16) {
+        const v16f n = load16(src, i, bf16) * rs;
+        const v16f wi = load16(w, i, bf16);
+        store16(out, i, gemma ? n * (1.0f + wi) : to_dtype(n, bf16) * wi, bf16);
+    }
+    for (; i < dim; i++) {
+        const float n = load1(src, i, bf16) * rs;
+        const float wi = load1(w, i, bf16);
+        store1(out, i, gemma ? n * (1.0f + wi) : scalar_to_dtype(n, bf16) * wi, bf16);
+    }
+}
+
+/* The row loop of every kernel, split over OpenMP threads (serial for num_threads 1). Each exported
+ * function has its own loop so that the dtype and the activation are constants in the outlined
+ * parallel body (one shared body would test them per element). */
+#define PARALLEL_FOR_ROWS _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)")
+
+#define ROW(base, stride, elem) ((char *)(base) + (ptrdiff_t)t * (stride) * (elem))
+
+/* x, out: (num_rows, dim) rows at x_stride / out_stride; residual: same or NULL; w: (dim,). */
+void rms_norm_f32(const void *x, void *residual, const void *w, void *out, int num_rows, int dim,
+                  ptrdiff_t x_stride, ptrdiff_t residual_stride, ptrdiff_t out_stride, float eps, int gemma,
+                  int num_threads) {
+    PARALLEL_FOR_ROWS
+    for (int t = 0; t < num_rows; t++)
+        rms_norm_row(ROW(x, x_stride, 4), residual ? ROW(residual, residual_stride, 4) : NULL, w,
+                     ROW(out, out_stride, 4), dim, eps, gemma, 0);
+}
+
+void rms_norm_bf16(const void *x, void *residual, const void *w, void *out, int num_rows, int dim,
+                   ptrdiff_t x_stride, ptrdiff_t residual_stride, ptrdiff_t out_stride, float eps, int gemma,
+                   int num_threads) {
+    PARALLEL_FOR_ROWS
+    for (int t = 0; t < num_rows; t++)
+        rms_norm_row(ROW(x, x_stride, 2), residual ? ROW(residual, residual_stride, 2) : NULL, w,
+                     ROW(out, out_stride, 2), dim, eps, gemma, 1);
+}
+
+/* -- gated activations ---------------------------------------------------------------------- */
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
+static inline __attribute__((always_inline)) v16f act_v(v16f x, const int act) {
+    if (act == ACT_SILU) return x / (1.0f + exp_v(-x));
+    const v16f inner = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
+    return 0.5f * x * (1.0f + tanh_v(inner));
+}
+
+/* One row: dst[i] = cast(cast(act(gate[i])) * up[i]), up = gate + inter. */
+static inline __attribute__((always_inline)) void act_and_mul_row(const char *gate, char *dst, int inter,
+                                                                  const int act, const int bf16) {
+    const char *up = gate + (size_t)inter * (bf16 ? 2 : 4);
+    int i = 0;
+    for (; i + 16 <= inter; i += 16)
+        store16(dst, i, to_dtype(act_v(load16(gate, i, bf16), act), bf16) * load16(up, i, bf16), bf16);
+    if (i < inter) { /* the tail through a zero-padded chunk */
+        float g[16] = {0}, u[16] = {0}, o[16];
+        for (int j = i; j < inter; j++) {
+            g[j - i] = load1(gate, j, bf16);
+            u[j - i] = load1(up, j, bf16);
+        }
+        store_f32(o, to_dtype(act_v(load_f32(g), act), bf16) * load_f32(u));
+        for (int j = i; j < inter; j++) store1(dst, j, o[j - i], bf16);
+    }
+}
+
+/* in: (num_rows, 2 * inter) rows at in_stride, gate then up; out: (num_rows, inter) rows at out_stride. */
+void act_and_mul_f32(const void *in, void *out, int num_rows, int inter, ptrdiff_t in_stride,
+                     ptrdiff_t out_stride, int act, int num_threads) {
+    if (act == ACT_SILU) {
+        PARALLEL_FOR_ROWS
+        for (int t = 0; t < num_rows; t++) act_and_mul_row(ROW(in, in_stride, 4), ROW(out, out_stride, 4), inter, ACT_SILU, 0);
+    } else {
+        PARALLEL_FOR_ROWS
+        for (int t = 0; t < num_rows; t++)
+            act_and_mul_row(ROW(in, in_stride, 4), ROW(out, out_stride, 4), inter, ACT_GELU_TANH, 0);
+    }
+}
+
+void act_and_mul_bf16(const void *in, void *out, int num_rows, int inter, ptrdiff_t in_stride,
+                      ptrdiff_t out_stride, int act, int num_threads) {
+    if (act == ACT_SILU) {
+        PARALLEL_FOR_ROWS
+        for (int t = 0; t < num_rows; t++) act_and_mul_row(ROW(in, in_stride, 2), ROW(out, out_stride, 2), inter, ACT_SILU, 1);
+    } else {
+        PARALLEL_FOR_ROWS
+        for (int t = 0; t < num_rows; t++)
+            act_and_mul_row(ROW(in, in_stride, 2), ROW(out, out_stride, 2), inter, ACT_GELU_TANH, 1);
+    }
+}
+
+/* -- q/k norm and rotary ---------------------------------------------------------------------- */
+
+enum { QK_NORM_NONE = 0, QK_NORM_RMS = 1, QK_NORM_GEMMA = 2 };
+
+/* buf (head_dim floats, values of the storage dtype) := the per-head norm of itself. */
+static inline __attribute__((always_inline)) void head_norm(float *buf, const void *w, int head_dim, float eps,
+                                                            int kind, const int bf16) {
+    float sum = 0.0f;
+    v16f acc = {0};
+    int i = 0;
+    for (; i + 16 <= head_dim; i += 16) {
+        const v16f h = load_f32(buf + i);
+        acc += h * h;
+    }
+    sum = hsum(acc);
+    for (; i < head_dim; i++) sum += buf[i] * buf[i];
+    const float rs = 1.0f / sqrtf(sum / (float)head_dim + eps);
+    for (i = 0; i < head_dim; i++) {
+        const float n = buf[i] * rs, wi = load1(w, i, bf16);
+        buf[i] = scalar_to_dtype(kind == QK_NORM_GEMMA ? n * (1.0f + wi) : scalar_to_dtype(n, bf16) * wi, bf16);
+    }
+}
+
+/* dst[i] = x[i] * cos[i] + x[(i + half) % rotary_dim] * sin[i] for i < rotary_dim (the table's
+ * sin row holds -sin in its first half), rounded as torch's mul + addcmul; dst[i] = x[i] after. */
+static inline __attribute__((always_inline)) void rotate_head(const float *restrict x, void *dst,
+                                                              const void *cos, const void *sin, int head_dim,
+                                                              int rotary_dim, const int bf16) {
+    const int half = rotary_dim / 2;
+    float out[MAX_HEAD_DIM];
+    for (int i = 0; i < half; i++) {
+        const float c1 = load1(cos, i, bf16), s1 = load1(sin, i, bf16);
+        const float c2 = load1(cos, i + half, bf16), s2 = load1(sin, i + half, bf16);
+        out[i] = scalar_to_dtype(fmaf(x[i + half], s1, scalar_to_dtype(x[i] * c1, bf16)), bf16);
+        out[i + half] = scalar_to_dtype(fmaf(x[i], s2, scalar_to_dtype(x[i + half] * c2, bf16)), bf16);
+    }
+    for (int i = rotary_dim; i < head_dim; i++) out[i] = x[i];
+    int i = 0;
+    for (; i + 16 <= head_dim; i += 16) store16(dst, i, load_f32(out + i), bf16);
+    for (; i < head_dim; i++) store1(dst, i, out[i], bf16);
+}
+
+/* One token: its q heads to q_dst, its k heads in place. */
+static inline __attribute__((always_inline)) void rope_qk_token(
+    char *src, char *q_dst, const char *cos, int num_heads, int num_kv_heads, int head_dim, int rotary_dim,
+    const void *q_weight, const void *k_weight, float eps, int norm_kind, const int bf16) {
+    const size_t elem = bf16 ? 2 : 4;
+    const char *sin = cos + (size_t)rotary_dim * elem;
+    float buf[MAX_HEAD_DIM];
+    for (int h = 0; h < num_heads + num_kv_heads; h++) {
+        char *head = src + (size_t)h * head_dim * elem;
+        char *dst = h < num_heads ? q_dst + (size_t)h * head_dim * elem : head;
+        int i = 0;
+        for (; i + 16 <= head_dim; i += 16) store_f32(buf + i, load16(head, i, bf16));
+        for (; i < head_dim; i++) buf[i] = load1(head, i, bf16);
+        if (norm_kind != QK_NORM_NONE)
+            head_norm(buf, h < num_heads ? q_weight : k_weight, head_dim, eps, norm_kind, bf16);
+        rotate_head(buf, dst, cos, sin, head_dim, rotary_dim, bf16);
+    }
+}
+
+/* qkv: (num_tokens, >= (num_heads + num_kv_heads) * head_dim) rows at qkv_stride, q heads then k
+ * heads; q_out: (num_tokens, num_heads * head_dim) rows at q_out_stride (may be qkv itself);
+ * cos_sin: (num_tokens, 2, rotary_dim) rows at cos_sin_stride; q_weight/k_weight: (head_dim,)
+ * (read when norm_kind != QK_NORM_NONE). rotary_dim even, <= head_dim <= MAX_HEAD_DIM. */
+void rope_qk_f32(void *qkv, ptrdiff_t qkv_stride, void *q_out, ptrdiff_t q_out_stride, const void *cos_sin,
+                 ptrdiff_t cos_sin_stride, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
+                 int rotary_dim, const void *q_weight, const void *k_weight, float eps, int norm_kind,
+                 int num_threads) {
+    PARALLEL_FOR_ROWS
+    for (int t = 0; t < num_tokens; t++)
+        rope_qk_token(ROW(qkv, qkv_stride, 4), ROW(q_out, q_out_stride, 4), ROW(cos_sin, cos_sin_stride, 4),
+                      num_heads, num_kv_heads, head_dim, rotary_dim, q_weight, k_weight, eps, norm_kind, 0);
+}
+
+void rope_qk_bf16(void *qkv, ptrdiff_t qkv_stride, void *q_out, ptrdiff_t q_out_stride, const void *cos_sin,
+                  ptrdiff_t cos_sin_stride, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
+                  int rotary_dim, const void *q_weight, const void *k_weight, float eps, int norm_kind,
+                  int num_threads) {
+    PARALLEL_FOR_ROWS
+    for (int t = 0; t < num_tokens; t++)
+        rope_qk_token(ROW(qkv, qkv_stride, 2), ROW(q_out, q_out_stride, 2), ROW(cos_sin, cos_sin_stride, 2),
+                      num_heads, num_kv_heads, head_dim, rotary_dim, q_weight, k_weight, eps, norm_kind, 1);
+}

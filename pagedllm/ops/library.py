@@ -1,0 +1,123 @@
+"""The shared library of the fused CPU kernels (``cpu_ops.c``) and the switch that turns them off.
+
+The library is built and loaded by :mod:`pagedllm.native` (OpenMP on torch's own thread team)
+on first use. :func:`cpu_ops` returns it, or None when the kernels must not run: switched off
+(``PAGEDLLM_CPU_FUSED_OPS=0`` in the environment when the first kernel call of the process
+reads it, or :func:`set_enabled`, which lets a benchmark alternate both paths in one process), a
+torch.compile trace (inductor fuses the torch code itself; a ctypes call would break the graph),
+or a failed build (one warning, then the torch code for the rest of the process).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from pagedllm import native
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FUSED_OPS_ENV", "CpuOps", "can_run", "cpu_ops", "num_threads_for", "set_enabled"]
+
+FUSED_OPS_ENV = "PAGEDLLM_CPU_FUSED_OPS"
+_SOURCE = Path(__file__).with_name("cpu_ops.c")
+_ABI_VERSION = 1
+# Elements one thread handles before a parallel region pays for itself: waking a sleeping
+# OpenMP team (OMP_WAIT_POLICY=PASSIVE) costs about what one thread needs for this many.
+_ELEMENTS_PER_THREAD = 32768
+
+_p, _i, _ssize, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t, ctypes.c_float
+# rms_norm_<dtype>(x, residual, weight, out, num_rows, dim, x_stride, residual_stride, out_stride, eps, gemma,
+#   num_threads)
+_RMS_NORM_ARGS = [_p, _p, _p, _p, _i, _i, _ssize, _ssize, _ssize, _f, _i, _i]
+# act_and_mul_<dtype>(in, out, num_rows, inter, in_stride, out_stride, act, num_threads)
+_ACT_AND_MUL_ARGS = [_p, _p, _i, _i, _ssize, _ssize, _i, _i]
+# rope_qk_<dtype>(qkv, qkv_stride, q_out, q_out_stride, cos_sin, cos_sin_stride, num_tokens, num_heads,
+#   num_kv_heads, head_dim, rotary_dim, q_weight, k_weight, eps, norm_kind, num_threads)
+_ROPE_QK_ARGS = [_p, _ssize, _p, _ssize, _p, _ssize, _i, _i, _i, _i, _i, _p, _p, _f, _i, _i]
+_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+class CpuOps:
+    """The loaded kernels, one function per dtype: ``rms_norm[dtype]``, ``act_and_mul[dtype]``,
+    ``rope_qk[dtype]`` (ctypes functions; they release the GIL). The callers in this package check
+    every argument; the kernels trust them. ``max_head_dim`` bounds ``rope_qk``'s head size."""
+
+    dtypes = tuple(_SUFFIXES)
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        lib.pagedllm_cpu_ops_abi_version.restype = _i
+        if lib.pagedllm_cpu_ops_abi_version() != _ABI_VERSION:
+            raise OSError(f"{_SOURCE.name}: ABI version mismatch")
+        lib.pagedllm_cpu_ops_max_head_dim.restype = _i
+        self.max_head_dim: int = lib.pagedllm_cpu_ops_max_head_dim()
+        self.rms_norm = self._functions(lib, "rms_norm", _RMS_NORM_ARGS)
+        self.act_and_mul = self._functions(lib, "act_and_mul", _ACT_AND_MUL_ARGS)
+        self.rope_qk = self._functions(lib, "rope_qk", _ROPE_QK_ARGS)
+        self._lib = lib  # keep the library loaded
+
+    @staticmethod
+    def _functions(lib: ctypes.CDLL, name: str, argtypes: list) -> dict[torch.dtype, ctypes._CFuncPtr]:
+        functions = {}
+        for dtype, suffix in _SUFFIXES.items():
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, None
+            functions[dtype] = fn
+        return functions
+
+
+_load_lock = threading.Lock()
+_ops: list[CpuOps | None] = []  # [] until the first load, then [ops or None]
+_enabled: bool | None = None  # None: read FUSED_OPS_ENV at the next call (an environment lookup per
+# kernel call would cost more than some kernels on a decode step)
+
+
+def cpu_ops() -> CpuOps | None:
+    """The kernels, or None when they are switched off (see :func:`set_enabled`), while
+    torch.compile traces, or when the library cannot be built or loaded (logged once)."""
+    global _enabled
+    if _enabled is None:
+        _enabled = os.environ.get(FUSED_OPS_ENV, "1") != "0"
+    if not _enabled or torch.compiler.is_compiling():
+        return None
+    if not _ops:
+        with _load_lock:
+            if not _ops:
+                _ops.append(_load())
+    return _ops[0]
+
+
+def set_enabled(enabled: bool | None) -> None:
+    """Switch the kernels on or off for this process (the layers then run their torch code);
+    None: follow ``PAGEDLLM_CPU_FUSED_OPS`` again (read at the next kernel call)."""
+    global _enabled
+    _enabled = enabled
+
+
+def _load() -> CpuOps | None:
+    lib = native.load_library(_SOURCE, what="fused CPU kernels (pagedllm/ops)")
+    if lib is None:
+        return None
+    try:
+        return CpuOps(lib)
+    except (OSError, AttributeError) as e:
+        logger.warning("fused CPU kernels unavailable (%s); using the PyTorch code", e)
+        return None
+
+
+def num_threads_for(num_elements: int) -> int:
+    """Threads for a kernel over ``num_elements`` elements: torch's intra-op count, fewer for
+    small work (a parallel region has a fixed cost)."""
+    return max(1, min(torch.get_num_threads(), num_elements // _ELEMENTS_PER_THREAD))
+
+
+def can_run(*tensors: torch.Tensor) -> bool:
+    """Whether tensors may go to a kernel: on the CPU, and not tracked by autograd (the kernels
+    write in place and have no backward)."""
+    grad = torch.is_grad_enabled()
+    return all(t.is_cpu and not (grad and t.requires_grad) for t in tensors)

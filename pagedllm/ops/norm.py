@@ -1,0 +1,79 @@
+"""Fused RMSNorm on CPU, optionally after the residual add, in both weight conventions.
+
+The torch code it replaces is :mod:`pagedllm.models.layers.norm` (its rounding points are
+the kernel's; see ``cpu_ops.c``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.ops.library import can_run, cpu_ops, num_threads_for
+
+__all__ = ["fused_add_rms_norm_", "rms_norm"]
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor | None:
+    """RMSNorm of x's rows into a new tensor, or None when the kernel does not apply.
+
+    Args:
+        x: (..., dim) float32 or bfloat16 on CPU, contiguous (or 2-D with a unit last stride).
+        weight: (dim,) of x's dtype, contiguous.
+        gemma: the ``(1 + w)`` convention (:class:`~pagedllm.models.layers.norm.GemmaRMSNorm`)
+            instead of ``w * cast(normalize(x))`` (:class:`~pagedllm.models.layers.norm.RMSNorm`).
+    Returns:
+        A new contiguous tensor shaped like x, or None (switched off, unsupported dtype, device
+        or layout): the caller then runs the torch code.
+    """
+    ops = cpu_ops()
+    rows = _rows(x) if ops is not None and _weight_fits(weight, x) else None
+    if rows is None:
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    num_rows, dim, stride = rows
+    ops.rms_norm[x.dtype](x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), num_rows, dim, stride, 0, dim, eps,
+                          gemma, num_threads_for(num_rows * dim))
+    return out
+
+
+def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        gemma: bool) -> bool:
+    """In place: ``residual += x`` (rounded to the dtype, as torch's add), then ``x = norm(residual)``.
+
+    Args: x and residual (T, dim) with unit last strides, or contiguous; the same shape and
+    dtype (float32 or bfloat16) on CPU; weight and gemma as in :func:`rms_norm`.
+    Returns:
+        True when done; False (nothing written) when the kernel does not apply.
+    """
+    ops = cpu_ops()
+    rows = _rows(x) if ops is not None and _weight_fits(weight, x) else None
+    residual_rows = _rows(residual) if rows is not None and residual.dtype == x.dtype else None
+    if residual_rows is None or residual_rows[:2] != rows[:2]:
+        return False
+    num_rows, dim, stride = rows
+    ops.rms_norm[x.dtype](x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.data_ptr(), num_rows, dim, stride,
+                          residual_rows[2], stride, eps, gemma, num_threads_for(num_rows * dim))
+    return True
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """(num_rows, dim, row stride) of x as rows of its last axis, or None when a kernel cannot take it
+    (dtype, device, autograd, layout)."""
+    if x.dtype not in _DTYPES or not x.is_cpu or (x.requires_grad and torch.is_grad_enabled()):
+        return None
+    shape = x.shape
+    if len(shape) == 2:
+        stride = x.stride()
+        if stride[1] == 1:
+            return shape[0], shape[1], stride[0]
+    if shape and shape[-1] > 0 and x.is_contiguous():
+        return x.numel() // shape[-1], shape[-1], shape[-1]
+    return None
+
+
+def _weight_fits(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """weight is a contiguous CPU (dim,) vector of x's dtype, not tracked by autograd."""
+    return (weight.dtype == x.dtype and weight.dim() == 1 and x.dim() > 0 and weight.shape[0] == x.shape[-1]
+            and weight.is_contiguous() and can_run(weight))

@@ -1,0 +1,64 @@
+"""Fused rotary embedding of the q and k heads on CPU, optionally after a per-head RMSNorm.
+
+One pass over the fused q/k/v projection output replaces the split, view, per-head q/k norms
+(Qwen 3, Gemma 3), concatenation, roll, multiply and addcmul of
+:class:`~pagedllm.models.layers.attention.SelfAttention` and
+:meth:`~pagedllm.models.layers.rotary.RotaryEmbedding.apply` (neox style, partial rotary
+included; rounding points in ``cpu_ops.c``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.ops.library import can_run, cpu_ops, num_threads_for
+
+__all__ = ["rope_qk"]
+
+_NORM_NONE, _NORM_RMS, _NORM_GEMMA = 0, 1, 2
+
+
+def rope_qk(qkv: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+            q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0,
+            gemma: bool = False) -> torch.Tensor | None:
+    """Rotate the q and k heads of the fused projection output; k in place, q into a new tensor.
+
+    Args:
+        qkv: (T, (num_heads + 2 * num_kv_heads) * head_dim) float32 or bfloat16 on CPU with a unit
+            last stride: q heads, k heads, v heads. Its k heads are overwritten with the rotated k;
+            q and v are left as they were.
+        cos_sin: (T, 2, rotary_dim) of qkv's dtype, contiguous rows:
+            :meth:`~pagedllm.models.layers.rotary.RotaryEmbedding.lookup`'s cos and (-sin, sin)
+            rows; rotary_dim even and <= head_dim (the rest of each head passes through).
+        q_weight, k_weight: (head_dim,) weights of a per-head RMSNorm applied to q and k before the
+            rotation (both or neither), with ``eps`` and the ``gemma`` (1 + w) convention.
+    Returns:
+        q rotated, a new contiguous (T, num_heads, head_dim) tensor; or None (nothing written) when
+        the kernel does not apply: switched off, dtype, device, shape or layout. The caller then
+        runs the torch code.
+    """
+    ops = cpu_ops()
+    if ops is None or qkv.dtype not in ops.dtypes or qkv.dim() != 2 or qkv.stride(1) != 1 \
+            or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or not 0 < head_dim <= ops.max_head_dim \
+            or not _table_fits(cos_sin, qkv, head_dim) or not can_run(qkv, cos_sin):
+        return None
+    norm_kind = _NORM_NONE
+    if q_weight is not None or k_weight is not None:
+        if not all(w is not None and w.dtype == qkv.dtype and w.is_contiguous() and w.shape == (head_dim,)
+                   and can_run(w) for w in (q_weight, k_weight)):
+            return None
+        norm_kind = _NORM_GEMMA if gemma else _NORM_RMS
+    num_tokens = qkv.shape[0]
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)
+    ops.rope_qk[qkv.dtype](qkv.data_ptr(), qkv.stride(0), q.data_ptr(), num_heads * head_dim, cos_sin.data_ptr(),
+                           cos_sin.stride(0), num_tokens, num_heads, num_kv_heads, head_dim, cos_sin.shape[2],
+                           q_weight.data_ptr() if norm_kind else None, k_weight.data_ptr() if norm_kind else None,
+                           eps, norm_kind, num_threads_for(num_tokens * (num_heads + num_kv_heads) * head_dim * 2))
+    return q
+
+
+def _table_fits(cos_sin: torch.Tensor, qkv: torch.Tensor, head_dim: int) -> bool:
+    """cos_sin is (T, 2, rotary_dim) of qkv's dtype with the kernel's row layout."""
+    return (cos_sin.dtype == qkv.dtype and cos_sin.dim() == 3 and cos_sin.shape[0] == qkv.shape[0]
+            and cos_sin.shape[1] == 2 and cos_sin.shape[2] % 2 == 0 and 0 < cos_sin.shape[2] <= head_dim
+            and cos_sin.stride(2) == 1 and cos_sin.stride(1) == cos_sin.shape[2])
