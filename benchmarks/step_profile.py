@@ -30,6 +30,9 @@ from pathlib import Path
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.models.layers import attention as attention_module
+from pagedllm.models.layers import mlp as mlp_module
+from pagedllm.models.layers import norm as norm_module
 
 
 def wrap(obj, name: str, acc: dict, key: str, clock=time.perf_counter) -> None:
@@ -52,7 +55,8 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
     CPU time does not grow when another process takes the core, so on a shared machine
     these shares hold where wall-clock shares do not. Parts (nested parts are also inside
     their parents): linear layers (lm_head included), RMSNorm (with its residual add), the
-    rotary embedding, attention (K/V write + decode kernel), and ``_sample`` (lm_head included).
+    rotary embedding (torch code or fused kernel), the fused activation-and-multiply kernel,
+    attention (K/V write + decode kernel), and ``_sample`` (lm_head included).
     """
     from pagedllm.models.layers.linear import Linear
     from pagedllm.models.layers.norm import RMSNorm
@@ -67,10 +71,13 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
              (layer.self_attn.attn.backend, "forward", "attention"), (eng.runner, "_sample", "sample")]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in parts]
     rotary_apply = RotaryEmbedding.apply
+    rope_qk, act_and_mul = attention_module.rope_qk, mlp_module.act_and_mul
     try:
         for obj, name, key in parts:
             wrap(obj, name, acc, key, clock)
         RotaryEmbedding.apply = staticmethod(_cpu_timed(rotary_apply, acc, "rotary"))
+        attention_module.rope_qk = _cpu_timed(rope_qk, acc, "rotary")  # the fused kernel (pagedllm/ops)
+        mlp_module.act_and_mul = _cpu_timed(act_and_mul, acc, "act_and_mul")
         total = 0.0
         for _ in range(num_steps):
             t = clock()
@@ -80,6 +87,7 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
         for obj, name, fn in saved:
             setattr(obj, name, fn)
         RotaryEmbedding.apply = staticmethod(rotary_apply)
+        attention_module.rope_qk, mlp_module.act_and_mul = rope_qk, act_and_mul
         torch.set_num_threads(threads)
     return {"step": total / num_steps * 1e3, **{k: v / num_steps * 1e3 for k, v in acc.items()}}
 
@@ -124,6 +132,8 @@ def main() -> None:
     backend = runner.model.model.layers[0].self_attn.attn.backend  # one backend object shared by all layers
     if hasattr(backend, "_decode"):
         wrap(backend, "_decode", acc, "forward.decode_attention")
+    for module, name in FUSED_OP_CALLS:  # the fused CPU kernels run outside torch operators too
+        wrap(module, name, acc, "forward.fused_ops")
     wrap(runner, "_sample", acc, "logits_and_sampling")
     wrap(runner.model, "compute_logits", acc, "logits_and_sampling.lm_head")
     wrap(runner.sampler, "forward", acc, "logits_and_sampling.sampler")
@@ -150,8 +160,10 @@ def main() -> None:
             eng.step()
             step_wall = time.perf_counter() - t0
         kinds = operator_time_by_kind(prof)
-        # the fused C decode kernel runs outside torch operators: count it as attention, not Python
+        # the fused C decode kernel runs outside torch operators: count it as attention, not Python;
+        # likewise the fused norm/activation/rotary kernels as other ops
         kinds["attention"] += acc.get("forward.decode_attention", 0.0)
+        kinds["other_ops"] += acc.get("forward.fused_ops", 0.0)
         for k, v in kinds.items():
             kinds_per_step[k].append(v)
         python_fracs.append(max(step_wall - sum(kinds.values()), 0.0) / step_wall)
@@ -187,6 +199,9 @@ def main() -> None:
 
 
 HOST_PHASES = ("schedule", "input_prep", "scheduler_update", "outputs_detokenize")
+# (module, function) of the layers' calls into pagedllm.ops (C kernels, outside torch operators)
+FUSED_OP_CALLS = [(norm_module, "rms_norm"), (norm_module, "fused_add_rms_norm_"), (mlp_module, "act_and_mul"),
+                  (attention_module, "rope_qk")]
 
 
 def operator_time_by_kind(prof) -> dict[str, float]:
