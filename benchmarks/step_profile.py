@@ -31,7 +31,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.layers import attention as attention_module
-from pagedllm.models.layers import mlp as mlp_module
+from pagedllm.models.layers import activation as activation_module
 from pagedllm.models.layers import norm as norm_module
 
 
@@ -71,13 +71,13 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
              (layer.self_attn.attn.backend, "forward", "attention"), (eng.runner, "_sample", "sample")]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in parts]
     rotary_apply = RotaryEmbedding.apply
-    rope_qk, act_and_mul = attention_module.rope_qk, mlp_module.act_and_mul
+    rope_qk, act_and_mul = attention_module.rope_qk, activation_module.act_and_mul
     try:
         for obj, name, key in parts:
             wrap(obj, name, acc, key, clock)
         RotaryEmbedding.apply = staticmethod(_cpu_timed(rotary_apply, acc, "rotary"))
         attention_module.rope_qk = _cpu_timed(rope_qk, acc, "rotary")  # the fused kernel (pagedllm/ops)
-        mlp_module.act_and_mul = _cpu_timed(act_and_mul, acc, "act_and_mul")
+        activation_module.act_and_mul = _cpu_timed(act_and_mul, acc, "act_and_mul")
         total = 0.0
         for _ in range(num_steps):
             t = clock()
@@ -87,7 +87,7 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
         for obj, name, fn in saved:
             setattr(obj, name, fn)
         RotaryEmbedding.apply = staticmethod(rotary_apply)
-        attention_module.rope_qk, mlp_module.act_and_mul = rope_qk, act_and_mul
+        attention_module.rope_qk, activation_module.act_and_mul = rope_qk, act_and_mul
         torch.set_num_threads(threads)
     return {"step": total / num_steps * 1e3, **{k: v / num_steps * 1e3 for k, v in acc.items()}}
 
@@ -200,7 +200,7 @@ def main() -> None:
 
 HOST_PHASES = ("schedule", "input_prep", "scheduler_update", "outputs_detokenize")
 # (module, function) of the layers' calls into pagedllm.ops (C kernels, outside torch operators)
-FUSED_OP_CALLS = [(norm_module, "rms_norm"), (norm_module, "fused_add_rms_norm_"), (mlp_module, "act_and_mul"),
+FUSED_OP_CALLS = [(norm_module, "rms_norm"), (norm_module, "fused_add_rms_norm_"), (activation_module, "act_and_mul"),
                   (attention_module, "rope_qk")]
 
 

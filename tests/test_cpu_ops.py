@@ -199,9 +199,9 @@ def test_act_special_values():
 def test_mlp_uses_the_kernel_and_switch_gives_torch_code(monkeypatch):
     mlp = GatedMLP(16, 32, "silu").requires_grad_(False)
     calls = []
-    from pagedllm.models.layers import mlp as mlp_module
-    real = mlp_module.act_and_mul
-    monkeypatch.setattr(mlp_module, "act_and_mul", lambda *a: calls.append(1) or real(*a))
+    from pagedllm.models.layers import activation as activation_module
+    real = activation_module.act_and_mul
+    monkeypatch.setattr(activation_module, "act_and_mul", lambda *a: calls.append(1) or real(*a))
     x = randn(3, 16)
     fused = mlp(x)
     assert calls and real(mlp.gate_up_proj(x), "silu") is not None

@@ -1,4 +1,5 @@
-"""Activation functions by their transformers config name (``hidden_act`` / ``hidden_activation``)."""
+"""Activation functions by their transformers config name (``hidden_act`` / ``hidden_activation``),
+and the gated form ``act(gate) * up`` the MLPs apply to their fused gate/up projection output."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from pagedllm.ops.activation import act_and_mul
 
 # transformers' ACT2FN names -> the same function in plain torch.
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -27,3 +30,17 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     except KeyError:
         raise ValueError(f"activation {name!r} is not supported (supported: {', '.join(sorted(_ACTIVATIONS))})") \
             from None
+
+
+def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` for ``gate_up`` (T, 2I) = [gate | up] -> (T, I), act named ``activation``.
+
+    On CPU (float32, bfloat16; SiLU and the tanh GELUs) one fused kernel
+    (:mod:`pagedllm.ops.activation`); elsewhere chunk + activation + multiply in torch.
+    Raises ValueError for an unknown activation name.
+    """
+    out = act_and_mul(gate_up, activation)  # None: the fused kernel does not apply
+    if out is not None:
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)  # each (T, I)
+    return get_activation(activation)(gate) * up

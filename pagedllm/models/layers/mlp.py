@@ -4,7 +4,7 @@ SwiGLU with ``silu`` (Shazeer, 2020, "GLU Variants Improve Transformer"), GeGLU 
 ``gelu_pytorch_tanh`` (Gemma). gate and up are one fused matmul (``gate_up_proj``, as
 Phi-3 checkpoints store it; others store ``gate_proj`` and ``up_proj``, which the loader
 writes into the two halves). On CPU the activation and the product run as one fused kernel
-(:mod:`pagedllm.ops.activation`) over the gate/up output.
+(:func:`~pagedllm.models.layers.activation.gated_activation`) over the gate/up output.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.models.layers.activation import get_activation
+from pagedllm.models.layers.activation import gated_activation, get_activation
 from pagedllm.models.layers.tensor_parallel import MergedColumnParallelLinear, RowParallelLinear
-from pagedllm.ops.activation import act_and_mul
 
 
 class GatedMLP(nn.Module):
@@ -25,16 +24,11 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False) -> None:
         super().__init__()
-        self.act = get_activation(activation)
+        self.act = get_activation(activation)  # validates the name
         self.activation = activation
         self.intermediate_size = intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)
-        hidden = act_and_mul(gate_up, self.activation)  # (T, intermediate); None: the fused kernel does not apply
-        if hidden is None:
-            gate, up = gate_up.chunk(2, dim=-1)  # each (T, intermediate)
-            hidden = self.act(gate) * up
-        return self.down_proj(hidden)
+        return self.down_proj(gated_activation(self.gate_up_proj(x), self.activation))  # via (T, intermediate)

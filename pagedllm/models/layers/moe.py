@@ -36,7 +36,7 @@ from torch import nn
 
 from pagedllm.distributed.communication import all_reduce
 from pagedllm.distributed.parallel_state import get_tensor_parallel_rank, get_tensor_parallel_size
-from pagedllm.models.layers.activation import get_activation
+from pagedllm.models.layers.activation import gated_activation, get_activation
 from pagedllm.models.layers.linear import Linear
 
 # per-expert checkpoint names -> (fused parameter, which half of gate_up_proj or None)
@@ -77,7 +77,8 @@ class MoEExperts(nn.Module):
             raise ValueError(f"tensor_parallel_size={tp} must divide the experts' intermediate size {intermediate_size}")
         self.num_experts, self.full_intermediate_size = num_experts, intermediate_size
         self.intermediate_size = intermediate_size // tp  # this rank's width of every expert
-        self.act = get_activation(activation)
+        self.act = get_activation(activation)  # validates the name
+        self.activation = activation
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
 
@@ -136,8 +137,8 @@ class MoEExperts(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            gate, up = F.linear(hidden[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)  # (n, I) each
-            out[start:start + n] = F.linear(self.act(gate) * up, self.down_proj[e])  # (n, hidden)
+            gate_up = F.linear(hidden[start:start + n], self.gate_up_proj[e])  # (n, 2I)
+            out[start:start + n] = F.linear(gated_activation(gate_up, self.activation), self.down_proj[e])  # (n, hidden)
             start += n
         out = (out.float() * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)  # (T*k, hidden)
         return torch.zeros_like(x).index_add_(0, tokens, out)  # (T, hidden)
