@@ -330,3 +330,26 @@ def test_model_forward_with_and_without_kernels(dtype):
     tol = 1e-4 if dtype == torch.float32 else 0.15
     assert (fused - reference).abs().max().item() < tol
     assert torch.equal(fused.argmax(-1), reference.argmax(-1))
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    """Rows are split between OpenMP threads; each row is computed in one fixed order, so a
+    prefill-sized call on two threads gives the bits of one thread."""
+    from pagedllm.ops.library import num_threads_for
+
+    x, residual, w = randn(1100, 576, scale=3), randn(1100, 576, seed=2), randn(576, seed=3)
+    gate_up = randn(400, 2 * 1536, scale=4, seed=4)
+    emb, positions, qkv = rotary_case(torch.float32, num_tokens=600)
+    cos_sin = emb.lookup(positions)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert num_threads_for(x.numel()) == n
+            xs, rs, qkvs = x.clone(), residual.clone(), qkv.clone()
+            assert fused_add_rms_norm_(xs, rs, w, 1e-6, False)
+            results.append((xs, rs, act_and_mul(gate_up, "silu"), rope_qk(qkvs, cos_sin, 9, 3, 64), qkvs))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -27,9 +27,11 @@ __all__ = ["FUSED_OPS_ENV", "CpuOps", "can_run", "cpu_ops", "num_threads_for", "
 FUSED_OPS_ENV = "PAGEDLLM_CPU_FUSED_OPS"
 _SOURCE = Path(__file__).with_name("cpu_ops.c")
 _ABI_VERSION = 1
-# Elements one thread handles before a parallel region pays for itself: waking a sleeping
-# OpenMP team (OMP_WAIT_POLICY=PASSIVE) costs about what one thread needs for this many.
-_ELEMENTS_PER_THREAD = 32768
+# Elements per thread below which a kernel runs on the calling thread alone: a parallel region
+# must wake the sleeping OpenMP team (OMP_WAIT_POLICY=PASSIVE) and then waits for its slowest
+# thread, which on a busy machine can be descheduled for milliseconds; a decode step's rows
+# (tens of microseconds of work) never pay for that, a long prefill's do.
+_ELEMENTS_PER_THREAD = 262144
 
 _p, _i, _ssize, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t, ctypes.c_float
 # rms_norm_<dtype>(x, residual, weight, out, num_rows, dim, x_stride, residual_stride, out_stride, eps, gemma,
