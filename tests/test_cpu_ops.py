@@ -92,6 +92,28 @@ def test_add_rms_norm_matches_torch_code(cls, dtype, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cls", [GemmaRMSNorm, RMSNorm])
+@pytest.mark.parametrize("with_next", [True, False])
+def test_add_normed_matches_torch_code(cls, dtype, with_next):
+    """Gemma's post-norm + residual add (+ the next pre-norm) in one kernel. The sum now adds a
+    normed value that may differ by its few ulp, so the bound adds that value's ulps."""
+    post, pre = make_norm(cls, 640, dtype, seed=4), make_norm(cls, 640, dtype, seed=5)
+    x, residual = randn(50, 640, dtype=dtype, scale=3), randn(50, 640, dtype=dtype, scale=3, seed=2)
+    with torch_code():
+        ref_next, ref_residual = post.add_normed(x, residual, pre if with_next else None)
+        ref_normed = post(x)
+    x_in, res_in = x.clone(), residual.clone()
+    got_next, got_residual = post.add_normed(x_in, res_in, pre if with_next else None)
+    assert got_residual is res_in and (got_next is x_in if with_next else got_next is None)
+    is_f32 = dtype == torch.float32
+    normed_ulp = 6 * f32_ulp(ref_normed) if is_f32 else bf16_ulp(ref_normed)
+    assert_close_ulps(got_residual, ref_residual, 1, normed_ulp)
+    if with_next:  # the next norm of a sum that moved by the bound above
+        scale = ref_next.float().abs().amax(dim=-1, keepdim=True)
+        assert_close_ulps(got_next, ref_next, 8 if is_f32 else 1, 8 * f32_ulp(scale) if is_f32 else bf16_ulp(scale))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cls", [RMSNorm, GemmaRMSNorm])
 def test_rms_norm_without_residual_and_strided_rows(cls, dtype):
     norm = make_norm(cls, 64, dtype)

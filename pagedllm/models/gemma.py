@@ -40,10 +40,13 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: None, cos_sin: dict[str, torch.Tensor]
                 ) -> tuple[torch.Tensor, None]:
-        """hidden: (T, hidden) -> (T, hidden); no residual is carried between layers."""
+        """hidden: (T, hidden) -> (T, hidden); no residual is carried between layers. On CPU ``hidden``
+        is updated in place (:meth:`~pagedllm.models.layers.norm.RMSNorm.add_normed`)."""
         attn = self.self_attn(self.input_layernorm(hidden), cos_sin[self.self_attn.rope_key])
-        hidden = hidden + self.post_attention_layernorm(attn)
-        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden))), None
+        # hidden += post_attention_norm(attn); mlp input = pre_feedforward_norm(hidden)
+        mlp_in, hidden = self.post_attention_layernorm.add_normed(attn, hidden, self.pre_feedforward_layernorm)
+        _, hidden = self.post_feedforward_layernorm.add_normed(self.mlp(mlp_in), hidden)  # hidden += norm(mlp out)
+        return hidden, None
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):

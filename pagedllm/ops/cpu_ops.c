@@ -4,7 +4,8 @@
  * over the data, threaded over tokens by OpenMP on torch's own thread team (pagedllm.native
  * links the libgomp torch already loaded; the caller passes torch.get_num_threads()):
  *
- *   rms_norm_*        [residual += x;] out = norm(residual or x), per row, in place allowed
+ *   rms_norm_*        [residual += x or norm'(x);] out = norm(residual or x), per row, in place
+ *                     allowed (norm' before the add: Gemma's post-attention/post-MLP norms)
  *   act_and_mul_*     out = act(gate) * up over the fused (T, 2I) gate_up output
  *   rope_qk_*         optional per-head q/k RMSNorm, then the neox rotary rotation of the q and
  *                     k heads of the fused qkv output: k in place, q to q_out (may be in place)
@@ -39,7 +40,7 @@
 
 #define MAX_HEAD_DIM 1024 /* rope_qk's per-head scratch is MAX_HEAD_DIM floats on the stack */
 
-int pagedllm_cpu_ops_abi_version(void) { return 1; }
+int pagedllm_cpu_ops_abi_version(void) { return 2; }
 int pagedllm_cpu_ops_max_head_dim(void) { return MAX_HEAD_DIM; }
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -175,15 +176,45 @@ static inline v16f tanh_v(v16f x) {
 
 /* -- RMSNorm, optionally after the residual add -------------------------------------------- */
 
-/* One row of dim elements. With residual: residual = cast(x + residual) and that is normed;
- * out may alias x (the residual is written before out is). gemma: (1 + w) convention. */
+/* 1 / sqrt(mean(x^2) + eps) of one row, as torch.rsqrt(x.pow(2).mean(-1) + eps) (summed in
+ * another order: see the top of the file). */
+static inline __attribute__((always_inline)) float inv_rms(const void *x, int dim, float eps, const int bf16) {
+    v16f acc = {0};
+    int i = 0;
+    for (; i + 16 <= dim; i += 16) {
+        const v16f h = load16(x, i, bf16);
+        acc += h * h;
+    }
+    float sum = hsum(acc);
+    for (; i < dim; i++) {
+        const float h = load1(x, i, bf16);
+        sum += h * h;
+    }
+    return 1.0f / sqrtf(sum / (float)dim + eps);
+}
+
+/* The normed value of n = x * inv_rms with weight w, cast to the dtype: RMSNorm casts n before
+ * the weight multiplies it, GemmaRMSNorm computes n * (1 + w) in float32 and casts at the end. */
+static inline v16f normed_v(v16f n, v16f w, int gemma, const int bf16) {
+    return to_dtype(gemma ? n * (1.0f + w) : to_dtype(n, bf16) * w, bf16);
+}
+
+static inline float normed_1(float n, float w, int gemma, const int bf16) {
+    return scalar_to_dtype(gemma ? n * (1.0f + w) : scalar_to_dtype(n, bf16) * w, bf16);
+}
+
+/* One row of dim elements: h = x, or norm_{x_w}(x) when x_w is given; with residual,
+ * residual = cast(residual + h) and h = that; then out = norm_w(h) when w is given. out may alias
+ * x (x is read before out is written). gemma: the (1 + w) convention of both norms. */
 static inline __attribute__((always_inline)) void rms_norm_row(
-    const void *x, void *residual, const void *w, void *out, int dim, float eps, int gemma, const int bf16) {
-    const void *src = residual ? residual : x;
+    const void *x, const void *x_w, void *residual, const void *w, void *out, int dim, float eps, int gemma,
+    const int bf16) {
+    const float x_rs = x_w ? inv_rms(x, dim, eps, bf16) : 0.0f;
     v16f acc = {0};
     int i = 0;
     for (; i + 16 <= dim; i += 16) {
         v16f h = load16(x, i, bf16);
+        if (x_w) h = normed_v(h * x_rs, load16(x_w, i, bf16), gemma, bf16);
         if (residual) {
             h = to_dtype(h + load16(residual, i, bf16), bf16);
             store16(residual, i, h, bf16);
@@ -193,23 +224,19 @@ static inline __attribute__((always_inline)) void rms_norm_row(
     float sum = hsum(acc);
     for (; i < dim; i++) {
         float h = load1(x, i, bf16);
+        if (x_w) h = normed_1(h * x_rs, load1(x_w, i, bf16), gemma, bf16);
         if (residual) {
             h = scalar_to_dtype(h + load1(residual, i, bf16), bf16);
             store1(residual, i, h, bf16);
         }
         sum += h * h;
     }
+    if (!w) return;
+    const void *src = residual ? residual : x; /* x_w without a residual is not a caller's case */
     const float rs = 1.0f / sqrtf(sum / (float)dim + eps);
-    for (i = 0; i + 16 <= dim; i += 16) {
-        const v16f n = load16(src, i, bf16) * rs;
-        const v16f wi = load16(w, i, bf16);
-        store16(out, i, gemma ? n * (1.0f + wi) : to_dtype(n, bf16) * wi, bf16);
-    }
-    for (; i < dim; i++) {
-        const float n = load1(src, i, bf16) * rs;
-        const float wi = load1(w, i, bf16);
-        store1(out, i, gemma ? n * (1.0f + wi) : scalar_to_dtype(n, bf16) * wi, bf16);
-    }
+    for (i = 0; i + 16 <= dim; i += 16)
+        store16(out, i, normed_v(load16(src, i, bf16) * rs, load16(w, i, bf16), gemma, bf16), bf16);
+    for (; i < dim; i++) store1(out, i, normed_1(load1(src, i, bf16) * rs, load1(w, i, bf16), gemma, bf16), bf16);
 }
 
 /* The row loop of every kernel, split over OpenMP threads (serial for num_threads 1). Each exported
@@ -219,22 +246,23 @@ static inline __attribute__((always_inline)) void rms_norm_row(
 
 #define ROW(base, stride, elem) ((char *)(base) + (ptrdiff_t)t * (stride) * (elem))
 
-/* x, out: (num_rows, dim) rows at x_stride / out_stride; residual: same or NULL; w: (dim,). */
-void rms_norm_f32(const void *x, void *residual, const void *w, void *out, int num_rows, int dim,
+/* x, out: (num_rows, dim) rows at x_stride / out_stride; residual: same or NULL; x_w, w: (dim,) or
+ * NULL (see rms_norm_row; out is not touched without w). */
+void rms_norm_f32(const void *x, const void *x_w, void *residual, const void *w, void *out, int num_rows, int dim,
                   ptrdiff_t x_stride, ptrdiff_t residual_stride, ptrdiff_t out_stride, float eps, int gemma,
                   int num_threads) {
     PARALLEL_FOR_ROWS
     for (int t = 0; t < num_rows; t++)
-        rms_norm_row(ROW(x, x_stride, 4), residual ? ROW(residual, residual_stride, 4) : NULL, w,
+        rms_norm_row(ROW(x, x_stride, 4), x_w, residual ? ROW(residual, residual_stride, 4) : NULL, w,
                      ROW(out, out_stride, 4), dim, eps, gemma, 0);
 }
 
-void rms_norm_bf16(const void *x, void *residual, const void *w, void *out, int num_rows, int dim,
+void rms_norm_bf16(const void *x, const void *x_w, void *residual, const void *w, void *out, int num_rows, int dim,
                    ptrdiff_t x_stride, ptrdiff_t residual_stride, ptrdiff_t out_stride, float eps, int gemma,
                    int num_threads) {
     PARALLEL_FOR_ROWS
     for (int t = 0; t < num_rows; t++)
-        rms_norm_row(ROW(x, x_stride, 2), residual ? ROW(residual, residual_stride, 2) : NULL, w,
+        rms_norm_row(ROW(x, x_stride, 2), x_w, residual ? ROW(residual, residual_stride, 2) : NULL, w,
                      ROW(out, out_stride, 2), dim, eps, gemma, 1);
 }
 
@@ -298,20 +326,8 @@ enum { QK_NORM_NONE = 0, QK_NORM_RMS = 1, QK_NORM_GEMMA = 2 };
 /* buf (head_dim floats, values of the storage dtype) := the per-head norm of itself. */
 static inline __attribute__((always_inline)) void head_norm(float *buf, const void *w, int head_dim, float eps,
                                                             int kind, const int bf16) {
-    float sum = 0.0f;
-    v16f acc = {0};
-    int i = 0;
-    for (; i + 16 <= head_dim; i += 16) {
-        const v16f h = load_f32(buf + i);
-        acc += h * h;
-    }
-    sum = hsum(acc);
-    for (; i < head_dim; i++) sum += buf[i] * buf[i];
-    const float rs = 1.0f / sqrtf(sum / (float)head_dim + eps);
-    for (i = 0; i < head_dim; i++) {
-        const float n = buf[i] * rs, wi = load1(w, i, bf16);
-        buf[i] = scalar_to_dtype(kind == QK_NORM_GEMMA ? n * (1.0f + wi) : scalar_to_dtype(n, bf16) * wi, bf16);
-    }
+    const float rs = inv_rms(buf, head_dim, eps, 0); /* buf holds float32 values */
+    for (int i = 0; i < head_dim; i++) buf[i] = normed_1(buf[i] * rs, load1(w, i, bf16), kind == QK_NORM_GEMMA, bf16);
 }
 
 /* dst[i] = x[i] * cos[i] + x[(i + half) % rotary_dim] * sin[i] for i < rotary_dim (the table's

@@ -26,7 +26,7 @@ __all__ = ["FUSED_OPS_ENV", "CpuOps", "can_run", "cpu_ops", "num_threads_for", "
 
 FUSED_OPS_ENV = "PAGEDLLM_CPU_FUSED_OPS"
 _SOURCE = Path(__file__).with_name("cpu_ops.c")
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 # Elements per thread below which a kernel runs on the calling thread alone: a parallel region
 # must wake the sleeping OpenMP team (OMP_WAIT_POLICY=PASSIVE) and then waits for its slowest
 # thread, which on a busy machine can be descheduled for milliseconds; a decode step's rows
@@ -34,9 +34,9 @@ _ABI_VERSION = 1
 _ELEMENTS_PER_THREAD = 262144
 
 _p, _i, _ssize, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t, ctypes.c_float
-# rms_norm_<dtype>(x, residual, weight, out, num_rows, dim, x_stride, residual_stride, out_stride, eps, gemma,
-#   num_threads)
-_RMS_NORM_ARGS = [_p, _p, _p, _p, _i, _i, _ssize, _ssize, _ssize, _f, _i, _i]
+# rms_norm_<dtype>(x, x_weight, residual, weight, out, num_rows, dim, x_stride, residual_stride, out_stride, eps,
+#   gemma, num_threads)
+_RMS_NORM_ARGS = [_p, _p, _p, _p, _p, _i, _i, _ssize, _ssize, _ssize, _f, _i, _i]
 # act_and_mul_<dtype>(in, out, num_rows, inter, in_stride, out_stride, act, num_threads)
 _ACT_AND_MUL_ARGS = [_p, _p, _i, _i, _ssize, _ssize, _i, _i]
 # rope_qk_<dtype>(qkv, qkv_stride, q_out, q_out_stride, cos_sin, cos_sin_stride, num_tokens, num_heads,

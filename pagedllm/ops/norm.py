@@ -33,27 +33,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> 
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
     num_rows, dim, stride = rows
-    ops.rms_norm[x.dtype](x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), num_rows, dim, stride, 0, dim, eps,
-                          gemma, num_threads_for(num_rows * dim))
+    ops.rms_norm[x.dtype](x.data_ptr(), None, None, weight.data_ptr(), out.data_ptr(), num_rows, dim, stride, 0, dim,
+                          eps, gemma, num_threads_for(num_rows * dim))
     return out
 
 
-def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                        gemma: bool) -> bool:
+def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                        gemma: bool, x_weight: torch.Tensor | None = None) -> bool:
     """In place: ``residual += x`` (rounded to the dtype, as torch's add), then ``x = norm(residual)``.
 
-    Args: x and residual (T, dim) with unit last strides, or contiguous; the same shape and
-    dtype (float32 or bfloat16) on CPU; weight and gemma as in :func:`rms_norm`.
+    Args:
+        x, residual: (T, dim) with unit last strides, or contiguous; the same shape and dtype
+            (float32 or bfloat16) on CPU.
+        weight: the norm after the add, as in :func:`rms_norm`; None: no norm (x is left as it was).
+        x_weight: a norm applied to x before the add (Gemma's post-attention and post-MLP norms:
+            ``residual += cast(norm(x))``), with the same eps and convention; None: x itself.
     Returns:
         True when done; False (nothing written) when the kernel does not apply.
     """
     ops = cpu_ops()
-    rows = _rows(x) if ops is not None and _weight_fits(weight, x) else None
+    if ops is None or weight is None and x_weight is None:
+        return False
+    rows = _rows(x) if all(w is None or _weight_fits(w, x) for w in (weight, x_weight)) else None
     residual_rows = _rows(residual) if rows is not None and residual.dtype == x.dtype else None
     if residual_rows is None or residual_rows[:2] != rows[:2]:
         return False
     num_rows, dim, stride = rows
-    ops.rms_norm[x.dtype](x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.data_ptr(), num_rows, dim, stride,
+    ops.rms_norm[x.dtype](x.data_ptr(), None if x_weight is None else x_weight.data_ptr(), residual.data_ptr(),
+                          None if weight is None else weight.data_ptr(), x.data_ptr(), num_rows, dim, stride,
                           residual_rows[2], stride, eps, gemma, num_threads_for(num_rows * dim))
     return True
 

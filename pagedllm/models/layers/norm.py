@@ -44,6 +44,22 @@ class RMSNorm(nn.Module):
         x = x + residual
         return self._norm(x), x
 
+    def add_normed(self, x: torch.Tensor, residual: torch.Tensor,
+                   next_norm: "RMSNorm | None" = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``residual + self(x)`` (the residual add after a post-norm, Gemma's layout), and
+        ``next_norm`` of that sum: returns ``(next_norm(sum) or None, sum)``, x and residual (T, dim).
+
+        On CPU one fused kernel, in place like :meth:`forward` with a residual: the sum is written
+        into ``residual`` and ``next_norm``'s output into ``x`` (next_norm must share this norm's
+        convention and eps; otherwise the torch code runs).
+        """
+        same = next_norm is None or (next_norm.gemma_convention == self.gemma_convention and next_norm.eps == self.eps)
+        if same and fused_add_rms_norm_(x, residual, None if next_norm is None else next_norm.weight, self.eps,
+                                        self.gemma_convention, x_weight=self.weight):
+            return (None if next_norm is None else x), residual
+        residual = residual + self(x)
+        return (None if next_norm is None else next_norm(residual)), residual
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
 
