@@ -8,6 +8,10 @@ backend dequantizes the gathered blocks, the kernel as it reads). One timed samp
 the number of layers; the two backends are measured alternately, sample after sample, so a
 noisy shared machine hurts both alike; medians are reported.
 
+``--baseline CHECKOUT`` adds a third backend, the C kernel of another checkout (e.g. ``/work/main``,
+loaded from its ``pagedllm/attention/cpu_paged.py``), alternated with the two others: a
+before/after comparison in one run.
+
 ``--model-step`` also times a whole SmolLM2-135M decode step (float32 forward + logits) at the
 same batch with each backend (the model's attention backend swapped in place, alternately).
 
@@ -19,6 +23,7 @@ same batch with each backend (the model's attention backend swapped in place, al
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -97,10 +102,10 @@ def bench_attention(args, name: str, backends: dict[str, object]) -> dict[str, f
     inputs = (torch.randn(args.batch, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype),
               torch.randn(args.batch, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype),
               torch.randn(args.batch, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype))
-    with set_forward_context(meta):  # same answer from both (sanity check, not a test)
+    with set_forward_context(meta):  # same answer from all (sanity check, not a test)
         outs = [b.forward(*inputs, caches[0][0].clone(), meta, HEAD_DIM**-0.5, **caches[0][1]).float()
                 for b in backends.values()]
-    max_diff = (outs[0] - outs[1]).abs().max().item()
+    max_diff = max((outs[0] - out).abs().max().item() for out in outs[1:])
     samples: dict[str, list[float]] = {name: [] for name in backends}
     for rep in range(args.warmup + args.reps):
         for name, backend in backends.items():
@@ -112,7 +117,23 @@ def bench_attention(args, name: str, backends: dict[str, object]) -> dict[str, f
     result.update(max_abs_diff=max_diff, kv_mib_per_layer=kv_bytes / 2**20,
                   kernel_gib_s=kv_bytes / 2**30 / (result["kernel_ms"] / 1e3),
                   speedup=result["torch_ms"] / result["kernel_ms"], mean_ctx=statistics.mean(seq_lens))
+    if "baseline" in backends:
+        result["speedup_vs_baseline"] = result["baseline_ms"] / result["kernel_ms"]
     return result
+
+
+def load_baseline(checkout: str):
+    """The CpuPagedAttention of another checkout's ``pagedllm/attention/cpu_paged.py`` (its own C source;
+    the rest of pagedllm comes from this one)."""
+    path = os.path.join(checkout, "pagedllm", "attention", "cpu_paged.py")
+    spec = importlib.util.spec_from_file_location("baseline_cpu_paged", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    backend = module.CpuPagedAttention()
+    if not backend.is_kernel_available:
+        sys.exit(f"the baseline kernel of {checkout} did not build")
+    return backend
 
 
 def bench_model_step(args, backends: dict[str, object]) -> dict[str, float]:
@@ -159,6 +180,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (both backends; the kernel splits requests over as many threads)")
+    p.add_argument("--baseline", default=None, metavar="CHECKOUT",
+                   help="also time the C kernel of another checkout (e.g. /work/main), alternated")
     p.add_argument("--model-step", action="store_true", help="also time a full SmolLM2 decode step")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--step-reps", type=int, default=10)
@@ -173,6 +196,8 @@ def main() -> None:
     if not kernel_backend.is_kernel_available:
         sys.exit("the C kernel did not build (see the warning above)")
     backends = {"torch": TorchPagedAttention(), "kernel": kernel_backend}
+    if args.baseline:
+        backends["baseline"] = load_baseline(args.baseline)
     record = {"config": {k: v for k, v in vars(args).items() if k not in ("out",)},
               "threads": torch.get_num_threads(), "load_avg_before": os.getloadavg()[0], "attention": {}}
     for name in args.dtypes:
@@ -183,7 +208,9 @@ def main() -> None:
         record["model_step"] = bench_model_step(args, backends)
     record["load_avg_after"] = os.getloadavg()[0]  # a shared machine: other jobs' load, for context
     parts = [f"{name}: torch {r['torch_ms']:.3f} ms, kernel {r['kernel_ms']:.3f} ms per layer "
-             f"({r['speedup']:.2f}x, {r['kernel_gib_s']:.1f} GiB/s)" for name, r in record["attention"].items()]
+             f"({r['speedup']:.2f}x, {r['kernel_gib_s']:.1f} GiB/s)"
+             + (f", baseline {r['baseline_ms']:.3f} ms ({r['speedup_vs_baseline']:.2f}x)" if args.baseline else "")
+             for name, r in record["attention"].items()]
     if args.model_step:
         s = record["model_step"]
         parts.append(f"SmolLM2 decode step: torch {s['torch_step_ms']:.1f} ms, kernel {s['kernel_step_ms']:.1f} ms")

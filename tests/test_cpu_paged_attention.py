@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedllm import native
 from pagedllm.attention import CpuPagedAttention, TorchPagedAttention, get_attention_backend
 from pagedllm.attention import cpu_paged, torch_paged
 from pagedllm.attention.backend import set_forward_context
@@ -137,14 +138,24 @@ def test_prefill_over_cached_prefix_matches_causal_attention(kernel, block_size,
     torch.testing.assert_close(out.double(), ref.double(), atol=TOLERANCE[dtype], rtol=0)
 
 
-def test_prefill_thread_split_is_bitwise_deterministic(kernel):
-    query, key, value, cache, meta, expected, scale = build_case([(500, 200), (0, 70)], 16, torch.float32,
+@pytest.fixture(scope="module")
+def pool_kernel(kernel):
+    """The kernel built without OpenMP: the backend splits the work over its Python thread pool."""
+    k = cpu_paged.CpuPagedKernel(cpu_paged._build(os.environ.get("CC", "cc"), openmp=False))
+    assert not k.has_openmp
+    return k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_thread_split_is_bitwise_deterministic(kernel, pool_kernel, dtype):
+    """1, 2 or 3 threads, on the OpenMP team or the Python pool: the same bits."""
+    query, key, value, cache, meta, expected, scale = build_case([(500, 200), (0, 70)], 16, dtype,
                                                                  HEADS["gqa"], seed=8)
-    outs = [CpuPagedAttention(num_threads=n, kernel=kernel, min_tokens_per_thread=1).forward(
-        query, key, value, cache.clone(), meta, scale) for n in (1, 2, 3)]
+    outs = [CpuPagedAttention(num_threads=n, kernel=k, min_tokens_per_thread=1).forward(
+        query, key, value, cache.clone(), meta, scale) for k in (kernel, pool_kernel) for n in (1, 2, 3)]
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=0, rtol=0)
-    torch.testing.assert_close(outs[0].double(), expected, atol=2e-5, rtol=0)
+    torch.testing.assert_close(outs[0].double(), expected, atol=TOLERANCE[dtype], rtol=0)
     costs = kernel.prefill_work_items(200, 500, 9, 3)  # 64-query tiles (x 3 heads = 192 rows) x 3 KV heads
     assert len(costs) == 4 * 3 and costs[:3] == [564] * 3 and costs[-1] == 700
 
@@ -159,19 +170,52 @@ def test_prefill_falls_back_for_window_soft_cap_and_head_dim(kernel):
         torch.testing.assert_close(out, ref, atol=0, rtol=0)
 
 
-def test_thread_split_is_bitwise_deterministic(kernel):
-    query, key, value, cache, meta, expected, scale = build_case(decode_reqs(16), 16, torch.float32,
-                                                                 HEADS["gqa"], seed=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_thread_split_is_bitwise_deterministic(kernel, pool_kernel, dtype):
+    """Decodes over 1, 2, 3 or 5 threads, on the OpenMP team or the Python pool: the same bits."""
+    query, key, value, cache, meta, expected, scale = build_case(decode_reqs(16), 16, dtype, HEADS["gqa"], seed=2)
     outs = []
-    for num_threads in (1, 2, 3, 5):
-        with set_forward_context(meta):
-            backend = CpuPagedAttention(num_threads=num_threads, kernel=kernel, min_tokens_per_thread=1)
-            outs.append(backend.forward(query, key, value, cache.clone(), meta, scale))
-            assert len(backend._kernel_plan_cache.ranges) == min(num_threads, meta.num_reqs)
-    assert len(CpuPagedAttention(num_threads=4, kernel=kernel)._kernel_plan(meta, cache).ranges) == 1  # too small
+    for k in (kernel, pool_kernel):
+        for num_threads in (1, 2, 3, 5):
+            with set_forward_context(meta):
+                backend = CpuPagedAttention(num_threads=num_threads, kernel=k, min_tokens_per_thread=1)
+                outs.append(backend.forward(query, key, value, cache.clone(), meta, scale))
+                plan = backend._kernel_plan_cache
+                assert plan.num_threads == num_threads
+                assert len(plan.ranges) == (0 if k.has_openmp else min(num_threads, meta.num_reqs))
+    assert CpuPagedAttention(num_threads=4, kernel=kernel)._kernel_plan(meta, cache).num_threads == 1  # too small
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=0, rtol=0)
-    torch.testing.assert_close(outs[0].double(), expected, atol=2e-5, rtol=0)
+    torch.testing.assert_close(outs[0].double(), expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_bfloat16_queries_and_outputs_read_and_written_in_place(kernel, monkeypatch):
+    """bf16 queries go to the kernel as they are and its bf16 output equals the float32 one rounded
+    by torch (round to nearest even): the same bits as converting around a float32 call."""
+    reqs = decode_reqs(16) + [(60, 70), (0, 9)]
+    query, key, value, cache, meta, expected, scale = build_case(reqs, 16, torch.bfloat16, HEADS["gqa"], seed=11)
+    backend = CpuPagedAttention(kernel=kernel, min_tokens_per_thread=1)
+    with set_forward_context(meta):
+        out = backend.forward(query, key, value, cache.clone(), meta, scale)
+    with monkeypatch.context() as m, set_forward_context(meta):
+        m.setattr(cpu_paged, "_io_tensors", lambda q, o: (q.float().contiguous(), torch.empty(q.shape)))
+        via_float = backend.forward(query, key, value, cache.clone(), meta, scale)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, via_float, atol=0, rtol=0)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.bfloat16], rtol=0)
+    q, result = cpu_paged._io_tensors(query, torch.empty_like(query))
+    assert q is query and result.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not native.openmp_available(), reason="torch does not run on libgomp here")
+def test_kernel_runs_on_torch_openmp_team(kernel):
+    """Built with OpenMP on torch's libgomp: a team of n threads, no thread of its own started."""
+    assert kernel.has_openmp
+    n = torch.get_num_threads()
+    torch.ones(1 << 20).exp_().sum()  # torch's team exists now
+    threads = len(os.listdir("/proc/self/task"))
+    assert kernel._lib.pagedllm_cpu_paged_team_size(n) == n
+    assert len(os.listdir("/proc/self/task")) == threads
 
 
 def test_plan_shared_by_layers_and_renewed_per_step(kernel):

@@ -9,8 +9,9 @@
  * once by exp(m_old - m_new), so a single pass over K/V suffices.
  *
  * Layout (the one of pagedllm.attention.backend):
- *   q, out:        [num_reqs, num_heads, head_dim] float32, contiguous (out doubles as the
- *                  accumulator, so it must not alias q)
+ *   q, out:        [num_reqs, num_heads, head_dim] float32 or bfloat16 (io_bf16), contiguous, not
+ *                  aliased (a float32 out doubles as the accumulator; bfloat16 ones go through
+ *                  per-thread float32 scratch, the output rounded to nearest even as torch does)
  *   k/v cache:     [num_blocks, block_size, num_kv_heads, head_dim] in one of the KV formats below,
  *                  addressed as block * kv_block_stride + offset * kv_token_stride + kv_head * head_dim
  *   k/v scales:    int8 caches only: [num_blocks, block_size, num_kv_heads] float32, one scale per
@@ -40,14 +41,20 @@
  * Numerics: IEEE float32 (built without -ffast-math; -ffp-contract=fast allows FMA). Dot
  * products sum 16 lanes then halve in a fixed order; exp is a Cephes-style polynomial (max
  * rel. error ~2 ulp for arguments <= 0) so the tile loop vectorizes. Results are
- * deterministic and independent of how requests are split between threads (each request
- * is computed by one call, in one order).
+ * deterministic and independent of the number of threads (each request is computed by one
+ * thread, in one order).
+ *
+ * Threads: built with OpenMP (pagedllm/native.py links torch's own libgomp), each call splits its
+ * requests (prefill: its work items) over a team of num_threads threads -- the same worker threads
+ * torch's parallel ops use, so the two never compete; built without, the pragmas are ignored and
+ * the caller splits the work itself.
  *
  * The caller (pagedllm/attention/cpu_paged.py) validates shapes, block ids and limits;
  * the kernel trusts its arguments.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define TILE 32         /* tokens per online-softmax tile (K and V of a tile stay in L1/L2) */
@@ -61,7 +68,16 @@
 #include <omp.h>
 #endif
 
-int pagedllm_cpu_paged_abi_version(void) { return 4; }
+int pagedllm_cpu_paged_abi_version(void) { return 5; }
+
+/* 1 when built with OpenMP (the kernels split their work over a team), else 0 (the caller splits it). */
+int pagedllm_cpu_paged_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* The size of the OpenMP team a `num_threads(n)` region gets here (1 without OpenMP): tests check
  * that it runs on torch's libgomp thread pool. */
@@ -192,17 +208,37 @@ static inline float hsum(v16f x) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+/* float32 to bfloat16 bits, rounding to nearest even (NaN to the quiet NaN 0x7fc0), as torch's
+ * Tensor.to(torch.bfloat16) does. */
+static inline uint16_t f32_to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
 /* One request: out[h, :] = softmax(scale * q[h] . K^T) V over its first seq_len tokens.
  * head_dim is a multiple of 16. fmt (a KV_* format) is a compile-time constant at every call
  * site, so each format gets its own specialised copy. k_scales/v_scales: int8's per token-and-head
- * scales (NULL otherwise); k_scale/v_scale: the per-tensor scales (1 unless fp8 has others). */
+ * scales (NULL otherwise); k_scale/v_scale: the per-tensor scales (1 unless fp8 has others).
+ * vbuf: TILE * head_dim floats of scratch: for every format but float32 a tile's V rows of one KV
+ * head are widened there once and read by the group's query heads from L1 (the conversion is
+ * exact, so the sums are the same as converting per head). */
 static inline __attribute__((always_inline)) void decode_one(
     const float *restrict q, const void *k_cache, const void *v_cache, const float *k_scales,
-    const float *v_scales, const int32_t *restrict block_table, int seq_len, float *restrict out, int num_heads,
-    int num_kv_heads, int head_dim, int block_size, long long kv_block_stride, long long kv_token_stride,
-    float scale, float k_scale, float v_scale, int window, float soft_cap, const int fmt) {
+    const float *v_scales, const int32_t *restrict block_table, int seq_len, float *restrict out,
+    float *restrict vbuf, int num_heads, int num_kv_heads, int head_dim, int block_size, long long kv_block_stride,
+    long long kv_token_stride, float scale, float k_scale, float v_scale, int window, float soft_cap, const int fmt) {
     const int group = num_heads / num_kv_heads;
     const int num_chunks = head_dim / 16; /* a constant in the specialised copies (64, 128) */
+    const int widen = fmt != KV_F32;
     float scores[MAX_HEADS][TILE];
     float row_max[MAX_HEADS], row_sum[MAX_HEADS];
     long long offsets[TILE];
@@ -248,30 +284,38 @@ static inline __attribute__((always_inline)) void decode_one(
                 }
             }
         }
-        /* Online softmax: rescale the running state once per tile, then exponentiate the tile. */
-        for (int h = 0; h < num_heads; h++) {
-            float m = row_max[h];
-            for (int i = 0; i < n; i++) m = scores[h][i] > m ? scores[h][i] : m;
-            const float alpha = row_max[h] == -INFINITY ? 0.0f : exp_nonpos(row_max[h] - m);
-            row_max[h] = m;
-            float sum = 0.0f;
-            for (int i = 0; i < n; i++) {
-                scores[h][i] = exp_nonpos(scores[h][i] - m);
-                sum += scores[h][i];
+        for (int kvh = 0; kvh < num_kv_heads; kvh++) {
+            const long long head_off = (long long)kvh * head_dim;
+            if (widen)
+                for (int i = 0; i < n; i++)
+                    for (int c = 0; c < num_chunks; c++)
+                        store_f32(vbuf + (size_t)i * head_dim + 16 * c, load_kv(v_cache, offsets[i] + head_off + 16 * c, fmt));
+            for (int h = kvh * group; h < (kvh + 1) * group; h++) {
+                /* Online softmax: rescale the running state once per tile, then exponentiate the tile. */
+                float m = row_max[h];
+                for (int i = 0; i < n; i++) m = scores[h][i] > m ? scores[h][i] : m;
+                const float alpha = row_max[h] == -INFINITY ? 0.0f : exp_nonpos(row_max[h] - m);
+                row_max[h] = m;
+                float sum = 0.0f;
+                for (int i = 0; i < n; i++) {
+                    scores[h][i] = exp_nonpos(scores[h][i] - m);
+                    sum += scores[h][i];
+                }
+                row_sum[h] = row_sum[h] * alpha + sum;
+                /* acc = alpha * acc + sum_i p_i V_i, the accumulator chunk held in a register; the
+                 * tile's V rows are read from memory by the group's first head, from cache after. */
+                float *dst = out + (size_t)h * head_dim;
+                v16f acc[MAX_CHUNKS];
+                for (int c = 0; c < num_chunks; c++) acc[c] = load_f32(dst + 16 * c) * alpha;
+                for (int i = 0; i < n; i++) {
+                    const long long off = offsets[i] + head_off;
+                    const float p = fmt == KV_INT8 ? scores[h][i] * v_scales[off / head_dim] : scores[h][i];
+                    for (int c = 0; c < num_chunks; c++)
+                        acc[c] += p * (widen ? load_f32(vbuf + (size_t)i * head_dim + 16 * c)
+                                             : load_kv(v_cache, off + 16 * c, fmt));
+                }
+                for (int c = 0; c < num_chunks; c++) store_f32(dst + 16 * c, acc[c]);
             }
-            row_sum[h] = row_sum[h] * alpha + sum;
-            /* acc = alpha * acc + sum_i p_i V_i, the accumulator chunk held in a register; the
-             * tile's V rows are read from memory by the group's first head, from cache after. */
-            const long long head_off = (long long)(h / group) * head_dim;
-            float *dst = out + (size_t)h * head_dim;
-            v16f acc[MAX_CHUNKS];
-            for (int c = 0; c < num_chunks; c++) acc[c] = load_f32(dst + 16 * c) * alpha;
-            for (int i = 0; i < n; i++) {
-                const long long off = offsets[i] + head_off;
-                const float p = fmt == KV_INT8 ? scores[h][i] * v_scales[off / head_dim] : scores[h][i];
-                for (int c = 0; c < num_chunks; c++) acc[c] += p * load_kv(v_cache, off + 16 * c, fmt);
-            }
-            for (int c = 0; c < num_chunks; c++) store_f32(dst + 16 * c, acc[c]);
         }
     }
     for (int h = 0; h < num_heads; h++) {
@@ -282,38 +326,71 @@ static inline __attribute__((always_inline)) void decode_one(
 }
 
 #define PAGED_DECODE_ARGS                                                                                   \
-    const float *q, const void *k_cache, const void *v_cache, const float *k_scales, const float *v_scales,  \
-        const int32_t *block_tables, const int32_t *seq_lens, float *out, int req_begin, int req_end,         \
+    const void *q, const void *k_cache, const void *v_cache, const float *k_scales, const float *v_scales,   \
+        const int32_t *block_tables, const int32_t *seq_lens, void *out, int req_begin, int req_end,          \
         int num_heads, int num_kv_heads, int head_dim, int block_size, long long block_table_stride,          \
         long long kv_block_stride, long long kv_token_stride, float scale, float k_scale, float v_scale,      \
-        int window, float soft_cap
+        int window, float soft_cap, int io_bf16, int num_threads
 
-/* head_dim 64 and 128 get copies with the chunk loops fully unrolled (accumulators in registers). */
-#define DECODE_REQUESTS(HEAD_DIM, FMT)                                                                      \
-    for (int r = req_begin; r < req_end; r++) {                                                             \
-        const size_t row = (size_t)r * num_heads * (HEAD_DIM);                                              \
-        decode_one(q + row, k_cache, v_cache, k_scales, v_scales, block_tables + (long long)r * block_table_stride, \
-                   seq_lens[r], out + row, num_heads, num_kv_heads, (HEAD_DIM), block_size, kv_block_stride, \
-                   kv_token_stride, scale, k_scale, v_scale, window, soft_cap, FMT);                          \
+/* Requests [req_begin, req_end) over an OpenMP team of num_threads (torch's own threads, see
+ * pagedllm/native.py), one request per iteration of a dynamic schedule: each request is computed by
+ * one thread in one order, so the result does not depend on the team size. With io_bf16, q and out
+ * are bfloat16 (widened into / rounded from per-thread float32 scratch), else float32 (out is the
+ * accumulator). Returns 0, or -1 when a thread's scratch allocation failed (its requests unwritten). */
+static inline __attribute__((always_inline)) int decode_requests(PAGED_DECODE_ARGS, const int fmt) {
+    const size_t row_elems = (size_t)num_heads * head_dim;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(| : failed)
+    {
+        float *scratch = malloc(sizeof(float) * ((size_t)TILE * head_dim + (io_bf16 ? 2 * row_elems : 0)));
+        failed = scratch == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int r = req_begin; r < req_end; r++) {
+            if (scratch == NULL) continue;
+            const size_t row = (size_t)r * row_elems;
+            const float *qr = (const float *)q + row;
+            float *acc = (float *)out + row;
+            if (io_bf16) {
+                float *qf = scratch + (size_t)TILE * head_dim;
+                acc = qf + row_elems;
+                for (size_t e = 0; e < row_elems; e++) qf[e] = bf16_to_f32(((const uint16_t *)q)[row + e]);
+                qr = qf;
+            }
+            const int32_t *table = block_tables + (long long)r * block_table_stride;
+            /* head_dim 64 and 128 get copies with the chunk loops fully unrolled (accumulators in registers). */
+            if (head_dim == 64)
+                decode_one(qr, k_cache, v_cache, k_scales, v_scales, table, seq_lens[r], acc, scratch, num_heads,
+                           num_kv_heads, 64, block_size, kv_block_stride, kv_token_stride, scale, k_scale, v_scale,
+                           window, soft_cap, fmt);
+            else if (head_dim == 128)
+                decode_one(qr, k_cache, v_cache, k_scales, v_scales, table, seq_lens[r], acc, scratch, num_heads,
+                           num_kv_heads, 128, block_size, kv_block_stride, kv_token_stride, scale, k_scale, v_scale,
+                           window, soft_cap, fmt);
+            else
+                decode_one(qr, k_cache, v_cache, k_scales, v_scales, table, seq_lens[r], acc, scratch, num_heads,
+                           num_kv_heads, head_dim, block_size, kv_block_stride, kv_token_stride, scale, k_scale,
+                           v_scale, window, soft_cap, fmt);
+            if (io_bf16)
+                for (size_t e = 0; e < row_elems; e++) ((uint16_t *)out)[row + e] = f32_to_bf16(acc[e]);
+        }
+        free(scratch);
     }
+    return failed ? -1 : 0;
+}
 
-#define PAGED_DECODE_BODY(FMT)                                                                              \
-    if (head_dim == 64) {                                                                                   \
-        DECODE_REQUESTS(64, FMT)                                                                            \
-    } else if (head_dim == 128) {                                                                           \
-        DECODE_REQUESTS(128, FMT)                                                                           \
-    } else {                                                                                                \
-        DECODE_REQUESTS(head_dim, FMT)                                                                      \
-    }
+#define DECODE_CALL_ARGS                                                                                    \
+    q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, out, req_begin, req_end, num_heads,    \
+        num_kv_heads, head_dim, block_size, block_table_stride, kv_block_stride, kv_token_stride, scale,     \
+        k_scale, v_scale, window, soft_cap, io_bf16, num_threads
 
 /* Decode attention of requests [req_begin, req_end), one function per KV format; q and out are
- * float32 whatever the cache stores. k_scales/v_scales are read by the int8 one only, k_scale and
- * v_scale by every one (pass 1 for an unscaled cache). */
-void paged_decode_f32(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(KV_F32) }
-void paged_decode_bf16(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(KV_BF16) }
-void paged_decode_fp8_e4m3(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(KV_FP8_E4M3) }
-void paged_decode_fp8_e5m2(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(KV_FP8_E5M2) }
-void paged_decode_int8(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(KV_INT8) }
+ * float32 or (io_bf16) bfloat16 whatever the cache stores. k_scales/v_scales are read by the int8
+ * one only, k_scale and v_scale by every one (pass 1 for an unscaled cache). */
+int paged_decode_f32(PAGED_DECODE_ARGS) { return decode_requests(DECODE_CALL_ARGS, KV_F32); }
+int paged_decode_bf16(PAGED_DECODE_ARGS) { return decode_requests(DECODE_CALL_ARGS, KV_BF16); }
+int paged_decode_fp8_e4m3(PAGED_DECODE_ARGS) { return decode_requests(DECODE_CALL_ARGS, KV_FP8_E4M3); }
+int paged_decode_fp8_e5m2(PAGED_DECODE_ARGS) { return decode_requests(DECODE_CALL_ARGS, KV_FP8_E5M2); }
+int paged_decode_int8(PAGED_DECODE_ARGS) { return decode_requests(DECODE_CALL_ARGS, KV_INT8); }
 
 /* ---------------------------------------------------------------------------------------------
  * Prefill attention (chunked prefill, prefix-cache hits): the Q new tokens of one request, at
@@ -334,11 +411,10 @@ void paged_decode_int8(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(KV_INT8) }
  * accumulator by exp(m_old - m_new); then O^T += V^T P^T (PF_RD dims x up to 6 row vectors per micro-tile). Key
  * tiles past the item's last query are never touched; tiles crossing the diagonal are masked.
  *
- * q, out: [num_queries, num_heads, head_dim] float32 contiguous. head_dim is a multiple of 64
- * (<= 16 * MAX_CHUNKS). Items are numbered tile * num_kv_heads + kvh; a call computes items
- * [item_begin, item_end). Returns 0, or -1 when the scratch allocation fails (nothing written).
+ * q, out: [num_queries, num_heads, head_dim] float32 or bfloat16 contiguous (computed in float32).
+ * head_dim is a multiple of 64 (<= 16 * MAX_CHUNKS). Items are numbered tile * num_kv_heads + kvh;
+ * a call computes items [item_begin, item_end). Returns 0, or -1 when a scratch allocation fails.
  */
-#include <stdlib.h>
 
 #define PF_BK 64   /* keys per tile */
 #define PF_ROWS 192 /* target rows (queries x group) per work item: 12 vectors; each K/V row read serves them all */
@@ -487,102 +563,129 @@ static void pf_softmax(float *restrict s, float *restrict m, float *restrict l, 
     }
 }
 
-static inline __attribute__((always_inline)) int prefill_items(
-    const float *q, const void *k_cache, const void *v_cache, const int32_t *block_table, float *out,
+/* One work item (a tile of queries x KV head kvh) of prefill_items, with its scratch. */
+static inline __attribute__((always_inline)) void prefill_item(
+    const void *q, const void *k_cache, const void *v_cache, const int32_t *block_table, void *out,
     int num_queries, int num_context, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    long long kv_block_stride, long long kv_token_stride, float scale, int item_begin, int item_end, int is_bf16) {
+    long long kv_block_stride, long long kv_token_stride, float scale, int item, float *scratch, int32_t *row_pos,
+    int is_bf16, int io_bf16) {
     const int group = num_heads / num_kv_heads;
     const int bq = pagedllm_cpu_paged_prefill_block_queries(group);
     const int ld = (bq * group + 15) / 16 * 16; /* rows rounded up to whole vectors */
     const size_t d = (size_t)head_dim;
-    /* Scratch: Q^T (d x ld), O^T (d x ld), S^T (PF_BK x ld), m, l, alpha (ld each), widened bf16 K/V rows. */
-    const size_t floats = 2 * d * ld + (size_t)PF_BK * ld + 3 * (size_t)ld + (is_bf16 ? 2 * (size_t)PF_BK * d : 0);
-    float *scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
-    int32_t *row_pos = malloc(sizeof(int32_t) * ld);
-    if (scratch == NULL || row_pos == NULL) {
-        free(scratch);
-        free(row_pos);
-        return -1;
-    }
     float *qt = scratch, *o = qt + d * ld, *s = o + d * ld, *m = s + (size_t)PF_BK * ld, *l = m + ld;
     float *alpha = l + ld, *wide = alpha + ld;
     const float *k_rows[PF_BK], *v_rows[PF_BK];
     const long long elem_size = is_bf16 ? 2 : 4, row_bytes = (long long)head_dim * elem_size;
-    for (int item = item_begin; item < item_end; item++) {
-        const int tile = item / num_kv_heads, kvh = item % num_kv_heads;
-        const int q0 = tile * bq, nq = num_queries - q0 < bq ? num_queries - q0 : bq;
-        const int rows = nq * group, nvec = (rows + 15) / 16;
-        for (int r = 0; r < nvec * 16; r++) {
-            const float *src = q + ((size_t)(q0 + r / group) * num_heads + kvh * group + r % group) * d;
-            for (size_t c = 0; c < d; c++) qt[c * ld + r] = r < rows ? src[c] * scale : 0.0f;
-            /* Padding rows (zero queries) see every key: their scores stay finite and are never written out. */
-            row_pos[r] = r < rows ? num_context + q0 + r / group : 0x7fffffff;
-            m[r] = -INFINITY;
-            l[r] = 0.0f;
-        }
-        memset(o, 0, sizeof(float) * d * ld);
-        const int first_pos = num_context + q0, num_keys = first_pos + nq; /* keys this item sees */
-        for (int k0 = 0; k0 < num_keys; k0 += PF_BK) {
-            const int n = num_keys - k0 < PF_BK ? num_keys - k0 : PF_BK;
-            for (int j = 0; j < n; j++) {
-                const int t = k0 + j;
-                const long long off = (long long)block_table[t / block_size] * kv_block_stride
-                                      + (long long)(t % block_size) * kv_token_stride + (long long)kvh * head_dim;
-                if (is_bf16) {
-                    float *kw = wide + (size_t)j * d, *vw = wide + (PF_BK + (size_t)j) * d;
-                    for (int c = 0; c < head_dim; c += 16) {
-                        store_f32(kw + c, load_bf16((const uint16_t *)k_cache + off + c));
-                        store_f32(vw + c, load_bf16((const uint16_t *)v_cache + off + c));
-                    }
-                    k_rows[j] = kw;
-                    v_rows[j] = vw;
-                } else {
-                    k_rows[j] = (const float *)k_cache + off;
-                    v_rows[j] = (const float *)v_cache + off;
-                }
-            }
-            /* Ask for the next tile's K/V rows now: its blocks are scattered, so the hardware prefetcher
-             * misses them (the same reason as in decode_one). */
-            const int k1 = k0 + PF_BK, n1 = num_keys - k1 < PF_BK ? num_keys - k1 : PF_BK;
-            for (int j = 0; j < n1; j++) {
-                const int t = k1 + j;
-                const long long off = (long long)block_table[t / block_size] * kv_block_stride
-                                      + (long long)(t % block_size) * kv_token_stride + (long long)kvh * head_dim;
-                prefetch_row((const char *)k_cache + off * elem_size, row_bytes);
-                prefetch_row((const char *)v_cache + off * elem_size, row_bytes);
-            }
-            pf_scores_tile(k_rows, qt, s, ld, head_dim, n, nvec);
-            pf_softmax(s, m, l, alpha, row_pos, ld, nvec, k0, n, k0 + n - 1 > first_pos);
-            pf_accumulate_tile(s, v_rows, o, alpha, ld, head_dim, n, nvec);
-        }
-        for (int r = 0; r < rows; r++) {
-            float *dst = out + ((size_t)(q0 + r / group) * num_heads + kvh * group + r % group) * d;
-            const float inv = 1.0f / l[r];
-            for (size_t c = 0; c < d; c++) dst[c] = o[c * ld + r] * inv;
-        }
+    const int tile = item / num_kv_heads, kvh = item % num_kv_heads;
+    const int q0 = tile * bq, nq = num_queries - q0 < bq ? num_queries - q0 : bq;
+    const int rows = nq * group, nvec = (rows + 15) / 16;
+    for (int r = 0; r < nvec * 16; r++) {
+        const size_t src = ((size_t)(q0 + r / group) * num_heads + kvh * group + r % group) * d;
+        for (size_t c = 0; c < d; c++)
+            qt[c * ld + r] = r < rows ? (io_bf16 ? bf16_to_f32(((const uint16_t *)q)[src + c])
+                                                 : ((const float *)q)[src + c]) * scale
+                                      : 0.0f;
+        /* Padding rows (zero queries) see every key: their scores stay finite and are never written out. */
+        row_pos[r] = r < rows ? num_context + q0 + r / group : 0x7fffffff;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
     }
-    free(scratch);
-    free(row_pos);
-    return 0;
+    memset(o, 0, sizeof(float) * d * ld);
+    const int first_pos = num_context + q0, num_keys = first_pos + nq; /* keys this item sees */
+    for (int k0 = 0; k0 < num_keys; k0 += PF_BK) {
+        const int n = num_keys - k0 < PF_BK ? num_keys - k0 : PF_BK;
+        for (int j = 0; j < n; j++) {
+            const int t = k0 + j;
+            const long long off = (long long)block_table[t / block_size] * kv_block_stride
+                                  + (long long)(t % block_size) * kv_token_stride + (long long)kvh * head_dim;
+            if (is_bf16) {
+                float *kw = wide + (size_t)j * d, *vw = wide + (PF_BK + (size_t)j) * d;
+                for (int c = 0; c < head_dim; c += 16) {
+                    store_f32(kw + c, load_bf16((const uint16_t *)k_cache + off + c));
+                    store_f32(vw + c, load_bf16((const uint16_t *)v_cache + off + c));
+                }
+                k_rows[j] = kw;
+                v_rows[j] = vw;
+            } else {
+                k_rows[j] = (const float *)k_cache + off;
+                v_rows[j] = (const float *)v_cache + off;
+            }
+        }
+        /* Ask for the next tile's K/V rows now: its blocks are scattered, so the hardware prefetcher
+         * misses them (the same reason as in decode_one). */
+        const int k1 = k0 + PF_BK, n1 = num_keys - k1 < PF_BK ? num_keys - k1 : PF_BK;
+        for (int j = 0; j < n1; j++) {
+            const int t = k1 + j;
+            const long long off = (long long)block_table[t / block_size] * kv_block_stride
+                                  + (long long)(t % block_size) * kv_token_stride + (long long)kvh * head_dim;
+            prefetch_row((const char *)k_cache + off * elem_size, row_bytes);
+            prefetch_row((const char *)v_cache + off * elem_size, row_bytes);
+        }
+        pf_scores_tile(k_rows, qt, s, ld, head_dim, n, nvec);
+        pf_softmax(s, m, l, alpha, row_pos, ld, nvec, k0, n, k0 + n - 1 > first_pos);
+        pf_accumulate_tile(s, v_rows, o, alpha, ld, head_dim, n, nvec);
+    }
+    for (int r = 0; r < rows; r++) {
+        const size_t dst = ((size_t)(q0 + r / group) * num_heads + kvh * group + r % group) * d;
+        const float inv = 1.0f / l[r];
+        if (io_bf16)
+            for (size_t c = 0; c < d; c++) ((uint16_t *)out)[dst + c] = f32_to_bf16(o[c * ld + r] * inv);
+        else
+            for (size_t c = 0; c < d; c++) ((float *)out)[dst + c] = o[c * ld + r] * inv;
+    }
+}
+
+/* Items [item_begin, item_end) over an OpenMP team of num_threads, one item per iteration of a
+ * dynamic schedule, the costliest (last) items first; each item is computed by one thread, so the
+ * result does not depend on the team size. */
+static inline __attribute__((always_inline)) int prefill_items(
+    const void *q, const void *k_cache, const void *v_cache, const int32_t *block_table, void *out,
+    int num_queries, int num_context, int num_heads, int num_kv_heads, int head_dim, int block_size,
+    long long kv_block_stride, long long kv_token_stride, float scale, int item_begin, int item_end, int io_bf16,
+    int num_threads, int is_bf16) {
+    const int group = num_heads / num_kv_heads;
+    const int ld = (pagedllm_cpu_paged_prefill_block_queries(group) * group + 15) / 16 * 16;
+    const size_t d = (size_t)head_dim;
+    /* Scratch: Q^T (d x ld), O^T (d x ld), S^T (PF_BK x ld), m, l, alpha (ld each), widened bf16 K/V rows. */
+    const size_t floats = 2 * d * ld + (size_t)PF_BK * ld + 3 * (size_t)ld + (is_bf16 ? 2 * (size_t)PF_BK * d : 0);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(| : failed)
+    {
+        float *scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        int32_t *row_pos = malloc(sizeof(int32_t) * ld);
+        failed = scratch == NULL || row_pos == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int item = item_end - 1; item >= item_begin; item--)
+            if (!failed)
+                prefill_item(q, k_cache, v_cache, block_table, out, num_queries, num_context, num_heads, num_kv_heads,
+                             head_dim, block_size, kv_block_stride, kv_token_stride, scale, item, scratch, row_pos,
+                             is_bf16, io_bf16);
+        free(scratch);
+        free(row_pos);
+    }
+    return failed ? -1 : 0;
 }
 
 #define PAGED_PREFILL_ARGS                                                                                  \
-    const float *q, const void *k_cache, const void *v_cache, const int32_t *block_table, float *out,       \
+    const void *q, const void *k_cache, const void *v_cache, const int32_t *block_table, void *out,         \
         int num_queries, int num_context, int num_heads, int num_kv_heads, int head_dim, int block_size,    \
-        long long kv_block_stride, long long kv_token_stride, float scale, int item_begin, int item_end
+        long long kv_block_stride, long long kv_token_stride, float scale, int item_begin, int item_end,    \
+        int io_bf16, int num_threads
 
 /* head_dim 64 gets its own copy (the head_dim loops unrolled). */
 #define PAGED_PREFILL_BODY(IS_BF16)                                                                         \
     if (head_dim == 64)                                                                                     \
         return prefill_items(q, k_cache, v_cache, block_table, out, num_queries, num_context, num_heads,   \
                              num_kv_heads, 64, block_size, kv_block_stride, kv_token_stride, scale,         \
-                             item_begin, item_end, IS_BF16);                                                \
+                             item_begin, item_end, io_bf16, num_threads, IS_BF16);                          \
     return prefill_items(q, k_cache, v_cache, block_table, out, num_queries, num_context, num_heads,       \
                          num_kv_heads, head_dim, block_size, kv_block_stride, kv_token_stride, scale,       \
-                         item_begin, item_end, IS_BF16);
+                         item_begin, item_end, io_bf16, num_threads, IS_BF16);
 
-/* Prefill attention of items [item_begin, item_end) of one request, float32 K/V cache. */
+/* Prefill attention of items [item_begin, item_end) of one request, float32 K/V cache; q and out
+ * are float32 or (io_bf16) bfloat16. */
 int paged_prefill_f32(PAGED_PREFILL_ARGS) { PAGED_PREFILL_BODY(0) }
 
-/* Same, bf16 K/V cache (raw uint16 bit patterns); q and out stay float32. */
+/* Same, bf16 K/V cache (raw uint16 bit patterns). */
 int paged_prefill_bf16(PAGED_PREFILL_ARGS) { PAGED_PREFILL_BODY(1) }

@@ -17,18 +17,21 @@ K/V writes, sliding-window and soft-capped layers, and fp8/int8 caches are the i
 
 The kernel is plain C11 with no torch headers, compiled on first use and cached by
 :mod:`pagedllm.native` (``$CC``, ``$PAGEDLLM_CACHE_DIR``; with OpenMP on torch's own libgomp)
-and loaded with :mod:`ctypes`. ctypes releases the GIL for the call, so the decode batch is split into
-``torch.get_num_threads()`` contiguous ranges of requests (balanced by context length) that
-run in parallel on a persistent thread pool, without OpenMP. When no compiler is found or the
-build fails, one warning is logged and the backend behaves exactly like the torch one.
+and loaded with :mod:`ctypes`. One call per layer runs the step's decodes (a prefill request's
+work items) over an OpenMP team of ``torch.get_num_threads()`` threads, torch's own worker
+threads, so attention and the matmuls around it never compete for the cores. Built without
+OpenMP (torch on another OpenMP runtime), the work is split into contiguous ranges (balanced by
+cost) run on a persistent thread pool (ctypes releases the GIL). When no compiler is found or
+the build fails, one warning is logged and the backend behaves exactly like the torch one.
 
 Supported by the decode kernel: contiguous KV caches of every ``kv_cache_dtype`` — float32,
 bfloat16, float8 e4m3fn/e5m2 and int8 with its per token-and-head scales
 (:mod:`pagedllm.quantization.kv_cache`; the kernel dequantizes as it reads, no gather copy;
-queries are computed in float32) — on CPU with head_dim a multiple of 16 (up to 256) and up to 256 query heads; anything else
+computed in float32, float32 and bfloat16 queries and outputs taken and written as they are) — on CPU with head_dim a multiple of 16 (up to 256) and up to 256 query heads; anything else
 (float16 caches, non-CPU tensors, odd head sizes) goes to the torch backend. The prefill kernel takes
 float32 and bfloat16 caches with head_dim a multiple of 64 (fp8/int8 caches prefill with the torch code) and
-computes in float32 whatever the query dtype.
+computes in float32 whatever the query dtype (float32 and bfloat16 queries and outputs read and
+written in place, others converted).
 """
 
 from __future__ import annotations
@@ -56,20 +59,22 @@ logger = logging.getLogger(__name__)
 __all__ = ["CpuPagedAttention", "CpuPagedKernel", "load_kernel"]
 
 _SOURCE = Path(__file__).with_name("cpu_paged.c")
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 
 _c_int, _c_ll, _c_float, _c_void_p = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p
 # paged_decode_<format>(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, out, req_begin, req_end,
 #   num_heads, num_kv_heads, head_dim, block_size, block_table_stride, kv_block_stride, kv_token_stride, scale,
-#   k_scale, v_scale, window, soft_cap)
-_ARGTYPES = [_c_void_p] * 8 + [_c_int] * 6 + [_c_ll] * 3 + [_c_float] * 3 + [_c_int, _c_float]
+#   k_scale, v_scale, window, soft_cap, io_bf16, num_threads) -> int
+_ARGTYPES = [_c_void_p] * 8 + [_c_int] * 6 + [_c_ll] * 3 + [_c_float] * 3 + [_c_int, _c_float, _c_int, _c_int]
 # the kernel's function per KV-cache storage dtype
 _KERNEL_NAMES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16",
                  torch.float8_e4m3fn: "paged_decode_fp8_e4m3", torch.float8_e5m2: "paged_decode_fp8_e5m2",
                  torch.int8: "paged_decode_int8"}
 # paged_prefill_{f32,bf16}(q, k_cache, v_cache, block_table, out, num_queries, num_context, num_heads,
-#   num_kv_heads, head_dim, block_size, kv_block_stride, kv_token_stride, scale, item_begin, item_end) -> int
-_PREFILL_ARGTYPES = [_c_void_p] * 5 + [_c_int] * 6 + [_c_ll] * 2 + [_c_float, _c_int, _c_int]
+#   num_kv_heads, head_dim, block_size, kv_block_stride, kv_token_stride, scale, item_begin, item_end, io_bf16,
+#   num_threads) -> int
+_PREFILL_ARGTYPES = [_c_void_p] * 5 + [_c_int] * 6 + [_c_ll] * 2 + [_c_float] + [_c_int] * 4
+_IO_DTYPES = (torch.float32, torch.bfloat16)  # query/output dtypes the kernels read and write directly
 _PREFILL_KERNEL_NAMES = {torch.float32: "paged_prefill_f32", torch.bfloat16: "paged_prefill_bf16"}
 
 
@@ -77,6 +82,8 @@ class CpuPagedKernel:
     """The loaded shared library: ``decode(...)`` runs the fused kernel on a range of requests.
 
     Obtain it with :func:`load_kernel`; its functions release the GIL while they run.
+    ``has_openmp``: built with OpenMP, so one call splits its work over ``num_threads`` threads
+    (else it runs on the calling thread and the caller splits the work).
     """
 
     def __init__(self, path: Path) -> None:
@@ -90,11 +97,13 @@ class CpuPagedKernel:
         self.max_head_dim: int = lib.pagedllm_cpu_paged_max_head_dim()
         lib.pagedllm_cpu_paged_prefill_block_queries.argtypes = [_c_int]
         lib.pagedllm_cpu_paged_prefill_block_queries.restype = _c_int
+        lib.pagedllm_cpu_paged_openmp.restype = _c_int
+        self.has_openmp = bool(lib.pagedllm_cpu_paged_openmp())
         self.path = path
         self._fns, self._prefill_fns = {}, {}
         for dtype, name in _KERNEL_NAMES.items():
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = _ARGTYPES, None
+            fn.argtypes, fn.restype = _ARGTYPES, _c_int
             self._fns[dtype] = fn
         for dtype, name in _PREFILL_KERNEL_NAMES.items():
             fn = getattr(lib, name)
@@ -111,13 +120,16 @@ class CpuPagedKernel:
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, out: torch.Tensor, req_begin: int, req_end: int, scale: float,
                sliding_window: int | None = None, logit_soft_cap: float | None = None,
-               kv_scales: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-        """Decode attention of requests ``[req_begin, req_end)`` into ``out``. Nothing is checked
+               kv_scales: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+               num_threads: int = 1) -> None:
+        """Decode attention of requests ``[req_begin, req_end)`` into ``out``, over ``num_threads``
+        threads when :attr:`has_openmp` (the result does not depend on it). Nothing is checked
         here (a bad block id reads out of bounds): :class:`CpuPagedAttention` validates the block
         tables and ``seq_lens`` once per step.
 
         Args:
-            query, out: (D, num_heads, head_dim) float32, contiguous, CPU; ``out`` is written.
+            query, out: (D, num_heads, head_dim), both float32 or both bfloat16 (computed in float32,
+                the output rounded to nearest even), contiguous, CPU; ``out`` is written.
             kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim), contiguous, a dtype of
                 :meth:`supports`.
             block_tables: (>= D, max_blocks) int32 with a unit last stride; ids < num_blocks.
@@ -126,6 +138,8 @@ class CpuPagedKernel:
             kv_scales: an int8 cache's (2, num_blocks, block_size, num_kv_heads) float32 scales,
                 contiguous (read for int8 only).
             k_scale, v_scale: per-tensor scales (stored = value / scale; vLLM's fp8 ``k_scale``/``v_scale``).
+        Raises:
+            MemoryError: when the kernel cannot allocate its per-thread scratch (a few KiB).
         """
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         kv_block_stride = block_size * num_kv_heads * head_dim
@@ -133,12 +147,14 @@ class CpuPagedKernel:
         if kv_scales is not None:
             k_scales = kv_scales.data_ptr()
             v_scales = k_scales + num_blocks * block_size * num_kv_heads * kv_scales.element_size()
-        self._fns[kv_cache.dtype](
+        status = self._fns[kv_cache.dtype](
             query.data_ptr(), kv_cache.data_ptr(), kv_cache.data_ptr() + num_blocks * kv_block_stride *
             kv_cache.element_size(), k_scales, v_scales, block_tables.data_ptr(), seq_lens.data_ptr(),
             out.data_ptr(), req_begin, req_end, query.shape[1], num_kv_heads, head_dim, block_size,
             block_tables.stride(0), kv_block_stride, num_kv_heads * head_dim, scale, k_scale, v_scale,
-            sliding_window or 0, logit_soft_cap or 0.0)
+            sliding_window or 0, logit_soft_cap or 0.0, query.dtype == torch.bfloat16, num_threads)
+        if status != 0:
+            raise MemoryError("CPU paged-attention decode kernel: scratch allocation failed")
 
     def supports_prefill(self, dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
         """Whether :meth:`prefill` handles a KV cache of ``dtype`` (float32, bfloat16) with these
@@ -155,16 +171,17 @@ class CpuPagedKernel:
                 for tile in range(cdiv(num_queries, block_queries)) for _ in range(num_kv_heads)]
 
     def prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
-                num_context: int, scale: float, item_begin: int, item_end: int) -> None:
+                num_context: int, scale: float, item_begin: int, item_end: int, num_threads: int = 1) -> None:
         """Causal prefill attention of one request's Q new tokens (positions ``num_context`` ..
         ``num_context + Q - 1``) over its keys 0 .. num_context + Q - 1, read in place through
         ``block_table`` (the new tokens' K/V must already be in the cache), for work items
-        ``[item_begin, item_end)`` of :meth:`prefill_work_items`. Nothing is checked here (a bad
+        ``[item_begin, item_end)`` of :meth:`prefill_work_items`, over ``num_threads`` threads when
+        :attr:`has_openmp` (the result does not depend on it). Nothing is checked here (a bad
         block id reads out of bounds): :class:`CpuPagedAttention` validates the block table.
 
         Args:
-            query, out: (Q, num_heads, head_dim) float32, contiguous, CPU; ``out``'s rows of the
-                items' queries and heads are written.
+            query, out: (Q, num_heads, head_dim), both float32 or both bfloat16, contiguous, CPU;
+                ``out``'s rows of the items' queries and heads are written.
             kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim) float32 or bfloat16, contiguous.
             block_table: (>= ceil((num_context + Q) / block_size),) int32, contiguous, ids < num_blocks.
         Raises:
@@ -176,7 +193,7 @@ class CpuPagedKernel:
             query.data_ptr(), kv_cache.data_ptr(), kv_cache.data_ptr() + num_blocks * kv_block_stride *
             kv_cache.element_size(), block_table.data_ptr(), out.data_ptr(), query.shape[0], num_context,
             query.shape[1], num_kv_heads, head_dim, block_size, kv_block_stride, num_kv_heads * head_dim, scale,
-            item_begin, item_end)
+            item_begin, item_end, query.dtype == torch.bfloat16, num_threads)
         if status != 0:
             raise MemoryError("CPU paged-attention prefill kernel: scratch allocation failed")
 
@@ -204,10 +221,10 @@ def load_kernel() -> CpuPagedKernel | None:
         return _loaded[compiler]
 
 
-def _build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
-    """Path of the compiled library (:func:`pagedllm.native.build_library`, with OpenMP when torch's
-    libgomp is available), building it if absent. Raises OSError/SubprocessError on failure."""
-    return native.build_library(_SOURCE, extra_flags, openmp=True, compiler=compiler)
+def _build(compiler: str, extra_flags: tuple[str, ...] = (), openmp: bool = True) -> Path:
+    """Path of the compiled library (:func:`pagedllm.native.build_library`; with ``openmp``, OpenMP
+    when torch's libgomp is available), building it if absent. Raises OSError/SubprocessError on failure."""
+    return native.build_library(_SOURCE, extra_flags, openmp=openmp, compiler=compiler)
 
 
 _pool_lock = threading.Lock()
@@ -243,7 +260,8 @@ class _KernelPlan:
     num_blocks: int  # the cache's num_blocks the block ids were checked against
     block_tables: torch.Tensor  # (D, max_blocks) int32, unit last stride
     seq_lens: torch.Tensor  # (D,) int32 contiguous
-    ranges: list[tuple[int, int]]  # request ranges, one per thread, balanced by context length
+    num_threads: int  # threads for the decodes (fewer when the step's context is short)
+    ranges: list[tuple[int, int]]  # without OpenMP: request ranges, one per thread, balanced by context length
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -256,12 +274,13 @@ class CpuPagedAttention(TorchPagedAttention):
     :meth:`CpuPagedKernel.supports_prefill`; non-CPU or non-contiguous caches).
 
     Args:
-        num_threads: threads for the decode kernel; default (None) ``torch.get_num_threads()``
-            at each step.
+        num_threads: threads for the kernels; default (None) ``torch.get_num_threads()`` at each
+            step (read on the calling thread and passed to the kernel: OpenMP's own default on
+            the engine's thread need not follow ``torch.set_num_threads``).
         min_tokens_per_thread: context tokens (summed over the decodes; for a prefill, keys
             summed over its work items) each thread must get before the work is split; the
-            default 2048 is ~0.1 ms of decode kernel work, several times the cost of handing a
-            range to the pool (tens of microseconds).
+            default 2048 is ~0.1 ms of decode kernel work, several times the cost of waking a
+            thread team (tens of microseconds).
         kernel: a loaded :class:`CpuPagedKernel`; default :func:`load_kernel` (None when the
             build fails: the backend then is exactly the torch one).
 
@@ -294,8 +313,10 @@ class CpuPagedAttention(TorchPagedAttention):
                 logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> None:
         """Attention of the decode requests into ``out``. query, out: (D, num_heads, head_dim).
 
-        The D requests are split into ``num_threads`` contiguous ranges of about equal total
-        context; each runs in the kernel (GIL released), the first on the calling thread.
+        One kernel call over an OpenMP team (float32 and bfloat16 queries read, and outputs
+        written, in place); without OpenMP the D requests are split into contiguous ranges of
+        about equal total context, each run in the kernel (GIL released), the first on the
+        calling thread.
         """
         kernel = self.kernel
         if not (kernel is not None and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
@@ -304,12 +325,14 @@ class CpuPagedAttention(TorchPagedAttention):
             super()._decode(query, kv_cache, metadata, scale, out, sliding_window, logit_soft_cap, kv_scales)
             return
         plan = self._kernel_plan(metadata, kv_cache)
-        q = query.to(torch.float32).contiguous()  # a no-op for contiguous float32 queries
-        direct = out.dtype == torch.float32 and out.is_contiguous()
-        result = out if direct else torch.empty(q.shape, dtype=torch.float32)
-        _run_split(lambda *a: kernel.decode(*a, scale, sliding_window, logit_soft_cap, kv_scales), plan.ranges,
-                   q, kv_cache, plan.block_tables, plan.seq_lens, result)
-        if not direct:
+        q, result = _io_tensors(query, out)
+        if kernel.has_openmp:
+            kernel.decode(q, kv_cache, plan.block_tables, plan.seq_lens, result, 0, q.shape[0], scale, sliding_window,
+                          logit_soft_cap, kv_scales, num_threads=plan.num_threads)
+        else:
+            _run_split(lambda *a: kernel.decode(*a, scale, sliding_window, logit_soft_cap, kv_scales), plan.ranges,
+                       q, kv_cache, plan.block_tables, plan.seq_lens, result)
+        if result is not out:
             out.copy_(result)
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -318,8 +341,8 @@ class CpuPagedAttention(TorchPagedAttention):
         """Attention of the prefill requests into their rows of ``output``, in the C kernel: each
         request's queries over all its keys (cached prefix and the chunk itself, already written)
         read in place through its block table, in one pass with no gather, no mask and no merge.
-        A request's work items are split into ``num_threads`` contiguous ranges of about equal
-        cost. Layers with a sliding window or a soft cap, and caches the kernel does not handle
+        A request's work items run in one call over an OpenMP team (without OpenMP: split into
+        ``num_threads`` contiguous ranges of about equal cost on the pool). Layers with a sliding window or a soft cap, and caches the kernel does not handle
         (see :meth:`CpuPagedKernel.supports_prefill`), use the torch code."""
         kernel = self.kernel
         num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
@@ -331,18 +354,26 @@ class CpuPagedAttention(TorchPagedAttention):
             return
         tables = self._prefill_plan(metadata, kv_cache).block_tables
         qsl, seq_lens, num_decodes = metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.num_decodes
-        direct = output.dtype == torch.float32 and output.is_contiguous()
         for b in range(num_decodes, metadata.num_reqs):
             start, end = qsl[b], qsl[b + 1]
-            q = query[start:end].to(torch.float32).contiguous()  # (Q, num_heads, head_dim); a no-op for float32
-            result = output[start:end] if direct else torch.empty(q.shape, dtype=torch.float32)
+            rows = output[start:end]
+            q, result = _io_tensors(query[start:end], rows)  # (Q, num_heads, head_dim)
             num_context = seq_lens[b] - (end - start)
             costs = kernel.prefill_work_items(end - start, num_context, num_heads, num_kv_heads)
-            num_threads = min(self.num_threads or torch.get_num_threads(), sum(costs) // self.min_tokens_per_thread)
-            _run_split(kernel.prefill, _balanced_ranges(costs, num_threads), q, kv_cache, tables[b - num_decodes],
-                       result, num_context, scale)
-            if not direct:
-                output[start:end] = result
+            num_threads = self._threads_for(sum(costs))
+            if kernel.has_openmp:
+                kernel.prefill(q, kv_cache, tables[b - num_decodes], result, num_context, scale, 0, len(costs),
+                               num_threads)
+            else:
+                _run_split(kernel.prefill, _balanced_ranges(costs, num_threads), q, kv_cache, tables[b - num_decodes],
+                           result, num_context, scale)
+            if result is not rows:
+                rows.copy_(result)
+
+    def _threads_for(self, num_tokens: int) -> int:
+        """Threads for kernel work of ``num_tokens`` context tokens: ``num_threads`` (default
+        ``torch.get_num_threads()``), fewer so each gets ``min_tokens_per_thread``; at least 1."""
+        return max(1, min(self.num_threads or torch.get_num_threads(), num_tokens // self.min_tokens_per_thread))
 
     def _prefill_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _PrefillPlan:
         """The prefill requests' int32 block tables, validated once per forward pass (keyed by its
@@ -374,10 +405,21 @@ class CpuPagedAttention(TorchPagedAttention):
             tables = tables.contiguous()
         _validate_tables(tables, lens, num_blocks, block_size)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
-        num_threads = min(self.num_threads or torch.get_num_threads(), sum(lens) // self.min_tokens_per_thread)
-        plan = _KernelPlan(owner, num_blocks, tables, seq_lens, _balanced_ranges(lens, num_threads))
+        num_threads = self._threads_for(sum(lens))
+        ranges = [] if self.kernel is not None and self.kernel.has_openmp else _balanced_ranges(lens, num_threads)
+        plan = _KernelPlan(owner, num_blocks, tables, seq_lens, num_threads, ranges)
         self._kernel_plan_cache = plan if owner is not None else None
         return plan
+
+
+def _io_tensors(query: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query and output buffer the kernel reads and writes: ``query`` and ``out`` themselves when
+    both are contiguous and of one dtype in :data:`_IO_DTYPES`, else a float32 copy of the query
+    and a fresh float32 buffer (the caller then copies it into ``out``)."""
+    if query.dtype in _IO_DTYPES and out.dtype == query.dtype and query.is_contiguous() and out.is_contiguous():
+        return query, out
+    q = query.to(torch.float32).contiguous()
+    return q, torch.empty(q.shape, dtype=torch.float32)
 
 
 def _scales_fit(kv_scales: torch.Tensor | None, kv_cache: torch.Tensor) -> bool:
