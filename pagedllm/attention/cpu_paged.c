@@ -96,27 +96,6 @@ int pagedllm_cpu_paged_team_size(int n) {
 int pagedllm_cpu_paged_max_heads(void) { return MAX_HEADS; }
 int pagedllm_cpu_paged_max_head_dim(void) { return 16 * MAX_CHUNKS; }
 
-/* exp(x) for x <= 0 (x >= -87.3 gives a normal result; below, exp(-87.3) ~ 1e-38 is returned,
- * harmless next to a softmax denominator >= 1). Cephes expf: x = n ln2 + r, |r| <= ln2/2,
- * exp(r) by a degree-7 polynomial, 2^n by building the exponent bits. */
-static inline float exp_nonpos(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * (r * r) + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float pow2n;
-    memcpy(&pow2n, &bits, sizeof pow2n);
-    return y * pow2n;
-}
-
 /* Ask for the cache lines of one token's K or V row (all KV heads). */
 static inline void prefetch_row(const char *p, long long num_bytes) {
     for (long long b = 0; b < num_bytes; b += 64) __builtin_prefetch(p + b, 0, PREFETCH_LOCALITY);
@@ -197,6 +176,13 @@ static inline void store_f32(float *p, v16f x) { memcpy(p, &x, sizeof x); }
 
 /* Sum of the 16 lanes, in a fixed order (halving). */
 static inline float hsum(v16f x) {
+#if defined(__clang__) || __GNUC__ >= 12
+    /* Register shuffles: halves taken through memory stall on store forwarding (a 64-byte store
+     * read back as two 32-byte loads). */
+    const v8f s8 = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+                   + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4f s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+#else
     v8f lo, hi;
     memcpy(&lo, &x, sizeof lo);
     memcpy(&hi, (const char *)&x + sizeof lo, sizeof hi);
@@ -205,7 +191,31 @@ static inline float hsum(v16f x) {
     memcpy(&a, &s8, sizeof a);
     memcpy(&b, (const char *)&s8 + sizeof a, sizeof b);
     const v4f s4 = a + b;
+#endif
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+static inline v16f select_f(v16i32 keep, v16f a, v16f b) { return (v16f)(((v16i32)a & keep) | ((v16i32)b & ~keep)); }
+
+/* exp(x) on 16 lanes, for x <= 0 (x >= -87.3 gives a normal result; below, exp(-87.3) ~ 1e-38 is
+ * returned, harmless next to a softmax denominator >= 1). Cephes expf: x = n ln2 + r, |r| <= ln2/2,
+ * exp(r) by a degree-7 polynomial, 2^n by building the exponent bits. */
+static inline v16f exp_nonpos_v16(v16f x) {
+    const v16f lim = (v16f){0} - 87.3f;
+    const v16i32 low = x < lim;
+    x = (v16f)(((v16i32)x & ~low) | ((v16i32)lim & low));
+    const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    v16f r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v16f y = (v16f){0} + 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    const v16i32 bits = (__builtin_convertvector(n, v16i32) + 127) << 23;
+    return y * (v16f)bits;
 }
 
 /* float32 to bfloat16 bits, rounding to nearest even (NaN to the quiet NaN 0x7fc0), as torch's
@@ -239,16 +249,21 @@ static inline __attribute__((always_inline)) void decode_one(
     const int group = num_heads / num_kv_heads;
     const int num_chunks = head_dim / 16; /* a constant in the specialised copies (64, 128) */
     const int widen = fmt != KV_F32;
-    float scores[MAX_HEADS][TILE];
-    float row_max[MAX_HEADS], row_sum[MAX_HEADS];
+    /* Token-major scores: the online softmax runs on 16 heads per vector, token after token, so
+     * each head's sum is still taken in token order. Lanes past num_heads are computed and ignored. */
+    float scores[TILE][MAX_HEADS];
+    float row_max[MAX_HEADS], row_sum[MAX_HEADS], alpha[MAX_HEADS];
     long long offsets[TILE];
     const long long elem_size = fmt == KV_F32 ? 4 : fmt == KV_BF16 ? 2 : 1;
     scale *= k_scale;
     const long long row_bytes = (long long)num_kv_heads * head_dim * elem_size;
-    for (int h = 0; h < num_heads; h++) {
+    const int heads_padded = (num_heads + 15) / 16 * 16;
+    for (int h = 0; h < heads_padded; h++) {
         row_max[h] = -INFINITY;
         row_sum[h] = 0.0f;
     }
+    for (int i = 0; i < TILE; i++)
+        for (int h = num_heads; h < heads_padded; h++) scores[i][h] = 0.0f;
     memset(out, 0, sizeof(float) * (size_t)num_heads * head_dim);
 
     const int first = window > 0 && seq_len > window ? seq_len - window : 0;
@@ -280,9 +295,28 @@ static inline __attribute__((always_inline)) void decode_one(
                     v16f acc = load_f32(qh) * k[0];
                     for (int c = 1; c < num_chunks; c++) acc += load_f32(qh + 16 * c) * k[c];
                     const float s = token_scale * hsum(acc);
-                    scores[h][i] = soft_cap > 0.0f ? soft_cap * tanhf(s / soft_cap) : s;
+                    scores[i][h] = soft_cap > 0.0f ? soft_cap * tanhf(s / soft_cap) : s;
                 }
             }
+        }
+        /* Online softmax: per head, the new running max m over the tile, the running state rescaled
+         * by alpha = exp(m_old - m), the tile's scores replaced by p = exp(s - m). */
+        for (int h = 0; h < heads_padded; h += 16) {
+            const v16f m_old = load_f32(row_max + h);
+            v16f m = m_old;
+            for (int i = 0; i < n; i++) {
+                const v16f x = load_f32(&scores[i][h]);
+                m = select_f(x > m, x, m);
+            }
+            store_f32(alpha + h, select_f(m_old == -INFINITY, (v16f){0}, exp_nonpos_v16(m_old - m)));
+            store_f32(row_max + h, m);
+            v16f sum = (v16f){0};
+            for (int i = 0; i < n; i++) {
+                const v16f p = exp_nonpos_v16(load_f32(&scores[i][h]) - m);
+                store_f32(&scores[i][h], p);
+                sum += p;
+            }
+            store_f32(row_sum + h, load_f32(row_sum + h) * load_f32(alpha + h) + sum);
         }
         for (int kvh = 0; kvh < num_kv_heads; kvh++) {
             const long long head_off = (long long)kvh * head_dim;
@@ -291,25 +325,14 @@ static inline __attribute__((always_inline)) void decode_one(
                     for (int c = 0; c < num_chunks; c++)
                         store_f32(vbuf + (size_t)i * head_dim + 16 * c, load_kv(v_cache, offsets[i] + head_off + 16 * c, fmt));
             for (int h = kvh * group; h < (kvh + 1) * group; h++) {
-                /* Online softmax: rescale the running state once per tile, then exponentiate the tile. */
-                float m = row_max[h];
-                for (int i = 0; i < n; i++) m = scores[h][i] > m ? scores[h][i] : m;
-                const float alpha = row_max[h] == -INFINITY ? 0.0f : exp_nonpos(row_max[h] - m);
-                row_max[h] = m;
-                float sum = 0.0f;
-                for (int i = 0; i < n; i++) {
-                    scores[h][i] = exp_nonpos(scores[h][i] - m);
-                    sum += scores[h][i];
-                }
-                row_sum[h] = row_sum[h] * alpha + sum;
                 /* acc = alpha * acc + sum_i p_i V_i, the accumulator chunk held in a register; the
                  * tile's V rows are read from memory by the group's first head, from cache after. */
                 float *dst = out + (size_t)h * head_dim;
                 v16f acc[MAX_CHUNKS];
-                for (int c = 0; c < num_chunks; c++) acc[c] = load_f32(dst + 16 * c) * alpha;
+                for (int c = 0; c < num_chunks; c++) acc[c] = load_f32(dst + 16 * c) * alpha[h];
                 for (int i = 0; i < n; i++) {
                     const long long off = offsets[i] + head_off;
-                    const float p = fmt == KV_INT8 ? scores[h][i] * v_scales[off / head_dim] : scores[h][i];
+                    const float p = fmt == KV_INT8 ? scores[i][h] * v_scales[off / head_dim] : scores[i][h];
                     for (int c = 0; c < num_chunks; c++)
                         acc[c] += p * (widen ? load_f32(vbuf + (size_t)i * head_dim + 16 * c)
                                              : load_kv(v_cache, off + 16 * c, fmt));
@@ -325,6 +348,78 @@ static inline __attribute__((always_inline)) void decode_one(
     }
 }
 
+/* The arguments of one decode call (see paged_decode_f32 and the layout at the top). */
+struct decode_args {
+    const void *q, *k_cache, *v_cache;
+    const float *k_scales, *v_scales;
+    const int32_t *block_tables, *seq_lens;
+    void *out;
+    int num_heads, num_kv_heads, head_dim, block_size, window, io_bf16;
+    long long block_table_stride, kv_block_stride, kv_token_stride;
+    float scale, k_scale, v_scale, soft_cap;
+};
+
+/* Request r of a decode call, with its thread's scratch (TILE * head_dim floats, plus 2 rows of
+ * num_heads * head_dim with io_bf16). With io_bf16, q and out are bfloat16 (widened into / rounded
+ * from the scratch), else float32 (out is the accumulator). */
+static inline __attribute__((always_inline)) void decode_request(const struct decode_args *a, int r, float *scratch,
+                                                                 const int fmt) {
+    const size_t row_elems = (size_t)a->num_heads * a->head_dim, row = (size_t)r * row_elems;
+    const float *q = (const float *)a->q + row;
+    float *acc = (float *)a->out + row;
+    if (a->io_bf16) {
+        float *qf = scratch + (size_t)TILE * a->head_dim;
+        acc = qf + row_elems;
+        for (size_t e = 0; e < row_elems; e++) qf[e] = bf16_to_f32(((const uint16_t *)a->q)[row + e]);
+        q = qf;
+    }
+    const int32_t *table = a->block_tables + (long long)r * a->block_table_stride;
+#define DECODE_ONE(HEAD_DIM)                                                                                \
+    decode_one(q, a->k_cache, a->v_cache, a->k_scales, a->v_scales, table, a->seq_lens[r], acc, scratch,      \
+               a->num_heads, a->num_kv_heads, (HEAD_DIM), a->block_size, a->kv_block_stride, a->kv_token_stride, \
+               a->scale, a->k_scale, a->v_scale, a->window, a->soft_cap, fmt)
+    /* head_dim 64 and 128 get copies with the chunk loops fully unrolled (accumulators in registers). */
+    if (a->head_dim == 64)
+        DECODE_ONE(64);
+    else if (a->head_dim == 128)
+        DECODE_ONE(128);
+    else
+        DECODE_ONE(a->head_dim);
+#undef DECODE_ONE
+    if (a->io_bf16)
+        for (size_t e = 0; e < row_elems; e++) ((uint16_t *)a->out)[row + e] = f32_to_bf16(acc[e]);
+}
+
+/* One non-inlined function per KV format: GCC outlines an OpenMP region before it inlines, so the
+ * region below calls these through a pointer to keep each format's code specialised. */
+typedef void (*decode_request_fn)(const struct decode_args *, int, float *);
+static void decode_request_f32(const struct decode_args *a, int r, float *s) { decode_request(a, r, s, KV_F32); }
+static void decode_request_bf16(const struct decode_args *a, int r, float *s) { decode_request(a, r, s, KV_BF16); }
+static void decode_request_e4m3(const struct decode_args *a, int r, float *s) { decode_request(a, r, s, KV_FP8_E4M3); }
+static void decode_request_e5m2(const struct decode_args *a, int r, float *s) { decode_request(a, r, s, KV_FP8_E5M2); }
+static void decode_request_int8(const struct decode_args *a, int r, float *s) { decode_request(a, r, s, KV_INT8); }
+
+/* Requests [req_begin, req_end) over an OpenMP team of num_threads (torch's own threads, see
+ * pagedllm/native.py), one request per iteration of a dynamic schedule: each request is computed by
+ * one thread in one order, so the result does not depend on the team size. Returns 0, or -1 when a
+ * thread's scratch allocation failed (its requests are not written). */
+static int decode_requests(const struct decode_args *a, int req_begin, int req_end, int num_threads,
+                           decode_request_fn fn) {
+    const size_t floats = (size_t)TILE * a->head_dim + (a->io_bf16 ? 2 * (size_t)a->num_heads * a->head_dim : 0);
+    int failed = 0;
+    (void)num_threads; /* without OpenMP the pragmas are ignored: one thread */
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(| : failed)
+    {
+        float *scratch = malloc(sizeof(float) * floats);
+        failed = scratch == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int r = req_begin; r < req_end; r++)
+            if (scratch != NULL) fn(a, r, scratch);
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
 #define PAGED_DECODE_ARGS                                                                                   \
     const void *q, const void *k_cache, const void *v_cache, const float *k_scales, const float *v_scales,   \
         const int32_t *block_tables, const int32_t *seq_lens, void *out, int req_begin, int req_end,          \
@@ -332,65 +427,21 @@ static inline __attribute__((always_inline)) void decode_one(
         long long kv_block_stride, long long kv_token_stride, float scale, float k_scale, float v_scale,      \
         int window, float soft_cap, int io_bf16, int num_threads
 
-/* Requests [req_begin, req_end) over an OpenMP team of num_threads (torch's own threads, see
- * pagedllm/native.py), one request per iteration of a dynamic schedule: each request is computed by
- * one thread in one order, so the result does not depend on the team size. With io_bf16, q and out
- * are bfloat16 (widened into / rounded from per-thread float32 scratch), else float32 (out is the
- * accumulator). Returns 0, or -1 when a thread's scratch allocation failed (its requests unwritten). */
-static inline __attribute__((always_inline)) int decode_requests(PAGED_DECODE_ARGS, const int fmt) {
-    const size_t row_elems = (size_t)num_heads * head_dim;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(| : failed)
-    {
-        float *scratch = malloc(sizeof(float) * ((size_t)TILE * head_dim + (io_bf16 ? 2 * row_elems : 0)));
-        failed = scratch == NULL;
-#pragma omp for schedule(dynamic, 1)
-        for (int r = req_begin; r < req_end; r++) {
-            if (scratch == NULL) continue;
-            const size_t row = (size_t)r * row_elems;
-            const float *qr = (const float *)q + row;
-            float *acc = (float *)out + row;
-            if (io_bf16) {
-                float *qf = scratch + (size_t)TILE * head_dim;
-                acc = qf + row_elems;
-                for (size_t e = 0; e < row_elems; e++) qf[e] = bf16_to_f32(((const uint16_t *)q)[row + e]);
-                qr = qf;
-            }
-            const int32_t *table = block_tables + (long long)r * block_table_stride;
-            /* head_dim 64 and 128 get copies with the chunk loops fully unrolled (accumulators in registers). */
-            if (head_dim == 64)
-                decode_one(qr, k_cache, v_cache, k_scales, v_scales, table, seq_lens[r], acc, scratch, num_heads,
-                           num_kv_heads, 64, block_size, kv_block_stride, kv_token_stride, scale, k_scale, v_scale,
-                           window, soft_cap, fmt);
-            else if (head_dim == 128)
-                decode_one(qr, k_cache, v_cache, k_scales, v_scales, table, seq_lens[r], acc, scratch, num_heads,
-                           num_kv_heads, 128, block_size, kv_block_stride, kv_token_stride, scale, k_scale, v_scale,
-                           window, soft_cap, fmt);
-            else
-                decode_one(qr, k_cache, v_cache, k_scales, v_scales, table, seq_lens[r], acc, scratch, num_heads,
-                           num_kv_heads, head_dim, block_size, kv_block_stride, kv_token_stride, scale, k_scale,
-                           v_scale, window, soft_cap, fmt);
-            if (io_bf16)
-                for (size_t e = 0; e < row_elems; e++) ((uint16_t *)out)[row + e] = f32_to_bf16(acc[e]);
-        }
-        free(scratch);
-    }
-    return failed ? -1 : 0;
-}
-
-#define DECODE_CALL_ARGS                                                                                    \
-    q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, out, req_begin, req_end, num_heads,    \
-        num_kv_heads, head_dim, block_size, block_table_stride, kv_block_stride, kv_token_stride, scale,     \
-        k_scale, v_scale, window, soft_cap, io_bf16, num_threads
+#define PAGED_DECODE_BODY(FN)                                                                               \
+    const struct decode_args a = {q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, out,     \
+                                  num_heads, num_kv_heads, head_dim, block_size, window, io_bf16,           \
+                                  block_table_stride, kv_block_stride, kv_token_stride, scale, k_scale,     \
+                                  v_scale, soft_cap};                                                       \
+    return decode_requests(&a, req_begin, req_end, num_threads, FN);
 
 /* Decode attention of requests [req_begin, req_end), one function per KV format; q and out are
  * float32 or (io_bf16) bfloat16 whatever the cache stores. k_scales/v_scales are read by the int8
  * one only, k_scale and v_scale by every one (pass 1 for an unscaled cache). */
-int paged_decode_f32(PAGED_DECODE_ARGS) { return decode_requests(DECODE_CALL_ARGS, KV_F32); }
-int paged_decode_bf16(PAGED_DECODE_ARGS) { return decode_requests(DECODE_CALL_ARGS, KV_BF16); }
-int paged_decode_fp8_e4m3(PAGED_DECODE_ARGS) { return decode_requests(DECODE_CALL_ARGS, KV_FP8_E4M3); }
-int paged_decode_fp8_e5m2(PAGED_DECODE_ARGS) { return decode_requests(DECODE_CALL_ARGS, KV_FP8_E5M2); }
-int paged_decode_int8(PAGED_DECODE_ARGS) { return decode_requests(DECODE_CALL_ARGS, KV_INT8); }
+int paged_decode_f32(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_f32) }
+int paged_decode_bf16(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_bf16) }
+int paged_decode_fp8_e4m3(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_e4m3) }
+int paged_decode_fp8_e5m2(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_e5m2) }
+int paged_decode_int8(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_int8) }
 
 /* ---------------------------------------------------------------------------------------------
  * Prefill attention (chunked prefill, prefix-cache hits): the Q new tokens of one request, at
@@ -423,26 +474,6 @@ int paged_decode_int8(PAGED_DECODE_ARGS) { return decode_requests(DECODE_CALL_AR
 
 int pagedllm_cpu_paged_prefill_block_queries(int group) { return group >= PF_ROWS ? 1 : PF_ROWS / group; }
 
-/* exp_nonpos on 16 lanes (the same polynomial; lanes below -87.3 are clamped). */
-static inline v16f exp_nonpos_v16(v16f x) {
-    const v16f lim = (v16f){0} - 87.3f;
-    const v16i32 low = x < lim;
-    x = (v16f)(((v16i32)x & ~low) | ((v16i32)lim & low));
-    const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    v16f r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v16f y = (v16f){0} + 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * (r * r) + r + 1.0f;
-    const v16i32 bits = (__builtin_convertvector(n, v16i32) + 127) << 23;
-    return y * (v16f)bits;
-}
-
-static inline v16f select_f(v16i32 keep, v16f a, v16f b) { return (v16f)(((v16i32)a & keep) | ((v16i32)b & ~keep)); }
 
 /* s[j][r0 ..] = sum_d k_j[d] qt[d][r0 ..] for NK keys and NV row vectors (qt: [head_dim][ld], s: [keys][ld]). */
 static inline __attribute__((always_inline)) void pf_scores(const float *const *restrict k, const float *restrict qt,
@@ -563,12 +594,27 @@ static void pf_softmax(float *restrict s, float *restrict m, float *restrict l, 
     }
 }
 
-/* One work item (a tile of queries x KV head kvh) of prefill_items, with its scratch. */
-static inline __attribute__((always_inline)) void prefill_item(
-    const void *q, const void *k_cache, const void *v_cache, const int32_t *block_table, void *out,
-    int num_queries, int num_context, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    long long kv_block_stride, long long kv_token_stride, float scale, int item, float *scratch, int32_t *row_pos,
-    int is_bf16, int io_bf16) {
+/* The arguments of one prefill call (see paged_prefill_f32). */
+struct prefill_args {
+    const void *q, *k_cache, *v_cache;
+    const int32_t *block_table;
+    void *out;
+    int num_queries, num_context, num_heads, num_kv_heads, head_dim, block_size, io_bf16;
+    long long kv_block_stride, kv_token_stride;
+    float scale;
+};
+
+/* One work item (a tile of queries x KV head kvh) of a prefill call, with its thread's scratch.
+ * head_dim and is_bf16 are compile-time constants in each specialised copy. */
+static inline __attribute__((always_inline)) void prefill_item(const struct prefill_args *a, int item, float *scratch,
+                                                               int32_t *row_pos, const int head_dim, const int is_bf16) {
+    const void *q = a->q, *k_cache = a->k_cache, *v_cache = a->v_cache;
+    const int32_t *block_table = a->block_table;
+    void *out = a->out;
+    const int num_queries = a->num_queries, num_context = a->num_context, num_heads = a->num_heads;
+    const int num_kv_heads = a->num_kv_heads, block_size = a->block_size, io_bf16 = a->io_bf16;
+    const long long kv_block_stride = a->kv_block_stride, kv_token_stride = a->kv_token_stride;
+    const float scale = a->scale;
     const int group = num_heads / num_kv_heads;
     const int bq = pagedllm_cpu_paged_prefill_block_queries(group);
     const int ld = (bq * group + 15) / 16 * 16; /* rows rounded up to whole vectors */
@@ -636,20 +682,26 @@ static inline __attribute__((always_inline)) void prefill_item(
     }
 }
 
+/* The specialised copies (head_dim 64 gets its own: the head_dim loops unrolled), called through a
+ * pointer from the OpenMP region (GCC outlines a region before it inlines). */
+typedef void (*prefill_item_fn)(const struct prefill_args *, int, float *, int32_t *);
+static void prefill_item_f32_64(const struct prefill_args *a, int i, float *s, int32_t *p) { prefill_item(a, i, s, p, 64, 0); }
+static void prefill_item_f32(const struct prefill_args *a, int i, float *s, int32_t *p) { prefill_item(a, i, s, p, a->head_dim, 0); }
+static void prefill_item_bf16_64(const struct prefill_args *a, int i, float *s, int32_t *p) { prefill_item(a, i, s, p, 64, 1); }
+static void prefill_item_bf16(const struct prefill_args *a, int i, float *s, int32_t *p) { prefill_item(a, i, s, p, a->head_dim, 1); }
+
 /* Items [item_begin, item_end) over an OpenMP team of num_threads, one item per iteration of a
  * dynamic schedule, the costliest (last) items first; each item is computed by one thread, so the
- * result does not depend on the team size. */
-static inline __attribute__((always_inline)) int prefill_items(
-    const void *q, const void *k_cache, const void *v_cache, const int32_t *block_table, void *out,
-    int num_queries, int num_context, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    long long kv_block_stride, long long kv_token_stride, float scale, int item_begin, int item_end, int io_bf16,
-    int num_threads, int is_bf16) {
-    const int group = num_heads / num_kv_heads;
+ * result does not depend on the team size. Returns 0, or -1 when a thread's scratch allocation failed. */
+static int prefill_items(const struct prefill_args *a, int item_begin, int item_end, int num_threads, int is_bf16,
+                         prefill_item_fn fn) {
+    const int group = a->num_heads / a->num_kv_heads;
     const int ld = (pagedllm_cpu_paged_prefill_block_queries(group) * group + 15) / 16 * 16;
-    const size_t d = (size_t)head_dim;
+    const size_t d = (size_t)a->head_dim;
     /* Scratch: Q^T (d x ld), O^T (d x ld), S^T (PF_BK x ld), m, l, alpha (ld each), widened bf16 K/V rows. */
     const size_t floats = 2 * d * ld + (size_t)PF_BK * ld + 3 * (size_t)ld + (is_bf16 ? 2 * (size_t)PF_BK * d : 0);
     int failed = 0;
+    (void)num_threads; /* without OpenMP the pragmas are ignored: one thread */
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(| : failed)
     {
         float *scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
@@ -657,10 +709,7 @@ static inline __attribute__((always_inline)) int prefill_items(
         failed = scratch == NULL || row_pos == NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int item = item_end - 1; item >= item_begin; item--)
-            if (!failed)
-                prefill_item(q, k_cache, v_cache, block_table, out, num_queries, num_context, num_heads, num_kv_heads,
-                             head_dim, block_size, kv_block_stride, kv_token_stride, scale, item, scratch, row_pos,
-                             is_bf16, io_bf16);
+            if (!failed) fn(a, item, scratch, row_pos);
         free(scratch);
         free(row_pos);
     }
@@ -673,19 +722,15 @@ static inline __attribute__((always_inline)) int prefill_items(
         long long kv_block_stride, long long kv_token_stride, float scale, int item_begin, int item_end,    \
         int io_bf16, int num_threads
 
-/* head_dim 64 gets its own copy (the head_dim loops unrolled). */
-#define PAGED_PREFILL_BODY(IS_BF16)                                                                         \
-    if (head_dim == 64)                                                                                     \
-        return prefill_items(q, k_cache, v_cache, block_table, out, num_queries, num_context, num_heads,   \
-                             num_kv_heads, 64, block_size, kv_block_stride, kv_token_stride, scale,         \
-                             item_begin, item_end, io_bf16, num_threads, IS_BF16);                          \
-    return prefill_items(q, k_cache, v_cache, block_table, out, num_queries, num_context, num_heads,       \
-                         num_kv_heads, head_dim, block_size, kv_block_stride, kv_token_stride, scale,       \
-                         item_begin, item_end, io_bf16, num_threads, IS_BF16);
+#define PAGED_PREFILL_BODY(IS_BF16, FN64, FN)                                                               \
+    const struct prefill_args a = {q, k_cache, v_cache, block_table, out, num_queries, num_context,         \
+                                   num_heads, num_kv_heads, head_dim, block_size, io_bf16, kv_block_stride, \
+                                   kv_token_stride, scale};                                                 \
+    return prefill_items(&a, item_begin, item_end, num_threads, IS_BF16, head_dim == 64 ? FN64 : FN);
 
 /* Prefill attention of items [item_begin, item_end) of one request, float32 K/V cache; q and out
  * are float32 or (io_bf16) bfloat16. */
-int paged_prefill_f32(PAGED_PREFILL_ARGS) { PAGED_PREFILL_BODY(0) }
+int paged_prefill_f32(PAGED_PREFILL_ARGS) { PAGED_PREFILL_BODY(0, prefill_item_f32_64, prefill_item_f32) }
 
 /* Same, bf16 K/V cache (raw uint16 bit patterns). */
-int paged_prefill_bf16(PAGED_PREFILL_ARGS) { PAGED_PREFILL_BODY(1) }
+int paged_prefill_bf16(PAGED_PREFILL_ARGS) { PAGED_PREFILL_BODY(1, prefill_item_bf16_64, prefill_item_bf16) }
