@@ -5,8 +5,10 @@ carry the B decodes plus a fresh prompt of ``P`` tokens (prefilled in that one s
 finished by it), against pure decode steps measured right before each mixed one. The
 ratio mixed / decode is the factor by which one step with P prefill tokens stretches
 every running stream's inter-token gap; the per-token slope is the marginal cost of a
-prefill token. These figures choose the CPU default of
-``EngineConfig.max_prefill_tokens_while_decoding``. One result line; JSON to
+prefill token. These figures chose the CPU default of
+``EngineConfig.max_prefill_tokens_while_decoding`` and the starting shape of the online
+step-cost model (``pagedllm.core.step_cost.DEFAULT_STEP_COST``) that the time-aware budget
+(``max_step_time_ratio``) uses instead. One result line; JSON to
 ``benchmarks/results/step_cost.json``.
 
     .venv/bin/python benchmarks/step_cost.py

@@ -71,9 +71,12 @@ class StepCostCoefficients:
         return np.array([self.base, self.per_decode_token, self.per_prefill_token, self.per_kilo_pair])
 
 
-# Starting point before any step is measured: SmolLM2-135M in float32 on the 2-core Xeon of
-# benchmarks/results/step_cost.json and step_profile.json (decode step at batch 32 ~146 ms,
-# prefill ~2 ms per token quiet); the online fit replaces the scale within a few steps.
+# Starting point before any step is measured, SmolLM2-135M in float32 on the 2-core Xeon:
+# base + 32 decode tokens = the ~146 ms decode step at batch 32 of a quiet machine
+# (benchmarks/step_profile.py); a prompt token ~0.5x a decode token's marginal cost
+# (benchmarks/results/step_cost.json, loaded machine: the ratio, not the scale); 1,024
+# attention pairs ~1/4 of a prompt token (4 x head_dim x heads FLOPs per pair and layer vs
+# 2 x parameters per token). The online fit replaces the scale within a few steps.
 DEFAULT_STEP_COST = StepCostCoefficients(base=0.03, per_decode_token=0.0035, per_prefill_token=0.002,
                                          per_kilo_pair=0.0005)
 # Typical size of each feature in one step: the ridge penalty's units (seconds^2 like one
