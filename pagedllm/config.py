@@ -24,7 +24,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING = 64
 # `serve` on CPU: the time-aware budget instead of that cap: prompt tokens ride along with
 # decodes while the measured step-cost model predicts the step within this multiple of the
-# same step without them (pagedllm.core.step_cost; benchmarks/results/serving_step_time_*.json).
+# same step without them, and at least the former cap's 64 per step (pagedllm.core.step_cost;
+# benchmarks/results/serving_sweep_max_step_time_ratio*.json).
 SERVING_CPU_MAX_STEP_TIME_RATIO = 2.0
 # Weight formats kept at run time (pagedllm.quantization) and KV-cache dtypes (vLLM's names).
 QUANTIZATION_METHODS = ("int8", "int4", "gguf")
@@ -110,11 +111,16 @@ class EngineConfig:
               "within this multiple of the same step without them, so a decoding stream's inter-token gap grows "
               "at most this factor (a number >= 1; 0 = off; default: off offline, "
               f"{SERVING_CPU_MAX_STEP_TIME_RATIO} for `serve` on CPU); the step's first prompt chunk always gets "
-              "at least block_size tokens, so every prompt progresses")
+              "at least min_prefill_tokens_while_decoding tokens, so every prompt progresses")
     max_step_time_ms: float | None = _f(
         None, "time-aware token budget: while requests decode, a step may also grow to this many milliseconds "
               "when that allows more prompt tokens than max_step_time_ratio (an inter-token latency target: "
               "slack for new prompts when decode steps are short; 0 = off; default: off)")
+    min_prefill_tokens_while_decoding: int | None = _f(
+        None, "time-aware token budget: the first prompt chunk of a step in which requests decode may always take "
+              "this many tokens, whatever the step-cost model predicts, so short decode steps (few streams) do not "
+              "slow admission below it (default: block_size; "
+              f"{SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING} for `serve` on CPU, the former fixed cap)")
     long_prefill_token_threshold: int = _f(
         0, "chunked prefill: a prompt with more than this many tokens left to compute is long, and computes at "
            "most this many per step (vLLM's name; 0 = off; default: off, or 4% of max_model_len when "
@@ -181,6 +187,7 @@ class EngineConfig:
         self._positive("max_num_batched_tokens", allow_none=True)
         self._positive("max_prefill_tokens_while_decoding", allow_none=True)
         self._check_step_time_targets()
+        self._positive("min_prefill_tokens_while_decoding", allow_none=True)
         self._positive("max_waiting_requests", allow_none=True)
         self._check_partial_prefills()
         self._positive("tensor_parallel_size")
@@ -298,8 +305,9 @@ class EngineConfig:
 
     def with_serving_defaults(self, device_type: str) -> "EngineConfig":
         """The config a server runs with on ``device_type`` ("cpu", "cuda"). On CPU an unset
-        ``max_step_time_ratio`` becomes SERVING_CPU_MAX_STEP_TIME_RATIO (the time-aware budget);
-        with that budget turned off (``max_step_time_ratio=0``, no ``max_step_time_ms``) an
+        ``max_step_time_ratio`` becomes SERVING_CPU_MAX_STEP_TIME_RATIO (the time-aware budget)
+        and, with the budget on, an unset ``min_prefill_tokens_while_decoding`` becomes
+        SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING; with that budget turned off (``max_step_time_ratio=0``, no ``max_step_time_ms``) an
         unset ``max_prefill_tokens_while_decoding`` becomes SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING
         instead. A value set explicitly is kept (the cap and the budget both apply then)."""
         if device_type != "cpu":
@@ -307,8 +315,11 @@ class EngineConfig:
         config = self
         if config.max_step_time_ratio is None:
             config = config.replace(max_step_time_ratio=SERVING_CPU_MAX_STEP_TIME_RATIO)
-        if config.max_prefill_tokens_while_decoding is None and not config.is_step_time_budget_on:
-            config = config.replace(max_prefill_tokens_while_decoding=SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING)
+        if not config.is_step_time_budget_on:
+            if config.max_prefill_tokens_while_decoding is None:
+                config = config.replace(max_prefill_tokens_while_decoding=SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING)
+        elif config.min_prefill_tokens_while_decoding is None:
+            config = config.replace(min_prefill_tokens_while_decoding=SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING)
         return config
 
     def replace(self, **changes) -> "EngineConfig":

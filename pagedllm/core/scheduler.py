@@ -23,11 +23,11 @@ Policies (documented choices):
 * **Time-aware budget while decoding** (``max_step_time_ratio``, ``max_step_time_ms``;
   :mod:`pagedllm.core.step_cost`). With a target set and chunked prefill on, a step in which
   some request decodes carries prompt tokens only while the online step-cost model predicts
-  the step within ``max(ratio x`` the time of a decode step of the batch the queue will fill
-  (running + waiting, at most ``max_num_seqs``)``, max_step_time_ms)``; each chunk is sized
-  by its own cost (a chunk deep into a long prompt costs more per
-  token). The step's first prompt chunk always gets at least ``block_size`` tokens, so a
-  prompt progresses every step whatever the prediction (with FCFS order: nothing starves).
+  the step within ``max(ratio x`` its time with the decodes alone``, max_step_time_ms)``;
+  each chunk is sized by its own cost (a chunk deep into a long prompt costs more per
+  token). The step's first prompt chunk always gets at least ``min_prefill_tokens_while_decoding``
+  (default ``block_size``) tokens, so a prompt progresses every step whatever the prediction
+  (with FCFS order: nothing starves), and few short decodes do not slow admission below it.
   It composes with the token cap above and the long-prompt rules below (the smallest limit
   wins). The engine feeds the model each step's wall time (``observe_step_time``).
 * **Long prompts** (vLLM's ``long_prefill_token_threshold``, ``max_num_partial_prefills``,
@@ -113,6 +113,7 @@ class Scheduler:
         config: the engine configuration; reads ``block_size``, ``enable_prefix_caching``,
             ``enable_chunked_prefill``, ``max_num_seqs``, ``token_budget``,
             ``max_prefill_tokens_while_decoding``, ``max_step_time_ratio``, ``max_step_time_ms``,
+            ``min_prefill_tokens_while_decoding``,
             ``long_prefill_threshold``,
             ``max_num_partial_prefills``, ``max_long_partial_prefills``, ``max_model_len`` (must be resolved), ``scheduling_policy`` and ``batching``.
         num_kv_blocks: physical KV blocks available.
@@ -604,9 +605,9 @@ class Scheduler:
         if not self.config.is_step_time_budget_on:
             return None
         ms = self.config.max_step_time_ms
-        num_expected = min(self.max_num_seqs, len(self.running) + len(self.waiting))
         return PrefillTimeBudget(self.step_cost, self.config.max_step_time_ratio or None,
-                                 ms / 1000.0 if ms else None, self.block_size, num_expected)
+                                 ms / 1000.0 if ms else None,
+                                 self.config.min_prefill_tokens_while_decoding or self.block_size)
 
     @staticmethod
     def _time_limit(time_budget: PrefillTimeBudget | None, num_computed: int, budget: int) -> int:

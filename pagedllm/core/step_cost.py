@@ -169,33 +169,25 @@ class PrefillTimeBudget:
 
     The scheduler reports the step's decodes first (:meth:`add_decode`); at the first
     prompt chunk the target is fixed: ``max(max_step_time_ratio x`` the predicted time of
-    a decode step of the batch the queue will fill, ``max_step_time_ms)``, and prompt chunks
-    take what is left of it after the step's own decodes (:meth:`limit`, :meth:`take`).
-    The batch the queue will fill is ``num_expected_decodes`` (the scheduler passes
-    running + waiting requests, at most ``max_num_seqs``) or the step's decodes if more:
-    until the waiting requests are admitted, decode steps are shorter than they will be
-    once they are, and spending that difference on their admission costs the running
-    streams no more than the full batch's steady-state gap (time to first token falls;
-    with nothing waiting, the reference is the step's own decodes). A step with no decode
-    has no time limit (nobody waits between tokens). So that every prompt progresses
-    whatever the model predicts, the step's first prompt chunk may always take
-    ``min_tokens``.
+    the step with only those decodes, ``max_step_time_ms)``; prompt chunks then take what
+    is left of it (:meth:`limit`, :meth:`take`). A step with no decode has no time limit
+    (nobody waits between tokens). The step's first prompt chunk may always take
+    ``min_tokens``: every prompt progresses whatever the model predicts, and while few
+    streams decode (short decode steps) prompts are still admitted at least that fast.
 
     Args:
         model: the step-cost model.
         max_step_time_ratio: >= 1, or None (no ratio target).
         max_step_time_s: a floor of the target in seconds, or None.
         min_tokens: prompt tokens the first chunk of a step may always take (>= 1).
-        num_expected_decodes: requests that will decode once the waiting ones are admitted.
     """
 
     def __init__(self, model: StepCostModel, max_step_time_ratio: float | None, max_step_time_s: float | None,
-                 min_tokens: int, num_expected_decodes: int = 0) -> None:
+                 min_tokens: int) -> None:
         self.model = model
         self.ratio = max_step_time_ratio
         self.floor_s = max_step_time_s
         self.min_tokens = min_tokens
-        self.num_expected_decodes = num_expected_decodes
         self._num_decodes = 0
         self._decode_pairs = 0
         self._left_s: float | None = None  # seconds prompt tokens may still add; None until fixed
@@ -213,9 +205,7 @@ class PrefillTimeBudget:
             return None
         if self._left_s is None:
             decode_s = self.model.predict(StepShape(self._num_decodes, 0, self._decode_pairs))
-            num_ref = max(self._num_decodes, self.num_expected_decodes)  # same mean context per decode
-            ref_s = self.model.predict(StepShape(num_ref, 0, self._decode_pairs * num_ref // self._num_decodes))
-            target = max(ref_s * (self.ratio or 1.0), self.floor_s or 0.0)
+            target = max(decode_s * (self.ratio or 1.0), self.floor_s or 0.0)
             self._left_s = target - decode_s
         n = self.model.max_prefill_tokens(self._left_s, num_computed_tokens)
         return max(n, self.min_tokens) if not self._taken else n

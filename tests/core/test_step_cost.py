@@ -101,10 +101,6 @@ def test_budget_fixes_its_target_at_the_first_chunk_and_gives_back():
     assert budget.limit(0) == 0  # 0.4 s left: not one token (and the minimum is for the first chunk)
     budget.give_back("x")
     assert budget.limit(0) == 4
-    # 3 requests will decode once the waiting ones are in: the reference is a 4 s decode step
-    budget = PrefillTimeBudget(model, 2.2, None, min_tokens=1, num_expected_decodes=3)
-    budget.add_decode(3)
-    assert budget.limit(0) == 13  # 8.8 s - 2 s = 6.8 s of prompt
 
 
 # ---- the scheduler's policy on synthetic step costs --------------------------------------
@@ -129,27 +125,26 @@ def test_prompt_chunks_fill_the_step_up_to_the_ratio_of_a_decode_step():
     long = make_request("L", list(range(3, 23)), max_tokens=1)  # 20 tokens
     s.add_request(long)
     reqs.append(long)
-    for _ in range(4):
+    for _ in range(6):
         r.step()
-    # a and L will decode: the reference is a 2-decode step, 3 s (base 1 + 2 decodes); 2.2x = 6.6 s,
-    # less the step's own 1-decode 2 s: 4.6 s of prompt = 9 tokens
-    assert s.step_trace[1:5] == [{"a": 1, "L": 9}, {"a": 1, "L": 9}, {"a": 1, "L": 2}, {"a": 1}]
-    _decoding(s, r, "b")  # a, b and M: 4 s; 8.8 s - 3 s = 5.8 s of prompt = 11 tokens
+    # a decode step = 2 s (base 1 + 1 decode); 2.2x = 4.4 s: 2.4 s of prompt = 4 tokens
+    assert s.step_trace[1:7] == [{"a": 1, "L": 4}] * 5 + [{"a": 1}]
+    _decoding(s, r, "b")  # two decoders: 3 s; 6.6 s: 3.6 s of prompt = 7 tokens
     s.add_request(make_request("M", list(range(30, 50)), max_tokens=1))
     r.step()
-    assert s.step_trace[-1] == {"a": 1, "b": 1, "M": 11}
+    assert s.step_trace[-1] == {"a": 1, "b": 1, "M": 7}
     run_to_completion(r)
     assert long.output_token_ids == reference_output(long.prompt_token_ids, 1, 64)
     assert s.kv_cache_manager.num_used_blocks == 0
 
 
 def test_millisecond_target_gives_slack_when_decode_steps_are_short():
-    s = _scheduler(max_step_time_ratio=2.2, max_step_time_ms=8100)
+    s = _scheduler(max_step_time_ratio=2.2, max_step_time_ms=5100)
     r = FakeRunner(s)
     _decoding(s, r, "a")
-    s.add_request(make_request("L", list(range(3, 33)), max_tokens=1))
+    s.add_request(make_request("L", list(range(3, 23)), max_tokens=1))
     r.step()
-    assert s.step_trace[-1] == {"a": 1, "L": 12}  # max(6.6 s, 8.1 s) - 2 s = 6.1 s of prompt: 12 tokens
+    assert s.step_trace[-1] == {"a": 1, "L": 6}  # max(4.4 s, 5.1 s) - 2 s = 3.1 s of prompt: 6 tokens
 
 
 def test_token_cap_and_long_prompt_threshold_still_bound_the_chunk():
@@ -177,8 +172,8 @@ def test_a_step_without_decodes_takes_the_whole_token_budget():
 
 
 def test_nothing_starves_when_no_prompt_token_fits_the_target():
-    # prompt tokens cost 10 s each, the ratio-1 target leaves less: no prompt token fits by the
-    # model; the step's first chunk still gets block_size (4) tokens, so prompts finish in FCFS order
+    # prompt tokens cost 10 s each, the ratio-1 target leaves nothing: no prompt token fits by
+    # the model; the step's first chunk still gets block_size (4) tokens, so prompts finish in FCFS order
     s = _scheduler(STEEP, max_step_time_ratio=1.0)
     r = FakeRunner(s)
     reqs = _decoding(s, r, "a")
@@ -193,6 +188,20 @@ def test_nothing_starves_when_no_prompt_token_fits_the_target():
     assert s.kv_cache_manager.num_used_blocks == 0
 
 
+def test_min_prefill_tokens_while_decoding_is_the_first_chunk_floor():
+    s = _scheduler(STEEP, max_step_time_ratio=2.2, min_prefill_tokens_while_decoding=6)
+    r = FakeRunner(s)
+    _decoding(s, r, "a")
+    s.add_request(make_request("L", list(range(3, 23)), max_tokens=1))
+    s.add_request(make_request("M", list(range(30, 35)), max_tokens=1))
+    for _ in range(2):
+        r.step()
+    # 2.4 s of room, a prompt token costs 10 s: the floor, and nothing for M behind L
+    assert s.step_trace[1:3] == [{"a": 1, "L": 6}, {"a": 1, "L": 6}]
+    with pytest.raises(ValueError, match="min_prefill_tokens_while_decoding"):
+        make_config(min_prefill_tokens_while_decoding=0)
+
+
 def test_steps_stay_within_the_target_once_the_model_has_learnt_the_costs():
     # the fake clock: every step takes TRUE's seconds for its shape; the model starts from
     # the default (3x off in shape and 10-50x in scale) and learns from what it observes
@@ -205,7 +214,6 @@ def test_steps_stay_within_the_target_once_the_model_has_learnt_the_costs():
         if step % 3 == 0 and len(s.requests) < 30:
             s.add_request(make_request(f"q{step}", [rng.randrange(3, 20) for _ in range(rng.randint(20, 300))],
                                        max_tokens=rng.randint(10, 60)))
-        num_ref = min(32, len(s.running) + len(s.waiting))  # the batch the queue will fill
         so = s.schedule()
         decode_pairs = sum(attention_pairs(s.requests[rid].num_computed_tokens, 1)
                            for rid, n in so.num_scheduled_tokens.items() if n == 1)
@@ -213,9 +221,8 @@ def test_steps_stay_within_the_target_once_the_model_has_learnt_the_costs():
         shape = so.step_shape
         s.observe_step_time(so, _seconds(shape))
         if step >= 50 and shape.num_decode_tokens and shape.num_prefill_tokens > 16:  # past the minimum chunk
-            num_ref = max(num_ref, shape.num_decode_tokens)
-            reference = StepShape(num_ref, 0, decode_pairs * num_ref // shape.num_decode_tokens)
-            ratios.append(_seconds(shape) / _seconds(reference))
+            decode_only = StepShape(shape.num_decode_tokens, 0, decode_pairs)
+            ratios.append(_seconds(shape) / _seconds(decode_only))
     assert len(ratios) > 30
     assert max(ratios) < 2.0 * 1.25  # within the target, up to the fit's error
     assert sorted(ratios)[len(ratios) // 2] > 1.5  # and the steps are used, not left idle
@@ -259,6 +266,9 @@ def test_step_time_targets_are_validated_by_name_and_on_the_command_line():
     cpu = make_config().with_serving_defaults("cpu")
     assert cpu.max_step_time_ratio == SERVING_CPU_MAX_STEP_TIME_RATIO and cpu.is_step_time_budget_on
     assert cpu.max_prefill_tokens_while_decoding is None  # the budget replaces the token cap
+    assert cpu.min_prefill_tokens_while_decoding == SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING  # ... as a floor
+    assert make_config(min_prefill_tokens_while_decoding=8).with_serving_defaults(
+        "cpu").min_prefill_tokens_while_decoding == 8
     off = make_config(max_step_time_ratio=0).with_serving_defaults("cpu")
     assert not off.is_step_time_budget_on
     assert off.max_prefill_tokens_while_decoding == SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING  # the cap as before
