@@ -22,11 +22,6 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 # (benchmarks/results/step_cost.json). Offline (LLM.generate) nobody waits between tokens:
 # no cap, like vLLM's larger offline budget (its defaults differ by usage context too).
 SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING = 64
-# `serve` on CPU: the time-aware budget instead of that cap: prompt tokens ride along with
-# decodes while the measured step-cost model predicts the step within this multiple of the
-# same step without them, and at least the former cap's 64 per step (pagedllm.core.step_cost;
-# benchmarks/results/serving_sweep_max_step_time_ratio*.json).
-SERVING_CPU_MAX_STEP_TIME_RATIO = 2.0
 # Weight formats kept at run time (pagedllm.quantization) and KV-cache dtypes (vLLM's names).
 QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
@@ -109,9 +104,9 @@ class EngineConfig:
         None, "time-aware token budget (chunked prefill): while requests decode, prompt tokens join a step only "
               "as far as the step-cost model, measured online from the engine's own steps, predicts the step "
               "within this multiple of the same step without them, so a decoding stream's inter-token gap grows "
-              "at most this factor (a number >= 1; 0 = off; default: off offline, "
-              f"{SERVING_CPU_MAX_STEP_TIME_RATIO} for `serve` on CPU); the step's first prompt chunk always gets "
-              "at least min_prefill_tokens_while_decoding tokens, so every prompt progresses")
+              "at most this factor (a number >= 1, e.g. 2; 0 or unset = off: measured on a loaded 2-core CPU it "
+              "did not beat the fixed cap, README result 8); the step's first prompt chunk always gets at least "
+              "min_prefill_tokens_while_decoding tokens, so every prompt progresses; replaces `serve`'s default cap")
     max_step_time_ms: float | None = _f(
         None, "time-aware token budget: while requests decode, a step may also grow to this many milliseconds "
               "when that allows more prompt tokens than max_step_time_ratio (an inter-token latency target: "
@@ -120,7 +115,7 @@ class EngineConfig:
         None, "time-aware token budget: the first prompt chunk of a step in which requests decode may always take "
               "this many tokens, whatever the step-cost model predicts, so short decode steps (few streams) do not "
               "slow admission below it (default: block_size; "
-              f"{SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING} for `serve` on CPU, the former fixed cap)")
+              f"{SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING} for `serve` on CPU, its fixed cap's value)")
     long_prefill_token_threshold: int = _f(
         0, "chunked prefill: a prompt with more than this many tokens left to compute is long, and computes at "
            "most this many per step (vLLM's name; 0 = off; default: off, or 4% of max_model_len when "
@@ -304,17 +299,15 @@ class EngineConfig:
         return max(self.max_model_len, 2048)
 
     def with_serving_defaults(self, device_type: str) -> "EngineConfig":
-        """The config a server runs with on ``device_type`` ("cpu", "cuda"). On CPU an unset
-        ``max_step_time_ratio`` becomes SERVING_CPU_MAX_STEP_TIME_RATIO (the time-aware budget)
-        and, with the budget on, an unset ``min_prefill_tokens_while_decoding`` becomes
-        SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING; with that budget turned off (``max_step_time_ratio=0``, no ``max_step_time_ms``) an
+        """The config a server runs with on ``device_type`` ("cpu", "cuda"). On CPU, with the
+        time-aware budget on (``max_step_time_ratio`` / ``max_step_time_ms`` set), an unset
+        ``min_prefill_tokens_while_decoding`` becomes SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING;
+        with it off (the default) an
         unset ``max_prefill_tokens_while_decoding`` becomes SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING
         instead. A value set explicitly is kept (the cap and the budget both apply then)."""
         if device_type != "cpu":
             return self
         config = self
-        if config.max_step_time_ratio is None:
-            config = config.replace(max_step_time_ratio=SERVING_CPU_MAX_STEP_TIME_RATIO)
         if not config.is_step_time_budget_on:
             if config.max_prefill_tokens_while_decoding is None:
                 config = config.replace(max_prefill_tokens_while_decoding=SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING)

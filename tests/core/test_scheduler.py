@@ -453,7 +453,7 @@ def test_get_stats_figures():
 def test_serving_default_caps_prompt_tokens_on_cpu_only():
     from pagedllm.config import SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING
 
-    config = make_config(max_step_time_ratio=0)  # the time-aware budget off (tests/core/test_step_cost.py)
+    config = make_config()
     assert config.max_prefill_tokens_while_decoding is None  # offline: no cap
     assert (config.with_serving_defaults("cpu").max_prefill_tokens_while_decoding
             == SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING)
