@@ -133,3 +133,20 @@ def test_serve_port_out_of_range_is_an_argument_error(port, capsys):
         build_parser().parse_args(["serve", "--port", port])
     assert exit_info.value.code == 2
     assert "--port: must be a TCP port from 0 to 65535" in capsys.readouterr().err
+
+
+def test_chat_survives_a_turn_that_does_not_fit(tiny_model_dir, monkeypatch, capsys):
+    """A message that makes the conversation outgrow max_model_len is refused with the reason and
+    the chat goes on with the conversation so far (was: exit 2, the conversation lost)."""
+    lines = iter(["Hi", "word " * 80, "Bye", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    rc = main(["chat", "-m", str(tiny_model_dir), "--max-tokens", "3", "--num-kv-blocks", "32",
+               "--max-model-len", "64"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "maximum context length is 64 tokens" in captured.err and "the message was not added" in captured.err
+    turns = [ln for ln in captured.err.splitlines() if ln.endswith("from the prefix cache]")]
+    assert len(turns) == 2 and captured.out.count("assistant> ") == 2
+    # the third turn's prompt holds the first turn and "Bye", not the refused message
+    first, third = (int(t.strip("[").split()[0]) for t in turns)
+    assert first < third < 64

@@ -186,7 +186,13 @@ def _chat(args) -> int:
         if not line:
             break
         history.append({"role": "user", "content": line})
-        out = llm.chat(history, params, use_tqdm=False, chat_template=template)[0]
+        try:
+            out = llm.chat(history, params, use_tqdm=False, chat_template=template)[0]
+        except ValueError as e:  # e.g. the conversation outgrew max_model_len: keep it, drop this turn
+            history.pop()
+            print(f"error: {e}\n(the message was not added; send a shorter one, or an empty line to quit)",
+                  file=sys.stderr)
+            continue
         answer = out.outputs[0].text
         print(f"assistant> {answer}")
         print(f"[{len(out.prompt_token_ids)} prompt tokens, {out.num_cached_tokens} from the prefix cache]",
