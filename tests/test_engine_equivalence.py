@@ -288,3 +288,22 @@ def test_user_ids_never_collide_with_child_ids(tiny_model_dir):
     assert [c.token_ids for c in finished["x"].outputs] == [ref, ref]
     assert finished["x#0"].outputs[0].token_ids == ref == finished["x#1#0"].outputs[0].token_ids
     _assert_all_free(llm)
+
+
+def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(tiny_model_dir):
+    """A stop string completed by the token that also reaches max_tokens ends the sequence as
+    "stop" with that string, its text cut there (vLLM checks stop strings before the length cap;
+    was: the text cut but finish_reason "length", stop_reason None)."""
+    llm = _make(tiny_model_dir)
+    prompt = PROMPTS[0]
+    full = llm.generate(prompt, _greedy(6), use_tqdm=False)[0].outputs[0].text
+    before = llm.generate(prompt, _greedy(5), use_tqdm=False)[0].outputs[0].text
+    assert full.startswith(before) and len(full) > len(before)
+    # the shortest suffix of the text that first occurs at its end: only token 6 completes it
+    stop = next(full[-k:] for k in range(len(full) - len(before), len(full) + 1) if full.find(full[-k:]) == len(full) - k)
+    for max_tokens in (6, 8):  # the same token reaches max_tokens, or not
+        out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, stop=[stop]),
+                           use_tqdm=False)[0].outputs[0]
+        assert (out.text, out.finish_reason, out.stop_reason, len(out.token_ids)) == \
+            (full[:-len(stop)], "stop", stop, 6)
+    _assert_all_free(llm)

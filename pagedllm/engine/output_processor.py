@@ -159,9 +159,11 @@ class OutputProcessor:
         ended_by_token = (status == RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str)
                           and not req.sampling_params.include_stop_str_in_output)
         stop_str = seq.detokenizer.update(new_ids, stop_terminated=ended_by_token) if new_ids else None
-        if stop_str is not None and not status.is_finished:
+        # A stop string wins over the length cap reached by the same token (vLLM checks stop
+        # strings before max_tokens / max_model_len): the text is cut at it, so the reason is "stop".
+        if stop_str is not None and (not status.is_finished or status == RequestStatus.FINISHED_LENGTH_CAPPED):
             seq.finish_reason, seq.stop_reason = "stop", stop_str
-            return True
+            return not status.is_finished
         if status.is_finished:
             seq.finish_reason = status.finish_reason
             seq.stop_reason = req.stop_reason
