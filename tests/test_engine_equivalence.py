@@ -8,6 +8,7 @@ block is free again after each generate call.
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -163,6 +164,16 @@ def test_config_errors_name_the_field(tiny_model_dir):
         LLM(model="no-such-model-alias")
     with pytest.raises(TypeError, match="unknown options"):
         LLM(model=str(tiny_model_dir), max_num_seq=3)
+
+
+@pytest.mark.parametrize("field,value", [("seed", "x"), ("seed", 1.5), ("gpu_memory_utilization", "0.5"),
+                                         ("max_logprobs", "5"), ("max_logprobs", -1)])
+def test_config_values_of_the_wrong_type_name_the_field(field, value):
+    """(was: ``int('x')``'s message, or a TypeError comparing a str with a number)"""
+    from pagedllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"^{field} must be .*got {re.escape(repr(value))}$"):
+        EngineConfig(**{field: value})
 
 
 def test_max_tokens_none_runs_to_max_model_len(tiny_model_dir):
