@@ -777,3 +777,9 @@ def test_retrieve_model_by_name(client):
     assert card["id"] == MODEL and card["object"] == "model"
     error = assert_error(client.get("/v1/models/org/other-model"), 404, "model")
     assert "`org/other-model` does not exist" in error["message"] and MODEL in error["message"]
+
+
+def test_a_bad_query_parameter_is_named(client):
+    """A query parameter of the wrong type is a 400 naming it (was: param "query")."""
+    error = assert_error(client.get("/kv/state?engine=abc"), 400, "engine")
+    assert error["message"].startswith("engine: ")

@@ -85,7 +85,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return "Malformed JSON in the request body: " + str(first.get("ctx", {}).get("error", first.get("msg"))), None
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ())]
+    if loc and loc[0] in ("body", "query", "path", "header"):  # where it came from, not the field
+        loc = loc[1:]
     field = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"
     if first.get("type") == "missing":
