@@ -92,6 +92,8 @@ def _stream_chat(client, **kw):
     content, calls, finish = "", {}, None
     for chunk in client.chat.completions.create(stream=True, **kw):
         for ch in chunk.choices:
+            # every chunk carries something (no empty deltas while a tool call is held back)
+            assert ch.delta.content is not None or ch.delta.tool_calls or ch.finish_reason or ch.logprobs, chunk
             content += ch.delta.content or ""
             for tc in ch.delta.tool_calls or []:
                 if tc.index not in calls:

@@ -148,6 +148,8 @@ class OpenAIServingChat(OpenAIServing):
             for c in out.outputs:
                 num_completion += len(c.token_ids)
                 content, tool_calls, finish_reason = tool_stream.delta(c.index, c.text, c.finish_reason)
+                if content is None and not tool_calls and finish_reason is None and not req.logprobs:
+                    continue  # the tool-call parser holds this text back: nothing to send (as vLLM)
                 choices.append(ChatStreamChoice(
                     index=c.index, delta=DeltaMessage(content=content, tool_calls=tool_calls),
                     logprobs=self._logprobs(req, c) if req.logprobs else None,
