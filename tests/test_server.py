@@ -309,6 +309,26 @@ def test_malformed_json_and_wrong_types(client):
     assert_error(client.get("/v1/nothing-here"), 404)
 
 
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/completions", "max_tokens", "2"), ("/v1/completions", "max_tokens", True),
+    ("/v1/completions", "max_tokens", 2.5), ("/v1/completions", "n", "1"), ("/v1/completions", "logprobs", True),
+    ("/v1/completions", "frequency_penalty", False), ("/v1/completions", "temperature", "0.5"),
+    ("/v1/completions", "seed", "7"), ("/v1/completions", "top_k", True), ("/v1/completions", "priority", "1"),
+    ("/v1/completions", "logit_bias", {"5": True}), ("/v1/chat/completions", "max_completion_tokens", "3"),
+    ("/v1/chat/completions", "top_logprobs", True),
+])
+def test_numbers_are_json_numbers(client, path, field, value):
+    """A string or a boolean for a numeric field is a 400 naming it, as OpenAI answers and the
+    OpenAPI document says (was: coerced, `"max_tokens": "2"` ran 2 tokens)."""
+    body = {"model": MODEL, "prompt": "hi"} if path == "/v1/completions" else {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+    assert_error(client.post(path, json={**body, field: value}), 400, field)
+    # a float field takes a JSON integer
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 1,
+                                             "frequency_penalty": 0, "logit_bias": {"5": 1}})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
 def test_max_tokens_null_runs_to_the_context_limit(client):
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 54, "max_tokens": None})
     assert r.status_code == 200

@@ -53,7 +53,9 @@ class OpenAIBase(BaseModel):
 
 TokenId = Annotated[int, Field(ge=0, strict=True)]  # strict: a JSON boolean is not a token id
 # Boolean fields are StrictBool for the same reason the other way round: OpenAI answers 400 to
-# `"stream": 0` or `"echo": "true"`, and the OpenAPI document says boolean.
+# `"stream": 0` or `"echo": "true"`, and the OpenAPI document says boolean. Numeric request fields
+# are strict too (`"max_tokens": "16"`, `"frequency_penalty": false` → 400); a float field takes
+# a JSON integer.
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 _warned_fields: set[str] = set()
 
@@ -95,22 +97,23 @@ class _Request(_RequestBase):
     """Fields shared by completions and chat requests (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
-    n: int = Field(1, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, strict=True)
+    temperature: float | None = Field(None, ge=0, strict=True)
+    top_p: float | None = Field(None, gt=0, le=1, strict=True)
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stream: StrictBool = False
     stream_options: "StreamOptions | None" = None
-    seed: int | None = Field(None, ge=-(2**63 - 1), le=2**63 - 1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]] | None = None
+    seed: int | None = Field(None, ge=-(2**63 - 1), le=2**63 - 1, strict=True)
+    presence_penalty: float | None = Field(None, ge=-2, le=2, strict=True)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, strict=True)
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]+$")],
+                     Annotated[float, Field(ge=-100, le=100, strict=True)]] | None = None
     user: str | None = None  # a label: shown in the request's log line
     # vLLM's extra sampling fields
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
-    min_tokens: int = Field(0, ge=0)
+    top_k: int | None = Field(None, ge=-1, strict=True)
+    min_p: float | None = Field(None, ge=0, le=1, strict=True)
+    repetition_penalty: float | None = Field(None, gt=0, strict=True)
+    min_tokens: int = Field(0, ge=0, strict=True)
     ignore_eos: StrictBool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: StrictBool = True
@@ -118,7 +121,7 @@ class _Request(_RequestBase):
     include_stop_str_in_output: StrictBool = False
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     bad_words: list[NonEmptyStr] | None = None
-    priority: int = 0
+    priority: int = Field(0, strict=True)
     request_id: str | None = None
     return_tokens_as_token_ids: StrictBool = False
     # Output constraints: translated and validated by structured_outputs.py (400 naming the field).
@@ -169,16 +172,16 @@ class CompletionRequest(_Request):
     prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
-    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt alone, scored
-    logprobs: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(16, ge=0, strict=True)  # 0 only with echo: the prompt alone, scored
+    logprobs: int | None = Field(None, ge=0, strict=True)
     echo: StrictBool = False
-    best_of: int | None = Field(None, ge=1)
-    prompt_logprobs: int | None = Field(None, ge=0)
+    best_of: int | None = Field(None, ge=1, strict=True)
+    prompt_logprobs: int | None = Field(None, ge=0, strict=True)
     add_special_tokens: StrictBool = True
     suffix: str | None = None
     use_beam_search: StrictBool | None = None
-    length_penalty: float | None = None
-    truncate_prompt_tokens: int | None = None
+    length_penalty: float | None = Field(None, strict=True)
+    truncate_prompt_tokens: int | None = Field(None, strict=True)
 
     _REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "suffix": ("",), "use_beam_search": (False,), "length_penalty": (1.0,), "truncate_prompt_tokens": ()}
@@ -329,11 +332,11 @@ class ChatCompletionRequest(_Request):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     logprobs: StrictBool = False
-    top_logprobs: int | None = Field(None, ge=0)
-    prompt_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, strict=True)
+    prompt_logprobs: int | None = Field(None, ge=0, strict=True)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template: str | None = None
