@@ -375,3 +375,23 @@ def test_results_do_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_torch_compile_traces_the_torch_code():
+    """Under torch.compile the kernels step aside (a ctypes call would break the graph): the
+    layers trace as one graph and compute what they compute eagerly, to a few ulp."""
+    norm = make_norm(RMSNorm, 64, torch.float32)
+    mlp = GatedMLP(64, 96, "silu").requires_grad_(False)
+    mlp.gate_up_proj.weight.copy_(randn(192, 64, scale=0.1, seed=7))
+    mlp.down_proj.weight.copy_(randn(64, 96, scale=0.1, seed=8))
+
+    def layer(x, residual):
+        hidden, residual = norm(x, residual)
+        return mlp(hidden), residual
+
+    x, residual = randn(8, 64), randn(8, 64, seed=2)
+    with torch.no_grad():
+        eager = layer(x.clone(), residual.clone())
+        compiled = torch.compile(layer, backend="eager", fullgraph=True)(x.clone(), residual.clone())
+    for a, b in zip(compiled, eager):
+        assert_close_ulps(a, b, 64, 64 * f32_ulp(b.abs().amax()))
