@@ -15,6 +15,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from pagedllm.compilation.config import CompilationConfig
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # `serve` on CPU: prompt tokens a step may carry while requests decode. On CPU a step's time
 # grows with its tokens, so a prompt token costs a decode stream about what a decode token
@@ -91,7 +93,12 @@ class EngineConfig:
     block_size: int = _f(16, "tokens per KV-cache block (power of two, 1..256)")
     gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory the engine may use (CUDA only)")
     kv_cache_memory: int | str | None = _f(None, "KV pool size on CPU in bytes or like '2GiB' (default 1GiB)")
-    enforce_eager: bool = _f(False, "run every step eagerly: no CUDA graphs for decode (CUDA only)")
+    enforce_eager: bool = _f(False, "run every step eagerly: no CUDA graphs for decode, no torch.compile")
+    compilation_config: int | str | dict | None = _f(
+        None, "torch.compile the model's forward (CPU; vLLM's option): a mode, 0 = eager or 3 = compiled, or a JSON "
+              "object such as '{\"mode\": 3, \"dynamic\": true, \"inductor_compile_config\": {\"freezing\": "
+              "true}}'; compiles at start-up; compiled float32 rounds differently from eager; enforce_eager wins "
+              "(default: eager)")
     num_kv_blocks: int | None = _f(None, "override the number of KV blocks (tests, benchmarks)")
     enable_prefix_caching: bool = _f(True, "share KV blocks between requests with a common prompt prefix")
     enable_chunked_prefill: bool = _f(True, "split long prompts across steps under the token budget")
@@ -152,6 +159,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         validate_block_size(self.block_size)
+        CompilationConfig.parse(self.compilation_config)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -261,6 +269,12 @@ class EngineConfig:
             return
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+    @property
+    def compilation(self) -> CompilationConfig:
+        """``compilation_config`` parsed; mode 0 (eager) with ``enforce_eager``, as in vLLM."""
+        parsed = CompilationConfig.parse(self.compilation_config)
+        return dataclasses.replace(parsed, mode=0) if self.enforce_eager and parsed.is_compiled else parsed
 
     @property
     def kv_cache_memory_bytes(self) -> int:

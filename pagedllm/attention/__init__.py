@@ -111,9 +111,23 @@ class Attention(nn.Module):
         # KV-cache group whose block tables this layer reads (set by the model runner
         # with the cache; see pagedllm.core.kv_cache_groups).
         self.kv_cache_group = 0
+        # Set by pagedllm.compilation: the name torch.compile's graph calls this layer by
+        # (one opaque op per layer); None = never compiled.
+        self.compiled_op_name: str | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query: (T, num_heads, head_dim); key/value: (T, num_kv_heads, head_dim) -> (T, num_heads, head_dim).
+
+        While torch.compile traces a registered layer, one opaque op
+        (:mod:`pagedllm.compilation.attention_op`) that runs :meth:`forward_eager`; otherwise
+        :meth:`forward_eager` itself.
+        """
+        if self.compiled_op_name is not None and torch.compiler.is_compiling():
+            return torch.ops.pagedllm.paged_attention(query, key, value, self.compiled_op_name)
+        return self.forward_eager(query, key, value)
+
+    def forward_eager(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The attention itself, shapes as :meth:`forward`.
 
         With step metadata in the forward context, K/V are written to the bound cache and
         each request attends to its own cached context. With ``attn_metadata=None`` (memory

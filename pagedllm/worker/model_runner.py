@@ -156,6 +156,7 @@ class ModelRunner:
                              f"{type(self.attn_backend).__name__} backend; use auto or bfloat16, or the torch, cpu or "
                              f"triton attention backend")
         self.model = self._load_model(model_files)
+        self.compiled_model = self._compile_model()  # None: eager (the default)
         self.vocab_size = int(model_files.hf_config.vocab_size)
         self.eos_token_id = model_files.eos_token_id
         self.block_size = config.block_size
@@ -193,6 +194,35 @@ class ModelRunner:
         logger.info("weights: %d linear layers kept as %s, %.1f MiB in all", num_quantized, quant.name,
                     weight_bytes(model) / 2**20)
         return model.eval()
+
+    def _compile_model(self):
+        """A :class:`~pagedllm.compilation.compiled_model.CompiledModel` when
+        ``compilation_config`` asks for one (compiled at :meth:`initialize_kv_cache`), else None.
+        Raises ValueError on a device or with tensor parallelism it does not support."""
+        compilation = self.config.compilation
+        if not compilation.is_compiled:
+            return None
+        if self.device.type != "cpu":
+            raise ValueError(f"compilation_config mode 3 runs on the CPU device only, got {self.device.type!r}; "
+                             f"use enforce_eager or leave compilation_config unset")
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("compilation_config mode 3 is not supported with tensor_parallel_size > 1")
+        from pagedllm.compilation.compiled_model import CompiledModel
+
+        return CompiledModel(self.model, compilation)
+
+    def _warmup_metadata(self, num_tokens: int) -> list[AttentionMetadata]:
+        """``num_tokens`` one-token requests, each at position 0 of block 0 (compile warm-up, before
+        any request owns a block: it writes garbage K/V into block 0), per KV-cache group."""
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=dev),
+            query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(num_tokens, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros((num_tokens, 1), dtype=torch.int32, device=dev),
+            num_decodes=num_tokens, num_decode_tokens=num_tokens, max_query_len=1, max_seq_len=1,
+            query_start_loc_cpu=list(range(num_tokens + 1)), seq_lens_cpu=[1] * num_tokens)
+        return [meta] * len(self.kv_cache_groups)
 
     def _quantization_config(self, model_files: ModelFiles, model: torch.nn.Module) -> QuantizationConfig | None:
         """The weight format for ``config.quantization`` (None: float weights)."""
@@ -356,6 +386,8 @@ class ModelRunner:
             except RuntimeError as e:  # a model or backend op that cannot be captured: stay eager
                 logger.warning("CUDA graph capture failed (%s); decode runs eagerly", e)
                 self.decode_graphs = None
+        if self.compiled_model is not None:
+            self.compiled_model.warm_up(self._warmup_metadata, self.device)
         logger.info("weights: %s; %s", format_bytes(self.weight_bytes()), self.kv_spec.describe())
         return self.kv_spec
 
@@ -508,10 +540,12 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  metas: list[AttentionMetadata]) -> torch.Tensor:
         """The model's hidden states (metadata per KV-cache group): decode-only batches through
-        the (padded, captured) decode graphs."""
+        the (padded, captured) decode graphs; with ``compilation_config``, the compiled forward."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(metas[0]):
             return self.decode_graphs.run(input_ids, positions, metas)
         with set_forward_context(metas):
+            if self.compiled_model is not None:
+                return self.compiled_model(input_ids, positions)
             return self.model(input_ids, positions)
 
     def _sample(self, b: _StepBatch, hidden: torch.Tensor, cu: np.ndarray, out: ModelRunnerOutput,
