@@ -83,9 +83,11 @@ def cpu_ops() -> CpuOps | None:
     """The kernels, or None when they are switched off (see :func:`set_enabled`), while
     torch.compile traces, or when the library cannot be built or loaded (logged once)."""
     global _enabled
+    if torch.compiler.is_compiling():  # first: a traced read of _enabled would become a guard on its value
+        return None
     if _enabled is None:
         _enabled = os.environ.get(FUSED_OPS_ENV, "1") != "0"
-    if not _enabled or torch.compiler.is_compiling():
+    if not _enabled:
         return None
     if not _ops:
         with _load_lock:
