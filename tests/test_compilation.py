@@ -126,11 +126,12 @@ def _generate_compiled(model_dir, compilation_config):
 
 
 @pytest.fixture(scope="module")
-def traced_run(random_model_dir):
+def traced_run(random_model_dir):  # tests using it are slow-marked: ~20 s of engine builds, an opt-in feature
     """The opaque attention op and the warm-up, traced without code generation (fast)."""
     return _generate_compiled(random_model_dir, {"mode": 3, "backend": "eager"})
 
 
+@pytest.mark.slow
 def test_traced_graph_equals_eager(traced_run, eager_outputs):
     llm, outputs, graphs_after_warmup = traced_run
     _assert_close_to_eager(outputs, eager_outputs, atol=5e-5)  # plain F.linear vs the eager run's prepacked oneDNN weights
@@ -138,6 +139,7 @@ def test_traced_graph_equals_eager(traced_run, eager_outputs):
     assert llm.llm_engine.get_stats().num_used_blocks == 0
 
 
+@pytest.mark.slow
 def test_step_fitting_no_graph_runs_eagerly(traced_run):
     """A call no compiled graph's guards accept (here: tensors made outside inference mode)
     runs the eager model and is counted; it compiles nothing."""
@@ -162,6 +164,7 @@ def test_inductor_compiled_equals_eager(random_model_dir, eager_outputs):
     _check_no_recompiles(llm, graphs_after_warmup, (1, 64))
 
 
+@pytest.mark.slow
 def test_static_sizes_run_other_sizes_eagerly(random_model_dir, eager_outputs):
     """dynamic=False: only the compile_sizes are compiled; every other step size runs eagerly."""
     torch._dynamo.reset()
