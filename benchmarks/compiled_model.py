@@ -22,17 +22,9 @@ import time
 
 import torch
 
+from bf16_accuracy import QUESTIONS  # the same 16 chat prompts as the bfloat16 accuracy check
 from common import FIRST_ORDINARY_TOKEN_ID, machine_info, write_result
 from pagedllm import LLM, SamplingParams
-
-QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about the sea.", "Explain recursion briefly.",
-    "List three primary colours.", "What is 12 times 7?", "Translate 'good morning' into Spanish.",
-    "Give me a name for a pet turtle.", "Why is the sky blue?", "What does a CPU do?",
-    "Name a famous painter.", "How do plants make food?", "What is the boiling point of water?",
-    "Tell me a fun fact about cats.", "What is Python used for?", "Describe a rainbow.",
-    "Suggest a healthy breakfast.",
-]
 
 
 def fill_decode(llm: LLM, batch: int, prompt_len: int, max_tokens: int) -> None:
