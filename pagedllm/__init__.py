@@ -10,14 +10,13 @@ Public API (imported lazily so ``import pagedllm.core`` needs no torch)::
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
-# Idle OpenMP threads must sleep, not spin: the engine interleaves torch's OpenMP regions
-# with its own kernel threads (attention/cpu_paged.py), the HTTP loop and, on small
-# machines, other processes; spinning threads starve them (measured on 2 cores: 26 vs
-# 139 output tok/s). Only effective before torch is first imported; users can override.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's wait policy is left to the runtime (libgomp: spin briefly between parallel regions,
+# then sleep). A decode step is hundreds of short torch/C parallel regions separated by Python;
+# waking a sleeping team (OMP_WAIT_POLICY=PASSIVE) for each costs more than the spin, measured
+# on 2 cores in benchmarks/results/omp_wait_policy_*.json. Users and the test suite (Makefile)
+# may still set it.
 
 __version__ = "0.1.0"
 
