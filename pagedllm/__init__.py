@@ -10,13 +10,15 @@ Public API (imported lazily so ``import pagedllm.core`` needs no torch)::
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
-# OpenMP's wait policy is left to the runtime (libgomp: spin briefly between parallel regions,
-# then sleep). A decode step is hundreds of short torch/C parallel regions separated by Python;
-# waking a sleeping team (OMP_WAIT_POLICY=PASSIVE) for each costs more than the spin, measured
-# on 2 cores in benchmarks/results/omp_wait_policy_*.json. Users and the test suite (Makefile)
-# may still set it.
+# Idle OpenMP threads sleep (PASSIVE) unless the user sets OMP_WAIT_POLICY: a decode step is
+# hundreds of short parallel regions, and on a machine where other processes compete for the
+# cores a spinning team waits at every barrier for a descheduled thread, many times slower.
+# On a dedicated machine spinning is faster: set OMP_WAIT_POLICY=ACTIVE (both measured by
+# benchmarks/omp_wait_policy.py). Only effective before torch is first imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 
