@@ -32,7 +32,14 @@ class FakeTokenizer:
     specials = {0: "<eos>", 1: "<bos>", 2: "<end>"}
     chat_template = "fake"
 
+    def __init__(self) -> None:
+        self.on_encode = None  # called with the text before encoding it (a test makes it slow)
+        self.encode_threads: list[str] = []  # the thread that encoded each text
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.encode_threads.append(threading.current_thread().name)
+        if self.on_encode is not None:
+            self.on_encode(text)
         return [ord(c) if 3 <= ord(c) < 128 else ord("?") for c in text]
 
     added_tokens_decoder = specials
@@ -110,6 +117,11 @@ class FakeEngine:
         self.added_at_step: list[int] = []  # engine steps run before each add_request
 
     # ---- prompts
+    def front_end(self) -> "FakeEngine":
+        """The tokenizer work, run off the engine thread: these prompt methods only read the
+        tokenizer and the vocabulary size (as LLMEngine's FrontEnd)."""
+        return self
+
     def tokenize_prompt(self, prompt, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, dict):
             prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
@@ -552,3 +564,58 @@ def test_cancelled_batch_add_leaves_nothing_behind():
 
     fake = run(main())
     assert fake.requests == {} and fake.used_blocks() == 0
+
+
+async def _read_for_steps(stream, fake: FakeEngine, num_steps: int) -> int:
+    """Read ``stream`` until the engine ran ``num_steps`` more steps; the tokens read (a
+    deadline of 10 s: a stalled engine fails, it does not hang)."""
+    first, got = fake.stats.num_steps, 0
+
+    async def read() -> None:
+        nonlocal got
+        async for out in stream:
+            got += len(out.outputs[0].token_ids)
+            if got >= num_steps and fake.stats.num_steps - first >= num_steps:
+                return
+
+    await asyncio.wait_for(read(), 10)
+    return got
+
+
+@pytest.mark.parametrize("kind", ["prompt", "chat"])
+def test_slow_tokenization_does_not_hold_back_running_streams(kind):
+    """A prompt or conversation whose tokenization is slow (a huge prompt, a heavy chat
+    template) is tokenized on the front-end thread: while it is stuck, a running request
+    keeps getting tokens step after step, and the slow one is added once it is done."""
+    async def main():
+        fake = FakeEngine(step_s=0.002, max_model_len=4096)
+        stuck, release = threading.Event(), threading.Event()
+
+        def slow_encode(text: str) -> None:
+            if "huge" in text:
+                stuck.set()
+                release.wait(30)
+
+        fake.tokenizer.on_encode = slow_encode
+        eng = AsyncLLMEngine(fake, stats_log_interval_s=0)
+        running = await eng.add_request("running", [5, 6, 7], SamplingParams(max_tokens=3000))
+        if kind == "prompt":
+            slow = asyncio.ensure_future(eng.add_request("slow", "huge " * 500, SamplingParams(max_tokens=2)))
+        else:
+            slow = asyncio.ensure_future(eng.call_front(lambda f: f.apply_chat_template(
+                [{"role": "user", "content": "huge " * 500}])))
+        assert await asyncio.to_thread(stuck.wait, 10)
+        got = await _read_for_steps(running, fake, 20)  # the engine steps while the tokenizer is stuck
+        was_done = slow.done()
+        release.set()
+        result = await slow
+        if kind == "chat":
+            await eng.add_request("slow", result, SamplingParams(max_tokens=2))
+        await _stop(eng)
+        return fake, got, was_done
+
+    fake, got, was_done = run(main())
+    assert got >= 20 and not was_done
+    assert len(fake.prompt_seen) == 2 and len(fake.prompt_seen[1]) > 2000  # added after all
+    huge_threads = set(fake.tokenizer.encode_threads)
+    assert huge_threads and all(name.startswith("pagedllm-frontend") for name in huge_threads), huge_threads

@@ -8,6 +8,7 @@ tests/test_server_openai.py.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import socket
@@ -226,6 +227,37 @@ def test_chat_stream_role_first_and_one_finish_per_choice(client):
                 finishes[c["index"]].append(c["finish_reason"])
     assert texts == {0: "abc", 1: "bcd"} and finishes == {0: ["length"], 1: ["length"]}
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_slow_chat_template_does_not_stall_a_running_stream():
+    """A chat request whose rendering is slow (a huge conversation) is tokenized off the
+    engine thread: a stream already running keeps receiving tokens meanwhile, then the chat
+    request is answered."""
+    fake = FakeEngine(step_s=0.002, max_model_len=4096)
+    stuck, release = threading.Event(), threading.Event()
+    srv, _ = make_server(fake)
+    with srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        chat: dict = {}
+
+        def post_chat() -> None:
+            msgs = [{"role": "user", "content": "huge " * 400}]
+            chat["r"] = c.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 2})
+
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 3000, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            fake.tokenizer.on_encode = lambda text: "huge" in text and (stuck.set(), release.wait(30))
+            poster = threading.Thread(target=post_chat)
+            poster.start()
+            assert stuck.wait(10)
+            events = [line for line in itertools.islice(lines, 60) if line.startswith("data: ")]
+            chat_done_while_stuck = "r" in chat
+            release.set()
+        poster.join(30)
+    assert len(events) >= 25 and not chat_done_while_stuck  # 25+ tokens streamed while the template was stuck
+    assert chat["r"].status_code == 200, chat["r"].text
+    assert chat["r"].json()["usage"]["prompt_tokens"] > 2000
 
 
 # ---------------------------------------------------------------------------- error contract (C27, C11, C29)

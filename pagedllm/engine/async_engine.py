@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Protoc
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError, EngineUnhealthyError
+from pagedllm.engine.front_end import FrontEndThread, needs_tokenizing, tokenize_inputs
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.request_stream import RequestStream, merge_request_output
 from pagedllm.engine.request_tracker import RequestTracker, StatusLogger
@@ -108,6 +109,11 @@ class AsyncLLMEngine:
         log_requests: log one line per finished request.
         stats_log_interval_s: seconds between status log lines (0 disables them).
         name: how status lines name the engine (``"engine 1"`` for a data-parallel replica).
+        front: the tokenizer work (:class:`~pagedllm.engine.front_end.FrontEnd`, or anything with
+            ``tokenizer``, ``tokenize_prompt`` and ``apply_chat_template``) run on a front-end
+            thread of its own (:meth:`call_front`); default ``engine.front_end()``. Without
+            either (a replica proxy: its data-parallel front tokenizes), tokenizer work runs
+            on the engine thread.
 
     Request ids: the id a caller passes is a *label* (logs, responses), never used by the
     engine; each engine request gets an internal id ``f"{label}-{k}"`` with ``k`` from a
@@ -118,8 +124,11 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: SyncEngine, *, max_waiting_requests: int | None = None,
                  metrics: "EngineMetrics | None" = None, log_requests: bool = True,
-                 stats_log_interval_s: float = 10.0, name: str = "engine") -> None:
+                 stats_log_interval_s: float = 10.0, name: str = "engine", front: Any = None) -> None:
         self.engine = engine
+        if front is None and hasattr(engine, "front_end"):
+            front = engine.front_end()
+        self._front_thread = FrontEndThread(front) if front is not None else None
         if max_waiting_requests is None:
             max_waiting_requests = engine.config.max_waiting_requests
         self.max_waiting_requests = max_waiting_requests
@@ -156,7 +165,7 @@ class AsyncLLMEngine:
     @property
     def tokenizer(self) -> Any:
         """The tokenizer. Decoding from the event loop is safe (read-only); encoding goes
-        through :meth:`call` so the engine thread stays its only heavy user."""
+        through :meth:`call_front`, off the event loop and off the engine thread."""
         return self.engine.tokenizer
 
     @property
@@ -194,6 +203,8 @@ class AsyncLLMEngine:
         (``engine.shutdown()``: tensor-parallel workers, replica processes); every open stream
         then raises EngineDeadError(``reason``), and so does every later request. Idempotent."""
         self._is_stopped = True
+        if self._front_thread is not None:
+            self._front_thread.shutdown()
         if self._thread is None:
             await asyncio.to_thread(self._shutdown_engine)  # never started: nothing else will
             return
@@ -286,6 +297,8 @@ class AsyncLLMEngine:
             raise EngineOverloadedError(
                 f"the server is overloaded: {self.num_waiting_estimate()} requests are waiting "
                 f"(max_waiting_requests={self.max_waiting_requests}); retry later")
+        if self._front_thread is not None and any(needs_tokenizing(item.prompt) for item in inputs):
+            inputs = await self.call_front(lambda front: tokenize_inputs(front, inputs))
         user_kind = params.output_kind
         params = params.clone()
         params.output_kind = RequestOutputKind.DELTA
@@ -340,8 +353,8 @@ class AsyncLLMEngine:
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread (between steps) and return its result.
 
-        For tokenizer work (prompt processing, chat templates) so the engine thread
-        remains the only user of the engine. Exceptions of ``fn`` propagate; raises
+        The engine thread remains the only user of the engine (tokenizer work goes to
+        :meth:`call_front` instead, which does not wait for a step). Exceptions of ``fn`` propagate; raises
         EngineDeadError when the loop has stopped.
         """
         self.start()
@@ -349,6 +362,18 @@ class AsyncLLMEngine:
         future = self._loop.create_future()
         self._submit(_CallCommand(fn, future))
         return await future
+
+    async def call_front(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(front)`` on the front-end thread and return its result: tokenizer work
+        (prompts, chat templates), which then never delays an engine step or the event loop.
+        Without a front end, ``fn(engine)`` on the engine thread (:meth:`call`). Exceptions
+        of ``fn`` propagate; raises EngineDeadError when the loop has stopped."""
+        if self._front_thread is None:
+            return await self.call(fn)
+        self._raise_if_dead()
+        if self._is_stopped:
+            raise EngineDeadError("the engine has been shut down")
+        return await self._front_thread.call(fn)
 
     async def kv_cache_snapshot(self, engine_index: int = 0):
         """The engine's :class:`~pagedllm.core.kv_snapshot.KVCacheSnapshot`, taken between two steps.

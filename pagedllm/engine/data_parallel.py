@@ -23,13 +23,13 @@ import asyncio
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineInput
 from pagedllm.engine.errors import EngineDeadError, EngineUnhealthyError
-from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.front_end import FrontEnd, FrontEndThread, tokenize_inputs
+from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.replica import EngineFactory, ReplicaEngine, ReplicaInfo, threads_per_replica
 from pagedllm.engine.request_stream import RequestStream
 from pagedllm.engine.router import ReplicaLoad, Router, make_router
@@ -38,32 +38,6 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger("pagedllm.data_parallel")
 
 __all__ = ["DataParallelAsyncEngine", "FrontEnd"]
-
-
-class FrontEnd:
-    """The server's tokenizer work under data parallelism (prompts, chat templates), with the
-    same checks as the engines' :class:`InputProcessor`.
-
-    Args:
-        model_files: the model's files (only the tokenizer is used).
-        info: what replica 0 reported (vocabulary size, resolved ``max_model_len``).
-    """
-
-    def __init__(self, model_files: Any, info: ReplicaInfo) -> None:
-        self.tokenizer = model_files.tokenizer
-        self.input_processor = InputProcessor(self.tokenizer, info.vocab_size, info.config.max_model_len,
-                                              info.config.max_logprobs, [])
-
-    def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
-        """As :meth:`LLMEngine.tokenize_prompt`. Raises ValueError."""
-        return self.input_processor.tokenize(prompt, add_special_tokens)
-
-    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, continue_final_message: bool = False,
-                            tools: list[dict] | None = None) -> list[int]:
-        """As :meth:`LLMEngine.apply_chat_template`. Raises ValueError."""
-        return self.input_processor.render_chat(conversation, add_generation_prompt, chat_template,
-                                                continue_final_message, tools)
 
 
 class DataParallelAsyncEngine:
@@ -88,7 +62,7 @@ class DataParallelAsyncEngine:
         self.config = config
         self.router = router
         self.metrics = metrics
-        self._front_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-frontend")
+        self._front_thread = FrontEndThread(front)
         self._in_flight: list[dict[str, int]] = [{} for _ in replicas]  # request id -> tokens, per replica
         self._loop: asyncio.AbstractEventLoop | None = None
         self._is_stopped = False
@@ -125,7 +99,8 @@ class DataParallelAsyncEngine:
             for p in proxies:
                 p.shutdown()
             raise
-        front = front if front is not None else FrontEnd(files, infos[0])
+        front = front if front is not None else FrontEnd(InputProcessor(
+            files.tokenizer, infos[0].vocab_size, infos[0].config.max_model_len, infos[0].config.max_logprobs, []))
         replicas = []
         for i, proxy in enumerate(proxies):
             proxy.tokenizer = front.tokenizer
@@ -176,7 +151,7 @@ class DataParallelAsyncEngine:
         EngineDeadError(``reason``). Idempotent."""
         self._is_stopped = True
         await asyncio.gather(*(r.shutdown(timeout_s, reason) for r in self.replicas))
-        self._front_thread.shutdown(wait=False)
+        self._front_thread.shutdown()
 
     @property
     def is_running(self) -> bool:
@@ -271,7 +246,7 @@ class DataParallelAsyncEngine:
         self.start()
         self._raise_if_dead()
         arrival = time.time() if arrival_time is None else arrival_time
-        tokenized = await self.call(lambda front: _tokenize_inputs(front, inputs))
+        tokenized = await self.call(lambda front: tokenize_inputs(front, inputs))
         index = self.router.route(tokenized[0].prompt["prompt_token_ids"], self._loads())
         streams = await self.replicas[index].add_requests(label, tokenized, params, arrival_time=arrival,
                                                           priority=priority)
@@ -306,7 +281,9 @@ class DataParallelAsyncEngine:
         self.start()
         if self._is_stopped:
             raise EngineDeadError("the engine has been shut down")
-        return await self._loop.run_in_executor(self._front_thread, fn, self.front)
+        return await self._front_thread.call(fn)
+
+    call_front = call  # the server's tokenizer work: on the front end's thread, as AsyncLLMEngine.call_front
 
     async def kv_cache_snapshot(self, engine_index: int = 0) -> Any:
         """Replica ``engine_index``'s KV-cache snapshot. Raises ValueError for an index outside
@@ -322,20 +299,6 @@ async def _quietly(awaitable: Any) -> None:
         await awaitable
     except EngineDeadError:
         pass
-
-
-def _tokenize_inputs(front: Any, inputs: list[EngineInput]) -> list[EngineInput]:
-    """Each prompt as ``{"prompt_token_ids": ids}`` with its text to report (front-end thread).
-    Raises ValueError (``prompt[i]:`` for i > 0) as the engine would."""
-    out = []
-    for i, item in enumerate(inputs):
-        try:
-            ids = front.tokenize_prompt(item.prompt)
-        except ValueError as e:
-            raise ValueError(f"prompt[{i}]: {e}" if i else str(e)) from None
-        text = item.prompt_text if item.prompt_text is not None or not isinstance(item.prompt, str) else item.prompt
-        out.append(EngineInput({"prompt_token_ids": ids}, text))
-    return out
 
 
 def _cuda_device_slices(config: EngineConfig) -> list[str | None]:

@@ -18,6 +18,7 @@ from pagedllm.core.kv_snapshot import KVCacheSnapshot
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.front_end import FrontEnd
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
@@ -126,6 +127,12 @@ class LLMEngine:
         :meth:`InputProcessor.render_chat`). Raises ValueError."""
         return self.input_processor.render_chat(conversation, add_generation_prompt, chat_template,
                                                 continue_final_message, tools)
+
+    def front_end(self) -> FrontEnd:
+        """This engine's tokenizer work (:meth:`tokenize_prompt`, :meth:`apply_chat_template`)
+        as an object safe to use from one other thread while this engine steps: it shares only
+        the tokenizer and the read-only checks of the input processor."""
+        return FrontEnd(self.input_processor)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,

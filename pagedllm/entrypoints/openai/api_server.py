@@ -240,7 +240,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
                                         body.add_generation_prompt, body.continue_final_message)
             else:
                 text, special = body.prompt, body.add_special_tokens
-                ids = await engine.call(lambda e: e.tokenizer.encode(text, add_special_tokens=special))
+                ids = await engine.call_front(lambda f: f.tokenizer.encode(text, add_special_tokens=special))
             return json_response(TokenizeResponse(tokens=ids, count=len(ids),
                                                   max_model_len=engine.config.max_model_len))
         return await handle(run())

@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions`` with the model's chat template (or ``--chat-template FILE``).
 
-The conversation is rendered and tokenized by the engine (``apply_chat_template``:
+The conversation is rendered and tokenized on the front-end thread, never the engine's
+(``apply_chat_template``:
 roles checked, text parts joined, tokenized without adding special tokens again, so
 there is exactly one BOS/``<|im_start|>``). ``max_completion_tokens`` wins over
 ``max_tokens``; both absent means "up to the context length".
@@ -65,7 +66,7 @@ class OpenAIServingChat(OpenAIServing):
         if tools:
             kwargs["tools"] = tools
         try:
-            return await self.engine.call(lambda e: e.apply_chat_template(
+            return await self.engine.call_front(lambda f: f.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, chat_template=template, **kwargs))
         except ValueError as e:
             own_template = chat_template is not None and str(e).startswith("chat_template")

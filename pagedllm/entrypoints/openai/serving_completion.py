@@ -62,8 +62,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return json_response(self._response(req, request_id, created, finals, prompts))
 
     async def _engine_prompts(self, req: CompletionRequest) -> list[EngineInput]:
-        """One engine input per prompt of the request (text prompts tokenized in one engine call
-        when special tokens must not be added)."""
+        """One engine input per prompt of the request (text prompts are tokenized on the front-end
+        thread: here in one call when special tokens must not be added, else by ``add_requests``)."""
         p = req.prompt
         if not p:
             raise APIError(400, "prompt must not be empty", "prompt")
@@ -73,8 +73,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                 "(server option --max-prompts-per-request)", "prompt")
         if not req.add_special_tokens:
             texts = [item for item in items if isinstance(item, str)]
-            encoded = iter(await self.engine.call(
-                lambda e: [e.tokenize_prompt(t, add_special_tokens=False) for t in texts]))
+            encoded = iter(await self.engine.call_front(
+                lambda f: [f.tokenize_prompt(t, add_special_tokens=False) for t in texts]))
             return [EngineInput({"prompt_token_ids": next(encoded)}, item) if isinstance(item, str)
                     else EngineInput(list(item)) for item in items]
         return [EngineInput(item, item) if isinstance(item, str) else EngineInput(list(item)) for item in items]
