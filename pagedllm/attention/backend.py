@@ -178,15 +178,16 @@ def read_kv_blocks(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, block
 
 def check_shapes(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor) -> None:
     """Cheap host-side layout checks (no device sync). Raises ValueError naming the mismatch."""
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+    cache_shape, key_shape, query_shape = kv_cache.shape, key.shape, query.shape  # each read once: called per layer
+    if len(cache_shape) != 5 or cache_shape[0] != 2:
         raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
-                         f"got shape {tuple(kv_cache.shape)}")
-    if tuple(kv_cache.shape[3:]) != tuple(key.shape[1:]):
-        raise ValueError(f"kv_cache (num_kv_heads, head_dim)={tuple(kv_cache.shape[3:])} does not match "
-                         f"key {tuple(key.shape[1:])}")
-    if query.shape[2] != key.shape[2] or query.shape[1] % key.shape[1]:
-        raise ValueError(f"query heads/head_dim {tuple(query.shape[1:])} incompatible with key "
-                         f"{tuple(key.shape[1:])}: num_heads must be a multiple of num_kv_heads")
+                         f"got shape {tuple(cache_shape)}")
+    if cache_shape[3:] != key_shape[1:]:
+        raise ValueError(f"kv_cache (num_kv_heads, head_dim)={tuple(cache_shape[3:])} does not match "
+                         f"key {tuple(key_shape[1:])}")
+    if query_shape[2] != key_shape[2] or query_shape[1] % key_shape[1]:
+        raise ValueError(f"query heads/head_dim {tuple(query_shape[1:])} incompatible with key "
+                         f"{tuple(key_shape[1:])}: num_heads must be a multiple of num_kv_heads")
 
 
 def current_context(metadata: AttentionMetadata) -> ForwardContext | None:

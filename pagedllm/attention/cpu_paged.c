@@ -68,7 +68,7 @@
 #include <omp.h>
 #endif
 
-int pagedllm_cpu_paged_abi_version(void) { return 5; }
+int pagedllm_cpu_paged_abi_version(void) { return 6; }
 
 /* 1 when built with OpenMP (the kernels split their work over a team), else 0 (the caller splits it). */
 int pagedllm_cpu_paged_openmp(void) {
@@ -407,6 +407,7 @@ static int decode_requests(const struct decode_args *a, int req_begin, int req_e
                            decode_request_fn fn) {
     const size_t floats = (size_t)TILE * a->head_dim + (a->io_bf16 ? 2 * (size_t)a->num_heads * a->head_dim : 0);
     int failed = 0;
+    if (req_begin >= req_end) return 0; /* a write-only call: no team woken */
     (void)num_threads; /* without OpenMP the pragmas are ignored: one thread */
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(| : failed)
     {
@@ -420,14 +421,46 @@ static int decode_requests(const struct decode_args *a, int req_begin, int req_e
     return failed ? -1 : 0;
 }
 
+/* The K/V cache write of a step (the slot mapping; pagedllm.attention.backend.write_kv_cache):
+ * token t's key row key[t * key_stride ..] (num_kv_heads * head_dim = row_elems values, float32, or
+ * bfloat16 with in_bf16) goes to k_cache at element slots[t] * row_elems, likewise value to v_cache,
+ * converted to the cache's format fmt (KV_F32 or KV_BF16; float32 to bfloat16 rounds to nearest even
+ * as torch does). Runs on the calling thread before the decode: a decode step writes one row per
+ * request, a few KiB per layer. The caller checked every slot against the cache's size. */
+static void write_kv(const void *key, const void *value, long long key_stride, long long value_stride, int in_bf16,
+                     void *k_cache, void *v_cache, int fmt, const int64_t *slots, int num_tokens, long long row_elems) {
+    for (int i = 0; i < 2; i++) {
+        const void *src = i == 0 ? key : value;
+        const long long stride = i == 0 ? key_stride : value_stride;
+        void *cache = i == 0 ? k_cache : v_cache;
+        for (int t = 0; t < num_tokens; t++) {
+            const long long dst = slots[t] * row_elems, off = (long long)t * stride;
+            if (fmt == KV_BF16 && in_bf16)
+                memcpy((uint16_t *)cache + dst, (const uint16_t *)src + off, sizeof(uint16_t) * (size_t)row_elems);
+            else if (fmt == KV_BF16)
+                for (long long e = 0; e < row_elems; e++)
+                    ((uint16_t *)cache)[dst + e] = f32_to_bf16(((const float *)src)[off + e]);
+            else if (in_bf16)
+                for (long long e = 0; e < row_elems; e++)
+                    ((float *)cache)[dst + e] = bf16_to_f32(((const uint16_t *)src)[off + e]);
+            else
+                memcpy((float *)cache + dst, (const float *)src + off, sizeof(float) * (size_t)row_elems);
+        }
+    }
+}
+
 #define PAGED_DECODE_ARGS                                                                                   \
-    const void *q, const void *k_cache, const void *v_cache, const float *k_scales, const float *v_scales,   \
+    const void *q, void *k_cache, void *v_cache, const float *k_scales, const float *v_scales,               \
         const int32_t *block_tables, const int32_t *seq_lens, void *out, int req_begin, int req_end,          \
         int num_heads, int num_kv_heads, int head_dim, int block_size, long long block_table_stride,          \
         long long kv_block_stride, long long kv_token_stride, float scale, float k_scale, float v_scale,      \
-        int window, float soft_cap, int io_bf16, int num_threads
+        int window, float soft_cap, int io_bf16, int num_threads, const void *key, const void *value,         \
+        long long key_stride, long long value_stride, const int64_t *slots, int num_tokens
 
-#define PAGED_DECODE_BODY(FN)                                                                               \
+#define PAGED_DECODE_BODY(FN, FMT)                                                                          \
+    if (key != NULL)                                                                                        \
+        write_kv(key, value, key_stride, value_stride, io_bf16, k_cache, v_cache, FMT, slots, num_tokens,   \
+                 (long long)num_kv_heads * head_dim);                                                       \
     const struct decode_args a = {q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, out,     \
                                   num_heads, num_kv_heads, head_dim, block_size, window, io_bf16,           \
                                   block_table_stride, kv_block_stride, kv_token_stride, scale, k_scale,     \
@@ -436,12 +469,14 @@ static int decode_requests(const struct decode_args *a, int req_begin, int req_e
 
 /* Decode attention of requests [req_begin, req_end), one function per KV format; q and out are
  * float32 or (io_bf16) bfloat16 whatever the cache stores. k_scales/v_scales are read by the int8
- * one only, k_scale and v_scale by every one (pass 1 for an unscaled cache). */
-int paged_decode_f32(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_f32) }
-int paged_decode_bf16(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_bf16) }
-int paged_decode_fp8_e4m3(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_e4m3) }
-int paged_decode_fp8_e5m2(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_e5m2) }
-int paged_decode_int8(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_int8) }
+ * one only, k_scale and v_scale by every one (pass 1 for an unscaled cache). With key != NULL
+ * (float32 and bfloat16 caches only) the step's num_tokens new K/V rows are first written to their
+ * slots (see write_kv; key/value in the dtype of q), so one call per layer does the whole decode. */
+int paged_decode_f32(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_f32, KV_F32) }
+int paged_decode_bf16(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_bf16, KV_BF16) }
+int paged_decode_fp8_e4m3(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_e4m3, KV_FP8_E4M3) }
+int paged_decode_fp8_e5m2(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_e5m2, KV_FP8_E5M2) }
+int paged_decode_int8(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_int8, KV_INT8) }
 
 /* ---------------------------------------------------------------------------------------------
  * Prefill attention (chunked prefill, prefix-cache hits): the Q new tokens of one request, at

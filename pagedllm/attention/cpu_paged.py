@@ -13,7 +13,10 @@ that differs in how it runs attention:
   place through the block table: no gathered copy of the prefix, no (chunk x context) mask or
   score matrix, no second call and merge for the chunk, and no repeated K/V for GQA.
 
-K/V writes, sliding-window and soft-capped layers, and fp8/int8 caches are the inherited torch code.
+- **K/V writes** (the slot mapping) into float32/bfloat16 caches: done in C by the decode call
+  itself (one call per layer for a decode step), validated once per step.
+
+Sliding-window and soft-capped prefills, and fp8/int8 cache writes are the inherited torch code.
 
 The kernel is plain C11 with no torch headers, compiled on first use and cached by
 :mod:`pagedllm.native` (``$CC``, ``$PAGEDLLM_CACHE_DIR``; with OpenMP on torch's own libgomp)
@@ -50,7 +53,8 @@ from pathlib import Path
 import torch
 
 from pagedllm import native
-from pagedllm.attention.backend import AttentionMetadata, ForwardContext, current_context
+from pagedllm.attention.backend import (AttentionMetadata, ForwardContext, check_shapes, current_context,
+                                        write_kv_cache)
 from pagedllm.attention.torch_paged import TorchPagedAttention
 from pagedllm.utils import cdiv
 
@@ -59,13 +63,16 @@ logger = logging.getLogger(__name__)
 __all__ = ["CpuPagedAttention", "CpuPagedKernel", "load_kernel"]
 
 _SOURCE = Path(__file__).with_name("cpu_paged.c")
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 
 _c_int, _c_ll, _c_float, _c_void_p = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p
 # paged_decode_<format>(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, out, req_begin, req_end,
 #   num_heads, num_kv_heads, head_dim, block_size, block_table_stride, kv_block_stride, kv_token_stride, scale,
-#   k_scale, v_scale, window, soft_cap, io_bf16, num_threads) -> int
-_ARGTYPES = [_c_void_p] * 8 + [_c_int] * 6 + [_c_ll] * 3 + [_c_float] * 3 + [_c_int, _c_float, _c_int, _c_int]
+#   k_scale, v_scale, window, soft_cap, io_bf16, num_threads, key, value, key_stride, value_stride, slots,
+#   num_tokens) -> int
+_ARGTYPES = ([_c_void_p] * 8 + [_c_int] * 6 + [_c_ll] * 3 + [_c_float] * 3 + [_c_int, _c_float, _c_int, _c_int]
+             + [_c_void_p] * 2 + [_c_ll] * 2 + [_c_void_p, _c_int])
+_WRITE_DTYPES = (torch.float32, torch.bfloat16)  # caches (and new K/V dtypes) the kernel writes itself
 # the kernel's function per KV-cache storage dtype
 _KERNEL_NAMES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16",
                  torch.float8_e4m3fn: "paged_decode_fp8_e4m3", torch.float8_e5m2: "paged_decode_fp8_e5m2",
@@ -76,6 +83,7 @@ _KERNEL_NAMES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decod
 _PREFILL_ARGTYPES = [_c_void_p] * 5 + [_c_int] * 6 + [_c_ll] * 2 + [_c_float] + [_c_int] * 4
 _IO_DTYPES = (torch.float32, torch.bfloat16)  # query/output dtypes the kernels read and write directly
 _PREFILL_KERNEL_NAMES = {torch.float32: "paged_prefill_f32", torch.bfloat16: "paged_prefill_bf16"}
+_NO_TABLES = torch.zeros((1, 1), dtype=torch.int32)  # the block tables of a write-only call (never read)
 
 
 class CpuPagedKernel:
@@ -121,11 +129,12 @@ class CpuPagedKernel:
                seq_lens: torch.Tensor, out: torch.Tensor, req_begin: int, req_end: int, scale: float,
                sliding_window: int | None = None, logit_soft_cap: float | None = None,
                kv_scales: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-               num_threads: int = 1) -> None:
+               num_threads: int = 1, write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         """Decode attention of requests ``[req_begin, req_end)`` into ``out``, over ``num_threads``
-        threads when :attr:`has_openmp` (the result does not depend on it). Nothing is checked
-        here (a bad block id reads out of bounds): :class:`CpuPagedAttention` validates the block
-        tables and ``seq_lens`` once per step.
+        threads when :attr:`has_openmp` (the result does not depend on it), after the step's K/V
+        write when ``write`` is given. Nothing is checked here (a bad block id or slot reads or
+        writes out of bounds): :class:`CpuPagedAttention` validates the block tables, ``seq_lens``
+        and slots once per step.
 
         Args:
             query, out: (D, num_heads, head_dim), both float32 or both bfloat16 (computed in float32,
@@ -138,6 +147,10 @@ class CpuPagedKernel:
             kv_scales: an int8 cache's (2, num_blocks, block_size, num_kv_heads) float32 scales,
                 contiguous (read for int8 only).
             k_scale, v_scale: per-tensor scales (stored = value / scale; vLLM's fp8 ``k_scale``/``v_scale``).
+            write: ``(key, value, slots)``: the step's new K/V, (T, num_kv_heads, head_dim) each in
+                ``query``'s dtype with unit strides within a row (views of the fused projection
+                output are fine), written first to the (T,) int64 contiguous ``slots`` of a float32
+                or bfloat16 cache (:func:`~pagedllm.attention.backend.write_kv_cache`'s result).
         Raises:
             MemoryError: when the kernel cannot allocate its per-thread scratch (a few KiB).
         """
@@ -147,14 +160,30 @@ class CpuPagedKernel:
         if kv_scales is not None:
             k_scales = kv_scales.data_ptr()
             v_scales = k_scales + num_blocks * block_size * num_kv_heads * kv_scales.element_size()
+        key = value = slots = None
+        num_tokens = 0
+        if write is not None:
+            key, value, slots = write
+            num_tokens = key.shape[0]
+        cache = kv_cache.data_ptr()
         status = self._fns[kv_cache.dtype](
-            query.data_ptr(), kv_cache.data_ptr(), kv_cache.data_ptr() + num_blocks * kv_block_stride *
-            kv_cache.element_size(), k_scales, v_scales, block_tables.data_ptr(), seq_lens.data_ptr(),
-            out.data_ptr(), req_begin, req_end, query.shape[1], num_kv_heads, head_dim, block_size,
-            block_tables.stride(0), kv_block_stride, num_kv_heads * head_dim, scale, k_scale, v_scale,
-            sliding_window or 0, logit_soft_cap or 0.0, query.dtype == torch.bfloat16, num_threads)
+            query.data_ptr(), cache, cache + num_blocks * kv_block_stride * kv_cache.element_size(), k_scales,
+            v_scales, block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), req_begin, req_end,
+            query.shape[1], num_kv_heads, head_dim, block_size, block_tables.stride(0), kv_block_stride,
+            num_kv_heads * head_dim, scale, k_scale, v_scale, sliding_window or 0, logit_soft_cap or 0.0,
+            query.dtype == torch.bfloat16, num_threads, key.data_ptr() if key is not None else None,
+            value.data_ptr() if value is not None else None, key.stride(0) if key is not None else 0,
+            value.stride(0) if value is not None else 0, slots.data_ptr() if slots is not None else None,
+            num_tokens)
         if status != 0:
             raise MemoryError("CPU paged-attention decode kernel: scratch allocation failed")
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """Only the K/V write of :meth:`decode` (its ``write`` argument; no attention), on the calling
+        thread. key, value: (T, num_kv_heads, head_dim), both float32 or both bfloat16, unit strides
+        within a row; kv_cache float32 or bfloat16, contiguous; slots (T,) int64 contiguous, each in
+        ``[0, num_blocks * block_size)`` (not checked here)."""
+        self.decode(key, kv_cache, _NO_TABLES, slots, key, 0, 0, 1.0, write=(key, value, slots))
 
     def supports_prefill(self, dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
         """Whether :meth:`prefill` handles a KV cache of ``dtype`` (float32, bfloat16) with these
@@ -254,14 +283,15 @@ class _PrefillPlan:
 
 @dataclass
 class _KernelPlan:
-    """Per-step decode inputs shared by all layers of one forward pass."""
+    """Per-step inputs shared by all layers of one forward pass: the decodes' and the K/V write's."""
 
     owner: ForwardContext | None
-    num_blocks: int  # the cache's num_blocks the block ids were checked against
+    num_blocks: int  # the cache's num_blocks the block ids and slots were checked against
     block_tables: torch.Tensor  # (D, max_blocks) int32, unit last stride
     seq_lens: torch.Tensor  # (D,) int32 contiguous
     num_threads: int  # threads for the decodes (fewer when the step's context is short)
     ranges: list[tuple[int, int]]  # without OpenMP: request ranges, one per thread, balanced by context length
+    slots: torch.Tensor | None  # (T,) int64 contiguous, all inside the cache; None: the torch code writes
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -308,32 +338,79 @@ class CpuPagedAttention(TorchPagedAttention):
         """False when the C kernel could not be built: every call then runs the torch code."""
         return self.kernel is not None
 
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`TorchPagedAttention.forward` (same arguments, result and errors) with the K/V write
+        done by the kernel when the cache is float32 or bfloat16 and the new K/V are in the query's
+        dtype: for a decode step one C call per layer writes the new rows and runs the attention.
+        Other caches are written by :func:`~pagedllm.attention.backend.write_kv_cache`."""
+        kernel = self.kernel
+        if kernel is None or kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+            return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, logit_soft_cap,
+                                   kv_scales)
+        check_shapes(query, key, kv_cache)
+        plan = self._kernel_plan(metadata, kv_cache)
+        write = None
+        if (plan.slots is not None and kv_cache.dtype in _WRITE_DTYPES and key.dtype in _WRITE_DTYPES
+                and value.dtype == key.dtype and key.shape[0] == value.shape[0] == plan.slots.shape[0]
+                and _rows_fit(key) and _rows_fit(value)):
+            write = (key, value, plan.slots)
+        else:
+            write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
+        output = torch.empty_like(query)
+        num_decodes = metadata.num_decodes
+        if num_decodes == query.shape[0]:  # a decode-only step: no slicing
+            write = self._decode(query, kv_cache, metadata, scale, output, sliding_window, logit_soft_cap,
+                                 kv_scales, write=write)
+        elif num_decodes > 0:
+            write = self._decode(query[:num_decodes], kv_cache, metadata, scale, output[:num_decodes],
+                                 sliding_window, logit_soft_cap, kv_scales, write=write)
+        if write is not None:  # no decode kernel call took it
+            kernel.write(*write, kv_cache)
+        if num_decodes < metadata.num_reqs:
+            self._prefill(query, key, value, kv_cache, metadata, scale, output, sliding_window, logit_soft_cap,
+                          kv_scales)
+        return output
+
+    __call__ = forward
+
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float, out: torch.Tensor, sliding_window: int | None = None,
-                logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> None:
+                logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None,
+                write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Attention of the decode requests into ``out``. query, out: (D, num_heads, head_dim).
 
         One kernel call over an OpenMP team (float32 and bfloat16 queries read, and outputs
-        written, in place); without OpenMP the D requests are split into contiguous ranges of
-        about equal total context, each run in the kernel (GIL released), the first on the
-        calling thread.
+        written, in place) that first does the step's K/V ``write`` (see
+        :meth:`CpuPagedKernel.decode`) when its K/V are in the query's dtype; without OpenMP
+        the D requests are split into contiguous ranges of about equal total context, each run
+        in the kernel (GIL released), the first on the calling thread. Returns ``write`` when it
+        is still to be done (the caller writes before anything reads the cache), else None.
         """
         kernel = self.kernel
         if not (kernel is not None and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
                 and kernel.supports(kv_cache.dtype, query.shape[1], kv_cache.shape[-1])
                 and (kv_cache.dtype != torch.int8 or _scales_fit(kv_scales, kv_cache))):
+            if write is not None:
+                kernel.write(*write, kv_cache)
             super()._decode(query, kv_cache, metadata, scale, out, sliding_window, logit_soft_cap, kv_scales)
-            return
+            return None
         plan = self._kernel_plan(metadata, kv_cache)
         q, result = _io_tensors(query, out)
+        if write is not None and (write[0].dtype != q.dtype or not kernel.has_openmp):
+            kernel.write(*write, kv_cache)
+            write = None
         if kernel.has_openmp:
             kernel.decode(q, kv_cache, plan.block_tables, plan.seq_lens, result, 0, q.shape[0], scale, sliding_window,
-                          logit_soft_cap, kv_scales, num_threads=plan.num_threads)
+                          logit_soft_cap, kv_scales, num_threads=plan.num_threads, write=write)
         else:
             _run_split(lambda *a: kernel.decode(*a, scale, sliding_window, logit_soft_cap, kv_scales), plan.ranges,
                        q, kv_cache, plan.block_tables, plan.seq_lens, result)
         if result is not out:
             out.copy_(result)
+        return None
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  metadata: AttentionMetadata, scale: float, output: torch.Tensor, sliding_window: int | None = None,
@@ -391,8 +468,9 @@ class CpuPagedAttention(TorchPagedAttention):
         return plan
 
     def _kernel_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _KernelPlan:
-        """Validated int32 block tables / seq_lens and the thread split of the step's decodes,
-        computed once per forward pass (keyed by its ForwardContext, as the torch backend's plan)."""
+        """Validated int32 block tables / seq_lens and the thread split of the step's decodes, and
+        the validated slots of its K/V write, computed once per forward pass (keyed by its
+        ForwardContext, as the torch backend's plan)."""
         owner = current_context(metadata)
         num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
         plan = self._kernel_plan_cache
@@ -403,11 +481,14 @@ class CpuPagedAttention(TorchPagedAttention):
         tables = metadata.block_tables[:num_decodes].to(device="cpu", dtype=torch.int32)
         if tables.dim() != 2 or tables.stride(-1) != 1:
             tables = tables.contiguous()
-        _validate_tables(tables, lens, num_blocks, block_size)
+        if num_decodes:
+            _validate_tables(tables, lens, num_blocks, block_size)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         num_threads = self._threads_for(sum(lens))
-        ranges = [] if self.kernel is not None and self.kernel.has_openmp else _balanced_ranges(lens, num_threads)
-        plan = _KernelPlan(owner, num_blocks, tables, seq_lens, num_threads, ranges)
+        ranges = ([] if not num_decodes or (self.kernel is not None and self.kernel.has_openmp)
+                  else _balanced_ranges(lens, num_threads))
+        plan = _KernelPlan(owner, num_blocks, tables, seq_lens, num_threads, ranges,
+                           _checked_slots(metadata.slot_mapping, num_blocks * block_size))
         self._kernel_plan_cache = plan if owner is not None else None
         return plan
 
@@ -420,6 +501,22 @@ def _io_tensors(query: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, t
         return query, out
     q = query.to(torch.float32).contiguous()
     return q, torch.empty(q.shape, dtype=torch.float32)
+
+
+def _rows_fit(new: torch.Tensor) -> bool:
+    """Whether new K or V rows (T, num_kv_heads, head_dim) are laid out as the kernel's write reads
+    them: each row's heads and dims contiguous (any row stride), on the CPU."""
+    strides = new.stride()
+    return len(strides) == 3 and strides[2] == 1 and strides[1] == new.shape[2] and new.is_cpu
+
+
+def _checked_slots(slot_mapping: torch.Tensor, num_slots: int) -> torch.Tensor | None:
+    """The step's slot mapping as the kernel's write takes it ((T,) int64 contiguous, CPU) when every
+    slot is inside the cache, else None (the torch write then runs and raises its own error)."""
+    slots = slot_mapping.to(device="cpu", dtype=torch.int64).contiguous()
+    if slots.dim() != 1 or (slots.numel() and not (int(slots.min()) >= 0 and int(slots.max()) < num_slots)):
+        return None
+    return slots
 
 
 def _scales_fit(kv_scales: torch.Tensor | None, kv_cache: torch.Tensor) -> bool:
