@@ -189,6 +189,33 @@ def test_thread_split_is_bitwise_deterministic(kernel, pool_kernel, dtype):
     torch.testing.assert_close(outs[0].double(), expected, atol=TOLERANCE[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("new_dtype, cache_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                     (torch.float32, torch.float32)])
+def test_kv_write_in_kernel_equals_torch_write(kernel, new_dtype, cache_dtype):
+    """The kernel's K/V write (decode call or write-only call before a prefill) stores the bits
+    write_kv_cache stores: float32 rounded to bfloat16 to nearest even (ties and inf included; a NaN
+    stays a NaN, whose payload torch's own conversion does not fix), bfloat16 widened exactly; K/V
+    given as views of a fused projection output (row stride > row)."""
+    reqs = [(5, 1), (40, 1), (0, 6)]
+    query, key, value, cache, meta, _, scale = build_case(reqs, 16, new_dtype, HEADS["gqa"], seed=12)
+    fused = torch.cat([key, value], dim=1)  # (T, 2 * num_kv_heads, head_dim): key, value are strided views
+    fused.view(-1)[:4] = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, float("nan"), float("inf")])  # ties, nan, inf
+    key, value = fused[:, :3], fused[:, 3:]
+    cache = cache.to(cache_dtype)
+    prefill_only = make_metadata([0], [6], [meta.block_tables[2].tolist()], 16)  # the write-only kernel call
+    for m in (meta, prefill_only):
+        n = m.query_start_loc_cpu[-1]
+        k, v, q = key[-n:], value[-n:], query[-n:]
+        expected, got = cache.clone(), cache.clone()
+        torch_paged.write_kv_cache(k, v, expected, m.slot_mapping)
+        with set_forward_context(m):
+            CpuPagedAttention(kernel=kernel).forward(q, k, v, got, m, scale)
+        nan = expected.isnan()
+        assert torch.equal(got.isnan(), nan) and bool(nan.any()) == (m is meta)  # row 0 is written in the decode step
+        bits = torch.int16 if cache_dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(got.view(bits)[~nan], expected.view(bits)[~nan])
+
+
 def test_bfloat16_queries_and_outputs_read_and_written_in_place(kernel, monkeypatch):
     """bf16 queries go to the kernel as they are and its bf16 output equals the float32 one rounded
     by torch (round to nearest even): the same bits as converting around a float32 call."""

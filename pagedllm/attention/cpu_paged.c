@@ -58,7 +58,7 @@
 #include <string.h>
 
 #define TILE 32         /* tokens per online-softmax tile (K and V of a tile stay in L1/L2) */
-#define MAX_HEADS 256   /* scores scratch is [MAX_HEADS][TILE] floats on the stack */
+#define MAX_HEADS 256   /* decode's scores are [MAX_HEADS][TILE] floats on the stack */
 #define MAX_CHUNKS 16   /* head_dim <= 16 * MAX_CHUNKS */
 /* Prefetch hint for the rows of the next tile: 2 = prefetcht1 (into L2). Into L1 (3) evicts the
  * tile being computed; measured at batch 64, context 300, block 16: 2 beats 3 by ~1.5x. */
@@ -218,8 +218,8 @@ static inline v16f exp_nonpos_v16(v16f x) {
     return y * (v16f)bits;
 }
 
-/* float32 to bfloat16 bits, rounding to nearest even (NaN to the quiet NaN 0x7fc0), as torch's
- * Tensor.to(torch.bfloat16) does. */
+/* float32 to bfloat16 bits, rounding to nearest even as torch's Tensor.to(torch.bfloat16) does
+ * (NaN to the quiet NaN 0x7fc0, as torch's scalar path; its vector path stores 0xffff). */
 static inline uint16_t f32_to_bf16(float x) {
     uint32_t u;
     memcpy(&u, &x, sizeof u);
@@ -234,37 +234,74 @@ static inline float bf16_to_f32(uint16_t h) {
     return x;
 }
 
+/* hsum(x[j]) for j = 0 .. 15 as the lanes of one vector: a butterfly over the 16 vectors (halves
+ * added pairwise, 15 shuffle-add steps instead of 16 separate reductions) doing exactly hsum's
+ * additions on the same operands -- lanes i + (i + 8), then + 4, then (0 + 2) + (1 + 3) -- so each
+ * lane is bitwise equal to hsum of its vector. */
+static inline v16f hsum16(const v16f *x) {
+#if defined(__clang__) || __GNUC__ >= 12
+    v16f y[8], z[4], w[2];
+    for (int m = 0; m < 8; m++)
+        y[m] = __builtin_shufflevector(x[2 * m], x[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+               + __builtin_shufflevector(x[2 * m], x[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                         30, 31);
+    for (int m = 0; m < 4; m++)
+        z[m] = __builtin_shufflevector(y[2 * m], y[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+               + __builtin_shufflevector(y[2 * m], y[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29,
+                                         30, 31);
+    for (int m = 0; m < 2; m++)
+        w[m] = __builtin_shufflevector(z[2 * m], z[2 * m + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+               + __builtin_shufflevector(z[2 * m], z[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27,
+                                         30, 31);
+    return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+           + __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+    v16f r;
+    for (int j = 0; j < 16; j++) r[j] = hsum(x[j]);
+    return r;
+#endif
+}
+
+/* Query heads per register block of the P V loop: the accumulators of QB heads x the chunks of
+ * head_dim stay in registers (24 of the 32 AVX-512 registers). */
+#define QB_PV(NUM_CHUNKS) ((NUM_CHUNKS) >= 24 ? 1 : 24 / (NUM_CHUNKS))
+#define QB_MAX 24
+/* Floats of a decode thread's dots scratch: 16 vectors of 16 floats per query head. */
+#define DOTS_FLOATS(NUM_HEADS) ((size_t)(NUM_HEADS) * 256)
+
 /* One request: out[h, :] = softmax(scale * q[h] . K^T) V over its first seq_len tokens.
  * head_dim is a multiple of 16. fmt (a KV_* format) is a compile-time constant at every call
  * site, so each format gets its own specialised copy. k_scales/v_scales: int8's per token-and-head
  * scales (NULL otherwise); k_scale/v_scale: the per-tensor scales (1 unless fp8 has others).
- * vbuf: TILE * head_dim floats of scratch: for every format but float32 a tile's V rows of one KV
- * head are widened there once and read by the group's query heads from L1 (the conversion is
- * exact, so the sums are the same as converting per head). */
+ *
+ * Per tile of TILE tokens: each K row (all KV heads of a token) is loaded (and widened) once for
+ * the query heads that share it, and the 16-lane products of 16 tokens are reduced together
+ * (hsum16, into dots: 16 vectors per head of scratch); then per KV head each V row is loaded once
+ * and multiplied into the accumulators of a register block of its query heads (QB_PV). The scores
+ * are kept head-major (tokens in lanes), so the online softmax's max and exp run on 16 tokens per
+ * vector; its denominator is summed token after token. Every sum is taken in the same order as a
+ * plain per-head loop with hsum (the results are bitwise those of the previous per-head kernel). */
 static inline __attribute__((always_inline)) void decode_one(
     const float *restrict q, const void *k_cache, const void *v_cache, const float *k_scales,
     const float *v_scales, const int32_t *restrict block_table, int seq_len, float *restrict out,
-    float *restrict vbuf, int num_heads, int num_kv_heads, int head_dim, int block_size, long long kv_block_stride,
+    v16f *restrict dots, int num_heads, int num_kv_heads, int head_dim, int block_size, long long kv_block_stride,
     long long kv_token_stride, float scale, float k_scale, float v_scale, int window, float soft_cap, const int fmt) {
     const int group = num_heads / num_kv_heads;
     const int num_chunks = head_dim / 16; /* a constant in the specialised copies (64, 128) */
-    const int widen = fmt != KV_F32;
-    /* Token-major scores: the online softmax runs on 16 heads per vector, token after token, so
-     * each head's sum is still taken in token order. Lanes past num_heads are computed and ignored. */
-    float scores[TILE][MAX_HEADS];
-    float row_max[MAX_HEADS], row_sum[MAX_HEADS], alpha[MAX_HEADS];
+    const int qb_pv = QB_PV(num_chunks);
+    /* scores[h][i]: head h, token t0 + i of the tile (head-major: 16 tokens per vector). */
+    float scores[MAX_HEADS][TILE] __attribute__((aligned(64)));
+    float row_max[MAX_HEADS], row_sum[MAX_HEADS];
     long long offsets[TILE];
     const long long elem_size = fmt == KV_F32 ? 4 : fmt == KV_BF16 ? 2 : 1;
     scale *= k_scale;
     const long long row_bytes = (long long)num_kv_heads * head_dim * elem_size;
-    const int heads_padded = (num_heads + 15) / 16 * 16;
-    for (int h = 0; h < heads_padded; h++) {
+    for (int h = 0; h < num_heads; h++) {
         row_max[h] = -INFINITY;
         row_sum[h] = 0.0f;
     }
-    for (int i = 0; i < TILE; i++)
-        for (int h = num_heads; h < heads_padded; h++) scores[i][h] = 0.0f;
     memset(out, 0, sizeof(float) * (size_t)num_heads * head_dim);
+    const v16i32 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
     const int first = window > 0 && seq_len > window ? seq_len - window : 0;
     for (int t0 = first; t0 < seq_len; t0 += TILE) {
@@ -275,69 +312,93 @@ static inline __attribute__((always_inline)) void decode_one(
             offsets[i] = (long long)block_table[t / block_size] * kv_block_stride
                          + (long long)(t % block_size) * kv_token_stride;
         }
-        /* Scores: each K row is loaded once, for the `group` query heads that share it. */
-        for (int i = 0; i < n; i++) {
-            /* Prefetch this token's V row (read after the scores) and the next tile's K row. */
-            prefetch_row((const char *)v_cache + offsets[i] * elem_size, row_bytes);
-            const int t_next = t0 + TILE + i;
-            if (t_next < seq_len)
-                prefetch_row((const char *)k_cache + ((long long)block_table[t_next / block_size] * kv_block_stride
-                                                      + (long long)(t_next % block_size) * kv_token_stride) * elem_size,
-                             row_bytes);
+        /* Scores, token after token (a token's row holds all its KV heads, so the reads run along
+         * memory); each K row is loaded (and widened) once for the query heads that share it, their
+         * products kept (dots) until 16 tokens are reduced together by hsum16. */
+        for (int j0 = 0; j0 < n; j0 += 16) {
+            const int nj = n - j0 < 16 ? n - j0 : 16;
+            for (int j = 0; j < 16; j++) {
+                if (j >= nj) { /* lanes past the tile: computed from zeros, never read */
+                    for (int h = 0; h < num_heads; h++) dots[h * 16 + j] = (v16f){0};
+                    continue;
+                }
+                const int i = j0 + j;
+                /* Prefetch this token's V row (read after the scores) and the next tile's K row: blocks
+                 * are scattered, so the hardware prefetcher alone keeps only ~1/3 of the bandwidth. */
+                prefetch_row((const char *)v_cache + offsets[i] * elem_size, row_bytes);
+                const int t_next = t0 + TILE + i;
+                if (t_next < seq_len)
+                    prefetch_row((const char *)k_cache + ((long long)block_table[t_next / block_size] * kv_block_stride
+                                                          + (long long)(t_next % block_size) * kv_token_stride)
+                                                             * elem_size,
+                                 row_bytes);
+                for (int kvh = 0; kvh < num_kv_heads; kvh++) {
+                    const long long off = offsets[i] + (long long)kvh * head_dim;
+                    v16f k[MAX_CHUNKS];
+                    for (int c = 0; c < num_chunks; c++) k[c] = load_kv(k_cache, off + 16 * c, fmt);
+                    for (int h = kvh * group; h < (kvh + 1) * group; h++) {
+                        const float *qh = q + (size_t)h * head_dim;
+                        v16f acc = load_f32(qh) * k[0];
+                        for (int c = 1; c < num_chunks; c++) acc += load_f32(qh + 16 * c) * k[c];
+                        dots[h * 16 + j] = acc;
+                    }
+                }
+            }
             for (int kvh = 0; kvh < num_kv_heads; kvh++) {
-                const long long off = offsets[i] + (long long)kvh * head_dim;
-                v16f k[MAX_CHUNKS];
-                for (int c = 0; c < num_chunks; c++) k[c] = load_kv(k_cache, off + 16 * c, fmt);
-                const float token_scale = fmt == KV_INT8 ? scale * k_scales[off / head_dim] : scale;
-                for (int g = 0; g < group; g++) {
-                    const int h = kvh * group + g;
-                    const float *qh = q + (size_t)h * head_dim;
-                    v16f acc = load_f32(qh) * k[0];
-                    for (int c = 1; c < num_chunks; c++) acc += load_f32(qh + 16 * c) * k[c];
-                    const float s = token_scale * hsum(acc);
-                    scores[i][h] = soft_cap > 0.0f ? soft_cap * tanhf(s / soft_cap) : s;
+                v16f token_scale = (v16f){0} + scale;
+                if (fmt == KV_INT8)
+                    for (int j = 0; j < nj; j++)
+                        token_scale[j] = scale * k_scales[(offsets[j0 + j] + (long long)kvh * head_dim) / head_dim];
+                for (int h = kvh * group; h < (kvh + 1) * group; h++) {
+                    v16f s = token_scale * hsum16(dots + h * 16);
+                    if (soft_cap > 0.0f)
+                        for (int j = 0; j < nj; j++) s[j] = soft_cap * tanhf(s[j] / soft_cap);
+                    store_f32(&scores[h][j0], s);
                 }
             }
         }
-        /* Online softmax: per head, the new running max m over the tile, the running state rescaled
+        /* Online softmax per head: the new running max m over the tile, the running state rescaled
          * by alpha = exp(m_old - m), the tile's scores replaced by p = exp(s - m). */
-        for (int h = 0; h < heads_padded; h += 16) {
-            const v16f m_old = load_f32(row_max + h);
-            v16f m = m_old;
-            for (int i = 0; i < n; i++) {
-                const v16f x = load_f32(&scores[i][h]);
-                m = select_f(x > m, x, m);
+        float alpha[MAX_HEADS];
+        const v16f neg_inf = (v16f){0} - INFINITY;
+        for (int h = 0; h < num_heads; h++) {
+            const float m_old = row_max[h];
+            v16f mx = (v16f){0} + m_old;
+            for (int j0 = 0; j0 < n; j0 += 16) {
+                const v16f x = select_f(lane < n - j0, load_f32(&scores[h][j0]), neg_inf);
+                mx = select_f(x > mx, x, mx);
             }
-            store_f32(alpha + h, select_f(m_old == -INFINITY, (v16f){0}, exp_nonpos_v16(m_old - m)));
-            store_f32(row_max + h, m);
-            v16f sum = (v16f){0};
-            for (int i = 0; i < n; i++) {
-                const v16f p = exp_nonpos_v16(load_f32(&scores[i][h]) - m);
-                store_f32(&scores[i][h], p);
-                sum += p;
-            }
-            store_f32(row_sum + h, load_f32(row_sum + h) * load_f32(alpha + h) + sum);
+            float m = mx[0];
+            for (int j = 1; j < 16; j++) m = mx[j] > m ? mx[j] : m;
+            alpha[h] = m_old == -INFINITY ? 0.0f : exp_nonpos_v16((v16f){0} + (m_old - m))[0];
+            row_max[h] = m;
+            for (int j0 = 0; j0 < n; j0 += 16) store_f32(&scores[h][j0], exp_nonpos_v16(load_f32(&scores[h][j0]) - m));
+            float sum = 0.0f;
+            for (int i = 0; i < n; i++) sum += scores[h][i];
+            row_sum[h] = row_sum[h] * alpha[h] + sum;
         }
+        /* acc = alpha * acc + sum_i p_i V_i per head, a register block of heads at a time, each V row
+         * loaded (and widened) once for the block. */
         for (int kvh = 0; kvh < num_kv_heads; kvh++) {
             const long long head_off = (long long)kvh * head_dim;
-            if (widen)
-                for (int i = 0; i < n; i++)
+            for (int g0 = 0; g0 < group; g0 += qb_pv) {
+                const int nb = group - g0 < qb_pv ? group - g0 : qb_pv, h0 = kvh * group + g0;
+                v16f acc[QB_MAX][MAX_CHUNKS];
+                for (int b = 0; b < nb; b++)
                     for (int c = 0; c < num_chunks; c++)
-                        store_f32(vbuf + (size_t)i * head_dim + 16 * c, load_kv(v_cache, offsets[i] + head_off + 16 * c, fmt));
-            for (int h = kvh * group; h < (kvh + 1) * group; h++) {
-                /* acc = alpha * acc + sum_i p_i V_i, the accumulator chunk held in a register; the
-                 * tile's V rows are read from memory by the group's first head, from cache after. */
-                float *dst = out + (size_t)h * head_dim;
-                v16f acc[MAX_CHUNKS];
-                for (int c = 0; c < num_chunks; c++) acc[c] = load_f32(dst + 16 * c) * alpha[h];
+                        acc[b][c] = load_f32(out + (size_t)(h0 + b) * head_dim + 16 * c) * alpha[h0 + b];
                 for (int i = 0; i < n; i++) {
                     const long long off = offsets[i] + head_off;
-                    const float p = fmt == KV_INT8 ? scores[i][h] * v_scales[off / head_dim] : scores[i][h];
-                    for (int c = 0; c < num_chunks; c++)
-                        acc[c] += p * (widen ? load_f32(vbuf + (size_t)i * head_dim + 16 * c)
-                                             : load_kv(v_cache, off + 16 * c, fmt));
+                    v16f v[MAX_CHUNKS];
+                    for (int c = 0; c < num_chunks; c++) v[c] = load_kv(v_cache, off + 16 * c, fmt);
+                    const float vs = fmt == KV_INT8 ? v_scales[off / head_dim] : 1.0f;
+                    for (int b = 0; b < nb; b++) {
+                        const float p = fmt == KV_INT8 ? scores[h0 + b][i] * vs : scores[h0 + b][i];
+                        for (int c = 0; c < num_chunks; c++) acc[b][c] += p * v[c];
+                    }
                 }
-                for (int c = 0; c < num_chunks; c++) store_f32(dst + 16 * c, acc[c]);
+                for (int b = 0; b < nb; b++)
+                    for (int c = 0; c < num_chunks; c++) store_f32(out + (size_t)(h0 + b) * head_dim + 16 * c, acc[b][c]);
             }
         }
     }
@@ -359,23 +420,23 @@ struct decode_args {
     float scale, k_scale, v_scale, soft_cap;
 };
 
-/* Request r of a decode call, with its thread's scratch (TILE * head_dim floats, plus 2 rows of
- * num_heads * head_dim with io_bf16). With io_bf16, q and out are bfloat16 (widened into / rounded
- * from the scratch), else float32 (out is the accumulator). */
+/* Request r of a decode call, with its thread's scratch (DOTS_FLOATS(num_heads) floats, 64-byte
+ * aligned, plus 2 rows of num_heads * head_dim with io_bf16). With io_bf16, q and out are bfloat16
+ * (widened into / rounded from the scratch), else float32 (out is the accumulator). */
 static inline __attribute__((always_inline)) void decode_request(const struct decode_args *a, int r, float *scratch,
                                                                  const int fmt) {
     const size_t row_elems = (size_t)a->num_heads * a->head_dim, row = (size_t)r * row_elems;
     const float *q = (const float *)a->q + row;
     float *acc = (float *)a->out + row;
     if (a->io_bf16) {
-        float *qf = scratch + (size_t)TILE * a->head_dim;
+        float *qf = scratch + DOTS_FLOATS(a->num_heads);
         acc = qf + row_elems;
         for (size_t e = 0; e < row_elems; e++) qf[e] = bf16_to_f32(((const uint16_t *)a->q)[row + e]);
         q = qf;
     }
     const int32_t *table = a->block_tables + (long long)r * a->block_table_stride;
 #define DECODE_ONE(HEAD_DIM)                                                                                \
-    decode_one(q, a->k_cache, a->v_cache, a->k_scales, a->v_scales, table, a->seq_lens[r], acc, scratch,      \
+    decode_one(q, a->k_cache, a->v_cache, a->k_scales, a->v_scales, table, a->seq_lens[r], acc, (v16f *)scratch, \
                a->num_heads, a->num_kv_heads, (HEAD_DIM), a->block_size, a->kv_block_stride, a->kv_token_stride, \
                a->scale, a->k_scale, a->v_scale, a->window, a->soft_cap, fmt)
     /* head_dim 64 and 128 get copies with the chunk loops fully unrolled (accumulators in registers). */
@@ -405,13 +466,13 @@ static void decode_request_int8(const struct decode_args *a, int r, float *s) { 
  * thread's scratch allocation failed (its requests are not written). */
 static int decode_requests(const struct decode_args *a, int req_begin, int req_end, int num_threads,
                            decode_request_fn fn) {
-    const size_t floats = (size_t)TILE * a->head_dim + (a->io_bf16 ? 2 * (size_t)a->num_heads * a->head_dim : 0);
+    const size_t floats = DOTS_FLOATS(a->num_heads) + (a->io_bf16 ? 2 * (size_t)a->num_heads * a->head_dim : 0);
     int failed = 0;
     if (req_begin >= req_end) return 0; /* a write-only call: no team woken */
     (void)num_threads; /* without OpenMP the pragmas are ignored: one thread */
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(| : failed)
     {
-        float *scratch = malloc(sizeof(float) * floats);
+        float *scratch = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
         failed = scratch == NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int r = req_begin; r < req_end; r++)
