@@ -192,3 +192,51 @@ def test_cpu_prepacked_linears_follow_reloads_and_can_be_disabled(monkeypatch):
     model.load_weights(hf.state_dict().items())
     assert all(m.packed_weight is None for m in linears)
     assert (run_paged(model, [seq], [16])[0] - hf_logits(hf, seq)).abs().max().item() < ATOL
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_linear_bf16_math_is_opt_in_and_rounds_like_bfloat16():
+    """Linear's opt-in bfloat16 math for float32: from BF16_MATH_MIN_ROWS rows it equals the
+    matmul of bfloat16-rounded x and weight (float32 accumulation), below that and by default
+    the float32 packed path; torch's process-wide setting is left as it was."""
+    from pagedllm.models.layers.linear import BF16_MATH_MIN_ROWS, Linear
+
+    g = torch.Generator().manual_seed(3)
+    lin = Linear(96, 80, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(80, 96, generator=g))
+        lin.bias.copy_(torch.randn(80, generator=g))
+    x = torch.randn(BF16_MATH_MIN_ROWS + 5, 96, generator=g)
+    exact = torch.nn.functional.linear(x.double(), lin.weight.double(), lin.bias.double()).float()
+    rounded = torch.nn.functional.linear(x.bfloat16().double(), lin.weight.bfloat16().double(),
+                                         lin.bias.double()).float()
+    few = x[:BF16_MATH_MIN_ROWS - 1].contiguous()
+    assert lin.pack_for_cpu(64) and not lin.bf16_math
+    fp32, fp32_few = lin(x), lin(few)
+    assert (fp32 - exact).abs().max() < 1e-4
+    assert lin.pack_for_cpu(64, bf16_math=True) and lin.bf16_math
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    bf16 = lin(x)
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+    assert (bf16 - rounded).abs().max() < 1e-4 < (bf16 - exact).abs().max()  # rounded inputs, float32 sums
+    assert torch.equal(lin(few), fp32_few)  # too few rows: the float32 path, bit for bit
+    lin.unpack()
+    assert not lin.bf16_math
+
+
+def test_fp32_matmul_env_switch(monkeypatch):
+    """PAGEDLLM_CPU_FP32_MATMUL=bf16 turns bf16_math on for every packed linear of a float32
+    model (logits stay near transformers'), a bad value names the variable."""
+    from pagedllm.models.layers.linear import Linear
+
+    config = tiny_llama_config()
+    monkeypatch.setenv("PAGEDLLM_CPU_FP32_MATMUL", "bf16")
+    hf, model = make_llama_pair(config, seed=11)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.bf16_math == torch.backends.mkldnn.is_available() for m in linears)
+    seq = sequences(512, [24], seed=11)[0]
+    diff = (run_paged(model, [seq], [16])[0] - hf_logits(hf, seq)).abs().max().item()
+    assert ATOL < diff < 0.05 * hf_logits(hf, seq).abs().max().item(), diff  # bfloat16 rounding, no more
+    monkeypatch.setenv("PAGEDLLM_CPU_FP32_MATMUL", "fp16")
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_FP32_MATMUL"):
+        model.load_weights(hf.state_dict().items())

@@ -32,8 +32,20 @@ from pagedllm.models.layers import (GatedMLP, MergedLinear, ParallelLMHead, RMSN
 from pagedllm.models.layers.rotary import rope_parameters
 
 _PACKED_LINEAR_ENV = "PAGEDLLM_CPU_PACKED_LINEAR"
+# opt-in: "bf16" computes float32 models' packed linears in bfloat16 (Linear.bf16_math)
+_FP32_MATMUL_ENV = "PAGEDLLM_CPU_FP32_MATMUL"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints still carry
 DEFAULT_ROPE = "default"
+
+
+def _fp32_matmul_in_bf16() -> bool:
+    """Whether ``PAGEDLLM_CPU_FP32_MATMUL`` asks for bfloat16 math in float32 linears.
+
+    Raises ValueError for a value other than "fp32" (the default) or "bf16"."""
+    value = os.environ.get(_FP32_MATMUL_ENV, "fp32").strip().lower()
+    if value not in ("fp32", "bf16"):
+        raise ValueError(f"{_FP32_MATMUL_ENV} must be 'fp32' or 'bf16', got {value!r}")
+    return value == "bf16"
 
 
 def _rank_part(module: nn.Module | None, name: str, tensor: torch.Tensor, param_name: str,
@@ -270,16 +282,17 @@ class LlamaForCausalLM(nn.Module):
             shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
             raise ValueError(f"weights missing from the checkpoint for {type(self).__name__}: {shown}")
         if os.environ.get(_PACKED_LINEAR_ENV, "1") != "0":
-            self.pack_linears_for_cpu()
+            self.pack_linears_for_cpu(bf16_math=_fp32_matmul_in_bf16())
 
-    def pack_linears_for_cpu(self, batch_hint: int = 64) -> int:
+    def pack_linears_for_cpu(self, batch_hint: int = 64, bf16_math: bool = False) -> int:
         """Prepack every projection for oneDNN when the model is on CPU (see :class:`Linear`).
 
-        Called by :meth:`load_weights` (disable with ``PAGEDLLM_CPU_PACKED_LINEAR=0``). Costs
-        one extra copy of the projection and lm_head weights in memory.
-        Returns how many were packed (0 on CUDA or without oneDNN).
+        Called by :meth:`load_weights` (disable with ``PAGEDLLM_CPU_PACKED_LINEAR=0``; with
+        ``PAGEDLLM_CPU_FP32_MATMUL=bf16`` a float32 model's linears get ``bf16_math``, opt-in,
+        not float32's numerics). Costs one extra copy of the projection and lm_head weights in
+        memory. Returns how many were packed (0 on CUDA or without oneDNN).
         """
-        return pack_linears_for_cpu(self, batch_hint)
+        return pack_linears_for_cpu(self, batch_hint, bf16_math)
 
     def unpack_linears(self) -> None:
         """Undo :meth:`pack_linears_for_cpu` (plain weights back in the parameters)."""

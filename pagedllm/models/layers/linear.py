@@ -27,25 +27,35 @@ class Linear(nn.Linear):
 
     A weight format kept at run time (:mod:`pagedllm.quantization`) sets ``quant_method``:
     the method then owns the weight and computes the matmul (vLLM's ``LinearMethod`` seam).
+
+    Opt-in, float32 only: with ``bf16_math`` set by :meth:`pack_for_cpu`, a packed float32
+    linear of at least :data:`BF16_MATH_MIN_ROWS` rows lets oneDNN round x and the weight to
+    bfloat16 and multiply on AMX / AVX-512-BF16, accumulating and returning float32 (what
+    ``torch.set_float32_matmul_precision("medium")`` selects for every oneDNN matmul, here only
+    for these linears). Not float32's numerics: greedy outputs can change.
     """
 
     packed_weight: torch.Tensor | None = None
     quant_method = None  # a pagedllm.quantization.LinearMethod, or None for a float weight
+    bf16_math = False  # see pack_for_cpu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, in_features) -> (T, out_features)."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
         if self.packed_weight is not None:
+            if self.bf16_math and x.shape[0] >= BF16_MATH_MIN_ROWS and x.dtype == torch.float32:
+                return _packed_linear_bf16_math(x, self.packed_weight, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    def pack_for_cpu(self, batch_hint: int) -> bool:
+    def pack_for_cpu(self, batch_hint: int, bf16_math: bool = False) -> bool:
         """Prepack the weight for oneDNN (CPU, float32/bfloat16 only); returns whether it did.
 
         The packed copy is extra memory (one more copy of the weight); ``self.weight``
         stays valid, but the packed copy does not follow later in-place edits of it: call
-        this again (``load_weights`` does) after changing weights.
+        this again (``load_weights`` does) after changing weights. ``bf16_math``: float32
+        matmuls of many rows computed in bfloat16 (see the class docstring; opt-in).
         """
         w = getattr(self, "weight", None)
         if w is None or self.quant_method is not None or w.device.type != "cpu" \
@@ -56,11 +66,31 @@ class Linear(nn.Linear):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
         except (RuntimeError, AttributeError):  # a torch build without this private op: stay plain
             self.packed_weight = None
+        self.bf16_math = bf16_math and w.dtype == torch.float32 and self.packed_weight is not None
         return self.packed_weight is not None
 
     def unpack(self) -> None:
         """Back to the plain ``F.linear`` path."""
         self.packed_weight = None
+        self.bf16_math = False
+
+
+# Below this many rows bfloat16 math is slower than float32 for SmolLM2's shapes (a decode
+# batch of a few requests streams the float32 weight either way and the conversion costs more
+# than it saves); from 16 rows up it is faster (benchmarks/linear_kernels.py).
+BF16_MATH_MIN_ROWS = 16
+
+
+def _packed_linear_bf16_math(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's packed float32 linear with bfloat16 math allowed for this call only (the
+    setting is process-wide in torch; the previous value is restored)."""
+    knob = torch.backends.mkldnn.matmul
+    previous = knob.fp32_precision
+    knob.fp32_precision = "bf16"
+    try:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    finally:
+        knob.fp32_precision = previous
 
 
 class MergedLinear(Linear):
@@ -85,9 +115,10 @@ class MergedLinear(Linear):
         return param.narrow(0, offset, self.output_sizes[index])
 
 
-def pack_linears_for_cpu(module: nn.Module, batch_hint: int = 64) -> int:
-    """Prepack every :class:`Linear` under ``module`` for oneDNN; returns how many were packed."""
-    return sum(m.pack_for_cpu(batch_hint) for m in module.modules() if isinstance(m, Linear))
+def pack_linears_for_cpu(module: nn.Module, batch_hint: int = 64, bf16_math: bool = False) -> int:
+    """Prepack every :class:`Linear` under ``module`` for oneDNN; returns how many were packed.
+    ``bf16_math``: see :meth:`Linear.pack_for_cpu`."""
+    return sum(m.pack_for_cpu(batch_hint, bf16_math) for m in module.modules() if isinstance(m, Linear))
 
 
 def unpack_linears(module: nn.Module) -> None:
