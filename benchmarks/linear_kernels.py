@@ -25,7 +25,16 @@ whether it is bit-identical: float32 greedy outputs must not change). ``first_ca
 ``onednn_b64`` call at a new M, which builds (JIT-compiles) a oneDNN primitive for that shape;
 later calls hit oneDNN's primitive cache. Writes benchmarks/results/linear_kernels_<date>.json.
 
+``--in-model`` measures instead the real float32 model (SmolLM2) in the engine, float32 math
+against the opt-in bfloat16 math (``Linear.bf16_math``, ``PAGEDLLM_CPU_FP32_MATMUL=bf16``),
+switched on the live engine and alternating: decode steps at ``--batch`` (context ~160) and
+whole 2,048-token prefills (one request, one chunk), each timed in wall and CPU time, of the
+linear layers and of the whole step, with ``--threads`` torch threads (default 1: CPU time is
+then exact and holds on a loaded machine, where two threads waiting on each other at every
+OpenMP barrier are not). Writes benchmarks/results/linear_kernels_in_model_<date>.json.
+
     .venv/bin/python benchmarks/linear_kernels.py [--dtypes float32 bfloat16] [--tokens 1 8 32 64 256 2048]
+    .venv/bin/python benchmarks/linear_kernels.py --in-model [--batch 32 --rounds 5]
 """
 
 from __future__ import annotations
@@ -124,6 +133,82 @@ def run_case(weights, shapes, dtype, m, rounds, gen, clock) -> dict:
     return res
 
 
+def in_model(batch: int, rounds: int, steps: int, threads: int) -> dict:
+    """Decode steps and 2,048-token prefills of the float32 engine, float32 vs bfloat16 math in
+    its linears, alternating; medians over rounds (ms) of wall and CPU time, the linears' and
+    the whole step's, with ``threads`` torch threads (CPU time is the main thread's: exact with 1)."""
+    import random
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.models.layers.linear import Linear
+
+    llm = LLM(dtype="float32", max_model_len=4096, kv_cache_memory="2GiB", max_num_seqs=batch + 1,
+              max_num_batched_tokens=2048)
+    eng = llm.llm_engine
+    linears = [m for m in eng.runner.model.modules() if isinstance(m, Linear) and m.packed_weight is not None]
+    rng = random.Random(0)
+    decode = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    for _ in range(batch):
+        eng.add_request(None, [rng.randrange(17, 49000) for _ in range(160)], decode)
+    while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
+        eng.step()
+    eng.step()
+    linear_cpu = [0.0]
+    forward = Linear.forward
+
+    def timed_forward(self, x):
+        t = time.thread_time()
+        try:
+            return forward(self, x)
+        finally:
+            linear_cpu[0] += time.thread_time() - t
+
+    def decode_steps(n: int) -> tuple[float, float, float]:
+        linear_cpu[0] = 0.0
+        w, c = time.perf_counter(), time.thread_time()
+        for _ in range(n):
+            eng.step()
+        return (time.perf_counter() - w) / n, (time.thread_time() - c) / n, linear_cpu[0] / n
+
+    def prefill() -> tuple[float, float, float]:
+        """One step of 2,048 tokens: a new prompt of 2,048 - batch tokens plus the batch's
+        decode rows."""
+        req = eng.add_request(None, [rng.randrange(17, 49000) for _ in range(2048 - batch)],
+                              SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        linear_cpu[0] = 0.0
+        w, c = time.perf_counter(), time.thread_time()
+        eng.step()  # one chunk: the prompt + the batch's decode rows = 2,048 tokens
+        out = time.perf_counter() - w, time.thread_time() - c, linear_cpu[0]
+        if req in eng.output_processor.requests:
+            raise RuntimeError("the 2,048-token prompt was not prefilled in one step (a prefill cap?)")
+        return out
+
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    res: dict[str, dict[str, list[float]]] = {}
+    Linear.forward = timed_forward
+    try:
+        for _ in range(rounds):
+            for mode in ("fp32_math", "bf16_math"):
+                for m in linears:
+                    m.bf16_math = mode == "bf16_math"
+                r = res.setdefault(mode, {})
+                for key, val in zip(("decode_wall", "decode_cpu", "decode_linear_cpu"), decode_steps(steps)):
+                    r.setdefault(key, []).append(val * 1e3)
+                for key, val in zip(("prefill_wall", "prefill_cpu", "prefill_linear_cpu"), prefill()):
+                    r.setdefault(key, []).append(val * 1e3)
+    finally:
+        Linear.forward = forward
+        torch.set_num_threads(saved_threads)
+        for m in linears:
+            m.bf16_math = False
+    med = {mode: {k: statistics.median(v) for k, v in r.items()} for mode, r in res.items()}
+    ratio = {k: med["fp32_math"][k] / med["bf16_math"][k] for k in med["fp32_math"]}
+    return {"batch": batch, "threads": threads, "cpu_time": "main thread (all of it with one thread)",
+            "rounds": rounds, "decode_steps_per_round": steps, "prefill_tokens": 2048,
+            "median_ms": med, "speedup_bf16_math": ratio, "samples_ms": res}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
@@ -133,8 +218,21 @@ def main() -> None:
                     help="layers per sweep for M >= 256 (compute-bound: fewer layers keep the run short)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: one torch thread, thread CPU time (holds on a loaded machine; wall does not)")
+    ap.add_argument("--in-model", action="store_true", help="the float32 engine, float32 vs bfloat16 math")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=4, help="--in-model: decode steps per round and mode")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="--in-model: torch threads (1: CPU time is exact and holds on a loaded machine)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.in_model:
+        rec = in_model(args.batch, args.rounds, args.steps, args.threads)
+        path = common.write_result(f"linear_kernels_in_model_{time.strftime('%Y-%m-%d')}", rec, args.out)
+        m, r = rec["median_ms"], rec["speedup_bf16_math"]
+        print("float32 engine, float32 -> bfloat16 math in the linears (median ms): "
+              + "; ".join(f"{k} {m['fp32_math'][k]:.1f} -> {m['bf16_math'][k]:.1f} ({r[k]:.2f}x)" for k in r)
+              + f"; wrote {path}")
+        return
     clock = time.perf_counter
     if args.clock == "cpu":
         torch.set_num_threads(1)
