@@ -397,3 +397,28 @@ def test_served_schedule_alternates_and_reverses_every_repeat():
     assert serving.schedule(["pagedllm", "vllm"], 3) == [
         (0, "pagedllm"), (0, "vllm"), (1, "vllm"), (1, "pagedllm"), (2, "pagedllm"), (2, "vllm")]
     assert serving.schedule(["vllm"], 2) == [(0, "vllm"), (1, "vllm")]
+
+
+# ---- linear_kernels ---------------------------------------------------------------------
+
+@pytest.mark.skipif(not __import__("torch").backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_linear_kernels_compares_every_path_against_the_engines():
+    """Every candidate computes the same product (float32 paths within float32 rounding, the
+    bfloat16-math one within bfloat16 rounding), the engine's own path is the bit-exact baseline."""
+    import time
+
+    import torch
+
+    import linear_kernels
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(64, 48), (96, 64)]
+    weights = [torch.randn(n, k, generator=gen) for k, n in shapes]
+    res = linear_kernels.run_case(weights, shapes, torch.float32, 20, 1, gen, time.perf_counter)
+    assert set(res) == {"F.linear", "onednn_b64", "onednn_bM", "mkl_bM", "onednn_b64_bf16_fpmath"}
+    assert res["onednn_b64"]["identical"] and res["onednn_b64"]["speedup_vs_onednn_b64"] == 1.0
+    for name in ("F.linear", "onednn_bM", "mkl_bM"):
+        assert res[name]["max_abs_diff"] < 1e-4
+    assert 1e-4 < res["onednn_b64_bf16_fpmath"]["max_abs_diff"] < 0.5
+    assert torch.backends.mkldnn.matmul.fp32_precision != "bf16"  # restored after each call
+    assert all(r["median_ms"] > 0 and r["gflops_median"] > 0 for r in res.values())
