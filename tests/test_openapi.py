@@ -51,9 +51,11 @@ def _request_schema(doc: dict, name: str) -> dict:
     return {**doc["components"]["schemas"][name], "components": doc["components"]}
 
 
-_VALID = {"ChatCompletionRequest": {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "none"},
+_VALID = {"ChatCompletionRequest": {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "none",
+                                    "modalities": ["text"], "continue_final_message": False},
           "CompletionRequest": {"prompt": "a", "n": 1, "logprobs": 1, "allowed_token_ids": [1], "temperature": 0,
-                                "stop": ["x"]}}
+                                "stop": ["x"], "suffix": ""}}
+_HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.mark.parametrize("name, body", [
@@ -68,6 +70,10 @@ _VALID = {"ChatCompletionRequest": {"messages": [{"role": "user", "content": "hi
     ("CompletionRequest", {"prompt": ["a"] * 1025}),  # --max-prompts-per-request 1024
     ("CompletionRequest", {"prompt": "a", "temperature": -1}),
     ("CompletionRequest", {"prompt": "a", "stop": [""]}),
+    ("CompletionRequest", {"prompt": [128]}),  # the fake's vocabulary has 128 tokens
+    ("CompletionRequest", {"prompt": "a", "suffix": "x"}),  # refused fields: the document lists their off values
+    ("ChatCompletionRequest", {"messages": _HI, "modalities": []}),
+    ("ChatCompletionRequest", {"messages": _HI, "continue_final_message": True}),  # add_generation_prompt true
 ])
 def test_schema_refuses_what_the_server_refuses(server, name, body):
     doc = httpx.get(server.url + "/openapi.json").json()
@@ -89,3 +95,55 @@ def test_document_media_types_and_errors(server):
     assert "Retry-After" in completions["503"]["headers"] and "WWW-Authenticate" in completions["401"]["headers"]
     assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     assert "content" not in paths["/health"]["get"]["responses"]["200"]
+
+
+def test_edges_of_tokenize_detokenize_and_kv_state_agree_with_the_document(server):
+    """Integral numbers are integers (JSON Schema's rule: 1.0 is one), token ids stop at the
+    vocabulary, the chat-template flags exclude each other, the replica index has a range:
+    what the document allows is served, what it forbids is a 400 naming the field."""
+    doc = httpx.get(server.url + "/openapi.json").json()
+    auth = {"Authorization": "Bearer k"}
+
+    def agree(schema: dict, method: str, path: str, status: int, param: str | None = None, **kw) -> httpx.Response:
+        r = httpx.request(method, server.url + path, headers=auth, **kw)
+        value = kw["json"] if "json" in kw else int(kw["params"]["engine"])
+        assert jsonschema_rs.is_valid(schema, value) == (status == 200)
+        assert r.status_code == status, r.text
+        if param is not None:
+            assert r.json()["error"]["param"] == param
+        return r
+
+    detok = _request_schema(doc, "DetokenizeRequest")
+    whole = agree(detok, "POST", "/detokenize", 200, json={"tokens": [65, 66.0, 6.7e1]})
+    assert whole.json() == httpx.post(server.url + "/detokenize", headers=auth, json={"tokens": [65, 66, 67]}).json()
+    agree(detok, "POST", "/detokenize", 400, "tokens", json={"tokens": [65.5]})
+    agree(detok, "POST", "/detokenize", 400, "tokens", json={"tokens": [128]})
+    agree(detok, "POST", "/detokenize", 400, "tokens", json={"tokens": [True]})
+
+    tok = _request_schema(doc, "TokenizeRequest")
+    agree(tok, "POST", "/tokenize", 400, "continue_final_message", json={"messages": _HI, "continue_final_message": True})
+    agree(tok, "POST", "/tokenize", 400, "continue_final_message", json={"prompt": "a", "continue_final_message": True})
+    agree(tok, "POST", "/tokenize", 200, json={"messages": [*_HI, {"role": "assistant", "content": "ok"}],
+                                                "continue_final_message": True, "add_generation_prompt": False})
+
+    (engine,) = doc["paths"]["/kv/state"]["get"]["parameters"]
+    agree(engine["schema"], "GET", "/kv/state", 400, "engine", params={"engine": "-1"})
+    agree(engine["schema"], "GET", "/kv/state", 400, "engine", params={"engine": "1"})  # one engine: only 0
+    assert httpx.get(server.url + "/kv/state", headers=auth, params={"engine": "0"}).status_code == 404  # fake: no KV
+
+
+def test_integer_fields_take_integral_numbers(server):
+    """``16.0`` is the integer 16 in every integer field (JSON has one number type); ``1.5``,
+    ``true`` and ``"2"`` are refused naming the field."""
+    auth = {"Authorization": "Bearer k"}
+    url = server.url + "/v1/completions"
+    ints = {"model": MODEL, "prompt": [65, 66], "max_tokens": 3, "n": 2, "seed": 7, "logprobs": 1,
+            "temperature": 0}
+    floats = {**ints, "prompt": [65.0, 66.0], "max_tokens": 3.0, "n": 2.0, "seed": 7.0, "logprobs": 1.0}
+    a, b = (httpx.post(url, headers=auth, json=body) for body in (ints, floats))
+    assert a.status_code == b.status_code == 200, b.text
+    assert [c["text"] for c in a.json()["choices"]] == [c["text"] for c in b.json()["choices"]]
+    assert b.json()["usage"]["prompt_tokens"] == 2 and b.json()["usage"]["completion_tokens"] == 6
+    for field, value in (("max_tokens", 1.5), ("n", True), ("seed", "2")):
+        r = httpx.post(url, headers=auth, json={**ints, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

@@ -179,7 +179,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = finish_document(FastAPI.openapi(app), limits)
+            app.openapi_schema = finish_document(FastAPI.openapi(app), limits, engine.vocab_size)
         return app.openapi_schema
 
     app.openapi = openapi
@@ -232,10 +232,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
             completions.check_model(body.model)
             if (body.prompt is None) == (body.messages is None):
                 raise APIError(400, "give exactly one of prompt or messages", "prompt")
+            body.check_template_flags()
             if body.messages is not None:
-                if body.continue_final_message and body.add_generation_prompt:
-                    raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
-                                   "continue_final_message")
                 ids = await chat.render([m.model_dump(exclude_none=True) for m in body.messages],
                                         body.add_generation_prompt, body.continue_final_message)
             else:

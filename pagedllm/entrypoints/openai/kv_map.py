@@ -48,10 +48,12 @@ def add_kv_map_routes(app: FastAPI, engine: Any, model_name: str) -> None:
     async def kv_page() -> Response:
         return HTMLResponse(kv_map_html(), headers={"Cache-Control": "no-store"})
 
+    last_engine = getattr(engine, "data_parallel_size", 1) - 1  # the document states the range
+
     @app.get(KV_STATE_PATH, responses={200: {"description": "a snapshot of the KV cache (JSON object)"},
                                        **errors(400, 401, 404)})
-    async def kv_state(engine_index: int = Query(0, alias="engine", description="the data-parallel replica")
-                       ) -> Response:
+    async def kv_state(engine_index: int = Query(0, alias="engine", ge=0, le=last_engine,
+                                                 description="the data-parallel replica")) -> Response:
         try:
             snapshot = await engine.kv_cache_snapshot(engine_index)
         except ValueError as e:

@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from pagedllm.entrypoints.openai.errors import RETRY_AFTER_S
-from pagedllm.entrypoints.openai.protocol import ErrorResponse
+from pagedllm.entrypoints.openai.protocol import TOKEN_ID_MARK, ErrorResponse
 
 _ERROR_TEXT = {400: "Invalid request (the field is in error.param)", 401: "Missing or wrong API key",
                404: "Unknown model", 500: "The request failed inside the engine",
@@ -38,9 +38,10 @@ def json_or_sse(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
                   "content": dict(_SSE)}}
 
 
-def finish_document(doc: dict[str, Any], limits: dict[str, int]) -> dict[str, Any]:
-    """Drop FastAPI's 422 (validation errors are 400 here) and state ``limits`` (field name →
-    maximum, from server options) on every request schema that has such a field."""
+def finish_document(doc: dict[str, Any], limits: dict[str, int], vocab_size: int) -> dict[str, Any]:
+    """Drop FastAPI's 422 (validation errors are 400 here), state ``limits`` (field name →
+    maximum, from server options) on every request schema that has such a field, and
+    ``vocab_size - 1`` as the maximum of every token id."""
     for path in doc.get("paths", {}).values():
         for op in path.values():
             op.get("responses", {}).pop("422", None)
@@ -50,7 +51,20 @@ def finish_document(doc: dict[str, Any], limits: dict[str, int]) -> dict[str, An
     for schema in schemas.values():
         for field, maximum in limits.items():
             _set_maximum(schema.get("properties", {}).get(field), maximum)
+    _set_token_id_maximum(schemas, vocab_size - 1)
     return doc
+
+
+def _set_token_id_maximum(node: Any, maximum: int) -> None:
+    """Replace each token id's mark (protocol.TOKEN_ID_MARK) by ``maximum``, anywhere below ``node``."""
+    if isinstance(node, dict):
+        if node.pop(TOKEN_ID_MARK, False):
+            node["maximum"] = maximum
+        for value in node.values():
+            _set_token_id_maximum(value, maximum)
+    elif isinstance(node, list):
+        for value in node:
+            _set_token_id_maximum(value, maximum)
 
 
 def _set_maximum(prop: dict[str, Any] | None, maximum: int) -> None:

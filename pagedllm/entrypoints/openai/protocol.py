@@ -27,14 +27,23 @@ LOGPROB_FLOOR = -9999.0
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def replace_lone_surrogates(value: Any) -> Any:
-    """Recursively replace lone surrogate code points in strings with U+FFFD."""
+def normalize_json_values(value: Any) -> Any:
+    """A request body's JSON values as the server reads them, recursively.
+
+    Lone surrogate code points in strings become U+FFFD. A number without a fractional part
+    (``16.0``, ``1e3``) becomes that integer: JSON has one number type, JSON Schema's
+    ``integer`` includes ``1.0`` (so the OpenAPI document allows it) and JavaScript clients
+    cannot tell ``16.0`` from ``16``; ``1.5``, ``true`` and ``"16"`` stay what they are, and
+    integer fields refuse them.
+    """
     if isinstance(value, str):
         return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
     if isinstance(value, list):
-        return [replace_lone_surrogates(v) for v in value]
+        return [normalize_json_values(v) for v in value]
     if isinstance(value, dict):
-        return {replace_lone_surrogates(k): replace_lone_surrogates(v) for k, v in value.items()}
+        return {normalize_json_values(k): normalize_json_values(v) for k, v in value.items()}
     return value
 
 
@@ -51,11 +60,14 @@ class OpenAIBase(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-TokenId = Annotated[int, Field(ge=0, strict=True)]  # strict: a JSON boolean is not a token id
+# A token id: strict, as a JSON boolean is not one. TOKEN_ID_MARK tells the OpenAPI document where
+# to state the vocabulary's last id as the maximum (openapi.finish_document).
+TOKEN_ID_MARK = "x-pagedllm-token-id"
+TokenId = Annotated[int, Field(ge=0, strict=True, json_schema_extra={TOKEN_ID_MARK: True})]
 # Boolean fields are StrictBool for the same reason the other way round: OpenAI answers 400 to
 # `"stream": 0` or `"echo": "true"`, and the OpenAPI document says boolean. Numeric request fields
 # are strict too (`"max_tokens": "16"`, `"frequency_penalty": false` → 400); a float field takes
-# a JSON integer.
+# a JSON integer, an integer field an integral number (`16.0`: normalize_json_values).
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 _warned_fields: set[str] = set()
 
@@ -70,13 +82,14 @@ def warn_unknown_fields(model: type[BaseModel], data: Any) -> None:
 
 
 class _RequestBase(OpenAIBase):
-    """Any request body: lone surrogates replaced, unknown fields logged once and ignored."""
+    """Any request body: values normalized (:func:`normalize_json_values`), unknown fields
+    logged once and ignored."""
 
     @model_validator(mode="before")
     @classmethod
-    def _clean_strings(cls, data: Any) -> Any:
+    def _normalize(cls, data: Any) -> Any:
         warn_unknown_fields(cls, data)
-        return replace_lone_surrogates(data)
+        return normalize_json_values(data)
 
 
 class ToolChoiceFunction(OpenAIBase):
@@ -144,6 +157,16 @@ class _Request(_RequestBase):
     # Fields of the OpenAI / vLLM APIs this server does not implement -> the values that mean "off".
     _REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> dict[str, Any]:
+        """The document states each refused field's only accepted values: its off values, and
+        null where the field takes it."""
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        for name, off_values in cls._REFUSED.items():
+            takes_null = cls.model_fields[name].default is None
+            schema["properties"][name]["enum"] = [*off_values, *([None] if takes_null else [])]
+        return schema
+
     # Sampling fields whose meaning differs from SamplingParams': each request sets them itself.
     _OWN_SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = ("max_tokens", "logprobs", "prompt_logprobs")
 
@@ -163,6 +186,25 @@ class _Request(_RequestBase):
 
 class StreamOptions(OpenAIBase):
     include_usage: StrictBool = False
+
+
+class _ChatTemplateFlags(BaseModel):
+    """How a conversation is rendered (chat and ``/tokenize``): ``continue_final_message`` leaves
+    the last (assistant) message open for the model to continue, so no generation prompt may
+    follow it; both true is refused (vLLM's rule), and the document says so (if/then)."""
+
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"continue_final_message": {"const": True}}, "required": ["continue_final_message"]},
+        "then": {"properties": {"add_generation_prompt": {"const": False}}, "required": ["add_generation_prompt"]}})
+
+    def check_template_flags(self) -> None:
+        """Raise ValueError naming ``continue_final_message`` when both flags are true."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
+                             "(add_generation_prompt defaults to true: send false with continue_final_message)")
 
 
 # ---------------------------------------------------------------------------- completions
@@ -328,7 +370,7 @@ class ChatMessage(OpenAIBase):
     tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(_Request, _ChatTemplateFlags):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -337,8 +379,6 @@ class ChatCompletionRequest(_Request):
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, strict=True)
     prompt_logprobs: int | None = Field(None, ge=0, strict=True)
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
     chat_template: str | None = None
     # Tools: validated and planned by tools.py (the template receives them).
     tools: list[dict[str, Any]] | None = None
@@ -362,8 +402,7 @@ class ChatCompletionRequest(_Request):
         self._check_fields()
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        self.check_template_flags()
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is not available when stream is true")
         kw = self._sampling_kwargs()
@@ -464,15 +503,13 @@ class ModelList(OpenAIBase):
     data: list[ModelCard]
 
 
-class TokenizeRequest(_RequestBase):
+class TokenizeRequest(_RequestBase, _ChatTemplateFlags):
     """``POST /tokenize``: either ``prompt`` or chat ``messages`` (rendered as chat would)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: StrictBool = True
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
 
 
 class TokenizeResponse(OpenAIBase):
