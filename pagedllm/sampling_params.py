@@ -132,6 +132,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = _f(None, "generate only these token ids")
     skip_special_tokens: bool = _f(True, "leave special tokens out of the text")
     spaces_between_special_tokens: bool = _f(True, "put spaces between special tokens in the text")
+    truncate_prompt_tokens: int | None = _f(None, "keep only the last N prompt tokens (-1 = as many as fit in "
+                                                  "max_model_len with max_tokens)")
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine (tokenizer-dependent), not by users.
@@ -183,6 +185,10 @@ class SamplingParams:
             _int("logprobs", self.logprobs, lo=0)
         if self.prompt_logprobs is not None:
             _int("prompt_logprobs", self.prompt_logprobs, lo=0)
+        if self.truncate_prompt_tokens is not None:
+            _int("truncate_prompt_tokens", self.truncate_prompt_tokens, lo=-1)
+            if self.truncate_prompt_tokens == 0:
+                raise ValueError("truncate_prompt_tokens must be -1 (as many as fit) or >= 1, got 0")
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
                 _int("logit_bias", tok, lo=0)

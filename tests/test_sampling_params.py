@@ -41,6 +41,7 @@ def test_is_greedy(kwargs):
     dict(temperature=1e-6), dict(seed=-5), dict(seed=2**63 - 1), dict(logprobs=0), dict(prompt_logprobs=0),
     dict(max_tokens=None), dict(min_tokens=5, max_tokens=5), dict(presence_penalty=-2.0),
     dict(frequency_penalty=2.0), dict(repetition_penalty=0.5), dict(logit_bias={0: -100, 1: 100}),
+    dict(truncate_prompt_tokens=-1), dict(truncate_prompt_tokens=1),
 ])
 def test_valid_edge_values_accepted(kwargs):
     SamplingParams(**kwargs)
@@ -56,6 +57,7 @@ def test_valid_edge_values_accepted(kwargs):
     ("frequency_penalty", -3.0), ("frequency_penalty", float("nan")),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", float("inf")),
     ("seed", 2**63), ("seed", 1.0),
+    ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", 2.0),
     ("stop", [""]), ("stop", [1]), ("stop", 5),
     ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]), ("stop_token_ids", 7),
     ("bad_words", [""]), ("bad_words", "word"),

@@ -400,3 +400,32 @@ def test_prompt_logprobs_over_http_equal_offline(http, served):
     chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1,
                                                    "prompt_logprobs": 1}).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(http, served):
+    """vLLM's ``truncate_prompt_tokens`` on completions and chat: the last N prompt tokens, the
+    same greedy output as sending those N token ids; -1 keeps what fits beside max_tokens."""
+    def complete(body: dict) -> dict:
+        r = http.post("/v1/completions", json={"model": MODEL, "max_tokens": 6, "temperature": 0, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    ids = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPTS[1]}).json()["tokens"]
+    cut = complete({"prompt": PROMPTS[1], "truncate_prompt_tokens": 4, "echo": True})
+    ref = complete({"prompt": ids[-4:]})
+    assert cut["usage"]["prompt_tokens"] == 4
+    kept = served.llm.get_tokenizer().decode(ids[-4:])
+    assert cut["choices"][0]["text"] == kept + ref["choices"][0]["text"]  # echo: the prompt the model saw
+    assert complete({"prompt": PROMPTS[1], "truncate_prompt_tokens": 256})["usage"]["prompt_tokens"] == len(ids)
+
+    chat_ids = http.post("/tokenize", json={"model": MODEL, "messages": CHAT}).json()["tokens"]
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 6, "temperature": 0,
+                                                   "truncate_prompt_tokens": 5}).json()
+    assert chat["usage"]["prompt_tokens"] == 5
+    assert chat["choices"][0]["message"]["content"] == complete({"prompt": chat_ids[-5:]})["choices"][0]["text"]
+
+    fit = complete({"prompt": [28] * 300, "truncate_prompt_tokens": -1})  # longer than max_model_len
+    assert fit["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 6
+    for value in (MAX_MODEL_LEN + 1, 0, -2):
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "truncate_prompt_tokens": value})
+        assert_error(r, 400, "truncate_prompt_tokens")

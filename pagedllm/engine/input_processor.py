@@ -17,11 +17,13 @@ PromptType = Union[str, list[int], dict]
 
 @dataclass
 class ProcessedPrompt:
-    """A checked prompt: its token ids, its resolved ``max_tokens`` and the params to run with."""
+    """A checked prompt: its token ids (after ``truncate_prompt_tokens``), its resolved
+    ``max_tokens``, the params to run with, and whether tokens were cut from its start."""
 
     token_ids: list[int]
     max_tokens: int
     params: SamplingParams
+    is_truncated: bool = False
 
 
 class InputProcessor:
@@ -109,12 +111,27 @@ class InputProcessor:
         The returned params carry the tokenized ``bad_words`` and the model's extra stop ids
         (unless ``ignore_eos``); ``max_tokens`` None becomes what is left of ``max_model_len``.
         """
-        ids = self.tokenize(prompt)
+        full = self.tokenize(prompt)
         params.validate_for_model(self.vocab_size, self.max_logprobs)
+        ids = self._truncate(full, params)
         max_tokens = self._resolve_max_tokens(len(ids), params)
         if params.bad_words and not params.bad_words_token_ids:
             params.bad_words_token_ids = self._bad_words_ids(params.bad_words)
-        return ProcessedPrompt(ids, max_tokens, self._with_extra_stop_ids(params))
+        return ProcessedPrompt(ids, max_tokens, self._with_extra_stop_ids(params), len(ids) < len(full))
+
+    def _truncate(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """The last ``truncate_prompt_tokens`` of ``ids`` (left truncation, as vLLM: the end of a
+        prompt is what the next token depends on most). -1 keeps as many as fit in
+        ``max_model_len`` beside ``max_tokens`` (beside one output token when it is None).
+        Raises ValueError naming the field when it exceeds ``max_model_len``."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({keep}) must be <= max_model_len ({self.max_model_len})")
+        if keep == -1:
+            keep = max(1, self.max_model_len - (params.max_tokens or 1))
+        return ids[-keep:]
 
     def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
         limit = self.max_model_len

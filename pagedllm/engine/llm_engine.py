@@ -139,6 +139,9 @@ class LLMEngine:
                     arrival_time: float | None = None, priority: int = 0, prompt_text: str | None = None) -> str:
         """Queue a request (``params.n`` sequences). Returns its id.
 
+        With ``params.truncate_prompt_tokens`` the prompt is cut to its last tokens first, and
+        the outputs report the text of what was kept as the prompt.
+
         Raises ValueError — and queues nothing — for an empty prompt, a token id outside
         the vocabulary, a prompt (+ ``max_tokens``) longer than ``max_model_len``, a
         duplicate id, or sampling parameters the model cannot honour.
@@ -149,7 +152,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         processed = self.input_processor.process(prompt, params)
         ids, max_tokens, params = processed.token_ids, processed.max_tokens, processed.params
-        if prompt_text is None and isinstance(prompt, str):
+        if processed.is_truncated:  # the prompt reported is the one the model saw
+            prompt_text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        elif prompt_text is None and isinstance(prompt, str):
             prompt_text = prompt
         spec = self.structured_output.validate(params) if params.structured_outputs is not None else None
         arrival = time.time() if arrival_time is None else arrival_time

@@ -175,7 +175,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     auth_errors = (401,) if api_key else ()
     api_errors = (400, *auth_errors, 404)
     limits = {"n": max_n, "logprobs": engine.config.max_logprobs, "top_logprobs": engine.config.max_logprobs,
-              "prompt_logprobs": engine.config.max_logprobs, "prompt": max_prompts_per_request}
+              "prompt_logprobs": engine.config.max_logprobs, "prompt": max_prompts_per_request,
+              "truncate_prompt_tokens": engine.config.max_model_len}
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -137,6 +137,8 @@ class _Request(_RequestBase):
     priority: int = Field(0, strict=True)
     request_id: str | None = None
     return_tokens_as_token_ids: StrictBool = False
+    # The last N prompt tokens (-1: as many as fit); its maximum (max_model_len) is stated by the document.
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, strict=True, json_schema_extra={"not": {"const": 0}})
     # Output constraints: translated and validated by structured_outputs.py (400 naming the field).
     response_format: ResponseFormat | None = None
     guided_json: Any = None
@@ -223,10 +225,8 @@ class CompletionRequest(_Request):
     suffix: str | None = None
     use_beam_search: StrictBool | None = None
     length_penalty: float | None = Field(None, strict=True)
-    truncate_prompt_tokens: int | None = Field(None, strict=True)
 
-    _REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "suffix": ("",), "use_beam_search": (False,), "length_penalty": (1.0,), "truncate_prompt_tokens": ()}
+    _REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {"suffix": ("",), "use_beam_search": (False,), "length_penalty": (1.0,)}
 
     @property
     def is_prompt_only(self) -> bool:

@@ -115,10 +115,11 @@ class OpenAIServingCompletion(OpenAIServing):
         return [CompletionOutput(c.index, "", [], None, [], "length" if c.finished() else None) for c in outputs]
 
     def _prompt_text(self, out: RequestOutput, given: str | None) -> str:
-        if given is not None:
-            return given
+        """The prompt as the model saw it: the engine's (after ``truncate_prompt_tokens``), else the text given."""
         if out.prompt is not None:
             return out.prompt
+        if given is not None:
+            return given
         return self.engine.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
 
     # ------------------------------------------------------------------ logprobs
