@@ -52,9 +52,9 @@ def _request_schema(doc: dict, name: str) -> dict:
 
 
 _VALID = {"ChatCompletionRequest": {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "none",
-                                    "modalities": ["text"], "continue_final_message": False},
+                                    "modalities": ["text"]},
           "CompletionRequest": {"prompt": "a", "n": 1, "logprobs": 1, "allowed_token_ids": [1], "temperature": 0,
-                                "stop": ["x"], "suffix": ""}}
+                                "stop": ["x"], "suffix": "", "guided_choice": None}}
 _HI = [{"role": "user", "content": "hi"}]
 
 
@@ -73,7 +73,10 @@ _HI = [{"role": "user", "content": "hi"}]
     ("CompletionRequest", {"prompt": [128]}),  # the fake's vocabulary has 128 tokens
     ("CompletionRequest", {"prompt": "a", "suffix": "x"}),  # refused fields: the document lists their off values
     ("ChatCompletionRequest", {"messages": _HI, "modalities": []}),
-    ("ChatCompletionRequest", {"messages": _HI, "continue_final_message": True}),  # add_generation_prompt true
+    ("ChatCompletionRequest", {"messages": [{"role": "wizard", "content": "hi"}]}),
+    ("CompletionRequest", {"prompt": "a", "guided_choice": []}),
+    ("CompletionRequest", {"prompt": "a", "guided_choice": ["yes", ""]}),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
 ])
 def test_schema_refuses_what_the_server_refuses(server, name, body):
     doc = httpx.get(server.url + "/openapi.json").json()
@@ -85,12 +88,39 @@ def test_schema_refuses_what_the_server_refuses(server, name, body):
     assert r.status_code == 400
 
 
+@pytest.mark.parametrize("name, bad, fix, param", [
+    ("ChatCompletionRequest", {"continue_final_message": True}, {"add_generation_prompt": False},
+     "continue_final_message"),
+    ("ChatCompletionRequest", {"logprobs": False, "top_logprobs": 2}, {"logprobs": True}, "top_logprobs"),
+    ("ChatCompletionRequest", {"stream_options": {"include_usage": True}}, {"stream": True}, "stream_options"),
+    ("CompletionRequest", {"stream_options": {"include_usage": True}}, {"stream": True}, "stream_options"),
+    ("CompletionRequest", {"prompt_logprobs": 1, "stream": True}, {"stream": False}, "prompt_logprobs"),
+])
+def test_cross_field_rules_are_in_the_document(server, name, bad, fix, param):
+    """A rule between two fields that JSON Schema can state (allOf of if/then) is stated, and the
+    server keeps it: the bad body is invalid and a 400 naming the field, the fixed one valid."""
+    doc = httpx.get(server.url + "/openapi.json").json()
+    schema = _request_schema(doc, name)
+    base = {"messages": [*_HI, {"role": "assistant", "content": "ok"}]} if name.startswith("Chat") else {"prompt": "a"}
+    assert not jsonschema_rs.is_valid(schema, {**base, **bad})
+    assert jsonschema_rs.is_valid(schema, {**base, **bad, **fix})
+    path = "/v1/chat/completions" if name.startswith("Chat") else "/v1/completions"
+    r = httpx.post(server.url + path, json={"model": MODEL, "max_tokens": 1, **base, **bad},
+                   headers={"Authorization": "Bearer k"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_document_media_types_and_errors(server):
     doc = httpx.get(server.url + "/openapi.json").json()
     paths = doc["paths"]
     assert all("422" not in op["responses"] for p in paths.values() for op in p.values())
     completions = paths["/v1/completions"]["post"]["responses"]
     assert set(completions["200"]["content"]) == {"application/json", "text/event-stream"}
+    event_schema = completions["200"]["content"]["text/event-stream"]["schema"]  # one event (OpenAPI < 3.2)
+    stream = httpx.post(server.url + "/v1/completions", headers={"Authorization": "Bearer k"},
+                        json={"model": MODEL, "prompt": "a", "max_tokens": 2, "stream": True})
+    events = [{"data": line[len("data: "):]} for line in stream.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == {"data": "[DONE]"} and all(jsonschema_rs.is_valid(event_schema, e) for e in events)
     assert completions["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     assert "Retry-After" in completions["503"]["headers"] and "WWW-Authenticate" in completions["401"]["headers"]
     assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
@@ -123,6 +153,8 @@ def test_edges_of_tokenize_detokenize_and_kv_state_agree_with_the_document(serve
     tok = _request_schema(doc, "TokenizeRequest")
     agree(tok, "POST", "/tokenize", 400, "continue_final_message", json={"messages": _HI, "continue_final_message": True})
     agree(tok, "POST", "/tokenize", 400, "continue_final_message", json={"prompt": "a", "continue_final_message": True})
+    agree(tok, "POST", "/tokenize", 400, "prompt", json={"prompt": "a", "messages": _HI})  # exactly one
+    agree(tok, "POST", "/tokenize", 400, "prompt", json={"prompt": None})
     agree(tok, "POST", "/tokenize", 200, json={"messages": [*_HI, {"role": "assistant", "content": "ok"}],
                                                 "continue_final_message": True, "add_generation_prompt": False})
 

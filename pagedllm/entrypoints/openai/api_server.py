@@ -78,11 +78,13 @@ class APIKeyMiddleware:
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """A one-line message (and the offending field) from pydantic's error list."""
+    """A one-line message (and the offending field) from pydantic's error list: the error
+    deepest in the body, the most specific one (a value that fits no member of a union fails
+    each member; the member that got furthest names what is wrong)."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
     if first.get("type") == "json_invalid":
         return "Malformed JSON in the request body: " + str(first.get("ctx", {}).get("error", first.get("msg"))), None
     loc = [str(p) for p in first.get("loc", ())]

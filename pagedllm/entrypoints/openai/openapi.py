@@ -14,8 +14,12 @@ from pagedllm.entrypoints.openai.protocol import TOKEN_ID_MARK, ErrorResponse
 _ERROR_TEXT = {400: "Invalid request (the field is in error.param)", 401: "Missing or wrong API key",
                404: "Unknown model", 500: "The request failed inside the engine",
                503: "Overloaded, shutting down, or the engine is down"}
-_SSE = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events, ending with "
-                                                                        "`data: [DONE]`"}}}
+# Before OpenAPI 3.2 (`itemSchema`), an event stream's `schema` describes one event.
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "description": "one server-sent event: `data` is a JSON chunk; the stream ends with `data: [DONE]`",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                   "retry": {"type": "integer"}}}}}
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -81,15 +81,40 @@ def warn_unknown_fields(model: type[BaseModel], data: Any) -> None:
         logger.warning("ignoring unknown request field %r (logged once per field name)", name)
 
 
+def only_with(field: str, other: str, value: Any, required: bool = True) -> dict[str, Any]:
+    """A JSON Schema rule: ``field``, when given (not null), needs ``other`` to be ``value``
+    (``required``: given explicitly, as ``other``'s default is not ``value``)."""
+    then: dict[str, Any] = {"properties": {other: {"const": value}}}
+    if required:
+        then["required"] = [other]
+    return {"if": {"properties": {field: {"not": {"type": "null"}}}, "required": [field]}, "then": then}
+
+
 class _RequestBase(OpenAIBase):
     """Any request body: values normalized (:func:`normalize_json_values`), unknown fields
-    logged once and ignored."""
+    logged once and ignored.
+
+    The OpenAPI document states what the server checks across fields where JSON Schema can
+    (``_RULES``, as ``allOf``), and a refused field's only accepted values (``_REFUSED``)."""
+
+    _RULES: ClassVar[tuple[dict[str, Any], ...]] = ()
+    _REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     @model_validator(mode="before")
     @classmethod
     def _normalize(cls, data: Any) -> Any:
         warn_unknown_fields(cls, data)
         return normalize_json_values(data)
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> dict[str, Any]:
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        for name, off_values in cls._REFUSED.items():  # its off values, and null where the field takes it
+            takes_null = cls.model_fields[name].default is None
+            schema["properties"][name]["enum"] = [*off_values, *([None] if takes_null else [])]
+        if cls._RULES:
+            schema["allOf"] = list(cls._RULES)
+        return schema
 
 
 class ToolChoiceFunction(OpenAIBase):
@@ -143,7 +168,7 @@ class _Request(_RequestBase):
     response_format: ResponseFormat | None = None
     guided_json: Any = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
 
@@ -158,16 +183,6 @@ class _Request(_RequestBase):
 
     # Fields of the OpenAI / vLLM APIs this server does not implement -> the values that mean "off".
     _REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {}
-
-    @classmethod
-    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> dict[str, Any]:
-        """The document states each refused field's only accepted values: its off values, and
-        null where the field takes it."""
-        schema = handler.resolve_ref_schema(handler(core_schema))
-        for name, off_values in cls._REFUSED.items():
-            takes_null = cls.model_fields[name].default is None
-            schema["properties"][name]["enum"] = [*off_values, *([None] if takes_null else [])]
-        return schema
 
     # Sampling fields whose meaning differs from SamplingParams': each request sets them itself.
     _OWN_SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = ("max_tokens", "logprobs", "prompt_logprobs")
@@ -190,17 +205,22 @@ class StreamOptions(OpenAIBase):
     include_usage: StrictBool = False
 
 
+# The cross-field rules of to_sampling_params (and /tokenize) that JSON Schema can state.
+_STREAM_OPTIONS_NEED_STREAM = only_with("stream_options", "stream", True)
+_PROMPT_LOGPROBS_NOT_STREAMED = only_with("prompt_logprobs", "stream", False, required=False)
+_TOP_LOGPROBS_NEED_LOGPROBS = only_with("top_logprobs", "logprobs", True)
+_CONTINUE_WITHOUT_GENERATION_PROMPT = {  # only_with for a boolean: "given" is "true"
+    "if": {"properties": {"continue_final_message": {"const": True}}, "required": ["continue_final_message"]},
+    "then": {"properties": {"add_generation_prompt": {"const": False}}, "required": ["add_generation_prompt"]}}
+
+
 class _ChatTemplateFlags(BaseModel):
     """How a conversation is rendered (chat and ``/tokenize``): ``continue_final_message`` leaves
     the last (assistant) message open for the model to continue, so no generation prompt may
-    follow it; both true is refused (vLLM's rule), and the document says so (if/then)."""
+    follow it; both true is refused (vLLM's rule; _CONTINUE_WITHOUT_GENERATION_PROMPT in the document)."""
 
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
-
-    model_config = ConfigDict(json_schema_extra={
-        "if": {"properties": {"continue_final_message": {"const": True}}, "required": ["continue_final_message"]},
-        "then": {"properties": {"add_generation_prompt": {"const": False}}, "required": ["add_generation_prompt"]}})
 
     def check_template_flags(self) -> None:
         """Raise ValueError naming ``continue_final_message`` when both flags are true."""
@@ -227,6 +247,7 @@ class CompletionRequest(_Request):
     length_penalty: float | None = Field(None, strict=True)
 
     _REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {"suffix": ("",), "use_beam_search": (False,), "length_penalty": (1.0,)}
+    _RULES: ClassVar[tuple[dict[str, Any], ...]] = (_STREAM_OPTIONS_NEED_STREAM, _PROMPT_LOGPROBS_NOT_STREAMED)
 
     @property
     def is_prompt_only(self) -> bool:
@@ -360,11 +381,18 @@ class CompletionStreamResponse(OpenAIBase):
 
 
 # ---------------------------------------------------------------------------- chat
-class ChatMessage(OpenAIBase):
-    """One message. Roles are checked by the engine's chat normalization (clear 400s)."""
+class TextPart(OpenAIBase):
+    """A content part: text only (images and audio are not supported)."""
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBase):
+    """One message (the roles the chat normalization knows; the rest is checked there, with clear 400s)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
@@ -396,6 +424,8 @@ class ChatCompletionRequest(_Request, _ChatTemplateFlags):
     _REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "echo": (False,), "store": (False,), "audio": (), "modalities": (["text"],), "prediction": (),
         "reasoning_effort": (), "chat_template_kwargs": ({},), "documents": ([],)}
+    _RULES: ClassVar[tuple[dict[str, Any], ...]] = (_STREAM_OPTIONS_NEED_STREAM, _PROMPT_LOGPROBS_NOT_STREAMED,
+                                                    _TOP_LOGPROBS_NEED_LOGPROBS, _CONTINUE_WITHOUT_GENERATION_PROMPT)
 
     def to_sampling_params(self) -> SamplingParams:
         """SamplingParams of this request (raises ValueError naming the field)."""
@@ -510,6 +540,10 @@ class TokenizeRequest(_RequestBase, _ChatTemplateFlags):
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: StrictBool = True
+
+    _RULES: ClassVar[tuple[dict[str, Any], ...]] = (_CONTINUE_WITHOUT_GENERATION_PROMPT, {"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
 
 
 class TokenizeResponse(OpenAIBase):
