@@ -57,6 +57,12 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
     their parents): linear layers (lm_head included), RMSNorm (with its residual add), the
     rotary embedding (torch code or fused kernel), the fused activation-and-multiply kernel,
     attention (K/V write + decode kernel), and ``_sample`` (lm_head included).
+
+    ``c_kernels`` is the time inside the C kernels proper (the ctypes calls of pagedllm/ops and
+    of the attention kernel, without their Python wrappers); ``outside_compute`` is the step
+    minus ``linear`` minus ``c_kernels``: Python (engine, model glue, kernel wrappers) and the
+    small torch ops, measured without a profiler (the profiler's per-op cost inflates its own
+    "Python overhead" figure). ``outside_compute_fraction`` is its share of the step.
     """
     from pagedllm.models.layers.linear import Linear
     from pagedllm.models.layers.norm import RMSNorm
@@ -69,7 +75,16 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
     layer = eng.runner.model.model.layers[0]
     parts = [(Linear, "forward", "linear"), (RMSNorm, "forward", "rms_norm"),
              (layer.self_attn.attn.backend, "forward", "attention"), (eng.runner, "_sample", "sample")]
+    kernel = getattr(layer.self_attn.attn.backend, "kernel", None)
+    parts += [(kernel, name, "c_kernels") for name in ("decode", "prefill", "write") if hasattr(kernel, name)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in parts]
+    from pagedllm.ops.library import cpu_ops
+    ops = cpu_ops()
+    op_tables = [getattr(ops, name) for name in ("rms_norm", "act_and_mul", "rope_qk")] if ops is not None else []
+    saved_tables = [dict(table) for table in op_tables]
+    for table in op_tables:
+        for dtype, fn in table.items():
+            table[dtype] = _cpu_timed(fn, acc, "c_kernels")
     rotary_apply = RotaryEmbedding.apply
     rope_qk, act_and_mul = attention_module.rope_qk, activation_module.act_and_mul
     try:
@@ -88,8 +103,12 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
             setattr(obj, name, fn)
         RotaryEmbedding.apply = staticmethod(rotary_apply)
         attention_module.rope_qk, activation_module.act_and_mul = rope_qk, act_and_mul
+        for table, fns in zip(op_tables, saved_tables):
+            table.update(fns)
         torch.set_num_threads(threads)
-    return {"step": total / num_steps * 1e3, **{k: v / num_steps * 1e3 for k, v in acc.items()}}
+    outside = total - acc["linear"] - acc["c_kernels"]
+    return {"step": total / num_steps * 1e3, **{k: v / num_steps * 1e3 for k, v in acc.items()},
+            "outside_compute": outside / num_steps * 1e3, "outside_compute_fraction": outside / total}
 
 
 def _cpu_timed(fn, acc: dict, key: str):
@@ -194,7 +213,8 @@ def main() -> None:
     fr = ", ".join(f"{k} {v:.1%}" for k, v in fractions.items())
     print(f"decode step at batch {args.batch} ({args.dtype}): {wall * 1e3:.1f} ms = {args.batch / wall:.0f} tok/s; "
           f"phases (ms): {phases_txt}; operators (ms): {ops}; fractions of the step: {fr}"
-          + ("; 1-thread CPU ms: " + ", ".join(f"{k} {v:.1f}" for k, v in rec["cpu_time_ms_per_step_1_thread"].items())
+          + ("; 1-thread CPU ms: " + ", ".join(f"{k} {v:.1%}" if k.endswith("fraction") else f"{k} {v:.1f}"
+                                                for k, v in rec["cpu_time_ms_per_step_1_thread"].items())
              if args.cpu_time_steps else ""))
 
 

@@ -192,6 +192,9 @@ def test_step_profile_reports_fractions_and_cpu_time_parts(tmp_path):
     assert {"step", "linear", "rms_norm", "rotary", "attention", "sample"} <= set(cpu)
     # every part runs inside the step (the lm_head is inside both linear and sample)
     assert 0 < cpu["linear"] < cpu["step"] and 0 < cpu["rms_norm"] + cpu["attention"] + cpu["rotary"] < cpu["step"]
+    # the time outside the matmuls and C kernels is what is left of the step, timed without a profiler
+    assert 0 < cpu["c_kernels"] and 0 < cpu["outside_compute"] < cpu["step"]
+    assert cpu["outside_compute_fraction"] == pytest.approx(cpu["outside_compute"] / cpu["step"])
 
 
 @pytest.mark.slow

@@ -77,14 +77,19 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 cos_sin: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden, residual: (T, hidden) (residual None for the first layer) -> (mlp_out, residual)."""
+        """hidden, residual: (T, hidden) (residual None for the first layer) -> (mlp_out, residual).
+
+        Sub-modules are called through ``forward``: nn.Module's ``__call__`` (hook dispatch, about a
+        microsecond each) would run hundreds of times per decode step, and no hooks are used.
+        """
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual, hidden = hidden, self.input_layernorm.forward(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos_sin[self.self_attn.rope_key])
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            hidden, residual = self.input_layernorm.forward(hidden, residual)
+        self_attn = self.self_attn
+        hidden = self_attn.forward(hidden, cos_sin[self_attn.rope_key])
+        hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
+        return self.mlp.forward(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -101,7 +106,7 @@ class DecoderModel(nn.Module):
         hidden = self.embed_tokens(input_ids)  # (T, hidden)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos_sin)
+            hidden, residual = layer.forward(hidden, residual, cos_sin)  # no per-layer hook dispatch
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 

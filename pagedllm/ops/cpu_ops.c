@@ -239,10 +239,21 @@ static inline __attribute__((always_inline)) void rms_norm_row(
     for (; i < dim; i++) store1(out, i, normed_1(load1(src, i, bf16) * rs, load1(w, i, bf16), gemma, bf16), bf16);
 }
 
-/* The row loop of every kernel, split over OpenMP threads (serial for num_threads 1). Each exported
- * function has its own loop so that the dtype and the activation are constants in the outlined
- * parallel body (one shared body would test them per element). */
-#define PARALLEL_FOR_ROWS _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)")
+/* The row loop of every kernel: `BODY` for t in [0, num_rows), split over OpenMP threads when
+ * num_threads > 1, else a plain loop on the calling thread that never enters libgomp (an
+ * `if (false)` parallel region still sets up a one-thread team on every call, which costs more
+ * than a decode step's rows of work). Each exported function has its own loop so that the dtype
+ * and the activation are constants in the outlined parallel body (one shared body would test them
+ * per element). */
+#define FOR_ROWS(num_rows, BODY)                                                                \
+    do {                                                                                        \
+        if (num_threads > 1) {                                                                  \
+            _Pragma("omp parallel for num_threads(num_threads) schedule(static)")               \
+            for (int t = 0; t < (num_rows); t++) BODY;                                          \
+        } else {                                                                                \
+            for (int t = 0; t < (num_rows); t++) BODY;                                          \
+        }                                                                                       \
+    } while (0)
 
 #define ROW(base, stride, elem) ((char *)(base) + (ptrdiff_t)t * (stride) * (elem))
 
@@ -251,19 +262,13 @@ static inline __attribute__((always_inline)) void rms_norm_row(
 void rms_norm_f32(const void *x, const void *x_w, void *residual, const void *w, void *out, int num_rows, int dim,
                   ptrdiff_t x_stride, ptrdiff_t residual_stride, ptrdiff_t out_stride, float eps, int gemma,
                   int num_threads) {
-    PARALLEL_FOR_ROWS
-    for (int t = 0; t < num_rows; t++)
-        rms_norm_row(ROW(x, x_stride, 4), x_w, residual ? ROW(residual, residual_stride, 4) : NULL, w,
-                     ROW(out, out_stride, 4), dim, eps, gemma, 0);
+    FOR_ROWS(num_rows, rms_norm_row(ROW(x, x_stride, 4), x_w, residual ? ROW(residual, residual_stride, 4) : NULL, w, ROW(out, out_stride, 4), dim, eps, gemma, 0));
 }
 
 void rms_norm_bf16(const void *x, const void *x_w, void *residual, const void *w, void *out, int num_rows, int dim,
                    ptrdiff_t x_stride, ptrdiff_t residual_stride, ptrdiff_t out_stride, float eps, int gemma,
                    int num_threads) {
-    PARALLEL_FOR_ROWS
-    for (int t = 0; t < num_rows; t++)
-        rms_norm_row(ROW(x, x_stride, 2), x_w, residual ? ROW(residual, residual_stride, 2) : NULL, w,
-                     ROW(out, out_stride, 2), dim, eps, gemma, 1);
+    FOR_ROWS(num_rows, rms_norm_row(ROW(x, x_stride, 2), x_w, residual ? ROW(residual, residual_stride, 2) : NULL, w, ROW(out, out_stride, 2), dim, eps, gemma, 1));
 }
 
 /* -- gated activations ---------------------------------------------------------------------- */
@@ -298,24 +303,18 @@ static inline __attribute__((always_inline)) void act_and_mul_row(const char *ga
 void act_and_mul_f32(const void *in, void *out, int num_rows, int inter, ptrdiff_t in_stride,
                      ptrdiff_t out_stride, int act, int num_threads) {
     if (act == ACT_SILU) {
-        PARALLEL_FOR_ROWS
-        for (int t = 0; t < num_rows; t++) act_and_mul_row(ROW(in, in_stride, 4), ROW(out, out_stride, 4), inter, ACT_SILU, 0);
+        FOR_ROWS(num_rows, act_and_mul_row(ROW(in, in_stride, 4), ROW(out, out_stride, 4), inter, ACT_SILU, 0));
     } else {
-        PARALLEL_FOR_ROWS
-        for (int t = 0; t < num_rows; t++)
-            act_and_mul_row(ROW(in, in_stride, 4), ROW(out, out_stride, 4), inter, ACT_GELU_TANH, 0);
+        FOR_ROWS(num_rows, act_and_mul_row(ROW(in, in_stride, 4), ROW(out, out_stride, 4), inter, ACT_GELU_TANH, 0));
     }
 }
 
 void act_and_mul_bf16(const void *in, void *out, int num_rows, int inter, ptrdiff_t in_stride,
                       ptrdiff_t out_stride, int act, int num_threads) {
     if (act == ACT_SILU) {
-        PARALLEL_FOR_ROWS
-        for (int t = 0; t < num_rows; t++) act_and_mul_row(ROW(in, in_stride, 2), ROW(out, out_stride, 2), inter, ACT_SILU, 1);
+        FOR_ROWS(num_rows, act_and_mul_row(ROW(in, in_stride, 2), ROW(out, out_stride, 2), inter, ACT_SILU, 1));
     } else {
-        PARALLEL_FOR_ROWS
-        for (int t = 0; t < num_rows; t++)
-            act_and_mul_row(ROW(in, in_stride, 2), ROW(out, out_stride, 2), inter, ACT_GELU_TANH, 1);
+        FOR_ROWS(num_rows, act_and_mul_row(ROW(in, in_stride, 2), ROW(out, out_stride, 2), inter, ACT_GELU_TANH, 1));
     }
 }
 
@@ -376,18 +375,12 @@ void rope_qk_f32(void *qkv, ptrdiff_t qkv_stride, void *q_out, ptrdiff_t q_out_s
                  ptrdiff_t cos_sin_stride, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
                  int rotary_dim, const void *q_weight, const void *k_weight, float eps, int norm_kind,
                  int num_threads) {
-    PARALLEL_FOR_ROWS
-    for (int t = 0; t < num_tokens; t++)
-        rope_qk_token(ROW(qkv, qkv_stride, 4), ROW(q_out, q_out_stride, 4), ROW(cos_sin, cos_sin_stride, 4),
-                      num_heads, num_kv_heads, head_dim, rotary_dim, q_weight, k_weight, eps, norm_kind, 0);
+    FOR_ROWS(num_tokens, rope_qk_token(ROW(qkv, qkv_stride, 4), ROW(q_out, q_out_stride, 4), ROW(cos_sin, cos_sin_stride, 4), num_heads, num_kv_heads, head_dim, rotary_dim, q_weight, k_weight, eps, norm_kind, 0));
 }
 
 void rope_qk_bf16(void *qkv, ptrdiff_t qkv_stride, void *q_out, ptrdiff_t q_out_stride, const void *cos_sin,
                   ptrdiff_t cos_sin_stride, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
                   int rotary_dim, const void *q_weight, const void *k_weight, float eps, int norm_kind,
                   int num_threads) {
-    PARALLEL_FOR_ROWS
-    for (int t = 0; t < num_tokens; t++)
-        rope_qk_token(ROW(qkv, qkv_stride, 2), ROW(q_out, q_out_stride, 2), ROW(cos_sin, cos_sin_stride, 2),
-                      num_heads, num_kv_heads, head_dim, rotary_dim, q_weight, k_weight, eps, norm_kind, 1);
+    FOR_ROWS(num_tokens, rope_qk_token(ROW(qkv, qkv_stride, 2), ROW(q_out, q_out_stride, 2), ROW(cos_sin, cos_sin_stride, 2), num_heads, num_kv_heads, head_dim, rotary_dim, q_weight, k_weight, eps, norm_kind, 1));
 }

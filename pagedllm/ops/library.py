@@ -117,11 +117,14 @@ def _load() -> CpuOps | None:
 def num_threads_for(num_elements: int) -> int:
     """Threads for a kernel over ``num_elements`` elements: torch's intra-op count, fewer for
     small work (a parallel region has a fixed cost)."""
+    if num_elements < 2 * _ELEMENTS_PER_THREAD:  # a decode step's rows: no call into torch
+        return 1
     return max(1, min(torch.get_num_threads(), num_elements // _ELEMENTS_PER_THREAD))
 
 
 def can_run(*tensors: torch.Tensor) -> bool:
     """Whether tensors may go to a kernel: on the CPU, and not tracked by autograd (the kernels
     write in place and have no backward)."""
-    grad = torch.is_grad_enabled()
-    return all(t.is_cpu and not (grad and t.requires_grad) for t in tensors)
+    if torch.is_grad_enabled():
+        return all(t.is_cpu and not t.requires_grad for t in tensors)
+    return all(t.is_cpu for t in tensors)

@@ -54,8 +54,13 @@ def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     ops = cpu_ops()
     if ops is None or weight is None and x_weight is None:
         return False
-    rows = _rows(x) if all(w is None or _weight_fits(w, x) for w in (weight, x_weight)) else None
-    residual_rows = _rows(residual) if rows is not None and residual.dtype == x.dtype else None
+    # one flat chain of checks (no generator, no extra call per weight): this runs twice per
+    # layer and step
+    rows = _rows(x)
+    if rows is None or residual.dtype != x.dtype or weight is not None and not _weight_fits(weight, x) \
+            or x_weight is not None and not _weight_fits(x_weight, x):
+        return False
+    residual_rows = _rows(residual)
     if residual_rows is None or residual_rows[:2] != rows[:2]:
         return False
     num_rows, dim, stride = rows
@@ -83,4 +88,4 @@ def _rows(x: torch.Tensor) -> tuple[int, int, int] | None:
 def _weight_fits(weight: torch.Tensor, x: torch.Tensor) -> bool:
     """weight is a contiguous CPU (dim,) vector of x's dtype, not tracked by autograd."""
     return (weight.dtype == x.dtype and weight.dim() == 1 and x.dim() > 0 and weight.shape[0] == x.shape[-1]
-            and weight.is_contiguous() and can_run(weight))
+            and weight.is_contiguous() and weight.is_cpu and not (weight.requires_grad and torch.is_grad_enabled()))

@@ -63,25 +63,37 @@ class SelfAttention(nn.Module):
                               sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
 
     def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        """hidden: (T, hidden), cos_sin: (T, 2, rotary_dim) -> (T, hidden)."""
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # (T, q_size + 2 * kv_size)
-        q, k = self._rotated_q_k(qkv, cos_sin)
-        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, hd)
-        out = self.attn(q, k, v)  # (T, heads, head_dim)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))  # (T, hidden)
+        """hidden: (T, hidden), cos_sin: (T, 2, rotary_dim) -> (T, hidden).
 
-    def _rotated_q_k(self, qkv: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q (T, heads, head_dim) and k (T, kv_heads, head_dim) of the projection output, normed
-        (when the family has q/k norms) and rotated."""
+        Sub-modules are called through ``forward`` (no nn.Module hook dispatch, which would run
+        for every layer of every step); no hooks are used.
+        """
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj.forward(hidden)  # (T, q_size + 2 * kv_size)
+        q, k, v = self._rotated_q_k_v(qkv, cos_sin)
+        out = self.attn.forward(q, k, v)  # (T, heads, head_dim)
+        return self.o_proj.forward(out.reshape(num_tokens, self.q_size))  # (T, hidden)
+
+    def _rotated_q_k_v(self, qkv: torch.Tensor, cos_sin: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (T, heads, head_dim), k and v (T, kv_heads, head_dim) of the projection output, q and k
+        normed (when the family has q/k norms) and rotated."""
         num_tokens = qkv.shape[0]
         norm = self.q_norm
         q = rope_qk(qkv, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim,
                     None if norm is None else norm.weight, None if norm is None else self.k_norm.weight,
                     0.0 if norm is None else norm.eps, norm is not None and norm.gemma_convention)
+        heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)  # (T, all heads, hd)
         if q is not None:  # the fused kernel rotated k in place in qkv
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
-            return q, k
+            _, k, v = heads.split_with_sizes([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+            return q, k, v
+        q, k = self._rotated_q_k_torch(qkv, cos_sin)
+        return q, k, heads[:, self.num_heads + self.num_kv_heads:]  # v: (T, kv_heads, hd)
+
+    def _rotated_q_k_torch(self, qkv: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch code of the fused kernel: q (T, heads, head_dim) and k (T, kv_heads, head_dim),
+        normed and rotated, as new tensors (qkv unchanged)."""
+        num_tokens = qkv.shape[0]
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                         self.head_dim)  # (T, heads + kv_heads, hd)
         if self.q_norm is not None:

@@ -31,4 +31,5 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_activation(self.gate_up_proj(x), self.activation))  # via (T, intermediate)
+        # sub-modules through forward: no nn.Module hook dispatch per layer and step
+        return self.down_proj.forward(gated_activation(self.gate_up_proj.forward(x), self.activation))  # via (T, I)
