@@ -79,6 +79,29 @@ def test_temperature_zero_is_argmax_even_with_top_p_top_k(logits):
     assert out.logprobs is None
 
 
+def test_all_greedy_batch_takes_the_argmax_without_any_softmax(logits, monkeypatch):
+    """The all-greedy fast path: no softmax, log-softmax, sort or division over the vocabulary
+    unless a row asks for logprobs (which then get their full log-softmax)."""
+    calls = []
+
+    def forbid(name, fn):
+        def wrapped(*a, **kw):
+            calls.append(name)
+            return fn(*a, **kw)
+        return wrapped
+
+    for name in ("softmax", "log_softmax", "sort"):
+        monkeypatch.setattr(torch, name, forbid(name, getattr(torch, name)))
+        monkeypatch.setattr(torch.Tensor, name, forbid(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch.Tensor, "div_", forbid("div_", torch.Tensor.div_))
+    out = sample(logits, [SamplingParams(temperature=0.0)] * 8)
+    assert calls == [] and torch.equal(out.sampled_token_ids, logits.argmax(-1)) and out.logprobs is None
+    out = sample(logits, [SamplingParams(temperature=0.0, logprobs=2)] + [SamplingParams(temperature=0.0)] * 7)
+    assert calls == ["log_softmax"] and torch.equal(out.sampled_token_ids, logits.argmax(-1))
+    monkeypatch.undo()
+    torch.testing.assert_close(out.logprobs.topk_logprobs[0], torch.log_softmax(logits[0], -1).topk(2).values)
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(temperature=2.0, top_k=1),
     dict(temperature=1.0, top_p=1e-9),
