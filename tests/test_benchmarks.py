@@ -336,6 +336,21 @@ def test_vllm_bench_result_maps_to_serving_summary():
     assert serving.median_metrics(runs["pagedllm"])["output_tok_s"] == 604.8
 
 
+def test_serving_variants_are_named_flag_and_environment_sets():
+    import serving
+    v = serving.parse_variants(["cap256=--max-prefill-tokens-while-decoding 256",
+                                "spin=OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=10000 --max-num-seqs 64"])
+    assert v["cap256"] == (["--max-prefill-tokens-while-decoding", "256"], {})
+    assert v["spin"] == (["--max-num-seqs", "64"], {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "10000"})
+    for bad in ("vllm=--x 1", "=--x 1", "a b=--x"):
+        with pytest.raises(SystemExit, match="--variant"):
+            serving.parse_variants([bad])
+    s = {"output_throughput_tok_s": 100.0}
+    runs = {"vllm": [s], "cap256": [dict(s, output_throughput_tok_s=150.0)]}
+    assert serving.served_ratios(runs, "cap256")["output_tok_s"]["per_repeat"] == [1.5]
+    assert serving.served_ratios(runs) == {}  # no "pagedllm" run
+
+
 def test_vllm_client_argv_is_the_issue_workload(tmp_path):
     import serving
     args = serving.argparse.Namespace(model="m", hf_dir="/hf", random_input_len=256, random_output_len=64,
