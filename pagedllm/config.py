@@ -19,11 +19,16 @@ from pagedllm.compilation.config import CompilationConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # `serve` on CPU: prompt tokens a step may carry while requests decode. On CPU a step's time
-# grows with its tokens, so a prompt token costs a decode stream about what a decode token
-# does; 64 keeps a mixed step within ~3x a decode step from 1 to 48 streams
-# (benchmarks/results/step_cost.json). Offline (LLM.generate) nobody waits between tokens:
-# no cap, like vLLM's larger offline budget (its defaults differ by usage context too).
-SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING = 64
+# grows with its tokens, so every decoding stream waits for the prompt tokens riding in its
+# step; but each step also streams all the weights, so a small cap spends the CPU on many
+# small weight-bound steps. 256 served with the CPU time per output token of a 2,048-token
+# cap (vLLM's budget) and a tail a fraction of its; 64 cost more CPU per token and lost half
+# the throughput (README result 2, benchmarks/results/serving_*_2026-12-01.json). Offline
+# (LLM.generate) nobody waits between tokens: no cap, like vLLM's larger offline budget.
+SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING = 256
+# `serve` on CPU with the time-aware budget on: the step's first prompt chunk may always take
+# this many tokens (the floor that keeps every prompt progressing; the former fixed cap).
+SERVING_CPU_MIN_PREFILL_TOKENS_WHILE_DECODING = 64
 # Weight formats kept at run time (pagedllm.quantization) and KV-cache dtypes (vLLM's names).
 QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
@@ -106,7 +111,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = _f(None, "token budget per step (default 2048 with chunked prefill, else max_model_len)")
     max_prefill_tokens_while_decoding: int | None = _f(
         None, "while requests are decoding, at most this many prompt tokens per step (chunked prefill): bounds "
-              "inter-token latency; default: off offline, 64 for `serve` on CPU (see benchmarks/step_cost.py)")
+              "inter-token latency; default: off offline, "
+              f"{SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING} for `serve` on CPU (benchmarks/serving.py)")
     max_step_time_ratio: float | None = _f(
         None, "time-aware token budget (chunked prefill): while requests decode, prompt tokens join a step only "
               "as far as the step-cost model, measured online from the engine's own steps, predicts the step "
@@ -122,7 +128,7 @@ class EngineConfig:
         None, "time-aware token budget: the first prompt chunk of a step in which requests decode may always take "
               "this many tokens, whatever the step-cost model predicts, so short decode steps (few streams) do not "
               "slow admission below it (default: block_size; "
-              f"{SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING} for `serve` on CPU, its fixed cap's value)")
+              f"{SERVING_CPU_MIN_PREFILL_TOKENS_WHILE_DECODING} for `serve` on CPU)")
     long_prefill_token_threshold: int = _f(
         0, "chunked prefill: a prompt with more than this many tokens left to compute is long, and computes at "
            "most this many per step (vLLM's name; 0 = off; default: off, or 4% of max_model_len when "
@@ -318,7 +324,7 @@ class EngineConfig:
     def with_serving_defaults(self, device_type: str) -> "EngineConfig":
         """The config a server runs with on ``device_type`` ("cpu", "cuda"). On CPU, with the
         time-aware budget on (``max_step_time_ratio`` / ``max_step_time_ms`` set), an unset
-        ``min_prefill_tokens_while_decoding`` becomes SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING;
+        ``min_prefill_tokens_while_decoding`` becomes SERVING_CPU_MIN_PREFILL_TOKENS_WHILE_DECODING;
         with it off (the default) an
         unset ``max_prefill_tokens_while_decoding`` becomes SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING
         instead. A value set explicitly is kept (the cap and the budget both apply then)."""
@@ -329,7 +335,7 @@ class EngineConfig:
             if config.max_prefill_tokens_while_decoding is None:
                 config = config.replace(max_prefill_tokens_while_decoding=SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING)
         elif config.min_prefill_tokens_while_decoding is None:
-            config = config.replace(min_prefill_tokens_while_decoding=SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING)
+            config = config.replace(min_prefill_tokens_while_decoding=SERVING_CPU_MIN_PREFILL_TOKENS_WHILE_DECODING)
         return config
 
     def replace(self, **changes) -> "EngineConfig":

@@ -249,7 +249,7 @@ def test_preemption_and_abort_free_every_block_under_the_time_budget():
 def test_step_time_targets_are_validated_by_name_and_on_the_command_line():
     import argparse
 
-    from pagedllm.config import SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING
+    from pagedllm.config import SERVING_CPU_MIN_PREFILL_TOKENS_WHILE_DECODING, SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING
     from pagedllm.entrypoints.args import add_engine_args, engine_config_from_args
 
     for kw, field in [(dict(max_step_time_ratio=0.5), "max_step_time_ratio"),
@@ -266,7 +266,7 @@ def test_step_time_targets_are_validated_by_name_and_on_the_command_line():
     cpu = make_config(max_step_time_ratio=2.0).with_serving_defaults("cpu")
     assert cpu.is_step_time_budget_on
     assert cpu.max_prefill_tokens_while_decoding is None  # the budget replaces the token cap
-    assert cpu.min_prefill_tokens_while_decoding == SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING  # ... as a floor
+    assert cpu.min_prefill_tokens_while_decoding == SERVING_CPU_MIN_PREFILL_TOKENS_WHILE_DECODING  # ... a floor
     assert make_config(max_step_time_ratio=2.0, min_prefill_tokens_while_decoding=8).with_serving_defaults(
         "cpu").min_prefill_tokens_while_decoding == 8
     for off in (make_config(), make_config(max_step_time_ratio=0)):  # serve's default: off, the cap
