@@ -23,7 +23,8 @@ not absolute figures); medians and minimum of the rounds are reported, with GFLO
 candidate's output is compared with ``onednn_b64``'s on the same input (max |difference|, and
 whether it is bit-identical: float32 greedy outputs must not change). ``first_call_ms``: the first
 ``onednn_b64`` call at a new M, which builds (JIT-compiles) a oneDNN primitive for that shape;
-later calls hit oneDNN's primitive cache. Writes benchmarks/results/linear_kernels_<date>.json.
+later calls hit oneDNN's primitive cache; ``rss_mib_per_new_M_gate_up``: the memory each new M
+keeps in those caches. Writes benchmarks/results/linear_kernels_<date>.json.
 
 ``--in-model`` measures instead the real float32 model (SmolLM2) in the engine, float32 math
 against the opt-in bfloat16 math (``Linear.bf16_math``, ``PAGEDLLM_CPU_FP32_MATMUL=bf16``),
@@ -40,6 +41,7 @@ OpenMP barrier are not). Writes benchmarks/results/linear_kernels_in_model_<date
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -115,6 +117,31 @@ def first_call_ms(weight: torch.Tensor, m: int, dtype: torch.dtype) -> float:
     t = time.perf_counter()
     torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     return (time.perf_counter() - t) * 1e3
+
+
+def new_row_count_memory_mib(dtype: torch.dtype, counts: range = range(300, 400)) -> float:
+    """Resident memory (MiB) that each new row count adds, for the fused gate/up weight: oneDNN's
+    primitive cache and ideep's cache keep one entry per (shape, M) (1,024 each by default).
+    glibc is told to map every allocation over 64 KiB on its own, so freed outputs do not
+    count (``mallopt(M_MMAP_THRESHOLD)``, Linux only; NaN elsewhere)."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+        page = os.sysconf("SC_PAGE_SIZE")
+    except (OSError, AttributeError, ValueError):
+        return float("nan")
+
+    def rss() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page / 2**20
+
+    w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(2 * INTERMEDIATE, HIDDEN).to(dtype), 64)
+    xs = [torch.randn(m, HIDDEN).to(dtype) for m in counts]
+    torch.ops.mkldnn._linear_pointwise(xs[0][:7], w, None, "none", [], "")
+    before = rss()
+    for x in xs:
+        torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    return (rss() - before) / len(xs)
 
 
 def run_case(weights, shapes, dtype, m, rounds, gen, clock) -> dict:
@@ -246,6 +273,7 @@ def main() -> None:
                     for _ in range(LAYERS) for k, n in LAYER_SHAPES.values()]
         head_w = [torch.randn(VOCAB, HIDDEN, generator=gen).mul_(HIDDEN ** -0.5).to(dtype)]
         first = {m: first_call_ms(layer_ws[2], m, dtype) for m in (37, 61, 1999)}  # Ms used nowhere else
+        memory = new_row_count_memory_mib(dtype)
         per_m = {}
         for m in args.tokens:
             n_layers = LAYERS if m < 256 else args.prefill_layers
@@ -259,7 +287,8 @@ def main() -> None:
                          + f" ms (best {best}); lm_head " + ", ".join(f"{k} {v['median_ms']:.2f}" for k, v in head.items())
                          + f" ms (best {best_h})")
             print(lines[-1], flush=True)
-        record["results"][dname] = {"first_call_ms_new_M_gate_up": first, "per_tokens": per_m}
+        record["results"][dname] = {"first_call_ms_new_M_gate_up": first,
+                                    "rss_mib_per_new_M_gate_up": memory, "per_tokens": per_m}
     date = time.strftime("%Y-%m-%d")
     path = common.write_result(f"linear_kernels_{date}", record, args.out)
     print(f"wrote {path}")
