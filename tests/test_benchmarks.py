@@ -198,6 +198,22 @@ def test_step_profile_reports_fractions_and_cpu_time_parts(tmp_path):
 
 
 @pytest.mark.slow
+def test_decode_glue_splits_the_forward(tmp_path):
+    out = tmp_path / "glue.json"
+    res = subprocess.run([sys.executable, str(BENCH / "decode_glue.py"), "--batch", "2", "--prompt-len", "4",
+                          "--iters", "2", "--out", str(out)],
+                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300,
+                         cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    # the parts are inside the forward, the glue is what is left, and the stubbed forward skips the kernels
+    assert 0 < rec["linear_ms"] < rec["forward_ms"] and 0 < rec["attention_kernel_ms"] < rec["forward_ms"]
+    assert 0 < rec["glue_ms"] < rec["forward_ms"]
+    assert rec["glue_fraction_of_forward"] == pytest.approx(rec["glue_ms"] / rec["forward_ms"])
+    assert 0 < rec["stubbed_forward_ms"] < rec["forward_ms"]
+
+
+@pytest.mark.slow
 def test_structured_output_quick(tmp_path):
     pytest.importorskip("xgrammar")
     out = tmp_path / "so.json"
