@@ -32,6 +32,36 @@ def test_generate_prints_the_greedy_completion(tiny_model_dir, tmp_path, capsys)
     assert "2 requests, 10 tokens" in out.err
 
 
+def test_generate_prints_the_logprobs_of_its_tokens(tiny_model_dir, capsys):
+    """``--logprobs N``: a line per generated token with its logprob and rank and the N most
+    likely tokens, then the cumulative logprob; ``--prompt-logprobs`` the same per prompt token
+    (was: nothing printed). Values are LLM.generate's."""
+    argv = ["generate", "-m", str(tiny_model_dir), "Hello there", "--max-tokens", "3", "--ignore-eos", "--logprobs",
+            "2", "--prompt-logprobs", "1", "--num-kv-blocks", "64", "--max-model-len", "128"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    llm = LLM(model=str(tiny_model_dir), num_kv_blocks=64, max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    ref = llm.generate("Hello there", params, use_tqdm=False)[0]
+
+    def check(title: str, token_ids: list[int], positions: list, num_top: int) -> None:
+        start = lines.index(f"[{title}: position, token, logprob, rank | top {num_top}]") + 1
+        for k, (tid, entry) in enumerate(zip(token_ids, positions)):
+            line = lines[start + k]
+            assert line.split()[0] == str(k)
+            if entry is None:  # the first prompt token has no logprob
+                assert line.rstrip().endswith("-")
+                continue
+            assert f"{entry[tid].logprob:9.4f} {entry[tid].rank:>5} |" in line, line
+            for t, lp in entry.items():
+                if lp.rank <= num_top:
+                    assert f"{lp.decoded_token!r} {lp.logprob:.4f}" in line.split("|", 1)[1], line
+
+    check("logprobs", ref.outputs[0].token_ids, ref.outputs[0].logprobs, 2)
+    check("prompt logprobs", ref.prompt_token_ids, ref.prompt_logprobs, 1)
+    assert f"  cumulative logprob {ref.outputs[0].cumulative_logprob:.4f}" in lines
+
+
 def test_bad_option_exits_2_with_the_field_named(tiny_model_dir, capsys):
     rc = main(["generate", "-m", str(tiny_model_dir), "hi", "--block-size", "7"])
     assert rc == 2
@@ -125,6 +155,26 @@ def test_bad_input_is_refused_before_the_model_loads(argv, message, monkeypatch,
     finally:
         sys.setswitchinterval(interval)
     assert message in capsys.readouterr().err
+
+
+def test_serve_on_a_port_in_use_fails_before_the_model_loads(monkeypatch, capsys):
+    """The port is bound first: in use, `serve` exits 2 naming it at once (was: after loading
+    the model, with uvicorn's error)."""
+    import socket
+    import sys
+
+    _no_model_load(monkeypatch)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        interval = sys.getswitchinterval()  # `serve` sets it for the process
+        try:
+            assert main(["serve", "--port", str(port)]) == 2
+        finally:
+            sys.setswitchinterval(interval)
+    err = capsys.readouterr().err
+    assert f"--port {port}: cannot listen on 127.0.0.1:{port}: already in use" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("port", ["-1", "65536", "99999"])

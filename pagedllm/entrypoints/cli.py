@@ -148,9 +148,39 @@ def _generate(args) -> int:
             if len(args.prompts) > 1 or len(out.outputs) > 1:
                 print(f"--- prompt: {prompt!r} [sample {comp.index}, finish_reason={comp.finish_reason}]")
             print(comp.text)
+            if comp.logprobs is not None:
+                print(_logprob_table("logprobs", comp.token_ids, comp.logprobs, params.logprobs, llm.get_tokenizer()))
+                print(f"  cumulative logprob {comp.cumulative_logprob:.4f}")
+        if out.prompt_logprobs is not None:
+            print(_logprob_table("prompt logprobs", out.prompt_token_ids, out.prompt_logprobs, params.prompt_logprobs,
+                                 llm.get_tokenizer()))
     print(f"[{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f} s = {num_tokens / elapsed:.1f} tok/s]",
           file=sys.stderr)
     return 0
+
+
+def _logprob_table(title: str, token_ids: list[int], positions: list, num_top: int, tokenizer) -> str:
+    """``--logprobs`` / ``--prompt-logprobs`` for reading: one line per token with its position,
+    text, log-probability (natural log) and rank, then the ``num_top`` most likely tokens
+    (``positions``: a ``{token id: Logprob}`` per token, None where there is none, as for the
+    first prompt token)."""
+    from pagedllm.engine.detokenizer import token_text
+
+    def text(token_id: int, logprob) -> str:
+        return repr(logprob.decoded_token if logprob.decoded_token is not None else token_text(tokenizer, token_id))
+
+    lines = [f"[{title}: position, token, logprob, rank | top {num_top}]"]
+    for k, (token_id, entry) in enumerate(zip(token_ids, positions)):
+        if not entry or token_id not in entry:
+            lines.append(f"  {k:>4}  {token_text(tokenizer, token_id)!r:<20} {'-':>9}")
+            continue
+        chosen = entry[token_id]
+        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= num_top),
+                     key=lambda item: item[1].rank)
+        alternatives = "  ".join(f"{text(t, lp)} {lp.logprob:.4f}" for t, lp in top)
+        lines.append(f"  {k:>4}  {text(token_id, chosen):<20} {chosen.logprob:9.4f} {chosen.rank or '-':>5} | "
+                     f"{alternatives}")
+    return "\n".join(lines)
 
 
 def _read_chat_template(path: str | None) -> str | None:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import hmac
 import logging
 import os
+import socket
 import sys
 from typing import Any, Awaitable
 
@@ -367,22 +369,54 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
 
 
 def run_server(args: argparse.Namespace) -> None:
-    """Load the model and serve until interrupted (blocking). Raises ValueError on bad options."""
+    """Bind the port, load the model and serve until interrupted (blocking). Raises ValueError on
+    bad options, a port that cannot be bound included (before the model loads)."""
     set_switch_interval(getattr(args, "switch_interval_ms", DEFAULT_SWITCH_INTERVAL_MS))
     level = str(getattr(args, "log_level", "info")).lower()
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("pagedllm").setLevel(level.upper())
-    app = build_app_from_args(args)
-    logger.info("serving %s on http://%s:%d", args.served_model_name or args.model, args.host, args.port)
-    serve_app(app, args.host, args.port, level, args.drain_timeout)
+    with bind_socket(args.host, args.port) as sock:
+        app = build_app_from_args(args)
+        port = sock.getsockname()[1]
+        logger.info("serving %s on http://%s:%d", args.served_model_name or args.model, args.host, port)
+        serve_app(app, args.host, port, level, args.drain_timeout, sock=sock)
 
 
-def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info", drain_timeout_s: float = 30.0) -> None:
-    """Serve an app from :func:`build_app` until SIGINT/SIGTERM, then drain (blocking)."""
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: a free one), for the server to listen on.
+
+    Bound before the model loads, so a port in use fails in a second rather than after minutes
+    of loading, and held until the server listens on this very socket (no other process can
+    take the port meanwhile; not listening yet, so clients are refused rather than left
+    waiting during the load). SO_REUSEADDR as uvicorn sets it: a port in TIME_WAIT is free.
+    Raises ValueError naming ``--host`` (unknown address) or ``--port`` (in use, no permission).
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        why = "already in use (another server listens there; pick another --port)" \
+            if e.errno == errno.EADDRINUSE else e.strerror
+        raise ValueError(f"--port {port}: cannot listen on {host}:{port}: {why}") from None
+    return sock
+
+
+def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info", drain_timeout_s: float = 30.0,
+              sock: socket.socket | None = None) -> None:
+    """Serve an app from :func:`build_app` until SIGINT/SIGTERM, then drain (blocking); on ``sock``
+    (from :func:`bind_socket`) when given, else uvicorn binds ``host:port``."""
     import uvicorn
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    DrainingServer(config, app.state.engine, app.state.in_flight, drain_timeout_s).run()
+    DrainingServer(config, app.state.engine, app.state.in_flight, drain_timeout_s).run(
+        sockets=None if sock is None else [sock])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -390,7 +424,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pagedllm serve", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_server_args(parser)
-    run_server(parser.parse_args(argv))
+    try:
+        run_server(parser.parse_args(argv))
+    except ValueError as e:  # bad options: a message, not a traceback (as `pagedllm serve`)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
