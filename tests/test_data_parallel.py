@@ -131,9 +131,13 @@ def test_client_disconnect_aborts_on_its_replica(dp):
         aborted_before = [metric(before, "request_success_total", i, finished_reason="abort") for i in range(2)]
         body = {"model": MODEL, "prompt": "a long one", "max_tokens": 400, "stream": True}
         with client.stream("POST", "/v1/completions", json=body) as resp:
-            next(resp.iter_lines())  # the stream has started on some replica
+            # Keep the line iterator alive: a discarded one is closed at once, and closing it closes
+            # the connection (httpcore), so the server could abort before the replica is looked up.
+            lines = resp.iter_lines()
+            next(lines)  # the stream has started on some replica
             index = next(i for i, r in enumerate(dp.engine.replicas) if r.num_active_streams)
-        # the client is gone: the replica aborts the request and frees its blocks
+        # the client is gone (leaving the block closes the response): the replica aborts the
+        # request and frees its blocks
         wait_until(lambda: dp.engine.num_active_streams == 0
                    and dp.engine.replicas[index].stats.num_used_blocks == 0)
         after = client.get("/metrics").text
