@@ -7,11 +7,14 @@ first (``GOMP_SPINCOUNT``), ``ACTIVE`` spins forever. This runs the peers worklo
 (``throughput.py --workload peers``) in a fresh process per policy (the variable is read
 once, when libgomp loads), alternating the policies in every round so a noisy neighbour
 hits them all alike, and reports output tok/s and the ratio to PASSIVE per round.
+``--background-load N`` runs N busy processes for the whole benchmark: a machine shared with
+other work, reproducibly.
 
 Usage::
 
     python benchmarks/omp_wait_policy.py --dtype float32 --rounds 2     # ~3 min
     python benchmarks/omp_wait_policy.py --dtype bfloat16 --rounds 3
+    python benchmarks/omp_wait_policy.py --num-requests 4 --background-load 6   # contended
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import common
 # name -> environment changes ("" removes the variable: libgomp's own default).
 POLICIES = {
     "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": ""},
+    "spin-1k": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "1000"},
+    "spin-3k": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "3000"},
     "spin-10k": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "10000"},
     "spin-100k": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "100000"},
     "libgomp-default": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": ""},
@@ -61,6 +66,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES))
+    p.add_argument("--background-load", type=int, default=0, help="busy processes running meanwhile")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     policies = [x for x in args.policies.split(",") if x]
@@ -69,13 +75,20 @@ def main() -> None:
         raise SystemExit(f"--policies: unknown {sorted(unknown)}; known: {list(POLICIES)}")
     runs: dict[str, list[float]] = {name: [] for name in policies}
     loads = []
-    for r in range(args.rounds):
-        for name in policies:
-            loads.append([round(x, 2) for x in os.getloadavg()])
-            runs[name].append(run_once(name, args.dtype, args.num_requests))
-            print(f"round {r + 1}/{args.rounds} {name}: {runs[name][-1]:.1f} output tok/s", flush=True)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.background_load)]
+    try:
+        for r in range(args.rounds):
+            for name in policies:
+                loads.append([round(x, 2) for x in os.getloadavg()])
+                runs[name].append(run_once(name, args.dtype, args.num_requests))
+                print(f"round {r + 1}/{args.rounds} {name}: {runs[name][-1]:.1f} output tok/s", flush=True)
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
     record = {
         "workload": {"name": "peers", "num_requests": args.num_requests},
+        "background_load_processes": args.background_load,
         "dtype": args.dtype,
         "policies": POLICIES,
         "load_average_before_each_run": loads,
