@@ -118,6 +118,17 @@ static inline void store16(void *p, ptrdiff_t i, v16f x, const int bf16) {
     else store_f32((float *)p + i, x);
 }
 
+/* store16 of a value already rounded to the dtype (to_dtype's result): its low 16 bits are zero
+ * in bfloat16, so the store only drops them (rounding again would give the same bits, slower). */
+static inline void store16_rounded(void *p, ptrdiff_t i, v16f x, const int bf16) {
+    if (bf16) {
+        const v16h h = __builtin_convertvector((v16u)x >> 16, v16h);
+        memcpy((uint16_t *)p + i, &h, sizeof h);
+    } else {
+        store_f32((float *)p + i, x);
+    }
+}
+
 /* x rounded to the storage dtype (the value a torch op would have written). */
 static inline v16f to_dtype(v16f x, const int bf16) { return bf16 ? round_bf16(x) : x; }
 static inline float scalar_to_dtype(float x, const int bf16) { return bf16 ? scalar_round_bf16(x) : x; }
@@ -217,7 +228,7 @@ static inline __attribute__((always_inline)) void rms_norm_row(
         if (x_w) h = normed_v(h * x_rs, load16(x_w, i, bf16), gemma, bf16);
         if (residual) {
             h = to_dtype(h + load16(residual, i, bf16), bf16);
-            store16(residual, i, h, bf16);
+            store16_rounded(residual, i, h, bf16);
         }
         acc += h * h;
     }
@@ -235,7 +246,7 @@ static inline __attribute__((always_inline)) void rms_norm_row(
     const void *src = residual ? residual : x; /* x_w without a residual is not a caller's case */
     const float rs = 1.0f / sqrtf(sum / (float)dim + eps);
     for (i = 0; i + 16 <= dim; i += 16)
-        store16(out, i, normed_v(load16(src, i, bf16) * rs, load16(w, i, bf16), gemma, bf16), bf16);
+        store16_rounded(out, i, normed_v(load16(src, i, bf16) * rs, load16(w, i, bf16), gemma, bf16), bf16);
     for (; i < dim; i++) store1(out, i, normed_1(load1(src, i, bf16) * rs, load1(w, i, bf16), gemma, bf16), bf16);
 }
 
