@@ -118,6 +118,16 @@ def _decoding(s: Scheduler, r: FakeRunner, *rids: str) -> list:
     return reqs
 
 
+def _first_chunk_beside_a_decode(**config) -> dict:
+    """The step trace of a 20-token prompt's first step while request "a" decodes."""
+    s = _scheduler(**config)
+    r = FakeRunner(s)
+    _decoding(s, r, "a")
+    s.add_request(make_request("L", list(range(3, 23)), max_tokens=1))
+    r.step()
+    return s.step_trace[-1]
+
+
 def test_prompt_chunks_fill_the_step_up_to_the_ratio_of_a_decode_step():
     s = _scheduler(max_step_time_ratio=2.2)
     r = FakeRunner(s)
@@ -139,27 +149,14 @@ def test_prompt_chunks_fill_the_step_up_to_the_ratio_of_a_decode_step():
 
 
 def test_millisecond_target_gives_slack_when_decode_steps_are_short():
-    s = _scheduler(max_step_time_ratio=2.2, max_step_time_ms=5100)
-    r = FakeRunner(s)
-    _decoding(s, r, "a")
-    s.add_request(make_request("L", list(range(3, 23)), max_tokens=1))
-    r.step()
-    assert s.step_trace[-1] == {"a": 1, "L": 6}  # max(4.4 s, 5.1 s) - 2 s = 3.1 s of prompt: 6 tokens
+    # max(4.4 s, 5.1 s) - 2 s = 3.1 s of prompt: 6 tokens
+    assert _first_chunk_beside_a_decode(max_step_time_ratio=2.2, max_step_time_ms=5100) == {"a": 1, "L": 6}
 
 
 def test_token_cap_and_long_prompt_threshold_still_bound_the_chunk():
-    s = _scheduler(max_step_time_ratio=2.2, max_prefill_tokens_while_decoding=3)
-    r = FakeRunner(s)
-    _decoding(s, r, "a")
-    s.add_request(make_request("L", list(range(3, 23)), max_tokens=1))
-    r.step()
-    assert s.step_trace[-1] == {"a": 1, "L": 3}
-    s = _scheduler(max_step_time_ratio=2.2, long_prefill_token_threshold=2)
-    r = FakeRunner(s)
-    _decoding(s, r, "a")
-    s.add_request(make_request("L", list(range(3, 23)), max_tokens=1))
-    r.step()
-    assert s.step_trace[-1] == {"a": 1, "L": 2}
+    assert _first_chunk_beside_a_decode(max_step_time_ratio=2.2,
+                                        max_prefill_tokens_while_decoding=3) == {"a": 1, "L": 3}
+    assert _first_chunk_beside_a_decode(max_step_time_ratio=2.2, long_prefill_token_threshold=2) == {"a": 1, "L": 2}
 
 
 def test_a_step_without_decodes_takes_the_whole_token_budget():
