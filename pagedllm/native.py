@@ -2,9 +2,11 @@
 
 A kernel source is compiled on first use with the system C compiler (``$CC``, default ``cc``;
 it may carry words, e.g. ``"ccache gcc"``) with :data:`BASE_CFLAGS` (``-O3 -march=native
--ffp-contract=fast``, no ``-ffast-math``) into ``$PAGEDLLM_CACHE_DIR`` (default
-``~/.cache/pagedllm``), under a name keyed by the SHA-256 of the source, the flags, the compiler
-and the host CPU, written atomically (concurrent builders never load a partial file), and
+-ffp-contract=fast``, no ``-ffast-math``) and ``-I`` this package's folder (the shared headers,
+:data:`INCLUDE_DIR`: ``native_simd.h``) into ``$PAGEDLLM_CACHE_DIR`` (default
+``~/.cache/pagedllm``), under a name keyed by the SHA-256 of the source, every header in
+:data:`INCLUDE_DIR` (an edit to one rebuilds every kernel), the flags, the compiler and the host
+CPU, written atomically (concurrent builders never load a partial file), and
 loaded with :mod:`ctypes` (which releases the GIL for every call).
 
 OpenMP: a kernel built with ``openmp=True`` is compiled with ``-fopenmp`` and linked against the
@@ -37,11 +39,12 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BASE_CFLAGS", "CACHE_DIR_ENV", "build_library", "cache_dir", "load_library", "openmp_available",
-           "openmp_link_flags"]
+__all__ = ["BASE_CFLAGS", "CACHE_DIR_ENV", "INCLUDE_DIR", "build_library", "cache_dir", "load_library",
+           "openmp_available", "openmp_link_flags"]
 
 BASE_CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
 CACHE_DIR_ENV = "PAGEDLLM_CACHE_DIR"
+INCLUDE_DIR = Path(__file__).parent  # the headers shared by the kernels (native_simd.h)
 _BUILD_TIMEOUT_S = 120
 
 
@@ -55,14 +58,15 @@ def build_library(source: Path, extra_flags: tuple[str, ...] = (), openmp: bool 
     """Path of ``source`` compiled into a shared library, building it if not cached yet.
 
     Args:
-        source: a C11 source file; its bytes are part of the cache key (an edit rebuilds).
+        source: a C11 source file; its bytes and those of every ``*.h`` in :data:`INCLUDE_DIR` are
+            part of the cache key (an edit to either rebuilds).
         extra_flags: appended after :data:`BASE_CFLAGS` (a later ``-march=`` overrides ``native``).
         openmp: compile with ``-fopenmp`` and link torch's libgomp (see the module docstring);
             built without when :func:`openmp_link_flags` is None.
         compiler: the compiler command line; default ``$CC`` or ``cc``, read at call time.
     Returns:
-        ``<cache_dir()>/<source stem>_<key>.so``; the key covers the source, every flag, the
-        compiler and the host CPU (a ``-march=native`` library must not load on another CPU).
+        ``<cache_dir()>/<source stem>_<key>.so``; the key covers the source, the shared headers,
+        every flag, the compiler and the host CPU (a ``-march=native`` library must not load on another CPU).
     Raises:
         OSError: the compiler is missing or fails (its stderr tail in the message).
         subprocess.SubprocessError: the build ran over two minutes.
@@ -70,8 +74,10 @@ def build_library(source: Path, extra_flags: tuple[str, ...] = (), openmp: bool 
     compiler = compiler or os.environ.get("CC", "cc")
     link = openmp_link_flags() if openmp else None
     # Link flags go after the source: the linker resolves libraries left to right.
-    command = [*BASE_CFLAGS, *extra_flags, *(("-fopenmp",) if link is not None else ()), "{source}", *(link or ())]
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(command).encode(), compiler.encode(),
+    command = [*BASE_CFLAGS, f"-I{INCLUDE_DIR}", *extra_flags, *(("-fopenmp",) if link is not None else ()),
+               "{source}", *(link or ())]
+    headers = [h.name.encode() + b"\0" + h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h"))]
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join(command).encode(), compiler.encode(),
                                      _host_cpu_id().encode()])).hexdigest()[:24]
     directory = cache_dir()
     target = directory / f"{source.stem}_{key}.so"

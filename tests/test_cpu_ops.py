@@ -14,14 +14,19 @@ The torch code is the layer with ``PAGEDLLM_CPU_FUSED_OPS=0``, which must give t
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm import native
 from pagedllm.models.layers import GatedMLP, GemmaRMSNorm, RMSNorm, RotaryEmbedding
-from pagedllm.ops import FUSED_OPS_ENV, act_and_mul, cpu_ops, fused_add_rms_norm_, rms_norm, rope_qk, set_enabled
+from pagedllm.ops import FUSED_OPS_ENV, act_and_mul, cpu_ops, fused_add_rms_norm_, library, rms_norm, rope_qk, set_enabled
+from pagedllm.ops.library import CpuOps
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="no C compiler: the fused CPU kernels are not built")
 
@@ -395,3 +400,105 @@ def test_torch_compile_traces_the_torch_code():
         compiled = torch.compile(layer, backend="eager", fullgraph=True)(x.clone(), residual.clone())
     for a, b in zip(compiled, eager):
         assert_close_ulps(a, b, 64, 64 * f32_ulp(b.abs().amax()))
+
+
+# -- the bfloat16 rounding paths (pagedllm/native_simd.h) ----------------------------------------
+# A host with AVX512-BF16 rounds with vcvtneps2bf16 and sends vectors holding a NaN or a subnormal
+# to the exact integer path; other hosts (AVX-512 without BF16, AVX2-only) use the integer path
+# everywhere. Each build below must give the bits of the integer path ("exact") on inputs full of
+# the values where the instruction and torch's rule differ or where rounding is delicate.
+
+BUILDS = {"native": (), "exact": ("-DPAGEDLLM_NO_AVX512BF16",), "avx2": ("-march=haswell",)}
+BF16_MAX = 3.3895313892515355e38
+
+
+@functools.cache
+def ops_built_with(build: str) -> CpuOps:
+    return CpuOps(ctypes.CDLL(str(native.build_library(library._SOURCE, BUILDS[build]))))
+
+
+@contextmanager
+def using_build(build: str):
+    saved = list(library._ops)
+    library._ops[:] = [ops_built_with(build)]
+    try:
+        yield
+    finally:
+        library._ops[:] = saved
+
+
+def special_bf16(rows: int, dim: int, seed: int) -> torch.Tensor:
+    """Random bfloat16 rows with subnormals, NaN, +-inf, +-max finite, +-0 and values one half
+    bfloat16 ulp apart (sums that tie) scattered over every row but the last two (finite ones)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, dim, generator=g)
+    specials = torch.tensor([1e-39, -3e-40, 2.0 ** -133, 2.0 ** -126, float("nan"), float("inf"), float("-inf"),
+                             BF16_MAX, -BF16_MAX, 0.0, -0.0, 1.0, 1.0078125, 2.0 ** 119, 0.00390625])
+    for r in range(rows - 2):
+        cols = torch.randperm(dim, generator=g)[:6]
+        x[r, cols] = specials[torch.randint(0, len(specials), (6,), generator=g)]
+    return x.bfloat16()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+def test_the_native_build_reports_its_rounding_path():
+    has_bf16 = "avx512_bf16" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
+    lib = ops_built_with("native")._lib
+    assert lib.pagedllm_cpu_ops_avx512bf16() == int(has_bf16)
+    assert ops_built_with("exact")._lib.pagedllm_cpu_ops_avx512bf16() == 0
+    assert ops_built_with("avx2")._lib.pagedllm_cpu_ops_avx512bf16() == 0
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("gemma", [False, True])
+def test_add_rms_norm_rounding_paths_give_the_same_bits(build, gemma):
+    x, residual = special_bf16(12, 576, seed=1), special_bf16(12, 576, seed=2)
+    residual[:, :8] = torch.tensor([1.0, 1.0078125, BF16_MAX, 1e-39, 2.0 ** -126, -2.0 ** -126, 1.0, 3.0])
+    x[:, :8] = torch.tensor([0.00390625, 0.00390625, 2.0 ** 119, 0.0, -2.0 ** -126 * 1.0078125, 1e-39, 2.0 ** -9,
+                             0.01171875])  # ties to even (down, up), to inf, subnormal sums
+    w = randn(576, scale=0.3, seed=3).bfloat16() + (0 if gemma else 1)
+    results = {}
+    for b in (build, "exact"):
+        xs, rs = x.clone(), residual.clone()
+        with using_build(b):
+            assert fused_add_rms_norm_(xs, rs, w, 1e-6, gemma)
+            plain = rms_norm(x, w, 1e-6, gemma)
+        results[b] = (bits(xs), bits(rs), bits(plain))
+    assert all(torch.equal(a, e) for a, e in zip(results[build], results["exact"]))
+    # the residual add is one rounding of a float32 sum, torch's exactly (NaN lanes aside)
+    ref = x + residual
+    assert torch.equal(rs_nan := residual.add(x).isnan(), ref.isnan())
+    got = results["exact"][1].view(torch.bfloat16)
+    assert torch.equal(bits(got)[~rs_nan], bits(ref)[~rs_nan])
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+def test_act_and_mul_rounding_paths_give_the_same_bits(build, activation):
+    gate_up = torch.cat([special_bf16(10, 1536, seed=4), special_bf16(10, 1536, seed=5)], dim=1)
+    gate_up[:, :4] = torch.tensor([1e-39, -1e-39, 2.0 ** -126, -2.0 ** -120])  # act(.) subnormal
+    results = {}
+    for b in (build, "exact"):
+        with using_build(b):
+            results[b] = bits(act_and_mul(gate_up, activation))
+    assert torch.equal(results[build], results["exact"])
+
+
+@pytest.mark.parametrize("build", ["native", "exact", "avx2"])
+def test_rope_qk_rounding_paths_are_torch_bits(build):
+    emb, positions, _ = rotary_case(torch.bfloat16)
+    qkv = special_bf16(33, (9 + 2 * 3) * 64, seed=6)
+    qkv[-2:] = qkv[-2:] * 1e-37  # products and sums that are subnormal
+    cos_sin = emb.lookup(positions)
+    ref_q, ref_k = torch_rotary(qkv, cos_sin, 9, 3, 64)
+    fused = qkv.clone()
+    with using_build(build):
+        q = rope_qk(fused, cos_sin, 9, 3, 64)
+    k = fused[:, 9 * 64:12 * 64].view(-1, 3, 64)
+    for got, ref in ((q, ref_q), (k, ref_k)):
+        nan = ref.isnan()
+        assert torch.equal(got.isnan(), nan)  # torch's vector path stores NaN as 0xffff, the kernels 0x7fc0
+        assert torch.equal(bits(got)[~nan], bits(ref)[~nan])

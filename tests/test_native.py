@@ -64,6 +64,25 @@ def test_rebuilt_when_source_or_flags_change(source):
     assert (_answer(first), _answer(by_flags), _answer(by_source)) == (1, 2, 102)
 
 
+def test_rebuilt_when_a_shared_header_changes(source, tmp_path, monkeypatch):
+    include = tmp_path / "include"
+    include.mkdir()
+    (include / "shared.h").write_text("#define OFFSET 10\n")
+    monkeypatch.setattr(native, "INCLUDE_DIR", include)
+    source.write_text('#include "shared.h"\n' + _SOURCE.replace("ANSWER;", "ANSWER + OFFSET;"))
+    first = native.build_library(source, ("-DANSWER=1",))
+    (include / "shared.h").write_text("#define OFFSET 20\n")  # the source and the flags unchanged
+    second = native.build_library(source, ("-DANSWER=1",))
+    assert first != second and (_answer(first), _answer(second)) == (11, 21)
+
+
+def test_kernels_include_the_shared_header():
+    header = native.INCLUDE_DIR / "native_simd.h"
+    assert header.is_file()
+    for source in ("attention/cpu_paged.c", "ops/cpu_ops.c"):
+        assert '#include "native_simd.h"' in (native.INCLUDE_DIR / source).read_text()
+
+
 @pytest.mark.parametrize("compiler", ["pagedllm-no-such-compiler", "false"])
 def test_broken_compiler_warns_once_and_returns_none(source, monkeypatch, caplog, compiler):
     monkeypatch.setenv("CC", compiler)

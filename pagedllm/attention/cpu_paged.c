@@ -33,7 +33,7 @@
  * stored), so no F16C/AVX-512 instruction is needed.
  *
  * Vectorization: GCC/Clang vector extensions over 16-float chunks of head_dim (one AVX-512
- * register, two AVX2 ones), so head_dim must be a multiple of 16; head_dim 64 and 128 get
+ * register, two AVX2 ones; the helpers shared with ops/cpu_ops.c are in pagedllm/native_simd.h), so head_dim must be a multiple of 16; head_dim 64 and 128 get
  * copies with the chunk loops unrolled so the accumulators live in registers. The next
  * tile's K rows and the current tile's V rows are prefetched while the scores are computed
  * (blocks are scattered, so the hardware prefetcher alone keeps only ~1/3 of the bandwidth).
@@ -56,6 +56,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "native_simd.h"
 
 #define TILE 32         /* tokens per online-softmax tile (K and V of a tile stay in L1/L2) */
 #define MAX_HEADS 256   /* decode's scores are [MAX_HEADS][TILE] floats on the stack */
@@ -101,29 +103,8 @@ static inline void prefetch_row(const char *p, long long num_bytes) {
     for (long long b = 0; b < num_bytes; b += 64) __builtin_prefetch(p + b, 0, PREFETCH_LOCALITY);
 }
 
-/* 16-float vectors (GCC/Clang vector extensions): one AVX-512 register, two AVX2 ones. */
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
-typedef uint32_t v16u32 __attribute__((vector_size(64)));
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-
-static inline v16f load_f32(const float *p) {
-    v16f x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
-static inline v16f load_bf16(const uint16_t *p) {
-    v16u16 h;
-    memcpy(&h, p, sizeof h);
-    return (v16f)(__builtin_convertvector(h, v16u32) << 16);
-}
-
 /* 8-bit loads widen through a plain loop: GCC 12 vectorizes it (vpmovsxbd/vpmovzxbd), while its
  * __builtin_convertvector from 8-bit lanes is scalarized (measured ~3x slower decode). */
-typedef int32_t v16i32 __attribute__((vector_size(64)));
-
 static inline v16f load_i8(const int8_t *p) {
     int32_t t[16];
     for (int j = 0; j < 16; j++) t[j] = p[j];
@@ -172,31 +153,6 @@ static inline __attribute__((always_inline)) v16f load_kv(const void *cache, lon
     }
 }
 
-static inline void store_f32(float *p, v16f x) { memcpy(p, &x, sizeof x); }
-
-/* Sum of the 16 lanes, in a fixed order (halving). */
-static inline float hsum(v16f x) {
-#if defined(__clang__) || __GNUC__ >= 12
-    /* Register shuffles: halves taken through memory stall on store forwarding (a 64-byte store
-     * read back as two 32-byte loads). */
-    const v8f s8 = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
-                   + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    const v4f s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-#else
-    v8f lo, hi;
-    memcpy(&lo, &x, sizeof lo);
-    memcpy(&hi, (const char *)&x + sizeof lo, sizeof hi);
-    const v8f s8 = lo + hi;
-    v4f a, b;
-    memcpy(&a, &s8, sizeof a);
-    memcpy(&b, (const char *)&s8 + sizeof a, sizeof b);
-    const v4f s4 = a + b;
-#endif
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
-
-static inline v16f select_f(v16i32 keep, v16f a, v16f b) { return (v16f)(((v16i32)a & keep) | ((v16i32)b & ~keep)); }
-
 /* exp(x) on 16 lanes, for x <= 0 (x >= -87.3 gives a normal result; below, exp(-87.3) ~ 1e-38 is
  * returned, harmless next to a softmax denominator >= 1). Cephes expf: x = n ln2 + r, |r| <= ln2/2,
  * exp(r) by a degree-7 polynomial, 2^n by building the exponent bits. */
@@ -216,22 +172,6 @@ static inline v16f exp_nonpos_v16(v16f x) {
     y = y * (r * r) + r + 1.0f;
     const v16i32 bits = (__builtin_convertvector(n, v16i32) + 127) << 23;
     return y * (v16f)bits;
-}
-
-/* float32 to bfloat16 bits, rounding to nearest even as torch's Tensor.to(torch.bfloat16) does
- * (NaN to the quiet NaN 0x7fc0, as torch's scalar path; its vector path stores 0xffff). */
-static inline uint16_t f32_to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float x;
-    memcpy(&x, &u, sizeof x);
-    return x;
 }
 
 /* hsum(x[j]) for j = 0 .. 15 as the lanes of one vector: a butterfly over the 16 vectors (halves

@@ -27,7 +27,8 @@
  * Built without -ffast-math: the order of operations above is the one executed.
  *
  * Vectorization: GCC/Clang vector extensions over 16-float chunks (one AVX-512 register, two
- * AVX2 ones) with scalar tails, so any row length works; the rotation is a scalar loop over
+ * AVX2 ones; loads, sums and the bfloat16 rounding shared with the attention kernel in
+ * pagedllm/native_simd.h, which uses AVX512-BF16's vcvtneps2bf16 where the host has it) with scalar tails, so any row length works; the rotation is a scalar loop over
  * fmaf that the compiler vectorizes (vector extensions have no portable FMA).
  *
  * The Python callers (pagedllm/ops/) check devices, dtypes, shapes and strides; the kernels trust
@@ -38,75 +39,23 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "native_simd.h"
+
 #define MAX_HEAD_DIM 1024 /* rope_qk's per-head scratch is MAX_HEAD_DIM floats on the stack */
 
 int pagedllm_cpu_ops_abi_version(void) { return 2; }
 int pagedllm_cpu_ops_max_head_dim(void) { return MAX_HEAD_DIM; }
-
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-
-/* -- loads, stores and bfloat16 rounding --------------------------------------------------- */
-
-static inline v16f load_f32(const float *p) {
-    v16f x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
-static inline v16f load_bf16(const uint16_t *p) {
-    v16h h;
-    memcpy(&h, p, sizeof h);
-    return (v16f)(__builtin_convertvector(h, v16u) << 16);
-}
-
-/* Round to the nearest bfloat16, ties to even (c10::BFloat16's rule; NaN stays a quiet NaN):
- * the result's float32 bits with the low 16 bits zero. */
-static inline v16u bf16_bits(v16f x) {
-    const v16u u = (v16u)x;
-    const v16u rounded = u + 0x7fffu + ((u >> 16) & 1u);
-    const v16u is_nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
-    return ((rounded & ~is_nan) | (0x7fc00000u & is_nan)) & 0xffff0000u;
-}
-
-static inline v16f round_bf16(v16f x) { return (v16f)bf16_bits(x); }
-
-static inline void store_f32(float *p, v16f x) { memcpy(p, &x, sizeof x); }
-
-static inline void store_bf16(uint16_t *p, v16f x) {
-    const v16h h = __builtin_convertvector(bf16_bits(x) >> 16, v16h);
-    memcpy(p, &h, sizeof h);
-}
-
-static inline float scalar_round_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    u = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    float r;
-    memcpy(&r, &u, sizeof r);
-    return r;
-}
+/* 1 when bfloat16 rounding uses AVX512-BF16's vcvtneps2bf16 (with the exact fix-up), see native_simd.h. */
+int pagedllm_cpu_ops_avx512bf16(void) { return native_simd_avx512bf16(); }
 
 /* Element i of a float32 or bfloat16 array (bf16 a compile-time constant at every call). */
 static inline float load1(const void *p, ptrdiff_t i, const int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float x;
-    memcpy(&x, &u, sizeof x);
-    return x;
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline void store1(void *p, ptrdiff_t i, float x, const int bf16) {
-    if (!bf16) {
-        ((float *)p)[i] = x;
-        return;
-    }
-    const float r = scalar_round_bf16(x);
-    uint32_t u;
-    memcpy(&u, &r, sizeof u);
-    ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(x);
+    else ((float *)p)[i] = x;
 }
 
 static inline v16f load16(const void *p, ptrdiff_t i, const int bf16) {
@@ -121,28 +70,13 @@ static inline void store16(void *p, ptrdiff_t i, v16f x, const int bf16) {
 /* store16 of a value already rounded to the dtype (to_dtype's result): its low 16 bits are zero
  * in bfloat16, so the store only drops them (rounding again would give the same bits, slower). */
 static inline void store16_rounded(void *p, ptrdiff_t i, v16f x, const int bf16) {
-    if (bf16) {
-        const v16h h = __builtin_convertvector((v16u)x >> 16, v16h);
-        memcpy((uint16_t *)p + i, &h, sizeof h);
-    } else {
-        store_f32((float *)p + i, x);
-    }
+    if (bf16) store_bf16_rounded((uint16_t *)p + i, x);
+    else store_f32((float *)p + i, x);
 }
 
 /* x rounded to the storage dtype (the value a torch op would have written). */
 static inline v16f to_dtype(v16f x, const int bf16) { return bf16 ? round_bf16(x) : x; }
-static inline float scalar_to_dtype(float x, const int bf16) { return bf16 ? scalar_round_bf16(x) : x; }
-
-/* Sum of the 16 lanes, in a fixed order (halving). */
-static inline float hsum(v16f x) {
-    float s[16];
-    memcpy(s, &x, sizeof s);
-    for (int w = 8; w >= 1; w /= 2)
-        for (int j = 0; j < w; j++) s[j] += s[j + w];
-    return s[0];
-}
-
-static inline v16f select_v(v16i mask, v16f a, v16f b) { return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask)); }
+static inline float scalar_to_dtype(float x, const int bf16) { return bf16 ? round_bf16_1(x) : x; }
 
 /* -- exp and tanh ------------------------------------------------------------------------- */
 
@@ -152,8 +86,8 @@ static inline v16f select_v(v16i mask, v16f a, v16f b) { return (v16f)(((v16i)a 
 static inline v16f splat(float a) { return (v16f){0} + a; }
 
 static inline v16f exp_v(v16f x) {
-    x = select_v(x < -104.0f, splat(-104.0f), x);
-    x = select_v(x > 88.8f, splat(88.8f), x);
+    x = select_f(x < -104.0f, splat(-104.0f), x);
+    x = select_f(x > 88.8f, splat(88.8f), x);
     const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
     v16f r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
@@ -164,16 +98,16 @@ static inline v16f exp_v(v16f x) {
     y = y * r + 1.6666665459e-1f;
     y = y * r + 5.0000001201e-1f;
     y = y * (r * r) + r + 1.0f;
-    const v16i ni = __builtin_convertvector(n, v16i);
-    const v16i n1 = ni >> 1, n2 = ni - n1;
+    const v16i32 ni = __builtin_convertvector(n, v16i32);
+    const v16i32 n1 = ni >> 1, n2 = ni - n1;
     return y * (v16f)((n1 + 127) << 23) * (v16f)((n2 + 127) << 23);
 }
 
 /* tanh(x), Cephes tanhf: an odd polynomial for |x| < 0.625, else 1 - 2 / (exp(2|x|) + 1) with
  * the sign of x. */
 static inline v16f tanh_v(v16f x) {
-    const v16i sign = (v16i)x & INT32_MIN;
-    const v16f ax = (v16f)((v16i)x & INT32_MAX);
+    const v16i32 sign = (v16i32)x & INT32_MIN;
+    const v16f ax = (v16f)((v16i32)x & INT32_MAX);
     const v16f z = x * x;
     v16f p = splat(-5.70498872745e-3f);
     p = p * z + 2.06390887954e-2f;
@@ -181,8 +115,8 @@ static inline v16f tanh_v(v16f x) {
     p = p * z + 1.33314422036e-1f;
     p = p * z - 3.33332819422e-1f;
     const v16f small = p * z * x + x;
-    const v16f big = (v16f)((v16i)(1.0f - 2.0f / (exp_v(ax + ax) + 1.0f)) | sign);
-    return select_v(ax < 0.625f, small, big);
+    const v16f big = (v16f)((v16i32)(1.0f - 2.0f / (exp_v(ax + ax) + 1.0f)) | sign);
+    return select_f(ax < 0.625f, small, big);
 }
 
 /* -- RMSNorm, optionally after the residual add -------------------------------------------- */
