@@ -72,6 +72,8 @@ def main() -> None:
     for name in ("decode", "prefill", "write"):
         if hasattr(kernel, name):
             setattr(kernel, name, timed(getattr(kernel, name), acc, "attention_kernel"))
+    for dtype, fn in getattr(kernel, "call_fns", {}).items():  # the decode plan's one-struct calls
+        kernel.call_fns[dtype] = timed(fn, acc, "attention_kernel")
     for table in (ops.rms_norm, ops.act_and_mul, ops.rope_qk) if ops is not None else ():
         for dtype, fn in table.items():
             table[dtype] = timed(fn, acc, "fused_ops")
@@ -118,6 +120,8 @@ def stubbed_forward_ms(forward, iters: int, linear_forward, kernel, ops) -> floa
     for name in ("decode", "prefill", "write"):
         if hasattr(kernel, name):
             setattr(kernel, name, lambda *a, **kw: None)
+    for dtype in getattr(kernel, "call_fns", {}):
+        kernel.call_fns[dtype] = lambda *a: 0
     for table in (ops.rms_norm, ops.act_and_mul, ops.rope_qk) if ops is not None else ():
         for dtype in table:
             table[dtype] = lambda *a: None

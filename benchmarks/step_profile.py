@@ -81,6 +81,7 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
     from pagedllm.ops.library import cpu_ops
     ops = cpu_ops()
     op_tables = [getattr(ops, name) for name in ("rms_norm", "act_and_mul", "rope_qk")] if ops is not None else []
+    op_tables += [kernel.call_fns] if hasattr(kernel, "call_fns") else []  # the decode plan's one-struct calls
     saved_tables = [dict(table) for table in op_tables]
     for table in op_tables:
         for dtype, fn in table.items():
@@ -111,13 +112,14 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
             "outside_compute": outside / num_steps * 1e3, "outside_compute_fraction": outside / total}
 
 
-def _cpu_timed(fn, acc: dict, key: str):
+def _cpu_timed(fn, acc: dict, key: str, clock=time.process_time):
+    """fn, adding its ``clock`` time (default: process CPU time) to ``acc[key]``."""
     def timed(*a, **kw):
-        t = time.process_time()
+        t = clock()
         try:
             return fn(*a, **kw)
         finally:
-            acc[key] += time.process_time() - t
+            acc[key] += clock() - t
     return timed
 
 
@@ -151,6 +153,9 @@ def main() -> None:
     backend = runner.model.model.layers[0].self_attn.attn.backend  # one backend object shared by all layers
     if hasattr(backend, "_decode"):
         wrap(backend, "_decode", acc, "forward.decode_attention")
+    call_fns = getattr(getattr(backend, "kernel", None), "call_fns", {})  # the decode plan's kernel calls
+    for dtype, fn in call_fns.items():
+        call_fns[dtype] = _cpu_timed(fn, acc, "forward.decode_attention", time.perf_counter)
     for module, name in FUSED_OP_CALLS:  # the fused CPU kernels run outside torch operators too
         wrap(module, name, acc, "forward.fused_ops")
     wrap(runner, "_sample", acc, "logits_and_sampling")

@@ -175,7 +175,8 @@ def make_metadata(context_lens: Sequence[int], query_lens: Sequence[int], block_
 
 @torch.inference_mode()
 def run_paged(model, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], block_size: int = 16,
-              chunk_size: int | None = None, seed: int = 0, garbage: float = 100.0) -> list[torch.Tensor]:
+              chunk_size: int | None = None, seed: int = 0, garbage: float = 100.0,
+              kv_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Run ``sequences`` through ``model`` with a paged KV cache and return every position's logits.
 
     Each request first prefills its ``prompt_lens[i]`` tokens (in chunks of ``chunk_size``
@@ -184,6 +185,8 @@ def run_paged(model, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[i
     requests share every step's batch, decodes first, so steps mix decode, prefill and
     chunked prefill. Block tables are shuffled; unwritten cache slots hold large finite
     garbage (``garbage``), so any read of a slot that should be masked shows in the logits.
+    ``kv_dtype``: the caches' dtype (default the model's; float8 and other formats without
+    scales).
 
     Returns: per request, (len(sequences[i]), vocab) float32 logits; row p predicts token p+1,
     so it equals a full causal forward's logits on the same sequence.
@@ -193,7 +196,7 @@ def run_paged(model, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[i
     tables, num_blocks = allocate_block_tables(lens, block_size, seed)
     g = torch.Generator().manual_seed(seed)
     shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
-    caches = [(garbage * (torch.rand(shape, generator=g) * 2 - 1)).to(model.dtype).to(device)
+    caches = [(garbage * (torch.rand(shape, generator=g) * 2 - 1)).to(kv_dtype or model.dtype).to(device)
               for _ in range(model.num_layers)]
     model.bind_kv_caches(caches)
     done = [0] * len(sequences)

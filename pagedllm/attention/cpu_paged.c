@@ -479,6 +479,43 @@ int paged_decode_fp8_e4m3(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_
 int paged_decode_fp8_e5m2(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_e5m2, KV_FP8_E5M2) }
 int paged_decode_int8(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_int8, KV_INT8) }
 
+/* The arguments of one paged_decode_<format> call as one struct, field for field in the order of
+ * PAGED_DECODE_ARGS: a caller making the same call in every layer of a step fills it once and
+ * changes only the per-layer pointers (pagedllm/attention/decode_plan.py), passing one ctypes
+ * argument instead of thirty. paged_decode_<format>_call(c) == paged_decode_<format>(c's fields). */
+struct paged_decode_call {
+    const void *q;
+    void *k_cache, *v_cache;
+    const float *k_scales, *v_scales;
+    const int32_t *block_tables, *seq_lens;
+    void *out;
+    int req_begin, req_end, num_heads, num_kv_heads, head_dim, block_size;
+    long long block_table_stride, kv_block_stride, kv_token_stride;
+    float scale, k_scale, v_scale;
+    int window;
+    float soft_cap;
+    int io_bf16, num_threads;
+    const void *key, *value;
+    long long key_stride, value_stride;
+    const int64_t *slots;
+    int num_tokens;
+};
+
+#define PAGED_DECODE_CALL(NAME)                                                                             \
+    int NAME##_call(const struct paged_decode_call *c) {                                                   \
+        return NAME(c->q, c->k_cache, c->v_cache, c->k_scales, c->v_scales, c->block_tables, c->seq_lens,   \
+                    c->out, c->req_begin, c->req_end, c->num_heads, c->num_kv_heads, c->head_dim,           \
+                    c->block_size, c->block_table_stride, c->kv_block_stride, c->kv_token_stride, c->scale, \
+                    c->k_scale, c->v_scale, c->window, c->soft_cap, c->io_bf16, c->num_threads, c->key,     \
+                    c->value, c->key_stride, c->value_stride, c->slots, c->num_tokens);                     \
+    }
+PAGED_DECODE_CALL(paged_decode_f32)
+PAGED_DECODE_CALL(paged_decode_bf16)
+PAGED_DECODE_CALL(paged_decode_fp8_e4m3)
+PAGED_DECODE_CALL(paged_decode_fp8_e5m2)
+PAGED_DECODE_CALL(paged_decode_int8)
+#undef PAGED_DECODE_CALL
+
 /* ---------------------------------------------------------------------------------------------
  * Prefill attention (chunked prefill, prefix-cache hits): the Q new tokens of one request, at
  * positions num_context .. num_context + Q - 1, attend causally to the request's keys

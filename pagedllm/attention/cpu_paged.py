@@ -55,6 +55,7 @@ import torch
 from pagedllm import native
 from pagedllm.attention.backend import (AttentionMetadata, ForwardContext, check_shapes, current_context,
                                         write_kv_cache)
+from pagedllm.attention.decode_plan import DecodeCall, DecodePlan
 from pagedllm.attention.torch_paged import TorchPagedAttention
 from pagedllm.utils import cdiv
 
@@ -91,7 +92,9 @@ class CpuPagedKernel:
 
     Obtain it with :func:`load_kernel`; its functions release the GIL while they run.
     ``has_openmp``: built with OpenMP, so one call splits its work over ``num_threads`` threads
-    (else it runs on the calling thread and the caller splits the work).
+    (else it runs on the calling thread and the caller splits the work). ``call_fns[dtype]``: the
+    decode kernel per KV-cache dtype taking its arguments as one
+    :class:`~pagedllm.attention.decode_plan.DecodeCall` (used by :class:`DecodePlan`).
     """
 
     def __init__(self, path: Path) -> None:
@@ -108,11 +111,14 @@ class CpuPagedKernel:
         lib.pagedllm_cpu_paged_openmp.restype = _c_int
         self.has_openmp = bool(lib.pagedllm_cpu_paged_openmp())
         self.path = path
-        self._fns, self._prefill_fns = {}, {}
+        self._fns, self._prefill_fns, self.call_fns = {}, {}, {}
         for dtype, name in _KERNEL_NAMES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = _ARGTYPES, _c_int
             self._fns[dtype] = fn
+            call = getattr(lib, f"{name}_call")  # the same kernel taking one DecodeCall struct (decode_plan.py)
+            call.argtypes, call.restype = [ctypes.POINTER(DecodeCall)], _c_int
+            self.call_fns[dtype] = call
         for dtype, name in _PREFILL_KERNEL_NAMES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = _PREFILL_ARGTYPES, _c_int
@@ -313,6 +319,9 @@ class CpuPagedAttention(TorchPagedAttention):
             thread team (tens of microseconds).
         kernel: a loaded :class:`CpuPagedKernel`; default :func:`load_kernel` (None when the
             build fails: the backend then is exactly the torch one).
+        plan_decodes: prepare a decode-only step's kernel call once for all layers
+            (:class:`~pagedllm.attention.decode_plan.DecodePlan`; the same results, less Python
+            per layer); False makes every layer's call from scratch (tests compare the two).
 
     Extra errors from ``forward``: ValueError when a decode's or prefill's block table names a block
     outside the cache or is too short for its ``seq_len`` (the kernel trusts its inputs, so
@@ -321,7 +330,7 @@ class CpuPagedAttention(TorchPagedAttention):
     """
 
     def __init__(self, num_threads: int | None = None, kernel: CpuPagedKernel | None = None,
-                 min_tokens_per_thread: int = 2048) -> None:
+                 min_tokens_per_thread: int = 2048, plan_decodes: bool = True) -> None:
         super().__init__()
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
@@ -332,6 +341,8 @@ class CpuPagedAttention(TorchPagedAttention):
         self.kernel = kernel if kernel is not None else load_kernel()
         self._kernel_plan_cache: _KernelPlan | None = None
         self._prefill_plan_cache: _PrefillPlan | None = None
+        self.plan_decodes = plan_decodes
+        self._planned_decode: DecodePlan | None = None  # the current decode-only step's prepared call
 
     @property
     def is_kernel_available(self) -> bool:
@@ -344,13 +355,25 @@ class CpuPagedAttention(TorchPagedAttention):
         """:meth:`TorchPagedAttention.forward` (same arguments, result and errors) with the K/V write
         done by the kernel when the cache is float32 or bfloat16 and the new K/V are in the query's
         dtype: for a decode step one C call per layer writes the new rows and runs the attention.
-        Other caches are written by :func:`~pagedllm.attention.backend.write_kv_cache`."""
+        Other caches are written by :func:`~pagedllm.attention.backend.write_kv_cache`.
+
+        In a decode-only step the first layer that takes the kernel's one-call path prepares the
+        call for the others (:class:`~pagedllm.attention.decode_plan.DecodePlan`): a later layer
+        whose tensors and options match it only supplies its pointers (same kernel, same results)."""
+        decode_plan = self._planned_decode
+        if (decode_plan is not None and kv_scales is None and decode_plan.owner is current_context(metadata)
+                and decode_plan.matches(query, key, value, kv_cache, scale, sliding_window, logit_soft_cap)):
+            return decode_plan.run(query, key, value, kv_cache)
         kernel = self.kernel
         if kernel is None or kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
             return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, logit_soft_cap,
                                    kv_scales)
         check_shapes(query, key, kv_cache)
         plan = self._kernel_plan(metadata, kv_cache)
+        decode_plan = self._plan_decode(query, key, value, kv_cache, metadata, plan, scale, sliding_window,
+                                        logit_soft_cap, kv_scales)
+        if decode_plan is not None:
+            return decode_plan.run(query, key, value, kv_cache)
         write = None
         if (plan.slots is not None and kv_cache.dtype in _WRITE_DTYPES and key.dtype in _WRITE_DTYPES
                 and value.dtype == key.dtype and key.shape[0] == value.shape[0] == plan.slots.shape[0]
@@ -374,6 +397,29 @@ class CpuPagedAttention(TorchPagedAttention):
         return output
 
     __call__ = forward
+
+    def _plan_decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                     metadata: AttentionMetadata, plan: _KernelPlan, scale: float, sliding_window: int | None,
+                     logit_soft_cap: float | None, kv_scales: torch.Tensor | None) -> DecodePlan | None:
+        """The step's :class:`DecodePlan` (also kept for the next layers) when this call is one the
+        plan makes exactly as :meth:`forward` would: a decode-only step of the current forward
+        context, an OpenMP kernel, a float32/bfloat16 cache it writes itself (valid slots), and
+        query/out read and written in place (contiguous CPU query, K/V in its dtype and row
+        layout); else None (and no plan is kept)."""
+        kernel = self.kernel
+        owner = current_context(metadata)
+        self._planned_decode = None
+        if not (self.plan_decodes and owner is not None and plan.owner is owner and kernel.has_openmp
+                and kv_scales is None and 0 < metadata.num_decodes == query.shape[0] == metadata.num_reqs and plan.slots is not None
+                and kv_cache.dtype in _WRITE_DTYPES and query.dtype in _IO_DTYPES and query.is_contiguous()
+                and key.dtype == value.dtype == query.dtype and key.shape[0] == value.shape[0] == plan.slots.shape[0]
+                and _rows_fit(key) and _rows_fit(value) and query.is_cpu
+                and kernel.supports(kv_cache.dtype, query.shape[1], kv_cache.shape[-1])):
+            return None
+        self._planned_decode = DecodePlan(owner, kernel.call_fns[kv_cache.dtype], query, key, value, kv_cache,
+                                          plan.block_tables, plan.seq_lens, plan.slots, scale, sliding_window,
+                                          logit_soft_cap, plan.num_threads)
+        return self._planned_decode
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float, out: torch.Tensor, sliding_window: int | None = None,
