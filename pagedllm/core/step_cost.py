@@ -15,14 +15,22 @@ The model (linear in the step's shape, :class:`StepShape`)::
     seconds ~ base + per_decode_token * decode tokens + per_prefill_token * prefill tokens
                    + per_kilo_pair * attention query-key pairs / 1024
 
-fitted by exponentially weighted least squares over the engine's own steps (forgetting
-factor ``decay``: the machine's load drifts), ridge-regularised toward the default
-coefficients scaled by the current load (so a coefficient the recent steps do not
-exercise, e.g. prefill during a pure-decode phase, follows the load instead of going
-stale), each coefficient kept at >= 10% of that scaled default (a negative cost is noise).
-A step's observed time is clipped to [1/4, 4] x the prediction before it is used, so one
-outlier (a page fault storm, another process taking the cores) moves the fit by a bounded
-step. The engine feeds it (:meth:`StepCostModel.observe`); the scheduler asks it
+fitted in two stages by exponentially weighted least squares over the engine's own steps
+(forgetting factor ``decay``: the machine's load drifts). The decode part (base,
+per_decode_token, per_kilo_pair) is fitted on steps without prompt tokens only; the prompt
+part (per_prefill_token) on the rest of the mixed steps' time once the decode part is
+taken out. One joint fit cannot tell them apart: while streams ramp up, every step carries
+both decodes and a growing prompt chunk (collinear features), and it charged the chunk to
+the decodes, predicted a decode-only step several times too long and let ever larger
+chunks in. Two stages fail safe instead: a load rise seen only on mixed steps makes prompt
+tokens look dearer (smaller chunks), never the decodes. Each stage is ridge-regularised
+toward the default coefficients scaled by the current load (observed / default over all
+recent steps), so a coefficient the recent steps do not exercise (the decode part during a
+phase where every step carries a chunk) follows the load instead of going stale, each
+coefficient kept at >= 10% of that scaled default (a negative cost is noise). A step's
+observed time is clipped to [1/4, 4] x the prediction before it is used, so one outlier (a
+page fault storm, another process taking the cores) moves the fit by a bounded step. The
+engine feeds it (:meth:`StepCostModel.observe`); the scheduler asks it
 (:class:`PrefillTimeBudget`). Seconds throughout.
 """
 
@@ -84,6 +92,7 @@ DEFAULT_STEP_COST = StepCostCoefficients(base=0.03, per_decode_token=0.0035, per
 _FEATURE_SCALE = np.array([1.0, 32.0, 256.0, 64.0])
 _MIN_FRACTION = 0.1  # each coefficient >= this fraction of the load-scaled default
 _CLIP = 4.0  # an observation counts as at most this factor off the prediction
+_DECODE = [0, 1, 3]  # the decode part's features: 1, decode tokens, attention pairs
 
 
 class StepCostModel:
@@ -110,8 +119,10 @@ class StepCostModel:
             raise ValueError(f"every default step-cost coefficient must be positive, got {default}")
         self.decay = decay
         self.prior_weight = prior_weight
-        self._sxx = np.zeros((4, 4))
-        self._sxy = np.zeros(4)
+        self._load_num = self._load_den = 0.0  # the load: sums of default-predicted x observed, predicted^2
+        self._dec_xx = np.zeros((3, 3))  # decode stage: features 1, decode tokens, pairs / 1024
+        self._dec_xy = np.zeros(3)
+        self._pre_xx = self._pre_xy = 0.0  # prompt stage: prefill tokens vs the time the decode part leaves
         self._coef = self._default.copy()
         self.num_observations = 0
 
@@ -132,18 +143,32 @@ class StepCostModel:
         x = shape.features()
         pred = float(x @ self._coef)
         y = min(max(seconds, pred / _CLIP), pred * _CLIP)
-        self._sxx = self.decay * self._sxx + np.outer(x, x)
-        self._sxy = self.decay * self._sxy + x * y
+        g = self.decay
+        d = float(x @ self._default)
+        self._load_num, self._load_den = g * self._load_num + d * y, g * self._load_den + d * d
+        self._dec_xx *= g
+        self._dec_xy *= g
+        self._pre_xx *= g
+        self._pre_xy *= g
+        if shape.num_prefill_tokens == 0:
+            xd = x[_DECODE]
+            self._dec_xx += np.outer(xd, xd)
+            self._dec_xy += xd * y
+        else:  # the prompt tokens' share: what the current decode part leaves of the step
+            rest = y - float(x[_DECODE] @ self._coef[_DECODE])
+            self._pre_xx += float(x[2]) ** 2
+            self._pre_xy += float(x[2]) * rest
         self.num_observations += 1
         self._refit()
 
     def _refit(self) -> None:
-        d = self._default
-        denom = float(d @ self._sxx @ d)
-        scale = float(d @ self._sxy) / denom if denom > 0 else 1.0  # the load: observed / default
-        ref = max(scale, 1e-3) * d
-        penalty = self.prior_weight * np.diag(_FEATURE_SCALE**2)
-        coef = np.linalg.solve(self._sxx + penalty, self._sxy + penalty @ ref)
+        scale = self._load_num / self._load_den if self._load_den > 0 else 1.0  # observed / default
+        ref = max(scale, 1e-3) * self._default
+        penalty = self.prior_weight * np.diag(_FEATURE_SCALE[_DECODE] ** 2)
+        coef = self._coef.copy()
+        coef[_DECODE] = np.linalg.solve(self._dec_xx + penalty, self._dec_xy + penalty @ ref[_DECODE])
+        p = self.prior_weight * _FEATURE_SCALE[2] ** 2
+        coef[2] = (self._pre_xy + p * ref[2]) / (self._pre_xx + p)
         self._coef = np.maximum(coef, _MIN_FRACTION * ref)
 
     def prefill_seconds(self, num_computed_tokens: int, num_new_tokens: int) -> float:

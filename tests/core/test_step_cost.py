@@ -72,6 +72,19 @@ def test_one_outlier_moves_the_fit_by_a_bounded_step_and_junk_is_ignored():
     assert all(c > 0 for c in model.coefficients.as_array())
 
 
+
+def test_a_load_rise_seen_only_on_mixed_steps_makes_prompt_tokens_dearer_not_decodes():
+    model = StepCostModel(default=TRUE)
+    decode_only, mixed = StepShape(24, 0, 24 * 300), StepShape(24, 256, 24 * 300 + attention_pairs(0, 256))
+    for _ in range(30):
+        model.observe(decode_only, _seconds(decode_only))
+    slow = StepCostCoefficients(*(2 * c for c in TRUE.as_array()))
+    for _ in range(30):  # every step now carries a chunk, and the machine got 2x slower
+        model.observe(mixed, _seconds(mixed, slow))
+    assert model.predict(mixed) == pytest.approx(_seconds(mixed, slow), rel=0.05)
+    assert model.predict(decode_only) == pytest.approx(_seconds(decode_only), rel=0.25)  # not 2x
+    assert model.coefficients.per_prefill_token > 2 * TRUE.per_prefill_token
+
 def test_max_prefill_tokens_is_the_largest_chunk_within_the_time():
     model = StepCostModel(default=TRUE)
     for context in (0, 100, 5000):
@@ -275,3 +288,30 @@ def test_step_time_targets_are_validated_by_name_and_on_the_command_line():
     add_engine_args(p)
     config = engine_config_from_args(p.parse_args(["--max-step-time-ratio", "2.5", "--max-step-time-ms", "300"]))
     assert (config.max_step_time_ratio, config.max_step_time_ms) == (2.5, 300.0)
+
+
+def test_a_burst_keeps_its_steps_within_the_target_while_every_step_carries_a_chunk():
+    # 32 prompts arrive at once: after the first step every step mixes the streams decoding so
+    # far with the next prompt's chunk, both growing together (no decode-only step to learn the
+    # decode cost from). The fake clock's costs are TRUE's times a load factor drawn per step
+    # in [0.4, 1.6] (other processes taking the cores); the model starts from the default.
+    # One joint fit charged the noisy chunks to the decodes here and let steps reach 3.1x.
+    s = Scheduler(make_config(max_step_time_ratio=2.0, max_num_batched_tokens=1024, max_num_seqs=32,
+                              max_model_len=512, block_size=16), num_kv_blocks=1200, record_trace=True)
+    r = FakeRunner(s)
+    rng = random.Random(2)
+    for i in range(32):
+        s.add_request(make_request(f"q{i}", [rng.randrange(3, 20) for _ in range(256)], max_tokens=64))
+    ratios = []
+    while s.waiting or any(q.num_computed_tokens < q.num_prompt_tokens for q in s.running):
+        so = s.schedule()
+        decode_pairs = sum(attention_pairs(s.requests[rid].num_computed_tokens, 1)
+                           for rid, n in so.num_scheduled_tokens.items() if n == 1)
+        s.update_from_output(so, r.execute(so))
+        shape = so.step_shape
+        s.observe_step_time(so, _seconds(shape) * rng.uniform(0.4, 1.6))
+        if shape.num_decode_tokens and shape.num_prefill_tokens > 16:
+            ratios.append(_seconds(shape) / _seconds(StepShape(shape.num_decode_tokens, 0, decode_pairs)))
+    assert len(ratios) > 20
+    assert max(ratios) < 2.0 * 1.25
+    assert sorted(ratios)[len(ratios) // 2] > 1.5
