@@ -578,6 +578,9 @@ def run_client(args: argparse.Namespace, url: str, work: list[tuple[list[int], i
     if health is not None:
         summary["health_ms"] = {**percentiles(health), "max": 1000.0 * max(health, default=0.0),
                                 "num_probes": len(health)}
+    itl = summary.get("itl_ms") or {}
+    if itl.get("p50") and itl.get("p99") is not None:  # target 4's measure: each run's own tail ratio
+        summary["itl_p99_over_p50"] = round(itl["p99"] / itl["p50"], 2)
     summary["load_average_before"] = load_before
     summary["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     return summary
@@ -590,6 +593,7 @@ SERVED_METRICS = {  # name -> (path in the summary, True when higher is better)
     "ttft_p99_ms": (("ttft_ms", "p99"), False),
     "itl_p50_ms": (("itl_ms", "p50"), False),
     "itl_p99_ms": (("itl_ms", "p99"), False),
+    "itl_p99_over_p50": (("itl_p99_over_p50",), False),
     "health_p99_ms": (("health_ms", "p99"), False),
     "server_cpu_ms_per_output_token": (("server_cpu_ms_per_output_token",), False),
 }

@@ -117,8 +117,8 @@ class EngineConfig:
         None, "time-aware token budget (chunked prefill): while requests decode, prompt tokens join a step only "
               "as far as the step-cost model, measured online from the engine's own steps, predicts the step "
               "within this multiple of the same step without them, so a decoding stream's inter-token gap grows "
-              "at most this factor (a number >= 1, e.g. 2; 0 or unset = off: measured on a loaded 2-core CPU it "
-              "did not beat the fixed cap, README result 8); the step's first prompt chunk always gets at least "
+              "at most this factor (a number >= 1, e.g. 2; 0 or unset = off: against `serve`'s fixed cap on a "
+              "2-core CPU it shortens inter-token gaps but delays first tokens, README result 8); the step's first prompt chunk always gets at least "
               "min_prefill_tokens_while_decoding tokens, so every prompt progresses; replaces `serve`'s default cap")
     max_step_time_ms: float | None = _f(
         None, "time-aware token budget: while requests decode, a step may also grow to this many milliseconds "
