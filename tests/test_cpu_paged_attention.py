@@ -37,20 +37,28 @@ def kernel():
     return k
 
 
-def reference_attention(q, k, v, context_len, scale):
-    """Float64 causal attention. q: (Q, H, D) at positions context_len..; k, v: (S, KV, D)."""
+def reference_attention(q, k, v, context_len, scale, window=None, soft_cap=None):
+    """Float64 causal attention. q: (Q, H, D) at positions context_len..; k, v: (S, KV, D). With a
+    window W the query at position p sees keys p - W < k <= p; with a soft cap c scores become
+    c * tanh(s / c) (transformers' Gemma 2 / Gemma 3 masks and capping)."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)  # (S, H, D)
     v = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     q_pos = torch.arange(context_len, context_len + q.shape[0]).unsqueeze(1)
-    scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > q_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    k_pos = torch.arange(k.shape[0]).unsqueeze(0)
+    hidden = k_pos > q_pos
+    if window is not None:
+        hidden |= k_pos <= q_pos - window
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
 
 
-def build_case(reqs, block_size, dtype, heads, seed=0):
+def build_case(reqs, block_size, dtype, heads, seed=0, window=None, soft_cap=None):
     """Random Q/K/V for requests [(context_len, query_len)] (decodes first), a cache holding each
-    request's context, the step's metadata and the float64 reference output."""
+    request's context, the step's metadata and the float64 reference output (with ``window`` /
+    ``soft_cap`` as :func:`reference_attention`)."""
     num_heads, num_kv_heads, head_dim = heads
     scale = head_dim**-0.5
     g = torch.Generator().manual_seed(seed)
@@ -67,7 +75,7 @@ def build_case(reqs, block_size, dtype, heads, seed=0):
     query = torch.cat(queries)
     key = torch.cat([k[c:] for (c, _), k in zip(reqs, full_k)])
     value = torch.cat([v[c:] for (c, _), v in zip(reqs, full_v)])
-    expected = torch.cat([reference_attention(q, k, v, c, scale)
+    expected = torch.cat([reference_attention(q, k, v, c, scale, window, soft_cap)
                           for (c, _), q, k, v in zip(reqs, queries, full_k, full_v)])
     return query, key, value, cache, meta, expected, scale
 
@@ -160,14 +168,63 @@ def test_prefill_thread_split_is_bitwise_deterministic(kernel, pool_kernel, dtyp
     assert len(costs) == 4 * 3 and costs[:3] == [564] * 3 and costs[-1] == 700
 
 
-def test_prefill_falls_back_for_window_soft_cap_and_head_dim(kernel):
-    """Sliding-window and soft-capped layers and head_dim not a multiple of 64 run the torch code."""
+# (cached context, new tokens) x window: chunks whose first queries see the whole prefix and whose
+# last ones do not (the window edge inside the chunk), windows shorter than the chunk, around the
+# kernel's 64-key tiles, W = 1, and a long cached prefix of which only the last W tokens count.
+WINDOW_PREFILLS = [(0, 100), (300, 64), (17, 33), (1000, 97), (129, 5), (60, 130)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", ["gqa", "gemma3"])
+@pytest.mark.parametrize("window, soft_cap", [(1, None), (63, None), (64, 50.0), (65, None), (330, None),
+                                              (None, 5.0), (100, 3.0)])
+def test_prefill_window_and_soft_cap_match_reference(kernel, window, soft_cap, heads, dtype, monkeypatch):
+    """Sliding-window and soft-capped prefills run in the kernel (the torch code would fail) and
+    equal float64 attention; keys before the first query's window are NaN in the cache, so a
+    kernel reading them (even masked: 0 * NaN) fails."""
+    shapes = {"gqa": HEADS["gqa"], "gemma3": (4, 1, 256)}  # Gemma 3 270M's 4 heads / 1 KV head of 256
+    reqs = [(40, 1), *WINDOW_PREFILLS]
+    query, key, value, cache, meta, expected, scale = build_case(reqs, 16, dtype, shapes[heads], seed=9,
+                                                                 window=window, soft_cap=soft_cap)
+    if window is not None:
+        for b, (c, _) in enumerate(reqs):
+            for p in range(max(0, c - window + 1)):
+                cache[:, meta.block_tables[b, p // 16], p % 16] = float("nan")
+    monkeypatch.setattr(torch_paged, "_prefill_one_masked", None)
+    with set_forward_context(meta):
+        out = CpuPagedAttention(kernel=kernel, min_tokens_per_thread=64).forward(
+            query, key, value, cache, meta, scale, sliding_window=window, logit_soft_cap=soft_cap)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("window, soft_cap", [(50, None), (None, 30.0), (70, 5.0)])
+def test_prefill_window_thread_split_is_bitwise_deterministic(kernel, pool_kernel, window, soft_cap):
+    """With a window or a soft cap too: 1, 2 or 3 threads, OpenMP team or Python pool, the same bits;
+    the work items' costs count only the keys in each tile's window."""
+    query, key, value, cache, meta, expected, scale = build_case([(500, 200), (0, 70)], 16, torch.float32,
+                                                                 HEADS["gqa"], seed=8, window=window,
+                                                                 soft_cap=soft_cap)
+    outs = [CpuPagedAttention(num_threads=n, kernel=k, min_tokens_per_thread=1).forward(
+        query, key, value, cache.clone(), meta, scale, sliding_window=window, logit_soft_cap=soft_cap)
+        for k in (kernel, pool_kernel) for n in (1, 2, 3)]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], atol=0, rtol=0)
+    torch.testing.assert_close(outs[0].double(), expected, atol=TOLERANCE[torch.float32], rtol=0)
+    costs = kernel.prefill_work_items(200, 500, 9, 3, sliding_window=50)
+    assert costs[:3] == [64 + 49] * 3 and costs[-1] == 8 + 49  # tiles at 500.., 692..; 49 earlier keys each
+
+
+def test_prefill_falls_back_for_head_dim(kernel):
+    """head_dim not a multiple of 64 prefills with the torch code (window and soft cap too)."""
     assert not kernel.supports_prefill(torch.float32, 4, 48) and kernel.supports_prefill(torch.bfloat16, 4, 128)
-    query, key, value, cache, meta, _, scale = build_case(PREFILLS[:4], 16, torch.float32, HEADS["gqa"], seed=9)
-    for kwargs in ({"sliding_window": 50}, {"logit_soft_cap": 30.0}):
-        out = CpuPagedAttention(kernel=kernel).forward(query, key, value, cache.clone(), meta, scale, **kwargs)
-        ref = TorchPagedAttention().forward(query, key, value, cache.clone(), meta, scale, **kwargs)
-        torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    query, key, value, cache, meta, expected, scale = build_case(PREFILLS[:4], 16, torch.float32, HEADS["mha"],
+                                                                 seed=9, window=20, soft_cap=30.0)
+    out = CpuPagedAttention(kernel=kernel).forward(query, key, value, cache.clone(), meta, scale,
+                                                   sliding_window=20, logit_soft_cap=30.0)
+    ref = TorchPagedAttention().forward(query, key, value, cache.clone(), meta, scale, sliding_window=20,
+                                        logit_soft_cap=30.0)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -367,6 +424,28 @@ def test_model_chunked_prefill_with_long_prefix_matches_transformers(kernel, chu
     model.load_weights(hf.state_dict().items())
     seqs = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (306, 90)]
     out = run_paged(model.eval(), seqs, [300, 90], block_size=16, chunk_size=chunk_size)
+    with torch.no_grad():
+        for seq, logits in zip(seqs, out):
+            diff = (logits - hf(torch.tensor([seq])).logits[0]).abs().max().item()
+            assert diff < 1e-4, f"max abs diff {diff} (len {len(seq)})"
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_sliding_window_and_soft_cap_prefill_matches_transformers(kernel, family, monkeypatch):
+    """Tiny Gemma 2 (window + attention soft cap) and Gemma 3 (local / global layers) with head_dim 64
+    on the C kernels: 150-token prompts prefilled in 40-token chunks over a 48-token window (chunks
+    whose first queries see their whole cached prefix and whose last do not), then decodes; the
+    torch masked-prefill code is disabled, logits equal transformers' (eager) on the same weights."""
+    from pagedllm.models import get_model_class
+    from tests.family_utils import family_config, make_hf_model
+    from tests.model_utils import run_paged
+    config = family_config(family, head_dim=64, query_pre_attn_scalar=64, sliding_window=48)
+    hf = make_hf_model(config, seed=4)
+    model = get_model_class(config)(config, torch.float32, "cpu", attn_backend=CpuPagedAttention(kernel=kernel))
+    model.load_weights(hf.state_dict().items())
+    monkeypatch.setattr(torch_paged, "_prefill_one_masked", None)
+    seqs = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (156, 61)]
+    out = run_paged(model.eval(), seqs, [150, 61], block_size=16, chunk_size=40)
     with torch.no_grad():
         for seq, logits in zip(seqs, out):
             diff = (logits - hf(torch.tensor([seq])).logits[0]).abs().max().item()

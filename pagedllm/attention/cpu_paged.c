@@ -70,7 +70,7 @@
 #include <omp.h>
 #endif
 
-int pagedllm_cpu_paged_abi_version(void) { return 6; }
+int pagedllm_cpu_paged_abi_version(void) { return 7; }
 
 /* 1 when built with OpenMP (the kernels split their work over a team), else 0 (the caller splits it). */
 int pagedllm_cpu_paged_openmp(void) {
@@ -535,6 +535,13 @@ PAGED_DECODE_CALL(paged_decode_int8)
  * accumulator by exp(m_old - m_new); then O^T += V^T P^T (PF_RD dims x up to 6 row vectors per micro-tile). Key
  * tiles past the item's last query are never touched; tiles crossing the diagonal are masked.
  *
+ * Sliding window W > 0 (Mistral, Gemma 2/3 local layers): the query at position p sees keys
+ * p - W < k <= p, so an item starts at key first_pos - W + 1 (keys before it are never read) and
+ * masks the tiles crossing either edge: its cost is ~(W + queries) keys, not the whole context.
+ * Attention-logit soft-capping c > 0 (Gemma 2): each score s becomes c * tanh(s / c) before the
+ * softmax, computed on 16 lanes (pf_tanh). Both are per-element operations on the S tile, so
+ * nothing of size Q x keys is built for them either.
+ *
  * q, out: [num_queries, num_heads, head_dim] float32 or bfloat16 contiguous (computed in float32).
  * head_dim is a multiple of 64 (<= 16 * MAX_CHUNKS). Items are numbered tile * num_kv_heads + kvh;
  * a call computes items [item_begin, item_end). Returns 0, or -1 when a scratch allocation fails.
@@ -631,32 +638,57 @@ static void pf_accumulate_tile(const float *pt, const float *const *v, float *ot
     }
 }
 
+/* tanh(x) on 16 lanes (Cephes tanhf): x + x^3 P(x^2) for |x| < 0.625, else (1 - e) / (1 + e) with
+ * e = exp(-2|x|) (no cancellation there: e < 0.29), the sign put back; |x| large gives +-1. */
+static inline v16f pf_tanh(v16f x) {
+    const v16i32 sign = (v16i32)x & ((v16i32){0} + INT32_MIN);
+    const v16f z = (v16f)((v16i32)x & ~sign); /* |x| */
+    const v16f e = exp_nonpos_v16((v16f){0} - 2.0f * z);
+    const v16f big = (1.0f - e) / (1.0f + e);
+    const v16f z2 = x * x;
+    v16f small = (v16f){0} - 5.70498872745e-3f;
+    small = small * z2 + 2.06390887954e-2f;
+    small = small * z2 - 5.37397155531e-2f;
+    small = small * z2 + 1.33314422036e-1f;
+    small = small * z2 - 3.33332819422e-1f;
+    small = small * z2 * z + z;
+    return (v16f)((v16i32)select_f(z < 0.625f, small, big) | sign);
+}
+
 /* Online-softmax update for one key tile (keys k0 .. k0 + n - 1), 16 rows per vector: row r sees
- * key k iff k <= row_pos[r]. s[j][r] becomes p = exp(s - m_new) (0 where masked); alpha[r] =
- * exp(m_old - m_new); l[r] = alpha l + sum_j p. Masks are applied only when `masked`. */
+ * key k iff row_lo[r] <= k <= row_pos[r]. With soft_cap c > 0 each score first becomes
+ * c * tanh(s / c). s[j][r] becomes p = exp(s - m_new) (0 where masked); alpha[r] =
+ * exp(m_old - m_new); l[r] = alpha l + sum_j p. Masks are applied only when `masked`; a row that
+ * has seen no key yet keeps m = -inf, l = 0 and a zero accumulator (alpha 0). */
 static void pf_softmax(float *restrict s, float *restrict m, float *restrict l, float *restrict alpha,
-                       const int32_t *restrict row_pos, int ld, int nvec, int k0, int n, int masked) {
+                       const int32_t *restrict row_pos, const int32_t *restrict row_lo, int ld, int nvec, int k0,
+                       int n, int masked, float soft_cap) {
     const v16f neg_inf = (v16f){0} - INFINITY;
     for (int c = 0; c < nvec; c++) {
-        v16i32 pos;
+        v16i32 pos, lo;
         memcpy(&pos, row_pos + 16 * c, sizeof pos);
+        memcpy(&lo, row_lo + 16 * c, sizeof lo);
         v16f mx = neg_inf;
         for (int j = 0; j < n; j++) {
             v16f x = load_f32(s + (size_t)j * ld + 16 * c);
+            if (soft_cap > 0.0f) x = soft_cap * pf_tanh(x / soft_cap);
             if (masked) {
-                x = select_f((v16i32){0} + (k0 + j) <= pos, x, neg_inf);
-                store_f32(s + (size_t)j * ld + 16 * c, x);
+                const v16i32 key = (v16i32){0} + (k0 + j);
+                x = select_f((key <= pos) & (key >= lo), x, neg_inf);
             }
+            if (masked || soft_cap > 0.0f) store_f32(s + (size_t)j * ld + 16 * c, x);
             mx = select_f(x > mx, x, mx);
         }
         const v16f m_old = load_f32(m + 16 * c);
         const v16f m_new = select_f(mx > m_old, mx, m_old);
-        /* A row that has seen no key yet (m_old = -inf) has nothing to rescale. */
+        /* A row that has seen no key yet (m_old = -inf) has nothing to rescale; one that still sees
+         * none (m_new = -inf, only under a window) subtracts 0 instead, its p all masked to 0. */
         const v16f a = select_f(m_old > neg_inf, exp_nonpos_v16(m_old - m_new), (v16f){0});
+        const v16f m_sub = select_f(m_new > neg_inf, m_new, (v16f){0});
         v16f sum = (v16f){0};
         for (int j = 0; j < n; j++) {
             const v16f x = load_f32(s + (size_t)j * ld + 16 * c);
-            v16f p = exp_nonpos_v16(x - m_new);
+            v16f p = exp_nonpos_v16(x - m_sub);
             if (masked) p = select_f(x > neg_inf, p, (v16f){0}); /* exactly 0 for hidden keys */
             store_f32(s + (size_t)j * ld + 16 * c, p);
             sum += p;
@@ -675,6 +707,8 @@ struct prefill_args {
     int num_queries, num_context, num_heads, num_kv_heads, head_dim, block_size, io_bf16;
     long long kv_block_stride, kv_token_stride;
     float scale;
+    int window;     /* sliding window W (0: none) */
+    float soft_cap; /* attention-logit soft cap c (0: none) */
 };
 
 /* One work item (a tile of queries x KV head kvh) of a prefill call, with its thread's scratch.
@@ -687,13 +721,15 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
     const int num_queries = a->num_queries, num_context = a->num_context, num_heads = a->num_heads;
     const int num_kv_heads = a->num_kv_heads, block_size = a->block_size, io_bf16 = a->io_bf16;
     const long long kv_block_stride = a->kv_block_stride, kv_token_stride = a->kv_token_stride;
-    const float scale = a->scale;
+    const float scale = a->scale, soft_cap = a->soft_cap;
+    const int window = a->window;
     const int group = num_heads / num_kv_heads;
     const int bq = pagedllm_cpu_paged_prefill_block_queries(group);
     const int ld = (bq * group + 15) / 16 * 16; /* rows rounded up to whole vectors */
     const size_t d = (size_t)head_dim;
     float *qt = scratch, *o = qt + d * ld, *s = o + d * ld, *m = s + (size_t)PF_BK * ld, *l = m + ld;
     float *alpha = l + ld, *wide = alpha + ld;
+    int32_t *row_lo = row_pos + ld; /* each row's first visible key (row_pos: its last) */
     const float *k_rows[PF_BK], *v_rows[PF_BK];
     const long long elem_size = is_bf16 ? 2 : 4, row_bytes = (long long)head_dim * elem_size;
     const int tile = item / num_kv_heads, kvh = item % num_kv_heads;
@@ -706,13 +742,18 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
                                                  : ((const float *)q)[src + c]) * scale
                                       : 0.0f;
         /* Padding rows (zero queries) see every key: their scores stay finite and are never written out. */
-        row_pos[r] = r < rows ? num_context + q0 + r / group : 0x7fffffff;
+        row_pos[r] = r < rows ? num_context + q0 + r / group : INT32_MAX;
+        row_lo[r] = r < rows && window > 0 ? row_pos[r] - window + 1 : INT32_MIN;
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
     memset(o, 0, sizeof(float) * d * ld);
     const int first_pos = num_context + q0, num_keys = first_pos + nq; /* keys this item sees */
-    for (int k0 = 0; k0 < num_keys; k0 += PF_BK) {
+    /* Under a window the first row sees keys from first_pos - W + 1, the last row from
+     * last_pos - W + 1: tiles starting before the latter are masked. */
+    const int first_key = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
+    const int last_lo = window > 0 ? num_keys - window : INT32_MIN;
+    for (int k0 = first_key; k0 < num_keys; k0 += PF_BK) {
         const int n = num_keys - k0 < PF_BK ? num_keys - k0 : PF_BK;
         for (int j = 0; j < n; j++) {
             const int t = k0 + j;
@@ -742,7 +783,8 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
             prefetch_row((const char *)v_cache + off * elem_size, row_bytes);
         }
         pf_scores_tile(k_rows, qt, s, ld, head_dim, n, nvec);
-        pf_softmax(s, m, l, alpha, row_pos, ld, nvec, k0, n, k0 + n - 1 > first_pos);
+        pf_softmax(s, m, l, alpha, row_pos, row_lo, ld, nvec, k0, n, k0 + n - 1 > first_pos || k0 < last_lo,
+                   soft_cap);
         pf_accumulate_tile(s, v_rows, o, alpha, ld, head_dim, n, nvec);
     }
     for (int r = 0; r < rows; r++) {
@@ -778,7 +820,7 @@ static int prefill_items(const struct prefill_args *a, int item_begin, int item_
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(| : failed)
     {
         float *scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
-        int32_t *row_pos = malloc(sizeof(int32_t) * ld);
+        int32_t *row_pos = malloc(sizeof(int32_t) * 2 * ld); /* row_pos, then row_lo */
         failed = scratch == NULL || row_pos == NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int item = item_end - 1; item >= item_begin; item--)
@@ -793,12 +835,12 @@ static int prefill_items(const struct prefill_args *a, int item_begin, int item_
     const void *q, const void *k_cache, const void *v_cache, const int32_t *block_table, void *out,         \
         int num_queries, int num_context, int num_heads, int num_kv_heads, int head_dim, int block_size,    \
         long long kv_block_stride, long long kv_token_stride, float scale, int item_begin, int item_end,    \
-        int io_bf16, int num_threads
+        int io_bf16, int num_threads, int window, float soft_cap
 
 #define PAGED_PREFILL_BODY(IS_BF16, FN64, FN)                                                               \
     const struct prefill_args a = {q, k_cache, v_cache, block_table, out, num_queries, num_context,         \
                                    num_heads, num_kv_heads, head_dim, block_size, io_bf16, kv_block_stride, \
-                                   kv_token_stride, scale};                                                 \
+                                   kv_token_stride, scale, window, soft_cap};                               \
     return prefill_items(&a, item_begin, item_end, num_threads, IS_BF16, head_dim == 64 ? FN64 : FN);
 
 /* Prefill attention of items [item_begin, item_end) of one request, float32 K/V cache; q and out

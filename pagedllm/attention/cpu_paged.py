@@ -16,7 +16,7 @@ that differs in how it runs attention:
 - **K/V writes** (the slot mapping) into float32/bfloat16 caches: done in C by the decode call
   itself (one call per layer for a decode step), validated once per step.
 
-Sliding-window and soft-capped prefills, and fp8/int8 cache writes are the inherited torch code.
+Sliding windows and logit soft-capping run in both kernels; fp8/int8 cache writes are the inherited torch code.
 
 The kernel is plain C11 with no torch headers, compiled on first use and cached by
 :mod:`pagedllm.native` (``$CC``, ``$PAGEDLLM_CACHE_DIR``; with OpenMP on torch's own libgomp)
@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["CpuPagedAttention", "CpuPagedKernel", "load_kernel"]
 
 _SOURCE = Path(__file__).with_name("cpu_paged.c")
-_ABI_VERSION = 6
+_ABI_VERSION = 7
 
 _c_int, _c_ll, _c_float, _c_void_p = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p
 # paged_decode_<format>(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, out, req_begin, req_end,
@@ -80,8 +80,8 @@ _KERNEL_NAMES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decod
                  torch.int8: "paged_decode_int8"}
 # paged_prefill_{f32,bf16}(q, k_cache, v_cache, block_table, out, num_queries, num_context, num_heads,
 #   num_kv_heads, head_dim, block_size, kv_block_stride, kv_token_stride, scale, item_begin, item_end, io_bf16,
-#   num_threads) -> int
-_PREFILL_ARGTYPES = [_c_void_p] * 5 + [_c_int] * 6 + [_c_ll] * 2 + [_c_float] + [_c_int] * 4
+#   num_threads, window, soft_cap) -> int
+_PREFILL_ARGTYPES = [_c_void_p] * 5 + [_c_int] * 6 + [_c_ll] * 2 + [_c_float] + [_c_int] * 5 + [_c_float]
 _IO_DTYPES = (torch.float32, torch.bfloat16)  # query/output dtypes the kernels read and write directly
 _PREFILL_KERNEL_NAMES = {torch.float32: "paged_prefill_f32", torch.bfloat16: "paged_prefill_bf16"}
 _NO_TABLES = torch.zeros((1, 1), dtype=torch.int32)  # the block tables of a write-only call (never read)
@@ -196,19 +196,28 @@ class CpuPagedKernel:
         shapes (``head_dim`` a multiple of 64, ``<= max_head_dim``)."""
         return dtype in self._prefill_fns and num_heads >= 1 and head_dim % 64 == 0 and 0 < head_dim <= self.max_head_dim
 
-    def prefill_work_items(self, num_queries: int, num_context: int, num_heads: int,
-                           num_kv_heads: int) -> list[int]:
+    def prefill_work_items(self, num_queries: int, num_context: int, num_heads: int, num_kv_heads: int,
+                           sliding_window: int | None = None) -> list[int]:
         """The prefill kernel's work items for one request, in order, as their cost: item
         ``tile * num_kv_heads + kvh`` (one tile of queries x one KV head) reads every key up to
-        its tile's last query, so its cost is that many keys."""
+        its tile's last query -- with a sliding window W only those from its first query's
+        position - W + 1 -- so its cost is that many keys."""
         block_queries = self._lib.pagedllm_cpu_paged_prefill_block_queries(num_heads // num_kv_heads)
-        return [num_context + min(num_queries, (tile + 1) * block_queries)
-                for tile in range(cdiv(num_queries, block_queries)) for _ in range(num_kv_heads)]
+        costs = []
+        for tile in range(cdiv(num_queries, block_queries)):
+            first_pos = num_context + tile * block_queries
+            last_key = num_context + min(num_queries, (tile + 1) * block_queries)
+            first_key = max(0, first_pos - sliding_window + 1) if sliding_window else 0
+            costs += [last_key - first_key] * num_kv_heads
+        return costs
 
     def prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
-                num_context: int, scale: float, item_begin: int, item_end: int, num_threads: int = 1) -> None:
+                num_context: int, scale: float, item_begin: int, item_end: int, num_threads: int = 1,
+                sliding_window: int | None = None, logit_soft_cap: float | None = None) -> None:
         """Causal prefill attention of one request's Q new tokens (positions ``num_context`` ..
-        ``num_context + Q - 1``) over its keys 0 .. num_context + Q - 1, read in place through
+        ``num_context + Q - 1``) over its keys 0 .. num_context + Q - 1 (with ``sliding_window`` W,
+        the token at position p over keys p - W < k <= p only; blocks wholly before that are never
+        read), scores soft-capped to ``c * tanh(s / c)`` with ``logit_soft_cap`` c, read in place through
         ``block_table`` (the new tokens' K/V must already be in the cache), for work items
         ``[item_begin, item_end)`` of :meth:`prefill_work_items`, over ``num_threads`` threads when
         :attr:`has_openmp` (the result does not depend on it). Nothing is checked here (a bad
@@ -219,6 +228,8 @@ class CpuPagedKernel:
                 ``out``'s rows of the items' queries and heads are written.
             kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim) float32 or bfloat16, contiguous.
             block_table: (>= ceil((num_context + Q) / block_size),) int32, contiguous, ids < num_blocks.
+            sliding_window: W >= 1 or None; logit_soft_cap: c > 0 or None (Gemma 2's
+                ``attn_logit_softcapping``).
         Raises:
             MemoryError: when the kernel cannot allocate its scratch (a few hundred KiB).
         """
@@ -228,7 +239,8 @@ class CpuPagedKernel:
             query.data_ptr(), kv_cache.data_ptr(), kv_cache.data_ptr() + num_blocks * kv_block_stride *
             kv_cache.element_size(), block_table.data_ptr(), out.data_ptr(), query.shape[0], num_context,
             query.shape[1], num_kv_heads, head_dim, block_size, kv_block_stride, num_kv_heads * head_dim, scale,
-            item_begin, item_end, query.dtype == torch.bfloat16, num_threads)
+            item_begin, item_end, query.dtype == torch.bfloat16, num_threads, sliding_window or 0,
+            logit_soft_cap or 0.0)
         if status != 0:
             raise MemoryError("CPU paged-attention prefill kernel: scratch allocation failed")
 
@@ -465,12 +477,13 @@ class CpuPagedAttention(TorchPagedAttention):
         request's queries over all its keys (cached prefix and the chunk itself, already written)
         read in place through its block table, in one pass with no gather, no mask and no merge.
         A request's work items run in one call over an OpenMP team (without OpenMP: split into
-        ``num_threads`` contiguous ranges of about equal cost on the pool). Layers with a sliding window or a soft cap, and caches the kernel does not handle
-        (see :meth:`CpuPagedKernel.supports_prefill`), use the torch code."""
+        ``num_threads`` contiguous ranges of about equal cost on the pool). Sliding-window and
+        soft-capped layers run in the kernel too (window and cap applied per S tile, keys before
+        the window never read); caches the kernel does not handle (see
+        :meth:`CpuPagedKernel.supports_prefill`) use the torch code."""
         kernel = self.kernel
         num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
-        if not (kernel is not None and sliding_window is None and logit_soft_cap is None
-                and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
+        if not (kernel is not None and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
                 and kernel.supports_prefill(kv_cache.dtype, num_heads, kv_cache.shape[-1])):
             super()._prefill(query, key, value, kv_cache, metadata, scale, output, sliding_window, logit_soft_cap,
                              kv_scales)
@@ -482,14 +495,15 @@ class CpuPagedAttention(TorchPagedAttention):
             rows = output[start:end]
             q, result = _io_tensors(query[start:end], rows)  # (Q, num_heads, head_dim)
             num_context = seq_lens[b] - (end - start)
-            costs = kernel.prefill_work_items(end - start, num_context, num_heads, num_kv_heads)
+            costs = kernel.prefill_work_items(end - start, num_context, num_heads, num_kv_heads, sliding_window)
             num_threads = self._threads_for(sum(costs))
             if kernel.has_openmp:
                 kernel.prefill(q, kv_cache, tables[b - num_decodes], result, num_context, scale, 0, len(costs),
-                               num_threads)
+                               num_threads, sliding_window, logit_soft_cap)
             else:
-                _run_split(kernel.prefill, _balanced_ranges(costs, num_threads), q, kv_cache, tables[b - num_decodes],
-                           result, num_context, scale)
+                _run_split(lambda *a: kernel.prefill(*a, 1, sliding_window, logit_soft_cap),
+                           _balanced_ranges(costs, num_threads), q, kv_cache, tables[b - num_decodes], result,
+                           num_context, scale)
             if result is not rows:
                 rows.copy_(result)
 
