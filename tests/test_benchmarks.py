@@ -275,6 +275,22 @@ def test_long_context_quick_chunked_prefill_equals_transformers(tmp_path):
             assert abs(split["matmul_share"] + split["attention_share"] + split["other_share"] - 1) < 0.01
 
 
+def test_prefill_attention_quick_kernel_equals_torch_and_counts_window_flops(tmp_path):
+    """benchmarks/prefill_attention.py: both backends agree in every mode; a window's FLOPs stop
+    growing with the context while full attention's keep growing."""
+    out = tmp_path / "pa.json"
+    res = subprocess.run([sys.executable, str(BENCH / "prefill_attention.py"), "--contexts", "0,200", "--chunk", "64",
+                          "--window", "32", "--reps", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {(r["context"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 8 and all(r["max_abs_diff"] < 1e-4 and r["kernel_cpu_ms"] > 0 for r in rows.values())
+    assert rows[(0, "window")]["attention_gflop"] < rows[(0, "causal")]["attention_gflop"]
+    assert rows[(200, "window")]["attention_gflop"] == rows[(200, "window+soft_cap")]["attention_gflop"]
+    full = [rows[(c, "causal")]["attention_gflop"] for c in (0, 200)]
+    assert full[1] > 3 * full[0]
+
+
 # ---- serving: the /health probe ----------------------------------------------------------
 
 def test_serving_health_probe_records_latency_and_failures():
