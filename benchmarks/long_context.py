@@ -26,8 +26,9 @@ ratio of medians and the per-repeat ratios).
 With ``--profile`` each system also prefills each length once more (one new token) under
 torch's profiler, and the record gets the op-level split of that prefill: matmuls (oneDNN /
 MKL GEMMs), attention (SDPA kernels; pagedllm's prefill attention as one labelled range,
-since its C kernel is not a torch op) and everything else (norms, rotary, SiLU, residual adds,
-KV writes, embedding), as seconds of wall time on the calling thread and shares.
+since its C kernel is not a torch op) and everything else (the profiled run's wall time minus
+those two: norms, rotary, SiLU, residual adds, KV writes, embedding, Python), as seconds of
+wall time on the calling thread and shares.
 
 One result line; JSON to ``benchmarks/results/long_context.json``.
 
@@ -91,16 +92,21 @@ _ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_s
 
 
 def profile_split(run) -> dict:
-    """Run ``run()`` under torch's profiler; self time of its ops grouped as matmul / attention /
-    other (seconds, and each as a share of the total)."""
+    """Run ``run()`` under torch's profiler: its wall time on the calling thread split into the
+    self time of its matmul ops, of its attention ops and the rest (``other_s``: every other
+    op, the fused C kernels called through ctypes, which are no torch ops, and Python), in
+    seconds and as shares of the total."""
     import torch
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
         run()
-    split = {"matmul_s": 0.0, "attention_s": 0.0, "other_s": 0.0}
+        total = time.perf_counter() - t0
+    split = {"matmul_s": 0.0, "attention_s": 0.0}
     for e in prof.key_averages():
-        kind = "matmul_s" if e.key in _MATMUL_OPS else "attention_s" if e.key in _ATTENTION_OPS else "other_s"
-        split[kind] += e.self_cpu_time_total / 1e6
-    total = sum(split.values())
+        kind = "matmul_s" if e.key in _MATMUL_OPS else "attention_s" if e.key in _ATTENTION_OPS else None
+        if kind:
+            split[kind] += e.self_cpu_time_total / 1e6
+    split["other_s"] = max(0.0, total - split["matmul_s"] - split["attention_s"])
     split = {k: round(v, 3) for k, v in split.items()}
     split.update({k.replace("_s", "_share"): round(v / total, 3) for k, v in list(split.items())})
     return split
