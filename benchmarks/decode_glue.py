@@ -74,7 +74,7 @@ def main() -> None:
             setattr(kernel, name, timed(getattr(kernel, name), acc, "attention_kernel"))
     for dtype, fn in getattr(kernel, "call_fns", {}).items():  # the decode plan's one-struct calls
         kernel.call_fns[dtype] = timed(fn, acc, "attention_kernel")
-    for table in (ops.rms_norm, ops.act_and_mul, ops.rope_qk) if ops is not None else ():
+    for table in op_tables(ops):
         for dtype, fn in table.items():
             table[dtype] = timed(fn, acc, "fused_ops")
     linear_forward = linear_module.Linear.forward
@@ -90,6 +90,12 @@ def main() -> None:
     path = common.write_result(f"decode_glue_{args.dtype}", rec, args.out)
     print(f"decode forward at batch {args.batch} ({args.dtype}, 1 thread, CPU ms): {rec['forward_ms']:.1f}, glue "
           f"{rec['glue_ms']:.1f} ({rec['glue_fraction_of_forward']:.1%}), floor {rec['stubbed_forward_ms']:.2f} -> {path}")
+
+
+def op_tables(ops) -> list[dict]:
+    """The fused kernels' ctypes functions by dtype, argument-list and struct-argument forms alike."""
+    names = ("rms_norm", "act_and_mul", "rope_qk", "rms_norm_call", "act_and_mul_call", "rope_qk_call")
+    return [getattr(ops, name) for name in names if hasattr(ops, name)] if ops is not None else []
 
 
 def measure(forward, iters: int, acc: dict) -> tuple[list[float], dict[str, list[float]]]:
@@ -122,7 +128,7 @@ def stubbed_forward_ms(forward, iters: int, linear_forward, kernel, ops) -> floa
             setattr(kernel, name, lambda *a, **kw: None)
     for dtype in getattr(kernel, "call_fns", {}):
         kernel.call_fns[dtype] = lambda *a: 0
-    for table in (ops.rms_norm, ops.act_and_mul, ops.rope_qk) if ops is not None else ():
+    for table in op_tables(ops):
         for dtype in table:
             table[dtype] = lambda *a: None
     try:

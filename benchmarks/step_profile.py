@@ -80,7 +80,8 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in parts]
     from pagedllm.ops.library import cpu_ops
     ops = cpu_ops()
-    op_tables = [getattr(ops, name) for name in ("rms_norm", "act_and_mul", "rope_qk")] if ops is not None else []
+    op_names = ("rms_norm", "act_and_mul", "rope_qk", "rms_norm_call", "act_and_mul_call", "rope_qk_call")
+    op_tables = [getattr(ops, name) for name in op_names if hasattr(ops, name)] if ops is not None else []
     op_tables += [kernel.call_fns] if hasattr(kernel, "call_fns") else []  # the decode plan's one-struct calls
     saved_tables = [dict(table) for table in op_tables]
     for table in op_tables:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.ops.calls import ActAndMulCall, prepared
 from pagedllm.ops.library import can_run, cpu_ops, num_threads_for
 
 __all__ = ["FUSED_ACTIVATIONS", "act_and_mul"]
@@ -35,6 +36,9 @@ def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor | None:
         return None
     num_rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_rows, inter, dtype=x.dtype)
-    ops.act_and_mul[x.dtype](x.data_ptr(), out.data_ptr(), num_rows, inter, x.stride(0), inter, act,
-                             num_threads_for(out.numel() * 4))  # exp / tanh: ~4x a plain pass per element
+    # one struct argument (pagedllm.ops.calls); exp / tanh: ~4x a plain pass per element
+    call, ref = prepared(ActAndMulCall, (num_rows, inter, x.stride(0), inter, act,
+                                         num_threads_for(num_rows * inter * 4)))
+    call.inp, call.out = x.data_ptr(), out.data_ptr()
+    ops.act_and_mul_call[x.dtype](ref)
     return out

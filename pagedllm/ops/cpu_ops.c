@@ -329,3 +329,62 @@ void rope_qk_bf16(void *qkv, ptrdiff_t qkv_stride, void *q_out, ptrdiff_t q_out_
                   int num_threads) {
     FOR_ROWS(num_tokens, rope_qk_token(ROW(qkv, qkv_stride, 2), ROW(q_out, q_out_stride, 2), ROW(cos_sin, cos_sin_stride, 2), num_heads, num_kv_heads, head_dim, rotary_dim, q_weight, k_weight, eps, norm_kind, 1));
 }
+
+/* The arguments of rms_norm_<dtype>, act_and_mul_<dtype> and rope_qk_<dtype> as structs, field for
+ * field in the order of their parameters, and the same functions taking one: a decode step makes
+ * each call once per layer with only its pointers changed, so the caller fills the struct once and
+ * passes one ctypes argument instead of 8 to 16 (pagedllm/ops/calls.py). */
+struct rms_norm_call {
+    const void *x, *x_w;
+    void *residual;
+    const void *w;
+    void *out;
+    int num_rows, dim;
+    ptrdiff_t x_stride, residual_stride, out_stride;
+    float eps;
+    int gemma, num_threads;
+};
+struct act_and_mul_call {
+    const void *in;
+    void *out;
+    int num_rows, inter;
+    ptrdiff_t in_stride, out_stride;
+    int act, num_threads;
+};
+struct rope_qk_call {
+    void *qkv;
+    ptrdiff_t qkv_stride;
+    void *q_out;
+    ptrdiff_t q_out_stride;
+    const void *cos_sin;
+    ptrdiff_t cos_sin_stride;
+    int num_tokens, num_heads, num_kv_heads, head_dim, rotary_dim;
+    const void *q_weight, *k_weight;
+    float eps;
+    int norm_kind, num_threads;
+};
+
+#define RMS_NORM_CALL(NAME)                                                                                 \
+    void NAME##_call(const struct rms_norm_call *c) {                                                      \
+        NAME(c->x, c->x_w, c->residual, c->w, c->out, c->num_rows, c->dim, c->x_stride, c->residual_stride, \
+             c->out_stride, c->eps, c->gemma, c->num_threads);                                             \
+    }
+#define ACT_AND_MUL_CALL(NAME)                                                                              \
+    void NAME##_call(const struct act_and_mul_call *c) {                                                   \
+        NAME(c->in, c->out, c->num_rows, c->inter, c->in_stride, c->out_stride, c->act, c->num_threads);   \
+    }
+#define ROPE_QK_CALL(NAME)                                                                                  \
+    void NAME##_call(const struct rope_qk_call *c) {                                                       \
+        NAME(c->qkv, c->qkv_stride, c->q_out, c->q_out_stride, c->cos_sin, c->cos_sin_stride, c->num_tokens, \
+             c->num_heads, c->num_kv_heads, c->head_dim, c->rotary_dim, c->q_weight, c->k_weight, c->eps,  \
+             c->norm_kind, c->num_threads);                                                                 \
+    }
+RMS_NORM_CALL(rms_norm_f32)
+RMS_NORM_CALL(rms_norm_bf16)
+ACT_AND_MUL_CALL(act_and_mul_f32)
+ACT_AND_MUL_CALL(act_and_mul_bf16)
+ROPE_QK_CALL(rope_qk_f32)
+ROPE_QK_CALL(rope_qk_bf16)
+#undef RMS_NORM_CALL
+#undef ACT_AND_MUL_CALL
+#undef ROPE_QK_CALL

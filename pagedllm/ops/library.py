@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from pagedllm import native
+from pagedllm.ops.calls import ActAndMulCall, RmsNormCall, RopeQkCall
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,9 @@ _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 class CpuOps:
     """The loaded kernels, one function per dtype: ``rms_norm[dtype]``, ``act_and_mul[dtype]``,
     ``rope_qk[dtype]`` (ctypes functions; they release the GIL). The callers in this package check
-    every argument; the kernels trust them. ``max_head_dim`` bounds ``rope_qk``'s head size."""
+    every argument; the kernels trust them. ``max_head_dim`` bounds ``rope_qk``'s head size.
+    ``rms_norm_call``, ``act_and_mul_call``, ``rope_qk_call``: the same kernels taking their
+    arguments as one struct (:mod:`pagedllm.ops.calls`)."""
 
     dtypes = tuple(_SUFFIXES)
 
@@ -61,13 +64,16 @@ class CpuOps:
         self.rms_norm = self._functions(lib, "rms_norm", _RMS_NORM_ARGS)
         self.act_and_mul = self._functions(lib, "act_and_mul", _ACT_AND_MUL_ARGS)
         self.rope_qk = self._functions(lib, "rope_qk", _ROPE_QK_ARGS)
+        self.rms_norm_call = self._functions(lib, "rms_norm", [ctypes.POINTER(RmsNormCall)], "_call")
+        self.act_and_mul_call = self._functions(lib, "act_and_mul", [ctypes.POINTER(ActAndMulCall)], "_call")
+        self.rope_qk_call = self._functions(lib, "rope_qk", [ctypes.POINTER(RopeQkCall)], "_call")
         self._lib = lib  # keep the library loaded
 
     @staticmethod
-    def _functions(lib: ctypes.CDLL, name: str, argtypes: list) -> dict[torch.dtype, ctypes._CFuncPtr]:
+    def _functions(lib: ctypes.CDLL, name: str, argtypes: list, variant: str = "") -> dict[torch.dtype, ctypes._CFuncPtr]:
         functions = {}
         for dtype, suffix in _SUFFIXES.items():
-            fn = getattr(lib, f"{name}_{suffix}")
+            fn = getattr(lib, f"{name}_{suffix}{variant}")
             fn.argtypes, fn.restype = argtypes, None
             functions[dtype] = fn
         return functions

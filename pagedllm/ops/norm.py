@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.ops.calls import RmsNormCall, prepared
 from pagedllm.ops.library import can_run, cpu_ops, num_threads_for
 
 __all__ = ["fused_add_rms_norm_", "rms_norm"]
@@ -64,9 +65,13 @@ def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     if residual_rows is None or residual_rows[:2] != rows[:2]:
         return False
     num_rows, dim, stride = rows
-    ops.rms_norm[x.dtype](x.data_ptr(), None if x_weight is None else x_weight.data_ptr(), residual.data_ptr(),
-                          None if weight is None else weight.data_ptr(), x.data_ptr(), num_rows, dim, stride,
-                          residual_rows[2], stride, eps, gemma, num_threads_for(num_rows * dim))
+    # one struct argument (pagedllm.ops.calls): the scalars repeat in every layer of a step
+    call, ref = prepared(RmsNormCall, (num_rows, dim, stride, residual_rows[2], stride, eps, gemma,
+                                       num_threads_for(num_rows * dim)))
+    call.x = call.out = x.data_ptr()
+    call.x_w = None if x_weight is None else x_weight.data_ptr()
+    call.residual, call.w = residual.data_ptr(), None if weight is None else weight.data_ptr()
+    ops.rms_norm_call[x.dtype](ref)
     return True
 
 

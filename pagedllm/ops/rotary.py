@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.ops.calls import RopeQkCall, prepared
 from pagedllm.ops.library import can_run, cpu_ops, num_threads_for
 
 __all__ = ["rope_qk"]
@@ -50,10 +51,14 @@ def rope_qk(qkv: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, num_kv_hea
         norm_kind = _NORM_GEMMA if gemma else _NORM_RMS
     num_tokens = qkv.shape[0]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)
-    ops.rope_qk[qkv.dtype](qkv.data_ptr(), qkv.stride(0), q.data_ptr(), num_heads * head_dim, cos_sin.data_ptr(),
-                           cos_sin.stride(0), num_tokens, num_heads, num_kv_heads, head_dim, cos_sin.shape[2],
-                           q_weight.data_ptr() if norm_kind else None, k_weight.data_ptr() if norm_kind else None,
-                           eps, norm_kind, num_threads_for(num_tokens * (num_heads + num_kv_heads) * head_dim * 2))
+    # one struct argument (pagedllm.ops.calls): the scalars repeat in every layer of a step
+    call, ref = prepared(RopeQkCall, (qkv.stride(0), num_heads * head_dim, cos_sin.stride(0), num_tokens, num_heads,
+                                      num_kv_heads, head_dim, cos_sin.shape[2], eps, norm_kind,
+                                      num_threads_for(num_tokens * (num_heads + num_kv_heads) * head_dim * 2)))
+    call.qkv, call.q_out, call.cos_sin = qkv.data_ptr(), q.data_ptr(), cos_sin.data_ptr()
+    call.q_weight = q_weight.data_ptr() if norm_kind else None
+    call.k_weight = k_weight.data_ptr() if norm_kind else None
+    ops.rope_qk_call[qkv.dtype](ref)
     return q
 
 
