@@ -214,6 +214,21 @@ def test_decode_glue_splits_the_forward(tmp_path):
 
 
 @pytest.mark.slow
+def test_decode_plan_alternates_planned_and_unplanned(tmp_path):
+    out = tmp_path / "plan.json"
+    res = subprocess.run([sys.executable, str(BENCH / "decode_plan.py"), "--batch", "2", "--prompt-len", "4",
+                          "--iters", "2", "--floor-iters", "4", "--out", str(out)],
+                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300,
+                         cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    # the floor (no compute) is below the real forward on both sides; the ratios are the medians'
+    for side in ("planned", "unplanned"):
+        assert 0 < rec[f"floor_ms_{side}"] < rec[f"forward_ms_{side}"]
+    assert rec["floor_ratio_planned_over_unplanned"] == pytest.approx(rec["floor_ms_planned"] / rec["floor_ms_unplanned"])
+
+
+@pytest.mark.slow
 def test_structured_output_quick(tmp_path):
     pytest.importorskip("xgrammar")
     out = tmp_path / "so.json"
