@@ -230,17 +230,46 @@ FUSED_OP_CALLS = [(norm_module, "rms_norm"), (norm_module, "fused_add_rms_norm_"
                   (attention_module, "rope_qk")]
 
 
+# Profiler event namespaces that are operators (time inside a kernel, not Python): torch's own
+# (aten, prims), the CPU backends linear algebra dispatches to (oneDNN as mkldnn/onednn, MKL's
+# packed GEMM as mkl), quantized kernels, and the engine's custom ops. Every other event
+# (record_function ranges, "ProfilerStep#N") is host code, whose self time is Python.
+OPERATOR_NAMESPACES = frozenset({"aten", "prims", "mkldnn", "onednn", "mkl", "quantized", "_quantized",
+                                 "pagedllm"})
+# Words of an operator name (split at "_") that make it a matrix multiply: aten::mm, aten::addmm,
+# aten::_weight_int4pack_mm, mkldnn::_linear_pointwise, mkl::_mkl_linear, onednn::qlinear_pointwise.
+MATMUL_WORDS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "matmul", "linear",
+                          "qlinear", "gemm", "gemv", "dot", "vdot"})
+# Attention: the SDPA kernels, the engine's paged-attention op, and the K/V gathers and writes.
+ATTENTION_WORDS = ("attention", "index_select", "index_copy")
+
+
+def operator_kind(name: str) -> str | None:
+    """The kind of a profiler event: "matmul", "attention", "other_ops", or None when the event is
+    not an operator (its self time is then host/Python time).
+
+    ``name`` is the event key, "namespace::op" (e.g. "aten::addmm", "mkl::_mkl_linear").
+    Attention is checked first, so aten::scaled_dot_product_attention (whose words include "dot")
+    counts as attention; its inner aten::bmm calls are their own events and count as matmul.
+    """
+    namespace, sep, op = name.partition("::")
+    if not sep or namespace not in OPERATOR_NAMESPACES:
+        return None
+    if any(w in op for w in ATTENTION_WORDS):
+        return "attention"
+    if MATMUL_WORDS.intersection(op.lower().split("_")):
+        return "matmul"
+    return "other_ops"
+
+
 def operator_time_by_kind(prof) -> dict[str, float]:
-    """Self time (s) of the profiled torch operators, by kind: matmul, attention, other_ops."""
+    """Self time (s) of the profiled torch operators, by kind (``operator_kind``): matmul,
+    attention, other_ops. Events that are not operators are left out (they are Python time)."""
     kinds: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():
-        n = evt.key
-        if not (n.startswith("aten::") or "mkldnn" in n):
-            continue
-        kind = ("matmul" if any(s in n for s in ("linear", "addmm", "mm", "matmul")) else
-                "attention" if any(s in n for s in ("attention", "index_select", "index_copy")) else
-                "other_ops")
-        kinds[kind] += evt.self_cpu_time_total / 1e6
+        kind = operator_kind(evt.key)
+        if kind is not None:
+            kinds[kind] += evt.self_cpu_time_total / 1e6
     return kinds
 
 

@@ -197,6 +197,27 @@ def test_step_profile_reports_fractions_and_cpu_time_parts(tmp_path):
     assert cpu["outside_compute_fraction"] == pytest.approx(cpu["outside_compute"] / cpu["step"])
 
 
+@pytest.mark.parametrize("name, kind", [
+    # matrix multiplies, whichever backend runs them: aten, oneDNN's packed linear, MKL's packed GEMM
+    ("aten::mm", "matmul"), ("aten::addmm", "matmul"), ("aten::bmm", "matmul"), ("aten::linear", "matmul"),
+    ("aten::_weight_int4pack_mm", "matmul"), ("mkldnn::_linear_pointwise", "matmul"),
+    ("mkl::_mkl_linear", "matmul"), ("onednn::qlinear_pointwise", "matmul"),
+    # attention: SDPA (its name holds "dot" but it is not a matmul event), the engine's op, K/V moves
+    ("aten::scaled_dot_product_attention", "attention"), ("pagedllm::paged_attention", "attention"),
+    ("aten::index_select", "attention"), ("aten::index_copy_", "attention"),
+    # other operators: a name that merely contains "mm" or "mv" inside a word is not a matmul
+    ("aten::add", "other_ops"), ("aten::commit_stub", "other_ops"), ("aten::_remove_batch_dim", "other_ops"),
+    ("mkl::_mkl_reorder", "other_ops"),
+    # not operators: their self time is host (Python) time
+    ("ProfilerStep#3", None), ("## forward ##", None), ("model_runner::_sample", None), ("mkl_linear", None),
+])
+def test_step_profile_operator_kind(name, kind):
+    """The step profile's operator filter: MKL's packed linear (mkl::) is a matmul, not Python overhead."""
+    import step_profile
+
+    assert step_profile.operator_kind(name) == kind
+
+
 @pytest.mark.slow
 def test_decode_glue_splits_the_forward(tmp_path):
     out = tmp_path / "glue.json"
