@@ -19,6 +19,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import (
     AsyncLLMEngine, EngineDeadError, EngineInput, EngineOverloadedError, EngineUnhealthyError,
     merge_request_output)
+from pagedllm.engine.errors import ContextLengthError
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -153,7 +154,7 @@ class FakeEngine:
         limit = self.config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
         if len(ids) + max_tokens > limit:
-            raise ValueError(f"This model's maximum context length is {limit} tokens. However, you requested "
+            raise ContextLengthError(f"This model's maximum context length is {limit} tokens. However, you requested "
                              f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
                              f"completion).")
         req = _Req(request_id, prompt_text if prompt_text is not None else (prompt if isinstance(prompt, str) else None),
@@ -619,3 +620,17 @@ def test_slow_tokenization_does_not_hold_back_running_streams(kind):
     assert len(fake.prompt_seen) == 2 and len(fake.prompt_seen[1]) > 2000  # added after all
     huge_threads = set(fake.tokenizer.encode_threads)
     assert huge_threads and all(name.startswith("pagedllm-frontend") for name in huge_threads), huge_threads
+
+
+def test_input_processor_context_length_error_is_its_own_value_error():
+    """The real engine's context check raises ContextLengthError (a ValueError), which the server
+    turns into a 400 naming the prompt field; the fake above raises the same."""
+    from pagedllm.engine.input_processor import InputProcessor
+
+    proc = InputProcessor(None, vocab_size=100, max_model_len=8, max_logprobs=5, extra_stop_token_ids=[])
+    with pytest.raises(ContextLengthError, match="maximum context length is 8"):
+        proc.process([1] * 8, SamplingParams(max_tokens=None))  # no room for one output token
+    with pytest.raises(ContextLengthError, match="you requested 9 tokens"):
+        proc.process([1] * 4, SamplingParams(max_tokens=5))
+    assert proc.process([1] * 4, SamplingParams(max_tokens=4)).max_tokens == 4
+    assert issubclass(ContextLengthError, ValueError)

@@ -179,3 +179,58 @@ def test_integer_fields_take_integral_numbers(server):
     for field, value in (("max_tokens", 1.5), ("n", True), ("seed", "2")):
         r = httpx.post(url, headers=auth, json={**ints, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+@pytest.mark.parametrize("api_key", ["k", None])
+def test_401_is_documented_exactly_where_the_key_is_checked(api_key):
+    """With an API key, every operation that answers 401 without it lists 401 (with
+    WWW-Authenticate) and the open ones (probes, scrapers) do not; without a key no operation
+    lists a 401, since none can answer one."""
+    srv, _ = make_server(FakeEngine(max_model_len=64), api_key=api_key)
+    with srv:
+        doc = httpx.get(srv.url + "/openapi.json").json()
+        listed, answered = set(), set()
+        for path, ops in doc["paths"].items():
+            for method, op in ops.items():
+                if "401" in op["responses"]:
+                    listed.add(path)
+                    assert "WWW-Authenticate" in op["responses"]["401"]["headers"]
+                url = srv.url + path.replace("{model}", MODEL)
+                r = httpx.request(method, url, json={} if method == "post" else None)  # no Authorization
+                if r.status_code == 401:
+                    answered.add(path)
+    assert listed == answered
+    if api_key:
+        assert answered == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
+                            "/tokenize", "/detokenize", "/kv/state"}
+    else:
+        assert answered == set()
+
+
+@pytest.mark.parametrize("name, body, param, words", [
+    ("CompletionRequest", {"prompt": "a", "n": 2, "best_of": 3}, "best_of", "best_of >= n"),
+    ("CompletionRequest", {"prompt": "a", "best_of": 2}, "best_of", "best_of == n"),
+    ("CompletionRequest", {"prompt": "a", "min_tokens": 5, "max_tokens": 3}, "min_tokens", "At most the request's"),
+    ("ChatCompletionRequest", {"messages": _HI, "min_tokens": 5, "max_completion_tokens": 3}, "min_tokens",
+     "`max_completion_tokens` in chat"),
+    ("CompletionRequest", {"prompt": "a", "max_tokens": 4096}, "prompt", "max_model_len (4096 tokens"),
+    ("CompletionRequest", {"prompt": [1] * 4096}, "prompt", "max_model_len (4096 tokens"),
+    ("ChatCompletionRequest", {"messages": _HI, "max_tokens": 4096}, "messages", "max_model_len (4096 tokens"),
+    ("ChatCompletionRequest", {"messages": _HI, "max_completion_tokens": 4096}, "messages", "(4096 tokens"),
+    ("CompletionRequest", {"prompt": "a", "logit_bias": {"128": 1}}, "logit_bias", "below the vocabulary size (128)"),
+    ("ChatCompletionRequest", {"messages": _HI, "logit_bias": {"999999": 1}}, "logit_bias", "vocabulary size (128)"),
+])
+def test_rules_beyond_json_schema_are_described_and_refused(server, name, body, param, words):
+    """A rule JSON Schema cannot state (across fields, or the model's numbers) is in the
+    description of the field the 400 names, with this server's numbers; the body is
+    schema-valid and the server refuses it with an OpenAI error naming that field."""
+    doc = httpx.get(server.url + "/openapi.json").json()
+    schema = _request_schema(doc, name)
+    described = " ".join(schema["properties"][f].get("description", "") for f in (param, *body))
+    assert words in described and "{" not in described
+    assert jsonschema_rs.is_valid(schema, body)
+    path = "/v1/chat/completions" if name.startswith("Chat") else "/v1/completions"
+    r = httpx.post(server.url + path, json={"model": MODEL, **body}, headers={"Authorization": "Bearer k"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error

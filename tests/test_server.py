@@ -275,8 +275,8 @@ _BAD = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      400, "top_logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": [200]}, 400, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x" * 70, "max_tokens": 1}, 400, None),
-    ("/v1/completions", {"model": MODEL, "prompt": "x" * 40, "max_tokens": 30}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 70, "max_tokens": 1}, 400, "prompt"),  # context length
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 40, "max_tokens": 30}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [""]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),

@@ -241,6 +241,7 @@ def test_context_length_limits(http):  # C11
         err = assert_error(http.post(path, json={"model": MODEL, **body}), 400)
         assert time.monotonic() - t0 < 2.0
         assert all(n in err["message"] for n in numbers), err["message"]
+        assert err["param"] == ("messages" if "chat" in path else "prompt")  # the field, as OpenAI names it
         assert http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code == 200
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": [28] * 240, "max_tokens": None,
                                            "temperature": 0})

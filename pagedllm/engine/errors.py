@@ -1,4 +1,5 @@
-"""Errors the async engine raises to its callers; the server answers each with HTTP 503."""
+"""Errors the async engine raises to its callers: the server answers the RuntimeErrors with HTTP
+503, and :class:`ContextLengthError` (a ValueError, as every bad input) with 400."""
 
 from __future__ import annotations
 
@@ -13,3 +14,9 @@ class EngineUnhealthyError(RuntimeError):
 
 class EngineOverloadedError(RuntimeError):
     """Too many requests are waiting (``max_waiting_requests``); retry later."""
+
+
+class ContextLengthError(ValueError):
+    """The prompt, or the prompt plus ``max_tokens``, does not fit ``max_model_len``. A ValueError
+    like any bad input; its own class so the server can name the field (the prompt or messages,
+    as OpenAI does) where the message itself names none."""

@@ -10,6 +10,7 @@ from typing import Any, Union
 import jinja2
 
 from pagedllm.engine.chat import normalize_conversation
+from pagedllm.engine.errors import ContextLengthError
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict]
@@ -134,14 +135,16 @@ class InputProcessor:
         return ids[-keep:]
 
     def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
+        """The request's max_tokens (None: what is left of ``max_model_len``). Raises
+        ContextLengthError when the prompt, or the prompt plus max_tokens, exceeds it."""
         limit = self.max_model_len
         if num_prompt >= limit:
-            raise ValueError(f"This model's maximum context length is {limit} tokens, but the prompt has "
+            raise ContextLengthError(f"This model's maximum context length is {limit} tokens, but the prompt has "
                              f"{num_prompt} tokens (at least one token must be left for the output)")
         if params.max_tokens is None:
             return limit - num_prompt
         if num_prompt + params.max_tokens > limit:
-            raise ValueError(f"This model's maximum context length is {limit} tokens. However, you requested "
+            raise ContextLengthError(f"This model's maximum context length is {limit} tokens. However, you requested "
                              f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, "
                              f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.")
         return params.max_tokens

@@ -184,7 +184,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = finish_document(FastAPI.openapi(app), limits, engine.vocab_size)
+            app.openapi_schema = finish_document(FastAPI.openapi(app), limits, engine.vocab_size,
+                                                 engine.config.max_model_len)
         return app.openapi_schema
 
     app.openapi = openapi
@@ -261,7 +262,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
         return await handle(run())
 
     if enable_kv_map:
-        add_kv_map_routes(app, engine, names[0])
+        add_kv_map_routes(app, engine, names[0], requires_api_key=bool(api_key))
     return app
 
 

@@ -40,9 +40,10 @@ def kv_map_html() -> str:
     return resources.files("pagedllm.entrypoints.openai").joinpath("static/kv_map.html").read_text("utf-8")
 
 
-def add_kv_map_routes(app: FastAPI, engine: Any, model_name: str) -> None:
+def add_kv_map_routes(app: FastAPI, engine: Any, model_name: str, *, requires_api_key: bool = False) -> None:
     """Add ``GET /kv`` and ``GET /kv/state`` to ``app``, reading ``engine`` (an AsyncLLMEngine);
-    ``model_name`` (the served name) labels the page."""
+    ``model_name`` (the served name) labels the page. ``requires_api_key``: the server checks an
+    API key on ``/kv/state``, so its document lists the 401 (and only then)."""
 
     @app.get(KV_PAGE_PATH, include_in_schema=False)
     async def kv_page() -> Response:
@@ -51,7 +52,7 @@ def add_kv_map_routes(app: FastAPI, engine: Any, model_name: str) -> None:
     last_engine = getattr(engine, "data_parallel_size", 1) - 1  # the document states the range
 
     @app.get(KV_STATE_PATH, responses={200: {"description": "a snapshot of the KV cache (JSON object)"},
-                                       **errors(400, 401, 404)})
+                                       **errors(400, *((401,) if requires_api_key else ()), 404)})
     async def kv_state(engine_index: int = Query(0, alias="engine", ge=0, le=last_engine,
                                                  description="the data-parallel replica")) -> Response:
         try:

@@ -42,10 +42,12 @@ def json_or_sse(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
                   "content": dict(_SSE)}}
 
 
-def finish_document(doc: dict[str, Any], limits: dict[str, int], vocab_size: int) -> dict[str, Any]:
+def finish_document(doc: dict[str, Any], limits: dict[str, int], vocab_size: int,
+                    max_model_len: int | None = None) -> dict[str, Any]:
     """Drop FastAPI's 422 (validation errors are 400 here), state ``limits`` (field name →
-    maximum, from server options) on every request schema that has such a field, and
-    ``vocab_size - 1`` as the maximum of every token id."""
+    maximum, from server options) on every request schema that has such a field,
+    ``vocab_size - 1`` as the maximum of every token id, and the server's ``vocab_size`` and
+    ``max_model_len`` where field descriptions name them (``{vocab_size}``, ``{max_model_len}``)."""
     for path in doc.get("paths", {}).values():
         for op in path.values():
             op.get("responses", {}).pop("422", None)
@@ -56,6 +58,12 @@ def finish_document(doc: dict[str, Any], limits: dict[str, int], vocab_size: int
         for field, maximum in limits.items():
             _set_maximum(schema.get("properties", {}).get(field), maximum)
     _set_token_id_maximum(schemas, vocab_size - 1)
+    numbers = {"{vocab_size}": str(vocab_size), "{max_model_len}": str(max_model_len) if max_model_len else "?"}
+    for schema in schemas.values():
+        for prop in schema.get("properties", {}).values():
+            if "{" in prop.get("description", ""):
+                for mark, value in numbers.items():
+                    prop["description"] = prop["description"].replace(mark, value)
     return doc
 
 

@@ -60,6 +60,20 @@ class OpenAIBase(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+# Rules JSON Schema cannot state (they span fields or depend on the model), in the fields'
+# descriptions; the server answers each broken rule with a 400 naming the field.
+# openapi.finish_document writes the server's numbers in place of {max_model_len} and {vocab_size}.
+CONTEXT_RULE = ("The prompt's tokens plus `max_tokens` must fit in the model's context, max_model_len "
+                "({max_model_len} tokens, also in `GET /v1/models`), with room for at least one output "
+                "token; otherwise 400 naming `{field}`.")
+_LOGIT_BIAS_RULE = ("Token id (a decimal string) -> bias added to its logit before sampling. Each id must be "
+                    "below the vocabulary size ({vocab_size}); otherwise 400 naming `logit_bias`.")
+_MIN_TOKENS_RULE = ("Tokens to generate before EOS or a stop token may end the output. At most the request's "
+                    "`max_tokens` (`max_completion_tokens` in chat) when that is given; otherwise 400 naming "
+                    "`min_tokens`.")
+_MAX_TOKENS_RULE = ("Most tokens to generate. The prompt plus this must fit in max_model_len ({max_model_len} "
+                    "tokens): otherwise 400 naming `{field}`.")
+
 # A token id: strict, as a JSON boolean is not one. TOKEN_ID_MARK tells the OpenAPI document where
 # to state the vocabulary's last id as the maximum (openapi.finish_document).
 TOKEN_ID_MARK = "x-pagedllm-token-id"
@@ -145,13 +159,14 @@ class _Request(_RequestBase):
     presence_penalty: float | None = Field(None, ge=-2, le=2, strict=True)
     frequency_penalty: float | None = Field(None, ge=-2, le=2, strict=True)
     logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]+$")],
-                     Annotated[float, Field(ge=-100, le=100, strict=True)]] | None = None
+                     Annotated[float, Field(ge=-100, le=100, strict=True)]] | None = Field(
+        None, description=_LOGIT_BIAS_RULE)
     user: str | None = None  # a label: shown in the request's log line
     # vLLM's extra sampling fields
     top_k: int | None = Field(None, ge=-1, strict=True)
     min_p: float | None = Field(None, ge=0, le=1, strict=True)
     repetition_penalty: float | None = Field(None, gt=0, strict=True)
-    min_tokens: int = Field(0, ge=0, strict=True)
+    min_tokens: int = Field(0, ge=0, strict=True, description=_MIN_TOKENS_RULE)
     ignore_eos: StrictBool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: StrictBool = True
@@ -235,11 +250,17 @@ class CompletionRequest(_Request):
 
     prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
              | Annotated[list[TokenId], Field(min_length=1)]
-             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
-    max_tokens: int | None = Field(16, ge=0, strict=True)  # 0 only with echo: the prompt alone, scored
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]) = Field(
+        description=CONTEXT_RULE.replace("{field}", "prompt") + " With several prompts, each must fit.")
+    max_tokens: int | None = Field(16, ge=0, strict=True,
+                                   description=_MAX_TOKENS_RULE.replace("{field}", "prompt")
+                                   + " 0 only with `echo`: the prompt alone, scored.")
     logprobs: int | None = Field(None, ge=0, strict=True)
     echo: StrictBool = False
-    best_of: int | None = Field(None, ge=1, strict=True)
+    best_of: int | None = Field(None, ge=1, strict=True, description=(
+        "Must equal `n` when given: vLLM requires best_of >= n, and this server does no best-of "
+        "selection, so it generates `n` completions and accepts only best_of == n; otherwise 400 naming "
+        "`best_of`."))
     prompt_logprobs: int | None = Field(None, ge=0, strict=True)
     add_special_tokens: StrictBool = True
     suffix: str | None = None
@@ -401,9 +422,13 @@ class ChatMessage(OpenAIBase):
 class ChatCompletionRequest(_Request, _ChatTemplateFlags):
     """``POST /v1/chat/completions``."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(None, ge=1, strict=True)
-    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] = Field(
+        description="The conversation, rendered by the chat template. " + CONTEXT_RULE.replace("{field}", "messages"))
+    max_tokens: int | None = Field(None, ge=1, strict=True, description=(
+        "Deprecated by OpenAI for `max_completion_tokens`, which wins when both are given. "
+        + _MAX_TOKENS_RULE.replace("{field}", "messages") + " Default: what is left of max_model_len."))
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True, description=(
+        _MAX_TOKENS_RULE.replace("{field}", "messages") + " Default: what is left of max_model_len."))
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, strict=True)
     prompt_logprobs: int | None = Field(None, ge=0, strict=True)

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineInput
 from pagedllm.engine.detokenizer import token_bytes, token_text
+from pagedllm.engine.errors import ContextLengthError
 from pagedllm.engine.request_stream import RequestStream, merge_streams
 from pagedllm.entrypoints.openai.errors import APIError, to_api_error
 from pagedllm.outputs import RequestOutput
@@ -36,6 +37,9 @@ class OpenAIServing:
         served_model_names: names clients may pass as ``model`` (the first is reported).
         max_n: largest ``n`` a request may ask for (requests beyond it get a 400).
     """
+
+    # The request field holding the prompt, which a context-length 400 names (as OpenAI does).
+    prompt_field = "prompt"
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], max_n: int = 16) -> None:
         self.engine = engine
@@ -85,8 +89,13 @@ class OpenAIServing:
 
     async def add_requests(self, label: str, prompts: list[EngineInput], params: SamplingParams,
                            priority: int = 0) -> list[RequestStream]:
-        """Add one engine request per prompt, all admitted together (or none)."""
-        return await self.engine.add_requests(label, prompts, params, priority=priority)
+        """Add one engine request per prompt, all admitted together (or none). A prompt that
+        leaves no room for the output in ``max_model_len`` is an APIError(400) naming
+        ``prompt_field``."""
+        try:
+            return await self.engine.add_requests(label, prompts, params, priority=priority)
+        except ContextLengthError as e:
+            raise APIError(400, str(e), self.prompt_field) from None
 
     @staticmethod
     async def collect_final(streams: list[RequestStream]) -> list[RequestOutput]:

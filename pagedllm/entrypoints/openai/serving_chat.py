@@ -46,6 +46,8 @@ class OpenAIServingChat(OpenAIServing):
     model's own (the contents of ``--chat-template FILE``), or None.
     """
 
+    prompt_field = "messages"
+
     def __init__(self, *args, chat_template: str | None = None, tool_call_parser: str | None = None,
                  **kwargs) -> None:
         super().__init__(*args, **kwargs)
