@@ -63,7 +63,7 @@ class OpenAIBase(BaseModel):
 # Rules JSON Schema cannot state (they span fields or depend on the model), in the fields'
 # descriptions; the server answers each broken rule with a 400 naming the field.
 # openapi.finish_document writes the server's numbers in place of {max_model_len} and {vocab_size}.
-CONTEXT_RULE = ("The prompt's tokens plus `max_tokens` must fit in the model's context, max_model_len "
+_CONTEXT_RULE = ("The prompt's tokens plus `max_tokens` must fit in the model's context, max_model_len "
                 "({max_model_len} tokens, also in `GET /v1/models`), with room for at least one output "
                 "token; otherwise 400 naming `{field}`.")
 _LOGIT_BIAS_RULE = ("Token id (a decimal string) -> bias added to its logit before sampling. Each id must be "
@@ -251,7 +251,7 @@ class CompletionRequest(_Request):
     prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]) = Field(
-        description=CONTEXT_RULE.replace("{field}", "prompt") + " With several prompts, each must fit.")
+        description=_CONTEXT_RULE.replace("{field}", "prompt") + " With several prompts, each must fit.")
     max_tokens: int | None = Field(16, ge=0, strict=True,
                                    description=_MAX_TOKENS_RULE.replace("{field}", "prompt")
                                    + " 0 only with `echo`: the prompt alone, scored.")
@@ -423,7 +423,7 @@ class ChatCompletionRequest(_Request, _ChatTemplateFlags):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)] = Field(
-        description="The conversation, rendered by the chat template. " + CONTEXT_RULE.replace("{field}", "messages"))
+        description="The conversation, rendered by the chat template. " + _CONTEXT_RULE.replace("{field}", "messages"))
     max_tokens: int | None = Field(None, ge=1, strict=True, description=(
         "Deprecated by OpenAI for `max_completion_tokens`, which wins when both are given. "
         + _MAX_TOKENS_RULE.replace("{field}", "messages") + " Default: what is left of max_model_len."))
