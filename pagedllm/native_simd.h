@@ -18,8 +18,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && !defined(PAGEDLLM_NO_AVX512BF16)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && !defined(PAGEDLLM_NO_AVX512BF16)
 #define PAGEDLLM_AVX512BF16 1
 #else
 #define PAGEDLLM_AVX512BF16 0
@@ -45,6 +47,11 @@ static inline void store_f32(float *p, v16f x) { memcpy(p, &x, sizeof x); }
 
 /* 16 bfloat16 values (raw bits) widened to float32 (exact: the bits shifted into the high half). */
 static inline v16f load_bf16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    /* One vpmovzxwd from memory: GCC splits the vector-extension form below into 256-bit halves
+     * (vextracti128 / vinserti64x4) under -march=native's 256-bit preference. */
+    return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#endif
     v16u16 h;
     memcpy(&h, p, sizeof h);
     return (v16f)(__builtin_convertvector(h, v16u32) << 16);
@@ -139,9 +146,29 @@ static inline void store_bf16(uint16_t *p, v16f x) {
     memcpy(p, &h, sizeof h);
 }
 
+/* x rounded to bfloat16, stored at p (16 values) and returned as float32 lanes: round_bf16 then
+ * store_bf16_rounded, with one conversion where the host has AVX512-BF16. */
+static inline v16f round_store_bf16(uint16_t *p, v16f x) {
+#if PAGEDLLM_AVX512BF16
+    if (__builtin_expect(!bf16_needs_exact(x), 1)) {
+        const __m256i h = bf16_pack_fast(x);
+        _mm256_storeu_si256((__m256i *)p, h);
+        return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+    }
+#endif
+    const v16u32 b = bf16_bits_exact(x);
+    const v16u16 h = __builtin_convertvector(b >> 16, v16u16);
+    memcpy(p, &h, sizeof h);
+    return (v16f)b;
+}
+
 /* Store x, already a bfloat16 value (low 16 bits zero, e.g. round_bf16's result), at p: only the
  * high halves are kept (rounding again would give the same bits, slower). */
 static inline void store_bf16_rounded(uint16_t *p, v16f x) {
+#if defined(__AVX512F__)
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32((__m512i)x, 16)));
+    return;
+#endif
     const v16u16 h = __builtin_convertvector((v16u32)x >> 16, v16u16);
     memcpy(p, &h, sizeof h);
 }

@@ -67,11 +67,11 @@ static inline void store16(void *p, ptrdiff_t i, v16f x, const int bf16) {
     else store_f32((float *)p + i, x);
 }
 
-/* store16 of a value already rounded to the dtype (to_dtype's result): its low 16 bits are zero
- * in bfloat16, so the store only drops them (rounding again would give the same bits, slower). */
-static inline void store16_rounded(void *p, ptrdiff_t i, v16f x, const int bf16) {
-    if (bf16) store_bf16_rounded((uint16_t *)p + i, x);
-    else store_f32((float *)p + i, x);
+/* x rounded to the dtype, stored, and returned (the value a torch op would have written). */
+static inline v16f round_store16(void *p, ptrdiff_t i, v16f x, const int bf16) {
+    if (bf16) return round_store_bf16((uint16_t *)p + i, x);
+    store_f32((float *)p + i, x);
+    return x;
 }
 
 /* x rounded to the storage dtype (the value a torch op would have written). */
@@ -140,8 +140,13 @@ static inline __attribute__((always_inline)) float inv_rms(const void *x, int di
 
 /* The normed value of n = x * inv_rms with weight w, cast to the dtype: RMSNorm casts n before
  * the weight multiplies it, GemmaRMSNorm computes n * (1 + w) in float32 and casts at the end. */
+/* normed_v before its final cast (store16 rounds it). */
+static inline v16f normed_unrounded_v(v16f n, v16f w, int gemma, const int bf16) {
+    return gemma ? n * (1.0f + w) : to_dtype(n, bf16) * w;
+}
+
 static inline v16f normed_v(v16f n, v16f w, int gemma, const int bf16) {
-    return to_dtype(gemma ? n * (1.0f + w) : to_dtype(n, bf16) * w, bf16);
+    return to_dtype(normed_unrounded_v(n, w, gemma, bf16), bf16);
 }
 
 static inline float normed_1(float n, float w, int gemma, const int bf16) {
@@ -161,8 +166,7 @@ static inline __attribute__((always_inline)) void rms_norm_row(
         v16f h = load16(x, i, bf16);
         if (x_w) h = normed_v(h * x_rs, load16(x_w, i, bf16), gemma, bf16);
         if (residual) {
-            h = to_dtype(h + load16(residual, i, bf16), bf16);
-            store16_rounded(residual, i, h, bf16);
+            h = round_store16(residual, i, h + load16(residual, i, bf16), bf16);
         }
         acc += h * h;
     }
@@ -180,7 +184,7 @@ static inline __attribute__((always_inline)) void rms_norm_row(
     const void *src = residual ? residual : x; /* x_w without a residual is not a caller's case */
     const float rs = 1.0f / sqrtf(sum / (float)dim + eps);
     for (i = 0; i + 16 <= dim; i += 16)
-        store16_rounded(out, i, normed_v(load16(src, i, bf16) * rs, load16(w, i, bf16), gemma, bf16), bf16);
+        store16(out, i, normed_unrounded_v(load16(src, i, bf16) * rs, load16(w, i, bf16), gemma, bf16), bf16);
     for (; i < dim; i++) store1(out, i, normed_1(load1(src, i, bf16) * rs, load1(w, i, bf16), gemma, bf16), bf16);
 }
 
