@@ -450,3 +450,26 @@ def test_gemma_sliding_window_and_soft_cap_prefill_matches_transformers(kernel, 
         for seq, logits in zip(seqs, out):
             diff = (logits - hf(torch.tensor([seq])).logits[0]).abs().max().item()
             assert diff < 1e-4, f"max abs diff {diff} (len {len(seq)})"
+
+
+@pytest.mark.parametrize("flags", [(), ("-DPAGEDLLM_NO_AVX512BF16",), ("-march=haswell",)],
+                         ids=["native", "exact-rounding", "avx2"])
+def test_bfloat16_outputs_with_subnormals_and_nan_are_torch_rounding(kernel, flags, monkeypatch):
+    """Every build (AVX512-BF16's conversion, the exact integer one, an AVX2 host's) rounds the bf16
+    output as torch does, also where it is subnormal (a tiny V) or NaN (a NaN query)."""
+    reqs = decode_reqs(16)
+    query, key, value, cache, meta, _, scale = build_case(reqs, 16, torch.bfloat16, HEADS["gqa"], seed=13)
+    cache[1] *= 1e-38  # V: outputs ~1e-38, bfloat16 subnormals among them
+    value *= 1e-38
+    query[3, 2, 5] = float("nan")  # request 3, query head 2: a NaN output row
+    built = cpu_paged.CpuPagedKernel(cpu_paged._build(os.environ.get("CC", "cc"), flags))
+    backend = CpuPagedAttention(kernel=built, min_tokens_per_thread=1)
+    with set_forward_context(meta):
+        out = backend.forward(query, key, value, cache.clone(), meta, scale)
+    with monkeypatch.context() as m, set_forward_context(meta):
+        m.setattr(cpu_paged, "_io_tensors", lambda q, o: (q.float().contiguous(), torch.empty(q.shape)))
+        via_float = backend.forward(query, key, value, cache.clone(), meta, scale).bfloat16()
+    nan = via_float.isnan()
+    assert nan[3, 2].all() and nan.sum() == 64 and torch.equal(out.isnan(), nan)
+    assert (via_float.float().abs() < 2.0 ** -126).logical_and(via_float != 0).sum() > 100  # subnormals
+    assert torch.equal(out.view(torch.int16)[~nan], via_float.view(torch.int16)[~nan])

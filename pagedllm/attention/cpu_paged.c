@@ -64,7 +64,12 @@
 #define MAX_CHUNKS 16   /* head_dim <= 16 * MAX_CHUNKS */
 /* Prefetch hint for the rows of the next tile: 2 = prefetcht1 (into L2). Into L1 (3) evicts the
  * tile being computed; measured at batch 64, context 300, block 16: 2 beats 3 by ~1.5x. */
+#ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 2
+#endif
+#ifndef PREFETCH_STRIDE
+#define PREFETCH_STRIDE 64
+#endif
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -100,7 +105,7 @@ int pagedllm_cpu_paged_max_head_dim(void) { return 16 * MAX_CHUNKS; }
 
 /* Ask for the cache lines of one token's K or V row (all KV heads). */
 static inline void prefetch_row(const char *p, long long num_bytes) {
-    for (long long b = 0; b < num_bytes; b += 64) __builtin_prefetch(p + b, 0, PREFETCH_LOCALITY);
+    for (long long b = 0; b < num_bytes; b += PREFETCH_STRIDE) __builtin_prefetch(p + b, 0, PREFETCH_LOCALITY);
 }
 
 /* 8-bit loads widen through a plain loop: GCC 12 vectorizes it (vpmovsxbd/vpmovzxbd), while its
@@ -225,7 +230,8 @@ static inline __attribute__((always_inline)) void decode_one(
     const float *restrict q, const void *k_cache, const void *v_cache, const float *k_scales,
     const float *v_scales, const int32_t *restrict block_table, int seq_len, float *restrict out,
     v16f *restrict dots, int num_heads, int num_kv_heads, int head_dim, int block_size, long long kv_block_stride,
-    long long kv_token_stride, float scale, float k_scale, float v_scale, int window, float soft_cap, const int fmt) {
+    long long kv_token_stride, float scale, float k_scale, float v_scale, int window, float soft_cap,
+    const int32_t *next_table, int next_first, int next_len, const int fmt) {
     const int group = num_heads / num_kv_heads;
     const int num_chunks = head_dim / 16; /* a constant in the specialised copies (64, 128) */
     const int qb_pv = QB_PV(num_chunks);
@@ -270,6 +276,11 @@ static inline __attribute__((always_inline)) void decode_one(
                 if (t_next < seq_len)
                     prefetch_row((const char *)k_cache + ((long long)block_table[t_next / block_size] * kv_block_stride
                                                           + (long long)(t_next % block_size) * kv_token_stride)
+                                                             * elem_size,
+                                 row_bytes);
+                else if (i < next_len) /* the last tile: the next request's first K rows instead */
+                    prefetch_row((const char *)k_cache + ((long long)next_table[(next_first + i) / block_size] * kv_block_stride
+                                                          + (long long)((next_first + i) % block_size) * kv_token_stride)
                                                              * elem_size,
                                  row_bytes);
                 for (int kvh = 0; kvh < num_kv_heads; kvh++) {
@@ -355,7 +366,7 @@ struct decode_args {
     const float *k_scales, *v_scales;
     const int32_t *block_tables, *seq_lens;
     void *out;
-    int num_heads, num_kv_heads, head_dim, block_size, window, io_bf16;
+    int num_heads, num_kv_heads, head_dim, block_size, window, io_bf16, req_end;
     long long block_table_stride, kv_block_stride, kv_token_stride;
     float scale, k_scale, v_scale, soft_cap;
 };
@@ -371,14 +382,23 @@ static inline __attribute__((always_inline)) void decode_request(const struct de
     if (a->io_bf16) {
         float *qf = scratch + DOTS_FLOATS(a->num_heads);
         acc = qf + row_elems;
-        for (size_t e = 0; e < row_elems; e++) qf[e] = bf16_to_f32(((const uint16_t *)a->q)[row + e]);
+        for (size_t e = 0; e < row_elems; e += 16) store_f32(qf + e, load_bf16((const uint16_t *)a->q + row + e));
         q = qf;
     }
     const int32_t *table = a->block_tables + (long long)r * a->block_table_stride;
+    /* Request r + 1 (this thread's next one when it runs alone): its first K rows are prefetched
+     * during r's last tile, so no request starts on cold misses. */
+    const int32_t *next_table = table + a->block_table_stride;
+    int next_first = 0, next_len = 0;
+    if (r + 1 < a->req_end) {
+        const int len = a->seq_lens[r + 1];
+        next_first = a->window > 0 && len > a->window ? len - a->window : 0;
+        next_len = len - next_first < TILE ? len - next_first : TILE;
+    }
 #define DECODE_ONE(HEAD_DIM)                                                                                \
     decode_one(q, a->k_cache, a->v_cache, a->k_scales, a->v_scales, table, a->seq_lens[r], acc, (v16f *)scratch, \
                a->num_heads, a->num_kv_heads, (HEAD_DIM), a->block_size, a->kv_block_stride, a->kv_token_stride, \
-               a->scale, a->k_scale, a->v_scale, a->window, a->soft_cap, fmt)
+               a->scale, a->k_scale, a->v_scale, a->window, a->soft_cap, next_table, next_first, next_len, fmt)
     /* head_dim 64 and 128 get copies with the chunk loops fully unrolled (accumulators in registers). */
     if (a->head_dim == 64)
         DECODE_ONE(64);
@@ -388,7 +408,7 @@ static inline __attribute__((always_inline)) void decode_request(const struct de
         DECODE_ONE(a->head_dim);
 #undef DECODE_ONE
     if (a->io_bf16)
-        for (size_t e = 0; e < row_elems; e++) ((uint16_t *)a->out)[row + e] = f32_to_bf16(acc[e]);
+        for (size_t e = 0; e < row_elems; e += 16) store_bf16((uint16_t *)a->out + row + e, load_f32(acc + e));
 }
 
 /* One non-inlined function per KV format: GCC outlines an OpenMP region before it inlines, so the
@@ -463,7 +483,7 @@ static void write_kv(const void *key, const void *value, long long key_stride, l
         write_kv(key, value, key_stride, value_stride, io_bf16, k_cache, v_cache, FMT, slots, num_tokens,   \
                  (long long)num_kv_heads * head_dim);                                                       \
     const struct decode_args a = {q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, out,     \
-                                  num_heads, num_kv_heads, head_dim, block_size, window, io_bf16,           \
+                                  num_heads, num_kv_heads, head_dim, block_size, window, io_bf16, req_end,  \
                                   block_table_stride, kv_block_stride, kv_token_stride, scale, k_scale,     \
                                   v_scale, soft_cap};                                                       \
     return decode_requests(&a, req_begin, req_end, num_threads, FN);
