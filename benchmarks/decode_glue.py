@@ -41,6 +41,29 @@ def timed(fn, acc: dict, key: str):
     return wrapper
 
 
+def decode_step_forward(dtype: str, batch: int, prompt_len: int) -> tuple[LLM, object]:
+    """SmolLM2 with ``batch`` requests of ``prompt_len`` random tokens prefilled and one token
+    decoded; returns the LLM and ``forward()``, which reruns the model on the next pure decode
+    step's inputs (the same inputs every call: the KV cache is rewritten in place, not grown)."""
+    llm = LLM(dtype=dtype, max_model_len=1024, kv_cache_memory="1GiB", max_num_seqs=batch)
+    eng, rng = llm.llm_engine, random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for _ in range(batch):
+        eng.add_request(None, [rng.randrange(common.FIRST_ORDINARY_TOKEN_ID, 49000) for _ in range(prompt_len)],
+                        params)
+    while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
+        eng.step()
+    eng.step()
+    runner, model = eng.runner, eng.runner.model
+    step = runner._order_batch(eng.scheduler.schedule())  # a pure decode step's inputs, reused
+    input_ids, positions, metas, _ = runner._prepare_inputs(step)
+
+    def forward():
+        with torch.inference_mode(), set_forward_context(metas):
+            return model(input_ids, positions)
+    return llm, forward
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32")
@@ -50,22 +73,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    llm = LLM(dtype=args.dtype, max_model_len=1024, kv_cache_memory="1GiB", max_num_seqs=args.batch)
-    eng, rng = llm.llm_engine, random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    for _ in range(args.batch):
-        eng.add_request(None, [rng.randrange(common.FIRST_ORDINARY_TOKEN_ID, 49000) for _ in range(args.prompt_len)],
-                        params)
-    while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
-        eng.step()
-    eng.step()
-    runner, model = eng.runner, eng.runner.model
-    batch = runner._order_batch(eng.scheduler.schedule())  # a pure decode step's inputs, reused
-    input_ids, positions, metas, _ = runner._prepare_inputs(batch)
-
-    def forward():
-        with torch.inference_mode(), set_forward_context(metas):
-            return model(input_ids, positions)
+    llm, forward = decode_step_forward(args.dtype, args.batch, args.prompt_len)
+    model = llm.llm_engine.runner.model
 
     acc: dict[str, float] = defaultdict(float)
     kernel, ops = model.model.layers[0].self_attn.attn.backend.kernel, cpu_ops()

@@ -16,15 +16,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import random
 import statistics
 import time
 
 import torch
 
 import common
-from pagedllm import LLM, SamplingParams
-from pagedllm.attention import set_forward_context
+from decode_glue import decode_step_forward
 from pagedllm.models.layers import linear as linear_module
 from pagedllm.ops.library import cpu_ops
 
@@ -41,23 +39,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    llm = LLM(dtype=args.dtype, max_model_len=1024, kv_cache_memory="1GiB", max_num_seqs=args.batch)
-    eng, rng = llm.llm_engine, random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    for _ in range(args.batch):
-        eng.add_request(None, [rng.randrange(common.FIRST_ORDINARY_TOKEN_ID, 49000) for _ in range(args.prompt_len)],
-                        params)
-    while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
-        eng.step()
-    eng.step()
-    runner, model = eng.runner, eng.runner.model
-    batch = runner._order_batch(eng.scheduler.schedule())  # a pure decode step's inputs, reused
-    input_ids, positions, metas, _ = runner._prepare_inputs(batch)
+    llm, forward = decode_step_forward(args.dtype, args.batch, args.prompt_len)
+    model = llm.llm_engine.runner.model
     backend = model.model.layers[0].self_attn.attn.backend
-
-    def forward():
-        with torch.inference_mode(), set_forward_context(metas):
-            return model(input_ids, positions)
 
     real = alternated(forward, backend, args.iters)
     stub_compute(model, backend)
