@@ -168,7 +168,11 @@ def in_model(batch: int, rounds: int, steps: int, threads: int) -> dict:
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.models.layers.linear import Linear
+    from pagedllm.ops import skinny_gemm
 
+    # Both modes on oneDNN's packed weight (the bf16 math is a oneDNN setting), so the skinny
+    # GEMM, which would take the float32 decode rows, stays off here.
+    skinny_gemm.set_enabled(False)
     llm = LLM(dtype="float32", max_model_len=4096, kv_cache_memory="2GiB", max_num_seqs=batch + 1,
               max_num_batched_tokens=2048)
     eng = llm.llm_engine

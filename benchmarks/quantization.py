@@ -60,10 +60,10 @@ def make_llm(name: str, kv_memory: str) -> LLM:
 
 
 def packed_copy_bytes(llm: LLM) -> int:
-    """Bytes of the oneDNN-prepacked copies float projections keep beside their weights."""
+    """Bytes of the packed copies (oneDNN or skinny GEMM) float projections keep beside their weights."""
     model = llm.llm_engine.runner.model
     return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-               if getattr(m, "packed_weight", None) is not None)
+               if getattr(m, "is_packed", False))
 
 
 def sizes(llm: LLM) -> dict:

@@ -182,7 +182,7 @@ def test_cpu_prepacked_linears_follow_reloads_and_can_be_disabled(monkeypatch):
     hf, model = make_llama_pair(config, seed=11)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     expect_packed = torch.backends.mkldnn.is_available()
-    assert all((m.packed_weight is not None) == expect_packed for m in linears)
+    assert all(m.is_packed == expect_packed for m in linears)
     seq = sequences(512, [24], seed=11)[0]
     assert (run_paged(model, [seq], [16])[0] - hf_logits(hf, seq)).abs().max().item() < ATOL
     hf2, _ = make_llama_pair(config, seed=12)
@@ -190,7 +190,7 @@ def test_cpu_prepacked_linears_follow_reloads_and_can_be_disabled(monkeypatch):
     assert (run_paged(model, [seq], [16])[0] - hf_logits(hf2, seq)).abs().max().item() < ATOL
     monkeypatch.setenv("PAGEDLLM_CPU_PACKED_LINEAR", "0")
     model.load_weights(hf.state_dict().items())
-    assert all(m.packed_weight is None for m in linears)
+    assert not any(m.is_packed for m in linears)
     assert (run_paged(model, [seq], [16])[0] - hf_logits(hf, seq)).abs().max().item() < ATOL
 
 

@@ -132,7 +132,7 @@ def _unpack_compiled_linears(model: nn.Module) -> None:
     if not hasattr(model, "unpack_linears"):
         return
     head = getattr(model, "lm_head", None)
-    head_was_packed = getattr(head, "packed_weight", None) is not None
+    head_was_packed = getattr(head, "is_packed", False)
     model.unpack_linears()
     if head_was_packed:
         head.pack_for_cpu(_LM_HEAD_BATCH_HINT)

@@ -13,14 +13,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.ops import skinny_gemm
+
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that can run from a oneDNN-prepacked copy of its weight on CPU.
+    """``nn.Linear`` that can run from a packed copy of its weight on CPU.
 
-    :meth:`pack_for_cpu` reorders the weight once into oneDNN's blocked layout (the same
-    prepacking torch.compile's CPU freezing pass does); forward then calls the oneDNN
-    linear directly instead of re-packing the weight inside every matmul (measurements in
-    ``benchmarks/results/``).
+    :meth:`pack_for_cpu` packs the weight once. A float32 weight is packed for the engine's
+    skinny GEMM (:mod:`pagedllm.ops.skinny_gemm`), which runs inputs of up to
+    ``skinny_gemm.MAX_ROWS`` rows (decode steps); larger inputs (prefill chunks) run
+    ``F.linear``, as fast there as a prepacked oneDNN weight. A bfloat16 weight (or a float32
+    one when the skinny kernel is off or ``bf16_math`` is asked for) is reordered into oneDNN's
+    blocked layout (the same prepacking torch.compile's CPU freezing pass does), and forward
+    calls the oneDNN linear directly instead of re-packing the weight inside every matmul
+    (measurements in ``benchmarks/results/``).
 
     The packed copy lives on the CPU: pack after the model reaches its device (as
     ``load_weights`` does), not before a ``.to("cuda")``.
@@ -35,7 +41,8 @@ class Linear(nn.Linear):
     for these linears). Not float32's numerics: greedy outputs can change.
     """
 
-    packed_weight: torch.Tensor | None = None
+    packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout
+    skinny_weight: skinny_gemm.SkinnyWeight | None = None
     quant_method = None  # a pagedllm.quantization.LinearMethod, or None for a float weight
     bf16_math = False  # see pack_for_cpu
 
@@ -43,6 +50,10 @@ class Linear(nn.Linear):
         """x: (T, in_features) -> (T, out_features)."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
+        skinny = self.skinny_weight
+        if skinny is not None and x.shape[0] <= skinny_gemm.MAX_ROWS and x.dtype == torch.float32 \
+                and x.dim() == 2 and x.stride(1) == 1 and not (x.requires_grad and torch.is_grad_enabled()):
+            return skinny_gemm.skinny_linear(x, skinny)
         if self.packed_weight is not None:
             if self.bf16_math and x.shape[0] >= BF16_MATH_MIN_ROWS and x.dtype == torch.float32:
                 return _packed_linear_bf16_math(x, self.packed_weight, self.bias)
@@ -50,17 +61,25 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self, batch_hint: int, bf16_math: bool = False) -> bool:
-        """Prepack the weight for oneDNN (CPU, float32/bfloat16 only); returns whether it did.
+        """Pack the weight for the skinny GEMM or oneDNN (CPU, float32/bfloat16 only); returns
+        whether it did.
 
         The packed copy is extra memory (one more copy of the weight); ``self.weight``
         stays valid, but the packed copy does not follow later in-place edits of it: call
         this again (``load_weights`` does) after changing weights. ``bf16_math``: float32
         matmuls of many rows computed in bfloat16 (see the class docstring; opt-in).
+        ``batch_hint``: the row count oneDNN's layout is chosen for.
         """
+        self.unpack()
         w = getattr(self, "weight", None)
         if w is None or self.quant_method is not None or w.device.type != "cpu" \
-                or w.dtype not in (torch.float32, torch.bfloat16) \
-                or not torch.backends.mkldnn.is_available():
+                or w.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        if not bf16_math:
+            self.skinny_weight = skinny_gemm.pack(w, self.bias)
+            if self.skinny_weight is not None:
+                return True
+        if not torch.backends.mkldnn.is_available():
             return False
         try:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
@@ -69,9 +88,15 @@ class Linear(nn.Linear):
         self.bf16_math = bf16_math and w.dtype == torch.float32 and self.packed_weight is not None
         return self.packed_weight is not None
 
+    @property
+    def is_packed(self) -> bool:
+        """Whether forward runs from a packed copy (:meth:`pack_for_cpu`)."""
+        return self.packed_weight is not None or self.skinny_weight is not None
+
     def unpack(self) -> None:
         """Back to the plain ``F.linear`` path."""
         self.packed_weight = None
+        self.skinny_weight = None
         self.bf16_math = False
 
 

@@ -1,0 +1,161 @@
+"""The skinny GEMM (pagedllm/ops/skinny_gemm.c): float32 linears of a decode step's few rows.
+
+Reference: the float64 matmul of the same float32 inputs. Both builds run on every host: the
+native one (AVX-512 where the CPU has it) and ``-march=haswell`` (AVX2, the other tile shape).
+Batch invariance is checked bit for bit: a row's output alone, in any batch, with any thread count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.models.layers.linear import Linear
+from pagedllm.ops import skinny_gemm
+
+BUILDS = {"native": (), "avx2": ("-march=haswell",)}
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def kernel(request):
+    k = skinny_gemm.load_kernel(BUILDS[request.param])
+    if k is None:
+        pytest.skip("no C compiler for the skinny GEMM kernel")
+    return k
+
+
+@pytest.fixture
+def kernel_on():
+    """The kernel switched on for this test on any CPU (off by default on AVX2-only hosts)."""
+    skinny_gemm.set_enabled(True)
+    if not skinny_gemm.enabled():
+        pytest.skip("the skinny GEMM kernel cannot be built here")
+    yield
+    skinny_gemm.set_enabled(None)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ w.double().T
+    return out + b.double() if b is not None else out
+
+
+def tolerance(x: torch.Tensor, w: torch.Tensor) -> float:
+    """float32 summation of K products: a few ulp of the sum of |products|."""
+    return 4 * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().T).max().item() + 1e-30
+
+
+@pytest.mark.parametrize("n,k", [(96, 64), (50, 37), (5, 3), (1000, 130)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_float64_reference(kernel, n, k, bias):
+    """Column tails (N not a multiple of the panel width), every row tail of both tile heights
+    (1..17 rows, then several tiles), odd K."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    packed = skinny_gemm.pack_panels(w, b, kernel.panel_width)
+    for rows in [*range(1, 18), 64, 129]:
+        x = torch.randn(rows, k, generator=g)
+        out = skinny_gemm.skinny_linear(x, packed, kernel)
+        assert out.shape == (rows, n) and out.dtype == torch.float32
+        err = (out.double() - reference(x, w, b)).abs().max().item()
+        assert err <= tolerance(x, w), f"{rows} rows: error {err}"
+
+
+def test_strided_rows_and_zero_rows(kernel):
+    """x may be a row slice of a wider tensor (row stride > K); M = 0 gives an empty result."""
+    g = torch.Generator().manual_seed(3)
+    wide, w = torch.randn(12, 200, generator=g), torch.randn(70, 64, generator=g)
+    x = wide[:, 10:74]
+    assert x.stride() == (200, 1)
+    packed = skinny_gemm.pack_panels(w, None, kernel.panel_width)
+    out = skinny_gemm.skinny_linear(x, packed, kernel)
+    assert (out.double() - reference(x, w, None)).abs().max().item() <= tolerance(x, w)
+    assert skinny_gemm.skinny_linear(x[:0], packed, kernel).shape == (0, 70)
+
+
+def test_special_values_propagate(kernel):
+    """inf and NaN in x reach exactly the outputs they feed (no masking, no flush)."""
+    w = torch.ones(40, 16)
+    x = torch.zeros(3, 16)
+    x[0, 5] = float("inf")
+    x[1, 2] = float("nan")
+    x[2, 0] = 1e-40  # subnormal: kept (FMA does not flush without -ffast-math)
+    out = skinny_gemm.skinny_linear(x, skinny_gemm.pack_panels(w, None, kernel.panel_width), kernel)
+    assert torch.isinf(out[0]).all() and torch.isnan(out[1]).all()
+    assert (out[2] == torch.tensor(1e-40)).all()
+
+
+def test_rows_are_batch_invariant_bit_for_bit(kernel):
+    """Each row's output is the same bits alone, in a batch of any size, and with 1 or 2 threads."""
+    g = torch.Generator().manual_seed(5)
+    x, w, b = torch.randn(37, 576, generator=g), torch.randn(200, 576, generator=g), torch.randn(200, generator=g)
+    packed = skinny_gemm.pack_panels(w, b, kernel.panel_width)
+    full = skinny_gemm.skinny_linear(x, packed, kernel)
+    for i in (0, 7, 8, 36):
+        assert torch.equal(skinny_gemm.skinny_linear(x[i:i + 1], packed, kernel), full[i:i + 1])
+    assert torch.equal(skinny_gemm.skinny_linear(x[5:30], packed, kernel), full[5:30])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(skinny_gemm.skinny_linear(x, packed, kernel), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_input_is_a_value_error(kernel):
+    packed = skinny_gemm.pack_panels(torch.randn(8, 16), None, kernel.panel_width)
+    for bad in (torch.randn(2, 15), torch.randn(2, 16, dtype=torch.float64), torch.randn(16, 2).T, torch.randn(16)):
+        with pytest.raises(ValueError, match="skinny_linear: x must be"):
+            skinny_gemm.skinny_linear(bad, packed, kernel)
+
+
+def test_pack_applies_to_float32_cpu_weights_only(kernel_on):
+    assert skinny_gemm.pack(torch.randn(8, 16)) is not None
+    assert skinny_gemm.pack(torch.randn(8, 16, dtype=torch.bfloat16)) is None
+    assert skinny_gemm.pack(torch.randn(8)) is None
+    skinny_gemm.set_enabled(False)
+    assert skinny_gemm.pack(torch.randn(8, 16)) is None
+
+
+def test_env_switch_is_checked(monkeypatch):
+    skinny_gemm.set_enabled(None)
+    monkeypatch.setenv(skinny_gemm.SKINNY_GEMM_ENV, "yes")
+    try:
+        with pytest.raises(ValueError, match="PAGEDLLM_SKINNY_GEMM must be 0, 1 or unset"):
+            skinny_gemm.enabled()
+        monkeypatch.setenv(skinny_gemm.SKINNY_GEMM_ENV, "0")
+        assert not skinny_gemm.enabled()
+    finally:
+        skinny_gemm.set_enabled(None)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_uses_it_for_decode_rows_and_torch_above(kernel_on, monkeypatch, bias):
+    """A packed float32 Linear runs the kernel up to MAX_ROWS rows and F.linear above; both match
+    the float64 reference; grad-tracked inputs keep autograd; unpack goes back to F.linear."""
+    torch.manual_seed(0)
+    layer = Linear(64, 100, bias=bias)
+    assert layer.pack_for_cpu(64) and layer.skinny_weight is not None and layer.packed_weight is None
+    calls = []
+    original = skinny_gemm.skinny_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a: calls.append(a[0].shape[0]) or original(*a))
+    w, b = layer.weight.detach(), layer.bias.detach() if bias else None
+    with torch.no_grad():
+        for rows in (1, skinny_gemm.MAX_ROWS, skinny_gemm.MAX_ROWS + 1):
+            x = torch.randn(rows, 64)
+            assert (layer(x).double() - reference(x, w, b)).abs().max().item() <= tolerance(x, w) + 1e-6
+    assert calls == [1, skinny_gemm.MAX_ROWS]
+    x = torch.randn(2, 64, requires_grad=True)
+    layer(x).sum().backward()  # F.linear: the packed copy has no autograd link
+    assert x.grad is not None and len(calls) == 2
+    layer.unpack()
+    assert not layer.is_packed
+
+
+def test_bf16_math_and_bfloat16_weights_keep_onednn(kernel_on):
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("needs oneDNN")
+    fp32 = Linear(32, 48)
+    assert fp32.pack_for_cpu(64, bf16_math=True) and fp32.packed_weight is not None and fp32.skinny_weight is None
+    bf16 = Linear(32, 48).to(torch.bfloat16)
+    assert bf16.pack_for_cpu(64) and bf16.packed_weight is not None and bf16.skinny_weight is None
