@@ -86,7 +86,8 @@ class PeakRss:
         self.peak_above_start = max(self._peak, rss_bytes()) - self._start
 
 
-_MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise"}
+_MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise",
+               "pagedllm::skinny_gemm"}  # the engine's decode-row linears (pagedllm/ops/skinny_gemm.py)
 _ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                   "pagedllm::prefill_attention"}
 

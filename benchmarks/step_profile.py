@@ -95,6 +95,10 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
         RotaryEmbedding.apply = staticmethod(_cpu_timed(rotary_apply, acc, "rotary"))
         attention_module.rope_qk = _cpu_timed(rope_qk, acc, "rotary")  # the fused kernel (pagedllm/ops)
         activation_module.act_and_mul = _cpu_timed(act_and_mul, acc, "act_and_mul")
+        # One untimed step first: oneDNN keys its primitives by thread count, so the first step on
+        # one thread creates (JIT-compiles) every bfloat16 linear's primitive again.
+        eng.step()
+        acc.clear()
         total = 0.0
         for _ in range(num_steps):
             t = clock()

@@ -202,6 +202,7 @@ def test_step_profile_reports_fractions_and_cpu_time_parts(tmp_path):
     ("aten::mm", "matmul"), ("aten::addmm", "matmul"), ("aten::bmm", "matmul"), ("aten::linear", "matmul"),
     ("aten::_weight_int4pack_mm", "matmul"), ("mkldnn::_linear_pointwise", "matmul"),
     ("mkl::_mkl_linear", "matmul"), ("onednn::qlinear_pointwise", "matmul"),
+    ("pagedllm::skinny_gemm", "matmul"),  # the engine's decode-row linears (pagedllm.ops.skinny_gemm.PROFILER_EVENT)
     # attention: SDPA (its name holds "dot" but it is not a matmul event), the engine's op, K/V moves
     ("aten::scaled_dot_product_attention", "attention"), ("pagedllm::paged_attention", "attention"),
     ("aten::index_select", "attention"), ("aten::index_copy_", "attention"),

@@ -159,3 +159,12 @@ def test_bf16_math_and_bfloat16_weights_keep_onednn(kernel_on):
     assert fp32.pack_for_cpu(64, bf16_math=True) and fp32.packed_weight is not None and fp32.skinny_weight is None
     bf16 = Linear(32, 48).to(torch.bfloat16)
     assert bf16.pack_for_cpu(64) and bf16.packed_weight is not None and bf16.skinny_weight is None
+
+
+def test_calls_show_in_torch_profiler_as_a_matmul(kernel):
+    """Under torch's profiler a call is a range named PROFILER_EVENT (test_benchmarks checks the step
+    profile counts that name as matmul time; it would otherwise be counted as Python)."""
+    packed = skinny_gemm.pack_panels(torch.randn(64, 32), None, kernel.panel_width)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        skinny_gemm.skinny_linear(torch.randn(4, 32), packed, kernel)
+    assert skinny_gemm.PROFILER_EVENT in {e.key for e in prof.key_averages()}

@@ -42,6 +42,10 @@ SKINNY_GEMM_ENV = "PAGEDLLM_SKINNY_GEMM"
 MAX_ROWS = 128
 _SOURCE = Path(__file__).with_name("skinny_gemm.c")
 _ABI_VERSION = 1
+# The kernel runs outside torch's operators: under torch's profiler each call is recorded as a range
+# of this name, so profiles count it as a matmul (benchmarks/step_profile.py, long_context.py).
+PROFILER_EVENT = "pagedllm::skinny_gemm"
+_profiling = torch._C._autograd._profiler_enabled
 _p, _i, _ssize = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t
 # skinny_gemm_f32(x, x_stride, packed, bias, out, out_stride, M, N, K, num_threads)
 _GEMM_ARGS = [_p, _ssize, _p, _p, _p, _ssize, _i, _i, _i, _i]
@@ -174,7 +178,13 @@ def skinny_linear(x: torch.Tensor, weight: SkinnyWeight, kernel: "SkinnyGemmKern
     out = torch.empty(m, weight.out_features, dtype=torch.float32)
     if m:
         bias = weight.bias
-        (kernel or _kernel[0]).gemm_f32(x.data_ptr(), x.stride(0), weight.panels.data_ptr(),
-                            None if bias is None else bias.data_ptr(), out.data_ptr(), weight.out_features,
-                            m, weight.out_features, weight.in_features, torch.get_num_threads())
+        args = (x.data_ptr(), x.stride(0), weight.panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                out.data_ptr(), weight.out_features, m, weight.out_features, weight.in_features,
+                torch.get_num_threads())
+        gemm = (kernel or _kernel[0]).gemm_f32
+        if _profiling():
+            with torch.profiler.record_function(PROFILER_EVENT):
+                gemm(*args)
+        else:
+            gemm(*args)
     return out
