@@ -18,6 +18,7 @@ import os
 import time
 from pathlib import Path
 
+import pagedllm  # noqa: F401  before torch: the engine's OpenMP wait policy is set only before libgomp loads
 import torch
 
 from pagedllm import LLM, SamplingParams

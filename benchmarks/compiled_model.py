@@ -20,6 +20,7 @@ import random
 import statistics
 import time
 
+import pagedllm  # noqa: F401  before torch: the engine's OpenMP wait policy is set only before libgomp loads
 import torch
 
 from bf16_accuracy import QUESTIONS  # the same 16 chat prompts as the bfloat16 accuracy check

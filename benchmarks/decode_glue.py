@@ -21,6 +21,7 @@ import statistics
 import time
 from collections import defaultdict
 
+import pagedllm  # noqa: F401  before torch: the engine's OpenMP wait policy is set only before libgomp loads
 import torch
 
 import common

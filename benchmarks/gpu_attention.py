@@ -28,6 +28,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pagedllm  # noqa: F401  before torch: the engine's OpenMP wait policy is set only before libgomp loads
 import torch
 
 import common

@@ -17,6 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import pagedllm  # noqa: F401  before torch: the engine's OpenMP wait policy is set only before libgomp loads
 import torch
 
 import common

@@ -45,6 +45,7 @@ import os
 import statistics
 import time
 
+import pagedllm  # noqa: F401  before torch: the engine's OpenMP wait policy is set only before libgomp loads
 import torch
 import torch.nn.functional as F
 

@@ -31,6 +31,7 @@ import math
 import time
 from pathlib import Path
 
+import pagedllm  # noqa: F401  before torch: the engine's OpenMP wait policy is set only before libgomp loads
 import torch
 
 from bf16_accuracy import QUESTIONS, last_logits

@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 
+import pagedllm  # noqa: F401  before torch: the engine's OpenMP wait policy is set only before libgomp loads
 import torch
 
 import common

@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import pagedllm  # noqa: F401  before torch: the engine's OpenMP wait policy is set only before libgomp loads
 import torch
 import torch.nn.functional as F
 

@@ -22,6 +22,7 @@ import statistics
 import time
 
 import common
+import pagedllm  # noqa: F401  before torch: the engine's OpenMP wait policy is set only before libgomp loads
 import torch
 import torch.nn.functional as F
 

@@ -27,6 +27,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import pagedllm  # noqa: F401  before torch: the engine's OpenMP wait policy is set only before libgomp loads
 import torch
 
 from pagedllm import LLM, SamplingParams

@@ -509,3 +509,20 @@ def test_linear_kernels_compares_every_path_against_the_engines():
     assert 1e-4 < res["onednn_b64_bf16_fpmath"]["max_abs_diff"] < 0.5
     assert torch.backends.mkldnn.matmul.fp32_precision != "bf16"  # restored after each call
     assert all(r["median_ms"] > 0 and r["gflops_median"] > 0 for r in res.values())
+
+
+def test_benchmarks_import_pagedllm_before_torch():
+    """pagedllm sets the OpenMP wait policy (PASSIVE by default) when it is imported, which only takes
+    effect before torch loads libgomp: a benchmark that imports torch first measures another policy
+    than the engine runs with (up to ~1.4x on a decode step)."""
+    import re
+
+    late = []
+    for path in sorted(BENCH.glob("*.py")):
+        lines = path.read_text().splitlines()
+        first = {kind: next((i for i, line in enumerate(lines) if re.match(pattern, line)), None)
+                 for kind, pattern in (("torch", r"(import|from) (torch|transformers)\b"),
+                                       ("pagedllm", r"(import|from) pagedllm\b"))}
+        if first["torch"] is not None and (first["pagedllm"] is None or first["pagedllm"] > first["torch"]):
+            late.append(path.name)
+    assert late == []
