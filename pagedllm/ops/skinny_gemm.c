@@ -10,7 +10,8 @@
  * columns, each panel K rows of SG_NR contiguous floats (zero-padded past N), so one thread streams
  * one panel front to back and the hardware prefetcher sees a single sequential stream. The kernel
  * walks a panel once per tile of SG_MR rows of x: the first walk reads it from memory (with software
- * prefetch SG_PREFETCH_ROWS rows ahead, which runs on into the next panel), the later ones from L2.
+ * prefetch SG_PREFETCH_ROWS rows ahead, which runs on into the next panel), the later ones from L2
+ * while they pull the next panel into L2 (prefetch, no loads: nothing waits on it).
  *
  * Numerics: every output element is bias + sum over k = 0..K-1, in that order, of x[m, k] * w[n, k],
  * each step one float32 fused multiply-add. The order does not depend on M, on the other rows of the
@@ -70,11 +71,14 @@ int pagedllm_skinny_gemm_vector_width(void) { return SG_W; }
 int pagedllm_skinny_gemm_panel_width(void) { return SG_NR; }
 
 /* One tile: rows [0, rows) of x times one panel, into out's columns [0, cols). rows and prefetch are
- * compile-time constants at every call site (the switch below), so acc stays in registers. */
+ * compile-time constants at every call site (the switch below), so acc stays in registers.
+ * prefetch: this walk reads the panel from memory and prefetches it SG_PREFETCH_ROWS rows ahead.
+ * Otherwise, when next is not NULL, each k pulls next_lines cache lines of [next, next_end) into L2. */
 static inline __attribute__((always_inline)) void sg_tile(const float *x, ptrdiff_t x_stride, const float *panel,
                                                           int K, const float *bias, float *out,
                                                           ptrdiff_t out_stride, const int rows, int cols,
-                                                          const int prefetch) {
+                                                          const int prefetch, const char *next,
+                                                          const char *next_end, int next_lines) {
     sg_vec acc[SG_MR][SG_NB];
     for (int j = 0; j < SG_NB; j++) {
         const sg_vec b = bias ? sg_load(bias + j * SG_W) : sg_splat(0.0f);
@@ -83,9 +87,16 @@ static inline __attribute__((always_inline)) void sg_tile(const float *x, ptrdif
     }
     for (int k = 0; k < K; k++) {
         const float *w = panel + (ptrdiff_t)k * SG_NR;
-        if (prefetch)
+        if (prefetch) {
             for (int j = 0; j < SG_NB; j++)
                 __builtin_prefetch(w + SG_PREFETCH_ROWS * SG_NR + j * SG_W, 0, 3);
+        } else if (next) {
+            for (int l = 0; l < next_lines; l++) {
+                const char *line = next + ((ptrdiff_t)k * next_lines + l) * 64;
+                if (line < next_end)
+                    __builtin_prefetch(line, 0, 2);
+            }
+        }
         sg_vec wv[SG_NB];
         for (int j = 0; j < SG_NB; j++)
             wv[j] = sg_load(w + j * SG_W);
@@ -104,7 +115,7 @@ static inline __attribute__((always_inline)) void sg_tile(const float *x, ptrdif
     }
 }
 
-#define SG_TILE(R, PF) sg_tile(xr, x_stride, panel, K, b, o, out_stride, R, cols, PF)
+#define SG_TILE(R, PF) sg_tile(xr, x_stride, panel, K, b, o, out_stride, R, cols, PF, next, next_end, next_lines)
 #define SG_ROWS_CASE(R)                                                                                            \
     case R:                                                                                                        \
         if (first) SG_TILE(R, 1); else SG_TILE(R, 0);                                                              \
@@ -119,15 +130,26 @@ static inline __attribute__((always_inline)) void sg_tile(const float *x, ptrdif
 void skinny_gemm_f32(const float *x, ptrdiff_t x_stride, const float *packed, const float *bias, float *out,
                      ptrdiff_t out_stride, int M, int N, int K, int num_threads) {
     const int panels = (N + SG_NR - 1) / SG_NR;
+    const int tiles = (M + SG_MR - 1) / SG_MR;
+    const ptrdiff_t panel_lines = ((ptrdiff_t)K * SG_NR * (ptrdiff_t)sizeof(float) + 63) / 64;
+    /* The walks after the first read the panel from L2 and meanwhile pull the next panel (the same
+     * thread's, the split being contiguous) into L2, its lines spread evenly over those walks: the
+     * next first walk then finds it there instead of waiting on memory. */
+    const int next_lines = tiles > 1 ? (int)((panel_lines + (ptrdiff_t)(tiles - 1) * K - 1) /
+                                             ((ptrdiff_t)(tiles - 1) * K)) : 0;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
     for (int p = 0; p < panels; p++) {
         const float *panel = packed + (ptrdiff_t)p * K * SG_NR;
         const float *b = bias ? bias + (ptrdiff_t)p * SG_NR : NULL;
         const int cols = N - p * SG_NR < SG_NR ? N - p * SG_NR : SG_NR;
+        const char *next_panel = p + 1 < panels ? (const char *)(panel + (ptrdiff_t)K * SG_NR) : NULL;
+        const char *next_end = next_panel ? next_panel + panel_lines * 64 : NULL;
         for (int m0 = 0; m0 < M; m0 += SG_MR) {
             const float *xr = x + (ptrdiff_t)m0 * x_stride;
             float *o = out + (ptrdiff_t)m0 * out_stride + (ptrdiff_t)p * SG_NR;
             const int first = m0 == 0; /* the walk that reads the panel from memory prefetches */
+            const char *next = first || !next_panel ? NULL
+                                                    : next_panel + (ptrdiff_t)(m0 / SG_MR - 1) * K * next_lines * 64;
             switch (M - m0 < SG_MR ? M - m0 : SG_MR) {
 #if SG_MR == 8
                 SG_ROWS_CASE(8)
