@@ -3,16 +3,18 @@
 Two parts, one process, paths alternated so they see the same machine load:
 
 1. Kernels: SmolLM2's four projections (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536)
-   in 30 layers' worth of distinct float32 weights (424 MB, more than the caches: each weight
-   comes from memory, as in a real step), at each ``--rows`` count: the skinny kernel, oneDNN's
-   prepacked linear (what ``Linear`` used before) and plain ``F.linear``. Median ms per pass over
-   the 120 matmuls, and GFLOP/s.
-2. Engine: float32 decode steps at ``--batch`` with the model's linears packed for the skinny
-   kernel vs for oneDNN (``skinny_gemm.set_enabled`` + repacking), median wall and CPU time per
-   step; and greedy agreement between the two on the peers workload's prompts (float32: each
-   output element is the same sum in another order, so tokens should agree but for near-ties).
+   in 30 layers' worth of distinct ``--dtype`` weights (424 MB in float32, 212 MB in bfloat16:
+   each weight comes from memory, as in a real step), at each ``--rows`` count: the skinny kernel
+   (float32 FMA, or AMX for bfloat16), oneDNN's prepacked linear (what ``Linear`` used before) and
+   plain ``F.linear``. Median ms per pass over the 120 matmuls, and GFLOP/s.
+2. Engine: decode steps at ``--batch`` with the model's linears packed for the skinny kernel vs
+   for oneDNN only (``skinny_gemm.set_enabled`` + repacking), median wall and CPU time per step;
+   and greedy agreement between the two on the peers workload's prompts (each output element is
+   the same sum in another order, so tokens should agree but for near-ties; in bfloat16 a near-tie
+   is a value at a rounding boundary, so a few may differ).
 
     .venv/bin/python benchmarks/skinny_gemm.py --rows 1,8,32,64,128,256
+    .venv/bin/python benchmarks/skinny_gemm.py --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ LAYERS = 30
 
 def kernel_paths(rows: int, weights: list[torch.Tensor]) -> dict:
     """One pass over every weight per path, as callables: skinny, onednn_packed, torch."""
-    skinny = [skinny_gemm.pack_panels(w, None, skinny_gemm.load_kernel().panel_width) for w in weights]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
-    xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
     kernel = skinny_gemm.load_kernel()
+    if weights[0].dtype == torch.bfloat16:
+        skinny = [skinny_gemm.pack_panels_bf16(w, None) for w in weights]
+    else:
+        skinny = [skinny_gemm.pack_panels(w, None, kernel.panel_width) for w in weights]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    xs = {k: torch.randn(rows, k).to(weights[0].dtype) for k in {w.shape[1] for w in weights}}
 
     def run_skinny():
         for p in skinny:
@@ -54,9 +59,9 @@ def kernel_paths(rows: int, weights: list[torch.Tensor]) -> dict:
     return {"skinny": run_skinny, "onednn_packed": run_onednn, "torch": run_torch}
 
 
-def kernel_rounds(rows_list: list[int], rounds: int) -> dict:
+def kernel_rounds(rows_list: list[int], rounds: int, dtype: torch.dtype) -> dict:
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=g) * 0.05 for _ in range(LAYERS) for n, k in SHAPES.values()]
+    weights = [(torch.randn(n, k, generator=g) * 0.05).to(dtype) for _ in range(LAYERS) for n, k in SHAPES.values()]
     flops_per_row = 2 * sum(w.numel() for w in weights)
     out = {}
     for rows in rows_list:
@@ -85,12 +90,12 @@ def set_path(model, skinny: bool) -> None:
     model.pack_linears_for_cpu()
 
 
-def engine_rounds(batch: int, prompt_len: int, rounds: int, steps: int) -> dict:
+def engine_rounds(batch: int, prompt_len: int, rounds: int, steps: int, dtype: str) -> dict:
     import random
 
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(dtype="float32", max_model_len=1024, kv_cache_memory="2GiB", max_num_seqs=max(batch, 32))
+    llm = LLM(dtype=dtype, max_model_len=1024, kv_cache_memory="2GiB", max_num_seqs=max(batch, 32))
     eng, model = llm.llm_engine, llm.llm_engine.runner.model
     workload = common.peers_workload()
     tokens = {}
@@ -126,6 +131,7 @@ def engine_rounds(batch: int, prompt_len: int, rounds: int, steps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8,32,64,128,256", help="row counts for the kernel part")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=160)
@@ -133,17 +139,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="decode steps per path per engine round")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if skinny_gemm.load_kernel() is None:
+    kernel = skinny_gemm.load_kernel()
+    if kernel is None:
         raise SystemExit("the skinny GEMM kernel cannot be built here (no C compiler?)")
-    record = {"threads": torch.get_num_threads(), "vector_width": skinny_gemm.load_kernel().vector_width,
-              "kernels": kernel_rounds([int(r) for r in args.rows.split(",")], args.rounds)}
+    dtype = getattr(torch, args.dtype)
+    if dtype == torch.bfloat16 and not kernel.amx:
+        raise SystemExit("the bfloat16 skinny GEMM needs AMX, which this CPU or kernel does not grant")
+    record = {"dtype": args.dtype, "threads": torch.get_num_threads(), "vector_width": kernel.vector_width,
+              "amx": kernel.amx, "kernels": kernel_rounds([int(r) for r in args.rows.split(",")], args.rounds, dtype)}
     if args.engine_rounds:
-        record["engine"] = engine_rounds(args.batch, args.prompt_len, args.engine_rounds, args.steps)
+        record["engine"] = engine_rounds(args.batch, args.prompt_len, args.engine_rounds, args.steps, args.dtype)
         e = record["engine"]
-        print(f"engine decode step at batch {args.batch}: skinny {e['median_step_ms']['skinny']['wall']:.1f} ms vs "
+        print(f"engine decode step at batch {args.batch} ({args.dtype}): skinny {e['median_step_ms']['skinny']['wall']:.1f} ms vs "
               f"oneDNN {e['median_step_ms']['onednn_packed']['wall']:.1f} ms (wall x{e['skinny_over_onednn']['wall']:.3f}, "
               f"CPU x{e['skinny_over_onednn']['cpu']:.3f}); greedy requests equal {e['greedy_requests_equal']}")
-    path = common.write_result("skinny_gemm", record, args.out)
+    path = common.write_result(f"skinny_gemm_{args.dtype}", record, args.out)
     print(f"-> {path}")
 
 

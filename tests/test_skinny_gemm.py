@@ -109,12 +109,16 @@ def test_bad_input_is_a_value_error(kernel):
             skinny_gemm.skinny_linear(bad, packed, kernel)
 
 
-def test_pack_applies_to_float32_cpu_weights_only(kernel_on):
-    assert skinny_gemm.pack(torch.randn(8, 16)) is not None
-    assert skinny_gemm.pack(torch.randn(8, 16, dtype=torch.bfloat16)) is None
+def test_pack_applies_to_cpu_weights_of_its_dtypes_only(kernel_on):
+    assert skinny_gemm.pack(torch.randn(8, 16)).dtype == torch.float32
+    assert skinny_gemm.pack(torch.randn(8, 16, dtype=torch.float16)) is None
     assert skinny_gemm.pack(torch.randn(8)) is None
+    amx = skinny_gemm.load_kernel().amx
+    assert (skinny_gemm.pack(torch.randn(8, 64, dtype=torch.bfloat16)) is not None) == amx
+    assert skinny_gemm.pack(torch.randn(8, 48, dtype=torch.bfloat16)) is None  # K not a multiple of 32
     skinny_gemm.set_enabled(False)
     assert skinny_gemm.pack(torch.randn(8, 16)) is None
+    assert skinny_gemm.pack(torch.randn(8, 64, dtype=torch.bfloat16)) is None
 
 
 def test_env_switch_is_checked(monkeypatch):
@@ -153,12 +157,15 @@ def test_linear_uses_it_for_decode_rows_and_torch_above(kernel_on, monkeypatch, 
 
 
 def test_bf16_math_and_bfloat16_weights_keep_onednn(kernel_on):
+    """bf16_math needs oneDNN's copy (the bfloat16 math is a oneDNN setting); bfloat16 weights keep it
+    for rows above MAX_ROWS_BF16."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("needs oneDNN")
     fp32 = Linear(32, 48)
     assert fp32.pack_for_cpu(64, bf16_math=True) and fp32.packed_weight is not None and fp32.skinny_weight is None
-    bf16 = Linear(32, 48).to(torch.bfloat16)
-    assert bf16.pack_for_cpu(64) and bf16.packed_weight is not None and bf16.skinny_weight is None
+    bf16 = Linear(32, 48).to(torch.bfloat16)  # oneDNN's copy for prefill rows, the AMX one beside it
+    assert bf16.pack_for_cpu(64) and bf16.packed_weight is not None
+    assert (bf16.skinny_weight is not None) == skinny_gemm.load_kernel().amx
 
 
 def test_calls_show_in_torch_profiler_as_a_matmul(kernel):
@@ -168,3 +175,91 @@ def test_calls_show_in_torch_profiler_as_a_matmul(kernel):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         skinny_gemm.skinny_linear(torch.randn(4, 32), packed, kernel)
     assert skinny_gemm.PROFILER_EVENT in {e.key for e in prof.key_averages()}
+
+
+# ---- bfloat16 on AMX ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def amx_kernel():
+    k = skinny_gemm.load_kernel()
+    if k is None or not k.amx:
+        pytest.skip("no AMX on this CPU (or the kernel cannot be built): the bfloat16 kernel is off here")
+    return k
+
+
+def assert_bf16_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                      what: str) -> None:
+    """out is the exact result rounded to bfloat16, up to the float32 accumulation: within one
+    bfloat16 ulp plus the float32 summation bound of it, and the nearest bfloat16 in all but a few
+    elements (those whose exact value lies within that bound of a rounding boundary)."""
+    ref = reference(x, w, b)
+    assert out.dtype == torch.bfloat16
+    nearest = ref.float().bfloat16()
+    ulp = (nearest.double().abs() * 2.0 ** -7).clamp_min(2.0 ** -133)
+    err = (out.double() - ref).abs()
+    assert (err <= ulp + tolerance(x, w)).all(), f"{what}: error {err.max().item()} beyond one bfloat16 ulp"
+    off = (out != nearest).sum().item()
+    assert off <= max(2, out.numel() // 200), f"{what}: {off} of {out.numel()} elements not the nearest bfloat16"
+
+
+@pytest.mark.parametrize("n,k", [(96, 64), (50, 32), (77, 96), (1000, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_amx_matches_float64_reference(amx_kernel, n, k, bias):
+    """Column tails (N not a multiple of 32), one or two A tiles per walk, several walks (> 32 rows),
+    rows not a multiple of 16 (the caller pads x)."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g) if bias else None
+    packed = skinny_gemm.pack_panels_bf16(w, b)
+    for rows in [*range(1, 18), 31, 32, 33, 48, 100, 256]:
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        out = skinny_gemm.skinny_linear(x, packed, amx_kernel)
+        assert out.shape == (rows, n)
+        assert_bf16_close(out, x, w, b, f"{rows} rows")
+
+
+def test_bf16_amx_rows_are_batch_invariant_bit_for_bit(amx_kernel):
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(45, 576, generator=g).bfloat16(), torch.randn(200, 576, generator=g).bfloat16()
+    packed = skinny_gemm.pack_panels_bf16(w, torch.randn(200, generator=g))
+    full = skinny_gemm.skinny_linear(x, packed, amx_kernel)
+    for i in (0, 15, 16, 31, 32, 44):
+        assert torch.equal(skinny_gemm.skinny_linear(x[i:i + 1], packed, amx_kernel), full[i:i + 1])
+    assert torch.equal(skinny_gemm.skinny_linear(x[3:40], packed, amx_kernel), full[3:40])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(skinny_gemm.skinny_linear(x, packed, amx_kernel), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bf16_amx_strided_rows_and_bad_input(amx_kernel):
+    g = torch.Generator().manual_seed(9)
+    wide, w = torch.randn(20, 200, generator=g).bfloat16(), torch.randn(40, 64, generator=g).bfloat16()
+    x = wide[:, 8:72]  # row stride 200, 20 rows (padded by the caller to 32)
+    packed = skinny_gemm.pack_panels_bf16(w, None)
+    assert_bf16_close(skinny_gemm.skinny_linear(x, packed, amx_kernel), x, w, None, "strided")
+    with pytest.raises(ValueError, match="skinny_linear: x must be"):
+        skinny_gemm.skinny_linear(torch.randn(2, 64), packed, amx_kernel)  # float32 x, bfloat16 weight
+    with pytest.raises(ValueError, match="in_features must be a multiple of 32"):
+        skinny_gemm.pack_panels_bf16(torch.randn(8, 40).bfloat16(), None)
+
+
+def test_bf16_linear_uses_amx_for_decode_rows_and_onednn_above(amx_kernel, monkeypatch):
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("needs oneDNN")
+    skinny_gemm.set_enabled(None)
+    torch.manual_seed(1)
+    layer = Linear(64, 100, bias=True).to(torch.bfloat16)
+    assert layer.pack_for_cpu(64) and layer.skinny_weight is not None and layer.packed_weight is not None
+    calls = []
+    original = skinny_gemm.skinny_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a: calls.append(a[0].shape[0]) or original(*a))
+    w, b = layer.weight.detach(), layer.bias.detach().float()
+    with torch.no_grad():
+        for rows in (1, skinny_gemm.MAX_ROWS_BF16, skinny_gemm.MAX_ROWS_BF16 + 1):
+            x = torch.randn(rows, 64).bfloat16()
+            assert_bf16_close(layer(x), x, w, b, f"{rows} rows")
+    assert calls == [1, skinny_gemm.MAX_ROWS_BF16]

@@ -22,14 +22,23 @@
  * The code is GCC vector extensions: 16 lanes (one AVX-512 register) where AVX-512F is there, 8 (one
  * AVX2 register) elsewhere, with the tile sized to the register file (32 or 16 registers).
  */
+#define _GNU_SOURCE /* syscall() under -std=c11 */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
+#include "native_simd.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define SG_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define SG_AMX 0
+#endif
 
-#define SKINNY_GEMM_ABI_VERSION 1
+#define SKINNY_GEMM_ABI_VERSION 2
 
 #if defined(__AVX512F__)
 #define SG_W 16 /* lanes per vector */
@@ -166,4 +175,141 @@ void skinny_gemm_f32(const float *x, ptrdiff_t x_stride, const float *packed, co
             }
         }
     }
+}
+
+/* ---- bfloat16 on AMX --------------------------------------------------------------------------
+ *
+ * out[M, N] (bfloat16) = x[M, K] (bfloat16) @ w[N, K]^T (+ bias[N], float32), float32 accumulation
+ * in AMX tiles (tdpbf16ps), rounded once to bfloat16 at the end (torch's rounding, native_simd.h).
+ * K must be a multiple of 32 and x must have a multiple of 16 rows (the caller pads).
+ *
+ * Packed weight: panels of 32 output columns; for each block of 32 k, the two B tiles of the panel
+ * (columns 0-15 and 16-31), each 16 rows of 64 bytes in AMX's pair layout: row r holds, for
+ * column c = 0..15, w[c, 2r] and w[c, 2r + 1] of that k block. A panel is contiguous, so one
+ * thread streams it front to back; up to 32 rows of x (two A tiles, four C tiles) go in one walk,
+ * so the weight is read from memory once per step.
+ *
+ * Linux gives a process the AMX tile state only after it asks (arch_prctl ARCH_REQ_XCOMP_PERM);
+ * without that the first tile instruction faults with SIGILL. skinny_gemm_amx_init asks. */
+#define SG_AMX_NR 32
+#define SG_AMX_KB 32
+
+/* 1: the tile state is granted and the bfloat16 kernel can run; 0: not on this build or host. */
+int pagedllm_skinny_gemm_amx_init(void) {
+#if SG_AMX
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return 0;
+#endif
+}
+
+#if SG_AMX
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} sg_tile_config;
+
+/* Tiles 0-3: C (row block i, column tile j) at 2 * i + j; 4-5: A (row block 0, 1); 6-7: B (column tile 0, 1). */
+static void sg_amx_configure(void) {
+    sg_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* acc: 32 x 32 float32 (C tiles as stored) -> bias added, rounded to bfloat16, rows [0, rows) and
+ * columns [0, cols) written to out. */
+static void sg_amx_store(const float *acc, const float *bias, uint16_t *out, ptrdiff_t out_stride, int rows,
+                         int cols) {
+    for (int r = 0; r < rows; r++) {
+        for (int j = 0; j < 2; j++) {
+            v16f v = load_f32(acc + r * SG_AMX_NR + 16 * j);
+            if (bias)
+                v += load_f32(bias + 16 * j);
+            uint16_t *o = out + r * out_stride + 16 * j;
+            if (16 * (j + 1) <= cols) {
+                store_bf16(o, v);
+            } else {
+                for (int c = 16 * j; c < cols; c++)
+                    o[c - 16 * j] = f32_to_bf16(v[c - 16 * j]);
+            }
+        }
+    }
+}
+
+#define SG_AMX_PREFETCH_BYTES 8192 /* B stream read ahead (4 k blocks) */
+
+/* One walk over a panel for row blocks [m0, m0 + 32): both A tiles when two, one otherwise. */
+static inline __attribute__((always_inline)) void sg_amx_walk(const uint16_t *x, ptrdiff_t x_stride,
+                                                              const uint16_t *panel, int K, int two) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    const ptrdiff_t a_stride = x_stride * 2; /* bytes */
+    for (int kb = 0; kb < K / SG_AMX_KB; kb++) {
+        const uint16_t *b = panel + (ptrdiff_t)kb * 2 * 16 * 32;
+        for (int l = 0; l < 2 * 16 * 64; l += 64)
+            __builtin_prefetch((const char *)b + SG_AMX_PREFETCH_BYTES + l, 0, 3);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + 16 * 32, 64);
+        _tile_loadd(4, x + kb * SG_AMX_KB, a_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, x + 16 * x_stride + kb * SG_AMX_KB, a_stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+#endif
+
+/* out[m, n] = round_bf16(bias[n] + sum_k x[m, k] * w[n, k]) for m < M, n < N (see above).
+ *   x: ceil(M / 16) * 16 rows of K bfloat16, row stride x_stride (elements); out: M rows, stride
+ *   out_stride. packed: ceil(N / 32) panels of K / 32 blocks of two 16 x 32 bfloat16 tiles.
+ *   bias: NULL or ceil(N / 32) * 32 float32. Returns 0, or -1 when this build has no AMX (nothing written). */
+int skinny_gemm_bf16_amx(const uint16_t *x, ptrdiff_t x_stride, const uint16_t *packed, const float *bias,
+                         uint16_t *out, ptrdiff_t out_stride, int M, int N, int K, int num_threads) {
+#if SG_AMX
+    const int panels = (N + SG_AMX_NR - 1) / SG_AMX_NR;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        sg_amx_configure();
+        float acc[32 * SG_AMX_NR] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int p = 0; p < panels; p++) {
+            const uint16_t *panel = packed + (ptrdiff_t)p * K * SG_AMX_NR;
+            const float *b = bias ? bias + (ptrdiff_t)p * SG_AMX_NR : NULL;
+            const int cols = N - p * SG_AMX_NR < SG_AMX_NR ? N - p * SG_AMX_NR : SG_AMX_NR;
+            for (int m0 = 0; m0 < M; m0 += 32) {
+                const int two = M - m0 > 16;
+                sg_amx_walk(x + (ptrdiff_t)m0 * x_stride, x_stride, panel, K, two);
+                _tile_stored(0, acc, SG_AMX_NR * 4);
+                _tile_stored(1, acc + 16, SG_AMX_NR * 4);
+                if (two) {
+                    _tile_stored(2, acc + 16 * SG_AMX_NR, SG_AMX_NR * 4);
+                    _tile_stored(3, acc + 16 * SG_AMX_NR + 16, SG_AMX_NR * 4);
+                }
+                const int rows = M - m0 < 32 ? M - m0 : 32;
+                sg_amx_store(acc, b, out + (ptrdiff_t)m0 * out_stride + (ptrdiff_t)p * SG_AMX_NR, out_stride, rows,
+                             cols);
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)out_stride, (void)M, (void)N, (void)K,
+        (void)num_threads;
+    return -1;
+#endif
 }

@@ -1,20 +1,25 @@
-"""Skinny GEMM: the float32 linear layers of a decode step (few rows) in the engine's own C kernel.
+"""Skinny GEMM: the linear layers of a decode step (few rows) in the engine's own C kernels.
 
-``out = x @ weight.T + bias`` for ``x`` of at most :data:`MAX_ROWS` rows, from a copy of the weight
-packed once (:func:`pack`) into column panels that one thread streams front to back
-(``skinny_gemm.c`` explains the layout and why). Above :data:`MAX_ROWS` rows (prefill chunks) the
-caller uses torch's matmul.
+``out = x @ weight.T + bias`` for ``x`` of at most ``SkinnyWeight.max_rows`` rows, from a copy of
+the weight packed once (:func:`pack`) into column panels that one thread streams front to back
+(``skinny_gemm.c`` explains the layouts and why). Above that (prefill chunks) the caller uses
+torch's matmul. Two kernels:
 
-Numerics: float32 throughout; each output element is summed over ``k`` in order with fused
-multiply-adds, so a row's result does not depend on the batch it rides in or the thread count
-(batch-invariant). It differs from oneDNN's/MKL's float32 result in the last bits (their summation
-order depends on M), as those differ from each other.
+- float32 (:data:`MAX_ROWS` rows): AVX-512 or AVX2 fused multiply-adds. Each output element is
+  summed over ``k`` in order, so a row's result does not depend on the batch it rides in or the
+  thread count (batch-invariant). It differs from oneDNN's/MKL's float32 result in the last bits
+  (their summation order depends on M), as those differ from each other.
+- bfloat16 (:data:`MAX_ROWS_BF16` rows, K a multiple of 32): AMX tiles, float32 accumulation, the
+  bias added in float32, one rounding to bfloat16 (torch's rounding) at the end; batch-invariant
+  too. Linux grants a process AMX's tile state only on request (``arch_prctl``): the library asks
+  when it loads, and the kernel is off where that fails or the CPU has no AMX.
 
 Switch: ``PAGEDLLM_SKINNY_GEMM`` in the environment (read at the first :func:`pack`), or
-:func:`set_enabled`: ``0`` keeps the weights for oneDNN instead (``Linear.pack_for_cpu``), ``1``
-uses the kernel on any CPU, unset uses it where its build has 16-lane vectors (AVX-512F), the
-hosts it was measured faster on; on AVX2-only hosts it is correct but not measured against
-oneDNN. The kernel is also skipped when the C library cannot be built (one warning).
+:func:`set_enabled`: ``0`` keeps the weights for oneDNN instead (``Linear.pack_for_cpu``); ``1``
+uses the float32 kernel on any CPU; unset uses it where its build has 16-lane vectors (AVX-512F),
+the hosts it was measured faster on (on AVX2-only hosts it is correct but not measured against
+oneDNN). The bfloat16 kernel runs wherever AMX is granted unless the switch is ``0``. Both are
+skipped when the C library cannot be built (one warning).
 """
 
 from __future__ import annotations
@@ -33,21 +38,23 @@ from pagedllm import native
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_ROWS", "SKINNY_GEMM_ENV", "SkinnyGemmKernel", "SkinnyWeight", "enabled", "load_kernel", "pack", "pack_panels", "set_enabled",
-           "skinny_linear"]
+__all__ = ["MAX_ROWS", "MAX_ROWS_BF16", "SKINNY_GEMM_ENV", "SkinnyGemmKernel", "SkinnyWeight", "enabled",
+           "load_kernel", "pack", "pack_panels", "pack_panels_bf16", "set_enabled", "skinny_linear"]
 
 SKINNY_GEMM_ENV = "PAGEDLLM_SKINNY_GEMM"
-# Rows up to which the kernel beats oneDNN's packed float32 linear on SmolLM2's projections with
-# the weights streamed from memory (benchmarks/skinny_gemm.py); above, torch's matmul is used.
+# Rows up to which each kernel beats oneDNN's prepacked linear on SmolLM2's projections
+# (benchmarks/skinny_gemm.py); above, torch's matmul is used.
 MAX_ROWS = 128
+MAX_ROWS_BF16 = 256
+_AMX_PANEL, _AMX_K_BLOCK, _AMX_ROW_BLOCK = 32, 32, 16  # skinny_gemm.c's SG_AMX_NR, SG_AMX_KB, tile rows
 _SOURCE = Path(__file__).with_name("skinny_gemm.c")
-_ABI_VERSION = 1
-# The kernel runs outside torch's operators: under torch's profiler each call is recorded as a range
+_ABI_VERSION = 2
+# The kernels run outside torch's operators: under torch's profiler each call is recorded as a range
 # of this name, so profiles count it as a matmul (benchmarks/step_profile.py, long_context.py).
 PROFILER_EVENT = "pagedllm::skinny_gemm"
 _profiling = torch._C._autograd._profiler_enabled
 _p, _i, _ssize = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t
-# skinny_gemm_f32(x, x_stride, packed, bias, out, out_stride, M, N, K, num_threads)
+# skinny_gemm_f32 / skinny_gemm_bf16_amx(x, x_stride, packed, bias, out, out_stride, M, N, K, num_threads)
 _GEMM_ARGS = [_p, _ssize, _p, _p, _p, _ssize, _i, _i, _i, _i]
 
 
@@ -56,49 +63,63 @@ class SkinnyWeight:
     """A linear weight packed for :func:`skinny_linear`.
 
     Attributes:
-        panels: (ceil(N / W), K, W) float32, contiguous: W consecutive output columns per panel,
-            zero past N (W: the kernel's panel width, 48 with AVX-512, 24 without).
-        bias: (ceil(N / W) * W,) float32 zero-padded, or None.
+        panels: float32 (ceil(N / W), K, W), W consecutive output columns per panel (W: the float32
+            kernel's panel width, 48 with AVX-512, 24 without); or bfloat16 (ceil(N / 32), K / 32, 2,
+            16, 16, 2), the AMX kernel's tiles. Contiguous, zero past N.
+        bias: (panels * W,) float32 zero-padded, or None.
         out_features: N. in_features: K.
+        max_rows: the most rows :class:`~pagedllm.models.layers.linear.Linear` sends it.
     """
 
     panels: torch.Tensor
     bias: torch.Tensor | None
     out_features: int
     in_features: int
+    max_rows: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of x and of the result."""
+        return self.panels.dtype
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (the packed weight is a second copy next to the layer's own)."""
+        """Bytes held (the packed weight is a copy next to the layer's own)."""
         return self.panels.nbytes + (self.bias.nbytes if self.bias is not None else 0)
 
 
 class SkinnyGemmKernel:
-    """The loaded C library: ``gemm_f32`` (ctypes, releases the GIL), its ``panel_width``
-    (output columns per packed panel) and ``vector_width`` (float32 lanes of the build)."""
+    """The loaded C library: ``gemm_f32`` and ``gemm_bf16_amx`` (ctypes, they release the GIL), the
+    float32 kernel's ``panel_width`` (output columns per packed panel) and ``vector_width`` (float32
+    lanes of the build), and ``amx`` (whether the AMX tile state was granted: the bfloat16 kernel
+    can run)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         lib.pagedllm_skinny_gemm_abi_version.restype = _i
         if lib.pagedllm_skinny_gemm_abi_version() != _ABI_VERSION:
             raise OSError(f"{_SOURCE.name}: ABI version mismatch")
-        lib.pagedllm_skinny_gemm_panel_width.restype = _i
-        lib.pagedllm_skinny_gemm_vector_width.restype = _i
+        for name in ("panel_width", "vector_width", "amx_init"):
+            getattr(lib, f"pagedllm_skinny_gemm_{name}").restype = _i
         self.panel_width: int = lib.pagedllm_skinny_gemm_panel_width()
         self.vector_width: int = lib.pagedllm_skinny_gemm_vector_width()
+        self.amx: bool = lib.pagedllm_skinny_gemm_amx_init() == 1
         self.gemm_f32 = lib.skinny_gemm_f32
         self.gemm_f32.argtypes, self.gemm_f32.restype = _GEMM_ARGS, None
+        self.gemm_bf16_amx = lib.skinny_gemm_bf16_amx
+        self.gemm_bf16_amx.argtypes, self.gemm_bf16_amx.restype = _GEMM_ARGS, _i
         self._lib = lib  # keep the library loaded
 
 
 _load_lock = threading.Lock()
 _kernel: list[SkinnyGemmKernel | None] = []  # [] until the first load, then [kernel or None]
-_enabled: bool | None = None  # None: read SKINNY_GEMM_ENV at the next pack(); unset there: auto
-_AUTO_VECTOR_WIDTH = 16  # lanes of the builds it is on by default for (AVX-512F)
+_enabled: bool | None = None  # None: read SKINNY_GEMM_ENV at the next pack()
+_forced = False  # the switch says 1: the float32 kernel on any CPU
+_AUTO_VECTOR_WIDTH = 16  # lanes of the builds the float32 kernel is on by default for (AVX-512F)
 
 
 def load_kernel(extra_flags: tuple[str, ...] = ()) -> SkinnyGemmKernel | None:
-    """The kernel built with ``extra_flags`` after the native ones (e.g. ``("-march=haswell",)``
-    for the AVX2 build), or None when it cannot be built or loaded (logged once)."""
+    """The kernels built with ``extra_flags`` after the native ones (e.g. ``("-march=haswell",)``
+    for the AVX2 build), or None when they cannot be built or loaded (logged once)."""
     lib = native.load_library(_SOURCE, extra_flags, what="skinny GEMM kernel (pagedllm/ops)")
     if lib is None:
         return None
@@ -117,74 +138,112 @@ def _get_kernel() -> SkinnyGemmKernel | None:
     return _kernel[0]
 
 
-def enabled() -> bool:
-    """Whether :func:`pack` packs: the switch (see the module docstring) and a kernel that builds
-    and loads."""
-    global _enabled
+def enabled(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether :func:`pack` packs weights of ``dtype``: the switch (see the module docstring) and a
+    kernel that builds, loads and (bfloat16) has AMX.
+
+    Raises:
+        ValueError: ``PAGEDLLM_SKINNY_GEMM`` is set to something else than 0 or 1.
+    """
+    global _enabled, _forced
     if _enabled is None:
         value = os.environ.get(SKINNY_GEMM_ENV, "").strip()
         if value not in ("", "0", "1"):
             raise ValueError(f"{SKINNY_GEMM_ENV} must be 0, 1 or unset, got {value!r}")
-        if value == "":
-            kernel = _get_kernel()
-            _enabled = kernel is not None and kernel.vector_width >= _AUTO_VECTOR_WIDTH
-        else:
-            _enabled = value == "1"
-    return _enabled and _get_kernel() is not None
+        _enabled, _forced = value != "0", value == "1"
+    kernel = _get_kernel() if _enabled else None
+    if kernel is None:
+        return False
+    if dtype == torch.bfloat16:
+        return kernel.amx
+    return dtype == torch.float32 and (_forced or kernel.vector_width >= _AUTO_VECTOR_WIDTH)
 
 
 def set_enabled(value: bool | None) -> None:
-    """Switch packing on (True: on any CPU) or off for this process (layers packed before keep
-    their packing: pack them again); None: follow ``PAGEDLLM_SKINNY_GEMM`` again."""
-    global _enabled
-    _enabled = value
+    """Switch packing on (True: the float32 kernel on any CPU too) or off for this process (layers
+    packed before keep their packing: pack them again); None: follow ``PAGEDLLM_SKINNY_GEMM`` again."""
+    global _enabled, _forced
+    _enabled, _forced = value, bool(value)
 
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> SkinnyWeight | None:
-    """``weight`` (N, K) and ``bias`` (N,) packed for :func:`skinny_linear`, or None when the kernel
-    does not apply: not 2-D float32 on the CPU, or :func:`enabled` false. The packed copy has no
-    autograd link to ``weight`` (inference only; ``Linear.forward`` keeps grad-tracked inputs on
-    ``F.linear``)."""
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" or not enabled():
+    """``weight`` (N, K) and ``bias`` (N,) packed for :func:`skinny_linear`, or None when no kernel
+    applies: not 2-D float32/bfloat16 on the CPU, :func:`enabled` false for its dtype, or a
+    bfloat16 K that is not a multiple of 32. The packed copy has no autograd link to ``weight``
+    (inference only; ``Linear.forward`` keeps grad-tracked inputs on ``F.linear``)."""
+    if weight.dim() != 2 or weight.device.type != "cpu" or not enabled(weight.dtype):
         return None
+    if weight.dtype == torch.bfloat16:
+        return pack_panels_bf16(weight, bias) if weight.shape[1] % _AMX_K_BLOCK == 0 else None
     return pack_panels(weight, bias, _get_kernel().panel_width)
 
 
+def _padded_bias(bias: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    return None if bias is None else F.pad(bias.detach().float(), (0, length - bias.shape[0])).contiguous()
+
+
 def pack_panels(weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> SkinnyWeight:
-    """``weight`` (N, K) float32 and ``bias`` (N,) in panels of ``width`` columns (the layout
-    ``skinny_gemm.c`` reads; :func:`pack` uses the loaded kernel's width)."""
+    """float32 ``weight`` (N, K) and ``bias`` (N,) in panels of ``width`` columns (the layout
+    ``skinny_gemm.c``'s float32 kernel reads; :func:`pack` uses the loaded kernel's width)."""
     n, k = weight.shape
     panels = -(-n // width)
     with torch.no_grad():
         padded = F.pad(weight.detach(), (0, 0, 0, panels * width - n))  # (panels * W, K)
         packed = padded.view(panels, width, k).transpose(1, 2).contiguous()  # (panels, K, W)
-        packed_bias = None if bias is None else F.pad(bias.detach().float(), (0, panels * width - n)).contiguous()
-    return SkinnyWeight(packed, packed_bias, n, k)
+    return SkinnyWeight(packed, _padded_bias(bias, panels * width), n, k, MAX_ROWS)
 
 
-def skinny_linear(x: torch.Tensor, weight: SkinnyWeight, kernel: "SkinnyGemmKernel | None" = None) -> torch.Tensor:
-    """``x @ W.T + b`` for the packed ``weight``: x (M, K) float32 on the CPU, M >= 0, last dim
-    contiguous -> (M, N) float32, new tensor. ``kernel``: the loaded one by default (tests pass
-    another build).
+def pack_panels_bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> SkinnyWeight:
+    """bfloat16 ``weight`` (N, K), K a multiple of 32, in the AMX kernel's tiles: for each panel of
+    32 columns and block of 32 k, two 16 x 16 tiles of (k, k + 1) pairs (``skinny_gemm.c``).
 
     Raises:
-        ValueError: x is not 2-D float32 with ``weight.in_features`` columns and unit column stride.
+        ValueError: K is not a multiple of 32.
     """
-    if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != weight.in_features or x.stride(1) != 1 \
+    n, k = weight.shape
+    if k % _AMX_K_BLOCK:
+        raise ValueError(f"pack_panels_bf16: in_features must be a multiple of {_AMX_K_BLOCK}, got {k}")
+    panels = -(-n // _AMX_PANEL)
+    with torch.no_grad():
+        padded = F.pad(weight.detach(), (0, 0, 0, panels * _AMX_PANEL - n))
+        # (panel, tile, column, k block, pair row, pair) -> (panel, k block, tile, pair row, column, pair)
+        packed = padded.view(panels, 2, 16, k // _AMX_K_BLOCK, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+    return SkinnyWeight(packed, _padded_bias(bias, panels * _AMX_PANEL), n, k, MAX_ROWS_BF16)
+
+
+def skinny_linear(x: torch.Tensor, weight: SkinnyWeight, kernel: SkinnyGemmKernel | None = None) -> torch.Tensor:
+    """``x @ W.T + b`` for the packed ``weight``: x (M, K) of ``weight.dtype`` on the CPU, M >= 0,
+    last dim contiguous -> (M, N) of the same dtype, new tensor. ``kernel``: the loaded one by
+    default (tests pass another build).
+
+    Raises:
+        ValueError: x is not 2-D of the weight's dtype with ``weight.in_features`` columns and unit
+            column stride; or a bfloat16 weight and a kernel without AMX.
+    """
+    if x.dim() != 2 or x.dtype != weight.dtype or x.shape[1] != weight.in_features or x.stride(1) != 1 \
             or not x.is_cpu:
-        raise ValueError(f"skinny_linear: x must be (M, {weight.in_features}) float32 on the CPU with contiguous "
-                         f"rows, got {tuple(x.shape)} {x.dtype} stride {x.stride()} on {x.device}")
+        raise ValueError(f"skinny_linear: x must be (M, {weight.in_features}) {weight.dtype} on the CPU with "
+                         f"contiguous rows, got {tuple(x.shape)} {x.dtype} stride {x.stride()} on {x.device}")
+    kernel = kernel or _kernel[0]
     m = x.shape[0]
-    out = torch.empty(m, weight.out_features, dtype=torch.float32)
-    if m:
-        bias = weight.bias
-        args = (x.data_ptr(), x.stride(0), weight.panels.data_ptr(), None if bias is None else bias.data_ptr(),
-                out.data_ptr(), weight.out_features, m, weight.out_features, weight.in_features,
-                torch.get_num_threads())
-        gemm = (kernel or _kernel[0]).gemm_f32
-        if _profiling():
-            with torch.profiler.record_function(PROFILER_EVENT):
-                gemm(*args)
-        else:
+    out = torch.empty(m, weight.out_features, dtype=x.dtype)
+    if not m:
+        return out
+    if x.dtype == torch.bfloat16:
+        if not kernel.amx:
+            raise ValueError("skinny_linear: a bfloat16 weight needs the AMX kernel, not granted here")
+        gemm = kernel.gemm_bf16_amx
+        if m % _AMX_ROW_BLOCK:  # the kernel loads x in tiles of 16 rows
+            x = F.pad(x, (0, 0, 0, _AMX_ROW_BLOCK - m % _AMX_ROW_BLOCK))
+    else:
+        gemm = kernel.gemm_f32
+    bias = weight.bias
+    args = (x.data_ptr(), x.stride(0), weight.panels.data_ptr(), None if bias is None else bias.data_ptr(),
+            out.data_ptr(), weight.out_features, m, weight.out_features, weight.in_features,
+            torch.get_num_threads())
+    if _profiling():
+        with torch.profiler.record_function(PROFILER_EVENT):
             gemm(*args)
+    else:
+        gemm(*args)
     return out

@@ -19,14 +19,14 @@ from pagedllm.ops import skinny_gemm
 class Linear(nn.Linear):
     """``nn.Linear`` that can run from a packed copy of its weight on CPU.
 
-    :meth:`pack_for_cpu` packs the weight once. A float32 weight is packed for the engine's
-    skinny GEMM (:mod:`pagedllm.ops.skinny_gemm`), which runs inputs of up to
-    ``skinny_gemm.MAX_ROWS`` rows (decode steps); larger inputs (prefill chunks) run
-    ``F.linear``, as fast there as a prepacked oneDNN weight. A bfloat16 weight (or a float32
-    one when the skinny kernel is off or ``bf16_math`` is asked for) is reordered into oneDNN's
-    blocked layout (the same prepacking torch.compile's CPU freezing pass does), and forward
-    calls the oneDNN linear directly instead of re-packing the weight inside every matmul
-    (measurements in ``benchmarks/results/``).
+    :meth:`pack_for_cpu` packs the weight once for the engine's skinny GEMM
+    (:mod:`pagedllm.ops.skinny_gemm`; float32, and bfloat16 where AMX is granted), which runs
+    inputs of up to ``skinny_weight.max_rows`` rows (decode steps). Larger inputs (prefill
+    chunks) run ``F.linear`` in float32 (as fast there as a prepacked oneDNN weight) and, in
+    bfloat16, oneDNN from a second copy reordered into its blocked layout (the same prepacking
+    torch.compile's CPU freezing pass does; forward calls the oneDNN linear directly instead of
+    re-packing the weight inside every matmul). Without the skinny kernel (off, or ``bf16_math``
+    asked for) only the oneDNN copy is made. Measurements in ``benchmarks/results/``.
 
     The packed copy lives on the CPU: pack after the model reaches its device (as
     ``load_weights`` does), not before a ``.to("cuda")``.
@@ -51,7 +51,7 @@ class Linear(nn.Linear):
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
         skinny = self.skinny_weight
-        if skinny is not None and x.shape[0] <= skinny_gemm.MAX_ROWS and x.dtype == torch.float32 \
+        if skinny is not None and x.shape[0] <= skinny.max_rows and x.dtype == skinny.dtype \
                 and x.dim() == 2 and x.stride(1) == 1 and not (x.requires_grad and torch.is_grad_enabled()):
             return skinny_gemm.skinny_linear(x, skinny)
         if self.packed_weight is not None:
@@ -64,8 +64,8 @@ class Linear(nn.Linear):
         """Pack the weight for the skinny GEMM or oneDNN (CPU, float32/bfloat16 only); returns
         whether it did.
 
-        The packed copy is extra memory (one more copy of the weight); ``self.weight``
-        stays valid, but the packed copy does not follow later in-place edits of it: call
+        The packed copies are extra memory (one more copy of the weight; two for bfloat16 with
+        the AMX kernel); ``self.weight`` stays valid, but they do not follow later in-place edits of it: call
         this again (``load_weights`` does) after changing weights. ``bf16_math``: float32
         matmuls of many rows computed in bfloat16 (see the class docstring; opt-in).
         ``batch_hint``: the row count oneDNN's layout is chosen for.
@@ -77,8 +77,8 @@ class Linear(nn.Linear):
             return False
         if not bf16_math:
             self.skinny_weight = skinny_gemm.pack(w, self.bias)
-            if self.skinny_weight is not None:
-                return True
+            if self.skinny_weight is not None and w.dtype == torch.float32:
+                return True  # F.linear is as fast as oneDNN's packed copy above MAX_ROWS in float32
         if not torch.backends.mkldnn.is_available():
             return False
         try:
@@ -86,7 +86,7 @@ class Linear(nn.Linear):
         except (RuntimeError, AttributeError):  # a torch build without this private op: stay plain
             self.packed_weight = None
         self.bf16_math = bf16_math and w.dtype == torch.float32 and self.packed_weight is not None
-        return self.packed_weight is not None
+        return self.is_packed
 
     @property
     def is_packed(self) -> bool:
