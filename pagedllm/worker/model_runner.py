@@ -43,6 +43,7 @@ from pagedllm.core.kv_offload import KVOffloadSpec
 from pagedllm.core.swap_space import SwapSpace
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.loader.model_files import ModelFiles
+from pagedllm.models.layers.linear import packed_copy_bytes
 from pagedllm.quantization import (QuantizationConfig, create_quantized_weights, get_quantization_config,
                                    process_quantized_weights, weight_bytes)
 from pagedllm.quantization.kv_cache import resolve_kv_cache_dtype
@@ -388,7 +389,10 @@ class ModelRunner:
                 self.decode_graphs = None
         if self.compiled_model is not None:
             self.compiled_model.warm_up(self._warmup_metadata, self.device)
-        logger.info("weights: %s; %s", format_bytes(self.weight_bytes()), self.kv_spec.describe())
+        packed = packed_copy_bytes(self.model)
+        logger.info("weights: %s%s; %s", format_bytes(self.weight_bytes()),
+                    f" (+ {format_bytes(packed)} packed for the CPU matmul kernels)" if packed else "",
+                    self.kv_spec.describe())
         return self.kv_spec
 
     def initialize_kv_offload(self) -> KVOffloadSpec:

@@ -146,6 +146,19 @@ def pack_linears_for_cpu(module: nn.Module, batch_hint: int = 64, bf16_math: boo
     return sum(m.pack_for_cpu(batch_hint, bf16_math) for m in module.modules() if isinstance(m, Linear))
 
 
+def packed_copy_bytes(module: nn.Module) -> int:
+    """Bytes of the packed weight copies (skinny GEMM and oneDNN) every :class:`Linear` under
+    ``module`` holds next to its parameters (memory the parameters' count leaves out)."""
+    total = 0
+    for m in module.modules():
+        if isinstance(m, Linear):
+            if m.skinny_weight is not None:
+                total += m.skinny_weight.nbytes
+            if m.packed_weight is not None:
+                total += m.packed_weight.numel() * m.packed_weight.element_size()
+    return total
+
+
 def unpack_linears(module: nn.Module) -> None:
     """Undo :func:`pack_linears_for_cpu`."""
     for m in module.modules():
