@@ -90,10 +90,16 @@ def test_rows_are_batch_invariant_bit_for_bit(kernel):
     g = torch.Generator().manual_seed(5)
     x, w, b = torch.randn(37, 576, generator=g), torch.randn(200, 576, generator=g), torch.randn(200, generator=g)
     packed = skinny_gemm.pack_panels(w, b, kernel.panel_width)
+    assert_batch_invariant(x, packed, kernel, singles=(0, 7, 8, 36), part=(5, 30))
+
+
+def assert_batch_invariant(x, packed, kernel, singles: tuple[int, ...], part: tuple[int, int]) -> None:
+    """Rows ``singles`` alone and rows ``part`` give the bits they have in the whole batch, which
+    one thread gives too."""
     full = skinny_gemm.skinny_linear(x, packed, kernel)
-    for i in (0, 7, 8, 36):
-        assert torch.equal(skinny_gemm.skinny_linear(x[i:i + 1], packed, kernel), full[i:i + 1])
-    assert torch.equal(skinny_gemm.skinny_linear(x[5:30], packed, kernel), full[5:30])
+    for i in singles:
+        assert torch.equal(skinny_gemm.skinny_linear(x[i:i + 1], packed, kernel), full[i:i + 1]), f"row {i}"
+    assert torch.equal(skinny_gemm.skinny_linear(x[part[0]:part[1]], packed, kernel), full[part[0]:part[1]])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -223,16 +229,7 @@ def test_bf16_amx_rows_are_batch_invariant_bit_for_bit(amx_kernel):
     g = torch.Generator().manual_seed(7)
     x, w = torch.randn(45, 576, generator=g).bfloat16(), torch.randn(200, 576, generator=g).bfloat16()
     packed = skinny_gemm.pack_panels_bf16(w, torch.randn(200, generator=g))
-    full = skinny_gemm.skinny_linear(x, packed, amx_kernel)
-    for i in (0, 15, 16, 31, 32, 44):
-        assert torch.equal(skinny_gemm.skinny_linear(x[i:i + 1], packed, amx_kernel), full[i:i + 1])
-    assert torch.equal(skinny_gemm.skinny_linear(x[3:40], packed, amx_kernel), full[3:40])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert torch.equal(skinny_gemm.skinny_linear(x, packed, amx_kernel), full)
-    finally:
-        torch.set_num_threads(threads)
+    assert_batch_invariant(x, packed, amx_kernel, singles=(0, 15, 16, 31, 32, 44), part=(3, 40))
 
 
 def test_bf16_amx_strided_rows_and_bad_input(amx_kernel):

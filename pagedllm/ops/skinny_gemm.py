@@ -43,9 +43,9 @@ __all__ = ["MAX_ROWS", "MAX_ROWS_BF16", "SKINNY_GEMM_ENV", "SkinnyGemmKernel", "
 
 SKINNY_GEMM_ENV = "PAGEDLLM_SKINNY_GEMM"
 # Rows up to which each kernel beats oneDNN's prepacked linear on SmolLM2's projections
-# (benchmarks/skinny_gemm.py); above, torch's matmul is used.
+# with the weights coming from memory (benchmarks/skinny_gemm.py); above, torch's matmul is used.
 MAX_ROWS = 128
-MAX_ROWS_BF16 = 256
+MAX_ROWS_BF16 = 64
 _AMX_PANEL, _AMX_K_BLOCK, _AMX_ROW_BLOCK = 32, 32, 16  # skinny_gemm.c's SG_AMX_NR, SG_AMX_KB, tile rows
 _SOURCE = Path(__file__).with_name("skinny_gemm.c")
 _ABI_VERSION = 2
