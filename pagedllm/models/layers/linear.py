@@ -80,7 +80,7 @@ class Linear(nn.Linear):
             if self.skinny_weight is not None and w.dtype == torch.float32:
                 return True  # F.linear is as fast as oneDNN's packed copy above MAX_ROWS in float32
         if not torch.backends.mkldnn.is_available():
-            return False
+            return self.is_packed  # a bfloat16 skinny copy may stand without oneDNN's
         try:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
         except (RuntimeError, AttributeError):  # a torch build without this private op: stay plain
