@@ -165,7 +165,24 @@ def test_prefill_thread_split_is_bitwise_deterministic(kernel, pool_kernel, dtyp
         torch.testing.assert_close(out, outs[0], atol=0, rtol=0)
     torch.testing.assert_close(outs[0].double(), expected, atol=TOLERANCE[dtype], rtol=0)
     costs = kernel.prefill_work_items(200, 500, 9, 3)  # 64-query tiles (x 3 heads = 192 rows) x 3 KV heads
-    assert len(costs) == 4 * 3 and costs[:3] == [564] * 3 and costs[-1] == 700
+    assert len(costs) == 4 * 3 and costs[:3] == [64 * 564] * 3 and costs[-1] == 8 * 700  # (query, key) pairs
+
+
+def test_prefill_threads_follow_query_key_pairs(kernel, monkeypatch):
+    """A prompt's work is (query, key) pairs, not keys: a 256-token prompt (~33k pairs per KV head,
+    ~1 ms of one thread) is split over the team under the default threshold, a 16-token one
+    (~400 pairs) runs on the calling thread."""
+    if not kernel.has_openmp:
+        pytest.skip("torch runs without libgomp here: the kernel has no OpenMP team")
+    query, key, value, cache, meta, expected, scale = build_case([(0, 256), (0, 16)], 16, torch.float32,
+                                                                 HEADS["gqa"], seed=3)
+    seen = []
+    real = kernel.prefill
+    monkeypatch.setattr(kernel, "prefill", lambda *a: seen.append(a[8]) or real(*a))
+    with set_forward_context(meta):
+        out = CpuPagedAttention(num_threads=2, kernel=kernel).forward(query, key, value, cache, meta, scale)
+    assert seen == [2, 1]
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=0)
 
 
 # (cached context, new tokens) x window: chunks whose first queries see the whole prefix and whose
@@ -211,7 +228,7 @@ def test_prefill_window_thread_split_is_bitwise_deterministic(kernel, pool_kerne
         torch.testing.assert_close(out, outs[0], atol=0, rtol=0)
     torch.testing.assert_close(outs[0].double(), expected, atol=TOLERANCE[torch.float32], rtol=0)
     costs = kernel.prefill_work_items(200, 500, 9, 3, sliding_window=50)
-    assert costs[:3] == [64 + 49] * 3 and costs[-1] == 8 + 49  # tiles at 500.., 692..; 49 earlier keys each
+    assert costs[:3] == [64 * (64 + 49)] * 3 and costs[-1] == 8 * (8 + 49)  # tiles at 500.., 692..; 49 earlier keys each
 
 
 def test_prefill_falls_back_for_head_dim(kernel):

@@ -201,14 +201,17 @@ class CpuPagedKernel:
         """The prefill kernel's work items for one request, in order, as their cost: item
         ``tile * num_kv_heads + kvh`` (one tile of queries x one KV head) reads every key up to
         its tile's last query -- with a sliding window W only those from its first query's
-        position - W + 1 -- so its cost is that many keys."""
+        position - W + 1 -- and scores each against every query of its tile, so its cost is
+        (queries in the tile) x (keys read): (query, key) pairs, each a decode token's work for
+        one KV head's query group (the unit of ``min_tokens_per_thread``)."""
         block_queries = self._lib.pagedllm_cpu_paged_prefill_block_queries(num_heads // num_kv_heads)
         costs = []
         for tile in range(cdiv(num_queries, block_queries)):
             first_pos = num_context + tile * block_queries
-            last_key = num_context + min(num_queries, (tile + 1) * block_queries)
+            tile_queries = min(num_queries - tile * block_queries, block_queries)
+            last_key = first_pos + tile_queries
             first_key = max(0, first_pos - sliding_window + 1) if sliding_window else 0
-            costs += [last_key - first_key] * num_kv_heads
+            costs += [tile_queries * (last_key - first_key)] * num_kv_heads
         return costs
 
     def prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
@@ -325,10 +328,11 @@ class CpuPagedAttention(TorchPagedAttention):
         num_threads: threads for the kernels; default (None) ``torch.get_num_threads()`` at each
             step (read on the calling thread and passed to the kernel: OpenMP's own default on
             the engine's thread need not follow ``torch.set_num_threads``).
-        min_tokens_per_thread: context tokens (summed over the decodes; for a prefill, keys
-            summed over its work items) each thread must get before the work is split; the
-            default 2048 is ~0.1 ms of decode kernel work, several times the cost of waking a
-            thread team (tens of microseconds).
+        min_tokens_per_thread: context tokens (summed over the decodes; for a prefill, (query,
+            key) pairs summed over its work items, :meth:`CpuPagedKernel.prefill_work_items`)
+            each thread must get before the work is split; the default 2048 is ~0.1 ms of
+            decode kernel work, several times the cost of waking a thread team (tens of
+            microseconds).
         kernel: a loaded :class:`CpuPagedKernel`; default :func:`load_kernel` (None when the
             build fails: the backend then is exactly the torch one).
         plan_decodes: prepare a decode-only step's kernel call once for all layers
