@@ -132,6 +132,17 @@ def random_prompts(rng: np.random.Generator, lens: np.ndarray, vocab_size: int =
     return [rng.integers(FIRST_ORDINARY_TOKEN_ID, vocab_size, size=int(n)).tolist() for n in lens]
 
 
+def with_fresh_prompts(wl: "Workload", round_index: int, seed: int = 0) -> "Workload":
+    """``wl`` for repeat ``round_index``: round 0 is ``wl`` itself; a later round has new random
+    prompts of the same lengths (same output lengths), so no repeat finds an earlier repeat's
+    prompts in an engine's prefix cache (both pagedllm and vLLM cache by default, and an engine
+    kept loaded across repeats would otherwise skip every prefill after the first round)."""
+    if round_index == 0:
+        return wl
+    rng = np.random.default_rng([seed, round_index, 0x5EED])
+    return Workload(wl.name, random_prompts(rng, np.array([len(p) for p in wl.prompts])), list(wl.output_lens))
+
+
 def heavy_tailed_lens(rng: np.random.Generator, n: int, lo: int, hi: int, median: float, sigma: float) -> np.ndarray:
     """``n`` lengths from a log-normal (median ``median``, shape ``sigma``), clipped to [lo, hi].
 

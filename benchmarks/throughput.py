@@ -33,7 +33,10 @@ binary) is skipped with a message saying how to create it (``benchmarks/setup_pe
 
 Workloads (``--workload``): ``high-load`` (default: 128 prompts uniform in 20–500 tokens,
 outputs log-normal median 64, clipped to 8–512) and ``peers`` (the 32 × 128 workload of
-``/work/shared/peers.md``: prompts 20–200 tokens, 128 output tokens each).
+``/work/shared/peers.md``: prompts 20–200 tokens, 128 output tokens each). Every repeat after
+the first gets new random prompts of the same lengths (``common.with_fresh_prompts``): engines
+stay loaded across repeats and cache prefixes, so reusing the prompts would skip every later
+repeat's prefill. Greedy agreements compare the first repeat's outputs.
 
     python benchmarks/throughput.py                                  # continuous vs static
     python benchmarks/throughput.py --peer hf --repeats 2
@@ -371,7 +374,8 @@ def workload_digest(wl: common.Workload) -> str:
 
 
 def save_outputs(path: Path, wl: common.Workload, dtype: str, outputs: dict[str, list[list[int]]]) -> None:
-    """Each system's greedy token ids of the last repeat (one line per system), for ``--reference-outputs``."""
+    """Each system's greedy token ids of the first repeat (the one that ran ``wl``; one line per
+    system), for ``--reference-outputs``."""
     lines = [json.dumps({"workload": workload_digest(wl), "dtype": dtype})]
     lines += [json.dumps({"system": n, "output_token_ids": ids}) for n, ids in outputs.items()]
     path.write_text("\n".join(lines) + "\n")
@@ -517,9 +521,10 @@ def main(argv: list[str] | None = None) -> dict:
         for r in range(args.repeats):
             loads.append([round(x, 2) for x in os.getloadavg()])
             order = systems[r % len(systems):] + systems[:r % len(systems)]  # rotate who goes first
+            wl_r = common.with_fresh_prompts(wl, r, args.seed)  # no repeat hits an earlier one's prefix cache
             for s in order:
-                runs[s.name].append(s.run(wl))
-                check_run(s.name, runs[s.name][-1], wl)
+                runs[s.name].append(s.run(wl_r))
+                check_run(s.name, runs[s.name][-1], wl_r)
                 print(f"  repeat {r + 1}/{args.repeats} {s.name}: {wl.num_output_tokens / runs[s.name][-1]['elapsed_s']:.1f} "
                       f"output tok/s", file=sys.stderr)
         loads.append([round(x, 2) for x in os.getloadavg()])
@@ -539,13 +544,14 @@ def main(argv: list[str] | None = None) -> dict:
     ref = record["systems"][ref_name]
     ratios = {}
     for n, rec in record["systems"].items():
+        # outputs of the first repeat: the one that ran ``wl`` itself, as the reference did
         rec["greedy_agreement_with_" + ref_name] = round(
-            greedy_agreement(runs[ref_name][-1]["output_token_ids"], runs[n][-1]["output_token_ids"]), 3)
+            greedy_agreement(runs[ref_name][0]["output_token_ids"], runs[n][0]["output_token_ids"]), 3)
         if n in reference:
-            rec[f"agreement_with_own_{args.reference_dtype}"] = agreement(reference[n], runs[n][-1]["output_token_ids"])
+            rec[f"agreement_with_own_{args.reference_dtype}"] = agreement(reference[n], runs[n][0]["output_token_ids"])
         if ref_name in reference:
             rec[f"agreement_with_{ref_name}_{args.reference_dtype}"] = agreement(
-                reference[ref_name], runs[n][-1]["output_token_ids"])
+                reference[ref_name], runs[n][0]["output_token_ids"])
         if n != ref_name:
             per = [a / b for a, b in zip(ref["runs_output_tokens_per_s"], rec["runs_output_tokens_per_s"])]
             ratios[f"{ref_name} / {n}"] = {"median_ratio": round(ref["output_tokens_per_s"] / rec["output_tokens_per_s"], 3),
@@ -557,7 +563,7 @@ def main(argv: list[str] | None = None) -> dict:
     name = "throughput" if args.workload == "high-load" else "throughput_peers"
     name += "" if args.dtype == "float32" else f"_{args.dtype}"
     path = common.write_result(name + ("_quick" if args.quick else ""), record, args.out)
-    save_outputs(outputs_path(path), wl, args.dtype, {n: rs[-1]["output_token_ids"] for n, rs in runs.items()})
+    save_outputs(outputs_path(path), wl, args.dtype, {n: rs[0]["output_token_ids"] for n, rs in runs.items()})
     if not args.no_plot:
         plot(record, common.plot_path(path))
     parts = [f"{n} {rec['output_tokens_per_s']:.1f} tok/s" for n, rec in record["systems"].items()]

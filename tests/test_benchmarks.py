@@ -486,6 +486,24 @@ def test_served_schedule_alternates_and_reverses_every_repeat():
     assert serving.schedule(["vllm"], 2) == [(0, "vllm"), (1, "vllm")]
 
 
+def test_repeats_never_reuse_prompts():
+    """Engines stay loaded across repeats and cache prefixes: each repeat after the first gets new
+    prompts of the same lengths (offline), or a seed no other repeat uses (served)."""
+    import common
+    import serving
+    wl = common.peers_workload(8, seed=3)
+    rounds = [common.with_fresh_prompts(wl, r, 3) for r in range(3)]
+    assert rounds[0] is wl
+    assert common.with_fresh_prompts(wl, 1, 3) == rounds[1]  # deterministic
+    for later in rounds[1:]:
+        assert [len(p) for p in later.prompts] == [len(p) for p in wl.prompts]
+        assert later.output_lens == wl.output_lens
+        assert not {tuple(p[:16]) for p in later.prompts} & {tuple(p[:16]) for p in wl.prompts}
+    assert rounds[1].prompts != rounds[2].prompts
+    seeds = [serving.repeat_seed(0, r) for r in range(4)]
+    assert seeds[0] == 0 and len(set(seeds) | {s + 1 for s in seeds}) == 8
+
+
 # ---- linear_kernels ---------------------------------------------------------------------
 
 @pytest.mark.skipif(not __import__("torch").backends.mkldnn.is_available(), reason="needs oneDNN")
