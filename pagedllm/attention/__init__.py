@@ -18,6 +18,7 @@ from pagedllm.attention.backend import (AttentionBackend, AttentionMetadata, For
                                         get_forward_context, masked_attention, set_forward_context)
 from pagedllm.attention.cpu_paged import CpuPagedAttention
 from pagedllm.attention.torch_paged import TorchPagedAttention
+from pagedllm.ops import recording
 
 __all__ = ["Attention", "AttentionBackend", "AttentionMetadata", "CpuPagedAttention", "ForwardContext",
            "TorchPagedAttention", "get_attention_backend", "get_forward_context", "set_forward_context"]
@@ -120,11 +121,29 @@ class Attention(nn.Module):
 
         While torch.compile traces a registered layer, one opaque op
         (:mod:`pagedllm.compilation.attention_op`) that runs :meth:`forward_eager`; otherwise
-        :meth:`forward_eager` itself.
+        :meth:`forward_eager` itself. While a pass is recorded for replay
+        (:mod:`pagedllm.ops.recording`), the call is recorded as a whole: attention reads the
+        step's metadata, so each replay runs it again for its own step, into the same output.
         """
         if self.compiled_op_name is not None and torch.compiler.is_compiling():
             return torch.ops.pagedllm.paged_attention(query, key, value, self.compiled_op_name)
+        rec = recording.current()
+        if rec is not None:
+            return self._record(rec, query, key, value)
         return self.forward_eager(query, key, value)
+
+    def _record(self, rec: recording.Recording, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward_eager`, recorded as a callable that writes each replay's result into
+        this pass's output tensor (the later recorded calls read it there)."""
+        with rec.allowed():
+            out = self.forward_eager(query, key, value)
+
+        def replay() -> None:
+            out.copy_(self.forward_eager(query, key, value))
+
+        rec.add_python(replay)
+        return out
 
     def forward_eager(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """The attention itself, shapes as :meth:`forward`.

@@ -103,7 +103,11 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cos_sin: dict[str, torch.Tensor]) -> torch.Tensor:
         """input_ids: (T,) int64, cos_sin: rotary rows per table, each (T, 2, rotary_dim) -> (T, hidden)."""
-        hidden = self.embed_tokens(input_ids)  # (T, hidden)
+        return self.forward_layers(self.embed_tokens(input_ids), cos_sin)
+
+    def forward_layers(self, hidden: torch.Tensor, cos_sin: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The layers and the final norm of :meth:`forward`: hidden (T, hidden) embeddings -> (T, hidden).
+        ``hidden`` may be overwritten (the first layer's residual stream is it)."""
         residual = None
         for layer in self.layers:
             hidden, residual = layer.forward(hidden, residual, cos_sin)  # no per-layer hook dispatch
@@ -228,8 +232,11 @@ class LlamaForCausalLM(nn.Module):
         ``attn_metadata=None`` the T tokens are treated as one causal sequence and no KV
         cache is read or written (memory profiling, quick checks).
         """
-        cos_sin = {key: emb.lookup(positions) for key, emb in self.rotary_embs.items()}  # shared by the layers
-        return self.model(input_ids, cos_sin)
+        return self.model(input_ids, self.rope_rows(positions))
+
+    def rope_rows(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """positions (T,) int64 -> each rotary table's rows, (T, 2, rotary_dim), shared by the layers."""
+        return {key: emb.lookup(positions) for key, emb in self.rotary_embs.items()}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, hidden_size) -> logits (N, vocab_size) float32."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.ops.calls import ActAndMulCall, prepared
+from pagedllm.ops import recording
 from pagedllm.ops.library import can_run, cpu_ops, num_threads_for
 
 __all__ = ["FUSED_ACTIVATIONS", "act_and_mul"]
@@ -40,5 +41,5 @@ def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor | None:
     call, ref = prepared(ActAndMulCall, (num_rows, inter, x.stride(0), inter, act,
                                          num_threads_for(num_rows * inter * 4)))
     call.inp, call.out = x.data_ptr(), out.data_ptr()
-    ops.act_and_mul_call[x.dtype](ref)
+    recording.call_struct(ops.act_and_mul_call[x.dtype], call, ref)
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.ops.calls import RmsNormCall, prepared
+from pagedllm.ops import recording
 from pagedllm.ops.library import can_run, cpu_ops, num_threads_for
 
 __all__ = ["fused_add_rms_norm_", "rms_norm"]
@@ -34,8 +35,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> 
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
     num_rows, dim, stride = rows
-    ops.rms_norm[x.dtype](x.data_ptr(), None, None, weight.data_ptr(), out.data_ptr(), num_rows, dim, stride, 0, dim,
-                          eps, gemma, num_threads_for(num_rows * dim))
+    recording.call(ops.rms_norm[x.dtype], x.data_ptr(), None, None, weight.data_ptr(), out.data_ptr(), num_rows, dim,
+                   stride, 0, dim, eps, gemma, num_threads_for(num_rows * dim), keep=(weight,))
     return out
 
 
@@ -71,7 +72,7 @@ def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     call.x = call.out = x.data_ptr()
     call.x_w = None if x_weight is None else x_weight.data_ptr()
     call.residual, call.w = residual.data_ptr(), None if weight is None else weight.data_ptr()
-    ops.rms_norm_call[x.dtype](ref)
+    recording.call_struct(ops.rms_norm_call[x.dtype], call, ref, keep=(weight, x_weight))
     return True
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.ops.calls import RopeQkCall, prepared
+from pagedllm.ops import recording
 from pagedllm.ops.library import can_run, cpu_ops, num_threads_for
 
 __all__ = ["rope_qk"]
@@ -58,7 +59,7 @@ def rope_qk(qkv: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, num_kv_hea
     call.qkv, call.q_out, call.cos_sin = qkv.data_ptr(), q.data_ptr(), cos_sin.data_ptr()
     call.q_weight = q_weight.data_ptr() if norm_kind else None
     call.k_weight = k_weight.data_ptr() if norm_kind else None
-    ops.rope_qk_call[qkv.dtype](ref)
+    recording.call_struct(ops.rope_qk_call[qkv.dtype], call, ref, keep=(q_weight, k_weight))
     return q
 
 

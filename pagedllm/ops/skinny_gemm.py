@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import native
+from pagedllm.ops import recording
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ def skinny_linear(x: torch.Tensor, weight: SkinnyWeight, kernel: SkinnyGemmKerne
             raise ValueError("skinny_linear: a bfloat16 weight needs the AMX kernel, not granted here")
         gemm = kernel.gemm_bf16_amx
         if m % _AMX_ROW_BLOCK:  # the kernel loads x in tiles of 16 rows
-            x = F.pad(x, (0, 0, 0, _AMX_ROW_BLOCK - m % _AMX_ROW_BLOCK))
+            x = _padded_rows(x, _AMX_ROW_BLOCK - m % _AMX_ROW_BLOCK)
     else:
         gemm = kernel.gemm_f32
     bias = weight.bias
@@ -243,7 +244,23 @@ def skinny_linear(x: torch.Tensor, weight: SkinnyWeight, kernel: SkinnyGemmKerne
             torch.get_num_threads())
     if _profiling():
         with torch.profiler.record_function(PROFILER_EVENT):
-            gemm(*args)
+            recording.call(gemm, *args, keep=(weight,))
     else:
-        gemm(*args)
+        recording.call(gemm, *args, keep=(weight,))
     return out
+
+
+def _padded_rows(x: torch.Tensor, pad: int) -> torch.Tensor:
+    """x (M, K) with ``pad`` zero rows appended, a new tensor. While a pass is recorded
+    (:mod:`pagedllm.ops.recording`) the copy of x's rows is recorded too: the padding rows are
+    zero once and stay so."""
+    rec = recording.current()
+    if rec is None:
+        return F.pad(x, (0, 0, 0, pad))
+    with rec.allowed():
+        padded = x.new_zeros(x.shape[0] + pad, x.shape[1])
+        head = padded[:x.shape[0]]
+        head.copy_(x)
+    rec.add_python(lambda: head.copy_(x))
+    rec.keep.append(padded)
+    return padded

@@ -52,6 +52,7 @@ from pagedllm.sizing import KVCacheSpec, format_bytes, kv_bytes_per_block, num_b
 from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.structured_output.manager import GrammarBitmask
 from pagedllm.utils import cdiv
+from pagedllm.worker.cpu_graph import CpuDecodeGraphs
 from pagedllm.worker.cuda_graph import DecodeGraphRunner, capture_sizes, cuda_graph_mode
 
 logger = logging.getLogger("pagedllm")
@@ -158,6 +159,8 @@ class ModelRunner:
                              f"triton attention backend")
         self.model = self._load_model(model_files)
         self.compiled_model = self._compile_model()  # None: eager (the default)
+        self.cpu_graphs = (CpuDecodeGraphs(self.model) if self.device.type == "cpu" and not config.enforce_eager
+                           and self.compiled_model is None and CpuDecodeGraphs.supports(self.model) else None)
         self.vocab_size = int(model_files.hf_config.vocab_size)
         self.eos_token_id = model_files.eos_token_id
         self.block_size = config.block_size
@@ -544,10 +547,13 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  metas: list[AttentionMetadata]) -> torch.Tensor:
         """The model's hidden states (metadata per KV-cache group): decode-only batches through
-        the (padded, captured) decode graphs; with ``compilation_config``, the compiled forward."""
+        the (padded, captured) decode graphs on CUDA, the CPU decode graphs on CPU
+        (:mod:`pagedllm.worker.cpu_graph`); with ``compilation_config``, the compiled forward."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(metas[0]):
             return self.decode_graphs.run(input_ids, positions, metas)
         with set_forward_context(metas):
+            if self.cpu_graphs is not None and self.cpu_graphs.can_run(metas):
+                return self.cpu_graphs.run(input_ids, positions)
             if self.compiled_model is not None:
                 return self.compiled_model(input_ids, positions)
             return self.model(input_ids, positions)

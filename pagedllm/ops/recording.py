@@ -1,0 +1,107 @@
+"""Recording a forward pass's kernel calls, so that a later pass can replay them without Python.
+
+A CPU decode step is a few hundred C kernel calls (:mod:`pagedllm.ops`, the skinny GEMM, the
+paged-attention kernel), each preceded by the Python that checks its tensors, computes its
+strides and thread count and fills its arguments: in a decode step of a small model that glue
+is a tenth of the step or more. The kernels' arguments depend only on the batch size and on
+buffers that can be kept (the CUDA-graph idea, vLLM's ``CUDAGraphWrapper``, applied to ctypes
+calls): :class:`pagedllm.worker.cpu_graph.CpuDecodeGraphs` runs one pass with a
+:class:`Recording` active, each kernel wrapper reports its call here (function and exact
+arguments, structs copied), and later passes replay the list.
+
+Wrappers call :func:`call` / :func:`call_struct` instead of calling the kernel directly; with no
+recording active (every ordinary pass) these only add one thread-local lookup. A step that
+needs Python per pass (the attention's per-step plan) records a callable with
+:meth:`Recording.add_python`, and runs its own torch code inside :meth:`Recording.allowed`, so
+the capture's guard (any other torch op that computes fails the capture) lets it through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+from typing import Any, Callable, Iterator
+
+__all__ = ["Recording", "call", "call_struct", "current", "recording"]
+
+_state = threading.local()
+
+
+class Recording:
+    """The calls of one pass, in order: ``(fn, args)``, replayed as ``fn(*args)``.
+
+    ``keep`` holds what the recorded pointers point into (copied structs, tensors), so it lives
+    as long as the recording. ``allowed_depth`` > 0 while a wrapper runs torch code that is
+    either replayed by a recorded callable or writes nothing the replay reads.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Callable[..., Any], tuple]] = []
+        self.keep: list[Any] = []
+        self.allowed_depth = 0
+
+    def add(self, fn: Callable[..., Any], args: tuple) -> None:
+        """Record ``fn(*args)`` (a ctypes function and its exact arguments)."""
+        self.calls.append((fn, args))
+
+    def add_struct(self, fn: Callable[..., Any], struct: ctypes.Structure) -> None:
+        """Record ``fn(pointer to a copy of struct)``: the wrappers reuse their structs from call
+        to call, so the recording keeps its own copy."""
+        copy = type(struct).from_buffer_copy(struct)
+        self.keep.append(copy)
+        self.calls.append((fn, (ctypes.byref(copy),)))
+
+    def add_python(self, fn: Callable[[], Any]) -> None:
+        """Record a callable run with no arguments at its place in the replay."""
+        self.calls.append((fn, ()))
+
+    @contextlib.contextmanager
+    def allowed(self) -> Iterator[None]:
+        """Torch ops inside are the wrapper's own business (see the class docstring)."""
+        self.allowed_depth += 1
+        try:
+            yield
+        finally:
+            self.allowed_depth -= 1
+
+    def replay(self) -> None:
+        """Make every recorded call again, in order."""
+        for fn, args in self.calls:
+            fn(*args)
+
+
+def current() -> Recording | None:
+    """The recording active on this thread, or None."""
+    return getattr(_state, "recording", None)
+
+
+@contextlib.contextmanager
+def recording(rec: Recording) -> Iterator[Recording]:
+    """Record this thread's kernel calls into ``rec`` inside the block."""
+    previous = current()
+    _state.recording = rec
+    try:
+        yield rec
+    finally:
+        _state.recording = previous
+
+
+def call(fn: Callable[..., Any], *args: Any, keep: tuple = ()) -> Any:
+    """``fn(*args)``, recorded when a recording is active; ``keep``: what the arguments point
+    into that the pass did not create (weights), kept alive with the recording."""
+    rec = getattr(_state, "recording", None)
+    if rec is not None:
+        rec.add(fn, args)
+        rec.keep.extend(keep)
+    return fn(*args)
+
+
+def call_struct(fn: Callable[..., Any], struct: ctypes.Structure, ref: Any, keep: tuple = ()) -> Any:
+    """``fn(ref)`` with ``ref`` a pointer to ``struct``, recorded (with a copy of the struct) when a
+    recording is active; ``keep`` as in :func:`call`."""
+    rec = getattr(_state, "recording", None)
+    if rec is not None:
+        rec.add_struct(fn, struct)
+        rec.keep.extend(keep)
+    return fn(ref)

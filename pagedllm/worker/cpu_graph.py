@@ -1,0 +1,176 @@
+"""CPU decode graphs: a decode step's layer stack recorded once per batch size, then replayed.
+
+On CPU every operation of a decode step's layers is one of the engine's own C kernels
+(RMSNorm, the skinny GEMM, rotary, paged attention, act-and-mul; :mod:`pagedllm.ops`), and
+the Python around them -- module calls, tensor checks, strides, thread counts, argument
+packing -- costs a tenth of a small model's step or more. Their arguments change with the
+batch size only, as long as every intermediate tensor stays where it was: the CUDA-graph
+idea (vLLM's ``CUDAGraphWrapper``; :mod:`pagedllm.worker.cuda_graph`) with ctypes calls in
+place of kernel launches:
+
+- **capture**: the second consecutive decode-only step with T rows (and the same thread
+  count) runs eagerly with a :class:`~pagedllm.ops.recording.Recording` active; every
+  kernel wrapper records its call (function, exact arguments, a copy of its argument
+  struct), and every tensor the pass creates is kept, so the recorded pointers stay valid.
+  The embedding and the rotary rows are looked up outside (torch ops on the step's ids and
+  positions) and copied into the capture's input tensors.
+- **guard**: a torch dispatch mode watches the pass: any torch op that computes (anything
+  but allocation and views), outside what a wrapper explicitly replays itself, refuses the
+  capture for that size (a family with torch code in its layers, a linear too wide for the
+  skinny GEMM, a mixture of experts): that size stays eager. The captured pass itself ran
+  eagerly, so its output is right either way.
+- **replay**: copy the step's embeddings and rotary rows into the captured inputs and make
+  the recorded calls in order. Attention is recorded as a callable (it reads the step's
+  metadata: block tables, lengths, slots), re-run each replay for the current step.
+
+Replays make exactly the eager pass's kernel calls, so outputs are bitwise the same
+(``tests/test_cpu_graph.py``). Memory: each graph keeps one pass's activations, about
+``T * layers * (3 * hidden + 2 * (q + 2 kv) + 3 * intermediate) * dtype bytes`` (0.8 MiB per row for
+SmolLM2 in float32); at most ``max_graphs`` sizes are kept, least recently used dropped.
+``enforce_eager=True`` turns them off; the torch profiler being on runs eagerly (profiles
+show every op).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.ops.recording import Recording, recording
+
+logger = logging.getLogger("pagedllm")
+
+__all__ = ["CpuDecodeGraphs", "DEFAULT_MAX_GRAPHS"]
+
+DEFAULT_MAX_GRAPHS = 4
+_aten = torch.ops.aten
+# ops that allocate or view, computing nothing: a recorded pass may run them freely
+_NO_COMPUTE_OPS = frozenset({
+    _aten.empty, _aten.empty_strided, _aten.empty_like, _aten.view, _aten._unsafe_view, _aten.slice, _aten.select,
+    _aten.split, _aten.split_with_sizes, _aten.t, _aten.transpose, _aten.as_strided, _aten.unsqueeze, _aten.squeeze,
+    _aten.detach, _aten.alias, _aten.permute, _aten.expand, _aten.narrow, _aten.unbind, _aten.lift_fresh,
+})
+_profiling = torch._C._autograd._profiler_enabled
+
+
+def _computes_nothing(func, args: tuple, out) -> bool:
+    """An allocation or a view; ``reshape`` only when it returned a view of its input (else it copied)."""
+    packet = func.overloadpacket
+    if packet in _NO_COMPUTE_OPS:
+        return True
+    return (packet is _aten.reshape and isinstance(out, torch.Tensor) and bool(args)
+            and out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr())
+
+
+class _CaptureGuard(TorchDispatchMode):
+    """Keeps every tensor the recorded pass makes (the recorded pointers point into them) and
+    notes the first torch op that computes outside :meth:`Recording.allowed`."""
+
+    def __init__(self, rec: Recording) -> None:
+        super().__init__()
+        self.rec = rec
+        self.refused_by: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.rec.allowed_depth == 0 and self.refused_by is None and not _computes_nothing(func, args, out):
+            self.refused_by = str(func)
+        self.rec.keep.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+class _Graph:
+    """One recorded pass: its input tensors (embeddings, rotary rows), its calls and its output."""
+
+    def __init__(self, rec: Recording, hidden: torch.Tensor, cos_sin: dict[str, torch.Tensor],
+                 out: torch.Tensor) -> None:
+        self.rec, self.hidden, self.cos_sin, self.out = rec, hidden, cos_sin, out
+
+    def replay(self, hidden: torch.Tensor, cos_sin: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.hidden.copy_(hidden)
+        for key, rows in cos_sin.items():
+            self.cos_sin[key].copy_(rows)
+        self.rec.replay()
+        return self.out.clone()  # the next replay overwrites self.out
+
+
+class CpuDecodeGraphs:
+    """Decode-only forward passes of ``model`` recorded and replayed per (rows, threads).
+
+    Args:
+        model: a :class:`~pagedllm.models.llama.LlamaForCausalLM` (or subclass): ``model.model``
+            has ``embed_tokens`` and ``forward_layers``, and ``model.rope_rows`` gives the
+            rotary rows (:meth:`supports`).
+        max_graphs: sizes kept at once (least recently used dropped first).
+
+    ``num_captured`` / ``num_replayed`` / ``refused`` (size -> the op that refused it) are
+    there for tests and logs.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_graphs: int = DEFAULT_MAX_GRAPHS) -> None:
+        if max_graphs < 1:
+            raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+        self.model = model
+        self.max_graphs = max_graphs
+        self.graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
+        self.refused: dict[tuple[int, int], str] = {}
+        self.num_captured = 0
+        self.num_replayed = 0
+        self._last_key: tuple[int, int] | None = None
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        """Whether ``model`` has the split forward this needs (embeddings, rotary rows, layers)."""
+        inner = getattr(model, "model", None)
+        return (callable(getattr(model, "rope_rows", None)) and callable(getattr(inner, "forward_layers", None))
+                and hasattr(inner, "embed_tokens"))
+
+    @staticmethod
+    def can_run(metas: list[AttentionMetadata | None]) -> bool:
+        """A decode-only step (one token per request in every KV-cache group), not profiled."""
+        return (bool(metas) and all(m is not None and m.num_decodes == m.num_reqs for m in metas)
+                and not _profiling())
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model's final hidden states, (T, hidden), for a decode-only step (:meth:`can_run`),
+        called inside the step's ``set_forward_context``: replayed when this size was
+        captured, captured on its second consecutive step, else eager."""
+        key = (int(input_ids.shape[0]), torch.get_num_threads())
+        hidden = self.model.model.embed_tokens(input_ids)  # (T, hidden)
+        cos_sin = self.model.rope_rows(positions)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.graphs.move_to_end(key)
+            self.num_replayed += 1
+            return graph.replay(hidden, cos_sin)
+        if key == self._last_key and key not in self.refused:
+            return self._capture(key, hidden, cos_sin)
+        self._last_key = key
+        return self.model.model.forward_layers(hidden, cos_sin)
+
+    def clear(self) -> None:
+        """Drop every graph (their memory) and forget refusals: after weights or caches change."""
+        self.graphs.clear()
+        self.refused.clear()
+        self._last_key = None
+
+    def _capture(self, key: tuple[int, int], hidden: torch.Tensor, cos_sin: dict[str, torch.Tensor]) -> torch.Tensor:
+        cos_sin = {k: v.clone() for k, v in cos_sin.items()}  # own buffers: a lookup may be a view of its table
+        rec = Recording()
+        guard = _CaptureGuard(rec)
+        with recording(rec), guard:
+            out = self.model.model.forward_layers(hidden, cos_sin)
+        if guard.refused_by is not None:
+            self.refused[key] = guard.refused_by
+            logger.debug("CPU decode graph for %d rows, %d threads: stays eager (%s)", *key, guard.refused_by)
+            return out
+        self.graphs[key] = _Graph(rec, hidden, cos_sin, out)
+        self.num_captured += 1
+        if len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        return out.clone()

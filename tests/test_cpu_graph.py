@@ -1,0 +1,174 @@
+"""CPU decode graphs (pagedllm/worker/cpu_graph.py): a decode step's kernel calls recorded once per
+batch size and replayed give bitwise the eager engine's tokens and logprobs, for every dense family;
+a pass with torch code in its layers is refused and stays eager; the graphs kept are bounded."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.ops import library as fused_ops
+from pagedllm.ops import recording, skinny_gemm
+from pagedllm.worker.cpu_graph import CpuDecodeGraphs
+from tests.family_utils import family_config, make_hf_model, save_hf_folder
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def skinny_gemm_on():
+    """Graphs need every linear in the engine's own kernel: the float32 skinny GEMM, forced on here
+    so the graph path runs on CPUs without AVX-512 too (where it is off by default)."""
+    skinny_gemm.set_enabled(True)
+    if not skinny_gemm.enabled():
+        pytest.skip("the skinny GEMM kernel cannot be built here")
+    yield
+    skinny_gemm.set_enabled(None)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request, tmp_path_factory):
+    name = request.param
+    hf = make_hf_model(family_config(name), seed=FAMILIES.index(name) + 11)
+    return save_hf_folder(hf, tmp_path_factory.mktemp(f"graph_{name}"))
+
+
+def _prompts(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(rng.randint(2, 40))]} for _ in range(n)]
+
+
+def _run(folder, tokenizer, prompts, params, **kw):
+    llm = LLM(model=str(folder), tokenizer=str(tokenizer), max_model_len=128, num_kv_blocks=256, block_size=4,
+              dtype="float32", **kw)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    result = [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs or []]) for o in outs]
+    return result, llm
+
+
+def _logprob_values(result):
+    return [[[(tok, lp.logprob) for tok, lp in step] for step in lps] for _, lps in result]
+
+
+def test_replayed_steps_are_bitwise_the_eager_steps(family_dir, smollm2_path):
+    """Greedy with top-5 logprobs and seeded sampling, five requests of different lengths (so batch
+    sizes shrink as they finish): the same token ids and the same logprob floats with graphs."""
+    prompts = _prompts(5, seed=1)
+    params = [SamplingParams(temperature=0.0, max_tokens=12 + 3 * i, ignore_eos=True, logprobs=5) for i in range(4)]
+    params.append(SamplingParams(temperature=0.9, top_p=0.8, seed=7, max_tokens=20, ignore_eos=True, logprobs=5))
+    eager, _ = _run(family_dir, smollm2_path, prompts, params, enforce_eager=True)
+    graphed, llm = _run(family_dir, smollm2_path, prompts, params)
+    graphs = llm.llm_engine.runner.cpu_graphs
+    assert graphs is not None and graphs.num_captured > 0 and graphs.num_replayed > 0, graphs.refused
+    assert [t for t, _ in graphed] == [t for t, _ in eager]
+    assert _logprob_values(graphed) == _logprob_values(eager)
+
+
+def test_enforce_eager_turns_graphs_off(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), max_model_len=128, num_kv_blocks=64, enforce_eager=True)
+    assert llm.llm_engine.runner.cpu_graphs is None
+
+
+def test_torch_op_in_the_layers_refuses_the_capture(tiny_model_dir):
+    """Without the fused CPU kernels RMSNorm is torch code: capturing would record a pass whose norms
+    never run again, so the guard refuses every size and the output is the eager one."""
+    prompts = _prompts(3, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    reference = LLM(model=str(tiny_model_dir), max_model_len=128, num_kv_blocks=64, enforce_eager=True)
+    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    fused_ops.set_enabled(False)
+    try:
+        llm = LLM(model=str(tiny_model_dir), max_model_len=128, num_kv_blocks=64)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        fused_ops.set_enabled(None)
+    graphs = llm.llm_engine.runner.cpu_graphs
+    assert got == expected
+    assert graphs.num_captured == 0 and graphs.num_replayed == 0
+    assert graphs.refused and all(op.startswith("aten.") for op in graphs.refused.values()), graphs.refused
+
+
+def test_graphs_kept_are_bounded_least_recently_used_first(tiny_model_dir):
+    """Eight requests finishing one after another give eight batch sizes; with room for two graphs,
+    at most two are kept at any time, the newest ones, and the tokens stay the eager ones."""
+    prompts = _prompts(8, seed=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 4 * i, ignore_eos=True) for i in range(8)]
+    reference = LLM(model=str(tiny_model_dir), max_model_len=128, num_kv_blocks=128, enforce_eager=True)
+    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model=str(tiny_model_dir), max_model_len=128, num_kv_blocks=128)
+    graphs = llm.llm_engine.runner.cpu_graphs
+    graphs.max_graphs = 2
+    sizes_seen = []
+    run = graphs.run
+
+    def watched(input_ids, positions):
+        out = run(input_ids, positions)
+        assert len(graphs.graphs) <= 2
+        sizes_seen.append(int(input_ids.shape[0]))
+        return out
+
+    graphs.run = watched
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert graphs.num_captured >= 6, (graphs.num_captured, sizes_seen)
+    threads = torch.get_num_threads()
+    assert list(graphs.graphs) == [(2, threads), (1, threads)]  # the last two sizes, oldest first
+
+
+def test_size_is_captured_on_its_second_step_and_replayed_after():
+    """One token per step through a stand-in model: step 1 eager, step 2 captured, steps 3+ replayed;
+    a step with another size in between resets the count."""
+    calls = []
+
+    class Layers(torch.nn.Module):
+        def forward_layers(self, hidden, cos_sin):
+            out = torch.empty_like(hidden)
+
+            def kernel():  # stands for a C kernel: computes into `out`, no torch op the guard sees
+                calls.append("kernel")
+                rec = recording.current()
+                with rec.allowed() if rec is not None else contextlib.nullcontext():
+                    torch.mul(hidden, 2, out=out)
+
+            recording.call(kernel)
+            return out
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = Layers()
+            self.model.embed_tokens = lambda ids: ids.float().unsqueeze(1)
+
+        def rope_rows(self, positions):
+            return {"default": positions.float().unsqueeze(1)}
+
+    assert CpuDecodeGraphs.supports(Model())
+    graphs = CpuDecodeGraphs(Model())
+    ids = torch.tensor([3, 4])
+    outs = [graphs.run(ids + i, ids) for i in range(4)]
+    assert [o.tolist() for o in outs] == [[[6.0], [8.0]], [[8.0], [10.0]], [[10.0], [12.0]], [[12.0], [14.0]]]
+    assert (graphs.num_captured, graphs.num_replayed) == (1, 2) and len(calls) == 4
+    graphs.run(torch.tensor([5]), torch.tensor([0]))  # another size: eager, counted as its first step
+    assert (graphs.num_captured, graphs.num_replayed) == (1, 2)
+    assert graphs.run(ids, ids).tolist() == [[6.0], [8.0]] and graphs.num_replayed == 3
+    graphs.clear()
+    assert not graphs.graphs and graphs.run(ids, ids).tolist() == [[6.0], [8.0]] and graphs.num_replayed == 3
+
+
+def test_max_graphs_must_be_positive():
+    with pytest.raises(ValueError, match="max_graphs"):
+        CpuDecodeGraphs(torch.nn.Module(), max_graphs=0)
+
+
+def test_profiled_steps_run_eagerly():
+    """Under torch's profiler every op should show, so no replay."""
+    meta = type("Meta", (), {"num_decodes": 2, "num_reqs": 2})()
+    assert CpuDecodeGraphs.can_run([meta])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert not CpuDecodeGraphs.can_run([meta])
+    mixed = type("Meta", (), {"num_decodes": 1, "num_reqs": 2})()
+    assert not CpuDecodeGraphs.can_run([mixed]) and not CpuDecodeGraphs.can_run([])
