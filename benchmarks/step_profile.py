@@ -34,18 +34,24 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.models.layers import attention as attention_module
 from pagedllm.models.layers import activation as activation_module
 from pagedllm.models.layers import norm as norm_module
+from pagedllm.ops import skinny_gemm
 
 
-def wrap(obj, name: str, acc: dict, key: str, clock=time.perf_counter) -> None:
-    """Accumulate the ``clock`` time (default: wall) of ``obj.name(...)`` into ``acc[key]``."""
+def wrap(obj, name: str, acc: dict, key: str, clock=time.perf_counter, depth: list[int] | None = None) -> None:
+    """Accumulate the ``clock`` time (default: wall) of ``obj.name(...)`` into ``acc[key]``;
+    ``depth[0]`` (if given) counts the calls in progress."""
     fn = getattr(obj, name)
 
     def timed(*a, **kw):
         t = clock()
+        if depth is not None:
+            depth[0] += 1
         try:
             return fn(*a, **kw)
         finally:
             acc[key] += clock() - t
+            if depth is not None:
+                depth[0] -= 1
 
     setattr(obj, name, timed)
 
@@ -59,11 +65,17 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
     rotary embedding (torch code or fused kernel), the fused activation-and-multiply kernel,
     attention (K/V write + decode kernel), and ``_sample`` (lm_head included).
 
-    ``c_kernels`` is the time inside the C kernels proper (the ctypes calls of pagedllm/ops and
-    of the attention kernel, without their Python wrappers); ``outside_compute`` is the step
-    minus ``linear`` minus ``c_kernels``: Python (engine, model glue, kernel wrappers) and the
+    ``c_kernels`` is the time inside the C kernels proper (the ctypes calls of pagedllm/ops, of
+    the skinny GEMM and of the attention kernel, without their Python wrappers); ``linear`` is the
+    time of the linear layers outside the skinny GEMM (oneDNN, ``F.linear``, and ``Linear.forward``'s
+    own Python, so eager steps' outside figure leaves that Python out); ``outside_compute`` is the
+    step minus ``linear`` minus ``c_kernels``: Python (engine, model glue, kernel wrappers) and the
     small torch ops, measured without a profiler (the profiler's per-op cost inflates its own
     "Python overhead" figure). ``outside_compute_fraction`` is its share of the step.
+
+    The CPU decode graphs (pagedllm/worker/cpu_graph.py) replay the kernel calls they recorded, so
+    they are dropped once the timers are in place: the timed steps replay graphs recorded with the
+    timed kernels (two untimed steps first: one eager, one captured).
     """
     from pagedllm.models.layers.linear import Linear
     from pagedllm.models.layers.norm import RMSNorm
@@ -81,23 +93,39 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in parts]
     from pagedllm.ops.library import cpu_ops
     ops = cpu_ops()
-    op_names = ("rms_norm", "act_and_mul", "rope_qk", "rms_norm_call", "act_and_mul_call", "rope_qk_call")
-    op_tables = [getattr(ops, name) for name in op_names if hasattr(ops, name)] if ops is not None else []
-    op_tables += [kernel.call_fns] if hasattr(kernel, "call_fns") else []  # the decode plan's one-struct calls
-    saved_tables = [dict(table) for table in op_tables]
-    for table in op_tables:
-        for dtype, fn in table.items():
-            table[dtype] = _cpu_timed(fn, acc, "c_kernels")
+    # Kernel-level timers: every C call counts in c_kernels; one made while its part's Python
+    # wrapper is not running (a replayed CPU decode graph) counts in that part too.
+    depth = {"linear": [0], "rms_norm": [0], "rotary": [0], "act_and_mul": [0], "attention": [0]}
+    op_parts = {"rms_norm": "rms_norm", "act_and_mul": "act_and_mul", "rope_qk": "rotary",
+                "rms_norm_call": "rms_norm", "act_and_mul_call": "act_and_mul", "rope_qk_call": "rotary"}
+    op_tables = [(getattr(ops, name), part) for name, part in op_parts.items() if hasattr(ops, name)] if ops else []
+    if hasattr(kernel, "call_fns"):
+        op_tables.append((kernel.call_fns, "attention"))  # the decode plan's one-struct calls
+    skinny = skinny_gemm._get_kernel() if skinny_gemm.enabled() else None
+    saved_tables = [(table, dict(table)) for table, _ in op_tables]
+    for table, part in op_tables:
+        for key, fn in table.items():
+            table[key] = _cpu_timed(fn, acc, "c_kernels", part=(part, depth[part]))
+    if skinny is not None:  # its gemm_f32 / gemm_bf16_amx: their own part, taken out of "linear"
+        saved_tables.append((skinny.__dict__, dict(skinny.__dict__)))
+        for key in ("gemm_f32", "gemm_bf16_amx"):
+            setattr(skinny, key, _cpu_timed(_cpu_timed(getattr(skinny, key), acc, "skinny_gemm"), acc, "c_kernels",
+                                            part=("skinny_in_linear", [1]), inside=depth["linear"]))
     rotary_apply = RotaryEmbedding.apply
     rope_qk, act_and_mul = attention_module.rope_qk, activation_module.act_and_mul
     try:
         for obj, name, key in parts:
-            wrap(obj, name, acc, key, clock)
-        RotaryEmbedding.apply = staticmethod(_cpu_timed(rotary_apply, acc, "rotary"))
-        attention_module.rope_qk = _cpu_timed(rope_qk, acc, "rotary")  # the fused kernel (pagedllm/ops)
-        activation_module.act_and_mul = _cpu_timed(act_and_mul, acc, "act_and_mul")
+            wrap(obj, name, acc, key, clock, depth=depth.get(key))
+        RotaryEmbedding.apply = staticmethod(_cpu_timed(rotary_apply, acc, "rotary", depth=depth["rotary"]))
+        # the fused kernel (pagedllm/ops)
+        attention_module.rope_qk = _cpu_timed(rope_qk, acc, "rotary", depth=depth["rotary"])
+        activation_module.act_and_mul = _cpu_timed(act_and_mul, acc, "act_and_mul", depth=depth["act_and_mul"])
         # One untimed step first: oneDNN keys its primitives by thread count, so the first step on
         # one thread creates (JIT-compiles) every bfloat16 linear's primitive again.
+        graphs = eng.runner.cpu_graphs
+        if graphs is not None:
+            graphs.clear()
+            eng.step()  # eager: the size's first step
         eng.step()
         acc.clear()
         total = 0.0
@@ -110,22 +138,40 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
             setattr(obj, name, fn)
         RotaryEmbedding.apply = staticmethod(rotary_apply)
         attention_module.rope_qk, activation_module.act_and_mul = rope_qk, act_and_mul
-        for table, fns in zip(op_tables, saved_tables):
+        for table, fns in saved_tables:
             table.update(fns)
         torch.set_num_threads(threads)
+    acc["linear"] -= acc.pop("skinny_in_linear", 0.0)  # counted in c_kernels
     outside = total - acc["linear"] - acc["c_kernels"]
-    return {"step": total / num_steps * 1e3, **{k: v / num_steps * 1e3 for k, v in acc.items()},
+    replayed = graphs is not None and graphs.num_replayed > 0
+    if graphs is not None:
+        graphs.clear()  # the timers stay in the recorded calls otherwise
+    return {"step": total / num_steps * 1e3, "cpu_graphs_replayed": replayed,
+            **{k: v / num_steps * 1e3 for k, v in acc.items()},
             "outside_compute": outside / num_steps * 1e3, "outside_compute_fraction": outside / total}
 
 
-def _cpu_timed(fn, acc: dict, key: str, clock=time.process_time):
-    """fn, adding its ``clock`` time (default: process CPU time) to ``acc[key]``."""
+def _cpu_timed(fn, acc: dict, key: str, clock=time.process_time, part: tuple[str, list[int]] | None = None,
+               depth: list[int] | None = None, inside: list[int] | None = None):
+    """fn, adding its ``clock`` time (default: process CPU time) to ``acc[key]``.
+
+    ``part`` (name, its wrapper's depth): the time also goes to ``acc[name]`` while that depth is 0
+    (no wrapper of the part is running, so it would not be counted there); with ``inside`` (a
+    depth), only while ``inside[0] > 0``. ``depth[0]`` (if given) counts this fn's calls in progress.
+    """
     def timed(*a, **kw):
         t = clock()
+        if depth is not None:
+            depth[0] += 1
         try:
             return fn(*a, **kw)
         finally:
-            acc[key] += clock() - t
+            dt = clock() - t
+            acc[key] += dt
+            if depth is not None:
+                depth[0] -= 1
+            if part is not None and (inside[0] > 0 if inside is not None else part[1][0] == 0):
+                acc[part[0]] += dt
     return timed
 
 
@@ -138,9 +184,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--cpu-time-steps", type=int, default=0,
                     help="then this many steps with one torch thread, CPU time per part (robust on a shared machine)")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="no CPU decode graphs (pagedllm/worker/cpu_graph.py): every step runs the layers' Python")
     ap.add_argument("--out", default="benchmarks/results/step_profile.json")
     args = ap.parse_args()
-    llm = LLM(dtype=args.dtype, max_model_len=1024, kv_cache_memory="2GiB", max_num_seqs=max(args.batch, 8))
+    llm = LLM(dtype=args.dtype, max_model_len=1024, kv_cache_memory="2GiB", max_num_seqs=max(args.batch, 8),
+              enforce_eager=args.enforce_eager)
     eng = llm.llm_engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=args.steps + args.profile_steps + args.cpu_time_steps + 8, ignore_eos=True)

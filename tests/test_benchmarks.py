@@ -524,7 +524,9 @@ def test_linear_kernels_compares_every_path_against_the_engines():
     assert res["onednn_b64"]["identical"] and res["onednn_b64"]["speedup_vs_onednn_b64"] == 1.0
     for name in ("F.linear", "onednn_bM", "mkl_bM"):
         assert res[name]["max_abs_diff"] < 1e-4
-    assert 1e-4 < res["onednn_b64_bf16_fpmath"]["max_abs_diff"] < 0.5
+    # oneDNN takes the bfloat16 hint on AMX; without it (AMD's AVX-512 BF16 hosts) it may stay float32
+    has_amx = "amx_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+    assert (1e-4 if has_amx else -1.0) < res["onednn_b64_bf16_fpmath"]["max_abs_diff"] < 0.5
     assert torch.backends.mkldnn.matmul.fp32_precision != "bf16"  # restored after each call
     assert all(r["median_ms"] > 0 and r["gflops_median"] > 0 for r in res.values())
 
