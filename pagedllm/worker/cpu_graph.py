@@ -75,12 +75,19 @@ class _CaptureGuard(TorchDispatchMode):
         super().__init__()
         self.rec = rec
         self.refused_by: str | None = None
+        self.storages: dict[int, int] = {}  # data pointer -> bytes of the storages the pass allocated
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.rec.allowed_depth == 0 and self.refused_by is None and not _computes_nothing(func, args, out):
             self.refused_by = str(func)
-        self.rec.keep.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.rec.keep.append(t)
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in inputs:  # new memory, not a view of a weight or the KV cache
+                    self.storages[storage.data_ptr()] = storage.nbytes()
         return out
 
 
@@ -171,6 +178,8 @@ class CpuDecodeGraphs:
             return out
         self.graphs[key] = _Graph(rec, hidden, cos_sin, out)
         self.num_captured += 1
+        logger.debug("CPU decode graph for %d rows, %d threads: %d calls, %.1f MiB of activations kept", *key,
+                     len(rec.calls), sum(guard.storages.values()) / 2**20)
         if len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
         return out.clone()
