@@ -199,7 +199,7 @@ def test_linear_bf16_math_is_opt_in_and_rounds_like_bfloat16():
     """Linear's opt-in bfloat16 math for float32: from BF16_MATH_MIN_ROWS rows it equals the
     matmul of bfloat16-rounded x and weight (float32 accumulation), below that and by default
     float32 math; torch's process-wide setting is left as it was."""
-    from pagedllm.models.layers.linear import BF16_MATH_MIN_ROWS, Linear
+    from pagedllm.models.layers.linear import BF16_MATH_MIN_ROWS, Linear, bf16_math_supported
 
     g = torch.Generator().manual_seed(3)
     lin = Linear(96, 80, bias=True)
@@ -214,11 +214,14 @@ def test_linear_bf16_math_is_opt_in_and_rounds_like_bfloat16():
     assert lin.pack_for_cpu(64) and not lin.bf16_math
     fp32, fp32_few = lin(x), lin(few)
     assert (fp32 - exact).abs().max() < 1e-4
-    assert lin.pack_for_cpu(64, bf16_math=True) and lin.bf16_math
+    assert lin.pack_for_cpu(64, bf16_math=True) and lin.bf16_math == bf16_math_supported()
     before = torch.backends.mkldnn.matmul.fp32_precision
     bf16 = lin(x)
     assert torch.backends.mkldnn.matmul.fp32_precision == before
-    assert (bf16 - rounded).abs().max() < 1e-4 < (bf16 - exact).abs().max()  # rounded inputs, float32 sums
+    if lin.bf16_math:
+        assert (bf16 - rounded).abs().max() < 1e-4 < (bf16 - exact).abs().max()  # rounded inputs, float32 sums
+    else:  # no AMX: refused, float32 math
+        assert (bf16 - exact).abs().max() < 1e-4
     # too few rows: float32 math (oneDNN's packed weight here, the skinny kernel without bf16_math)
     exact_few = exact[:BF16_MATH_MIN_ROWS - 1]
     assert (lin(few) - exact_few).abs().max() < 1e-4 and (fp32_few - exact_few).abs().max() < 1e-4
@@ -229,16 +232,18 @@ def test_linear_bf16_math_is_opt_in_and_rounds_like_bfloat16():
 def test_fp32_matmul_env_switch(monkeypatch):
     """PAGEDLLM_CPU_FP32_MATMUL=bf16 turns bf16_math on for every packed linear of a float32
     model (logits stay near transformers'), a bad value names the variable."""
-    from pagedllm.models.layers.linear import Linear
+    from pagedllm.models.layers.linear import Linear, bf16_math_supported
 
     config = tiny_llama_config()
     monkeypatch.setenv("PAGEDLLM_CPU_FP32_MATMUL", "bf16")
     hf, model = make_llama_pair(config, seed=11)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert all(m.bf16_math == torch.backends.mkldnn.is_available() for m in linears)
+    is_on = torch.backends.mkldnn.is_available() and bf16_math_supported()  # AMX only
+    assert all(m.bf16_math == is_on for m in linears)
     seq = sequences(512, [24], seed=11)[0]
     diff = (run_paged(model, [seq], [16])[0] - hf_logits(hf, seq)).abs().max().item()
-    assert ATOL < diff < 0.05 * hf_logits(hf, seq).abs().max().item(), diff  # bfloat16 rounding, no more
+    # bfloat16 rounding, no more; float32's agreement where the opt-in is refused
+    assert (ATOL if is_on else -1.0) < diff < (0.05 * hf_logits(hf, seq).abs().max().item() if is_on else ATOL), diff
     monkeypatch.setenv("PAGEDLLM_CPU_FP32_MATMUL", "fp16")
     with pytest.raises(ValueError, match="PAGEDLLM_CPU_FP32_MATMUL"):
         model.load_weights(hf.state_dict().items())

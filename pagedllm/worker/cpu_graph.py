@@ -81,14 +81,22 @@ class _CaptureGuard(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.rec.allowed_depth == 0 and self.refused_by is None and not _computes_nothing(func, args, out):
             self.refused_by = str(func)
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.rec.keep.append(t)
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in inputs:  # new memory, not a view of a weight or the KV cache
-                    self.storages[storage.data_ptr()] = storage.nbytes()
+                storage = _storage(t)
+                if storage is not None and storage not in inputs:  # new memory, not a view of a weight or the KV cache
+                    self.storages[storage[0]] = storage[1]
         return out
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int] | None:
+    """(data pointer, bytes) of a strided tensor's storage; None for one without (oneDNN's packed weights)."""
+    if t.layout != torch.strided or t.is_mkldnn:
+        return None
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
 
 
 class _Graph:

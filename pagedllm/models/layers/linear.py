@@ -9,11 +9,15 @@ A mixture-of-experts block slots in where a dense MLP is: it only needs
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.ops import skinny_gemm
+
+logger = logging.getLogger("pagedllm")
 
 
 class Linear(nn.Linear):
@@ -36,7 +40,9 @@ class Linear(nn.Linear):
 
     Opt-in, float32 only: with ``bf16_math`` set by :meth:`pack_for_cpu`, a packed float32
     linear of at least :data:`BF16_MATH_MIN_ROWS` rows lets oneDNN round x and the weight to
-    bfloat16 and multiply on AMX / AVX-512-BF16, accumulating and returning float32 (what
+    bfloat16 and multiply on AMX, accumulating and returning float32 (on CPUs without AMX
+    oneDNN takes the hint for some shapes only, with other rounding, so there the opt-in is
+    refused with a warning and the linears stay float32) (what
     ``torch.set_float32_matmul_precision("medium")`` selects for every oneDNN matmul, here only
     for these linears). Not float32's numerics: greedy outputs can change.
     """
@@ -85,7 +91,8 @@ class Linear(nn.Linear):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
         except (RuntimeError, AttributeError):  # a torch build without this private op: stay plain
             self.packed_weight = None
-        self.bf16_math = bf16_math and w.dtype == torch.float32 and self.packed_weight is not None
+        self.bf16_math = (bf16_math and w.dtype == torch.float32 and self.packed_weight is not None
+                          and bf16_math_supported())
         return self.is_packed
 
     @property
@@ -98,6 +105,19 @@ class Linear(nn.Linear):
         self.packed_weight = None
         self.skinny_weight = None
         self.bf16_math = False
+
+
+_warned_no_amx: list[bool] = []
+
+
+def bf16_math_supported() -> bool:
+    """Whether this CPU has AMX tiles, where oneDNN's bfloat16 math for float32 linears rounds x and
+    the weight to bfloat16 and sums in float32 (``Linear.bf16_math``). Warns once where it does not."""
+    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    if not is_amx and not _warned_no_amx:
+        _warned_no_amx.append(True)
+        logger.warning("bfloat16 math for float32 linears needs AMX, which this CPU lacks: they stay float32")
+    return is_amx
 
 
 # Below this many rows bfloat16 math is slower than float32 for SmolLM2's shapes (a decode
