@@ -172,3 +172,40 @@ def test_profiled_steps_run_eagerly():
         assert not CpuDecodeGraphs.can_run([meta])
     mixed = type("Meta", (), {"num_decodes": 1, "num_reqs": 2})()
     assert not CpuDecodeGraphs.can_run([mixed]) and not CpuDecodeGraphs.can_run([])
+
+
+def test_pool_reuses_a_block_once_its_tensor_is_dropped():
+    """The capture's allocations: a freed block serves the next request of its size (so layers share
+    memory as eager ones do), a live one never; blocks are 64-byte aligned and stay owned."""
+    from pagedllm.worker.cpu_graph import _ArenaPool
+
+    pool = _ArenaPool()
+    a = pool.empty([4, 8], torch.float32)
+    b = pool.empty([4, 8], torch.float32)
+    assert a.data_ptr() != b.data_ptr() and a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0
+    view = a[:, :4]  # a view keeps the block in use
+    ptr_a = a.data_ptr()
+    del a
+    c = pool.empty([32], torch.float32)
+    assert c.data_ptr() not in (ptr_a, b.data_ptr())
+    del view
+    d = pool.empty([2, 16], torch.float32)  # same bytes, another shape and
+    assert d.data_ptr() == ptr_a
+    e = pool.empty([3, 5], torch.bfloat16)
+    assert e.shape == (3, 5) and e.dtype == torch.bfloat16 and e.data_ptr() not in (ptr_a, b.data_ptr(), c.data_ptr())
+    assert len(pool.blocks) == 4 and pool.empty([0, 8], torch.float32) is None
+
+
+def test_graph_memory_does_not_grow_with_the_layers(tmp_path, smollm2_tokenizer):
+    """Six layers keep as much pool memory as two: each layer reuses the blocks the one before freed."""
+    from tests.conftest import build_tiny_llama_dir
+
+    nbytes = {}
+    for layers in (2, 6):
+        folder = build_tiny_llama_dir(tmp_path / f"l{layers}", smollm2_tokenizer, num_hidden_layers=layers)
+        llm = LLM(model=str(folder), max_model_len=128, num_kv_blocks=64)
+        llm.generate(_prompts(4, seed=5), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                     use_tqdm=False)
+        (graph,) = llm.llm_engine.runner.cpu_graphs.graphs.values()
+        nbytes[layers] = graph.pool.nbytes
+    assert 0 < nbytes[6] == nbytes[2], nbytes

@@ -137,10 +137,13 @@ class Attention(nn.Module):
         """:meth:`forward_eager`, recorded as a callable that writes each replay's result into
         this pass's output tensor (the later recorded calls read it there)."""
         with rec.allowed():
-            out = self.forward_eager(query, key, value)
+            result = self.forward_eager(query, key, value)
+            out = rec.buffer_like(result)  # pool memory, reused once the pass is done with it
+            out.copy_(result)
+        q, k, v, o = (rec.alias(t) for t in (query, key, value, out))
 
         def replay() -> None:
-            out.copy_(self.forward_eager(query, key, value))
+            o.copy_(self.forward_eager(q, k, v))
 
         rec.add_python(replay)
         return out

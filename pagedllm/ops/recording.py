@@ -23,6 +23,8 @@ import ctypes
 import threading
 from typing import Any, Callable, Iterator
 
+import torch
+
 __all__ = ["Recording", "call", "call_struct", "current", "recording"]
 
 _state = threading.local()
@@ -36,10 +38,23 @@ class Recording:
     either replayed by a recorded callable or writes nothing the replay reads.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, empty: Callable[[list[int], torch.dtype], torch.Tensor | None] | None = None,
+                 alias: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.calls: list[tuple[Callable[..., Any], tuple]] = []
         self.keep: list[Any] = []
         self.allowed_depth = 0
+        self._empty, self._alias = empty, alias
+
+    def buffer_like(self, t: torch.Tensor) -> torch.Tensor:
+        """A new contiguous tensor of ``t``'s shape and dtype from the recording's memory (the capture's
+        pool, reused once the pass drops it), or plain ``torch.empty`` without one."""
+        out = self._empty(list(t.shape), t.dtype) if self._empty is not None else None
+        return torch.empty(t.shape, dtype=t.dtype) if out is None else out
+
+    def alias(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as a recorded callable should hold it: the same memory, without keeping the pass's
+        pool block in use (later calls of the pass may reuse it, after the callable in every replay)."""
+        return t if self._alias is None else self._alias(t)
 
     def add(self, fn: Callable[..., Any], args: tuple) -> None:
         """Record ``fn(*args)`` (a ctypes function and its exact arguments)."""

@@ -24,9 +24,10 @@ place of kernel launches:
   metadata: block tables, lengths, slots), re-run each replay for the current step.
 
 Replays make exactly the eager pass's kernel calls, so outputs are bitwise the same
-(``tests/test_cpu_graph.py``). Memory: each graph keeps one pass's activations, about
-``T * layers * (3 * hidden + 2 * (q + 2 kv) + 3 * intermediate) * dtype bytes`` (0.8 MiB per row for
-SmolLM2 in float32); at most ``max_graphs`` sizes are kept, least recently used dropped.
+(``tests/test_cpu_graph.py``). Memory: the kernel wrappers' outputs come from a pool per graph that reuses a block once the
+captured pass has dropped its tensor (:class:`_ArenaPool`), so a graph keeps about one layer's
+activations, not every layer's, and replays touch the same cache-warm memory eager steps do; at
+most ``max_graphs`` sizes are kept, least recently used dropped.
 ``enforce_eager=True`` turns them off; the torch profiler being on runs eagerly (profiles
 show every op).
 """
@@ -34,8 +35,11 @@ show every op).
 from __future__ import annotations
 
 import logging
+import math
+import weakref
 from collections import OrderedDict
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -64,31 +68,101 @@ def _computes_nothing(func, args: tuple, out) -> bool:
     if packet in _NO_COMPUTE_OPS:
         return True
     return (packet is _aten.reshape and isinstance(out, torch.Tensor) and bool(args)
-            and out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr())
+            and _storage(out) is not None and _storage(out) == _storage(args[0]))
+
+
+class _ArenaPool:
+    """The memory of the tensors a recorded pass allocates (``torch.empty`` in the kernel wrappers),
+    owned for as long as the graph lives and reused within the pass as eager reuses freed memory.
+
+    Eager, each layer's intermediates go back to malloc when the layer is done and the next layer
+    gets the same, cache-warm memory; keeping every tensor of the pass alive instead (so that the
+    recorded pointers stay valid) gives each of the 30 layers new memory, and a decode step at batch
+    32 lost as much time to the cache misses as it saved in Python. Here a tensor handed out is a
+    view of a block the pool owns; when the pass drops its last reference, the block goes back to
+    the free list (latest first, exact size) for the next allocation of that size. Replays make
+    the same calls in the same order, so a block is only overwritten after the calls that read its
+    previous contents, as in the captured pass.
+    """
+
+    ALIGN = 64  # bytes, as torch's CPU allocator
+
+    def __init__(self) -> None:
+        self.blocks: list[np.ndarray] = []  # owned memory, 64-byte aligned views of their bases
+        self.free: dict[int, list[int]] = {}  # block bytes -> indices of free blocks, latest last
+        self.owned: dict[int, int] = {}  # data pointer of a block -> its index
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+    def empty(self, size: list[int], dtype: torch.dtype) -> torch.Tensor | None:
+        """An uninitialised contiguous tensor from the pool; None for an empty one."""
+        nbytes = math.prod(size) * dtype.itemsize
+        if nbytes == 0:
+            return None
+        rounded = -(-nbytes // self.ALIGN) * self.ALIGN
+        free = self.free.get(rounded)
+        if free:
+            index = free.pop()
+        else:
+            base = np.empty(rounded + self.ALIGN, dtype=np.uint8)
+            offset = -base.ctypes.data % self.ALIGN
+            self.blocks.append(base[offset:offset + rounded])
+            index = self.owned[self.blocks[-1].ctypes.data] = len(self.blocks) - 1
+        view = self.blocks[index][:nbytes]  # a new view object: its finalizer returns the block
+        weakref.finalize(view, self.free.setdefault(rounded, []).append, index)
+        return torch.from_numpy(view).view(dtype).view(size)
+
+    def alias(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` itself, or for a view of a pool block the same view that does not keep the block in
+        use: what a recorded callable holds to read at replay memory that later calls of the pass
+        may reuse (they run after it in every replay too)."""
+        storage = _storage(t)
+        index = self.owned.get(storage[0]) if storage is not None else None
+        if index is None:
+            return t
+        flat = torch.from_numpy(self.blocks[index][:storage[1]]).view(t.dtype)  # no finalizer on this view
+        return flat.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 class _CaptureGuard(TorchDispatchMode):
-    """Keeps every tensor the recorded pass makes (the recorded pointers point into them) and
-    notes the first torch op that computes outside :meth:`Recording.allowed`."""
+    """Serves the kernel wrappers' allocations from ``pool``, keeps every other tensor the recorded
+    pass makes (the recorded pointers point into them) and notes the first torch op that computes
+    outside :meth:`Recording.allowed`."""
 
-    def __init__(self, rec: Recording) -> None:
+    def __init__(self, rec: Recording, pool: _ArenaPool) -> None:
         super().__init__()
-        self.rec = rec
+        self.rec, self.pool = rec, pool
         self.refused_by: str | None = None
-        self.storages: dict[int, int] = {}  # data pointer -> bytes of the storages the pass allocated
+        self.storages: dict[int, int] = {}  # data pointer -> bytes of the other storages the pass allocated
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func is _aten.empty.memory_format and self.rec.allowed_depth == 0 and _is_plain_empty(kwargs):
+            out = self.pool.empty(args[0], kwargs.get("dtype") or torch.get_default_dtype())
+            if out is not None:
+                return out
+        out = func(*args, **kwargs)
         if self.rec.allowed_depth == 0 and self.refused_by is None and not _computes_nothing(func, args, out):
             self.refused_by = str(func)
         inputs = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self.rec.keep.append(t)
                 storage = _storage(t)
+                if storage is not None and storage[0] in self.pool.owned:
+                    continue  # a view of a pool block: the pool holds the memory, the pass its lifetime
+                self.rec.keep.append(t)
                 if storage is not None and storage not in inputs:  # new memory, not a view of a weight or the KV cache
                     self.storages[storage[0]] = storage[1]
         return out
+
+
+def _is_plain_empty(kwargs: dict) -> bool:
+    """``torch.empty`` of a contiguous, strided CPU tensor (what the pool serves)."""
+    device = kwargs.get("device")
+    return (kwargs.get("layout") in (None, torch.strided) and (device is None or torch.device(device).type == "cpu")
+            and kwargs.get("memory_format") in (None, torch.contiguous_format) and not kwargs.get("pin_memory"))
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int] | None:
@@ -102,9 +176,9 @@ def _storage(t: torch.Tensor) -> tuple[int, int] | None:
 class _Graph:
     """One recorded pass: its input tensors (embeddings, rotary rows), its calls and its output."""
 
-    def __init__(self, rec: Recording, hidden: torch.Tensor, cos_sin: dict[str, torch.Tensor],
+    def __init__(self, rec: Recording, pool: _ArenaPool, hidden: torch.Tensor, cos_sin: dict[str, torch.Tensor],
                  out: torch.Tensor) -> None:
-        self.rec, self.hidden, self.cos_sin, self.out = rec, hidden, cos_sin, out
+        self.rec, self.pool, self.hidden, self.cos_sin, self.out = rec, pool, hidden, cos_sin, out
 
     def replay(self, hidden: torch.Tensor, cos_sin: dict[str, torch.Tensor]) -> torch.Tensor:
         self.hidden.copy_(hidden)
@@ -176,18 +250,19 @@ class CpuDecodeGraphs:
 
     def _capture(self, key: tuple[int, int], hidden: torch.Tensor, cos_sin: dict[str, torch.Tensor]) -> torch.Tensor:
         cos_sin = {k: v.clone() for k, v in cos_sin.items()}  # own buffers: a lookup may be a view of its table
-        rec = Recording()
-        guard = _CaptureGuard(rec)
+        pool = _ArenaPool()
+        rec = Recording(empty=pool.empty, alias=pool.alias)
+        guard = _CaptureGuard(rec, pool)
         with recording(rec), guard:
             out = self.model.model.forward_layers(hidden, cos_sin)
         if guard.refused_by is not None:
             self.refused[key] = guard.refused_by
             logger.debug("CPU decode graph for %d rows, %d threads: stays eager (%s)", *key, guard.refused_by)
-            return out
-        self.graphs[key] = _Graph(rec, hidden, cos_sin, out)
+            return out  # its view of a pool block keeps that memory
+        self.graphs[key] = _Graph(rec, pool, hidden, cos_sin, out)
         self.num_captured += 1
         logger.debug("CPU decode graph for %d rows, %d threads: %d calls, %.1f MiB of activations kept", *key,
-                     len(rec.calls), sum(guard.storages.values()) / 2**20)
+                     len(rec.calls), (pool.nbytes + sum(guard.storages.values())) / 2**20)
         if len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
         return out.clone()
