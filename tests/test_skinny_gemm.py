@@ -140,12 +140,20 @@ def test_env_switch_is_checked(monkeypatch):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_uses_it_for_decode_rows_and_torch_above(kernel_on, monkeypatch, bias):
-    """A packed float32 Linear runs the kernel up to MAX_ROWS rows and F.linear above; both match
-    the float64 reference; grad-tracked inputs keep autograd; unpack goes back to F.linear."""
+@pytest.mark.parametrize("onednn_rows", [False, True])
+def test_linear_uses_it_for_decode_rows_and_torch_above(kernel_on, monkeypatch, bias, onednn_rows):
+    """A packed float32 Linear runs the kernel up to MAX_ROWS rows and F.linear above (or, where
+    ``fp32_rows_use_onednn``: CPUs whose MKL is slow, oneDNN's packed copy); all match the float64
+    reference; grad-tracked inputs keep autograd; unpack goes back to F.linear."""
+    from pagedllm.models.layers import linear as linear_module
+
+    if onednn_rows and not torch.backends.mkldnn.is_available():
+        pytest.skip("needs oneDNN")
+    monkeypatch.setattr(linear_module, "fp32_rows_use_onednn", lambda: onednn_rows)
     torch.manual_seed(0)
     layer = Linear(64, 100, bias=bias)
-    assert layer.pack_for_cpu(64) and layer.skinny_weight is not None and layer.packed_weight is None
+    assert layer.pack_for_cpu(64) and layer.skinny_weight is not None
+    assert (layer.packed_weight is not None) == onednn_rows
     calls = []
     original = skinny_gemm.skinny_linear
     monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a: calls.append(a[0].shape[0]) or original(*a))

@@ -9,7 +9,9 @@ A mixture-of-experts block slots in where a dense MLP is: it only needs
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -56,9 +58,11 @@ class Linear(nn.Linear):
         """x: (T, in_features) -> (T, out_features)."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
+        if x.requires_grad and torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)  # the packed copies have no autograd link
         skinny = self.skinny_weight
         if skinny is not None and x.shape[0] <= skinny.max_rows and x.dtype == skinny.dtype \
-                and x.dim() == 2 and x.stride(1) == 1 and not (x.requires_grad and torch.is_grad_enabled()):
+                and x.dim() == 2 and x.stride(1) == 1:
             return skinny_gemm.skinny_linear(x, skinny)
         if self.packed_weight is not None:
             if self.bf16_math and x.shape[0] >= BF16_MATH_MIN_ROWS and x.dtype == torch.float32:
@@ -83,8 +87,8 @@ class Linear(nn.Linear):
             return False
         if not bf16_math:
             self.skinny_weight = skinny_gemm.pack(w, self.bias)
-            if self.skinny_weight is not None and w.dtype == torch.float32:
-                return True  # F.linear is as fast as oneDNN's packed copy above MAX_ROWS in float32
+            if self.skinny_weight is not None and w.dtype == torch.float32 and not fp32_rows_use_onednn():
+                return True  # F.linear is as fast as oneDNN's packed copy above MAX_ROWS here
         if not torch.backends.mkldnn.is_available():
             return self.is_packed  # a bfloat16 skinny copy may stand without oneDNN's
         try:
@@ -105,6 +109,41 @@ class Linear(nn.Linear):
         self.packed_weight = None
         self.skinny_weight = None
         self.bf16_math = False
+
+
+FP32_ROWS_ENV = "PAGEDLLM_CPU_FP32_PREFILL_LINEAR"
+
+
+@functools.lru_cache(maxsize=None)
+def fp32_rows_use_onednn() -> bool:
+    """Whether float32 linears of more rows than the skinny GEMM takes (prefill chunks) run from a
+    oneDNN packed copy of the weight instead of ``F.linear`` (torch's BLAS, MKL in its CPU wheels).
+
+    MKL takes AVX2 code paths on CPUs other than Intel's: on an AMD EPYC with AVX-512, oneDNN's
+    packed linear ran SmolLM2's projections in 0.51x ``F.linear``'s time at 256 and 2,048 rows,
+    while on an Intel Xeon the two were within 3% (``benchmarks/linear_kernels.py``, results in
+    ``benchmarks/results/``). ``PAGEDLLM_CPU_FP32_PREFILL_LINEAR``: ``auto`` (default) keeps the
+    oneDNN copy (one more copy of each weight) on CPUs that are not Intel's, ``onednn`` everywhere,
+    ``blas`` nowhere. Read once per process. Raises ValueError for another value.
+    """
+    value = os.environ.get(FP32_ROWS_ENV, "auto").strip().lower()
+    if value not in ("auto", "onednn", "blas"):
+        raise ValueError(f"{FP32_ROWS_ENV} must be 'auto', 'onednn' or 'blas', got {value!r}")
+    if value != "auto":
+        return value == "onednn"
+    return cpu_vendor() != "GenuineIntel"
+
+
+def cpu_vendor() -> str:
+    """The CPU vendor string (``GenuineIntel``, ``AuthenticAMD``, ...) from /proc/cpuinfo, or ``""``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
 
 
 _warned_no_amx: list[bool] = []
