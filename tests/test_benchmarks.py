@@ -236,6 +236,23 @@ def test_decode_glue_splits_the_forward(tmp_path):
 
 
 @pytest.mark.slow
+def test_cpu_graph_benchmark_alternates_eager_and_graphs(tmp_path):
+    out = tmp_path / "graphs.json"
+    res = subprocess.run([sys.executable, str(BENCH / "cpu_graph.py"), "--batches", "1,3", "--prompt-len", "4",
+                          "--rounds", "2", "--warmup", "2", "--steps", "2", "--out", str(out)],
+                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                                              "PAGEDLLM_SKINNY_GEMM": "1"}, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert set(rec["results"]) == {"1", "3"}
+    for r in rec["results"].values():
+        assert len(r["step_ms"]["eager"]) == len(r["step_ms"]["graphs"]) == 2 and r["greedy_tokens_identical"]
+        assert r["graphs_over_eager"] > 0
+    # each size captured once (on its second decode step), the timed steps replayed
+    assert rec["graphs"]["captured"] == 2 and rec["graphs"]["replayed"] >= 2 * 2 * 2
+
+
+@pytest.mark.slow
 def test_decode_plan_alternates_planned_and_unplanned(tmp_path):
     out = tmp_path / "plan.json"
     res = subprocess.run([sys.executable, str(BENCH / "decode_plan.py"), "--batch", "2", "--prompt-len", "4",
