@@ -92,6 +92,23 @@ def test_torch_op_in_the_layers_refuses_the_capture(tiny_model_dir):
     assert graphs.refused and all(op.startswith("aten.") for op in graphs.refused.values()), graphs.refused
 
 
+def test_no_graphs_for_linears_outside_the_skinny_gemm(tiny_model_dir):
+    """Projections that run a torch op (here the skinny GEMM switched off: oneDNN / F.linear) would
+    refuse every size's capture, so the runner makes no graphs at all; the tokens are the same."""
+    prompts = _prompts(2, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(model=str(tiny_model_dir), max_model_len=128, num_kv_blocks=64)
+                .generate(prompts, params, use_tqdm=False)]
+    skinny_gemm.set_enabled(False)
+    try:
+        llm = LLM(model=str(tiny_model_dir), max_model_len=128, num_kv_blocks=64)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        skinny_gemm.set_enabled(True)
+    assert llm.llm_engine.runner.cpu_graphs is None
+    assert got == expected
+
+
 def test_graphs_kept_are_bounded_least_recently_used_first(tiny_model_dir):
     """Eight requests finishing one after another give eight batch sizes; with room for two graphs,
     at most two are kept at any time, the newest ones, and the tokens stay the eager ones."""
@@ -146,7 +163,7 @@ def test_size_is_captured_on_its_second_step_and_replayed_after():
         def rope_rows(self, positions):
             return {"default": positions.float().unsqueeze(1)}
 
-    assert CpuDecodeGraphs.supports(Model())
+    assert not CpuDecodeGraphs.supports(Model())  # no skinny-GEMM linears: the runner would not make graphs
     graphs = CpuDecodeGraphs(Model())
     ids = torch.tensor([3, 4])
     outs = [graphs.run(ids + i, ids) for i in range(4)]

@@ -175,8 +175,14 @@ def test_bf16_math_and_bfloat16_weights_keep_onednn(kernel_on):
     for rows above MAX_ROWS_BF16."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("needs oneDNN")
+    from pagedllm.models.layers.linear import bf16_math_supported
+
     fp32 = Linear(32, 48)
-    assert fp32.pack_for_cpu(64, bf16_math=True) and fp32.packed_weight is not None and fp32.skinny_weight is None
+    assert fp32.pack_for_cpu(64, bf16_math=True)
+    if bf16_math_supported():
+        assert fp32.bf16_math and fp32.packed_weight is not None and fp32.skinny_weight is None
+    else:  # refused without AMX: packed as without the opt-in, the skinny GEMM for decode rows
+        assert not fp32.bf16_math and fp32.skinny_weight is not None
     bf16 = Linear(32, 48).to(torch.bfloat16)  # oneDNN's copy for prefill rows, the AMX one beside it
     assert bf16.pack_for_cpu(64) and bf16.packed_weight is not None
     assert (bf16.skinny_weight is not None) == skinny_gemm.load_kernel().amx

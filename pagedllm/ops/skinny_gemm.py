@@ -261,6 +261,7 @@ def _padded_rows(x: torch.Tensor, pad: int) -> torch.Tensor:
         padded = x.new_zeros(x.shape[0] + pad, x.shape[1])
         head = padded[:x.shape[0]]
         head.copy_(x)
-    rec.add_python(lambda: head.copy_(x))
+    source = rec.alias(x)  # does not pin x's pool block (read here, before later calls reuse it)
+    rec.add_python(lambda: head.copy_(source))
     rec.keep.append(padded)
     return padded

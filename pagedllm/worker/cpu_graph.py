@@ -11,7 +11,8 @@ place of kernel launches:
 - **capture**: the second consecutive decode-only step with T rows (and the same thread
   count) runs eagerly with a :class:`~pagedllm.ops.recording.Recording` active; every
   kernel wrapper records its call (function, exact arguments, a copy of its argument
-  struct), and every tensor the pass creates is kept, so the recorded pointers stay valid.
+  struct); the wrappers' outputs come from the graph's pool and every other tensor the pass
+  creates is kept, so the recorded pointers stay valid.
   The embedding and the rotary rows are looked up outside (torch ops on the step's ids and
   positions) and copied into the capture's input tensors.
 - **guard**: a torch dispatch mode watches the pass: any torch op that computes (anything
@@ -146,6 +147,8 @@ class _CaptureGuard(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.rec.allowed_depth == 0 and self.refused_by is None and not _computes_nothing(func, args, out):
             self.refused_by = str(func)
+        if self.rec.allowed_depth > 0:
+            return out  # a wrapper's own torch code: what its recorded callable needs, it holds itself
         inputs = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -214,10 +217,17 @@ class CpuDecodeGraphs:
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
-        """Whether ``model`` has the split forward this needs (embeddings, rotary rows, layers)."""
+        """Whether ``model`` has the split forward this needs (embeddings, rotary rows, layers) and
+        every linear layer of its decoder runs the skinny GEMM (a quantized, oneDNN-only or
+        ``F.linear`` projection is a torch op: each size's capture would be refused)."""
+        from pagedllm.models.layers.linear import Linear
+
         inner = getattr(model, "model", None)
-        return (callable(getattr(model, "rope_rows", None)) and callable(getattr(inner, "forward_layers", None))
-                and hasattr(inner, "embed_tokens"))
+        if not (callable(getattr(model, "rope_rows", None)) and callable(getattr(inner, "forward_layers", None))
+                and hasattr(inner, "embed_tokens")):
+            return False
+        linears = [m for m in inner.modules() if isinstance(m, Linear)]
+        return bool(linears) and all(m.skinny_weight is not None and m.quant_method is None for m in linears)
 
     @staticmethod
     def can_run(metas: list[AttentionMetadata | None]) -> bool:

@@ -31,6 +31,10 @@ class LMHead(Linear):
     soft-capping, Gemma Team 2024), computed in the model dtype as transformers does.
     """
 
+    # its rows are the sampled ones (at most max_num_seqs: the skinny GEMM's range by default), more
+    # only with prompt logprobs: no oneDNN copy of the (vocab x hidden) weight for those
+    onednn_for_many_rows = False
+
     def __init__(self, hidden_size: int, vocab_size: int, soft_cap: float | None = None) -> None:
         super().__init__(hidden_size, vocab_size, bias=False)
         self.soft_cap = soft_cap

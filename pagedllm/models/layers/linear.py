@@ -28,7 +28,8 @@ class Linear(nn.Linear):
     :meth:`pack_for_cpu` packs the weight once for the engine's skinny GEMM
     (:mod:`pagedllm.ops.skinny_gemm`; float32, and bfloat16 where AMX is granted), which runs
     inputs of up to ``skinny_weight.max_rows`` rows (decode steps). Larger inputs (prefill
-    chunks) run ``F.linear`` in float32 (as fast there as a prepacked oneDNN weight) and, in
+    chunks) run in float32 ``F.linear`` on Intel CPUs (as fast there as a prepacked oneDNN
+    weight) and elsewhere oneDNN from a second copy (:func:`fp32_rows_use_onednn`), and, in
     bfloat16, oneDNN from a second copy reordered into its blocked layout (the same prepacking
     torch.compile's CPU freezing pass does; forward calls the oneDNN linear directly instead of
     re-packing the weight inside every matmul). Without the skinny kernel (off, or ``bf16_math``
@@ -53,6 +54,9 @@ class Linear(nn.Linear):
     skinny_weight: skinny_gemm.SkinnyWeight | None = None
     quant_method = None  # a pagedllm.quantization.LinearMethod, or None for a float weight
     bf16_math = False  # see pack_for_cpu
+    # float32 rows above the skinny GEMM's MAX_ROWS from a oneDNN copy where fp32_rows_use_onednn();
+    # False for layers that rarely see that many rows (the LM head: its rows are the sampled ones)
+    onednn_for_many_rows = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, in_features) -> (T, out_features)."""
@@ -85,18 +89,19 @@ class Linear(nn.Linear):
         if w is None or self.quant_method is not None or w.device.type != "cpu" \
                 or w.dtype not in (torch.float32, torch.bfloat16):
             return False
+        bf16_math = bf16_math and w.dtype == torch.float32 and bf16_math_supported()  # refused: float32 as usual
         if not bf16_math:
             self.skinny_weight = skinny_gemm.pack(w, self.bias)
-            if self.skinny_weight is not None and w.dtype == torch.float32 and not fp32_rows_use_onednn():
-                return True  # F.linear is as fast as oneDNN's packed copy above MAX_ROWS here
+            if self.skinny_weight is not None and w.dtype == torch.float32 \
+                    and not (self.onednn_for_many_rows and fp32_rows_use_onednn()):
+                return True  # F.linear takes the rows above MAX_ROWS: as fast as oneDNN here, or rare
         if not torch.backends.mkldnn.is_available():
             return self.is_packed  # a bfloat16 skinny copy may stand without oneDNN's
         try:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
         except (RuntimeError, AttributeError):  # a torch build without this private op: stay plain
             self.packed_weight = None
-        self.bf16_math = (bf16_math and w.dtype == torch.float32 and self.packed_weight is not None
-                          and bf16_math_supported())
+        self.bf16_math = bf16_math and self.packed_weight is not None
         return self.is_packed
 
     @property
