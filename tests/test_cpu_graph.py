@@ -50,6 +50,12 @@ def _run(folder, tokenizer, prompts, params, **kw):
     return result, llm
 
 
+def _greedy_tiny(folder, prompts, params, **kw):
+    """(token ids per request, the LLM) of the tiny Llama folder."""
+    llm = LLM(model=str(folder), max_model_len=128, num_kv_blocks=64, **kw)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], llm
+
+
 def _logprob_values(result):
     return [[[(tok, lp.logprob) for tok, lp in step] for step in lps] for _, lps in result]
 
@@ -78,12 +84,10 @@ def test_torch_op_in_the_layers_refuses_the_capture(tiny_model_dir):
     never run again, so the guard refuses every size and the output is the eager one."""
     prompts = _prompts(3, seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    reference = LLM(model=str(tiny_model_dir), max_model_len=128, num_kv_blocks=64, enforce_eager=True)
-    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    expected, _ = _greedy_tiny(tiny_model_dir, prompts, params, enforce_eager=True)
     fused_ops.set_enabled(False)
     try:
-        llm = LLM(model=str(tiny_model_dir), max_model_len=128, num_kv_blocks=64)
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        got, llm = _greedy_tiny(tiny_model_dir, prompts, params)
     finally:
         fused_ops.set_enabled(None)
     graphs = llm.llm_engine.runner.cpu_graphs
@@ -97,12 +101,10 @@ def test_no_graphs_for_linears_outside_the_skinny_gemm(tiny_model_dir):
     refuse every size's capture, so the runner makes no graphs at all; the tokens are the same."""
     prompts = _prompts(2, seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in LLM(model=str(tiny_model_dir), max_model_len=128, num_kv_blocks=64)
-                .generate(prompts, params, use_tqdm=False)]
+    expected, _ = _greedy_tiny(tiny_model_dir, prompts, params)
     skinny_gemm.set_enabled(False)
     try:
-        llm = LLM(model=str(tiny_model_dir), max_model_len=128, num_kv_blocks=64)
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        got, llm = _greedy_tiny(tiny_model_dir, prompts, params)
     finally:
         skinny_gemm.set_enabled(True)
     assert llm.llm_engine.runner.cpu_graphs is None
