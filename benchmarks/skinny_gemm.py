@@ -5,7 +5,7 @@ Two parts, one process, paths alternated so they see the same machine load:
 1. Kernels: SmolLM2's four projections (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536)
    in 30 layers' worth of distinct ``--dtype`` weights (424 MB in float32, 212 MB in bfloat16:
    each weight comes from memory, as in a real step), at each ``--rows`` count: the skinny kernel
-   (float32 FMA, or AMX for bfloat16), oneDNN's prepacked linear (what ``Linear`` used before) and
+   (float32 FMA; for bfloat16 AMX, else AVX512-BF16's vdpbf16ps), oneDNN's prepacked linear (what ``Linear`` used before) and
    plain ``F.linear``. Median ms per pass over the 120 matmuls, and GFLOP/s.
 2. Engine: decode steps at ``--batch`` with the model's linears packed for the skinny kernel vs
    for oneDNN only (``skinny_gemm.set_enabled`` + repacking), median wall and CPU time per step;
@@ -38,7 +38,8 @@ def kernel_paths(rows: int, weights: list[torch.Tensor]) -> dict:
     """One pass over every weight per path, as callables: skinny, onednn_packed, torch."""
     kernel = skinny_gemm.load_kernel()
     if weights[0].dtype == torch.bfloat16:
-        skinny = [skinny_gemm.pack_panels_bf16(w, None) for w in weights]
+        pack_bf16 = skinny_gemm.pack_panels_bf16 if kernel.amx else skinny_gemm.pack_panels_bf16_pairs
+        skinny = [pack_bf16(w, None) for w in weights]
     else:
         skinny = [skinny_gemm.pack_panels(w, None, kernel.panel_width) for w in weights]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
@@ -143,10 +144,10 @@ def main() -> None:
     if kernel is None:
         raise SystemExit("the skinny GEMM kernel cannot be built here (no C compiler?)")
     dtype = getattr(torch, args.dtype)
-    if dtype == torch.bfloat16 and not kernel.amx:
-        raise SystemExit("the bfloat16 skinny GEMM needs AMX, which this CPU or kernel does not grant")
+    if dtype == torch.bfloat16 and not (kernel.amx or kernel.bf16_dp):
+        raise SystemExit("the bfloat16 skinny GEMM needs AMX or AVX512-BF16, which this CPU or build lacks")
     record = {"dtype": args.dtype, "threads": torch.get_num_threads(), "vector_width": kernel.vector_width,
-              "amx": kernel.amx, "kernels": kernel_rounds([int(r) for r in args.rows.split(",")], args.rounds, dtype)}
+              "amx": kernel.amx, "bf16_dp": kernel.bf16_dp, "kernels": kernel_rounds([int(r) for r in args.rows.split(",")], args.rounds, dtype)}
     if args.engine_rounds:
         record["engine"] = engine_rounds(args.batch, args.prompt_len, args.engine_rounds, args.steps, args.dtype)
         e = record["engine"]

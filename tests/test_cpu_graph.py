@@ -74,6 +74,27 @@ def test_replayed_steps_are_bitwise_the_eager_steps(family_dir, smollm2_path):
     assert _logprob_values(graphed) == _logprob_values(eager)
 
 
+def test_bfloat16_steps_replay_bitwise(tiny_model_dir):
+    """In bfloat16 the linears run a bfloat16 skinny kernel (AMX, or AVX512-BF16 without it) and the
+    graphs replay it: tokens and logprob floats equal to the eager engine's."""
+    if not skinny_gemm.enabled(torch.bfloat16):
+        pytest.skip("no bfloat16 skinny GEMM kernel on this CPU")
+    prompts = _prompts(4, seed=6)
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 4 * i, ignore_eos=True, logprobs=3) for i in range(4)]
+
+    def run(**kw):
+        llm = LLM(model=str(tiny_model_dir), max_model_len=128, num_kv_blocks=64, dtype="bfloat16", **kw)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        lps = [[sorted((t, lp.logprob) for t, lp in step.items()) for step in o.outputs[0].logprobs] for o in outs]
+        return [o.outputs[0].token_ids for o in outs], lps, llm
+
+    eager_tokens, eager_lps, _ = run(enforce_eager=True)
+    tokens, lps, llm = run()
+    graphs = llm.llm_engine.runner.cpu_graphs
+    assert graphs is not None and graphs.num_replayed > 0, graphs and graphs.refused
+    assert tokens == eager_tokens and lps == eager_lps
+
+
 def test_enforce_eager_turns_graphs_off(tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir), max_model_len=128, num_kv_blocks=64, enforce_eager=True)
     assert llm.llm_engine.runner.cpu_graphs is None
@@ -109,6 +130,44 @@ def test_no_graphs_for_linears_outside_the_skinny_gemm(tiny_model_dir):
         skinny_gemm.set_enabled(True)
     assert llm.llm_engine.runner.cpu_graphs is None
     assert got == expected
+
+
+def _edit_and_repack(llm) -> None:
+    """Negate and scale every MLP down projection, then pack the linears again (what a weight update
+    does): a replay of a graph recorded before would still compute with the old packed copies."""
+    model = llm.llm_engine.runner.model
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(-3.0)
+    model.pack_linears_for_cpu()
+
+
+def test_repacking_the_linears_drops_the_graphs(tiny_model_dir):
+    """After graphs were recorded, the weights are edited and packed again: the old graphs are dropped,
+    so the steps compute with the new weights (the tokens are an eager engine's with the same edit)
+    and are recorded again; packed again without the skinny GEMM, the steps stay eager."""
+    prompts = _prompts(3, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    reference = LLM(model=str(tiny_model_dir), max_model_len=128, num_kv_blocks=64, enforce_eager=True)
+    before = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    _edit_and_repack(reference)
+    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    assert expected != before  # the edit changes the tokens: a stale replay would show
+    got, llm = _greedy_tiny(tiny_model_dir, prompts, params)
+    graphs = llm.llm_engine.runner.cpu_graphs
+    assert got == before and graphs.num_captured > 0
+    captured = graphs.num_captured
+    _edit_and_repack(llm)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert graphs.num_captured > captured
+    skinny_gemm.set_enabled(False)
+    try:
+        llm.llm_engine.runner.model.pack_linears_for_cpu()
+        replayed = graphs.num_replayed
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    finally:
+        skinny_gemm.set_enabled(True)
+    assert graphs.num_replayed == replayed and not graphs.graphs
 
 
 def test_graphs_kept_are_bounded_least_recently_used_first(tiny_model_dir):

@@ -119,9 +119,14 @@ def test_pack_applies_to_cpu_weights_of_its_dtypes_only(kernel_on):
     assert skinny_gemm.pack(torch.randn(8, 16)).dtype == torch.float32
     assert skinny_gemm.pack(torch.randn(8, 16, dtype=torch.float16)) is None
     assert skinny_gemm.pack(torch.randn(8)) is None
-    amx = skinny_gemm.load_kernel().amx
-    assert (skinny_gemm.pack(torch.randn(8, 64, dtype=torch.bfloat16)) is not None) == amx
-    assert skinny_gemm.pack(torch.randn(8, 48, dtype=torch.bfloat16)) is None  # K not a multiple of 32
+    kernel = skinny_gemm.load_kernel()
+    bf16 = skinny_gemm.pack(torch.randn(8, 64, dtype=torch.bfloat16))
+    assert (bf16 is not None) == (kernel.amx or kernel.bf16_dp)
+    if kernel.amx:
+        assert bf16.layout == "amx" and skinny_gemm.pack(torch.randn(8, 48, dtype=torch.bfloat16)) is None  # K % 32
+    elif kernel.bf16_dp:
+        assert bf16.layout == "bf16_pairs" and skinny_gemm.pack(torch.randn(8, 48, dtype=torch.bfloat16)) is not None
+        assert skinny_gemm.pack(torch.randn(8, 47, dtype=torch.bfloat16)) is None  # odd K
     skinny_gemm.set_enabled(False)
     assert skinny_gemm.pack(torch.randn(8, 16)) is None
     assert skinny_gemm.pack(torch.randn(8, 64, dtype=torch.bfloat16)) is None
@@ -183,9 +188,10 @@ def test_bf16_math_and_bfloat16_weights_keep_onednn(kernel_on):
         assert fp32.bf16_math and fp32.packed_weight is not None and fp32.skinny_weight is None
     else:  # refused without AMX: packed as without the opt-in, the skinny GEMM for decode rows
         assert not fp32.bf16_math and fp32.skinny_weight is not None
-    bf16 = Linear(32, 48).to(torch.bfloat16)  # oneDNN's copy for prefill rows, the AMX one beside it
+    bf16 = Linear(32, 48).to(torch.bfloat16)  # oneDNN's copy for prefill rows, the skinny one beside it
     assert bf16.pack_for_cpu(64) and bf16.packed_weight is not None
-    assert (bf16.skinny_weight is not None) == skinny_gemm.load_kernel().amx
+    kernel = skinny_gemm.load_kernel()
+    assert (bf16.skinny_weight is not None) == (kernel.amx or kernel.bf16_dp)
 
 
 def test_calls_show_in_torch_profiler_as_a_matmul(kernel):
@@ -197,15 +203,20 @@ def test_calls_show_in_torch_profiler_as_a_matmul(kernel):
     assert skinny_gemm.PROFILER_EVENT in {e.key for e in prof.key_averages()}
 
 
-# ---- bfloat16 on AMX ------------------------------------------------------------------------
+# ---- bfloat16: AMX, or AVX512-BF16's vdpbf16ps without it ------------------------------------
+
+BF16_KERNELS = {"amx": (skinny_gemm.pack_panels_bf16, skinny_gemm.MAX_ROWS_BF16),
+                "bf16_pairs": (skinny_gemm.pack_panels_bf16_pairs, skinny_gemm.MAX_ROWS_BF16_DP)}
 
 
-@pytest.fixture(scope="module")
-def amx_kernel():
+@pytest.fixture(scope="module", params=list(BF16_KERNELS))
+def bf16_kernel(request):
+    """(kernel, pack function) of each bfloat16 kernel this host runs: AMX where granted, the
+    AVX512-BF16 one where the native build has it (both on a CPU with both)."""
     k = skinny_gemm.load_kernel()
-    if k is None or not k.amx:
-        pytest.skip("no AMX on this CPU (or the kernel cannot be built): the bfloat16 kernel is off here")
-    return k
+    if k is None or not (k.amx if request.param == "amx" else k.bf16_dp):
+        pytest.skip(f"no {request.param} bfloat16 kernel on this CPU (or no C compiler)")
+    return k, BF16_KERNELS[request.param][0]
 
 
 def assert_bf16_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
@@ -225,42 +236,65 @@ def assert_bf16_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: to
 
 @pytest.mark.parametrize("n,k", [(96, 64), (50, 32), (77, 96), (1000, 576)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_amx_matches_float64_reference(amx_kernel, n, k, bias):
-    """Column tails (N not a multiple of 32), one or two A tiles per walk, several walks (> 32 rows),
-    rows not a multiple of 16 (the caller pads x)."""
+def test_bf16_matches_float64_reference(bf16_kernel, n, k, bias):
+    """Column tails (N not a multiple of the panel), every row tail of a tile, several tiles or
+    walks (> 32 rows), rows not a multiple of 16 (the AMX caller pads x)."""
+    kernel, pack = bf16_kernel
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g) if bias else None
-    packed = skinny_gemm.pack_panels_bf16(w, b)
+    packed = pack(w, b)
     for rows in [*range(1, 18), 31, 32, 33, 48, 100, 256]:
         x = torch.randn(rows, k, generator=g).bfloat16()
-        out = skinny_gemm.skinny_linear(x, packed, amx_kernel)
+        out = skinny_gemm.skinny_linear(x, packed, kernel)
         assert out.shape == (rows, n)
         assert_bf16_close(out, x, w, b, f"{rows} rows")
 
 
-def test_bf16_amx_rows_are_batch_invariant_bit_for_bit(amx_kernel):
+def test_bf16_rows_are_batch_invariant_bit_for_bit(bf16_kernel):
+    kernel, pack = bf16_kernel
     g = torch.Generator().manual_seed(7)
     x, w = torch.randn(45, 576, generator=g).bfloat16(), torch.randn(200, 576, generator=g).bfloat16()
-    packed = skinny_gemm.pack_panels_bf16(w, torch.randn(200, generator=g))
-    assert_batch_invariant(x, packed, amx_kernel, singles=(0, 15, 16, 31, 32, 44), part=(3, 40))
+    packed = pack(w, torch.randn(200, generator=g))
+    assert_batch_invariant(x, packed, kernel, singles=(0, 7, 8, 15, 16, 31, 32, 44), part=(3, 40))
 
 
-def test_bf16_amx_strided_rows_and_bad_input(amx_kernel):
+def test_bf16_strided_rows_special_values_and_bad_input(bf16_kernel):
+    kernel, pack = bf16_kernel
     g = torch.Generator().manual_seed(9)
     wide, w = torch.randn(20, 200, generator=g).bfloat16(), torch.randn(40, 64, generator=g).bfloat16()
-    x = wide[:, 8:72]  # row stride 200, 20 rows (padded by the caller to 32)
-    packed = skinny_gemm.pack_panels_bf16(w, None)
-    assert_bf16_close(skinny_gemm.skinny_linear(x, packed, amx_kernel), x, w, None, "strided")
+    x = wide[:, 8:72]  # row stride 200, 20 rows (padded to 32 by the AMX caller)
+    packed = pack(w, None)
+    assert_bf16_close(skinny_gemm.skinny_linear(x, packed, kernel), x, w, None, "strided")
+    special = torch.zeros(3, 64).bfloat16()
+    special[0, 5], special[1, 2] = float("inf"), float("nan")
+    out = skinny_gemm.skinny_linear(special, pack(torch.ones(40, 64).bfloat16(), None), kernel)
+    assert torch.isinf(out[0]).all() and torch.isnan(out[1]).all() and (out[2] == 0).all()
     with pytest.raises(ValueError, match="skinny_linear: x must be"):
-        skinny_gemm.skinny_linear(torch.randn(2, 64), packed, amx_kernel)  # float32 x, bfloat16 weight
-    with pytest.raises(ValueError, match="in_features must be a multiple of 32"):
-        skinny_gemm.pack_panels_bf16(torch.randn(8, 40).bfloat16(), None)
+        skinny_gemm.skinny_linear(torch.randn(2, 64), packed, kernel)  # float32 x, bfloat16 weight
+    with pytest.raises(ValueError, match="in_features must be"):
+        pack(torch.randn(8, 41).bfloat16(), None)
 
 
-def test_bf16_linear_uses_amx_for_decode_rows_and_onednn_above(amx_kernel, monkeypatch):
+def test_bf16_pairs_layout_needs_its_kernel():
+    """A bfloat16 pairs weight given to a build without AVX512-BF16 (the AVX2 one) is refused, not
+    run through another kernel's layout."""
+    avx2 = skinny_gemm.load_kernel(BUILDS["avx2"])
+    if avx2 is None:
+        pytest.skip("no C compiler for the skinny GEMM kernel")
+    assert not avx2.bf16_dp
+    packed = skinny_gemm.pack_panels_bf16_pairs(torch.randn(8, 64).bfloat16(), None)
+    with pytest.raises(ValueError, match="needs the AVX512-BF16 kernel"):
+        skinny_gemm.skinny_linear(torch.randn(2, 64).bfloat16(), packed, avx2)
+
+
+def test_bf16_linear_uses_its_kernel_for_decode_rows_and_onednn_above(bf16_kernel, monkeypatch):
     if not torch.backends.mkldnn.is_available():
         pytest.skip("needs oneDNN")
+    kernel, pack = bf16_kernel
+    if pack is skinny_gemm.pack_panels_bf16_pairs and kernel.amx:
+        pytest.skip("Linear packs for AMX where it is granted")
+    max_rows = next(m for p, m in BF16_KERNELS.values() if p is pack)
     skinny_gemm.set_enabled(None)
     torch.manual_seed(1)
     layer = Linear(64, 100, bias=True).to(torch.bfloat16)
@@ -270,7 +304,7 @@ def test_bf16_linear_uses_amx_for_decode_rows_and_onednn_above(amx_kernel, monke
     monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a: calls.append(a[0].shape[0]) or original(*a))
     w, b = layer.weight.detach(), layer.bias.detach().float()
     with torch.no_grad():
-        for rows in (1, skinny_gemm.MAX_ROWS_BF16, skinny_gemm.MAX_ROWS_BF16 + 1):
+        for rows in (1, max_rows, max_rows + 1):
             x = torch.randn(rows, 64).bfloat16()
             assert_bf16_close(layer(x), x, w, b, f"{rows} rows")
-    assert calls == [1, skinny_gemm.MAX_ROWS_BF16]
+    assert calls == [1, max_rows]

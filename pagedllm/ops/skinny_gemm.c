@@ -37,8 +37,13 @@
 #else
 #define SG_AMX 0
 #endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define SG_DP 1 /* the bfloat16 dot-product kernel (vdpbf16ps) */
+#else
+#define SG_DP 0
+#endif
 
-#define SKINNY_GEMM_ABI_VERSION 2
+#define SKINNY_GEMM_ABI_VERSION 3
 
 #if defined(__AVX512F__)
 #define SG_W 16 /* lanes per vector */
@@ -49,7 +54,9 @@
 #endif
 #define SG_NB 3                /* vectors of output columns per tile */
 #define SG_NR (SG_W * SG_NB)   /* output columns per panel */
+#ifndef SG_PREFETCH_ROWS
 #define SG_PREFETCH_ROWS 32    /* panel rows read ahead on the first walk (6 KiB with AVX-512) */
+#endif
 
 typedef float sg_vec __attribute__((vector_size(SG_W * sizeof(float))));
 
@@ -305,6 +312,136 @@ int skinny_gemm_bf16_amx(const uint16_t *x, ptrdiff_t x_stride, const uint16_t *
             }
         }
         _tile_release();
+    }
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)out_stride, (void)M, (void)N, (void)K,
+        (void)num_threads;
+    return -1;
+#endif
+}
+
+
+/* ---- bfloat16 on AVX512-BF16 (no AMX) ---------------------------------------------------------
+ *
+ * out[M, N] (bfloat16) = x[M, K] (bfloat16) @ w[N, K]^T (+ bias[N], float32), for CPUs with
+ * AVX512-BF16 and without AMX (AMD Zen 4/5, Intel Cooper Lake). vdpbf16ps multiplies 16 pairs of
+ * bfloat16 and adds both products to 16 float32 accumulators: one instruction does two k steps of
+ * the float32 kernel's FMA on half the weight bytes. K must be even.
+ *
+ * Packed weight: the float32 kernel's panels of SG_NR = 48 output columns, each K / 2 rows of
+ * 48 (k, k + 1) pairs: row k2 holds w[c, 2 k2] and w[c, 2 k2 + 1] for c = 0..47, so a row is
+ * 192 bytes like a float32 panel row and the same walk and prefetch schedule apply (MR = 8 rows
+ * of x per walk, 3 vectors of columns: 24 accumulators + 3 weights + 1 broadcast registers).
+ *
+ * Numerics: each output element is bias + the float32 sum over k2 = 0..K/2-1, in that order, of
+ * the pair products, rounded once to bfloat16 at the end (torch's rounding, native_simd.h):
+ * batch-invariant like the float32 kernel. vdpbf16ps treats subnormal inputs as zero and flushes
+ * subnormal results (Intel SDM), far below bfloat16's resolution of a sum. */
+#if SG_DP
+#define SG_DP_NB 3
+#define SG_DP_NR (16 * SG_DP_NB) /* = SG_NR of the AVX-512 build: the walks share its prefetch schedule */
+#define SG_DP_MR 8
+
+static inline __attribute__((always_inline)) void sg_dp_tile(const uint16_t *x, ptrdiff_t x_stride,
+                                                             const uint16_t *panel, int K2, const float *bias,
+                                                             uint16_t *out, ptrdiff_t out_stride, const int rows,
+                                                             int cols, const int prefetch, const char *next,
+                                                             const char *next_end, int next_lines) {
+    __m512 acc[SG_DP_MR][SG_DP_NB];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < SG_DP_NB; j++)
+            acc[r][j] = _mm512_setzero_ps();
+    for (int k2 = 0; k2 < K2; k2++) {
+        const uint16_t *w = panel + (ptrdiff_t)k2 * 2 * SG_DP_NR;
+        if (prefetch) {
+            for (int j = 0; j < SG_DP_NB; j++)
+                __builtin_prefetch(w + SG_PREFETCH_ROWS * 2 * SG_DP_NR + j * 32, 0, 3);
+        } else if (next) {
+            for (int l = 0; l < next_lines; l++) {
+                const char *line = next + ((ptrdiff_t)k2 * next_lines + l) * 64;
+                if (line < next_end)
+                    __builtin_prefetch(line, 0, 2);
+            }
+        }
+        __m512bh wv[SG_DP_NB];
+        for (int j = 0; j < SG_DP_NB; j++)
+            wv[j] = (__m512bh)_mm512_loadu_si512((const void *)(w + j * 32));
+        for (int r = 0; r < rows; r++) {
+            uint32_t pair; /* x[r, 2 k2] and x[r, 2 k2 + 1], broadcast to every lane */
+            memcpy(&pair, x + r * x_stride + 2 * k2, sizeof pair);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int j = 0; j < SG_DP_NB; j++)
+                acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, wv[j]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        for (int j = 0; j < SG_DP_NB && 16 * j < cols; j++) {
+            v16f v = (v16f)acc[r][j];
+            if (bias)
+                v += load_f32(bias + 16 * j);
+            uint16_t *o = out + r * out_stride + 16 * j;
+            if (16 * (j + 1) <= cols) {
+                store_bf16(o, v);
+            } else {
+                for (int c = 16 * j; c < cols; c++)
+                    o[c - 16 * j] = f32_to_bf16(v[c - 16 * j]);
+            }
+        }
+    }
+}
+
+#define SG_DP_TILE(R, PF) sg_dp_tile(xr, x_stride, panel, K / 2, b, o, out_stride, R, cols, PF, next, next_end, next_lines)
+#define SG_DP_ROWS_CASE(R)                                                                                         \
+    case R:                                                                                                        \
+        if (first) SG_DP_TILE(R, 1); else SG_DP_TILE(R, 0);                                                        \
+        break;
+#endif
+
+/* 1: this build has the AVX512-BF16 kernel (skinny_gemm_bf16_dp runs); 0: it returns -1. */
+int pagedllm_skinny_gemm_bf16_dp_available(void) { return SG_DP; }
+
+/* out[m, n] = round_bf16(bias[n] + sum_k x[m, k] * w[n, k]) for m < M, n < N (see above).
+ *   x: M rows of K bfloat16 (K even), row stride x_stride (elements); out: M rows, stride out_stride.
+ *   packed: ceil(N / 48) panels of K / 2 rows of 48 bfloat16 pairs. bias: NULL or ceil(N / 48) * 48
+ *   float32. Returns 0, or -1 when this build has no AVX512-BF16 (nothing written). */
+int skinny_gemm_bf16_dp(const uint16_t *x, ptrdiff_t x_stride, const uint16_t *packed, const float *bias,
+                        uint16_t *out, ptrdiff_t out_stride, int M, int N, int K, int num_threads) {
+#if SG_DP
+    const int panels = (N + SG_DP_NR - 1) / SG_DP_NR;
+    const int tiles = (M + SG_DP_MR - 1) / SG_DP_MR;
+    const ptrdiff_t panel_lines = ((ptrdiff_t)K * SG_DP_NR * (ptrdiff_t)sizeof(uint16_t) + 63) / 64;
+    const int K2 = K / 2;
+    /* As in skinny_gemm_f32: the later walks pull the next panel into L2, spread over their k steps. */
+    const int next_lines = tiles > 1 ? (int)((panel_lines + (ptrdiff_t)(tiles - 1) * K2 - 1) /
+                                             ((ptrdiff_t)(tiles - 1) * K2)) : 0;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+    for (int p = 0; p < panels; p++) {
+        const uint16_t *panel = packed + (ptrdiff_t)p * K * SG_DP_NR;
+        const float *b = bias ? bias + (ptrdiff_t)p * SG_DP_NR : NULL;
+        const int cols = N - p * SG_DP_NR < SG_DP_NR ? N - p * SG_DP_NR : SG_DP_NR;
+        const char *next_panel = p + 1 < panels ? (const char *)(panel + (ptrdiff_t)K * SG_DP_NR) : NULL;
+        const char *next_end = next_panel ? next_panel + panel_lines * 64 : NULL;
+        for (int m0 = 0; m0 < M; m0 += SG_DP_MR) {
+            const uint16_t *xr = x + (ptrdiff_t)m0 * x_stride;
+            uint16_t *o = out + (ptrdiff_t)m0 * out_stride + (ptrdiff_t)p * SG_DP_NR;
+            const int first = m0 == 0;
+            const char *next = first || !next_panel
+                                   ? NULL
+                                   : next_panel + (ptrdiff_t)(m0 / SG_DP_MR - 1) * K2 * next_lines * 64;
+            switch (M - m0 < SG_DP_MR ? M - m0 : SG_DP_MR) {
+                SG_DP_ROWS_CASE(8)
+                SG_DP_ROWS_CASE(7)
+                SG_DP_ROWS_CASE(6)
+                SG_DP_ROWS_CASE(5)
+                SG_DP_ROWS_CASE(4)
+                SG_DP_ROWS_CASE(3)
+                SG_DP_ROWS_CASE(2)
+                default:
+                    if (first) SG_DP_TILE(1, 1); else SG_DP_TILE(1, 0);
+                    break;
+            }
+        }
     }
     return 0;
 #else

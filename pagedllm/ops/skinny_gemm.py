@@ -13,12 +13,17 @@ torch's matmul. Two kernels:
   bias added in float32, one rounding to bfloat16 (torch's rounding) at the end; batch-invariant
   too. Linux grants a process AMX's tile state only on request (``arch_prctl``): the library asks
   when it loads, and the kernel is off where that fails or the CPU has no AMX.
+- bfloat16 without AMX (:data:`MAX_ROWS_BF16_DP` rows, K even): AVX512-BF16's ``vdpbf16ps``
+  (pairs of bfloat16 products into float32 lanes; AMD Zen 4/5, Intel Cooper Lake), the same
+  accumulation, bias and rounding contract as the AMX kernel, batch-invariant. Used where AMX is
+  not granted and the build has AVX512-BF16.
 
 Switch: ``PAGEDLLM_SKINNY_GEMM`` in the environment (read at the first :func:`pack`), or
 :func:`set_enabled`: ``0`` keeps the weights for oneDNN instead (``Linear.pack_for_cpu``); ``1``
 uses the float32 kernel on any CPU; unset uses it where its build has 16-lane vectors (AVX-512F),
 the hosts it was measured faster on (on AVX2-only hosts it is correct but not measured against
-oneDNN). The bfloat16 kernel runs wherever AMX is granted unless the switch is ``0``. Both are
+oneDNN). The bfloat16 kernels run wherever AMX is granted or AVX512-BF16 is built unless the
+switch is ``0``. Both are
 skipped when the C library cannot be built (one warning).
 """
 
@@ -39,23 +44,26 @@ from pagedllm.ops import recording
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_ROWS", "MAX_ROWS_BF16", "SKINNY_GEMM_ENV", "SkinnyGemmKernel", "SkinnyWeight", "enabled",
-           "load_kernel", "pack", "pack_panels", "pack_panels_bf16", "set_enabled", "skinny_linear"]
+__all__ = ["MAX_ROWS", "MAX_ROWS_BF16", "MAX_ROWS_BF16_DP", "SKINNY_GEMM_ENV", "SkinnyGemmKernel", "SkinnyWeight",
+           "enabled", "load_kernel", "pack", "pack_panels", "pack_panels_bf16", "pack_panels_bf16_pairs",
+           "set_enabled", "skinny_linear"]
 
 SKINNY_GEMM_ENV = "PAGEDLLM_SKINNY_GEMM"
 # Rows up to which each kernel beats oneDNN's prepacked linear on SmolLM2's projections
 # with the weights coming from memory (benchmarks/skinny_gemm.py); above, torch's matmul is used.
 MAX_ROWS = 128
 MAX_ROWS_BF16 = 64
+MAX_ROWS_BF16_DP = 128
 _AMX_PANEL, _AMX_K_BLOCK, _AMX_ROW_BLOCK = 32, 32, 16  # skinny_gemm.c's SG_AMX_NR, SG_AMX_KB, tile rows
+_DP_PANEL = 48  # skinny_gemm.c's SG_DP_NR
 _SOURCE = Path(__file__).with_name("skinny_gemm.c")
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 # The kernels run outside torch's operators: under torch's profiler each call is recorded as a range
 # of this name, so profiles count it as a matmul (benchmarks/step_profile.py, long_context.py).
 PROFILER_EVENT = "pagedllm::skinny_gemm"
 _profiling = torch._C._autograd._profiler_enabled
 _p, _i, _ssize = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t
-# skinny_gemm_f32 / skinny_gemm_bf16_amx(x, x_stride, packed, bias, out, out_stride, M, N, K, num_threads)
+# skinny_gemm_f32 / skinny_gemm_bf16_amx / skinny_gemm_bf16_dp(x, x_stride, packed, bias, out, out_stride, M, N, K, num_threads)
 _GEMM_ARGS = [_p, _ssize, _p, _p, _p, _ssize, _i, _i, _i, _i]
 
 
@@ -66,10 +74,12 @@ class SkinnyWeight:
     Attributes:
         panels: float32 (ceil(N / W), K, W), W consecutive output columns per panel (W: the float32
             kernel's panel width, 48 with AVX-512, 24 without); or bfloat16 (ceil(N / 32), K / 32, 2,
-            16, 16, 2), the AMX kernel's tiles. Contiguous, zero past N.
+            16, 16, 2), the AMX kernel's tiles; or bfloat16 (ceil(N / 48), K / 2, 48, 2), the
+            AVX512-BF16 kernel's pairs. Contiguous, zero past N.
         bias: (panels * W,) float32 zero-padded, or None.
         out_features: N. in_features: K.
         max_rows: the most rows :class:`~pagedllm.models.layers.linear.Linear` sends it.
+        layout: ``"f32"``, ``"amx"`` or ``"bf16_pairs"``: which kernel reads ``panels``.
     """
 
     panels: torch.Tensor
@@ -77,6 +87,7 @@ class SkinnyWeight:
     out_features: int
     in_features: int
     max_rows: int
+    layout: str = "f32"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -90,24 +101,27 @@ class SkinnyWeight:
 
 
 class SkinnyGemmKernel:
-    """The loaded C library: ``gemm_f32`` and ``gemm_bf16_amx`` (ctypes, they release the GIL), the
-    float32 kernel's ``panel_width`` (output columns per packed panel) and ``vector_width`` (float32
-    lanes of the build), and ``amx`` (whether the AMX tile state was granted: the bfloat16 kernel
-    can run)."""
+    """The loaded C library: ``gemm_f32``, ``gemm_bf16_amx`` and ``gemm_bf16_dp`` (ctypes, they
+    release the GIL), the float32 kernel's ``panel_width`` (output columns per packed panel) and
+    ``vector_width`` (float32 lanes of the build), ``amx`` (whether the AMX tile state was granted:
+    the AMX bfloat16 kernel can run) and ``bf16_dp`` (whether the build has the AVX512-BF16 one)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         lib.pagedllm_skinny_gemm_abi_version.restype = _i
         if lib.pagedllm_skinny_gemm_abi_version() != _ABI_VERSION:
             raise OSError(f"{_SOURCE.name}: ABI version mismatch")
-        for name in ("panel_width", "vector_width", "amx_init"):
+        for name in ("panel_width", "vector_width", "amx_init", "bf16_dp_available"):
             getattr(lib, f"pagedllm_skinny_gemm_{name}").restype = _i
         self.panel_width: int = lib.pagedllm_skinny_gemm_panel_width()
         self.vector_width: int = lib.pagedllm_skinny_gemm_vector_width()
         self.amx: bool = lib.pagedllm_skinny_gemm_amx_init() == 1
+        self.bf16_dp: bool = lib.pagedllm_skinny_gemm_bf16_dp_available() == 1
         self.gemm_f32 = lib.skinny_gemm_f32
         self.gemm_f32.argtypes, self.gemm_f32.restype = _GEMM_ARGS, None
         self.gemm_bf16_amx = lib.skinny_gemm_bf16_amx
         self.gemm_bf16_amx.argtypes, self.gemm_bf16_amx.restype = _GEMM_ARGS, _i
+        self.gemm_bf16_dp = lib.skinny_gemm_bf16_dp
+        self.gemm_bf16_dp.argtypes, self.gemm_bf16_dp.restype = _GEMM_ARGS, _i
         self._lib = lib  # keep the library loaded
 
 
@@ -141,7 +155,7 @@ def _get_kernel() -> SkinnyGemmKernel | None:
 
 def enabled(dtype: torch.dtype = torch.float32) -> bool:
     """Whether :func:`pack` packs weights of ``dtype``: the switch (see the module docstring) and a
-    kernel that builds, loads and (bfloat16) has AMX.
+    kernel that builds, loads and (bfloat16) has AMX or AVX512-BF16.
 
     Raises:
         ValueError: ``PAGEDLLM_SKINNY_GEMM`` is set to something else than 0 or 1.
@@ -156,7 +170,7 @@ def enabled(dtype: torch.dtype = torch.float32) -> bool:
     if kernel is None:
         return False
     if dtype == torch.bfloat16:
-        return kernel.amx
+        return kernel.amx or kernel.bf16_dp
     return dtype == torch.float32 and (_forced or kernel.vector_width >= _AUTO_VECTOR_WIDTH)
 
 
@@ -170,12 +184,14 @@ def set_enabled(value: bool | None) -> None:
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> SkinnyWeight | None:
     """``weight`` (N, K) and ``bias`` (N,) packed for :func:`skinny_linear`, or None when no kernel
     applies: not 2-D float32/bfloat16 on the CPU, :func:`enabled` false for its dtype, or a
-    bfloat16 K that is not a multiple of 32. The packed copy has no autograd link to ``weight``
+    bfloat16 K that the kernel cannot take (AMX: a multiple of 32; AVX512-BF16: even). The packed copy has no autograd link to ``weight``
     (inference only; ``Linear.forward`` keeps grad-tracked inputs on ``F.linear``)."""
     if weight.dim() != 2 or weight.device.type != "cpu" or not enabled(weight.dtype):
         return None
     if weight.dtype == torch.bfloat16:
-        return pack_panels_bf16(weight, bias) if weight.shape[1] % _AMX_K_BLOCK == 0 else None
+        if _get_kernel().amx:
+            return pack_panels_bf16(weight, bias) if weight.shape[1] % _AMX_K_BLOCK == 0 else None
+        return pack_panels_bf16_pairs(weight, bias) if weight.shape[1] % 2 == 0 else None
     return pack_panels(weight, bias, _get_kernel().panel_width)
 
 
@@ -209,7 +225,25 @@ def pack_panels_bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> SkinnyW
         padded = F.pad(weight.detach(), (0, 0, 0, panels * _AMX_PANEL - n))
         # (panel, tile, column, k block, pair row, pair) -> (panel, k block, tile, pair row, column, pair)
         packed = padded.view(panels, 2, 16, k // _AMX_K_BLOCK, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
-    return SkinnyWeight(packed, _padded_bias(bias, panels * _AMX_PANEL), n, k, MAX_ROWS_BF16)
+    return SkinnyWeight(packed, _padded_bias(bias, panels * _AMX_PANEL), n, k, MAX_ROWS_BF16, "amx")
+
+
+def pack_panels_bf16_pairs(weight: torch.Tensor, bias: torch.Tensor | None) -> SkinnyWeight:
+    """bfloat16 ``weight`` (N, K), K even, in the AVX512-BF16 kernel's panels: 48 output columns per
+    panel, K / 2 rows of 48 (k, k + 1) pairs (``skinny_gemm.c``).
+
+    Raises:
+        ValueError: K is odd.
+    """
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"pack_panels_bf16_pairs: in_features must be even, got {k}")
+    panels = -(-n // _DP_PANEL)
+    with torch.no_grad():
+        padded = F.pad(weight.detach(), (0, 0, 0, panels * _DP_PANEL - n))
+        # (panel, column, k pair, pair) -> (panel, k pair, column, pair)
+        packed = padded.view(panels, _DP_PANEL, k // 2, 2).transpose(1, 2).contiguous()
+    return SkinnyWeight(packed, _padded_bias(bias, panels * _DP_PANEL), n, k, MAX_ROWS_BF16_DP, "bf16_pairs")
 
 
 def skinny_linear(x: torch.Tensor, weight: SkinnyWeight, kernel: SkinnyGemmKernel | None = None) -> torch.Tensor:
@@ -219,7 +253,7 @@ def skinny_linear(x: torch.Tensor, weight: SkinnyWeight, kernel: SkinnyGemmKerne
 
     Raises:
         ValueError: x is not 2-D of the weight's dtype with ``weight.in_features`` columns and unit
-            column stride; or a bfloat16 weight and a kernel without AMX.
+            column stride; or a bfloat16 weight whose kernel ``kernel`` lacks (AMX, AVX512-BF16).
     """
     if x.dim() != 2 or x.dtype != weight.dtype or x.shape[1] != weight.in_features or x.stride(1) != 1 \
             or not x.is_cpu:
@@ -230,12 +264,16 @@ def skinny_linear(x: torch.Tensor, weight: SkinnyWeight, kernel: SkinnyGemmKerne
     out = torch.empty(m, weight.out_features, dtype=x.dtype)
     if not m:
         return out
-    if x.dtype == torch.bfloat16:
+    if weight.layout == "amx":
         if not kernel.amx:
             raise ValueError("skinny_linear: a bfloat16 weight needs the AMX kernel, not granted here")
         gemm = kernel.gemm_bf16_amx
         if m % _AMX_ROW_BLOCK:  # the kernel loads x in tiles of 16 rows
             x = _padded_rows(x, _AMX_ROW_BLOCK - m % _AMX_ROW_BLOCK)
+    elif weight.layout == "bf16_pairs":
+        if not kernel.bf16_dp:
+            raise ValueError("skinny_linear: a bfloat16 pairs weight needs the AVX512-BF16 kernel, not built here")
+        gemm = kernel.gemm_bf16_dp
     else:
         gemm = kernel.gemm_f32
     bias = weight.bias

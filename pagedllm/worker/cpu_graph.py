@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.models.layers.linear import packing_generation
 from pagedllm.ops.recording import Recording, recording
 
 logger = logging.getLogger("pagedllm")
@@ -214,6 +215,8 @@ class CpuDecodeGraphs:
         self.num_captured = 0
         self.num_replayed = 0
         self._last_key: tuple[int, int] | None = None
+        self._generation = packing_generation()  # the linears' packing the graphs were recorded against
+        self._eager = False  # a repacking left some decoder linear without its skinny weight
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -238,10 +241,18 @@ class CpuDecodeGraphs:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The model's final hidden states, (T, hidden), for a decode-only step (:meth:`can_run`),
         called inside the step's ``set_forward_context``: replayed when this size was
-        captured, captured on its second consecutive step, else eager."""
+        captured, captured on its second consecutive step, else eager. After any linear was
+        packed again (``packing_generation`` changed) every graph is dropped first, and the
+        steps stay eager if the new packing is not one :meth:`supports`."""
+        if packing_generation() != self._generation:  # a replay would call the old packed copies
+            self.clear()
+            self._generation = packing_generation()
+            self._eager = not self.supports(self.model)
         key = (int(input_ids.shape[0]), torch.get_num_threads())
         hidden = self.model.model.embed_tokens(input_ids)  # (T, hidden)
         cos_sin = self.model.rope_rows(positions)
+        if self._eager:
+            return self.model.model.forward_layers(hidden, cos_sin)
         graph = self.graphs.get(key)
         if graph is not None:
             self.graphs.move_to_end(key)

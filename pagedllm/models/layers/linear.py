@@ -84,7 +84,7 @@ class Linear(nn.Linear):
         matmuls of many rows computed in bfloat16 (see the class docstring; opt-in).
         ``batch_hint``: the row count oneDNN's layout is chosen for.
         """
-        self.unpack()
+        self.unpack()  # (counts as a packing change: see packing_generation)
         w = getattr(self, "weight", None)
         if w is None or self.quant_method is not None or w.device.type != "cpu" \
                 or w.dtype not in (torch.float32, torch.bfloat16):
@@ -111,9 +111,21 @@ class Linear(nn.Linear):
 
     def unpack(self) -> None:
         """Back to the plain ``F.linear`` path."""
+        global _packing_generation
+        _packing_generation += 1
         self.packed_weight = None
         self.skinny_weight = None
         self.bf16_math = False
+
+
+_packing_generation = 0  # bumped by every Linear.unpack (so by every pack_for_cpu too)
+
+
+def packing_generation() -> int:
+    """A counter that changes whenever any :class:`Linear` is packed or unpacked: what was recorded
+    against the packed copies (CPU decode graphs, :mod:`pagedllm.worker.cpu_graph`) is stale once
+    it differs from the value seen at recording."""
+    return _packing_generation
 
 
 FP32_ROWS_ENV = "PAGEDLLM_CPU_FP32_PREFILL_LINEAR"
