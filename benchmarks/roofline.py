@@ -3,7 +3,7 @@
 Measures, with torch on this machine (default: all cores torch uses):
 
 1. matmul rate (GFLOP/s) in float32 and bfloat16 at every distinct weight shape of
-   SmolLM2-135M (``F.linear``, the op the model runs; bfloat16 goes through oneDNN);
+   SmolLM2-135M (the faster of ``F.linear`` and oneDNN's prepacked linear);
 2. memory bandwidth (GB/s) of one large tensor copy (bytes read + bytes written);
 3. the time of the model's whole stack of weight matmuls (30 layers × q, k, v, o, gate,
    up, down + lm_head, every layer's weights distinct so they stream from memory) at
@@ -73,6 +73,12 @@ class ModelShape:
         """2 FLOP (multiply + add) per weight per token."""
         return 2 * self.num_matmul_params
 
+    @property
+    def prefill_flops_per_token(self) -> int:
+        """A prompt token's matmul FLOP: every layer's projections, no lm_head (only a prompt's
+        last token is sampled, and it is counted as an output token)."""
+        return 2 * (self.num_matmul_params - self.hidden_size * self.vocab_size)
+
     def kv_bytes_per_token(self, elem_size: int) -> int:
         """K and V of one token in every layer, in bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_size
@@ -101,10 +107,16 @@ def _time(fn, min_time_s: float, warmup: int = 2) -> float:
 
 
 def matmul_gflops(dtype: torch.dtype, m: int, k: int, n: int, min_time_s: float) -> float:
-    """GFLOP/s of ``F.linear(x[m, k], w[n, k])`` in ``dtype`` (2·m·k·n FLOP per call)."""
+    """GFLOP/s of the faster of ``F.linear(x[m, k], w[n, k])`` and oneDNN's prepacked linear (the
+    engine's path for prefill rows) in ``dtype``, 2·m·k·n FLOP per call. The faster, because a
+    ceiling is what the machine can do: torch's float32 ``F.linear`` runs MKL, which takes AVX2
+    code paths on AMD CPUs, where oneDNN's is about twice as fast."""
     x = torch.randn(m, k).to(dtype)
     w = torch.randn(n, k).to(dtype)
     t = _time(lambda: F.linear(x, w), min_time_s)
+    if torch.backends.mkldnn.is_available():
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
+        t = min(t, _time(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), min_time_s))
     return 2 * m * k * n / t / 1e9
 
 
@@ -154,6 +166,16 @@ def roofline_tps(batch: int, weight_bytes: int, bandwidth_gbs: float, gflops: fl
     mem_s = (weight_bytes + batch * context_len * kv_bytes_per_token) / (bandwidth_gbs * 1e9)
     compute_s = batch * flops_per_token / (gflops * 1e9)
     return batch / max(mem_s, compute_s)
+
+
+def workload_ceiling(prompt_tokens: int, output_tokens: int, shape: ModelShape, gflops: float) -> dict:
+    """The fastest a workload of ``prompt_tokens`` prefill and ``output_tokens`` decode tokens can
+    run at ``gflops`` (the matmul rate at the largest batch): its matmul FLOP over that rate,
+    attention and everything else taken as free. Returns seconds and output tokens/s."""
+    flop = prompt_tokens * shape.prefill_flops_per_token + output_tokens * shape.flops_per_token
+    seconds = flop / (gflops * 1e9)
+    return {"prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "matmul_tflop": round(flop / 1e12, 3),
+            "min_seconds": round(seconds, 2), "max_output_tokens_per_s": round(output_tokens / seconds, 1)}
 
 
 def load_engine_tps(path: Path) -> dict:
@@ -259,6 +281,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="the engine's prompt+output tokens/s to place against the ceiling")
     p.add_argument("--engine-dtype", default="float32", help="dtype of --engine-tps")
     p.add_argument("--engine-json", type=Path, default=None, help="a throughput.py JSON record to read the engine's rate from")
+    p.add_argument("--workload", default=None, metavar="PROMPT,OUTPUT",
+                   help="prompt and output token totals of a workload: its matmul-bound ceiling in output tok/s "
+                        "per dtype (e.g. 16384,4096: vLLM's served benchmark of 64 x 256 in / 64 out)")
     p.add_argument("--quick", action="store_true", help="tiny run: batches 1,16,64, short timings")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/roofline.json)")
     p.add_argument("--no-plot", action="store_true")
@@ -283,6 +308,11 @@ def main(argv: list[str] | None = None) -> dict:
         engine = load_engine_tps(args.engine_json)
     if engine:
         result["engine"] = engine_fraction(engine, result)
+    if args.workload:
+        prompt_tokens, output_tokens = (int(v) for v in args.workload.split(","))
+        for d in result["dtypes"].values():
+            d["workload_ceiling"] = workload_ceiling(prompt_tokens, output_tokens, SMOLLM2_135M,
+                                                     d["matmul_gflops_model"])
     path = common.write_result("roofline", result, args.out)
     if not args.no_plot:
         result["cpu"] = common.machine_info()["cpu"]
@@ -294,6 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
                      f"{d['compute_ceiling_tokens_per_s']:.0f} tok/s, matmul stack @B={max(batches)} "
                      f"{d['matmul_stack_tokens_per_s'][str(max(batches))]:.0f} tok/s, @B=1 "
                      f"{d['matmul_stack_tokens_per_s'][str(min(batches))]:.0f} tok/s")
+        if "workload_ceiling" in d:
+            parts.append(f"workload ceiling {d['workload_ceiling']['max_output_tokens_per_s']:.0f} output tok/s")
     if result.get("engine"):
         e = result["engine"]
         parts.append(f"engine {e['engine']['total_tokens_per_s']:.0f} tok/s = "

@@ -106,9 +106,9 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
     for table, part in op_tables:
         for key, fn in table.items():
             table[key] = _cpu_timed(fn, acc, "c_kernels", part=(part, depth[part]))
-    if skinny is not None:  # its gemm_f32 / gemm_bf16_amx: their own part, taken out of "linear"
+    if skinny is not None:  # its gemm_f32 / gemm_bf16_amx / gemm_bf16_dp: their own part, taken out of "linear"
         saved_tables.append((skinny.__dict__, dict(skinny.__dict__)))
-        for key in ("gemm_f32", "gemm_bf16_amx"):
+        for key in ("gemm_f32", "gemm_bf16_amx", "gemm_bf16_dp"):
             setattr(skinny, key, _cpu_timed(_cpu_timed(getattr(skinny, key), acc, "skinny_gemm"), acc, "c_kernels",
                                             part=("skinny_in_linear", [1]), inside=depth["linear"]))
     rotary_apply = RotaryEmbedding.apply

@@ -9,6 +9,7 @@ reference is always the tokenizer's own ``decode`` of the delivered ids, and pla
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import random
@@ -427,3 +428,36 @@ def test_sentencepiece_leading_space_after_skipped_special(sp_tok):
         ids = [hello] * n + [eos, hello]
         detok, deltas, _ = stream(sp_tok, ids)
         assert "".join(deltas) == detok.output_text == hf_decode(sp_tok, ids) == "hello" + " hello" * n
+
+
+# ---- the decode call: the Rust backend where transformers' decode is exactly it ------------------
+@pytest.mark.parametrize("skip", [True, False])
+def test_window_decoder_is_the_tokenizers_decode(tok, skip):
+    """The engine's tokenizer takes the backend path, which gives tokenizer.decode's text on every
+    window of every round-trip string (special tokens in between too)."""
+    from pagedllm.engine.detokenizer import _rust_backend, _window_decoder
+
+    assert _rust_backend(tok) is not None
+    decode = _window_decoder(tok, skip, True)
+    for text in ROUND_TRIP_STRINGS:
+        ids = tok.encode(text) + [IM_END] + tok.encode(text[::-1])
+        for i, j in itertools.combinations(range(len(ids) + 1), 2):
+            if j - i <= 2 * _MAX_WINDOW_TOKENS:
+                assert decode(ids[i:j]) == hf_decode(tok, ids[i:j], skip), (text, i, j)
+
+
+def test_window_decoder_keeps_an_overridden_decode(tok):
+    """A tokenizer class with its own decode (e.g. a chat wrapper post-processing text) is called, not
+    bypassed."""
+    from pagedllm.engine.detokenizer import _rust_backend, _window_decoder
+
+    class Shouting(type(tok)):
+        def decode(self, ids, **kwargs):
+            return super().decode(ids, **kwargs).upper()
+
+    shouting = copy.copy(tok)
+    shouting.__class__ = Shouting
+    assert _rust_backend(shouting) is None
+    assert _window_decoder(shouting, True, True)(tok.encode("Hello there")) == "HELLO THERE"
+    detok, deltas, _ = stream(shouting, tok.encode("Hello there"))
+    assert detok.output_text == "HELLO THERE"
