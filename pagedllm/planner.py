@@ -125,6 +125,9 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     suggested_flags: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # CPU: the copies of the linear weights packed for the matmul kernels (skinny GEMM, oneDNN),
+    # host memory next to weight_bytes (the start-up line's "+ N packed")
+    packed_weight_bytes: int = 0
 
     def to_dict(self) -> dict:
         """A JSON-ready dict (what ``pagedllm plan --json`` prints)."""
@@ -302,6 +305,7 @@ def _compute(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, source: 
     contexts = _context_lens(context_lens, max_model_len)
     dbytes = sizing.dtype_bytes(dtype)
     weights = sizing.weight_bytes(shape, dbytes, inp.quantization, tp)
+    packed = 0 if is_gpu else _cpu_packed_bytes(shape, dtype, inp.quantization, tp)
     act_tokens = min(config.token_budget, max_model_len)
     activations = sizing.activation_bytes(shape, act_tokens, min(act_tokens, config.max_num_seqs), dbytes, tp)
     kv_bytes, scale_bytes = sizing.kv_dtype_bytes(kv_dtype)  # an int8 cache's scales count too
@@ -323,12 +327,14 @@ def _compute(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, source: 
 
     memory = inp.device_memory_bytes if is_gpu else _host_memory_bytes()
     usable = int(memory * config.gpu_memory_utilization) if is_gpu else memory
-    if weights + activations > usable:
+    packed_text = f" + {sizing.format_bytes(packed)} packed for the CPU kernels" if packed else ""
+    if weights + packed + activations > usable:
         what = f"{config.gpu_memory_utilization} x {sizing.format_bytes(memory)}" if is_gpu else "host RAM"
-        problems.append(f"the weights ({sizing.format_bytes(weights)}) and activations "
+        problems.append(f"the weights ({sizing.format_bytes(weights)}{packed_text}) and activations "
                         f"({sizing.format_bytes(activations)}) do not fit in {sizing.format_bytes(usable)} ({what})")
-    elif not is_gpu and weights + activations + spec.num_bytes > usable:
-        problems.append(f"weights + activations + KV cache ({sizing.format_bytes(weights + activations + spec.num_bytes)})"
+    elif not is_gpu and weights + packed + activations + spec.num_bytes > usable:
+        total = sizing.format_bytes(weights + packed + activations + spec.num_bytes)
+        problems.append(f"weights{' + packed copies' if packed else ''} + activations + KV cache ({total})"
                         f" exceed the host RAM ({sizing.format_bytes(usable)})")
     too_small = spec.too_small_message(budget_source)
     if too_small and not problems:
@@ -344,7 +350,7 @@ def _compute(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, source: 
         device_memory_bytes=memory, gpu_memory_utilization=config.gpu_memory_utilization if is_gpu else None,
         dtype=dtype, kv_cache_dtype=kv_dtype, quantization=inp.quantization, tensor_parallel_size=tp,
         block_size=config.block_size, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
-        weight_bytes=weights, activation_bytes=activations, activation_tokens=act_tokens,
+        weight_bytes=weights, packed_weight_bytes=packed, activation_bytes=activations, activation_tokens=act_tokens,
         kv_bytes_per_token=per_token, kv_cache_groups=list(groups), max_chunk_tokens=config.token_budget,
         bytes_per_block=per_block, kv_budget_bytes=budget,
         kv_budget_source=budget_source, num_blocks=num_blocks, num_tokens=spec.num_tokens,
@@ -355,6 +361,23 @@ def _compute(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, source: 
         result.suggested_flags = _suggest(result, shape, config, inp)
         result.notes = _notes(result, source)
     return result
+
+
+def _cpu_packed_bytes(shape: ModelShape, dtype: str, quantization: str | None, tp: int) -> int:
+    """Bytes of the packed copies the CPU loader makes of the linear weights (``Linear.pack_for_cpu``'s
+    rule for this host, :func:`pagedllm.models.layers.linear.cpu_packed_copy_bytes`); 0 for quantized
+    weights or with ``PAGEDLLM_CPU_PACKED_LINEAR=0``. Imports torch (the rule asks the kernels)."""
+    if quantization not in (None, "none") or os.environ.get("PAGEDLLM_CPU_PACKED_LINEAR", "1") == "0":
+        return 0
+    import torch
+
+    from pagedllm.models.layers.linear import cpu_packed_copy_bytes
+
+    torch_dtype = getattr(torch, dtype)
+    *layer, lm_head = shape.linear_shapes()
+    per_layer = sum(cpu_packed_copy_bytes(n, k, torch_dtype, bias) for n, k, bias in layer)
+    head = cpu_packed_copy_bytes(lm_head[0], lm_head[1], torch_dtype, onednn_for_many_rows=False)
+    return -(-(shape.num_layers * per_layer + head) // tp)
 
 
 def _context_lens(context_lens: list[int] | None, max_model_len: int) -> list[int]:
@@ -482,6 +505,8 @@ def render_plan(p: Plan) -> str:
         f"block_size {p.block_size}, max_model_len {p.max_model_len}",
         "",
         f"  weights                 {fb(p.weight_bytes):>12}",
+        *([f"  packed for CPU kernels  {fb(p.packed_weight_bytes):>12}   (copies of the linear weights: skinny GEMM"
+           f" / oneDNN layouts)"] if p.packed_weight_bytes else []),
         f"  activations (estimate)  {fb(p.activation_bytes):>12}   ({p.activation_tokens}-token step)",
         f"  KV cache                {fb(max(p.num_blocks * p.bytes_per_block, 0)):>12}   = {p.num_blocks} blocks x "
         f"{p.block_size} tokens = {p.num_tokens} tokens",

@@ -148,6 +148,15 @@ class ModelShape:
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
         return self.num_layers * per_layer
 
+    def linear_shapes(self) -> list[tuple[int, int, bool]]:
+        """(out_features, in_features, has_bias) of one layer's linear layers as the engine builds
+        them (q/k/v merged, gate/up merged), then the lm_head's: what the CPU kernels pack."""
+        h, hd = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * hd, self.num_kv_heads * hd
+        layer = [(q + 2 * kv, h, self.attention_bias), (h, q, False), (2 * self.intermediate_size, h, False),
+                 (h, self.intermediate_size, False)]
+        return layer + [(self.vocab_size, h, False)]
+
     def param_count(self) -> int:
         """All parameters: ``num_params`` if known, else counted from the shape (embeddings,
         projections, q/k/v biases, norms, lm_head unless tied)."""

@@ -12,6 +12,7 @@ import pytest
 import pagedllm
 from pagedllm import sizing
 from pagedllm.entrypoints.cli import main
+from pagedllm.models.layers.linear import packed_copy_bytes
 from pagedllm.planner import MODEL_SHAPES, plan
 from pagedllm.sizing import kv_bytes_per_token, kv_dtype_bytes
 
@@ -129,7 +130,31 @@ def test_plan_equals_engine_startup(which, options, tiny_model_dir, gqa_model_di
     assert p.max_concurrency == spec.max_concurrency
     assert p.kv_cache_spec().describe() == spec.describe()  # the start-up log line, word for word
     assert p.weight_bytes == engine.runner.weight_bytes()  # exact parameter count from the file headers
+    assert p.packed_weight_bytes == packed_copy_bytes(engine.runner.model) > 0  # the start-up line's "+ N packed"
     assert p.fits
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("skinny", [True, False])
+@pytest.mark.parametrize("onednn_rows", [True, False])
+def test_plan_counts_the_packed_copies_the_loader_makes(dtype, skinny, onednn_rows, gqa_model_dir, monkeypatch):
+    """Every packing rule of this host's CPU loader (the skinny GEMM on or off, float32 prefill rows on
+    oneDNN's copy or not) gives the plan the bytes the loaded model holds next to its parameters; with
+    PAGEDLLM_CPU_PACKED_LINEAR=0 both are 0."""
+    from pagedllm.models.layers import linear
+    from pagedllm.ops import skinny_gemm
+
+    monkeypatch.setattr(linear, "fp32_rows_use_onednn", lambda: onednn_rows)
+    skinny_gemm.set_enabled(skinny)
+    try:
+        options = dict(dtype=dtype, num_kv_blocks=8, max_model_len=128)
+        engine, p = _engine_and_plan(gqa_model_dir, **options)
+        assert p.packed_weight_bytes == packed_copy_bytes(engine.runner.model) > 0
+        monkeypatch.setenv("PAGEDLLM_CPU_PACKED_LINEAR", "0")
+        engine, p = _engine_and_plan(gqa_model_dir, **options)
+        assert p.packed_weight_bytes == packed_copy_bytes(engine.runner.model) == 0
+    finally:
+        skinny_gemm.set_enabled(None)
 
 
 def test_kv_bytes_per_token_by_kv_dtype():
@@ -168,6 +193,7 @@ def test_plan_equals_engine_startup_smollm2(smollm2_path):
     p = pagedllm.plan(str(smollm2_path), device="cpu", max_model_len=2048)
     assert p.kv_cache_spec().describe() == engine.kv_cache_spec.describe()
     assert p.weight_bytes == engine.runner.weight_bytes()
+    assert p.packed_weight_bytes == packed_copy_bytes(engine.runner.model)
 
 
 # ---- the command line -------------------------------------------------------------------------

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_ROWS", "MAX_ROWS_BF16", "MAX_ROWS_BF16_DP", "SKINNY_GEMM_ENV", "SkinnyGemmKernel", "SkinnyWeight",
            "enabled", "load_kernel", "pack", "pack_panels", "pack_panels_bf16", "pack_panels_bf16_pairs",
-           "set_enabled", "skinny_linear"]
+           "packed_nbytes", "packs", "set_enabled", "skinny_linear"]
 
 SKINNY_GEMM_ENV = "PAGEDLLM_SKINNY_GEMM"
 # Rows up to which each kernel beats oneDNN's prepacked linear on SmolLM2's projections
@@ -186,13 +186,38 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> SkinnyWeight
     applies: not 2-D float32/bfloat16 on the CPU, :func:`enabled` false for its dtype, or a
     bfloat16 K that the kernel cannot take (AMX: a multiple of 32; AVX512-BF16: even). The packed copy has no autograd link to ``weight``
     (inference only; ``Linear.forward`` keeps grad-tracked inputs on ``F.linear``)."""
-    if weight.dim() != 2 or weight.device.type != "cpu" or not enabled(weight.dtype):
+    if weight.dim() != 2 or weight.device.type != "cpu" or not packs(weight.dtype, weight.shape[1]):
         return None
     if weight.dtype == torch.bfloat16:
-        if _get_kernel().amx:
-            return pack_panels_bf16(weight, bias) if weight.shape[1] % _AMX_K_BLOCK == 0 else None
-        return pack_panels_bf16_pairs(weight, bias) if weight.shape[1] % 2 == 0 else None
+        return (pack_panels_bf16 if _get_kernel().amx else pack_panels_bf16_pairs)(weight, bias)
     return pack_panels(weight, bias, _get_kernel().panel_width)
+
+
+def packs(dtype: torch.dtype, in_features: int) -> bool:
+    """Whether :func:`pack` packs a CPU weight of ``dtype`` with ``in_features`` columns: :func:`enabled`
+    for the dtype, and a K the kernel takes (bfloat16: a multiple of 32 for AMX, even without it)."""
+    if not enabled(dtype):
+        return False
+    if dtype == torch.bfloat16:
+        return in_features % (_AMX_K_BLOCK if _get_kernel().amx else 2) == 0
+    return True
+
+
+def _panel_width(dtype: torch.dtype) -> int:
+    if dtype == torch.bfloat16:
+        return _AMX_PANEL if _get_kernel().amx else _DP_PANEL
+    return _get_kernel().panel_width
+
+
+def packed_nbytes(out_features: int, in_features: int, dtype: torch.dtype, bias: bool = False) -> int:
+    """Bytes of :func:`pack`'s copy of an ``(out_features, in_features)`` weight of ``dtype`` (with a
+    bias or not) on this host, 0 where :func:`packs` is false: N padded to the kernel's panel width,
+    the bias padded and in float32 (:attr:`SkinnyWeight.nbytes` of the packed result)."""
+    if not packs(dtype, in_features):
+        return 0
+    width = _panel_width(dtype)
+    padded = -(-out_features // width) * width
+    return padded * in_features * (torch.finfo(dtype).bits // 8) + (padded * 4 if bias else 0)
 
 
 def _padded_bias(bias: torch.Tensor | None, length: int) -> torch.Tensor | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -86,22 +87,17 @@ class Linear(nn.Linear):
         """
         self.unpack()  # (counts as a packing change: see packing_generation)
         w = getattr(self, "weight", None)
-        if w is None or self.quant_method is not None or w.device.type != "cpu" \
-                or w.dtype not in (torch.float32, torch.bfloat16):
+        if w is None or self.quant_method is not None or w.device.type != "cpu":
             return False
-        bf16_math = bf16_math and w.dtype == torch.float32 and bf16_math_supported()  # refused: float32 as usual
-        if not bf16_math:
+        plan = cpu_packing(w.dtype, w.shape[1], bf16_math, self.onednn_for_many_rows)
+        if plan.skinny:
             self.skinny_weight = skinny_gemm.pack(w, self.bias)
-            if self.skinny_weight is not None and w.dtype == torch.float32 \
-                    and not (self.onednn_for_many_rows and fp32_rows_use_onednn()):
-                return True  # F.linear takes the rows above MAX_ROWS: as fast as oneDNN here, or rare
-        if not torch.backends.mkldnn.is_available():
-            return self.is_packed  # a bfloat16 skinny copy may stand without oneDNN's
-        try:
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
-        except (RuntimeError, AttributeError):  # a torch build without this private op: stay plain
-            self.packed_weight = None
-        self.bf16_math = bf16_math and self.packed_weight is not None
+        if plan.onednn:
+            try:
+                self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
+            except (RuntimeError, AttributeError):  # a torch build without this private op: stay plain
+                self.packed_weight = None
+        self.bf16_math = plan.bf16_math and self.packed_weight is not None
         return self.is_packed
 
     @property
@@ -116,6 +112,46 @@ class Linear(nn.Linear):
         self.packed_weight = None
         self.skinny_weight = None
         self.bf16_math = False
+
+
+@dataclass(frozen=True)
+class CpuPacking:
+    """The copies :meth:`Linear.pack_for_cpu` keeps of one CPU weight (see :func:`cpu_packing`)."""
+
+    skinny: bool  # a skinny GEMM copy for decode rows
+    onednn: bool  # oneDNN's blocked copy (prefill rows, bf16_math, or everything without the skinny GEMM)
+    bf16_math: bool  # the opt-in float32-as-bfloat16 matmuls (oneDNN copy only)
+
+
+def cpu_packing(dtype: torch.dtype, in_features: int, bf16_math: bool = False,
+                onednn_for_many_rows: bool = True) -> CpuPacking:
+    """Which packed copies :meth:`Linear.pack_for_cpu` makes on this host for a weight of
+    ``dtype`` with ``in_features`` columns: the one rule both the packing and the capacity plan
+    (:func:`cpu_packed_copy_bytes`) follow. float32 with the skinny GEMM keeps no oneDNN copy
+    unless its prefill rows go to oneDNN (:func:`fp32_rows_use_onednn`, ``onednn_for_many_rows``);
+    bfloat16 keeps both (oneDNN for rows above the skinny kernel's); ``bf16_math`` (float32,
+    where supported) only oneDNN's. Other dtypes: none."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return CpuPacking(False, False, False)
+    bf16_math = bf16_math and dtype == torch.float32 and bf16_math_supported()  # refused: float32 as usual
+    skinny = not bf16_math and skinny_gemm.packs(dtype, in_features)
+    # float32 without oneDNN's copy: F.linear takes the rows above MAX_ROWS (as fast as oneDNN here, or rare)
+    skinny_alone = skinny and dtype == torch.float32 and not (onednn_for_many_rows and fp32_rows_use_onednn())
+    onednn = torch.backends.mkldnn.is_available() and not skinny_alone
+    return CpuPacking(skinny, onednn, bf16_math and onednn)
+
+
+def cpu_packed_copy_bytes(out_features: int, in_features: int, dtype: torch.dtype, bias: bool = False,
+                          onednn_for_many_rows: bool = True) -> int:
+    """Bytes :meth:`Linear.pack_for_cpu` would add on this host next to a ``(out_features,
+    in_features)`` weight of ``dtype`` (what :func:`packed_copy_bytes` counts once it has run),
+    without making the copies: for ``pagedllm plan``."""
+    plan = cpu_packing(dtype, in_features, onednn_for_many_rows=onednn_for_many_rows)
+    elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 0
+    total = out_features * in_features * elem if plan.onednn else 0  # oneDNN's blocked layout: no padding
+    if plan.skinny:
+        total += skinny_gemm.packed_nbytes(out_features, in_features, dtype, bias)
+    return total
 
 
 _packing_generation = 0  # bumped by every Linear.unpack (so by every pack_for_cpu too)
