@@ -27,14 +27,15 @@ class Linear(nn.Linear):
     """``nn.Linear`` that can run from a packed copy of its weight on CPU.
 
     :meth:`pack_for_cpu` packs the weight once for the engine's skinny GEMM
-    (:mod:`pagedllm.ops.skinny_gemm`; float32, and bfloat16 where AMX is granted), which runs
+    (:mod:`pagedllm.ops.skinny_gemm`; float32, and bfloat16 on AMX or AVX512-BF16), which runs
     inputs of up to ``skinny_weight.max_rows`` rows (decode steps). Larger inputs (prefill
     chunks) run in float32 ``F.linear`` on Intel CPUs (as fast there as a prepacked oneDNN
     weight) and elsewhere oneDNN from a second copy (:func:`fp32_rows_use_onednn`), and, in
     bfloat16, oneDNN from a second copy reordered into its blocked layout (the same prepacking
     torch.compile's CPU freezing pass does; forward calls the oneDNN linear directly instead of
     re-packing the weight inside every matmul). Without the skinny kernel (off, or ``bf16_math``
-    asked for) only the oneDNN copy is made. Measurements in ``benchmarks/results/``.
+    asked for) only the oneDNN copy is made (:func:`cpu_packing` is the rule). Measurements in
+    ``benchmarks/results/``.
 
     The packed copy lives on the CPU: pack after the model reaches its device (as
     ``load_weights`` does), not before a ``.to("cuda")``.
@@ -80,9 +81,11 @@ class Linear(nn.Linear):
         whether it did.
 
         The packed copies are extra memory (one more copy of the weight; two for bfloat16 with
-        the AMX kernel); ``self.weight`` stays valid, but they do not follow later in-place edits of it: call
-        this again (``load_weights`` does) after changing weights. ``bf16_math``: float32
-        matmuls of many rows computed in bfloat16 (see the class docstring; opt-in).
+        a skinny kernel, and for float32 where prefill rows run oneDNN); ``self.weight`` stays
+        valid, but they do not follow later in-place edits of it: call this again
+        (``load_weights`` does) after changing weights (CPU decode graphs recorded before are
+        then dropped: :func:`packing_generation`). ``bf16_math``: float32 matmuls of many rows
+        computed in bfloat16 (see the class docstring; opt-in).
         ``batch_hint``: the row count oneDNN's layout is chosen for.
         """
         self.unpack()  # (counts as a packing change: see packing_generation)
