@@ -308,3 +308,42 @@ def test_bf16_linear_uses_its_kernel_for_decode_rows_and_onednn_above(bf16_kerne
             x = torch.randn(rows, 64).bfloat16()
             assert_bf16_close(layer(x), x, w, b, f"{rows} rows")
     assert calls == [1, max_rows]
+
+
+def test_bf16_pairs_float32_out_is_the_unrounded_sum(bf16_kernel):
+    """float32_out gives the float32 sums themselves (float32 summation bound of the float64
+    reference, not bfloat16's); other layouts refuse it."""
+    kernel, pack = bf16_kernel
+    g = torch.Generator().manual_seed(11)
+    w, b = torch.randn(100, 96, generator=g).bfloat16(), torch.randn(100, generator=g)
+    packed = pack(w, b)
+    x = torch.randn(21, 96, generator=g).bfloat16()
+    if not skinny_gemm.supports_float32_out(packed):
+        with pytest.raises(ValueError, match="float32_out needs a bfloat16 pairs weight"):
+            skinny_gemm.skinny_linear(x, packed, kernel, float32_out=True)
+        return
+    out = skinny_gemm.skinny_linear(x, packed, kernel, float32_out=True)
+    assert out.dtype == torch.float32 and out.shape == (21, 100)
+    err = (out.double() - reference(x, w, b)).abs().max().item()
+    assert err <= tolerance(x, w) + 4 * torch.finfo(torch.float32).eps * b.abs().max().item()
+    assert (out.bfloat16().float() != out).any()  # not rounded to bfloat16
+    rounded = skinny_gemm.skinny_linear(x, packed, kernel)
+    assert torch.equal(out.bfloat16(), rounded)  # the bfloat16 result is this sum rounded once
+
+
+def test_bf16_lm_head_logits_are_float32_sums_on_the_pairs_kernel(kernel_on):
+    """A bfloat16 LMHead whose skinny weight is the AVX512-BF16 one returns the unrounded float32
+    logits; elsewhere the bfloat16 logits widened."""
+    from pagedllm.models.layers.embedding import LMHead
+
+    torch.manual_seed(2)
+    head = LMHead(64, 300).to(torch.bfloat16)
+    head.pack_for_cpu(64)
+    x = torch.randn(5, 64).bfloat16()
+    with torch.no_grad():
+        logits = head(x)
+    assert logits.dtype == torch.float32
+    pairs = head.skinny_weight is not None and skinny_gemm.supports_float32_out(head.skinny_weight)
+    assert (logits.bfloat16().float() != logits).any() == pairs
+    err = (logits.double() - reference(x, head.weight.detach(), None)).abs().max().item()
+    assert err <= (tolerance(x, head.weight.detach()) if pairs else 2.0 ** -7 * logits.abs().max().item())

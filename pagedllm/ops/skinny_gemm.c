@@ -43,7 +43,7 @@
 #define SG_DP 0
 #endif
 
-#define SKINNY_GEMM_ABI_VERSION 3
+#define SKINNY_GEMM_ABI_VERSION 4
 
 #if defined(__AVX512F__)
 #define SG_W 16 /* lanes per vector */
@@ -345,9 +345,9 @@ int skinny_gemm_bf16_amx(const uint16_t *x, ptrdiff_t x_stride, const uint16_t *
 
 static inline __attribute__((always_inline)) void sg_dp_tile(const uint16_t *x, ptrdiff_t x_stride,
                                                              const uint16_t *panel, int K2, const float *bias,
-                                                             uint16_t *out, ptrdiff_t out_stride, const int rows,
+                                                             void *out, ptrdiff_t out_stride, const int rows,
                                                              int cols, const int prefetch, const char *next,
-                                                             const char *next_end, int next_lines) {
+                                                             const char *next_end, int next_lines, const int out_f32) {
     __m512 acc[SG_DP_MR][SG_DP_NB];
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < SG_DP_NB; j++)
@@ -380,18 +380,24 @@ static inline __attribute__((always_inline)) void sg_dp_tile(const uint16_t *x, 
             v16f v = (v16f)acc[r][j];
             if (bias)
                 v += load_f32(bias + 16 * j);
-            uint16_t *o = out + r * out_stride + 16 * j;
-            if (16 * (j + 1) <= cols) {
-                store_bf16(o, v);
+            const int n = cols - 16 * j < 16 ? cols - 16 * j : 16;
+            if (out_f32) { /* the float32 sum itself, not rounded */
+                memcpy((float *)out + r * out_stride + 16 * j, &v, (size_t)n * sizeof(float));
             } else {
-                for (int c = 16 * j; c < cols; c++)
-                    o[c - 16 * j] = f32_to_bf16(v[c - 16 * j]);
+                uint16_t *o = (uint16_t *)out + r * out_stride + 16 * j;
+                if (n == 16) {
+                    store_bf16(o, v);
+                } else {
+                    for (int c = 0; c < n; c++)
+                        o[c] = f32_to_bf16(v[c]);
+                }
             }
         }
     }
 }
 
-#define SG_DP_TILE(R, PF) sg_dp_tile(xr, x_stride, panel, K / 2, b, o, out_stride, R, cols, PF, next, next_end, next_lines)
+#define SG_DP_TILE(R, PF) \
+    sg_dp_tile(xr, x_stride, panel, K / 2, b, o, out_stride, R, cols, PF, next, next_end, next_lines, out_f32)
 #define SG_DP_ROWS_CASE(R)                                                                                         \
     case R:                                                                                                        \
         if (first) SG_DP_TILE(R, 1); else SG_DP_TILE(R, 0);                                                        \
@@ -401,17 +407,18 @@ static inline __attribute__((always_inline)) void sg_dp_tile(const uint16_t *x, 
 /* 1: this build has the AVX512-BF16 kernel (skinny_gemm_bf16_dp runs); 0: it returns -1. */
 int pagedllm_skinny_gemm_bf16_dp_available(void) { return SG_DP; }
 
-/* out[m, n] = round_bf16(bias[n] + sum_k x[m, k] * w[n, k]) for m < M, n < N (see above).
- *   x: M rows of K bfloat16 (K even), row stride x_stride (elements); out: M rows, stride out_stride.
- *   packed: ceil(N / 48) panels of K / 2 rows of 48 bfloat16 pairs. bias: NULL or ceil(N / 48) * 48
- *   float32. Returns 0, or -1 when this build has no AVX512-BF16 (nothing written). */
-int skinny_gemm_bf16_dp(const uint16_t *x, ptrdiff_t x_stride, const uint16_t *packed, const float *bias,
-                        uint16_t *out, ptrdiff_t out_stride, int M, int N, int K, int num_threads) {
 #if SG_DP
+/* The driver of both entry points below; out_f32 only chooses the store at the end of each tile
+ * (GCC outlines the OpenMP region before inlining, so it is a run-time flag there). */
+static inline __attribute__((always_inline)) void sg_dp_gemm(const uint16_t *x, ptrdiff_t x_stride,
+                                                             const uint16_t *packed, const float *bias, void *out,
+                                                             ptrdiff_t out_stride, int M, int N, int K,
+                                                             int num_threads, const int out_f32) {
     const int panels = (N + SG_DP_NR - 1) / SG_DP_NR;
     const int tiles = (M + SG_DP_MR - 1) / SG_DP_MR;
     const ptrdiff_t panel_lines = ((ptrdiff_t)K * SG_DP_NR * (ptrdiff_t)sizeof(uint16_t) + 63) / 64;
     const int K2 = K / 2;
+    const size_t out_elem = out_f32 ? sizeof(float) : sizeof(uint16_t);
     /* As in skinny_gemm_f32: the later walks pull the next panel into L2, spread over their k steps. */
     const int next_lines = tiles > 1 ? (int)((panel_lines + (ptrdiff_t)(tiles - 1) * K2 - 1) /
                                              ((ptrdiff_t)(tiles - 1) * K2)) : 0;
@@ -424,7 +431,7 @@ int skinny_gemm_bf16_dp(const uint16_t *x, ptrdiff_t x_stride, const uint16_t *p
         const char *next_end = next_panel ? next_panel + panel_lines * 64 : NULL;
         for (int m0 = 0; m0 < M; m0 += SG_DP_MR) {
             const uint16_t *xr = x + (ptrdiff_t)m0 * x_stride;
-            uint16_t *o = out + (ptrdiff_t)m0 * out_stride + (ptrdiff_t)p * SG_DP_NR;
+            void *o = (char *)out + ((ptrdiff_t)m0 * out_stride + (ptrdiff_t)p * SG_DP_NR) * (ptrdiff_t)out_elem;
             const int first = m0 == 0;
             const char *next = first || !next_panel
                                    ? NULL
@@ -443,10 +450,33 @@ int skinny_gemm_bf16_dp(const uint16_t *x, ptrdiff_t x_stride, const uint16_t *p
             }
         }
     }
+}
+#endif
+
+#if SG_DP
+#define SG_DP_BODY(OUT_F32)                                                                                        \
+    sg_dp_gemm(x, x_stride, packed, bias, out, out_stride, M, N, K, num_threads, OUT_F32);                         \
     return 0;
 #else
-    (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)out_stride, (void)M, (void)N, (void)K,
-        (void)num_threads;
+#define SG_DP_BODY(OUT_F32)                                                                                        \
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)out_stride, (void)M, (void)N, (void)K,   \
+        (void)num_threads;                                                                                         \
     return -1;
 #endif
+
+/* out[m, n] = round_bf16(bias[n] + sum_k x[m, k] * w[n, k]) for m < M, n < N (see above).
+ *   x: M rows of K bfloat16 (K even), row stride x_stride (elements); out: M rows, stride out_stride.
+ *   packed: ceil(N / 48) panels of K / 2 rows of 48 bfloat16 pairs. bias: NULL or ceil(N / 48) * 48
+ *   float32. Returns 0, or -1 when this build has no AVX512-BF16 (nothing written). */
+int skinny_gemm_bf16_dp(const uint16_t *x, ptrdiff_t x_stride, const uint16_t *packed, const float *bias,
+                        uint16_t *out, ptrdiff_t out_stride, int M, int N, int K, int num_threads) {
+    SG_DP_BODY(0)
+}
+
+/* The same sums written as float32, not rounded to bfloat16 (out: M rows of float32, stride
+ * out_stride): logits of a bfloat16 model, where bfloat16's 8-bit mantissa would tie tokens whose
+ * logits differ by less than 1/128 of their magnitude. */
+int skinny_gemm_bf16_dp_f32out(const uint16_t *x, ptrdiff_t x_stride, const uint16_t *packed, const float *bias,
+                               float *out, ptrdiff_t out_stride, int M, int N, int K, int num_threads) {
+    SG_DP_BODY(1)
 }

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_ROWS", "MAX_ROWS_BF16", "MAX_ROWS_BF16_DP", "SKINNY_GEMM_ENV", "SkinnyGemmKernel", "SkinnyWeight",
            "enabled", "load_kernel", "pack", "pack_panels", "pack_panels_bf16", "pack_panels_bf16_pairs",
-           "packed_nbytes", "packs", "set_enabled", "skinny_linear"]
+           "packed_nbytes", "packs", "set_enabled", "skinny_linear", "supports_float32_out"]
 
 SKINNY_GEMM_ENV = "PAGEDLLM_SKINNY_GEMM"
 # Rows up to which each kernel beats oneDNN's prepacked linear on SmolLM2's projections
@@ -57,7 +57,7 @@ MAX_ROWS_BF16_DP = 128
 _AMX_PANEL, _AMX_K_BLOCK, _AMX_ROW_BLOCK = 32, 32, 16  # skinny_gemm.c's SG_AMX_NR, SG_AMX_KB, tile rows
 _DP_PANEL = 48  # skinny_gemm.c's SG_DP_NR
 _SOURCE = Path(__file__).with_name("skinny_gemm.c")
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 # The kernels run outside torch's operators: under torch's profiler each call is recorded as a range
 # of this name, so profiles count it as a matmul (benchmarks/step_profile.py, long_context.py).
 PROFILER_EVENT = "pagedllm::skinny_gemm"
@@ -101,8 +101,8 @@ class SkinnyWeight:
 
 
 class SkinnyGemmKernel:
-    """The loaded C library: ``gemm_f32``, ``gemm_bf16_amx`` and ``gemm_bf16_dp`` (ctypes, they
-    release the GIL), the float32 kernel's ``panel_width`` (output columns per packed panel) and
+    """The loaded C library: ``gemm_f32``, ``gemm_bf16_amx``, ``gemm_bf16_dp`` and
+    ``gemm_bf16_dp_f32out`` (the latter's sums as float32; ctypes, they release the GIL), the float32 kernel's ``panel_width`` (output columns per packed panel) and
     ``vector_width`` (float32 lanes of the build), ``amx`` (whether the AMX tile state was granted:
     the AMX bfloat16 kernel can run) and ``bf16_dp`` (whether the build has the AVX512-BF16 one)."""
 
@@ -122,6 +122,8 @@ class SkinnyGemmKernel:
         self.gemm_bf16_amx.argtypes, self.gemm_bf16_amx.restype = _GEMM_ARGS, _i
         self.gemm_bf16_dp = lib.skinny_gemm_bf16_dp
         self.gemm_bf16_dp.argtypes, self.gemm_bf16_dp.restype = _GEMM_ARGS, _i
+        self.gemm_bf16_dp_f32out = lib.skinny_gemm_bf16_dp_f32out
+        self.gemm_bf16_dp_f32out.argtypes, self.gemm_bf16_dp_f32out.restype = _GEMM_ARGS, _i
         self._lib = lib  # keep the library loaded
 
 
@@ -271,22 +273,33 @@ def pack_panels_bf16_pairs(weight: torch.Tensor, bias: torch.Tensor | None) -> S
     return SkinnyWeight(packed, _padded_bias(bias, panels * _DP_PANEL), n, k, MAX_ROWS_BF16_DP, "bf16_pairs")
 
 
-def skinny_linear(x: torch.Tensor, weight: SkinnyWeight, kernel: SkinnyGemmKernel | None = None) -> torch.Tensor:
+def supports_float32_out(weight: SkinnyWeight) -> bool:
+    """Whether :func:`skinny_linear` can return ``weight``'s sums unrounded in float32 for bfloat16 x
+    (``float32_out=True``): the AVX512-BF16 kernel's layout."""
+    return weight.layout == "bf16_pairs"
+
+
+def skinny_linear(x: torch.Tensor, weight: SkinnyWeight, kernel: SkinnyGemmKernel | None = None,
+                  float32_out: bool = False) -> torch.Tensor:
     """``x @ W.T + b`` for the packed ``weight``: x (M, K) of ``weight.dtype`` on the CPU, M >= 0,
-    last dim contiguous -> (M, N) of the same dtype, new tensor. ``kernel``: the loaded one by
-    default (tests pass another build).
+    last dim contiguous -> (M, N) of the same dtype, new tensor; with ``float32_out`` (bfloat16
+    pairs weights only, see :func:`supports_float32_out`) the float32 sums, not rounded to bfloat16 (the
+    LM head's logits). ``kernel``: the loaded one by default (tests pass another build).
 
     Raises:
         ValueError: x is not 2-D of the weight's dtype with ``weight.in_features`` columns and unit
-            column stride; or a bfloat16 weight whose kernel ``kernel`` lacks (AMX, AVX512-BF16).
+            column stride; or a bfloat16 weight whose kernel ``kernel`` lacks (AMX, AVX512-BF16);
+            or ``float32_out`` for a weight of another layout.
     """
     if x.dim() != 2 or x.dtype != weight.dtype or x.shape[1] != weight.in_features or x.stride(1) != 1 \
             or not x.is_cpu:
         raise ValueError(f"skinny_linear: x must be (M, {weight.in_features}) {weight.dtype} on the CPU with "
                          f"contiguous rows, got {tuple(x.shape)} {x.dtype} stride {x.stride()} on {x.device}")
+    if float32_out and weight.layout != "bf16_pairs":
+        raise ValueError(f"skinny_linear: float32_out needs a bfloat16 pairs weight, got the {weight.layout} layout")
     kernel = kernel or _kernel[0]
     m = x.shape[0]
-    out = torch.empty(m, weight.out_features, dtype=x.dtype)
+    out = torch.empty(m, weight.out_features, dtype=torch.float32 if float32_out else x.dtype)
     if not m:
         return out
     if weight.layout == "amx":
@@ -298,7 +311,7 @@ def skinny_linear(x: torch.Tensor, weight: SkinnyWeight, kernel: SkinnyGemmKerne
     elif weight.layout == "bf16_pairs":
         if not kernel.bf16_dp:
             raise ValueError("skinny_linear: a bfloat16 pairs weight needs the AVX512-BF16 kernel, not built here")
-        gemm = kernel.gemm_bf16_dp
+        gemm = kernel.gemm_bf16_dp_f32out if float32_out else kernel.gemm_bf16_dp
     else:
         gemm = kernel.gemm_f32
     bias = weight.bias

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.models.layers.linear import Linear
+from pagedllm.ops import skinny_gemm
 
 
 class VocabEmbedding(nn.Embedding):
@@ -27,6 +28,9 @@ class VocabEmbedding(nn.Embedding):
 class LMHead(Linear):
     """hidden (N, hidden) -> logits (N, vocab) float32.
 
+    A bfloat16 head on the AVX512-BF16 skinny GEMM returns the kernel's float32 sums (no rounding
+    to bfloat16 in between; other paths compute in the model dtype and widen, as vLLM does).
+
     With ``soft_cap`` c the logits become ``c * tanh(logits / c)`` (Gemma 2's final-logit
     soft-capping, Gemma Team 2024), computed in the model dtype as transformers does.
     """
@@ -40,6 +44,12 @@ class LMHead(Linear):
         self.soft_cap = soft_cap
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        skinny = None if self.soft_cap is not None or (hidden.requires_grad and torch.is_grad_enabled()) \
+            else self.skinny_for(hidden)
+        if skinny is not None and skinny_gemm.supports_float32_out(skinny):
+            # a bfloat16 model's logits as the kernel's float32 sums: rounded to bfloat16 first, two
+            # tokens whose logits differ by less than 1/128 of their size would tie
+            return skinny_gemm.skinny_linear(hidden, skinny, float32_out=True)
         logits = super().forward(hidden)
         if self.soft_cap is not None:
             logits = torch.tanh(logits / self.soft_cap) * self.soft_cap

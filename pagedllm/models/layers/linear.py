@@ -66,15 +66,23 @@ class Linear(nn.Linear):
             return self.quant_method.apply(self, x)
         if x.requires_grad and torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)  # the packed copies have no autograd link
-        skinny = self.skinny_weight
-        if skinny is not None and x.shape[0] <= skinny.max_rows and x.dtype == skinny.dtype \
-                and x.dim() == 2 and x.stride(1) == 1:
+        skinny = self.skinny_for(x)
+        if skinny is not None:
             return skinny_gemm.skinny_linear(x, skinny)
         if self.packed_weight is not None:
             if self.bf16_math and x.shape[0] >= BF16_MATH_MIN_ROWS and x.dtype == torch.float32:
                 return _packed_linear_bf16_math(x, self.packed_weight, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def skinny_for(self, x: torch.Tensor) -> skinny_gemm.SkinnyWeight | None:
+        """The skinny GEMM weight that runs ``x`` (at most its ``max_rows`` rows, its dtype, 2-D with
+        contiguous rows), or None: oneDNN or ``F.linear`` does."""
+        skinny = self.skinny_weight
+        if skinny is not None and x.shape[0] <= skinny.max_rows and x.dtype == skinny.dtype \
+                and x.dim() == 2 and x.stride(1) == 1:
+            return skinny
+        return None
 
     def pack_for_cpu(self, batch_hint: int, bf16_math: bool = False) -> bool:
         """Pack the weight for the skinny GEMM or oneDNN (CPU, float32/bfloat16 only); returns
