@@ -367,11 +367,14 @@ def _cpu_packed_bytes(shape: ModelShape, dtype: str, quantization: str | None, t
     """Bytes of the packed copies the CPU loader makes of the linear weights (``Linear.pack_for_cpu``'s
     rule for this host, :func:`pagedllm.models.layers.linear.cpu_packed_copy_bytes`); 0 for quantized
     weights or with ``PAGEDLLM_CPU_PACKED_LINEAR=0``. Imports torch (the rule asks the kernels)."""
-    if quantization not in (None, "none") or os.environ.get("PAGEDLLM_CPU_PACKED_LINEAR", "1") == "0":
+    if quantization not in (None, "none"):
         return 0
     import torch
 
-    from pagedllm.models.layers.linear import cpu_packed_copy_bytes
+    from pagedllm.models.layers.linear import PACKED_LINEAR_ENV, cpu_packed_copy_bytes
+
+    if os.environ.get(PACKED_LINEAR_ENV, "1") == "0":
+        return 0
 
     torch_dtype = getattr(torch, dtype)
     *layer, lm_head = shape.linear_shapes()

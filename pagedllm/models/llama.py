@@ -29,9 +29,9 @@ from pagedllm.models.layer_types import layer_types, sliding_windows
 from pagedllm.distributed.parallel_state import heads_per_rank
 from pagedllm.models.layers import (GatedMLP, MergedLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, SelfAttention,
                                     VocabParallelEmbedding, pack_linears_for_cpu, unpack_linears)
+from pagedllm.models.layers.linear import PACKED_LINEAR_ENV
 from pagedllm.models.layers.rotary import rope_parameters
 
-_PACKED_LINEAR_ENV = "PAGEDLLM_CPU_PACKED_LINEAR"
 # opt-in: "bf16" computes float32 models' packed linears in bfloat16 (Linear.bf16_math)
 _FP32_MATMUL_ENV = "PAGEDLLM_CPU_FP32_MATMUL"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints still carry
@@ -293,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
             raise ValueError(f"weights missing from the checkpoint for {type(self).__name__}: {shown}")
-        if os.environ.get(_PACKED_LINEAR_ENV, "1") != "0":
+        if os.environ.get(PACKED_LINEAR_ENV, "1") != "0":
             self.pack_linears_for_cpu(bf16_math=_fp32_matmul_in_bf16())
 
     def pack_linears_for_cpu(self, batch_hint: int = 64, bf16_math: bool = False) -> int:

@@ -86,6 +86,31 @@ int pagedllm_skinny_gemm_vector_width(void) { return SG_W; }
 /* Output columns per packed panel (the packing in skinny_gemm.py asks for it). */
 int pagedllm_skinny_gemm_panel_width(void) { return SG_NR; }
 
+/* The prefetch schedule both kernels share. The walks over a panel after the first read it from L2
+ * and meanwhile pull the next panel (the same thread's, the split being contiguous) into L2, its
+ * panel_lines cache lines spread evenly over those walks' k steps (steps per walk): the next first
+ * walk then finds it there instead of waiting on memory. sg_next_lines: lines per k step. */
+static inline int sg_next_lines(ptrdiff_t panel_lines, int tiles, int steps) {
+    return tiles > 1 ? (int)((panel_lines + (ptrdiff_t)(tiles - 1) * steps - 1) / ((ptrdiff_t)(tiles - 1) * steps))
+                     : 0;
+}
+
+/* Where walk number `walk` (0: the first, which prefetches its own panel instead) starts pulling
+ * the next panel; NULL for the first walk or when there is no next panel. */
+static inline const char *sg_next_start(const char *next_panel, int walk, int steps, int next_lines) {
+    return walk == 0 || !next_panel ? NULL : next_panel + (ptrdiff_t)(walk - 1) * steps * next_lines * 64;
+}
+
+/* Step k of a later walk: its next_lines lines of the next panel, none past next_end, into L2. */
+static inline __attribute__((always_inline)) void sg_pull_next(const char *next, const char *next_end, int k,
+                                                               int next_lines) {
+    for (int l = 0; l < next_lines; l++) {
+        const char *line = next + ((ptrdiff_t)k * next_lines + l) * 64;
+        if (line < next_end)
+            __builtin_prefetch(line, 0, 2);
+    }
+}
+
 /* One tile: rows [0, rows) of x times one panel, into out's columns [0, cols). rows and prefetch are
  * compile-time constants at every call site (the switch below), so acc stays in registers.
  * prefetch: this walk reads the panel from memory and prefetches it SG_PREFETCH_ROWS rows ahead.
@@ -107,11 +132,7 @@ static inline __attribute__((always_inline)) void sg_tile(const float *x, ptrdif
             for (int j = 0; j < SG_NB; j++)
                 __builtin_prefetch(w + SG_PREFETCH_ROWS * SG_NR + j * SG_W, 0, 3);
         } else if (next) {
-            for (int l = 0; l < next_lines; l++) {
-                const char *line = next + ((ptrdiff_t)k * next_lines + l) * 64;
-                if (line < next_end)
-                    __builtin_prefetch(line, 0, 2);
-            }
+            sg_pull_next(next, next_end, k, next_lines);
         }
         sg_vec wv[SG_NB];
         for (int j = 0; j < SG_NB; j++)
@@ -148,11 +169,7 @@ void skinny_gemm_f32(const float *x, ptrdiff_t x_stride, const float *packed, co
     const int panels = (N + SG_NR - 1) / SG_NR;
     const int tiles = (M + SG_MR - 1) / SG_MR;
     const ptrdiff_t panel_lines = ((ptrdiff_t)K * SG_NR * (ptrdiff_t)sizeof(float) + 63) / 64;
-    /* The walks after the first read the panel from L2 and meanwhile pull the next panel (the same
-     * thread's, the split being contiguous) into L2, its lines spread evenly over those walks: the
-     * next first walk then finds it there instead of waiting on memory. */
-    const int next_lines = tiles > 1 ? (int)((panel_lines + (ptrdiff_t)(tiles - 1) * K - 1) /
-                                             ((ptrdiff_t)(tiles - 1) * K)) : 0;
+    const int next_lines = sg_next_lines(panel_lines, tiles, K); /* the later walks pull the next panel */
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
     for (int p = 0; p < panels; p++) {
         const float *panel = packed + (ptrdiff_t)p * K * SG_NR;
@@ -164,8 +181,7 @@ void skinny_gemm_f32(const float *x, ptrdiff_t x_stride, const float *packed, co
             const float *xr = x + (ptrdiff_t)m0 * x_stride;
             float *o = out + (ptrdiff_t)m0 * out_stride + (ptrdiff_t)p * SG_NR;
             const int first = m0 == 0; /* the walk that reads the panel from memory prefetches */
-            const char *next = first || !next_panel ? NULL
-                                                    : next_panel + (ptrdiff_t)(m0 / SG_MR - 1) * K * next_lines * 64;
+            const char *next = sg_next_start(next_panel, m0 / SG_MR, K, next_lines);
             switch (M - m0 < SG_MR ? M - m0 : SG_MR) {
 #if SG_MR == 8
                 SG_ROWS_CASE(8)
@@ -358,11 +374,7 @@ static inline __attribute__((always_inline)) void sg_dp_tile(const uint16_t *x, 
             for (int j = 0; j < SG_DP_NB; j++)
                 __builtin_prefetch(w + SG_PREFETCH_ROWS * 2 * SG_DP_NR + j * 32, 0, 3);
         } else if (next) {
-            for (int l = 0; l < next_lines; l++) {
-                const char *line = next + ((ptrdiff_t)k2 * next_lines + l) * 64;
-                if (line < next_end)
-                    __builtin_prefetch(line, 0, 2);
-            }
+            sg_pull_next(next, next_end, k2, next_lines);
         }
         __m512bh wv[SG_DP_NB];
         for (int j = 0; j < SG_DP_NB; j++)
@@ -419,9 +431,7 @@ static inline __attribute__((always_inline)) void sg_dp_gemm(const uint16_t *x, 
     const ptrdiff_t panel_lines = ((ptrdiff_t)K * SG_DP_NR * (ptrdiff_t)sizeof(uint16_t) + 63) / 64;
     const int K2 = K / 2;
     const size_t out_elem = out_f32 ? sizeof(float) : sizeof(uint16_t);
-    /* As in skinny_gemm_f32: the later walks pull the next panel into L2, spread over their k steps. */
-    const int next_lines = tiles > 1 ? (int)((panel_lines + (ptrdiff_t)(tiles - 1) * K2 - 1) /
-                                             ((ptrdiff_t)(tiles - 1) * K2)) : 0;
+    const int next_lines = sg_next_lines(panel_lines, tiles, K2); /* the later walks pull the next panel */
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
     for (int p = 0; p < panels; p++) {
         const uint16_t *panel = packed + (ptrdiff_t)p * K * SG_DP_NR;
@@ -433,9 +443,7 @@ static inline __attribute__((always_inline)) void sg_dp_gemm(const uint16_t *x, 
             const uint16_t *xr = x + (ptrdiff_t)m0 * x_stride;
             void *o = (char *)out + ((ptrdiff_t)m0 * out_stride + (ptrdiff_t)p * SG_DP_NR) * (ptrdiff_t)out_elem;
             const int first = m0 == 0;
-            const char *next = first || !next_panel
-                                   ? NULL
-                                   : next_panel + (ptrdiff_t)(m0 / SG_DP_MR - 1) * K2 * next_lines * 64;
+            const char *next = sg_next_start(next_panel, m0 / SG_DP_MR, K2, next_lines);
             switch (M - m0 < SG_DP_MR ? M - m0 : SG_DP_MR) {
                 SG_DP_ROWS_CASE(8)
                 SG_DP_ROWS_CASE(7)

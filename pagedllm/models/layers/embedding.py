@@ -44,8 +44,7 @@ class LMHead(Linear):
         self.soft_cap = soft_cap
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        skinny = None if self.soft_cap is not None or (hidden.requires_grad and torch.is_grad_enabled()) \
-            else self.skinny_for(hidden)
+        skinny = self.skinny_for(hidden) if self.soft_cap is None else None
         if skinny is not None and skinny_gemm.supports_float32_out(skinny):
             # a bfloat16 model's logits as the kernel's float32 sums: rounded to bfloat16 first, two
             # tokens whose logits differ by less than 1/128 of their size would tie

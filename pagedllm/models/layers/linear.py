@@ -77,10 +77,11 @@ class Linear(nn.Linear):
 
     def skinny_for(self, x: torch.Tensor) -> skinny_gemm.SkinnyWeight | None:
         """The skinny GEMM weight that runs ``x`` (at most its ``max_rows`` rows, its dtype, 2-D with
-        contiguous rows), or None: oneDNN or ``F.linear`` does."""
+        contiguous rows, not grad-tracked: the packed copy has no autograd link), or None: oneDNN or
+        ``F.linear`` does."""
         skinny = self.skinny_weight
         if skinny is not None and x.shape[0] <= skinny.max_rows and x.dtype == skinny.dtype \
-                and x.dim() == 2 and x.stride(1) == 1:
+                and x.dim() == 2 and x.stride(1) == 1 and not (x.requires_grad and torch.is_grad_enabled()):
             return skinny
         return None
 
@@ -176,6 +177,7 @@ def packing_generation() -> int:
 
 
 FP32_ROWS_ENV = "PAGEDLLM_CPU_FP32_PREFILL_LINEAR"
+PACKED_LINEAR_ENV = "PAGEDLLM_CPU_PACKED_LINEAR"  # "0": the CPU loader packs no linear (llama.load_weights)
 
 
 @functools.lru_cache(maxsize=None)
