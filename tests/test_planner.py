@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import pagedllm
 from pagedllm import sizing
@@ -107,6 +108,15 @@ def gqa_model_dir(tmp_path_factory, smollm2_tokenizer):
                                 tie_word_embeddings=False, max_position_embeddings=512)
 
 
+def _host_packs(dtype: str) -> bool:
+    """Whether this host's CPU loader packs a weight of ``dtype`` at all: bfloat16 has neither a
+    skinny kernel nor oneDNN's copy on an AVX2-only CPU."""
+    from pagedllm.models.layers import linear
+
+    plan = linear.cpu_packing(getattr(torch, dtype), 64)
+    return plan.skinny or plan.onednn
+
+
 def _engine_and_plan(model_dir: Path, **options):
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.config import EngineConfig
@@ -130,7 +140,8 @@ def test_plan_equals_engine_startup(which, options, tiny_model_dir, gqa_model_di
     assert p.max_concurrency == spec.max_concurrency
     assert p.kv_cache_spec().describe() == spec.describe()  # the start-up log line, word for word
     assert p.weight_bytes == engine.runner.weight_bytes()  # exact parameter count from the file headers
-    assert p.packed_weight_bytes == packed_copy_bytes(engine.runner.model) > 0  # the start-up line's "+ N packed"
+    assert p.packed_weight_bytes == packed_copy_bytes(engine.runner.model)  # the start-up line's "+ N packed"
+    assert (p.packed_weight_bytes > 0) == _host_packs(options["dtype"])
     assert p.fits
 
 
@@ -149,7 +160,8 @@ def test_plan_counts_the_packed_copies_the_loader_makes(dtype, skinny, onednn_ro
     try:
         options = dict(dtype=dtype, num_kv_blocks=8, max_model_len=128)
         engine, p = _engine_and_plan(gqa_model_dir, **options)
-        assert p.packed_weight_bytes == packed_copy_bytes(engine.runner.model) > 0
+        assert p.packed_weight_bytes == packed_copy_bytes(engine.runner.model)
+        assert (p.packed_weight_bytes > 0) == _host_packs(dtype)
         monkeypatch.setenv("PAGEDLLM_CPU_PACKED_LINEAR", "0")
         engine, p = _engine_and_plan(gqa_model_dir, **options)
         assert p.packed_weight_bytes == packed_copy_bytes(engine.runner.model) == 0

@@ -149,8 +149,20 @@ def cpu_packing(dtype: torch.dtype, in_features: int, bf16_math: bool = False,
     skinny = not bf16_math and skinny_gemm.packs(dtype, in_features)
     # float32 without oneDNN's copy: F.linear takes the rows above MAX_ROWS (as fast as oneDNN here, or rare)
     skinny_alone = skinny and dtype == torch.float32 and not (onednn_for_many_rows and fp32_rows_use_onednn())
-    onednn = torch.backends.mkldnn.is_available() and not skinny_alone
+    onednn = onednn_packs(dtype) and not skinny_alone
     return CpuPacking(skinny, onednn, bf16_math and onednn)
+
+
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed linear runs ``dtype`` on this CPU: float32 wherever torch has
+    oneDNN; bfloat16 only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT (oneDNN refuses to reorder a
+    bfloat16 weight elsewhere, e.g. on AVX2-only hosts, where such weights stay on ``F.linear``)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
+    return dtype == torch.float32
 
 
 def cpu_packed_copy_bytes(out_features: int, in_features: int, dtype: torch.dtype, bias: bool = False,
