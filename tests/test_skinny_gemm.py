@@ -180,7 +180,7 @@ def test_bf16_math_and_bfloat16_weights_keep_onednn(kernel_on):
     for rows above MAX_ROWS_BF16."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("needs oneDNN")
-    from pagedllm.models.layers.linear import bf16_math_supported
+    from pagedllm.models.layers.linear import bf16_math_supported, onednn_packs
 
     fp32 = Linear(32, 48)
     assert fp32.pack_for_cpu(64, bf16_math=True)
@@ -189,9 +189,13 @@ def test_bf16_math_and_bfloat16_weights_keep_onednn(kernel_on):
     else:  # refused without AMX: packed as without the opt-in, the skinny GEMM for decode rows
         assert not fp32.bf16_math and fp32.skinny_weight is not None
     bf16 = Linear(32, 48).to(torch.bfloat16)  # oneDNN's copy for prefill rows, the skinny one beside it
-    assert bf16.pack_for_cpu(64) and bf16.packed_weight is not None
     kernel = skinny_gemm.load_kernel()
-    assert (bf16.skinny_weight is not None) == (kernel.amx or kernel.bf16_dp)
+    has_skinny = kernel.amx or kernel.bf16_dp
+    # an AVX2-only CPU has neither: oneDNN refuses bfloat16 there and the weight stays on F.linear
+    assert bf16.pack_for_cpu(64) == (onednn_packs(torch.bfloat16) or has_skinny)
+    assert (bf16.packed_weight is not None) == onednn_packs(torch.bfloat16)
+    assert (bf16.skinny_weight is not None) == has_skinny
+    assert onednn_packs(torch.float32) and onednn_packs(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def test_calls_show_in_torch_profiler_as_a_matmul(kernel):
