@@ -11,7 +11,7 @@
  * one panel front to back and the hardware prefetcher sees a single sequential stream. The kernel
  * walks a panel once per tile of SG_MR rows of x: the first walk reads it from memory (with software
  * prefetch SG_PREFETCH_ROWS rows ahead, which runs on into the next panel), the later ones from L2
- * while they pull the next panel into L2 (prefetch, no loads: nothing waits on it).
+ * (on AVX-512 builds while they pull the next panel into L2: prefetch, no loads, nothing waits on it).
  *
  * Numerics: every output element is bias + sum over k = 0..K-1, in that order, of x[m, k] * w[n, k],
  * each step one float32 fused multiply-add. The order does not depend on M, on the other rows of the
@@ -54,6 +54,16 @@
 #endif
 #define SG_NB 3                /* vectors of output columns per tile */
 #define SG_NR (SG_W * SG_NB)   /* output columns per panel */
+/* Whether the later walks pull the next panel into L2. Off on AVX2 builds: with 16 registers the
+ * per-k pull loop costs more issue slots than it saves there (benchmarks/skinny_gemm.py on an
+ * AVX2-only AMD EPYC: 10-20% faster without it from 16 rows up, within noise below). */
+#ifndef SG_PULL_NEXT
+#if defined(__AVX512F__)
+#define SG_PULL_NEXT 1
+#else
+#define SG_PULL_NEXT 0
+#endif
+#endif
 #ifndef SG_PREFETCH_ROWS
 #define SG_PREFETCH_ROWS 32    /* panel rows read ahead on the first walk (6 KiB with AVX-512) */
 #endif
@@ -79,8 +89,7 @@ static inline sg_vec sg_splat(float x) {
 
 int pagedllm_skinny_gemm_abi_version(void) { return SKINNY_GEMM_ABI_VERSION; }
 
-/* Float32 lanes per vector of this build (16: AVX-512F; skinny_gemm.py turns the kernel on by
- * default only there, where it was measured). */
+/* Float32 lanes per vector of this build (16: AVX-512F, 8 otherwise). */
 int pagedllm_skinny_gemm_vector_width(void) { return SG_W; }
 
 /* Output columns per packed panel (the packing in skinny_gemm.py asks for it). */
@@ -91,6 +100,10 @@ int pagedllm_skinny_gemm_panel_width(void) { return SG_NR; }
  * panel_lines cache lines spread evenly over those walks' k steps (steps per walk): the next first
  * walk then finds it there instead of waiting on memory. sg_next_lines: lines per k step. */
 static inline int sg_next_lines(ptrdiff_t panel_lines, int tiles, int steps) {
+#if SG_PULL_NEXT == 0
+    (void)panel_lines, (void)tiles, (void)steps;
+    return 0;
+#endif
     return tiles > 1 ? (int)((panel_lines + (ptrdiff_t)(tiles - 1) * steps - 1) / ((ptrdiff_t)(tiles - 1) * steps))
                      : 0;
 }

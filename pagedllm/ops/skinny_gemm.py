@@ -20,9 +20,9 @@ torch's matmul. Two kernels:
 
 Switch: ``PAGEDLLM_SKINNY_GEMM`` in the environment (read at the first :func:`pack`), or
 :func:`set_enabled`: ``0`` keeps the weights for oneDNN instead (``Linear.pack_for_cpu``); ``1``
-uses the float32 kernel on any CPU; unset uses it where its build has 16-lane vectors (AVX-512F),
-the hosts it was measured faster on (on AVX2-only hosts it is correct but not measured against
-oneDNN). The bfloat16 kernels run wherever AMX is granted or AVX512-BF16 is built unless the
+uses the float32 kernel on any CPU; unset uses it on CPUs with AVX2 or AVX-512 (torch's CPU
+capability), where it was measured faster than oneDNN at decode rows (benchmarks/skinny_gemm.py;
+on AVX2 its lead is at up to ~64 rows, above that oneDNN's is ahead by up to ~12%). The bfloat16 kernels run wherever AMX is granted or AVX512-BF16 is built unless the
 switch is ``0``. Both are
 skipped when the C library cannot be built (one warning).
 """
@@ -131,7 +131,9 @@ _load_lock = threading.Lock()
 _kernel: list[SkinnyGemmKernel | None] = []  # [] until the first load, then [kernel or None]
 _enabled: bool | None = None  # None: read SKINNY_GEMM_ENV at the next pack()
 _forced = False  # the switch says 1: the float32 kernel on any CPU
-_AUTO_VECTOR_WIDTH = 16  # lanes of the builds the float32 kernel is on by default for (AVX-512F)
+# CPUs the float32 kernel is on by default for: those with FMA vectors (torch's own dispatch level),
+# where it was measured against oneDNN (AVX-512: Xeon, EPYC Zen 5; AVX2: EPYC Zen 3)
+_AUTO_CPU_CAPABILITIES = ("AVX2", "AVX512")
 
 
 def load_kernel(extra_flags: tuple[str, ...] = ()) -> SkinnyGemmKernel | None:
@@ -173,7 +175,7 @@ def enabled(dtype: torch.dtype = torch.float32) -> bool:
         return False
     if dtype == torch.bfloat16:
         return kernel.amx or kernel.bf16_dp
-    return dtype == torch.float32 and (_forced or kernel.vector_width >= _AUTO_VECTOR_WIDTH)
+    return dtype == torch.float32 and (_forced or torch.backends.cpu.get_cpu_capability() in _AUTO_CPU_CAPABILITIES)
 
 
 def set_enabled(value: bool | None) -> None:
