@@ -18,7 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && !defined(PAGEDLLM_NO_AVX512BF16)
@@ -55,6 +55,23 @@ static inline v16f load_bf16(const uint16_t *p) {
     v16u16 h;
     memcpy(&h, p, sizeof h);
     return (v16f)(__builtin_convertvector(h, v16u32) << 16);
+}
+
+/* x in all 16 lanes. GCC lowers `scalar * v16f` (and `(v16f){0} + x`) lane by lane where 16
+ * floats are not one register (AVX2: 16 scalar stores and a reload per use, in a hot loop); one
+ * broadcast per register here. */
+static inline v16f splat16(float x) {
+#if defined(__AVX512F__)
+    return (v16f)_mm512_set1_ps(x);
+#elif defined(__AVX__)
+    const __m256 h = _mm256_set1_ps(x);
+    v16f r;
+    memcpy(&r, &h, sizeof h);
+    memcpy((char *)&r + sizeof h, &h, sizeof h);
+    return r;
+#else
+    return (v16f){0} + x;
+#endif
 }
 
 static inline v16f select_f(v16i32 keep, v16f a, v16f b) { return (v16f)(((v16i32)a & keep) | ((v16i32)b & ~keep)); }

@@ -184,7 +184,31 @@ static inline v16f exp_nonpos_v16(v16f x) {
  * additions on the same operands -- lanes i + (i + 8), then + 4, then (0 + 2) + (1 + 3) -- so each
  * lane is bitwise equal to hsum of its vector. */
 static inline v16f hsum16(const v16f *x) {
-#if defined(__clang__) || __GNUC__ >= 12
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    /* AVX2: GCC lowers the 16-lane shuffles below to lane-by-lane moves through the stack. The
+     * same additions on 8-lane halves: s8 = lo + hi, then per pair of vectors one cross-lane
+     * permute + add (s4), two in-lane shuffles + add ((0 + 2), (1 + 3)) and a last one + add. */
+    __m256 s8[16];
+    for (int j = 0; j < 16; j++) {
+        __m256 lo, hi;
+        memcpy(&lo, &x[j], sizeof lo);
+        memcpy(&hi, (const char *)&x[j] + sizeof lo, sizeof hi);
+        s8[j] = _mm256_add_ps(lo, hi);
+    }
+    v16f r;
+    for (int half = 0; half < 2; half++) {
+        const __m256 *v = s8 + 8 * half;
+        __m256 t[4]; /* t[m] = [s4 of v[m] | s4 of v[m + 4]] */
+        for (int m = 0; m < 4; m++)
+            t[m] = _mm256_add_ps(_mm256_permute2f128_ps(v[m], v[m + 4], 0x20), _mm256_permute2f128_ps(v[m], v[m + 4], 0x31));
+        /* w0 = [v0: s4[0] + s4[2], s4[1] + s4[3], v1: same | v4, v5], w1 likewise for v2, v3 | v6, v7 */
+        const __m256 w0 = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x44), _mm256_shuffle_ps(t[0], t[1], 0xee));
+        const __m256 w1 = _mm256_add_ps(_mm256_shuffle_ps(t[2], t[3], 0x44), _mm256_shuffle_ps(t[2], t[3], 0xee));
+        const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(w0, w1, 0x88), _mm256_shuffle_ps(w0, w1, 0xdd));
+        memcpy((char *)&r + half * sizeof z, &z, sizeof z);
+    }
+    return r;
+#elif defined(__clang__) || __GNUC__ >= 12
     v16f y[8], z[4], w[2];
     for (int m = 0; m < 8; m++)
         y[m] = __builtin_shufflevector(x[2 * m], x[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
@@ -207,9 +231,19 @@ static inline v16f hsum16(const v16f *x) {
 #endif
 }
 
-/* Query heads per register block of the P V loop: the accumulators of QB heads x the chunks of
- * head_dim stay in registers (24 of the 32 AVX-512 registers). */
-#define QB_PV(NUM_CHUNKS) ((NUM_CHUNKS) >= 24 ? 1 : 24 / (NUM_CHUNKS))
+/* The P V loop's register block: QB query heads x CB chunks of head_dim whose accumulators stay
+ * in registers, the token loop run once per block. AVX-512: 24 of the 32 registers, all chunks of
+ * as many heads as fit. AVX2 (16 registers, two per 16-float vector): 6 vectors, the heads of a KV
+ * group first (each V row loaded once serves them all), then as many chunks as fit -- all chunks of
+ * 3 heads spilled to the stack (benchmarks/attention_kernel.py on an AVX2 EPYC: 1.5x with this). */
+#if defined(__AVX512F__)
+#define QB_PV(NUM_CHUNKS, GROUP) ((NUM_CHUNKS) >= 24 ? 1 : 24 / (NUM_CHUNKS))
+#define CB_PV(NUM_CHUNKS, QB) (NUM_CHUNKS)
+#else
+#define PV_REGS 6
+#define QB_PV(NUM_CHUNKS, GROUP) ((GROUP) < PV_REGS ? (GROUP) : PV_REGS)
+#define CB_PV(NUM_CHUNKS, QB) ((NUM_CHUNKS) * (QB) <= PV_REGS ? (NUM_CHUNKS) : (PV_REGS / (QB) > 0 ? PV_REGS / (QB) : 1))
+#endif
 #define QB_MAX 24
 /* Floats of a decode thread's dots scratch: 16 vectors of 16 floats per query head. */
 #define DOTS_FLOATS(NUM_HEADS) ((size_t)(NUM_HEADS) * 256)
@@ -234,7 +268,7 @@ static inline __attribute__((always_inline)) void decode_one(
     const int32_t *next_table, int next_first, int next_len, const int fmt) {
     const int group = num_heads / num_kv_heads;
     const int num_chunks = head_dim / 16; /* a constant in the specialised copies (64, 128) */
-    const int qb_pv = QB_PV(num_chunks);
+    const int qb_pv = QB_PV(num_chunks, group), cb_pv = CB_PV(num_chunks, qb_pv);
     /* scores[h][i]: head h, token t0 + i of the tile (head-major: 16 tokens per vector). */
     float scores[MAX_HEADS][TILE] __attribute__((aligned(64)));
     float row_max[MAX_HEADS], row_sum[MAX_HEADS];
@@ -291,12 +325,12 @@ static inline __attribute__((always_inline)) void decode_one(
                         const float *qh = q + (size_t)h * head_dim;
                         v16f acc = load_f32(qh) * k[0];
                         for (int c = 1; c < num_chunks; c++) acc += load_f32(qh + 16 * c) * k[c];
-                        dots[h * 16 + j] = acc;
+                        store_f32((float *)(dots + h * 16 + j), acc); /* memcpy: AVX2 splits a v16f assignment through the stack */
                     }
                 }
             }
             for (int kvh = 0; kvh < num_kv_heads; kvh++) {
-                v16f token_scale = (v16f){0} + scale;
+                v16f token_scale = splat16(scale);
                 if (fmt == KV_INT8)
                     for (int j = 0; j < nj; j++)
                         token_scale[j] = scale * k_scales[(offsets[j0 + j] + (long long)kvh * head_dim) / head_dim];
@@ -314,16 +348,16 @@ static inline __attribute__((always_inline)) void decode_one(
         const v16f neg_inf = (v16f){0} - INFINITY;
         for (int h = 0; h < num_heads; h++) {
             const float m_old = row_max[h];
-            v16f mx = (v16f){0} + m_old;
+            v16f mx = splat16(m_old);
             for (int j0 = 0; j0 < n; j0 += 16) {
                 const v16f x = select_f(lane < n - j0, load_f32(&scores[h][j0]), neg_inf);
                 mx = select_f(x > mx, x, mx);
             }
             float m = mx[0];
             for (int j = 1; j < 16; j++) m = mx[j] > m ? mx[j] : m;
-            alpha[h] = m_old == -INFINITY ? 0.0f : exp_nonpos_v16((v16f){0} + (m_old - m))[0];
+            alpha[h] = m_old == -INFINITY ? 0.0f : exp_nonpos_v16(splat16(m_old - m))[0];
             row_max[h] = m;
-            for (int j0 = 0; j0 < n; j0 += 16) store_f32(&scores[h][j0], exp_nonpos_v16(load_f32(&scores[h][j0]) - m));
+            for (int j0 = 0; j0 < n; j0 += 16) store_f32(&scores[h][j0], exp_nonpos_v16(load_f32(&scores[h][j0]) - splat16(m)));
             float sum = 0.0f;
             for (int i = 0; i < n; i++) sum += scores[h][i];
             row_sum[h] = row_sum[h] * alpha[h] + sum;
@@ -334,22 +368,27 @@ static inline __attribute__((always_inline)) void decode_one(
             const long long head_off = (long long)kvh * head_dim;
             for (int g0 = 0; g0 < group; g0 += qb_pv) {
                 const int nb = group - g0 < qb_pv ? group - g0 : qb_pv, h0 = kvh * group + g0;
-                v16f acc[QB_MAX][MAX_CHUNKS];
-                for (int b = 0; b < nb; b++)
-                    for (int c = 0; c < num_chunks; c++)
-                        acc[b][c] = load_f32(out + (size_t)(h0 + b) * head_dim + 16 * c) * alpha[h0 + b];
-                for (int i = 0; i < n; i++) {
-                    const long long off = offsets[i] + head_off;
-                    v16f v[MAX_CHUNKS];
-                    for (int c = 0; c < num_chunks; c++) v[c] = load_kv(v_cache, off + 16 * c, fmt);
-                    const float vs = fmt == KV_INT8 ? v_scales[off / head_dim] : 1.0f;
-                    for (int b = 0; b < nb; b++) {
-                        const float p = fmt == KV_INT8 ? scores[h0 + b][i] * vs : scores[h0 + b][i];
-                        for (int c = 0; c < num_chunks; c++) acc[b][c] += p * v[c];
+                for (int c0 = 0; c0 < num_chunks; c0 += cb_pv) {
+                    const int nc = num_chunks - c0 < cb_pv ? num_chunks - c0 : cb_pv;
+                    v16f acc[QB_MAX][MAX_CHUNKS];
+                    for (int b = 0; b < nb; b++)
+                        for (int c = 0; c < nc; c++)
+                            acc[b][c] = load_f32(out + (size_t)(h0 + b) * head_dim + 16 * (c0 + c)) * splat16(alpha[h0 + b]);
+                    for (int i = 0; i < n; i++) {
+                        const long long off = offsets[i] + head_off + 16 * c0;
+                        v16f v[MAX_CHUNKS];
+                        for (int c = 0; c < nc; c++) v[c] = load_kv(v_cache, off + 16 * c, fmt);
+                        const float vs = fmt == KV_INT8 ? v_scales[(offsets[i] + head_off) / head_dim] : 1.0f;
+                        for (int b = 0; b < nb; b++) {
+                            const float p = fmt == KV_INT8 ? scores[h0 + b][i] * vs : scores[h0 + b][i];
+                            const v16f pv = splat16(p);
+                            for (int c = 0; c < nc; c++) acc[b][c] += pv * v[c];
+                        }
                     }
+                    for (int b = 0; b < nb; b++)
+                        for (int c = 0; c < nc; c++)
+                            store_f32(out + (size_t)(h0 + b) * head_dim + 16 * (c0 + c), acc[b][c]);
                 }
-                for (int b = 0; b < nb; b++)
-                    for (int c = 0; c < num_chunks; c++) store_f32(out + (size_t)(h0 + b) * head_dim + 16 * c, acc[b][c]);
             }
         }
     }
