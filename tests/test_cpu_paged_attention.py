@@ -31,9 +31,14 @@ HEADS = {"gqa": (9, 3, 64), "mqa": (8, 1, 32), "mha": (4, 4, 48), "gqa128": (4, 
 
 @pytest.fixture(scope="module")
 def kernel():
+    """The kernel, with prefill run for every layer (the tests check its numerics; on CPUs where
+    torch's flash kernel is faster the engine keeps plain causal layers on torch:
+    test_prefill_preferred_follows_the_cpu)."""
     k = cpu_paged.load_kernel()
     if k is None:
         pytest.skip("no C compiler: the kernel cannot be built here")
+    k = cpu_paged.CpuPagedKernel(k.path)  # not the engine's shared instance
+    k.prefill_all_layers = True
     return k
 
 
@@ -151,6 +156,7 @@ def pool_kernel(kernel):
     """The kernel built without OpenMP: the backend splits the work over its Python thread pool."""
     k = cpu_paged.CpuPagedKernel(cpu_paged._build(os.environ.get("CC", "cc"), openmp=False))
     assert not k.has_openmp
+    k.prefill_all_layers = True
     return k
 
 
@@ -229,6 +235,26 @@ def test_prefill_window_thread_split_is_bitwise_deterministic(kernel, pool_kerne
     torch.testing.assert_close(outs[0].double(), expected, atol=TOLERANCE[torch.float32], rtol=0)
     costs = kernel.prefill_work_items(200, 500, 9, 3, sliding_window=50)
     assert costs[:3] == [64 * (64 + 49)] * 3 and costs[-1] == 8 * (8 + 49)  # tiles at 500.., 692..; 49 earlier keys each
+
+
+def test_prefill_preferred_follows_the_cpu(monkeypatch):
+    """AVX-512 builds prefill every layer in the kernel; other builds only soft-capped layers, the
+    rest go to the torch code (the torch path is then called, the kernel's prefill is not)."""
+    k = cpu_paged.load_kernel()
+    if k is None:
+        pytest.skip("no C compiler: the kernel cannot be built here")
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    assert k.prefill_all_layers == avx512
+    assert k.prefill_preferred(None) == avx512 and k.prefill_preferred(50.0)
+    query, key, value, cache, meta, expected, scale = build_case([(40, 1), (100, 30)], 16, torch.float32,
+                                                                 HEADS["gqa"], seed=3)
+    calls = []
+    real = k.prefill
+    monkeypatch.setattr(k, "prefill", lambda *a: calls.append(1) or real(*a))
+    with set_forward_context(meta):
+        out = CpuPagedAttention(kernel=k).forward(query, key, value, cache, meta, scale)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=0)
+    assert bool(calls) == avx512
 
 
 def test_prefill_falls_back_for_head_dim(kernel):

@@ -608,8 +608,15 @@ PAGED_DECODE_CALL(paged_decode_int8)
 
 #define PF_BK 64   /* keys per tile */
 #define PF_ROWS 192 /* target rows (queries x group) per work item: 12 vectors; each K/V row read serves them all */
+#if defined(__AVX512F__)
+#define PF_NV 6    /* row vectors per micro-tile */
 #define PF_RK 4    /* keys per S micro-tile: 4 x 6 accumulators (24 of the 32 AVX-512 registers) */
 #define PF_RD 4    /* head_dim entries per O micro-tile: 4 x 6 accumulators */
+#else /* AVX2: 16 registers, two per vector: 2 x 2 accumulators + 2 row vectors + a broadcast */
+#define PF_NV 2
+#define PF_RK 2
+#define PF_RD 2
+#endif
 
 int pagedllm_cpu_paged_prefill_block_queries(int group) { return group >= PF_ROWS ? 1 : PF_ROWS / group; }
 
@@ -617,14 +624,14 @@ int pagedllm_cpu_paged_prefill_block_queries(int group) { return group >= PF_ROW
 /* s[j][r0 ..] = sum_d k_j[d] qt[d][r0 ..] for NK keys and NV row vectors (qt: [head_dim][ld], s: [keys][ld]). */
 static inline __attribute__((always_inline)) void pf_scores(const float *const *restrict k, const float *restrict qt,
                                                             float *restrict s, int ld, int head_dim, int nk, int nv) {
-    v16f acc[PF_RK][6];
+    v16f acc[PF_RK][PF_NV];
     for (int j = 0; j < nk; j++)
         for (int c = 0; c < nv; c++) acc[j][c] = (v16f){0};
     for (int d = 0; d < head_dim; d++) {
-        v16f qv[6];
+        v16f qv[PF_NV];
         for (int c = 0; c < nv; c++) qv[c] = load_f32(qt + (size_t)d * ld + 16 * c);
         for (int j = 0; j < nk; j++) {
-            const float x = k[j][d];
+            const v16f x = splat16(k[j][d]);
             for (int c = 0; c < nv; c++) acc[j][c] += x * qv[c];
         }
     }
@@ -646,8 +653,8 @@ static inline __attribute__((always_inline)) void pf_scores(const float *const *
 /* S^T over keys 0 .. n - 1 and row vectors 0 .. nvec - 1: blocks of 6 row vectors outermost, so a
  * block of Q^T stays in L1 while every key of the tile passes. */
 static void pf_scores_tile(const float *const *k, const float *qt, float *s, int ld, int head_dim, int n, int nvec) {
-    for (int c = 0; c < nvec; c += 6) {
-        const int nv = nvec - c < 6 ? nvec - c : 6;
+    for (int c = 0; c < nvec; c += PF_NV) {
+        const int nv = nvec - c < PF_NV ? nvec - c : PF_NV;
         int j = 0;
 #define PF_S(NK, NV) pf_scores(k + j, qt + 16 * c, s + (size_t)j * ld + 16 * c, ld, head_dim, NK, NV)
 #define PF_S4(NV) PF_S(PF_RK, NV)
@@ -670,17 +677,17 @@ static void pf_scores_tile(const float *const *k, const float *qt, float *s, int
 static inline __attribute__((always_inline)) void pf_accumulate(const float *restrict pt, const float *const *restrict v,
                                                                 float *restrict ot, const float *restrict alpha, int ld,
                                                                 int d0, int n, int nv) {
-    v16f acc[PF_RD][6];
+    v16f acc[PF_RD][PF_NV];
     for (int c = 0; c < nv; c++) {
         const v16f a = load_f32(alpha + 16 * c);
         for (int i = 0; i < PF_RD; i++) acc[i][c] = load_f32(ot + (size_t)(d0 + i) * ld + 16 * c) * a;
     }
     for (int j = 0; j < n; j++) {
-        v16f p[6];
+        v16f p[PF_NV];
         for (int c = 0; c < nv; c++) p[c] = load_f32(pt + (size_t)j * ld + 16 * c);
         const float *vj = v[j] + d0;
         for (int i = 0; i < PF_RD; i++) {
-            const float x = vj[i];
+            const v16f x = splat16(vj[i]);
             for (int c = 0; c < nv; c++) acc[i][c] += x * p[c];
         }
     }
@@ -690,8 +697,8 @@ static inline __attribute__((always_inline)) void pf_accumulate(const float *res
 
 static void pf_accumulate_tile(const float *pt, const float *const *v, float *ot, const float *alpha, int ld,
                                int head_dim, int n, int nvec) {
-    for (int c = 0; c < nvec; c += 6) {
-        const int nv = nvec - c < 6 ? nvec - c : 6;
+    for (int c = 0; c < nvec; c += PF_NV) {
+        const int nv = nvec - c < PF_NV ? nvec - c : PF_NV;
 #define PF_PV(NV) pf_accumulate(pt + 16 * c, v, ot + 16 * c, alpha + 16 * c, ld, d0, n, NV)
         for (int d0 = 0; d0 < head_dim; d0 += PF_RD) PF_BY_NV(PF_PV)
     }

@@ -110,6 +110,9 @@ class CpuPagedKernel:
         lib.pagedllm_cpu_paged_prefill_block_queries.restype = _c_int
         lib.pagedllm_cpu_paged_openmp.restype = _c_int
         self.has_openmp = bool(lib.pagedllm_cpu_paged_openmp())
+        # prefill_preferred's rule; the library is built with -march=native, so torch's CPU
+        # capability names the build's vector ISA (tests set True to run every layer here)
+        self.prefill_all_layers = torch.backends.cpu.get_cpu_capability() == "AVX512"
         self.path = path
         self._fns, self._prefill_fns, self.call_fns = {}, {}, {}
         for dtype, name in _KERNEL_NAMES.items():
@@ -195,6 +198,15 @@ class CpuPagedKernel:
         """Whether :meth:`prefill` handles a KV cache of ``dtype`` (float32, bfloat16) with these
         shapes (``head_dim`` a multiple of 64, ``<= max_head_dim``)."""
         return dtype in self._prefill_fns and num_heads >= 1 and head_dim % 64 == 0 and 0 < head_dim <= self.max_head_dim
+
+    def prefill_preferred(self, logit_soft_cap: float | None) -> bool:
+        """Whether :meth:`prefill` is the faster path on this CPU for a layer with this soft cap (the
+        caller falls back to the torch code otherwise). AVX-512 builds: always. Elsewhere (AVX2,
+        16 registers) only soft-capped layers, where torch's path is the masked math one: for plain
+        causal and sliding-window attention torch's fused flash kernel is faster there
+        (benchmarks/prefill_attention.py, AVX2 EPYC: the kernel at 0.15x causal, 0.6x window, 1.5x
+        soft cap, 3.2x window + soft cap)."""
+        return self.prefill_all_layers or bool(logit_soft_cap)
 
     def prefill_work_items(self, num_queries: int, num_context: int, num_heads: int, num_kv_heads: int,
                            sliding_window: int | None = None) -> list[int]:
@@ -484,11 +496,13 @@ class CpuPagedAttention(TorchPagedAttention):
         ``num_threads`` contiguous ranges of about equal cost on the pool). Sliding-window and
         soft-capped layers run in the kernel too (window and cap applied per S tile, keys before
         the window never read); caches the kernel does not handle (see
-        :meth:`CpuPagedKernel.supports_prefill`) use the torch code."""
+        :meth:`CpuPagedKernel.supports_prefill`) and layers it is slower for on this CPU
+        (:meth:`CpuPagedKernel.prefill_preferred`) use the torch code."""
         kernel = self.kernel
         num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
         if not (kernel is not None and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
-                and kernel.supports_prefill(kv_cache.dtype, num_heads, kv_cache.shape[-1])):
+                and kernel.supports_prefill(kv_cache.dtype, num_heads, kv_cache.shape[-1])
+                and kernel.prefill_preferred(logit_soft_cap)):
             super()._prefill(query, key, value, kv_cache, metadata, scale, output, sliding_window, logit_soft_cap,
                              kv_scales)
             return
