@@ -234,8 +234,9 @@ static inline v16f hsum16(const v16f *x) {
 /* The P V loop's register block: QB query heads x CB chunks of head_dim whose accumulators stay
  * in registers, the token loop run once per block. AVX-512: 24 of the 32 registers, all chunks of
  * as many heads as fit. AVX2 (16 registers, two per 16-float vector): 6 vectors, the heads of a KV
- * group first (each V row loaded once serves them all), then as many chunks as fit -- all chunks of
- * 3 heads spilled to the stack (benchmarks/attention_kernel.py on an AVX2 EPYC: 1.5x with this). */
+ * group first (each V row loaded once serves them all), then as many chunks as fit (the AVX-512 block,
+ * all chunks of 3 heads, spills to the stack there; benchmarks/attention_kernel.py on an AVX2 EPYC:
+ * 1.5x with this and the broadcasts of splat16). */
 #if defined(__AVX512F__)
 #define QB_PV(NUM_CHUNKS, GROUP) ((NUM_CHUNKS) >= 24 ? 1 : 24 / (NUM_CHUNKS))
 #define CB_PV(NUM_CHUNKS, QB) (NUM_CHUNKS)
@@ -325,7 +326,7 @@ static inline __attribute__((always_inline)) void decode_one(
                         const float *qh = q + (size_t)h * head_dim;
                         v16f acc = load_f32(qh) * k[0];
                         for (int c = 1; c < num_chunks; c++) acc += load_f32(qh + 16 * c) * k[c];
-                        store_f32((float *)(dots + h * 16 + j), acc); /* memcpy: AVX2 splits a v16f assignment through the stack */
+                        dots[h * 16 + j] = acc;
                     }
                 }
             }

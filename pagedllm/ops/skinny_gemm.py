@@ -22,7 +22,7 @@ Switch: ``PAGEDLLM_SKINNY_GEMM`` in the environment (read at the first :func:`pa
 :func:`set_enabled`: ``0`` keeps the weights for oneDNN instead (``Linear.pack_for_cpu``); ``1``
 uses the float32 kernel on any CPU; unset uses it on CPUs with AVX2 or AVX-512 (torch's CPU
 capability), where it was measured faster than oneDNN at decode rows (benchmarks/skinny_gemm.py;
-on AVX2 its lead is at up to ~64 rows, above that oneDNN's is ahead by up to ~12%). The bfloat16 kernels run wherever AMX is granted or AVX512-BF16 is built unless the
+on AVX2 it leads up to ~32 rows and is within ~12% of oneDNN at 64-128). The bfloat16 kernels run wherever AMX is granted or AVX512-BF16 is built unless the
 switch is ``0``. Both are
 skipped when the C library cannot be built (one warning).
 """
