@@ -29,26 +29,31 @@ PREFIX = list(range(100, 164))  # 64 tokens = 4 full blocks every request below 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _slow_steps(engine: LLMEngine, step_s: float) -> None:
-    """Make every engine step take at least ``step_s`` so requests are still running
-    while a test looks at them (the tiny model would finish in milliseconds)."""
-    execute = engine.runner.execute_model
+class SlowSteps:
+    """Make every engine step take at least ``step_s`` seconds so requests are still running
+    while a test looks at them (the tiny model would finish in milliseconds). ``step_s`` can
+    change mid-run: a test slows the engine further while a browser reads the page, so the
+    state it waited for is still there however long the browser takes to start."""
 
-    def slow_execute(so):
-        time.sleep(step_s)
-        return execute(so)
+    def __init__(self, engine: LLMEngine, step_s: float) -> None:
+        self.step_s = step_s
+        execute = engine.runner.execute_model
 
-    engine.runner.execute_model = slow_execute
+        def slow_execute(so):
+            time.sleep(self.step_s)
+            return execute(so)
+
+        engine.runner.execute_model = slow_execute
 
 
 @pytest.fixture(scope="module")
 def kv_server(tiny_model_dir):
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", block_size=BLOCK_SIZE,
                                     num_kv_blocks=NUM_BLOCKS, max_model_len=512, max_num_seqs=8))
-    _slow_steps(engine, 0.01)
+    slow = SlowSteps(engine, 0.01)
     app = build_app(AsyncLLMEngine(engine, stats_log_interval_s=0), ["tiny"], api_key=KEY)
     with ServerThread(app) as srv:
-        srv.engine = engine
+        srv.engine, srv.slow = engine, slow
         yield srv
 
 
@@ -209,8 +214,15 @@ def test_kv_page_in_headless_chromium(kv_server, tmp_path):
     try:
         # 5 x 30 blocks do not fit in 48: wait for the first preemption, with requests still sharing
         wait_for(url, lambda s: s["num_preemptions"] >= 1 and s["num_running"] >= 2 and s["num_shared_blocks"] >= 4)
+        # Hold that state while Chromium starts and reads the page (seconds on a loaded machine):
+        # the ~300 decode steps left then take over a minute (stop() below aborts them). Fast
+        # steps again for the screenshot, which only needs a page that draws.
         page = f"{url}/kv?interval=0.25#key={KEY}"
-        dom = run_chromium(page, "--dump-dom").stdout
+        kv_server.slow.step_s = 0.25
+        try:
+            dom = run_chromium(page, "--dump-dom").stdout
+        finally:
+            kv_server.slow.step_s = 0.01
         shot = tmp_path / "kv_map.png"
         run_chromium(page, f"--screenshot={shot}", "--window-size=1400,1000")
         after = get_state(url)
