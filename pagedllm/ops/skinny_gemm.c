@@ -171,11 +171,25 @@ static inline __attribute__((always_inline)) void sg_tile(const float *x, ptrdif
         if (first) SG_TILE(R, 1); else SG_TILE(R, 0);                                                              \
         break;
 
+/* Panels per grab of the dynamic schedule: about SG_GRABS grabs per thread, so a thread that the
+ * OS preempts (the HTTP server, the benchmark client, a neighbour on a shared machine) leaves its
+ * remaining panels to the others instead of making the whole team wait for it at the barrier;
+ * a grab of consecutive panels keeps one sequential stream for the prefetcher. Which thread
+ * computes a panel does not change its numerics (the header comment), so outputs stay bitwise
+ * equal to the static split's. */
+#ifndef SG_GRABS
+#define SG_GRABS 8
+#endif
+static inline int sg_chunk(int panels, int num_threads) {
+    const int chunk = panels / (SG_GRABS * (num_threads > 0 ? num_threads : 1));
+    return chunk > 0 ? chunk : 1;
+}
+
 /* out[m, n] = bias[n] + sum_k x[m, k] * w[n, k] for m < M, n < N.
  *   x: M rows of K floats, row stride x_stride (floats); out: M rows, stride out_stride (floats).
  *   packed: ceil(N / SG_NR) panels, each K rows of SG_NR floats (see the header comment).
  *   bias: NULL, or ceil(N / SG_NR) * SG_NR floats (zero-padded).
- *   num_threads: OpenMP threads; panels are split between them in contiguous ranges.
+ *   num_threads: OpenMP threads; they take runs of sg_chunk() consecutive panels as they finish.
  * The caller checks shapes, strides and dtypes (skinny_gemm.py); nothing here is validated. */
 void skinny_gemm_f32(const float *x, ptrdiff_t x_stride, const float *packed, const float *bias, float *out,
                      ptrdiff_t out_stride, int M, int N, int K, int num_threads) {
@@ -183,7 +197,8 @@ void skinny_gemm_f32(const float *x, ptrdiff_t x_stride, const float *packed, co
     const int tiles = (M + SG_MR - 1) / SG_MR;
     const ptrdiff_t panel_lines = ((ptrdiff_t)K * SG_NR * (ptrdiff_t)sizeof(float) + 63) / 64;
     const int next_lines = sg_next_lines(panel_lines, tiles, K); /* the later walks pull the next panel */
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+    const int chunk = sg_chunk(panels, num_threads);
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, chunk) if (num_threads > 1)
     for (int p = 0; p < panels; p++) {
         const float *panel = packed + (ptrdiff_t)p * K * SG_NR;
         const float *b = bias ? bias + (ptrdiff_t)p * SG_NR : NULL;
