@@ -336,7 +336,7 @@ int skinny_gemm_bf16_amx(const uint16_t *x, ptrdiff_t x_stride, const uint16_t *
     {
         sg_amx_configure();
         float acc[32 * SG_AMX_NR] __attribute__((aligned(64)));
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, sg_chunk(panels, num_threads))
         for (int p = 0; p < panels; p++) {
             const uint16_t *panel = packed + (ptrdiff_t)p * K * SG_AMX_NR;
             const float *b = bias ? bias + (ptrdiff_t)p * SG_AMX_NR : NULL;
@@ -460,7 +460,8 @@ static inline __attribute__((always_inline)) void sg_dp_gemm(const uint16_t *x, 
     const int K2 = K / 2;
     const size_t out_elem = out_f32 ? sizeof(float) : sizeof(uint16_t);
     const int next_lines = sg_next_lines(panel_lines, tiles, K2); /* the later walks pull the next panel */
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+    const int chunk = sg_chunk(panels, num_threads);
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, chunk) if (num_threads > 1)
     for (int p = 0; p < panels; p++) {
         const uint16_t *panel = packed + (ptrdiff_t)p * K * SG_DP_NR;
         const float *b = bias ? bias + (ptrdiff_t)p * SG_DP_NR : NULL;
