@@ -563,3 +563,35 @@ def test_benchmarks_import_pagedllm_before_torch():
         if first["torch"] is not None and (first["pagedllm"] is None or first["pagedllm"] > first["torch"]):
             late.append(path.name)
     assert late == []
+
+
+# ---- targets_summary / served_steps ------------------------------------------------------
+def test_targets_summary_reads_every_result_it_names():
+    import targets_summary
+
+    records = targets_summary.gather(targets_summary.RESULTS)
+    assert [r["target"] for r in records] == [t.name for t in targets_summary.TARGETS]
+    for r in records:
+        assert r["missing"] == [], f"{r['target']}: a named result file is not in benchmarks/results"
+        for h in r["hosts"]:
+            assert 0 < h["value"] < 100
+            assert h["met"] == (h["value"] >= r["goal"] if r["better"] == "higher" else h["value"] <= r["goal"])
+
+
+def test_served_steps_accounts_for_every_token(tiny_model_dir):
+    import served_steps
+
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=128, num_kv_blocks=64,
+                                    max_num_batched_tokens=30, max_prefill_tokens_while_decoding=8))
+    prompts = served_steps.random_prompts(5, 20, seed=0)
+    run = served_steps.run_workload(engine, prompts, output_len=6, concurrency=2)
+    steps = run["steps"]
+    assert sum(k["prompt_tokens"] for k in steps.values()) == 5 * 20
+    assert sum(k["decode_tokens"] for k in steps.values()) == 5 * (6 - 1)  # the first token comes from the prefill
+    assert run["min_decode_passes"] == 3 * 6  # ceil(5 / 2) waves of 6 tokens
+    assert run["decode_passes"] == steps["decode"]["steps"] + steps["mixed"]["steps"] >= 3 * 5
+    assert steps["mixed"]["steps"] > 0  # a 30-token budget splits the second prompt: its rest rides with a decode
+    assert not engine.has_unfinished_requests() and engine.scheduler.step_trace is None
