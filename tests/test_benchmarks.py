@@ -595,3 +595,14 @@ def test_served_steps_accounts_for_every_token(tiny_model_dir):
     assert run["decode_passes"] == steps["decode"]["steps"] + steps["mixed"]["steps"] >= 13
     assert steps["mixed"]["steps"] > 0  # a 30-token budget splits the second prompt: its rest rides with a decode
     assert not engine.has_unfinished_requests() and engine.scheduler.step_trace is None
+
+
+def test_step_profile_times_every_skinny_gemm_entry_point():
+    import step_profile
+
+    from pagedllm.ops import skinny_gemm
+
+    kernel = skinny_gemm._get_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler: the skinny GEMM library is not built")
+    assert set(step_profile.SKINNY_KERNELS) == {k for k in vars(kernel) if k.startswith("gemm_")}
