@@ -270,6 +270,10 @@ _BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 100000}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "system", "content": None},
+                                                           {"role": "user", "content": "x"}]}, 400, "messages"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 5}, 400, "presence_penalty"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 100}, 400, "logprobs"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
@@ -429,6 +433,14 @@ def test_api_key_required_when_configured(monkeypatch):
                               "--max-waiting-requests", "3", "--no-enable-prefix-caching"])
     assert (args.model, args.served_model_name, args.num_kv_blocks, args.max_waiting_requests,
             args.enable_prefix_caching) == ("m.gguf", ["a", "b"], 8, 3, False)
+    # --model as generate and chat take it; two different models are refused by name
+    from pagedllm.entrypoints.openai.api_server import resolve_model_arg
+
+    assert resolve_model_arg(parser.parse_args(["--model", "x.gguf"])) == "x.gguf"
+    assert resolve_model_arg(parser.parse_args(["-m", "x.gguf", "x.gguf"])) == "x.gguf"
+    assert resolve_model_arg(parser.parse_args(["y.gguf"])) == "y.gguf"
+    with pytest.raises(ValueError, match="two models given"):
+        resolve_model_arg(parser.parse_args(["y.gguf", "--model", "x.gguf"]))
     monkeypatch.setenv("PAGEDLLM_API_KEY", "from-env")
     assert resolve_api_key(parser.parse_args([])) == "from-env"
     assert resolve_api_key(parser.parse_args(["--api-key", "flag"])) == "flag"
@@ -842,3 +854,20 @@ def test_a_bad_query_parameter_is_named(client):
     """A query parameter of the wrong type is a 400 naming it (was: param "query")."""
     error = assert_error(client.get("/kv/state?engine=abc"), 400, "engine")
     assert error["message"].startswith("engine: ")
+
+
+@pytest.mark.parametrize("path, body, message", [
+    # a union's failing members are not named: the path is the request's own
+    ("/v1/completions", {"model": MODEL, "prompt": 123}, "prompt: Input should be a valid string, got 123"),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, "prompt: List should have at least 1 item"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+     "messages.0.content: Input should be a valid string, got 5"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages.0.content.0.type: "),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias.abc: String should"),
+])
+def test_validation_messages_name_the_request_path(server, path, body, message):
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        err = assert_error(c.post(path, json=body), 400)
+    assert err["message"].startswith(message), err
+    assert not re.search(r"constrained|\[key\]|list\[|\.str\b", err["message"]), err

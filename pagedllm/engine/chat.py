@@ -12,7 +12,8 @@ def normalize_conversation(conversation: list[dict]) -> list[dict]:
 
     ``content`` may be a string or a list of ``{"type": "text", "text": ...}`` parts
     (joined with newlines, as vLLM does). Raises ValueError naming the message index for
-    an empty conversation, a non-dict message, an unknown role, or non-text content.
+    an empty conversation, a non-dict message, an unknown role, non-text content, or missing
+    content outside an assistant turn (OpenAI requires it there too).
     """
     if not isinstance(conversation, list) or not conversation:
         raise ValueError("messages must be a non-empty list")
@@ -23,6 +24,8 @@ def normalize_conversation(conversation: list[dict]) -> list[dict]:
         role = msg.get("role")
         if role not in VALID_ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(VALID_ROLES)}; got {role!r}")
+        if msg.get("content") is None and role != "assistant":  # only an assistant turn may be tool calls alone
+            raise ValueError(f"messages[{i}].content is required for a {role} message")
         norm = {"role": role, "content": _content_text(msg.get("content"), i)}
         if role == "assistant" and msg.get("tool_calls"):
             norm["tool_calls"] = _tool_calls(msg["tool_calls"], i)

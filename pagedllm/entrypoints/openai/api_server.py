@@ -18,6 +18,7 @@ import errno
 import hmac
 import logging
 import os
+import re
 import socket
 import sys
 from typing import Any, Awaitable
@@ -79,19 +80,33 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+# Segments pydantic adds to an error's location for the member of a union or the validator that
+# failed ("constrained-str", "list[TextPart]", "function-after[...]", "str", "[key]"): not part
+# of the request's path, so a client never sees them.
+_UNION_TAG = re.compile(r"^(?:[a-z]+-[\w-]+(?:\[.*\])?|\w+\[.*\]|str|int|float|bool|\[key\])$")
+
+
+def _request_path(error: dict) -> list[str]:
+    """The error's location in the request body: field names, list indices and dict keys."""
+    loc = [str(p) for p in error.get("loc", ())]
+    if loc and loc[0] in ("body", "query", "path", "header"):  # where it came from, not the field
+        loc = loc[1:]
+    return [p for p in loc if not _UNION_TAG.match(p)]
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """A one-line message (and the offending field) from pydantic's error list: the error
     deepest in the body, the most specific one (a value that fits no member of a union fails
-    each member; the member that got furthest names what is wrong)."""
+    each member; the member that got furthest names what is wrong, and among equals one whose
+    type matched the value: ``[]`` for a string-or-list field is a list too short, not a
+    wrong type)."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    first = max(errors, key=lambda e: (len(_request_path(e)), not str(e.get("type", "")).endswith("_type")))
     if first.get("type") == "json_invalid":
         return "Malformed JSON in the request body: " + str(first.get("ctx", {}).get("error", first.get("msg"))), None
-    loc = [str(p) for p in first.get("loc", ())]
-    if loc and loc[0] in ("body", "query", "path", "header"):  # where it came from, not the field
-        loc = loc[1:]
+    loc = _request_path(first)
     field = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"
     if first.get("type") == "missing":
@@ -282,6 +297,9 @@ def add_server_args(parser: argparse.ArgumentParser, include_engine_args: bool =
     if not any(a.dest == "model" for a in parser._actions):
         parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                             help=f"model alias, .gguf file or Hugging Face folder (default: {DEFAULT_MODEL})")
+        # `--model` as `generate` and `chat` take it (vLLM's serve accepts both spellings too)
+        parser.add_argument("-m", "--model", dest="model_flag", default=None, metavar="MODEL",
+                            help="the same as the MODEL argument (give one or the other)")
     group = parser.add_argument_group("server options")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     group.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
@@ -369,9 +387,21 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
     return getattr(args, "api_key", None) or os.environ.get("PAGEDLLM_API_KEY") or None
 
 
+def resolve_model_arg(args: argparse.Namespace) -> str:
+    """The model to serve: ``--model`` when given, else the MODEL argument (its default included);
+    stored back in ``args.model``. Raises ValueError when both name different models."""
+    flag = getattr(args, "model_flag", None)
+    if flag is not None:
+        if args.model not in (DEFAULT_MODEL, flag):
+            raise ValueError(f"two models given: MODEL {args.model!r} and --model {flag!r}; give one")
+        args.model = flag
+    return args.model
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Bind the port, load the model and serve until interrupted (blocking). Raises ValueError on
     bad options, a port that cannot be bound included (before the model loads)."""
+    resolve_model_arg(args)
     set_switch_interval(getattr(args, "switch_interval_ms", DEFAULT_SWITCH_INTERVAL_MS))
     level = str(getattr(args, "log_level", "info")).lower()
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

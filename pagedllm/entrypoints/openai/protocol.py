@@ -282,6 +282,8 @@ class CompletionRequest(_Request):
             raise ValueError(f"best_of must equal n ({self.n}) when given (no best-of selection); got {self.best_of}")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is not available when stream is true")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 only with echo (the prompt alone, scored); otherwise it must be >= 1")
         kw = self._sampling_kwargs()
         kw["max_tokens"] = 1 if self.is_prompt_only else self.max_tokens  # the one token is dropped
         kw["logprobs"] = self.logprobs
