@@ -83,7 +83,8 @@ class APIKeyMiddleware:
 # Segments pydantic adds to an error's location for the member of a union or the validator that
 # failed ("constrained-str", "list[TextPart]", "function-after[...]", "str", "[key]"): not part
 # of the request's path, so a client never sees them.
-_UNION_TAG = re.compile(r"^(?:[a-z]+-[\w-]+(?:\[.*\])?|\w+\[.*\]|str|int|float|bool|\[key\])$")
+_UNION_TAG = re.compile(r"^(?:(?:constrained|function|lax|json|tagged|chain|nullable|default)-[\w-]+(?:\[.*\])?"
+                        r"|\w+\[.*\]|str|int|float|bool|\[key\])$")
 
 
 def _request_path(error: dict) -> list[str]:
@@ -345,7 +346,7 @@ def build_app_from_args(args: argparse.Namespace) -> FastAPI:
 
     from pagedllm.worker.model_runner import resolve_device
 
-    config = engine_config_from_args(args, model=args.model)
+    config = engine_config_from_args(args, model=resolve_model_arg(args))
     config = config.with_serving_defaults(resolve_device(config.device).type)
     chat_template = None  # read before the model loads: a wrong path fails at once, by name
     if args.chat_template:
@@ -401,7 +402,7 @@ def resolve_model_arg(args: argparse.Namespace) -> str:
 def run_server(args: argparse.Namespace) -> None:
     """Bind the port, load the model and serve until interrupted (blocking). Raises ValueError on
     bad options, a port that cannot be bound included (before the model loads)."""
-    resolve_model_arg(args)
+    resolve_model_arg(args)  # before the port is bound: two models is a usage error
     set_switch_interval(getattr(args, "switch_interval_ms", DEFAULT_SWITCH_INTERVAL_MS))
     level = str(getattr(args, "log_level", "info")).lower()
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
