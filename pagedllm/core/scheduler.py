@@ -1,10 +1,7 @@
-"""Scheduler: which requests run each step, and how many tokens each computes.
-
-Continuous batching under a per-step budget (:mod:`pagedllm.core.step_budget`), in the style of
-vLLM's v1 scheduler; memory goes through :class:`KVCacheManager`. The policies and their why are
-in ``docs/scheduler.md``. Not thread-safe: one engine thread calls ``schedule()`` and
-``update_from_output()`` in turn.
-"""
+"""Scheduler: which requests run each step and how many tokens each computes, under a
+:class:`StepBudget` (vLLM v1's scheduler); memory only through the :class:`KVCacheManager`.
+Policies: ``docs/scheduler.md``. Not thread-safe: one thread alternates ``schedule()`` and
+``update_from_output()``."""
 
 from __future__ import annotations
 
@@ -32,29 +29,18 @@ logger = logging.getLogger("pagedllm")
 
 
 class _PrefixHit(NamedTuple):
-    """The computed start of an admission: pool (or sibling) blocks, then offload-tier hits."""
-
-    block_ids: GroupBlockIds  # per KV-cache group
+    block_ids: GroupBlockIds
     num_pool_tokens: int
     tier_hits: list[TierHit]
-    num_tokens: int  # pool + tier tokens
+    num_tokens: int  # pool + tiers
 
 
 class Scheduler:
     """Continuous-batching scheduler with chunked prefill, prefix caching and preemption.
 
-    Args:
-        config: the engine configuration (``max_model_len`` resolved).
-        num_kv_blocks: physical KV blocks available.
-        record_trace: keep ``step_trace``, one ``{request_id: num_tokens}`` per step (grows
-            without bound: tests and benchmarks only).
-        kv_cache_groups: the model's KV-cache groups; default one full-attention group.
-        num_kv_events: how many preemption / caching events ``kv_events`` keeps.
-        kv_offload: the prefix cache's offload tiers below the pool, or None.
-        swap_space: the swap space; default none (swap falls back to recompute).
-
-    Raises:
-        ValueError: ``config.max_model_len`` is None, or ``num_kv_blocks`` < 1.
+    ``record_trace`` keeps ``step_trace``, one ``{request_id: num_tokens}`` per step (unbounded:
+    tests). ``kv_cache_groups`` default: one full-attention group; ``swap_space`` default: none
+    (swap falls back to recompute). ValueError when ``config.max_model_len`` is None.
     """
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int, record_trace: bool = False,
@@ -68,18 +54,18 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.token_budget = config.token_budget
         self.enable_chunked_prefill = config.enable_chunked_prefill
-        self.step_cost = StepCostModel()  # fed by the engine (observe_step_time), read by the time budget
+        self.step_cost = StepCostModel()  # fed by observe_step_time
         self.is_priority = config.scheduling_policy == "priority"
         self.is_static = config.batching == "static"
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                                config.max_model_len, kv_cache_groups, kv_offload)
-        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.requests: dict[str, Request] = {}  # unfinished
         self.waiting: list[Request] = []  # head first
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
         self.swap_space = swap_space if swap_space is not None else SwapSpace(0, config.preemption_mode)
-        self._swap_ops = KVTransferOps()  # swap copies decided this step
-        self.kv_events = KVEventLog(num_kv_events)  # the last preemptions, prefix hits, evictions
+        self._swap_ops = KVTransferOps()  # this step's swap copies
+        self.kv_events = KVEventLog(num_kv_events)
         self.step_trace: list[dict[str, int]] | None = [] if record_trace else None
         self._groups: dict[str, list[Request]] = {}  # parent_id -> unfinished children
         self._arrival_seq: dict[str, int] = {}  # tie-breaker for equal arrival times
@@ -87,16 +73,9 @@ class Scheduler:
         self._known_to_runner: set[str] = set()  # scheduled since (re)admission
         self._finished_req_ids: set[str] = set()  # runner state to drop at the next step
 
-    # ---- requests in -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue ``request`` (status WAITING).
-
-        Raises:
-            ValueError: empty prompt; prompt longer than ``max_model_len``; a request
-                whose worst case (prompt + max_tokens, capped at max_model_len) needs
-                more blocks than the whole pool; a duplicate request id; a child whose
-                prompt differs from its siblings'.
-        """
+        """Queue ``request``. ValueError for a duplicate id, an empty or too long prompt, a worst
+        case (prompt + max_tokens) larger than the pool, or a child's prompt unlike its siblings'."""
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in the scheduler")
@@ -107,7 +86,6 @@ class Scheduler:
                              f"max_model_len ({self.max_model_len})")
         kv = self.kv_cache_manager
         worst = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-        # static batching reserves the whole sequence at once, like one chunk of it
         needed = kv.max_num_blocks_per_seq(worst, worst if self.is_static else self.token_budget)
         if needed > kv.num_total_blocks:
             raise ValueError(f"request {rid!r}: {worst} tokens (prompt {request.num_prompt_tokens} + max_tokens "
@@ -129,29 +107,22 @@ class Scheduler:
         else:
             self.waiting.append(request)
 
-    # ---- the step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's batch (policies: ``docs/scheduler.md``).
-
-        Changes: admits waiting requests (RUNNING, ``num_computed_tokens`` set to their prefix
-        hit), allocates their slots, may preempt. ``num_computed_tokens`` does not advance for
-        the tokens scheduled (``update_from_output`` does that).
-        """
-        # No prefill or decode phase: each request has num_computed_tokens and num_tokens,
-        # and each step lets the first catch up with the second under the StepBudget
-        # (token budget, prompt cap while decoding, time budget, partial-prefill slots).
-        # That one rule covers prefill, chunked prefill, prefix hits, resumption after
-        # preemption and decode (vLLM v1's scheduler).
-        # 1. Running requests, decodes before prompt chunks. When blocks run out, the
-        #    lowest-priority running request is preempted and its share given back.
-        # 2. Waiting requests in queue order, starting from their prefix hit; the first one
-        #    that cannot be admitted ends the phase (no bypass), except requests skipped by
-        #    rule (grammar compiling, sibling computing the shared prompt, long slots full).
+        """This step's batch: admits (RUNNING, ``num_computed_tokens`` at the prefix hit), allocates
+        slots, may preempt; ``update_from_output`` advances ``num_computed_tokens``."""
+        # No prefill or decode phase: each request has num_computed_tokens and num_tokens, and
+        # each step lets the first catch up with the second under the StepBudget (tokens, prompt
+        # cap and time while decoding, partial-prefill slots). One rule for prefill, chunked
+        # prefill, prefix hits, resumption and decode (vLLM v1). Policies: docs/scheduler.md.
+        # 1. Running requests, decodes first; when blocks run out, the lowest-priority one is
+        #    preempted and gives its share back.
+        # 2. Waiting requests in queue order from their prefix hit; the first that cannot be
+        #    admitted ends the phase (no bypass) unless a rule skips it.
         # 3. The output for the model runner.
         kv = self.kv_cache_manager
         budget = StepBudget.for_step(self.config, self.step_cost, self._is_decoding())
         num_scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, tuple[list[int], ...]] = {}  # per KV-cache group
+        new_block_ids: dict[str, GroupBlockIds] = {}
         preempted: list[Request] = []
 
         # 1. Running requests.
@@ -167,7 +138,7 @@ class Scheduler:
             if num_new is None or num_new <= 0:
                 continue
             if is_prompt and budget.partial_refusal(num_left, num_new):
-                continue  # no partial-prefill slot this step: keeps its blocks, runs next step
+                continue  # no partial-prefill slot: keeps its blocks, runs next step
             block_ids = self._allocate_or_preempt(req, num_new, budget, num_scheduled, new_block_ids, preempted)
             if block_ids is None:
                 break
@@ -183,37 +154,37 @@ class Scheduler:
         i = 0
         while can_admit and i < len(self.waiting) and budget.has_prompt_room and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
-            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:  # compiling off the loop: skip, don't block
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:  # skipped, not blocking
                 i += 1
                 continue
             swapped = self.swap_space.swapped.get(req.request_id)
-            if swapped is not None:  # resumes from the swap space: no prefix lookup
+            if swapped is not None:
                 num_new = min(req.num_tokens - swapped.num_computed_tokens, budget.num_tokens_left)
                 if not self._admit_swapped(req, swapped, num_new):
-                    break  # head-of-line: waits for memory
+                    break
                 num_scheduled[req.request_id] = num_new
                 budget.take_tokens(req.request_id, num_new)
                 continue
             donor = None
             if req.parent_id is not None and not self.is_static:
                 donor, is_held = self._find_sibling_donor(req)
-                if is_held:  # a sibling is computing the shared prompt: wait for it, don't block
+                if is_held:  # a sibling computes the shared prompt: skipped, not blocking
                     i += 1
                     continue
             hit = self._prefix_hit(req, donor)
             num_left = req.num_tokens - hit.num_tokens
             limit = budget.prompt_limit(num_left, hit.num_tokens)
             if limit <= 0:
-                break  # the step's time budget is spent: admissions wait for the next step
+                break
             num_new = self._chunk(num_left, limit)
             if num_new is None:
-                break  # chunked prefill off: admitted whole or waits; nothing passes it
+                break  # chunked prefill off: admitted whole or not at all
             refusal = budget.partial_refusal(num_left, num_new)
-            if refusal == "long":  # long slots taken: shorter prompts behind it may pass
+            if refusal == "long":  # shorter prompts may pass it
                 i += 1
                 continue
             if refusal or not self._admit(req, i, num_new, hit):
-                break  # no partial-prefill slot or no memory: head-of-line, nothing passes it
+                break
             num_scheduled[req.request_id] = num_new
             budget.take_prompt(req.request_id, num_new, hit.num_tokens, num_left)
 
@@ -222,21 +193,11 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[Request]:
-        """Apply one step's results.
+        """Apply a step: advance ``num_computed_tokens``, publish full blocks, append sampled tokens,
+        check stops, free finished and failed (FINISHED_ERROR) requests; aborted ones are skipped.
 
-        For every request scheduled: advance ``num_computed_tokens``, publish its newly
-        computed full blocks, append its sampled tokens and check the stop conditions;
-        free finished requests. Requests in ``model_runner_output.failed`` end as
-        FINISHED_ERROR (their blocks freed, not published). Requests aborted since
-        ``schedule()`` are ignored.
-
-        Returns:
-            Every request that got new tokens or finished this step (batch order).
-
-        Raises:
-            ValueError: the runner sampled for a request whose K/V does not yet cover
-                all its tokens, or did not sample for one whose K/V does (the contract
-                of ``pagedllm.core.outputs``).
+        Returns the requests that got tokens or finished (batch order). Raises ValueError when
+        the runner sampled mid-prefill or not at all for a complete request.
         """
         kv = self.kv_cache_manager
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
@@ -253,7 +214,7 @@ class Scheduler:
                 changed.append(req)
                 any_finished = True
                 continue
-            kv.cache_blocks(req)  # publishes the blocks filled (or copied in from a tier) this step
+            kv.cache_blocks(req)
             token_ids = sampled.get(rid)
             is_complete = num_computed == len(req.all_token_ids)
             if not token_ids:
@@ -274,7 +235,7 @@ class Scheduler:
                     any_finished = True
                     break
             changed.append(req)
-        for rid in failed:  # failures of requests not scheduled this step (defensive)
+        for rid in failed:  # not scheduled this step
             req = self.requests.get(rid)
             if req is not None and rid not in scheduler_output.num_scheduled_tokens:
                 self._finish(req, RequestStatus.FINISHED_ERROR, in_running=req.status == RequestStatus.RUNNING)
@@ -283,13 +244,9 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return changed
 
-    # ---- requests out ------------------------------------------------------------------
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> list[Request]:
-        """End requests in any state with ``finished_status`` (stop strings, aborts),
-        freeing every block they hold. Unknown or already finished ids are ignored.
-
-        Returns the requests that were ended. Raises ValueError for a non-finished status.
-        """
+        """End requests in any state with ``finished_status``, freeing their blocks; unknown ids are
+        ignored. Returns those ended; ValueError for a status that is not FINISHED_*."""
         if not finished_status.is_finished:
             raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -303,7 +260,6 @@ class Scheduler:
         return ended
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[Request]:
-        """Abort requests in any state (FINISHED_ABORTED, blocks freed); unknown ids are a no-op."""
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
@@ -313,29 +269,21 @@ class Scheduler:
         return len(self.running) + len(self.waiting)
 
     def set_grammar_ready(self, request_id: str) -> None:
-        """Make a request whose grammar has compiled admissible (WAITING_FOR_GRAMMAR → WAITING).
-
-        Unknown, finished or already admissible requests are left alone.
-        """
+        """WAITING_FOR_GRAMMAR → WAITING; any other request is left alone."""
         req = self.requests.get(request_id)
         if req is not None and req.status == RequestStatus.WAITING_FOR_GRAMMAR:
             req.status = RequestStatus.WAITING
 
     def has_finished_requests(self) -> bool:
-        """Whether the runner still has state to drop (sent with the next schedule())."""
         return bool(self._finished_req_ids)
 
     def reset_runner_state(self) -> None:
-        """Declare that the model runner dropped its per-request state (e.g. after an
-        exception inside a step): every request scheduled from now on is sent in full
-        (``NewRequestData`` with its whole block table and ``num_computed_tokens``)."""
+        """The runner lost its per-request state: send every request in full from now on."""
         self._known_to_runner.clear()
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block hash; only possible while no block is in use."""
         return self.kv_cache_manager.reset_prefix_cache()
 
-    # ---- figures and invariants --------------------------------------------------------
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         return SchedulerStats(
@@ -346,9 +294,8 @@ class Scheduler:
             num_total_blocks=kv.num_total_blocks)
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless the KV cache is consistent and every unfinished
-        request is in exactly one queue with a matching status; only running requests
-        hold blocks, enough to cover their computed tokens; at most max_num_seqs run."""
+        """AssertionError unless the KV cache is consistent and each unfinished request sits in one
+        queue with a matching status, blocks only while running."""
         kv = self.kv_cache_manager
         kv.check_integrity()
         self.swap_space.check_integrity()
@@ -373,10 +320,7 @@ class Scheduler:
             assert children and all(c.request_id in self.requests for c in children), f"group {parent_id} stale"
 
     def kv_cache_snapshot(self, num_steps: int = 0) -> KVCacheSnapshot:
-        """Every block's state and every unfinished request's block table, now.
-
-        Call between steps (the engine thread does). O(blocks + requests); changes nothing.
-        """
+        """Every block's state and unfinished request's block tables; call between steps."""
         kv = self.kv_cache_manager
         rows = [self._kv_row(r, "running") for r in self.running]
         rows += [self._kv_row(r, "preempted" if r.status == RequestStatus.PREEMPTED else "waiting")
@@ -398,9 +342,8 @@ class Scheduler:
                             req.num_prompt_tokens, req.num_output_tokens, req.num_computed_tokens,
                             max(req.num_cached_tokens, 0), req.num_preemptions)
 
-    # ---- internals ---------------------------------------------------------------------
     def _allocate(self, req: Request, *args) -> list[int] | None:
-        """``KVCacheManager.allocate_slots``, logging the cached blocks it had to evict."""
+        """``allocate_slots``, recording the evictions it caused."""
         kv = self.kv_cache_manager
         evicted = kv.num_evicted_blocks
         block_ids = kv.allocate_slots(req, *args)
@@ -410,7 +353,6 @@ class Scheduler:
         return block_ids
 
     def _cached_tokens_by_tier(self, num_pool_tokens: int, tier_hits: list) -> dict[str, int]:
-        """Cached tokens of an admission per tier: ``pool``, ``host``, ``disk``."""
         counts = tier_hit_counts(tier_hits)
         return {"pool": num_pool_tokens, **{t: n * self.block_size for t, n in counts.items()}}
 
@@ -429,8 +371,7 @@ class Scheduler:
         return (req.priority, req.arrival_time, self._arrival_seq[req.request_id])
 
     def _step_shape(self, num_scheduled: dict[str, int]) -> StepShape:
-        """The step's decode tokens, prompt tokens and attention pairs (the step-cost model's
-        features); called before ``num_computed_tokens`` advances."""
+        """The step-cost model's features of this step (before ``num_computed_tokens`` advances)."""
         num_decode = num_prefill = num_pairs = 0
         for rid, n in num_scheduled.items():
             num_pairs += attention_pairs(self.requests[rid].num_computed_tokens, n)
@@ -441,25 +382,22 @@ class Scheduler:
         return StepShape(num_decode, num_prefill, num_pairs)
 
     def observe_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
-        """Feed the step-cost model: the step ``scheduler_output`` took ``seconds`` of wall
-        time (schedule to outputs; the engine measures it). Empty steps are ignored."""
+        """Feed the step-cost model the wall time of a step (empty steps are ignored)."""
         if scheduler_output.step_shape is not None:
             self.step_cost.observe(scheduler_output.step_shape, seconds)
 
     def _pick_victim(self) -> Request:
-        """Lowest priority (largest value), latest arrival among running (FCFS: latest)."""
+        """Lowest priority (largest value), then latest arrival."""
         if self.is_priority:
             return max(self.running, key=self._priority_key)
         return max(self.running, key=lambda r: (r.arrival_time, self._arrival_seq[r.request_id]))
 
     def _preempt(self, req: Request) -> None:
-        """Preempt ``req``: by swap (its computed blocks copied to the swap space) when the
-        preemption mode picks it and the space has room, else by recompute; then free all
-        its blocks, keep the output, back to the queue head."""
+        """Free ``req``'s blocks (swapped out first when the mode picks swap) and queue it at the head."""
         kv = self.kv_cache_manager
         self.kv_events.record(EVENT_PREEMPTED, req.request_id, kv.num_held_blocks(req), req.num_computed_tokens)
         mode, num_blocks = "recompute", cdiv(req.num_computed_tokens, self.block_size)
-        if kv.num_groups == 1:  # a sliding-window group's freed blocks cannot be swapped back
+        if kv.num_groups == 1:  # freed sliding-window blocks cannot be swapped back
             mode = self.swap_space.choose_mode(req.num_computed_tokens, num_blocks)
         if mode == PREEMPT_SWAP:
             slots = self.swap_space.swap_out(req.request_id, num_blocks, req.num_computed_tokens)
@@ -476,26 +414,25 @@ class Scheduler:
         if req.request_id in self._known_to_runner:
             self._known_to_runner.discard(req.request_id)
             self._finished_req_ids.add(req.request_id)
-        if self.is_priority:  # head among its equals: earlier arrival than later requests
+        if self.is_priority:  # head among its equals
             bisect.insort(self.waiting, req, key=self._priority_key)
         else:
             self.waiting.insert(0, req)
 
     def _is_decoding(self) -> bool:
-        """Whether some running request computes one token this step (a stream waits on it)."""
+        """Whether some running request decodes (computes one token) this step."""
         return any(len(r.all_token_ids) - r.num_computed_tokens == 1 for r in self.running)
 
     def _chunk(self, num_left: int, limit: int) -> int | None:
-        """Tokens of ``num_left`` to compute under ``limit``; None when it does not fit whole
-        and chunked prefill is off."""
+        """Tokens of ``num_left`` under ``limit``; None: too many, chunked prefill off."""
         if num_left <= limit:
             return num_left
         return limit if self.enable_chunked_prefill else None
 
     def _allocate_or_preempt(self, req: Request, num_new: int, budget: StepBudget, num_scheduled: dict[str, int],
                              new_block_ids: dict[str, GroupBlockIds], preempted: list[Request]) -> GroupBlockIds | None:
-        """Slots for ``num_new`` tokens of running ``req``, preempting victims until they fit;
-        a victim scheduled earlier this step is unscheduled. None when ``req`` itself was preempted."""
+        """Slots for ``num_new`` tokens of ``req``, preempting (and unscheduling) victims until they
+        fit; None when ``req`` itself was preempted."""
         while (block_ids := self._allocate(req, num_new)) is None:
             victim = self._pick_victim()
             if num_scheduled.pop(victim.request_id, None) is not None:
@@ -508,8 +445,7 @@ class Scheduler:
         return block_ids
 
     def _prefix_hit(self, req: Request, donor: Request | None) -> _PrefixHit:
-        """What waiting ``req`` need not compute: the pool's cached blocks or a running
-        sibling's shared prompt blocks (the longer), then the offload tiers' blocks after them."""
+        """Cached (or a sibling's shared, if longer) blocks, then offload-tier hits after them."""
         kv = self.kv_cache_manager
         block_ids, num_pool_tokens = kv.get_computed_blocks(req)
         if donor is not None:
@@ -520,10 +456,9 @@ class Scheduler:
         return _PrefixHit(block_ids, num_pool_tokens, tier_hits, num_pool_tokens + len(tier_hits) * self.block_size)
 
     def _admit(self, req: Request, index: int, num_new: int, hit: _PrefixHit) -> bool:
-        """Move ``self.waiting[index]`` (``req``) to running with slots for ``num_new`` tokens
-        after its prefix ``hit``. False (nothing changed) without memory."""
+        """Move ``self.waiting[index]`` to running after its ``hit``; False (no change) without memory."""
         lookahead = 0
-        if self.is_static:  # reserve the worst case now: the batch never grows again
+        if self.is_static:  # the worst case now: the batch never grows
             worst = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
             lookahead = max(0, worst - hit.num_tokens - num_new)
         if self._allocate(req, num_new, hit.block_ids, hit.num_pool_tokens, lookahead, hit.tier_hits) is None:
@@ -541,8 +476,7 @@ class Scheduler:
         return True
 
     def _admit_swapped(self, req: Request, record, num_new: int) -> bool:
-        """Admit a swapped-out request: fresh blocks for its swapped tokens (copied back in
-        before the forward) plus ``num_new`` tokens. False (nothing changed) without memory."""
+        """Admit a swapped-out request (its blocks copied back in); False (no change) without memory."""
         block_ids = self._allocate(req, num_new, (), 0, 0, (), record.num_computed_tokens)
         if block_ids is None:
             return False
@@ -557,8 +491,6 @@ class Scheduler:
 
     def _make_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, GroupBlockIds],
                      preempted: list[Request], budget: StepBudget) -> SchedulerOutput:
-        """The step's ``SchedulerOutput``; hands over the swap and tier copies and the ids the
-        runner must drop, and records the step trace."""
         kv = self.kv_cache_manager
         out = SchedulerOutput(num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=budget.num_scheduled_tokens,
                               step_shape=self._step_shape(num_scheduled))
@@ -583,8 +515,7 @@ class Scheduler:
         return out
 
     def _find_sibling_donor(self, req: Request) -> tuple[Request | None, bool]:
-        """(a running sibling holding the computed prompt blocks, or None; whether
-        ``req`` should wait because a running sibling is still computing them)."""
+        """(a running sibling holding the prompt's blocks or None, whether one still computes them)."""
         num_shareable = min(req.num_prompt_tokens, req.num_tokens - 1) // self.block_size * self.block_size
         if num_shareable == 0 or req.sampling_params.prompt_logprobs is not None:
             return None, False
@@ -598,7 +529,6 @@ class Scheduler:
         return None, is_held
 
     def _check_stop(self, req: Request, token_id: int) -> bool:
-        """Set the finished status and stop_reason if ``token_id`` ends ``req``."""
         params = req.sampling_params
         num_output = len(req.output_token_ids)
         if num_output >= params.min_tokens:
@@ -615,7 +545,6 @@ class Scheduler:
         return False
 
     def _finish(self, req: Request, status: RequestStatus, in_running: bool) -> None:
-        """End ``req`` outside the normal stop path: dequeue, set status, free."""
         if in_running:
             self.running.remove(req)
         else:
@@ -625,11 +554,10 @@ class Scheduler:
         self._forget(req)
 
     def _forget(self, req: Request) -> None:
-        """Drop a finished request's bookkeeping (its blocks are already freed)."""
         rid = req.request_id
         del self.requests[rid]
         del self._arrival_seq[rid]
-        self.swap_space.release(rid)  # aborted while swapped out
+        self.swap_space.release(rid)
         if rid in self._known_to_runner:
             self._known_to_runner.discard(rid)
             self._finished_req_ids.add(rid)
