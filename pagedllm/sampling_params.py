@@ -25,12 +25,8 @@ def _f(default: Any, help: str) -> Any:
 class StructuredOutputsParams:
     """A constraint on the output (vLLM's ``StructuredOutputsParams``): exactly one of a JSON
     schema (dict or text), a whole-output regex, a choice of strings, an EBNF grammar (start rule
-    ``root``) or any JSON object. ``disable_additional_properties`` and ``whitespace_pattern``
-    (must be None) are accepted for vLLM compatibility.
-
-    Raises ValueError naming the field for no kind, several, or a wrong type; whether it
-    compiles is checked at admission (``validate_structured_outputs``).
-    """
+    ``root``) or any JSON object; ``whitespace_pattern`` must be None. ValueError naming the field
+    for no kind, several or a wrong type; compiling is checked at admission."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -67,7 +63,6 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.whitespace_pattern is not supported (xgrammar backend)")
 
     def kinds(self) -> list[str]:
-        """The constraint kinds set (a valid instance has exactly one)."""
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         return kinds + (["json_object"] if self.json_object else [])
 
@@ -134,7 +129,6 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
-    # ---- validation -----------------------------------------------------------------
     def _validate(self) -> None:
         _int("n", self.n, lo=1)
         _num("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
@@ -199,7 +193,6 @@ class SamplingParams:
             if v is not None and v > max_logprobs:
                 raise ValueError(f"{name}={v} exceeds the maximum of {max_logprobs} (engine option max_logprobs)")
 
-    # ---- derived --------------------------------------------------------------------
     @property
     def is_greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature < SAMPLING_EPS, or top_k 1)."""

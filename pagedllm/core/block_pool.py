@@ -17,11 +17,10 @@ _BIG_ENDIAN = sys.byteorder == "big"
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
                       extra_keys: tuple | None = None) -> bytes:
-    """SHA-256 of ``parent ‖ token ids as int64 LE ‖ repr(extra_keys)`` (vLLM's chained block
-    hash; 32 bytes). ``parent_hash`` None: the first block. ``extra_keys``: what else changes
-    the K/V (cache salt, LoRA id). Full-width ids, so 65 and 321 never collide."""
+    """SHA-256 of ``parent ‖ int64 LE token ids ‖ repr(extra_keys)`` (vLLM's chained hash; parent
+    None: the first block; extra keys: cache salt, LoRA id)."""
     h = hashlib.sha256(ROOT_BLOCK_HASH if parent_hash is None else parent_hash)
-    ids = array("q", token_ids)  # 8 bytes per id: no truncation, ever
+    ids = array("q", token_ids)  # full width: ids 65 and 321 never collide
     if _BIG_ENDIAN:
         ids.byteswap()
     h.update(ids.tobytes())
@@ -32,7 +31,6 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
 
 
 class KVCacheBlock:
-    """One physical block: id, reference count, prefix-cache identity, free-queue links."""
 
     __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "token_ids", "prev_free", "next_free")
 
@@ -51,8 +49,7 @@ class KVCacheBlock:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks, O(1) at both ends and in the middle (a prefix hit takes
-    a cached block back out). The head is handed out (and evicted) next."""
+    """Doubly linked free blocks, O(1) anywhere (a hit takes one out); the head goes next."""
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
         self._head = KVCacheBlock(-1)  # sentinels
@@ -104,18 +101,9 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All physical KV blocks. Not thread-safe: one scheduler thread owns it.
-
-    Args:
-        num_blocks: physical blocks (>= 1, or >= 2 with the null block).
-        block_size: tokens per block, a power of two from 1 to 256.
-        enable_caching: publish full blocks in the prefix cache.
-        reserve_null_block: keep block 0 out of circulation as :attr:`null_block` (vLLM's null
-            block): what a sliding-window table holds where a block was freed; never written.
-
-    Raises:
-        ValueError: naming the argument, for a bad ``num_blocks`` or ``block_size``.
-    """
+    """All physical KV blocks; one scheduler thread owns it. ``reserve_null_block`` keeps block 0
+    out as :attr:`null_block` (vLLM's), where sliding tables point at freed blocks. ValueError
+    naming the argument for a bad ``num_blocks`` or ``block_size``."""
 
     # Which of a request's blocks are shared, cached or freeable (block_size 4, 10 tokens,
     # the first block shared with an earlier request):
@@ -142,31 +130,27 @@ class BlockPool:
         self.null_block: KVCacheBlock | None = self.blocks[0] if reserve_null_block else None
         self.free_block_queue = FreeBlockQueue(self.blocks[1:] if reserve_null_block else self.blocks)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
-        self.num_used_blocks = 0  # blocks with ref_cnt > 0
-        self.num_cached_free_blocks = 0  # blocks with ref_cnt == 0 that carry a hash
-        self.num_evicted_blocks = 0  # cumulative: cached blocks whose hash an allocation dropped
+        self.num_used_blocks = 0  # ref_cnt > 0
+        self.num_cached_free_blocks = 0  # ref_cnt == 0, hashed
+        self.num_evicted_blocks = 0
         # on_evict(block_id, hash, parent_hash, token_ids): just before an eviction (offload tiers)
         self.on_evict: Callable[[int, bytes, bytes | None, tuple[int, ...]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation can take: free ones, hashed or not."""
         return self.free_block_queue.num_free_blocks
 
     @property
     def num_total_blocks(self) -> int:
-        """Blocks requests can hold (not the null block)."""
         return self.num_blocks - (self.null_block is not None)
 
     @property
     def usage(self) -> float:
-        """Fraction of :attr:`num_total_blocks` with ref_cnt > 0."""
         return self.num_used_blocks / self.num_total_blocks
 
     def get_cached_block(self, block_hash: bytes, parent_hash: bytes | None,
                          token_ids: Sequence[int]) -> KVCacheBlock | None:
-        """The block published under ``block_hash`` if its parent hash and tokens match too (a
-        collision is a miss), else None. Takes no reference (:meth:`touch` does)."""
+        """The block published under ``block_hash`` with this parent and tokens, else None (no ref)."""
         block = self.cached_block_hash_to_block.get(block_hash)
         if block is None or block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
             return None
@@ -174,8 +158,7 @@ class BlockPool:
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes, parent_hash: bytes | None,
                          token_ids: Sequence[int]) -> bool:
-        """Publish a full, computed, in-use block; False (unpublished) when caching is off or
-        another block holds the hash (identical prompts computed in one step)."""
+        """Publish a full, computed, in-use block; False if caching is off or the hash is taken."""
         if not self.enable_caching or block.block_hash is not None:
             return False
         if block_hash in self.cached_block_hash_to_block:
@@ -199,8 +182,7 @@ class BlockPool:
         return True
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """``num_blocks`` blocks from the free queue's head, hashes evicted, ref_cnt 1 each.
-        Raises ValueError if fewer are free."""
+        """``num_blocks`` blocks from the queue's head (evicted), ref_cnt 1; ValueError if short."""
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(f"cannot allocate {num_blocks} blocks, only {self.num_free_blocks} free")
         new_blocks = []
@@ -219,7 +201,6 @@ class BlockPool:
         return new_blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """One more reference on each block (a prefix hit); a free one leaves the free queue."""
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
@@ -257,8 +238,7 @@ class BlockPool:
         block.block_hash = block.parent_hash = block.token_ids = None
 
     def check_integrity(self) -> None:
-        """AssertionError unless free + in use == total, the free queue holds exactly the ref_cnt 0
-        blocks, the hash map and the blocks' hashes agree, and the counters match a recount."""
+        """AssertionError unless the queue, the hash map and the counters agree with the blocks."""
         free_ids = self.free_block_queue.block_ids()
         free_set = set(free_ids)
         assert len(free_set) == len(free_ids), "a block is twice in the free queue"

@@ -1,12 +1,8 @@
 """KV-cache groups: which layers share a block table (vLLM v1's hybrid KV cache; no torch).
-
-Layers are grouped by attention type (full, or sliding window W), each type cut into groups of
-``layers_per_block`` layers, every group with its own block table, all from one pool: the runner
-allocates ``layers_per_block`` KV tensors and layer j of every group uses tensor j, so a block id
-means the same bytes in every group and memory a sliding group frees serves any group.
-``layers_per_block`` is the smallest type's layer count (vLLM's rule), or the largest when they
-differ by under 25%. A token at ``p`` with window W sees keys ``p - W + 1 .. p``.
-"""
+Each attention type (full, or window W) is cut into groups of ``layers_per_block`` layers (the
+smallest type's count, or the largest when they differ by under 25%); layer j of every group uses
+KV tensor j, so a block id means the same bytes in every group and one pool serves them all.
+A token at ``p`` with window W sees keys ``p - W + 1 .. p``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""KVCacheManager: per-request block tables on the block pool; the scheduler's only door to memory.
-
-Blocks are published to the prefix cache after the step that computed them (``cache_blocks``
-from ``update_from_output``), not at scheduling as in vLLM: a request admitted in the same step
-can then never hit K/V the forward pass has not written, whatever the attention backend. With
-sliding-window groups a request holds one table per group, all one length; blocks that left
-every window are freed and their entries point at the null block.
-"""
+"""KVCacheManager: per-request block tables (one per KV-cache group, all one length) on the
+block pool; the scheduler's only door to memory. Blocks are published after the step that
+computed them, not at scheduling as in vLLM, so no same-step admission can hit unwritten K/V."""
 
 from __future__ import annotations
 
@@ -22,24 +17,13 @@ TierHit = tuple[str, bytes]  # (tier name, block hash)
 
 
 def _from_pool(name: str) -> property:
-    """A read-only attribute of the manager's block pool."""
     return property(lambda self: getattr(self.block_pool, name))
 
 
 class KVCacheManager:
-    """Block tables, prefix-cache lookups, slot allocation and release.
-
-    Args:
-        num_blocks: physical blocks (block 0 is the null block with a sliding-window group).
-        block_size: tokens per block (power of two, 1..256).
-        enable_prefix_caching: share full blocks by content hash (off: no hash is computed).
-        max_model_len: most tokens one sequence holds.
-        kv_cache_groups: the model's KV-cache groups; default one full-attention group.
-        kv_offload: offload tiers below the pool; used only with prefix caching and one group.
-
-    Raises:
-        ValueError: naming the argument (see also :class:`BlockPool`).
-    """
+    """Block tables, prefix-cache lookups, slot allocation and release. ``kv_cache_groups``
+    default: one full-attention group; ``kv_offload`` is used only with caching and one group.
+    ValueError naming the argument."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, max_model_len: int,
                  kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
@@ -59,7 +43,7 @@ class KVCacheManager:
         self.enable_caching = enable_prefix_caching
         self.max_model_len = max_model_len
         self.req_to_blocks: dict[str, tuple[list[KVCacheBlock], ...]] = {}
-        self._num_handled_blocks: dict[str, int] = {}  # leading blocks cache_blocks has seen
+        self._num_handled_blocks: dict[str, int] = {}  # blocks cache_blocks has seen
         self.prefix_cache_queries = 0  # tokens, counted once per admission
         self.prefix_cache_hits = 0
         self.num_window_freed_blocks = 0
@@ -86,7 +70,6 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     def max_num_blocks_per_seq(self, num_tokens: int, max_chunk_tokens: int) -> int:
-        """Most blocks a ``num_tokens`` sequence holds at once, ``max_chunk_tokens`` per step."""
         return max_num_blocks_per_seq(self.kv_cache_groups, num_tokens, self.block_size, max_chunk_tokens)
 
     def can_use_prefix_cache(self, request: Request) -> bool:
@@ -94,13 +77,8 @@ class KVCacheManager:
         return self.enable_caching and request.sampling_params.prompt_logprobs is None
 
     def get_computed_blocks(self, request: Request) -> tuple[GroupBlockIds, int]:
-        """(block ids per group, all of length n; n * block_size tokens): the longest cached
-        prefix of ``request``'s tokens every group can continue from (vLLM's hybrid coordinator).
-
-        Full attention needs every block before it, a sliding group of window W only the
-        ``cdiv(W - 1, block_size)`` before it (null before those). One token is always left to
-        compute (its logits). Changes only ``request.block_hashes`` (filled lazily).
-        """
+        """(block ids per group, tokens): the longest cached prefix every group can continue from
+        (vLLM's hybrid coordinator), one token left. Changes only ``request.block_hashes``."""
         empty = tuple([] for _ in self.kv_cache_groups)
         if not self.can_use_prefix_cache(request):
             return empty, 0
@@ -119,9 +97,7 @@ class KVCacheManager:
         return tuple([b.block_id for b in hit[:num_blocks]] for hit in hits), num_blocks * self.block_size
 
     def get_shared_prefix_blocks(self, request: Request, donor: Request) -> tuple[GroupBlockIds, int]:
-        """(block ids per group, tokens): the full prompt blocks ``request`` can share with its
-        ``n > 1`` sibling ``donor``, caching on or off; nothing when the prompts differ, prompt
-        logprobs are asked, or the donor freed a block it would need. One token is left."""
+        """(block ids per group, tokens): full prompt blocks shared with sibling ``donor``."""
         empty = tuple([] for _ in self.kv_cache_groups)
         donor_blocks = self.req_to_blocks.get(donor.request_id)
         if not donor_blocks or request.sampling_params.prompt_logprobs is not None:
@@ -138,8 +114,7 @@ class KVCacheManager:
         return tuple([b.block_id for b in blocks[:num_blocks]] for blocks in donor_blocks), n
 
     def get_tier_hits(self, request: Request, num_pool_blocks: int) -> list[TierHit]:
-        """The contiguous run of blocks after the pool's ``num_pool_blocks`` hit that the offload
-        tiers hold (host before disk, one token left). Changes nothing."""
+        """The run of blocks after the pool's hit that the offload tiers hold. Changes nothing."""
         if self.offload is None or not self.can_use_prefix_cache(request):
             return []
         num_blocks = (request.num_tokens - 1) // self.block_size
@@ -153,7 +128,6 @@ class KVCacheManager:
         return hits
 
     def get_block_ids(self, request: Request, group: int = 0) -> list[int]:
-        """``request``'s block table in ``group`` ([] if it holds none)."""
         blocks = self.req_to_blocks.get(request.request_id)
         return [b.block_id for b in blocks[group]] if blocks else []
 
@@ -161,7 +135,6 @@ class KVCacheManager:
         return tuple(self.get_block_ids(request, g) for g in range(self.num_groups))
 
     def num_held_blocks(self, request: Request) -> int:
-        """Blocks ``request``'s tables reference, null entries excluded."""
         blocks = self.req_to_blocks.get(request.request_id, ())
         return sum(1 for table in blocks for b in table if b is not self.null_block)
 
@@ -175,18 +148,10 @@ class KVCacheManager:
             | held, or new_computed_blocks | tier hits / swapped in | new tokens | lookahead |
             |<------- by reference ------->|<------------- fresh blocks, free queue -------->|
 
-        ``new_computed_blocks`` (from :meth:`get_computed_blocks` or :meth:`get_shared_prefix_blocks`)
-        are taken by reference; ``tier_hits`` and ``num_swapped_in_tokens`` fill the first fresh
-        blocks (the runner copies them in); ``num_lookahead_tokens`` reserves slots now (static
-        batching), capped at ``max_model_len``. Sliding groups first free blocks outside the
-        window of every token still to compute, even when the call then fails.
-
-        Returns:
-            The new block ids per group, or None (no block taken) when the pool is short.
-
-        Raises:
-            ValueError: negative counts, ``num_new_computed_tokens`` not matching
-                ``new_computed_blocks``, or computed blocks for a request holding blocks.
+        The runner copies tier hits and swapped-in blocks in; lookahead (static batching) is capped
+        at ``max_model_len``. Sliding groups first free blocks no token still to compute sees.
+        Returns the new block ids per group, or None (no block taken) when the pool is short.
+        ValueError for negative counts or computed blocks that do not match or come late.
         """
         req_id = request.request_id
         blocks = self.req_to_blocks.get(req_id)
@@ -213,7 +178,7 @@ class KVCacheManager:
                      + num_new_tokens)
         num_tokens = max(min(num_known + num_lookahead_tokens, self.max_model_len), num_known)
         num_held = (len(blocks[0]) if blocks else 0) + num_computed_blocks
-        num_new_blocks = cdiv(num_tokens, self.block_size) - num_held  # per group
+        num_new_blocks = cdiv(num_tokens, self.block_size) - num_held
         pool = self.block_pool
         computed = [[pool.blocks[i] for i in ids] for ids in new_computed_blocks]
         # a hit on a free cached block takes it out of the free queue too
@@ -221,13 +186,13 @@ class KVCacheManager:
         if num_new_blocks * self.num_groups > pool.num_free_blocks - num_evictable:
             return None
 
-        if blocks is None:  # admission
+        if blocks is None:
             blocks = self.req_to_blocks[req_id] = tuple([] for _ in range(self.num_groups))
             self._num_handled_blocks[req_id] = num_computed_blocks
             if self.can_use_prefix_cache(request) and not num_swapped_in_tokens:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_new_computed_tokens + num_tier_tokens
-        for table, hit in zip(blocks, computed):  # hits leave the free queue before fresh blocks do
+        for table, hit in zip(blocks, computed):
             pool.touch(b for b in hit if b is not self.null_block)
             table.extend(hit)
         new_ids = []
@@ -240,8 +205,7 @@ class KVCacheManager:
         return tuple(new_ids)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int | None = None) -> None:
-        """Publish the full blocks of ``request``'s first ``num_computed_tokens`` (default: all
-        computed) in every group; a block whose hash another holds stays private."""
+        """Publish the full computed blocks (a block whose hash another holds stays private)."""
         if not self.enable_caching:
             return
         req_id = request.request_id
@@ -264,8 +228,7 @@ class KVCacheManager:
         self._num_handled_blocks[req_id] = num_full
 
     def free(self, request: Request) -> None:
-        """Release every block of ``request``, tail first (evicted before its head): the one path
-        for finish, abort and preemption. Idempotent."""
+        """Release ``request``'s blocks, tail first: the one path for finish, abort and preemption."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self._num_handled_blocks.pop(request.request_id, None)
         for table in blocks or ():
@@ -275,8 +238,6 @@ class KVCacheManager:
         return self.block_pool.reset_prefix_cache()
 
     def _free_out_of_window_blocks(self, blocks: tuple[list[KVCacheBlock], ...], num_computed_tokens: int) -> None:
-        """Free each sliding group's blocks before token ``num_computed_tokens - W + 1`` (no token
-        still to compute sees them), down to the first null entry."""
         for g, window in self._sliding:
             table = blocks[g]
             num_skipped = max(0, num_computed_tokens - window + 1) // self.block_size
@@ -292,7 +253,6 @@ class KVCacheManager:
                 self.num_window_freed_blocks += len(freed)
 
     def _find_hit(self, request: Request, hashes: list[bytes], group: int, num_blocks: int) -> list[KVCacheBlock]:
-        """Group ``group``'s hit among the first ``num_blocks`` blocks (null where not needed)."""
         window = self.kv_cache_groups[group].sliding_window
         tokens, bs, pool = request.all_token_ids, self.block_size, self.block_pool
 
@@ -300,7 +260,7 @@ class KVCacheManager:
             return pool.get_cached_block(_group_key(hashes[i], group), hashes[i - 1] if i else None,
                                          tokens[i * bs:(i + 1) * bs])
 
-        if window is None:  # contiguous run from block 0
+        if window is None:
             hit = []
             for i in range(num_blocks):
                 block = lookup(i)
@@ -324,7 +284,6 @@ class KVCacheManager:
         return hit[:run]  # the run reaches block 0: a hit even if shorter than the window
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
-        """``request.block_hashes``, extended to its first ``num_blocks`` full blocks."""
         hashes = request.block_hashes
         bs, tokens = self.block_size, request.all_token_ids
         while len(hashes) < num_blocks:
@@ -335,8 +294,7 @@ class KVCacheManager:
         return hashes
 
     def check_integrity(self) -> None:
-        """AssertionError unless the pool is consistent, a request's tables have one length, and
-        each block's ref_cnt is the number of tables holding it."""
+        """AssertionError unless each block's ref_cnt is the number of tables holding it."""
         self.block_pool.check_integrity()
         if self.offload is not None:
             self.offload.check_integrity()

@@ -1,10 +1,7 @@
 """KV offload tiers below the pool (as LMCache, SGLang's HiCache): which block hashes each holds.
-
-A block the pool evicts is saved to host RAM (and disk); a prefix lookup that misses the pool
-continues there, and a hit is copied into a fresh pool block. This index decides the copies as
-plain data; :mod:`pagedllm.worker.kv_offload` performs them at the start of the step in order
-``saves`` (evicted in this ``schedule()``, rewritten only in the forward), ``loads``, ``drops``,
-so every load finds its data. Hits are verified like pool hits. One KV-cache group only.
+Evicted blocks are saved to host RAM (and disk); a pool miss continues there. The copies are
+plain data, done by :mod:`pagedllm.worker.kv_offload` before the forward: ``saves`` (evicted in
+this ``schedule()``, rewritten only in the forward), ``loads``, ``drops``. One KV-cache group only.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""A point-in-time picture of the KV cache for the live map (``GET /kv/state``): plain data,
-taken on the engine thread between steps. ``block_states`` has one character per block id
-(:data:`BLOCK_STATES`, :meth:`BlockPool.block_states`)."""
+"""A point-in-time picture of the KV cache for the live map (``GET /kv/state``): plain data, taken
+between steps; ``block_states`` has one character per block id (:data:`BLOCK_STATES`)."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ EVENT_RESUMED = "resumed"
 
 @dataclass(frozen=True)
 class KVEvent:
-    """One preemption / caching event of one request; ``time``: ``time.time()``."""
 
     time: float
     kind: str
@@ -29,7 +27,6 @@ class KVEvent:
 
 
 class KVEventLog:
-    """The last ``maxlen`` events, oldest first."""
 
     def __init__(self, maxlen: int = 100) -> None:
         self.events: deque[KVEvent] = deque(maxlen=maxlen)

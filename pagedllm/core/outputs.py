@@ -1,10 +1,8 @@
 """The engine step's two seams: ``SchedulerOutput`` to the runner, ``ModelRunnerOutput`` back.
-
-The runner keeps per-request state between steps: it drops ``finished_req_ids`` first (finished,
-aborted, preempted), takes ``scheduled_new_reqs`` whole (token ids = prompt + output so far) and
-appends ``scheduled_cached_reqs``' new block ids; ``num_computed_tokens`` is the scheduler's.
-Blocks a sliding group freed are not announced (no token still to compute reads them). A request
-samples when ``num_computed_tokens + num_scheduled_tokens == len(token_ids)``.
+The runner drops ``finished_req_ids`` (finished, aborted, preempted) first, takes
+``scheduled_new_reqs`` whole (token ids: prompt + output so far), appends ``scheduled_cached_reqs``'
+new block ids (blocks a sliding group freed are not announced); ``num_computed_tokens`` is the
+scheduler's. A request samples when ``num_computed_tokens + num_scheduled_tokens == len(token_ids)``.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ class CachedRequestData:
 
 @dataclass(frozen=True)
 class TierSave:
-    """Copy pool block ``block_id`` to ``tier`` under its hash, with what verifies it after a restart."""
 
     tier: str
     key: bytes
@@ -45,9 +42,8 @@ class TierSave:
 
 @dataclass
 class KVTransferOps:
-    """Copies before the forward, in the order ``swap_out`` ``(block_id, slot)``, ``saves``,
-    ``loads`` ``(tier, key, block_id)``, ``swap_in`` ``(slot, block_id)``, ``drops`` ``(tier, key)``:
-    every read of the pool before any write to it."""
+    """Copies before the forward, every read of the pool before any write to it: ``swap_out``
+    ``(block_id, slot)``, ``saves``, ``loads`` ``(tier, key, block_id)``, ``swap_in``, ``drops``."""
 
     saves: list[TierSave] = field(default_factory=list)
     loads: list[tuple[str, bytes, int]] = field(default_factory=list)
@@ -89,9 +85,8 @@ class SampleLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    """What a step produced: the requests that sampled (batch order) and their tokens, logprobs
-    where asked, prompt logprobs of this step's prompt positions (None for the first prompt
-    token), and ``failed``: request id → error (the others are unaffected)."""
+    """The requests that sampled (batch order), their tokens and logprobs, this step's prompt
+    logprobs (None for the first prompt token), and ``failed``: request id → error."""
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)

@@ -37,7 +37,6 @@ class _PrefixHit(NamedTuple):
 
 class Scheduler:
     """Continuous-batching scheduler with chunked prefill, prefix caching and preemption.
-
     ``record_trace`` keeps ``step_trace``, one ``{request_id: num_tokens}`` per step (unbounded:
     tests). ``kv_cache_groups`` default: one full-attention group; ``swap_space`` default: none
     (swap falls back to recompute). ValueError when ``config.max_model_len`` is None.
@@ -60,18 +59,18 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                                config.max_model_len, kv_cache_groups, kv_offload)
         self.requests: dict[str, Request] = {}  # unfinished
-        self.waiting: list[Request] = []  # head first
+        self.waiting: list[Request] = []
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
         self.swap_space = swap_space if swap_space is not None else SwapSpace(0, config.preemption_mode)
-        self._swap_ops = KVTransferOps()  # this step's swap copies
+        self._swap_ops = KVTransferOps()
         self.kv_events = KVEventLog(num_kv_events)
         self.step_trace: list[dict[str, int]] | None = [] if record_trace else None
         self._groups: dict[str, list[Request]] = {}  # parent_id -> unfinished children
         self._arrival_seq: dict[str, int] = {}  # tie-breaker for equal arrival times
         self._next_seq = 0
         self._known_to_runner: set[str] = set()  # scheduled since (re)admission
-        self._finished_req_ids: set[str] = set()  # runner state to drop at the next step
+        self._finished_req_ids: set[str] = set()  # runner state to drop next step
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``. ValueError for a duplicate id, an empty or too long prompt, a worst
@@ -193,12 +192,9 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[Request]:
-        """Apply a step: advance ``num_computed_tokens``, publish full blocks, append sampled tokens,
-        check stops, free finished and failed (FINISHED_ERROR) requests; aborted ones are skipped.
-
-        Returns the requests that got tokens or finished (batch order). Raises ValueError when
-        the runner sampled mid-prefill or not at all for a complete request.
-        """
+        """Advance ``num_computed_tokens``, publish full blocks, append tokens, check stops, free
+        finished and failed requests. Returns those that got tokens or finished (batch order);
+        ValueError when the runner sampled mid-prefill or not for a complete request."""
         kv = self.kv_cache_manager
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
         failed = model_runner_output.failed
@@ -235,7 +231,7 @@ class Scheduler:
                     any_finished = True
                     break
             changed.append(req)
-        for rid in failed:  # not scheduled this step
+        for rid in failed:
             req = self.requests.get(rid)
             if req is not None and rid not in scheduler_output.num_scheduled_tokens:
                 self._finish(req, RequestStatus.FINISHED_ERROR, in_running=req.status == RequestStatus.RUNNING)
@@ -343,7 +339,6 @@ class Scheduler:
                             max(req.num_cached_tokens, 0), req.num_preemptions)
 
     def _allocate(self, req: Request, *args) -> list[int] | None:
-        """``allocate_slots``, recording the evictions it caused."""
         kv = self.kv_cache_manager
         evicted = kv.num_evicted_blocks
         block_ids = kv.allocate_slots(req, *args)
@@ -371,7 +366,6 @@ class Scheduler:
         return (req.priority, req.arrival_time, self._arrival_seq[req.request_id])
 
     def _step_shape(self, num_scheduled: dict[str, int]) -> StepShape:
-        """The step-cost model's features of this step (before ``num_computed_tokens`` advances)."""
         num_decode = num_prefill = num_pairs = 0
         for rid, n in num_scheduled.items():
             num_pairs += attention_pairs(self.requests[rid].num_computed_tokens, n)
@@ -382,7 +376,7 @@ class Scheduler:
         return StepShape(num_decode, num_prefill, num_pairs)
 
     def observe_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
-        """Feed the step-cost model the wall time of a step (empty steps are ignored)."""
+        """Feed the step-cost model a step's wall time."""
         if scheduler_output.step_shape is not None:
             self.step_cost.observe(scheduler_output.step_shape, seconds)
 
@@ -414,17 +408,16 @@ class Scheduler:
         if req.request_id in self._known_to_runner:
             self._known_to_runner.discard(req.request_id)
             self._finished_req_ids.add(req.request_id)
-        if self.is_priority:  # head among its equals
+        if self.is_priority:
             bisect.insort(self.waiting, req, key=self._priority_key)
         else:
             self.waiting.insert(0, req)
 
     def _is_decoding(self) -> bool:
-        """Whether some running request decodes (computes one token) this step."""
         return any(len(r.all_token_ids) - r.num_computed_tokens == 1 for r in self.running)
 
     def _chunk(self, num_left: int, limit: int) -> int | None:
-        """Tokens of ``num_left`` under ``limit``; None: too many, chunked prefill off."""
+        """None: too many, chunked prefill off."""
         if num_left <= limit:
             return num_left
         return limit if self.enable_chunked_prefill else None
@@ -445,7 +438,6 @@ class Scheduler:
         return block_ids
 
     def _prefix_hit(self, req: Request, donor: Request | None) -> _PrefixHit:
-        """Cached (or a sibling's shared, if longer) blocks, then offload-tier hits after them."""
         kv = self.kv_cache_manager
         block_ids, num_pool_tokens = kv.get_computed_blocks(req)
         if donor is not None:
@@ -476,7 +468,7 @@ class Scheduler:
         return True
 
     def _admit_swapped(self, req: Request, record, num_new: int) -> bool:
-        """Admit a swapped-out request (its blocks copied back in); False (no change) without memory."""
+        """Admit a swapped-out request; False (no change) without memory."""
         block_ids = self._allocate(req, num_new, (), 0, 0, (), record.num_computed_tokens)
         if block_ids is None:
             return False

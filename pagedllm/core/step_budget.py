@@ -1,9 +1,5 @@
-"""StepBudget: what one scheduler step may still take (mini-sglang's ``PrefillAdder``).
-
-The token budget, the prompt-token cap while decoding, the time budget and the partial-prefill
-slots, charged per request by ``take_*`` and returned in one :meth:`StepBudget.give_back` call.
-Token counts throughout; the policies are in ``docs/scheduler.md``.
-"""
+"""StepBudget: what one scheduler step may still take (mini-sglang's ``PrefillAdder``), charged
+per request and given back in one call. Tokens throughout; policies: ``docs/scheduler.md``."""
 
 from __future__ import annotations
 
@@ -20,16 +16,7 @@ class _Charge:
 
 
 class StepBudget:
-    """One step's allowances; build one per ``schedule()`` call.
-
-    Args:
-        num_tokens: the token budget (``max_num_batched_tokens``).
-        num_prompt_tokens: prompt tokens the step may carry (<= ``num_tokens``).
-        time_budget: the time-aware prompt allowance, or None for none.
-        long_prefill_threshold: prompts with more tokens left than this are long (0: none is).
-        max_num_partial_prefills: prompts the step may leave unfinished.
-        max_long_partial_prefills: of those, how many may be long.
-    """
+    """One step's token budget, prompt-token cap, time budget and partial-prefill slots."""
 
     def __init__(self, num_tokens: int, num_prompt_tokens: int, time_budget: PrefillTimeBudget | None = None,
                  long_prefill_threshold: int = 0, max_num_partial_prefills: int = 1,
@@ -46,9 +33,8 @@ class StepBudget:
 
     @classmethod
     def for_step(cls, config: EngineConfig, step_cost: StepCostModel, is_decoding: bool) -> StepBudget:
-        """The allowances of a step; ``is_decoding``: some running request computes one token.
-        Prompt tokens are capped (``max_prefill_tokens_while_decoding``, the time budget) only
-        then, and only with chunked prefill on: a step nobody waits on takes the whole budget."""
+        """A step's allowances: prompt tokens are capped only ``is_decoding`` with chunked prefill
+        (a step nobody waits on takes the whole budget)."""
         num_prompt = config.token_budget
         cap = config.max_prefill_tokens_while_decoding
         if is_decoding and cap is not None and config.enable_chunked_prefill:
@@ -63,21 +49,17 @@ class StepBudget:
 
     @property
     def num_scheduled_tokens(self) -> int:
-        """Tokens taken so far (net of what was given back)."""
         return self.num_tokens - self.num_tokens_left
 
     @property
     def has_prompt_room(self) -> bool:
-        """Whether a waiting request could still get a token."""
         return min(self.num_tokens_left, self.num_prompt_tokens_left) > 0
 
     def is_long(self, num_left: int) -> bool:
-        """A prompt with ``num_left`` tokens to compute is long (vLLM's ``long_prefill_token_threshold``)."""
         return 0 < self.long_prefill_threshold < num_left
 
     def prompt_limit(self, num_left: int, num_computed: int) -> int:
-        """Most tokens the next prompt chunk may take: ``num_left`` tokens to compute after
-        ``num_computed`` computed ones. May be <= 0 (nothing left)."""
+        """Most tokens the next prompt chunk may take (<= 0: none)."""
         limit = min(self.num_tokens_left, self.num_prompt_tokens_left)
         if self.is_long(num_left):
             limit = min(limit, self.long_prefill_threshold)
@@ -88,9 +70,8 @@ class StepBudget:
         return limit
 
     def partial_refusal(self, num_left: int, num_new: int) -> str | None:
-        """Why a chunk of ``num_new`` of ``num_left`` prompt tokens may not run: ``"full"`` (every
-        partial-prefill slot taken), ``"long"`` (every long slot taken), or None. A chunk that
-        finishes its prompt always may."""
+        """``"full"`` or ``"long"`` when no (long) partial-prefill slot is left for a chunk that
+        leaves its prompt unfinished, else None."""
         if num_new >= num_left:
             return None
         if len(self._partial_ids) >= self.max_num_partial_prefills:
@@ -100,8 +81,6 @@ class StepBudget:
         return None
 
     def take_prompt(self, request_id: str, num_new: int, num_computed: int, num_left: int) -> None:
-        """Charge a prompt chunk: the token budget, the prompt cap, a partial-prefill slot when
-        it leaves tokens of its prompt uncomputed, and the time budget."""
         self._charge(request_id, num_new, True)
         self.num_prompt_tokens_left -= num_new
         if num_new < num_left:
@@ -112,18 +91,16 @@ class StepBudget:
             self.time_budget.take(request_id, num_computed, num_new)
 
     def take_decode(self, request_id: str, num_computed: int) -> None:
-        """Charge one decode token; the time budget counts the decode into its target."""
         self._charge(request_id, 1, False)
         if self.time_budget is not None:
             self.time_budget.add_decode(num_computed)
 
     def take_tokens(self, request_id: str, num_new: int) -> None:
-        """Charge the token budget only (a request resuming from the swap space)."""
+        """Charge the token budget only (a request resuming from swap)."""
         self._charge(request_id, num_new, False)
 
     def give_back(self, request_id: str) -> None:
-        """Undo every charge of ``request_id`` this step (it was preempted); a decode stays in
-        the time budget's target. No-op for a request that took nothing."""
+        """Undo ``request_id``'s charges (a decode stays in the time budget's target)."""
         charge = self._charges.pop(request_id, None)
         if charge is None:
             return

@@ -1,10 +1,7 @@
-"""Step-cost model and the time-aware prompt-token budget of a step (why: ``docs/scheduler.md``).
+"""Step-cost model and the time-aware prompt-token budget of a step (why: ``docs/scheduler.md``)::
 
     seconds ~ base + per_decode_token * decode tokens + per_prefill_token * prefill tokens
                    + per_kilo_pair * attention query-key pairs / 1024
-
-fitted online in two stages (decode part on decode-only steps, prompt part on the rest of mixed
-steps) by exponentially weighted ridge least squares toward the load-scaled defaults.
 """
 
 from __future__ import annotations
@@ -23,15 +20,13 @@ def attention_pairs(num_computed_tokens: int, num_new_tokens: int) -> int:
 
 @dataclass(frozen=True)
 class StepShape:
-    """A step's cost features: decode tokens (requests computing one), prefill tokens (the rest),
-    attention pairs (:func:`attention_pairs`)."""
+    """A step's cost features: decode tokens (one per request), prefill tokens, attention pairs."""
 
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
     num_attention_pairs: int = 0
 
     def features(self) -> np.ndarray:
-        """(4,) float64: 1, decode tokens, prefill tokens, pairs / 1024."""
         return np.array([1.0, self.num_decode_tokens, self.num_prefill_tokens, self.num_attention_pairs / 1024.0])
 
 
@@ -48,21 +43,19 @@ class StepCostCoefficients:
         return np.array([self.base, self.per_decode_token, self.per_prefill_token, self.per_kilo_pair])
 
 
-# Before any step is measured: a small model's CPU step, a prompt token ~0.5x a decode token's
-# marginal cost, 1,024 pairs ~1/4 of a prompt token. The online fit replaces the scale in a few steps.
+# before any measurement: a prompt token ~0.5x a decode token, 1,024 pairs ~1/4 of a prompt token
 DEFAULT_STEP_COST = StepCostCoefficients(base=0.03, per_decode_token=0.0035, per_prefill_token=0.002,
                                          per_kilo_pair=0.0005)
-# Typical size of each feature in a step: one ridge pseudo-observation per coefficient.
+# typical size of each feature in a step: the ridge's units
 _FEATURE_SCALE = np.array([1.0, 32.0, 256.0, 64.0])
 _MIN_FRACTION = 0.1
 _CLIP = 4.0
-_DECODE = [0, 1, 3]  # the decode part's features: 1, decode tokens, attention pairs
+_DECODE = [0, 1, 3]  # the decode part's features
 
 
 class StepCostModel:
-    """Online linear model of a step's wall time. ``decay``: forgetting factor per step in (0, 1];
-    ``prior_weight``: the ridge's pull toward the load-scaled ``default``, in observations.
-    ValueError for a bad ``decay``, a negative ``prior_weight`` or a non-positive default."""
+    """Online linear model of a step's wall time; ``decay`` per step in (0, 1], ``prior_weight`` in
+    observations (ValueError naming a bad one, or for a non-positive default)."""
 
     def __init__(self, default: StepCostCoefficients = DEFAULT_STEP_COST, decay: float = 0.95,
                  prior_weight: float = 0.1) -> None:
@@ -90,7 +83,7 @@ class StepCostModel:
         return float(shape.features() @ self._coef)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
-        """Refit on a step of ``shape`` that took ``seconds``; bad times and empty steps are ignored."""
+        """Refit on a step of ``shape`` that took ``seconds`` (bad times, empty steps ignored)."""
         if not (seconds > 0 and math.isfinite(seconds)) or shape == StepShape():
             return
         x = shape.features()
@@ -107,7 +100,7 @@ class StepCostModel:
             xd = x[_DECODE]
             self._dec_xx += np.outer(xd, xd)
             self._dec_xy += xd * y
-        else:  # the prompt tokens' share: what the decode part leaves
+        else:
             rest = y - float(x[_DECODE] @ self._coef[_DECODE])
             self._pre_xx += float(x[2]) ** 2
             self._pre_xy += float(x[2]) * rest
@@ -115,7 +108,7 @@ class StepCostModel:
         self._refit()
 
     def _refit(self) -> None:
-        scale = self._load_num / self._load_den if self._load_den > 0 else 1.0  # observed / default
+        scale = self._load_num / self._load_den if self._load_den > 0 else 1.0
         ref = max(scale, 1e-3) * self._default
         penalty = self.prior_weight * np.diag(_FEATURE_SCALE[_DECODE] ** 2)
         coef = self._coef.copy()
@@ -141,11 +134,9 @@ class StepCostModel:
 
 
 class PrefillTimeBudget:
-    """One step's time-aware prompt allowance. Decodes come first (:meth:`add_decode`); the first
-    :meth:`limit` fixes the target ``max(ratio x`` the decodes' predicted time``, max_step_time_s)``;
-    chunks then take what is left. No decode: no limit. The first chunk always gets
-    ``min_tokens``, so prompts progress whatever the prediction.
-    """
+    """One step's prompt allowance: after the decodes, the first :meth:`limit` fixes the target
+    ``max(ratio x`` their predicted time``, max_step_time_s)``; the first chunk may always take
+    ``min_tokens``, so prompts progress whatever the prediction."""
 
     def __init__(self, model: StepCostModel, max_step_time_ratio: float | None, max_step_time_s: float | None,
                  min_tokens: int) -> None:
@@ -155,7 +146,7 @@ class PrefillTimeBudget:
         self.min_tokens = min_tokens
         self._num_decodes = 0
         self._decode_pairs = 0
-        self._left_s: float | None = None  # None until the target is fixed
+        self._left_s: float | None = None
         self._taken: dict[str, float] = {}
 
     def add_decode(self, num_computed_tokens: int) -> None:
@@ -180,7 +171,6 @@ class PrefillTimeBudget:
             self._left_s -= cost
 
     def give_back(self, request_id: str) -> None:
-        """Undo :meth:`take` (a request preempted this step)."""
         cost = self._taken.pop(request_id, None)
         if cost is not None and self._left_s is not None:
             self._left_s += cost

@@ -1,10 +1,6 @@
-"""Swap space: a bounded host pool for preempted requests' blocks (vLLM v0's swap preemption).
-
-This is the index (free slots, who holds which) and the ``auto`` rule: swap when
-``2 x block bytes / copy bandwidth`` (out and back) beats recomputing ``tokens x prefill seconds
-per token`` and there is room, else recompute (so does ``swap`` when full). The runner's
-:mod:`pagedllm.worker.kv_offload` performs the copies (:class:`~pagedllm.core.outputs.KVTransferOps`).
-"""
+"""Swap space (vLLM v0's swap preemption): which host slots hold which preempted request's blocks,
+and the ``auto`` rule: swap when ``2 x block bytes / copy bandwidth`` beats recomputing ``tokens x
+prefill seconds per token`` and there is room, else recompute (``swap`` too, when full)."""
 
 from __future__ import annotations
 
@@ -46,7 +42,6 @@ class SwapSpace:
         return len(self._free_slots)
 
     def observe_prefill(self, seconds: float, num_tokens: int) -> None:
-        """Record a prefill step's cost (moving average, weight 0.2)."""
         if num_tokens <= 0 or seconds <= 0:
             return
         cost = seconds / num_tokens
