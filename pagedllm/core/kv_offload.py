@@ -7,7 +7,7 @@ this ``schedule()``, rewritten only in the forward), ``loads``, ``drops``. One K
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from pagedllm.core.outputs import KVTransferOps, TierSave

@@ -118,7 +118,6 @@ class Scheduler:
         # 2. Waiting requests in queue order from their prefix hit; the first that cannot be
         #    admitted ends the phase (no bypass) unless a rule skips it.
         # 3. The output for the model runner.
-        kv = self.kv_cache_manager
         budget = StepBudget.for_step(self.config, self.step_cost, self._is_decoding())
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, GroupBlockIds] = {}
