@@ -152,32 +152,55 @@ class ModelRunner:
         self.graph_mode = cuda_graph_mode(config.enforce_eager, self.device, self.attn_backend)
         self.decode_graphs: DecodeGraphRunner | None = None
         self.memory_profile = None  # worker.memory_profiler.MemoryProfile after CUDA sizing
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        if self.kv_dtype.is_quantized and not getattr(self.attn_backend, "supports_quantized_kv", False):
+        self.kv_dtype = self._resolve_kv_dtype()
+        self.model = self._load_model(model_files)
+        self.compiled_model = self._compile_model()  # None: eager (the default)
+        self.cpu_graphs = self._new_cpu_graphs()
+        self._init_lengths(model_files)
+        self.sampler = Sampler()
+        self._init_request_buffers()
+        self._layout_kv_cache()
+        self._init_kv_cache_slots()
+        # Test hook (test_failure_in_one_request_fails_only_it): called with each sampling request id;
+        # raising fails that request only.
+        self.fault_injector: Callable[[str], None] | None = None
+
+    def _resolve_kv_dtype(self):
+        """The KV cache's element format; raises ValueError when the backend cannot store it."""
+        config = self.config
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        if kv_dtype.is_quantized and not getattr(self.attn_backend, "supports_quantized_kv", False):
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported by the "
                              f"{type(self.attn_backend).__name__} backend; use auto or bfloat16, or the torch, cpu or "
                              f"triton attention backend")
-        self.model = self._load_model(model_files)
-        self.compiled_model = self._compile_model()  # None: eager (the default)
-        self.cpu_graphs = (CpuDecodeGraphs(self.model) if self.device.type == "cpu" and not config.enforce_eager
-                           and self.compiled_model is None and CpuDecodeGraphs.supports(self.model) else None)
+        return kv_dtype
+
+    def _new_cpu_graphs(self) -> CpuDecodeGraphs | None:
+        config = self.config
+        return (CpuDecodeGraphs(self.model) if self.device.type == "cpu" and not config.enforce_eager
+                and self.compiled_model is None and CpuDecodeGraphs.supports(self.model) else None)
+
+    def _init_lengths(self, model_files: ModelFiles) -> None:
+        config = self.config
         self.vocab_size = int(model_files.hf_config.vocab_size)
         self.eos_token_id = model_files.eos_token_id
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
-        self.sampler = Sampler()
+
+    def _init_request_buffers(self) -> None:
+        """Per-request state, and the token buffer ``[max_num_seqs, max_model_len]`` int64 by row."""
+        config = self.config
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self.token_buf = np.zeros((config.max_num_seqs, self.max_model_len), dtype=np.int64)
-        self._layout_kv_cache()
+
+    def _init_kv_cache_slots(self) -> None:
+        """Empty until :meth:`initialize_kv_cache` / :meth:`initialize_kv_offload`."""
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: list[torch.Tensor | None] = []
         self.kv_spec: KVCacheSpec | None = None
-        self.kv_offloader = None  # the offload tiers' copies (worker/kv_offload.py), when configured
-        # Test hook (test_failure_in_one_request_fails_only_it): called with each sampling request id;
-        # raising fails that request only.
-        self.fault_injector: Callable[[str], None] | None = None
+        self.kv_offloader = None  # worker/kv_offload.py's copies, when tiers are configured
 
     def _load_model(self, model_files: ModelFiles) -> torch.nn.Module:
         """The model for ``model_files`` on this runner's device and dtype, weights loaded, in eval mode."""
