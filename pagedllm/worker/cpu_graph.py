@@ -1,10 +1,6 @@
-"""CPU decode graphs: a decode step's layer stack recorded once per batch size, then replayed.
-
-The CUDA-graph idea (:mod:`pagedllm.worker.cuda_graph`) with the engine's own C kernels'
-ctypes calls in place of kernel launches, so a replay skips the Python around them and makes
-exactly the eager pass's calls (bitwise the same outputs). Capture, guard and replay:
-docs/engine.md, "CPU decode graphs".
-"""
+"""CPU decode graphs: a decode step's C-kernel calls recorded once per batch size, then replayed
+without the Python around them (the eager pass's exact calls: bitwise the same outputs).
+Capture, guard and replay: docs/engine.md, "CPU decode graphs"."""
 
 from __future__ import annotations
 
@@ -47,18 +43,15 @@ def _computes_nothing(func, args: tuple, out) -> bool:
 
 
 class _ArenaPool:
-    """The memory of the tensors a recorded pass allocates, owned as long as the graph lives and
-    reused within the pass as eager reuses freed memory: fresh memory for every layer's
-    intermediates costs more in cache misses than the replay saves in Python. A tensor handed out
-    is a view of a pool block; when the pass drops it, the block goes back to the free list
-    (latest first, exact size). Replays make the same calls in order, so a block is overwritten
-    only after the calls that read its previous contents.
-    """
+    """Memory for a recorded pass's allocations, owned while the graph lives and reused within the
+    pass as eager reuses freed memory (fresh memory per layer costs more in cache misses than the
+    replay saves). A dropped view returns its block to the free list; replays keep the call order,
+    so a block is overwritten only after the calls reading its previous contents."""
 
     ALIGN = 64  # bytes, as torch's CPU allocator
 
     def __init__(self) -> None:
-        self.blocks: list[np.ndarray] = []  # owned memory, 64-byte aligned views of their bases
+        self.blocks: list[np.ndarray] = []  # 64-byte aligned views of their bases
         self.free: dict[int, list[int]] = {}  # block bytes -> indices of free blocks, latest last
         self.owned: dict[int, int] = {}  # data pointer of a block -> its index
 
@@ -79,7 +72,7 @@ class _ArenaPool:
             offset = -base.ctypes.data % self.ALIGN
             self.blocks.append(base[offset:offset + rounded])
             index = self.owned[self.blocks[-1].ctypes.data] = len(self.blocks) - 1
-        view = self.blocks[index][:nbytes]  # a new view object: its finalizer returns the block
+        view = self.blocks[index][:nbytes]  # its finalizer returns the block
         weakref.finalize(view, self.free.setdefault(rounded, []).append, index)
         return torch.from_numpy(view).view(dtype).view(size)
 
@@ -120,7 +113,7 @@ class _CaptureGuard(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 storage = _storage(t)
                 if storage is not None and storage[0] in self.pool.owned:
-                    continue  # a view of a pool block: the pool holds the memory, the pass its lifetime
+                    continue  # the pool holds the memory
                 self.rec.keep.append(t)
                 if storage is not None and storage not in inputs:  # new memory, not a view of a weight or the KV cache
                     self.storages[storage[0]] = storage[1]
@@ -128,7 +121,6 @@ class _CaptureGuard(TorchDispatchMode):
 
 
 def _is_plain_empty(kwargs: dict) -> bool:
-    """``torch.empty`` of a contiguous, strided CPU tensor (what the pool serves)."""
     device = kwargs.get("device")
     return (kwargs.get("layout") in (None, torch.strided) and (device is None or torch.device(device).type == "cpu")
             and kwargs.get("memory_format") in (None, torch.contiguous_format) and not kwargs.get("pin_memory"))
@@ -171,7 +163,7 @@ class CpuDecodeGraphs:
         self.num_captured = 0
         self.num_replayed = 0
         self._last_key: tuple[int, int] | None = None
-        self._generation = packing_generation()  # the linears' packing the graphs were recorded against
+        self._generation = packing_generation()
         self._eager = False  # a repacking left some decoder linear without its skinny weight
 
     @staticmethod
@@ -189,7 +181,7 @@ class CpuDecodeGraphs:
 
     @staticmethod
     def can_run(metas: list[AttentionMetadata | None]) -> bool:
-        """A decode-only step (one token per request in every KV-cache group), not profiled."""
+        """A decode-only step, not under the profiler."""
         return (bool(metas) and all(m is not None and m.num_decodes == m.num_reqs for m in metas)
                 and not _profiling())
 
@@ -197,7 +189,7 @@ class CpuDecodeGraphs:
         """Final hidden states (T, hidden) of a decode-only step, inside its ``set_forward_context``:
         replayed if this size was captured, captured on its second consecutive step, else eager.
         A repacked linear drops every graph first (and stays eager if :meth:`supports` fails)."""
-        if packing_generation() != self._generation:  # a replay would call the old packed copies
+        if packing_generation() != self._generation:
             self.clear()
             self._generation = packing_generation()
             self._eager = not self.supports(self.model)

@@ -1,10 +1,5 @@
-"""CUDA graphs for decode steps: static buffers, capture sizes, padding, eager fallback.
-
-A graph replays fixed addresses and launch shapes, so (as in vLLM) inputs live in static
-buffers, decode batches are padded to a captured size with rows that write and read only a
-reserved padding block past the scheduler's pool, and other steps run eagerly. ``mode="pad"``
-runs the same padding without graphs (how it is tested on CPU). Details: docs/engine.md.
-"""
+"""CUDA graphs for decode steps: static buffers, capture sizes, padding to a reserved block,
+eager fallback (as vLLM; why: docs/engine.md). ``mode="pad"`` pads without graphs (CPU tests)."""
 
 from __future__ import annotations
 
@@ -46,10 +41,7 @@ class _Graph:
 class DecodeGraphRunner:
     """Runs decode-only steps through static buffers, padded to a captured size (replayed as graphs).
 
-        model: ``forward(input_ids, positions) -> (T, hidden)`` reading the forward context.
-        sizes: capture sizes, ascending (:func:`capture_sizes`).
         padding_block: physical id of the reserved block padding rows write and read.
-        max_model_len: the captured metadata's ``max_seq_len``.
         use_graphs: capture and replay (CUDA); False: the same buffers and padding, eager.
     """
 
@@ -72,11 +64,11 @@ class DecodeGraphRunner:
         self.graphs: dict[int, _Graph] = {}
 
     def padded_size(self, num_reqs: int) -> int | None:
-        """The smallest size >= ``num_reqs``, or None when the batch is larger than every size."""
+        """The smallest size >= ``num_reqs``, or None."""
         return next((s for s in self.sizes if s >= num_reqs), None)
 
     def can_run(self, metadata: AttentionMetadata) -> bool:
-        """A decode-only batch (one query token per request) no larger than the largest size."""
+        """A decode-only batch no larger than the largest size."""
         return (metadata.num_reqs > 0 and metadata.num_decodes == metadata.num_reqs
                 and self.padded_size(metadata.num_reqs) is not None)
 

@@ -26,8 +26,7 @@ logger = logging.getLogger("pagedllm")
 DISK_FORMAT = "pagedllm-kv-block-v1"
 _SUFFIX = ".safetensors"
 
-# One block's data: (K/V codes (num_kv_tensors, 2, block_size, num_kv_heads, head_dim),
-# an int8 cache's scales (num_kv_tensors, 2, block_size, num_kv_heads) float32, or None).
+# codes (num_kv_tensors, 2, block_size, num_kv_heads, head_dim), int8 scales (..., num_kv_heads) f32 or None
 BlockData = tuple[torch.Tensor, "torch.Tensor | None"]
 
 
@@ -70,8 +69,8 @@ class DiskKVTier:
         return self.dir / (key.hex() + _SUFFIX)
 
     def scan(self) -> list[tuple[bytes, bytes | None, tuple[int, ...]]]:
-        """Valid block files as ``(key, parent hash, token ids)``, least recently modified
-        first; other files are skipped with a warning (never deleted)."""
+        """Valid block files as ``(key, parent hash, token ids)``, oldest first; others are skipped
+        with a warning, never deleted."""
         found = []
         for path in self.dir.glob("*" + _SUFFIX):
             entry = self._read_header(path)
@@ -152,8 +151,7 @@ class KVOffloader:
                                            pin_memory=c.is_cuda)
 
     def apply(self, ops: KVTransferOps) -> None:
-        """Swap-outs, saves, loads, swap-ins, drops: every read of the pool before any
-        write (:class:`KVTransferOps`)."""
+        """Swap-outs, saves, loads, swap-ins, drops: every read of the pool before any write."""
         if ops.swap_out:
             slots = torch.tensor([s for _, s in ops.swap_out], dtype=torch.int64)
             kv, scales = self.gather([b for b, _ in ops.swap_out])
@@ -208,8 +206,7 @@ class KVOffloader:
 
 
     def measure_copy_bandwidth(self) -> float:
-        """Bytes per second of a block round trip pool → swap space → pool (timed on up to
-        32 blocks; 0.0 without a swap space). Leaves the pool unchanged."""
+        """Bytes per second of a pool → swap → pool round trip (0.0 without swap); pool unchanged."""
         n = min(32, len(self.swap), self.kv_caches[0].shape[1])
         if n == 0:
             return 0.0

@@ -204,8 +204,7 @@ class ModelRunner:
         return CompiledModel(self.model, compilation)
 
     def _warmup_metadata(self, num_tokens: int) -> list[AttentionMetadata]:
-        """``num_tokens`` one-token requests at position 0 of block 0, per KV-cache group (compile
-        warm-up before any request owns a block, so its K/V writes are harmless)."""
+        """Compile warm-up metadata: one-token requests at block 0, before any request owns it."""
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=dev),
@@ -235,9 +234,8 @@ class ModelRunner:
                                   scale_bytes=4 if kv.has_token_scales else 0)
 
     def determine_num_blocks(self) -> int:
-        """KV blocks: ``num_kv_blocks`` if set, else from ``kv_cache_memory`` (CPU) or the memory
-        profile (CUDA, :mod:`pagedllm.worker.memory_profiler`). Raises ValueError when the pool
-        cannot hold one sequence of ``max_model_len`` tokens."""
+        """KV blocks: ``num_kv_blocks``, else from ``kv_cache_memory`` (CPU) or the memory profile
+        (CUDA). Raises ValueError when the pool cannot hold one ``max_model_len`` sequence."""
         per_block = self.bytes_per_block()
         cfg = self.config
         if cfg.num_kv_blocks is not None:
@@ -263,7 +261,7 @@ class ModelRunner:
         return num_blocks_for_budget(profile.kv_cache_bytes, per_block)
 
     def _measure_graph_memory(self) -> int:
-        """Bytes the decode graphs take, captured on a one-block temporary cache (padding rows only)."""
+        """Bytes the decode graphs take, captured on a one-block temporary cache."""
         caches = self._new_kv_caches(1)
         self._bind_kv_caches(caches, self._new_kv_scales(1))
         graphs = self._new_decode_graphs(padding_block=0)
@@ -372,8 +370,7 @@ class ModelRunner:
         return self.kv_spec
 
     def initialize_kv_offload(self) -> KVOffloadSpec:
-        """Build the offload tiers (after :meth:`initialize_kv_cache`); returns their sizes and the
-        disk tier's surviving blocks. Raises ValueError for an unwritable ``kv_offload_dir``."""
+        """Build the offload tiers (after :meth:`initialize_kv_cache`); ValueError for an unwritable dir."""
         from pagedllm.worker.kv_offload import build_kv_offload
 
         m = self.model
@@ -488,8 +485,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
-        """Run one step: sampled ids (and logprobs) of the requests that sample this step, with
-        ``grammar_bitmask`` applied to the constrained requests' logits before sampling."""
+        """Run one step; ``grammar_bitmask`` constrains its requests' logits before sampling."""
         self._update_states(so)
         if self.kv_offloader is not None and not so.kv_transfers.is_empty:
             self.kv_offloader.apply(so.kv_transfers)
@@ -505,7 +501,6 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  metas: list[AttentionMetadata]) -> torch.Tensor:
-        """Hidden states, through the decode graphs, the compiled model or the eager model."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(metas[0]):
             return self.decode_graphs.run(input_ids, positions, metas)
         with set_forward_context(metas):

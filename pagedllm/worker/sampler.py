@@ -115,8 +115,7 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """int64 [N]: one draw per random row (greedy rows 0, the caller overwrites them); rows
-        with top-k or top-p draw among their candidates only."""
+        """int64 [N], one draw per random row (greedy rows 0, overwritten by the caller)."""
         N, V = logits.shape
         sampled = torch.zeros(N, dtype=torch.int64, device=logits.device)
         for rows, bounded in ((md.top_k_rows, True), (md.top_p_only_rows, False)):
@@ -205,15 +204,11 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
 
 def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
                            ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The sorted candidates top-k then top-p keep, without sorting the vocabulary.
-    ``logits`` float32 [R, V] after temperature; ``top_k`` int64 [R] (each < V), or None for
-    top-p-only rows, whose width starts at 256 and grows ×8 until their top tokens hold the
-    nucleus (one host sync per width), past 2,048 via :func:`_nucleus_by_threshold`; ``top_p``
-    float32 [R] in (0, 1]. Returns chunks ``(rows int64 [r], vals float32 [r, m], token_ids
-    int64 [r, m])`` covering every row once: the top m logits descending, excluded ones -inf
-    (the wide chunk: m = V in token order). Top-p keeps token j while the mass before it is
-    < p (Holtzman et al. 2019), so always the top token.
-    """
+    """The sorted candidates top-k then top-p keep, without sorting the vocabulary: ``logits``
+    float32 [R, V], ``top_k`` int64 [R] (< V; None: widen from ``_TOP_P_FIRST_WIDTH``, one host
+    sync per width), ``top_p`` float32 [R] in (0, 1]. Returns chunks ``(rows [r], vals float32
+    [r, m], token_ids int64 [r, m])`` covering each row once, top m logits descending with the
+    excluded at -inf (the wide chunk: m = V, token order). Top-p always keeps the top token."""
     R, V = logits.shape
     rows = torch.arange(R, device=logits.device)
     if top_k is not None:
@@ -226,14 +221,14 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, top
     while rows.numel():
         x = logits if rows.numel() == R else logits.index_select(0, rows)
         p, norm = top_p.index_select(0, rows), log_norm.index_select(0, rows)
-        if width > _TOP_P_MAX_SORTED_WIDTH:  # a wide nucleus: find it by its threshold instead
+        if width > _TOP_P_MAX_SORTED_WIDTH:
             vals = _nucleus_by_threshold(x, norm, p)
             chunks.append((rows, vals, torch.arange(V, device=x.device).expand_as(vals)))
             break
         vals, token_ids = x.topk(width, dim=-1, sorted=True)
         if width == V:
             covered = torch.ones_like(p, dtype=torch.bool)
-        else:  # the top `width` tokens hold the nucleus when their mass reaches p
+        else:
             covered = (vals - norm).exp().sum(dim=-1) >= p
         if bool(covered.all()):
             chunks.append((rows, _drop_outside_nucleus(vals, norm, p), token_ids))
@@ -265,7 +260,7 @@ def _nucleus_by_threshold(logits: torch.Tensor, log_norm: torch.Tensor, top_p: t
         mid = (lo + hi) / 2
         ge = logp >= mid.unsqueeze(1)
         mass, cnt = (probs * ge).sum(dim=-1), ge.sum(dim=-1)
-        up = (mass >= top_p) & active  # the threshold may rise to mid
+        up = (mass >= top_p) & active
         down = ~(mass >= top_p) & active
         lo, cnt_lo = torch.where(up, mid, lo), torch.where(up, cnt, cnt_lo)
         hi, cnt_hi, mass_hi = torch.where(down, mid, hi), torch.where(down, cnt, cnt_hi), torch.where(down, mass, mass_hi)
@@ -290,9 +285,8 @@ def _drop_outside_nucleus(vals: torch.Tensor, log_norm: torch.Tensor, top_p: tor
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """:func:`top_k_top_p_candidates` over the full vocabulary: [N, V] with excluded tokens -inf.
-    ``top_k`` int64 [N] (<= 0 or >= V: off) or None, ``top_p`` float32 [N] (1: off) or None.
-    Syncs with the host."""
+    """:func:`top_k_top_p_candidates` over [N, V], excluded at -inf; ``top_k`` <= 0 or >= V and
+    ``top_p`` 1 are off. Syncs with the host."""
     N, V = logits.shape
     k = torch.full((N,), V, dtype=torch.int64, device=logits.device) if top_k is None else top_k.clone()
     k[(k <= 0) | (k > V)] = V
@@ -320,13 +314,10 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
 
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator],
                      token_ids: torch.Tensor | None = None, vocab_size: int | None = None) -> torch.Tensor:
-    """One position per row, int64 [R]: ``argmax(probs / q)`` with ``q = -log(U) ~ Exp(1)``, so
-    P(i) = probs[i] (the first of exponential clocks with rates probs to ring: Gumbel-max).
-    ``probs`` float32 [R, C], rows summing to 1, modified in place; ``generators`` row ->
-    generator, other rows share one draw. With ``token_ids`` int64 [R, C] (candidates only) a
-    seeded row draws ``vocab_size`` uniforms in token order and keeps its candidates', so its
-    draw does not depend on the batch.
-    """
+    """One position per row, int64 [R]: ``argmax(probs / q)``, ``q = -log(U) ~ Exp(1)``, so P(i) =
+    probs[i] (Gumbel-max). ``probs`` float32 [R, C] is modified in place; rows in ``generators``
+    draw their own. With ``token_ids`` int64 [R, C] a seeded row draws ``vocab_size`` uniforms in
+    token order and keeps its candidates', so its draw does not depend on the batch."""
     q = torch.empty_like(probs)
     num_rows = probs.shape[0]
     if not generators:
@@ -345,9 +336,8 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int) -> LogprobsTensors:
-    """Prompt logprobs of the raw model distribution: row j of float ``logits`` [P, V] predicts
-    ``target_ids[j]`` (int64 [P]); top ``k`` per position. Raises ValueError on mismatched
-    shapes or k outside [0, V]."""
+    """Raw-distribution logprobs: row j of ``logits`` [P, V] predicts ``target_ids[j]`` (int64 [P]).
+    Raises ValueError on mismatched shapes or k outside [0, V]."""
     if logits.dim() != 2 or target_ids.shape != (logits.shape[0],):
         raise ValueError(f"logits [P, V] and target_ids [P] expected, got {tuple(logits.shape)} "
                          f"and {tuple(target_ids.shape)}")

@@ -73,7 +73,6 @@ class SamplingMetadata:
     def no_min_p(self) -> bool:
         return self.min_p is None
 
-    # ------------------------------------------------------------------------ build
     @classmethod
     def build(
         cls,
@@ -85,12 +84,8 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str,
     ) -> "SamplingMetadata":
-        """Batch the N sampling rows: each row's params, prompt and output so far, seeded
-        generator (kept across steps by the caller) or None, and EOS id or None.
-
-        Raises ValueError naming the argument for lists of different lengths or a token id
-        (logit_bias, allowed_token_ids, stop_token_ids, bad words) outside ``[0, vocab_size)``.
-        """
+        """Batch the N sampling rows (generators kept across steps by the caller). Raises ValueError
+        naming the argument for lists of different lengths or a token id outside the vocabulary."""
         n = len(params)
         for name, lst in (("prompt_token_ids", prompt_token_ids), ("output_token_ids", output_token_ids),
                           ("generators", generators), ("eos_token_ids", eos_token_ids)):
