@@ -211,8 +211,10 @@ class LLMEngine:
         return [r for r in ended if r.request_id in grammar_failed]
 
     def _execute(self, so: SchedulerOutput, grammar_bitmask=None) -> ModelRunnerOutput:
-        """Run the model; an exception fails only this step's requests. A dead tensor-parallel
-        worker is fatal: every request is aborted and TensorParallelWorkerError propagates."""
+        """Run the model; an exception fails only this step's requests, and the engine keeps serving.
+
+        A tensor-parallel worker that died is fatal: every request is aborted (its blocks
+        freed) and TensorParallelWorkerError propagates to the caller."""
         from pagedllm.distributed.executor import TensorParallelWorkerError
 
         try:
