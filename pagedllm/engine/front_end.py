@@ -44,7 +44,7 @@ class FrontEndThread:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-frontend")
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """``fn(front)``'s result or exception; a cancelled await leaves ``fn`` to finish, unheard."""
+        """``fn(front)``'s result or exception; a cancelled await leaves ``fn`` to finish, result dropped."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, self.front)
 
     def shutdown(self) -> None:

@@ -78,7 +78,7 @@ class LLMEngine:
             hf = files.hf_config
             heads_per_rank(hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
                            config.tensor_parallel_size)
-        # with tensor parallelism, worker processes hold the other shards; ``runner`` is rank 0's
+        # tensor_parallel_size > 1: worker processes hold the other shards; ``runner`` is rank 0's
         self.executor = make_executor(config, files)
         self.runner = self.executor.driver
         self.vocab_size = self.runner.vocab_size
