@@ -96,12 +96,10 @@ Command = Union[_AddCommand, _AbortCommand, _CallCommand, _StopCommand]
 class AsyncLLMEngine:
     """Runs an ``LLMEngine`` in a background thread and serves it to asyncio code.
 
-    From construction only the engine thread touches ``engine``. ``front`` (default
-    ``engine.front_end()``) does tokenizer work on a thread of its own; without one (a replica
-    proxy) it runs on the engine thread. A caller's request id is a *label*; each engine request
-    gets the internal id ``f"{label}-{k}"``, unique whatever callers send. :meth:`start` (or the
-    first request) binds the engine to the running event loop; public methods are for that
-    loop's thread only.
+    Only the engine thread touches ``engine``; ``front`` (default ``engine.front_end()``; none: the
+    engine thread) does tokenizer work. A caller's request id is a *label*; engine requests get
+    ``f"{label}-{k}"``, unique whatever callers send. :meth:`start` binds the engine to the
+    running event loop; public methods are for that loop's thread only.
     """
 
     def __init__(self, engine: SyncEngine, *, max_waiting_requests: int | None = None,

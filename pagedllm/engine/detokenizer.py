@@ -79,13 +79,10 @@ class IncrementalDetokenizer:
         self._hold_back = bool(self._stop) and not params.include_stop_str_in_output
 
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
-        """Append newly sampled ids, extend ``output_text``, check stop strings; returns the matched
-        stop string or None. On a match the text is cut before it (after it with
-        ``include_stop_str_in_output``), the sequence finishes and later ids are dropped.
-        ``stop_terminated``: the last id is the EOS or stop token that ended the sequence; it is
-        recorded but never decoded, and the text is flushed. Raises ValueError for
-        ``stop_terminated`` without ids, RuntimeError after the sequence finished.
-        """
+        """Append new ids and extend the text; returns the stop string that matched (the text cut
+        there, later ids dropped, the sequence finished) or None. With ``stop_terminated`` the last
+        id ended the sequence: recorded, never decoded, text flushed. Raises ValueError for
+        ``stop_terminated`` without ids, RuntimeError after the sequence finished."""
         if self.is_finished:
             raise RuntimeError("IncrementalDetokenizer.update() called after the sequence finished")
         if stop_terminated and not new_token_ids:
@@ -107,10 +104,8 @@ class IncrementalDetokenizer:
         return None
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
-        """The text to emit now: all safe text, or with ``delta`` only what earlier calls did not
-        return (all deltas concatenated equal the final text). While unfinished, a suffix that
-        may still become a stop string is held back; ``finished`` releases everything.
-        """
+        """The safe text (``delta``: only its part not returned before); while unfinished, a suffix
+        that may still become a stop string is held back. All deltas add up to the final text."""
         if finished:
             self.flush()
             safe_len = len(self._text)

@@ -148,11 +148,10 @@ class _ReplicaLoop:
 class ReplicaEngine:
     """Server-side proxy of replica ``index``: ``LLMEngine``'s API over a pipe to its process.
 
-    The process starts at construction (``engine_factory``, default ``LLMEngine``, must pickle);
-    :meth:`wait_ready` waits for its engine. ``on_exit(index)`` runs on the reader thread once the
-    pipe closes, ``on_stats(index)`` when a stats snapshot arrives outside a step. One thread at a
-    time may call ``add_request`` / ``step`` / ``get_stats`` / ``kv_cache_snapshot``;
-    ``abort_request``, ``is_alive`` and ``shutdown`` are safe from any thread.
+    The process starts at construction (``engine_factory`` must pickle); :meth:`wait_ready` waits
+    for its engine. ``on_exit`` / ``on_stats`` run on the reader thread (pipe closed; stats outside
+    a step). One thread at a time may call ``add_request`` / ``step`` / ``get_stats`` /
+    ``kv_cache_snapshot``; ``abort_request``, ``is_alive`` and ``shutdown`` from any thread.
     """
 
     def __init__(self, index: int, config: EngineConfig, tokenizer: Any = None, *,

@@ -19,7 +19,7 @@ __all__ = ["ReplicaLoad", "Router", "PrefixAwareRouter", "LeastLoadedRouter", "R
 
 DEFAULT_MAX_PREFIX_BLOCKS = 64  # a prefix longer than 64 blocks adds nothing to where it should go
 DEFAULT_MAX_IMBALANCE = 8  # requests in flight beyond the least loaded replica before a prefix spills over
-DEFAULT_MAX_ENTRIES = 1 << 18  # remembered block hashes (32 bytes + an int each), least recently used go first
+DEFAULT_MAX_ENTRIES = 1 << 18  # remembered block hashes, least recently used go first
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,7 @@ class ReplicaLoad:
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[bytes]:
-    """Chained hashes of the first ``min(max_blocks, len(token_ids) // block_size)`` full blocks,
-    equal to the prefix cache's hashes of those blocks (no cache salt / extra keys)."""
+    """The prefix cache's chained hashes of the first ``max_blocks`` full blocks (no extra keys)."""
     hashes: list[bytes] = []
     for i in range(min(max_blocks, len(token_ids) // block_size)):
         hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * block_size:(i + 1) * block_size]))

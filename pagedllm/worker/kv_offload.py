@@ -49,11 +49,9 @@ class HostKVTier:
 
 
 class DiskKVTier:
-    """One safetensors file per block under ``directory``, named by the block hash, with its parent
-    hash, token ids and ``identity`` (model, block size, KV dtype, shape) in the metadata, so a
-    restarted engine reuses the blocks of the previous one (:meth:`scan`). Written to a temporary
-    name and renamed: a crash never leaves a half-written block. Raises ValueError naming
-    ``kv_offload_dir`` when the folder cannot be created or written."""
+    """One safetensors file per block hash, with its parent hash, token ids and ``identity`` in the
+    metadata; written under a temporary name and renamed, so a crash never leaves half a block.
+    Raises ValueError naming ``kv_offload_dir`` when the folder cannot be created or written."""
 
     def __init__(self, directory: str | os.PathLike, identity: dict[str, str]) -> None:
         self.dir = Path(directory)
@@ -178,8 +176,7 @@ class KVOffloader:
             self.tiers[tier].drop(key)
 
     def gather(self, block_ids: list[int]) -> BlockData:
-        """Blocks ``block_ids`` of every KV tensor on the host, as :data:`BlockData` with a leading
-        ``len(block_ids)`` dimension."""
+        """Blocks ``block_ids`` on the host, as :data:`BlockData` with a leading block dimension."""
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.kv_caches[0].device)
         # (num_kv_tensors, 2, n, bs, kvh, hd) -> (n, num_kv_tensors, 2, bs, kvh, hd)
         data = torch.stack([c.index_select(1, ids) for c in self.kv_caches]).permute(2, 0, 1, 3, 4, 5)
@@ -228,9 +225,8 @@ class KVOffloader:
 def build_kv_offload(config, kv_caches: list[torch.Tensor], bytes_per_block: int, num_groups: int,
                      identity: dict[str, str], kv_scales: list[torch.Tensor | None] | None = None
                      ) -> tuple[KVOffloadSpec, KVOffloader | None]:
-    """The tiers ``config`` asks for and the swap space (unless ``preemption_mode`` is recompute),
-    in blocks of ``bytes_per_block`` (scales included). Tiers need prefix caching and one KV-cache
-    group, else they are off with a warning. Raises ValueError for an unwritable ``kv_offload_dir``."""
+    """The tiers and swap space ``config`` asks for, in blocks of ``bytes_per_block``; tiers need
+    prefix caching and one KV-cache group. Raises ValueError for an unwritable ``kv_offload_dir``."""
     num_swap = config.swap_space_bytes // bytes_per_block if config.preemption_mode != "recompute" else 0
     wanted = config.kv_offload_memory is not None or config.kv_offload_dir is not None
     if wanted and (not config.enable_prefix_caching or num_groups != 1):

@@ -51,10 +51,9 @@ class MemoryProfile:
 def profile_memory(device: torch.device, utilization: float, profile_tokens: int,
                    run_profile_forward: Callable[[], None],
                    measure_graphs: Callable[[], int] | None) -> MemoryProfile:
-    """Measure the terms of :class:`MemoryProfile` on a CUDA ``device``: ``run_profile_forward``
-    is one forward at the largest step, ``measure_graphs`` returns the decode graphs' bytes (None:
-    graphs off). Call after the weights load, before the KV cache exists, in a process holding
-    nothing else on the device (all torch has allocated counts as weights)."""
+    """Measure the terms of :class:`MemoryProfile` on a CUDA ``device``. Call after the weights
+    load, before the KV cache exists, in a process holding nothing else on the device (all torch
+    has allocated counts as weights)."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     weights = torch.cuda.memory_allocated(device)

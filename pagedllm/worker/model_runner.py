@@ -4,7 +4,6 @@ Each step turns a :class:`SchedulerOutput` into one flat ragged batch (``input_i
 ``positions[T]``, ``slot_mapping[T]``, ``query_start_loc[B+1]``, ``seq_lens[B]``,
 ``block_tables[B, max_blocks]``), runs the model, and samples the rows that need logits.
 Per-request state stays in host numpy buffers by row, so inputs are vectorized gathers.
-Hybrid KV cache (one block table per KV-cache group): docs/engine.md.
 """
 
 from __future__ import annotations
@@ -85,7 +84,7 @@ class CachedRequestState:
     num_blocks: int  # length of its block table (the same in every KV-cache group)
     num_computed_tokens: int
     generator: torch.Generator | None
-    num_prompt_logprob_positions_done: int = 0  # prompt positions already reported
+    num_prompt_logprob_positions_done: int = 0
 
     @property
     def num_tokens(self) -> int:

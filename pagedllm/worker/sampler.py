@@ -21,7 +21,6 @@ LOGPROB_FLOOR = -9999.0
 _TOP_P_FIRST_WIDTH = 256
 # Beyond this many candidates, top-p finds its threshold by bisection instead of ranking.
 _TOP_P_MAX_SORTED_WIDTH = 2048
-# argmax_rows on CPU: columns per chunk of the two-pass search.
 _ARGMAX_CHUNK = 1024
 
 
@@ -322,7 +321,7 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     num_rows = probs.shape[0]
     if not generators:
         q.uniform_()
-    elif len(generators) < num_rows:  # draw only for the unseeded rows
+    elif len(generators) < num_rows:
         free = torch.tensor([i for i in range(num_rows) if i not in generators], device=probs.device)
         q[free] = torch.empty(free.numel(), probs.shape[1], device=probs.device).uniform_()
     for i, gen in generators.items():
