@@ -14,7 +14,6 @@ from pagedllm.quantization.base import LinearMethod, QuantizationConfig, replace
 from pagedllm.quantization.int8 import KERNEL_DTYPES
 
 
-
 def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight (N, K) float → q (N, K) uint8 in [0, 15], scales and zeros (N, K / group) float32."""
     n, k = weight.shape
