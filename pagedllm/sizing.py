@@ -151,8 +151,7 @@ def kv_cache_groups_for(shape: ModelShape, hybrid: bool = True) -> list[KVCacheG
 
 def kv_bytes_per_token(shape: Any, kv_dtype_bytes: int, tensor_parallel_size: int = 1, scale_bytes: int = 0) -> int:
     """2 × layers × KV heads × (head_dim × bytes + ``scale_bytes``), on one rank."""
-    per_token_head = shape.head_dim * kv_dtype_bytes + scale_bytes
-    return 2 * shape.num_layers * kv_heads_per_rank(shape, tensor_parallel_size) * per_token_head
+    return kv_bytes_per_block(shape, 1, kv_dtype_bytes, None, tensor_parallel_size, scale_bytes)
 
 
 def kv_bytes_per_block(shape: Any, block_size: int, kv_dtype_bytes: int, num_layers_per_block: int | None = None,
@@ -172,8 +171,7 @@ def kv_tokens_per_layer(shape: ModelShape, num_tokens: int) -> list[int]:
 def contiguous_bytes_per_sequence(shape: ModelShape, max_model_len: int, kv_dtype_bytes: int,
                                   tensor_parallel_size: int = 1, scale_bytes: int = 0) -> int:
     """What a contiguous allocator (Orca, a static batch) reserves per sequence: ``max_model_len`` slots a layer."""
-    per_layer_token = 2 * kv_heads_per_rank(shape, tensor_parallel_size) * (shape.head_dim * kv_dtype_bytes
-                                                                            + scale_bytes)
+    per_layer_token = kv_bytes_per_block(shape, 1, kv_dtype_bytes, 1, tensor_parallel_size, scale_bytes)
     return sum(kv_tokens_per_layer(shape, max_model_len)) * per_layer_token
 
 
