@@ -95,11 +95,9 @@ class GGUFTensorInfo:
 
 
 class GGUFFile:
-    """A memory-mapped GGUF v2/v3 file: ``metadata`` and ``tensors``.
+    """A memory-mapped GGUF v2/v3 file; string arrays not in ``string_arrays`` are given as their length.
 
-    String arrays not in ``string_arrays`` are given as their length. Raises ValueError naming
-    the file if it is not GGUF v2/v3 or is truncated.
-    """
+    Raises ValueError naming the file if it is not GGUF v2/v3 or is truncated."""
 
     def __init__(self, path: str | Path, string_arrays: tuple[str, ...] = DEFAULT_STRING_ARRAYS):
         self.path = str(path)
@@ -257,10 +255,7 @@ _LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_m
 
 def llama3_factors(theta: float, head_dim: int, factor: float, low_freq_factor: float, high_freq_factor: float,
                    original_max_position_embeddings: int) -> np.ndarray:
-    """Per-frequency divisors of llama3 rope scaling, ``(head_dim // 2,)`` float64.
-
-    Formula of HF's ``_compute_llama3_parameters`` (llama.cpp: ``LlamaModel.generate_extra_tensors``).
-    """
+    """Divisors of llama3 rope scaling, ``(head_dim // 2,)`` float64 (HF's ``_compute_llama3_parameters``)."""
     freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * np.pi / freqs
     smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
@@ -270,10 +265,7 @@ def llama3_factors(theta: float, head_dim: int, factor: float, low_freq_factor: 
 
 
 def llama3_rope_scaling(rope_freqs: np.ndarray, theta: float, head_dim: int) -> dict:
-    """HF's llama3 ``rope_scaling`` from ``rope_freqs`` (factor = its max, the rest Llama 3's).
-
-    Raises ValueError if the tensor does not match the formula within 1e-4 relative.
-    """
+    """HF's llama3 ``rope_scaling`` from ``rope_freqs``. Raises ValueError unless it matches within 1e-4 relative."""
     rope_freqs = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
     scaling = {"rope_type": "llama3", "factor": float(rope_freqs.max()), **_LLAMA3_DEFAULTS}
     expected = llama3_factors(theta, head_dim, **{k: v for k, v in scaling.items() if k != "rope_type"})
@@ -286,8 +278,7 @@ def llama3_rope_scaling(rope_freqs: np.ndarray, theta: float, head_dim: int) -> 
 def hf_tensor_name(gguf_name: str, arch: str) -> str | None:
     """``blk.3.attn_q.weight`` → ``model.layers.3.self_attn.q_proj.weight``; None if recomputed.
 
-    Raises ValueError for an unknown name, so nothing is silently left uninitialised.
-    """
+    Raises ValueError for an unknown name, so nothing is silently left uninitialised."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in _SKIPPED_TENSORS:
         return None
