@@ -8,8 +8,5 @@ T = TypeVar("T")
 
 
 def cdiv(a: T, b: int) -> T:
-    """Ceiling of ``a / b`` for positive ``b``: e.g. the blocks that hold ``a`` tokens.
-
-    Works elementwise on integer numpy arrays and torch tensors too.
-    """
+    """Ceiling of ``a / b`` for positive ``b``, elementwise on integer arrays and tensors too."""
     return -(-a // b)  # type: ignore[operator]
