@@ -13,7 +13,7 @@ As in vLLM's Ray executor:
   other machines reach the engine at (gloo on CPU, nccl on CUDA; set ``GLOO_SOCKET_IFNAME`` /
   ``NCCL_SOCKET_IFNAME`` when a node has several networks).
 
-Each actor wraps a :class:`~pagedllm.distributed.worker.TensorParallelWorker`; calls are actor
+Each actor wraps a :class:`~pagedllm.worker.worker.TensorParallelWorker`; calls are actor
 method calls, replies are awaited with ``ray.wait`` bounded by ``worker_timeout_s``, and an
 actor that dies (its process killed, its node lost) fails the engine naming its rank and node.
 Ray is an optional extra: ``pip install 'pagedllm[ray]'``.
@@ -29,8 +29,9 @@ import weakref
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.executor import DistributedExecutor, TensorParallelWorkerError, failure_summary
-from pagedllm.distributed.worker import TensorParallelWorker
+from pagedllm.errors import TensorParallelWorkerError
+from pagedllm.executor.abstract import DistributedExecutor, failure_summary
+from pagedllm.worker.worker import TensorParallelWorker
 
 logger = logging.getLogger("pagedllm")
 
@@ -65,7 +66,8 @@ class RayExecutor(DistributedExecutor):
         import torch
 
         from pagedllm.distributed.parallel_state import free_port, init_tensor_parallel
-        from pagedllm.worker.model_runner import ModelRunner, resolve_device
+        from pagedllm.utils import resolve_device
+        from pagedllm.worker.model_runner import ModelRunner
 
         ray = import_ray()
         from ray.util.placement_group import get_current_placement_group, placement_group
