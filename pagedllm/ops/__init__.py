@@ -18,8 +18,8 @@ keeps working.
 """
 
 from pagedllm.ops.activation import act_and_mul
-from pagedllm.ops.library import FUSED_OPS_ENV, cpu_ops, set_enabled
+from pagedllm.ops.library import cpu_ops, set_enabled
 from pagedllm.ops.norm import fused_add_rms_norm_, rms_norm
 from pagedllm.ops.rotary import rope_qk
 
-__all__ = ["FUSED_OPS_ENV", "act_and_mul", "cpu_ops", "fused_add_rms_norm_", "rms_norm", "rope_qk", "set_enabled"]
+__all__ = ["act_and_mul", "cpu_ops", "fused_add_rms_norm_", "rms_norm", "rope_qk", "set_enabled"]

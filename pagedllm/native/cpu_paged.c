@@ -158,23 +158,14 @@ static inline __attribute__((always_inline)) v16f load_kv(const void *cache, lon
     }
 }
 
-/* exp(x) on 16 lanes, for x <= 0 (x >= -87.3 gives a normal result; below, exp(-87.3) ~ 1e-38 is
- * returned, harmless next to a softmax denominator >= 1). Cephes expf: x = n ln2 + r, |r| <= ln2/2,
- * exp(r) by a degree-7 polynomial, 2^n by building the exponent bits. */
+/* exp(x) for x <= 0: x clamped at -87.3 (exp(-87.3) ~ 1e-38 stays normal, harmless next to a
+ * softmax denominator >= 1), 2^n built in the exponent bits. */
 static inline v16f exp_nonpos_v16(v16f x) {
     const v16f lim = (v16f){0} - 87.3f;
     const v16i32 low = x < lim;
     x = (v16f)(((v16i32)x & ~low) | ((v16i32)lim & low));
-    const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    v16f r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v16f y = (v16f){0} + 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * (r * r) + r + 1.0f;
+    v16f n;
+    const v16f y = exp_reduced_v16(x, &n);
     const v16i32 bits = (__builtin_convertvector(n, v16i32) + 127) << 23;
     return y * (v16f)bits;
 }

@@ -80,24 +80,15 @@ static inline float scalar_to_dtype(float x, const int bf16) { return bf16 ? rou
 
 /* -- exp and tanh ------------------------------------------------------------------------- */
 
-/* exp(x) over the whole float range (0 below -104, inf above 88.8). Cephes expf: x = n ln2 + r,
- * |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, 2^n applied as 2^(n/2) 2^(n - n/2) so that
- * results near the overflow and subnormal ends are right. */
 static inline v16f splat(float a) { return (v16f){0} + a; }
 
+/* exp(x) over the whole float range (0 below -104, inf above 88.8): 2^n applied as
+ * 2^(n/2) 2^(n - n/2) so that results near the overflow and subnormal ends are right. */
 static inline v16f exp_v(v16f x) {
     x = select_f(x < -104.0f, splat(-104.0f), x);
     x = select_f(x > 88.8f, splat(88.8f), x);
-    const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    v16f r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v16f y = splat(1.9875691500e-4f);
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * (r * r) + r + 1.0f;
+    v16f n;
+    const v16f y = exp_reduced_v16(x, &n);
     const v16i32 ni = __builtin_convertvector(n, v16i32);
     const v16i32 n1 = ni >> 1, n2 = ni - n1;
     return y * (v16f)((n1 + 127) << 23) * (v16f)((n2 + 127) << 23);
@@ -249,22 +240,24 @@ static inline __attribute__((always_inline)) void act_and_mul_row(const char *ga
 }
 
 /* in: (num_rows, 2 * inter) rows at in_stride, gate then up; out: (num_rows, inter) rows at out_stride. */
+/* The activation a compile-time constant of each row loop, so the row function is specialised. */
+#define ACT_AND_MUL_ROWS(elem_size, bf16)                                                                    \
+    if (act == ACT_SILU) {                                                                                   \
+        FOR_ROWS(num_rows, act_and_mul_row(ROW(in, in_stride, elem_size), ROW(out, out_stride, elem_size),   \
+                                           inter, ACT_SILU, bf16));                                          \
+    } else {                                                                                                 \
+        FOR_ROWS(num_rows, act_and_mul_row(ROW(in, in_stride, elem_size), ROW(out, out_stride, elem_size),   \
+                                           inter, ACT_GELU_TANH, bf16));                                     \
+    }
+
 void act_and_mul_f32(const void *in, void *out, int num_rows, int inter, ptrdiff_t in_stride,
                      ptrdiff_t out_stride, int act, int num_threads) {
-    if (act == ACT_SILU) {
-        FOR_ROWS(num_rows, act_and_mul_row(ROW(in, in_stride, 4), ROW(out, out_stride, 4), inter, ACT_SILU, 0));
-    } else {
-        FOR_ROWS(num_rows, act_and_mul_row(ROW(in, in_stride, 4), ROW(out, out_stride, 4), inter, ACT_GELU_TANH, 0));
-    }
+    ACT_AND_MUL_ROWS(4, 0)
 }
 
 void act_and_mul_bf16(const void *in, void *out, int num_rows, int inter, ptrdiff_t in_stride,
                       ptrdiff_t out_stride, int act, int num_threads) {
-    if (act == ACT_SILU) {
-        FOR_ROWS(num_rows, act_and_mul_row(ROW(in, in_stride, 2), ROW(out, out_stride, 2), inter, ACT_SILU, 1));
-    } else {
-        FOR_ROWS(num_rows, act_and_mul_row(ROW(in, in_stride, 2), ROW(out, out_stride, 2), inter, ACT_GELU_TANH, 1));
-    }
+    ACT_AND_MUL_ROWS(2, 1)
 }
 
 /* -- q/k norm and rotary ---------------------------------------------------------------------- */

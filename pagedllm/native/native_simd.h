@@ -190,4 +190,21 @@ static inline void store_bf16_rounded(uint16_t *p, v16f x) {
     memcpy(p, &h, sizeof h);
 }
 
+/* Cephes expf without its range handling: x = n ln2 + r (n = x / ln2 rounded to nearest, ln2 in two
+ * parts so r is exact, |r| <= ln2 / 2), exp(r) by a degree-7 polynomial. Returns exp(r) and sets *n;
+ * the caller clamps x first and multiplies by 2^n as its range needs. */
+static inline __attribute__((always_inline)) v16f exp_reduced_v16(v16f x, v16f *n_out) {
+    const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    v16f r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v16f y = (v16f){0} + 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    *n_out = n;
+    return y * (r * r) + r + 1.0f;
+}
+
 #endif /* PAGEDLLM_NATIVE_SIMD_H */

@@ -185,6 +185,33 @@ static inline int sg_chunk(int panels, int num_threads) {
     return chunk > 0 ? chunk : 1;
 }
 
+/* A walk over a packed weight: N columns in panels of nr, each panel_bytes long and walked in
+ * `steps` k steps per tile of mr rows. */
+struct sg_walk {
+    int panels, next_lines, chunk;
+    ptrdiff_t panel_bytes, panel_lines;
+};
+
+static inline __attribute__((always_inline)) struct sg_walk sg_walk(int M, int N, int nr, int mr,
+                                                                    ptrdiff_t panel_bytes, int steps,
+                                                                    int num_threads) {
+    struct sg_walk w;
+    w.panels = (N + nr - 1) / nr;
+    w.panel_bytes = panel_bytes;
+    w.panel_lines = (panel_bytes + 63) / 64;
+    w.next_lines = sg_next_lines(w.panel_lines, (M + mr - 1) / mr, steps); /* later walks pull the next panel */
+    w.chunk = sg_chunk(w.panels, num_threads);
+    return w;
+}
+
+/* Panel p + 1's first byte (NULL after the last panel); *end: its last prefetched line's end. */
+static inline __attribute__((always_inline)) const char *sg_next_panel(const void *packed, struct sg_walk w, int p,
+                                                                       const char **end) {
+    const char *next = p + 1 < w.panels ? (const char *)packed + (ptrdiff_t)(p + 1) * w.panel_bytes : NULL;
+    *end = next ? next + w.panel_lines * 64 : NULL;
+    return next;
+}
+
 /* out[m, n] = bias[n] + sum_k x[m, k] * w[n, k] for m < M, n < N.
  *   x: M rows of K floats, row stride x_stride (floats); out: M rows, stride out_stride (floats).
  *   packed: ceil(N / SG_NR) panels, each K rows of SG_NR floats (see the header comment).
@@ -193,18 +220,16 @@ static inline int sg_chunk(int panels, int num_threads) {
  * The caller checks shapes, strides and dtypes (skinny_gemm.py); nothing here is validated. */
 void skinny_gemm_f32(const float *x, ptrdiff_t x_stride, const float *packed, const float *bias, float *out,
                      ptrdiff_t out_stride, int M, int N, int K, int num_threads) {
-    const int panels = (N + SG_NR - 1) / SG_NR;
-    const int tiles = (M + SG_MR - 1) / SG_MR;
-    const ptrdiff_t panel_lines = ((ptrdiff_t)K * SG_NR * (ptrdiff_t)sizeof(float) + 63) / 64;
-    const int next_lines = sg_next_lines(panel_lines, tiles, K); /* the later walks pull the next panel */
-    const int chunk = sg_chunk(panels, num_threads);
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, chunk) if (num_threads > 1)
-    for (int p = 0; p < panels; p++) {
+    const struct sg_walk walk = sg_walk(M, N, SG_NR, SG_MR, (ptrdiff_t)K * SG_NR * (ptrdiff_t)sizeof(float), K,
+                                        num_threads);
+    const int next_lines = walk.next_lines;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, walk.chunk) if (num_threads > 1)
+    for (int p = 0; p < walk.panels; p++) {
         const float *panel = packed + (ptrdiff_t)p * K * SG_NR;
         const float *b = bias ? bias + (ptrdiff_t)p * SG_NR : NULL;
         const int cols = N - p * SG_NR < SG_NR ? N - p * SG_NR : SG_NR;
-        const char *next_panel = p + 1 < panels ? (const char *)(panel + (ptrdiff_t)K * SG_NR) : NULL;
-        const char *next_end = next_panel ? next_panel + panel_lines * 64 : NULL;
+        const char *next_end;
+        const char *next_panel = sg_next_panel(packed, walk, p, &next_end);
         for (int m0 = 0; m0 < M; m0 += SG_MR) {
             const float *xr = x + (ptrdiff_t)m0 * x_stride;
             float *o = out + (ptrdiff_t)m0 * out_stride + (ptrdiff_t)p * SG_NR;
@@ -454,20 +479,18 @@ static inline __attribute__((always_inline)) void sg_dp_gemm(const uint16_t *x, 
                                                              const uint16_t *packed, const float *bias, void *out,
                                                              ptrdiff_t out_stride, int M, int N, int K,
                                                              int num_threads, const int out_f32) {
-    const int panels = (N + SG_DP_NR - 1) / SG_DP_NR;
-    const int tiles = (M + SG_DP_MR - 1) / SG_DP_MR;
-    const ptrdiff_t panel_lines = ((ptrdiff_t)K * SG_DP_NR * (ptrdiff_t)sizeof(uint16_t) + 63) / 64;
     const int K2 = K / 2;
     const size_t out_elem = out_f32 ? sizeof(float) : sizeof(uint16_t);
-    const int next_lines = sg_next_lines(panel_lines, tiles, K2); /* the later walks pull the next panel */
-    const int chunk = sg_chunk(panels, num_threads);
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, chunk) if (num_threads > 1)
-    for (int p = 0; p < panels; p++) {
+    const struct sg_walk walk = sg_walk(M, N, SG_DP_NR, SG_DP_MR,
+                                        (ptrdiff_t)K * SG_DP_NR * (ptrdiff_t)sizeof(uint16_t), K2, num_threads);
+    const int next_lines = walk.next_lines;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, walk.chunk) if (num_threads > 1)
+    for (int p = 0; p < walk.panels; p++) {
         const uint16_t *panel = packed + (ptrdiff_t)p * K * SG_DP_NR;
         const float *b = bias ? bias + (ptrdiff_t)p * SG_DP_NR : NULL;
         const int cols = N - p * SG_DP_NR < SG_DP_NR ? N - p * SG_DP_NR : SG_DP_NR;
-        const char *next_panel = p + 1 < panels ? (const char *)(panel + (ptrdiff_t)K * SG_DP_NR) : NULL;
-        const char *next_end = next_panel ? next_panel + panel_lines * 64 : NULL;
+        const char *next_end;
+        const char *next_panel = sg_next_panel(packed, walk, p, &next_end);
         for (int m0 = 0; m0 < M; m0 += SG_DP_MR) {
             const uint16_t *xr = x + (ptrdiff_t)m0 * x_stride;
             void *o = (char *)out + ((ptrdiff_t)m0 * out_stride + (ptrdiff_t)p * SG_DP_NR) * (ptrdiff_t)out_elem;
