@@ -81,9 +81,7 @@ class DistributedExecutor(Executor):
         self._run_everywhere("reset_state")
 
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list:
-        """Run ``runner.method(*args, **kwargs)`` — or ``method(runner, *args, **kwargs)`` for a
-        callable (picklable by reference for ``mp``) — on every rank; returns the results in
-        rank order. Raises TensorParallelWorkerError when a rank fails (fatal, as any call)."""
+        """As :meth:`Executor.collective_rpc`; a callable must pickle by reference for ``mp``."""
         return self._run_everywhere(method, args, kwargs, return_results=True)
 
     def _run_everywhere(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
@@ -100,8 +98,7 @@ class DistributedExecutor(Executor):
         return [result, *replies] if return_results else result
 
     def _collect(self) -> list:
-        """Every worker's result (rank order); raises TensorParallelWorkerError naming the ranks
-        that died, failed or did not answer within ``worker_timeout_s``."""
+        """Every worker's result (rank order); raises naming the ranks that died, failed or timed out."""
         results, problems = [], []
         for rank, ok, value in self._gather():
             (results if ok else problems).append(value)
@@ -110,21 +107,18 @@ class DistributedExecutor(Executor):
         return results
 
     def _driver_failed(self, method, error: Exception) -> None:
-        """Rank 0 raised: leave the group (the workers' collectives fail now), gather what the
-        workers say, raise TensorParallelWorkerError naming the cause first (a rank that died or
-        raised on its own), then its symptoms (collectives that lost their peer)."""
+        """Rank 0 raised: leave the group (the workers' collectives fail now) and raise with the
+        causes first, then the symptoms (collectives that lost their peer)."""
         from pagedllm.distributed.parallel_state import destroy_tensor_parallel
 
         destroy_tensor_parallel()
         name = method if isinstance(method, str) else getattr(method, "__name__", "collective_rpc")
         reports = [f"rank 0 (the engine process) failed in {name}: {type(error).__name__}: {error}"]
-        # the workers' collectives fail once rank 0 has left; one that does not notice is ended by shutdown
         reports += [value for _, ok, value in self._gather(min(self.timeout_s, _REPORT_WAIT_S)) if not ok]
         self._fail("; ".join(sorted(reports, key=is_lost_peer)), error)
 
     def _start_failed(self, error: BaseException) -> None:
-        """Rank 0 failed while the ranks started: leave the group, raise with the workers' own
-        errors first (they usually explain rank 0's)."""
+        """Rank 0 failed while the ranks started: raise with the workers' errors first (they usually explain it)."""
         from pagedllm.distributed.parallel_state import destroy_tensor_parallel
 
         destroy_tensor_parallel()
@@ -162,8 +156,7 @@ class DistributedExecutor(Executor):
 
 
 def is_lost_peer(report: str) -> bool:
-    """Whether a rank's error is only the symptom of another rank leaving (a collective whose
-    peer closed its connection), not a cause."""
+    """Whether a rank's error is only the symptom of another rank leaving, not a cause."""
     return "Connection closed by peer" in report or "Connection reset by peer" in report
 
 

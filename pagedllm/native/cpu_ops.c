@@ -1,8 +1,7 @@
 /* Fused elementwise kernels of a decoder layer for CPUs (plain C11 + OpenMP, no torch headers).
  *
- * Each kernel replaces a chain of small torch ops (and the tensors between them) by one pass
- * over the data, threaded over tokens by OpenMP on torch's own thread team (pagedllm.native
- * links the libgomp torch already loaded; the caller passes torch.get_num_threads()):
+ * Each kernel replaces a chain of small torch ops by one pass over the data, threaded over tokens
+ * on torch's own OpenMP team (pagedllm.native):
  *
  *   rms_norm_*        [residual += x or norm'(x);] out = norm(residual or x), per row, in place
  *                     allowed (norm' before the add: Gemma's post-attention/post-MLP norms)
@@ -10,26 +9,21 @@
  *   rope_qk_*         optional per-head q/k RMSNorm, then the neox rotary rotation of the q and
  *                     k heads of the fused qkv output: k in place, q to q_out (may be in place)
  *
- * Numerics: every kernel rounds where the torch code it replaces rounds (pagedllm/models/layers:
- * norm.py, mlp.py + activation.py, rotary.py + attention.py), so that float32 results agree to a
- * few ulp and bfloat16 results are equal except where a float32 intermediate lies within a few
- * ulp of a bfloat16 rounding boundary:
+ * Numerics: every kernel rounds where the torch code it replaces (pagedllm/models/layers) rounds:
  *   - bfloat16 tensors are widened to float32, every op computed in float32 and rounded to
  *     bfloat16 (round to nearest even) after each torch op that produced a bfloat16 tensor;
- *   - RMSNorm: sum of squares in float32 (16 lanes, then halving: torch sums in another order,
- *     the source of the few-ulp difference), mean = sum / dim, 1 / sqrt(mean + eps) correctly
- *     rounded like torch.rsqrt; Llama convention w * cast(x * rs), Gemma cast(x * rs * (1 + w));
+ *   - RMSNorm: sum of squares in float32 (16 lanes, then halving; torch's order differs), 1 /
+ *     sqrt(mean + eps) correctly rounded like torch.rsqrt; Llama w * cast(x * rs), Gemma
+ *     cast(x * rs * (1 + w));
  *   - SiLU x / (1 + exp(-x)) and GELU-tanh 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), torch's
- *     formulas, with Cephes-style exp and tanh (~1-2 ulp; torch uses SLEEF's 1-ulp ones);
+ *     formulas, with Cephes-style exp and tanh;
  *   - rotary: x * cos rounded, then fma(roll(x), sin, .) as torch.addcmul computes it (an FMA in
  *     float32; in bfloat16 the product of two bfloat16 values is exact in float32, rounded
  *     twice: to float32 by the add, then to bfloat16), so the rotation is bit-exact.
  * Built without -ffast-math: the order of operations above is the one executed.
  *
- * Vectorization: GCC/Clang vector extensions over 16-float chunks (one AVX-512 register, two
- * AVX2 ones; loads, sums and the bfloat16 rounding shared with the attention kernel in
- * pagedllm/native_simd.h, which uses AVX512-BF16's vcvtneps2bf16 where the host has it) with scalar tails, so any row length works; the rotation is a scalar loop over
- * fmaf that the compiler vectorizes (vector extensions have no portable FMA).
+ * Vectorization: 16-float chunks (native_simd.h) with scalar tails, so any row length works; the
+ * rotation is a scalar loop over fmaf that the compiler vectorizes (no portable vector FMA).
  *
  * The Python callers (pagedllm/ops/) check devices, dtypes, shapes and strides; the kernels trust
  * their arguments. Strides and sizes are in elements.
@@ -180,11 +174,9 @@ static inline __attribute__((always_inline)) void rms_norm_row(
 }
 
 /* The row loop of every kernel: `BODY` for t in [0, num_rows), split over OpenMP threads when
- * num_threads > 1, else a plain loop on the calling thread that never enters libgomp (an
- * `if (false)` parallel region still sets up a one-thread team on every call, which costs more
- * than a decode step's rows of work). Each exported function has its own loop so that the dtype
- * and the activation are constants in the outlined parallel body (one shared body would test them
- * per element). */
+ * num_threads > 1, else a plain loop that never enters libgomp (an `if (false)` region still sets
+ * up a team per call). Each exported function has its own loop so that the dtype and the
+ * activation are constants in the outlined parallel body. */
 #define FOR_ROWS(num_rows, BODY)                                                                \
     do {                                                                                        \
         if (num_threads > 1) {                                                                  \
@@ -329,8 +321,7 @@ void rope_qk_bf16(void *qkv, ptrdiff_t qkv_stride, void *q_out, ptrdiff_t q_out_
 
 /* The arguments of rms_norm_<dtype>, act_and_mul_<dtype> and rope_qk_<dtype> as structs, field for
  * field in the order of their parameters, and the same functions taking one: a decode step makes
- * each call once per layer with only its pointers changed, so the caller fills the struct once and
- * passes one ctypes argument instead of 8 to 16 (pagedllm/ops/calls.py). */
+ * each call once per layer with only its pointers changed (pagedllm/ops/calls.py). */
 struct rms_norm_call {
     const void *x, *x_w;
     void *residual;

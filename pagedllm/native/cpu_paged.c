@@ -32,22 +32,16 @@
  * (exact for every finite code, subnormals included; the writers saturate, so no NaN/inf codes are
  * stored), so no F16C/AVX-512 instruction is needed.
  *
- * Vectorization: GCC/Clang vector extensions over 16-float chunks of head_dim (one AVX-512
- * register, two AVX2 ones; the helpers shared with ops/cpu_ops.c are in pagedllm/native_simd.h), so head_dim must be a multiple of 16; head_dim 64 and 128 get
- * copies with the chunk loops unrolled so the accumulators live in registers. The next
- * tile's K rows and the current tile's V rows are prefetched while the scores are computed
- * (blocks are scattered, so the hardware prefetcher alone keeps only ~1/3 of the bandwidth).
+ * Vectorization: 16-float chunks of head_dim (native_simd.h), so head_dim is a multiple of 16;
+ * head_dim 64 and 128 get copies with the chunk loops unrolled (accumulators in registers). The
+ * next tile's K rows and the current tile's V rows are prefetched while the scores are computed:
+ * blocks are scattered, so the hardware prefetcher alone cannot follow.
  *
- * Numerics: IEEE float32 (built without -ffast-math; -ffp-contract=fast allows FMA). Dot
- * products sum 16 lanes then halve in a fixed order; exp is a Cephes-style polynomial (max
- * rel. error ~2 ulp for arguments <= 0) so the tile loop vectorizes. Results are
- * deterministic and independent of the number of threads (each request is computed by one
- * thread, in one order).
- *
- * Threads: built with OpenMP (pagedllm/native.py links torch's own libgomp), each call splits its
- * requests (prefill: its work items) over a team of num_threads threads -- the same worker threads
- * torch's parallel ops use, so the two never compete; built without, the pragmas are ignored and
- * the caller splits the work itself.
+ * Numerics: IEEE float32 (no -ffast-math; -ffp-contract=fast allows FMA). Dot products sum 16
+ * lanes then halve in a fixed order; exp is native_simd.h's polynomial (~2 ulp for x <= 0). Each
+ * request (prefill: work item) is computed by one thread in one order, so results do not depend
+ * on the thread count. Threads: an OpenMP team on torch's own libgomp (pagedllm.native); built
+ * without OpenMP, the caller splits the work itself.
  *
  * The caller (pagedllm/attention/cpu_paged.py) validates shapes, block ids and limits;
  * the kernel trusts its arguments.
@@ -62,8 +56,8 @@
 #define TILE 32         /* tokens per online-softmax tile (K and V of a tile stay in L1/L2) */
 #define MAX_HEADS 256   /* decode's scores are [MAX_HEADS][TILE] floats on the stack */
 #define MAX_CHUNKS 16   /* head_dim <= 16 * MAX_CHUNKS */
-/* Prefetch hint for the rows of the next tile: 2 = prefetcht1 (into L2). Into L1 (3) evicts the
- * tile being computed; measured at batch 64, context 300, block 16: 2 beats 3 by ~1.5x. */
+/* Prefetch hint for the rows of the next tile: 2 = prefetcht1 (into L2); into L1 (3) would evict
+ * the tile being computed. */
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 2
 #endif
@@ -108,8 +102,8 @@ static inline void prefetch_row(const char *p, long long num_bytes) {
     for (long long b = 0; b < num_bytes; b += PREFETCH_STRIDE) __builtin_prefetch(p + b, 0, PREFETCH_LOCALITY);
 }
 
-/* 8-bit loads widen through a plain loop: GCC 12 vectorizes it (vpmovsxbd/vpmovzxbd), while its
- * __builtin_convertvector from 8-bit lanes is scalarized (measured ~3x slower decode). */
+/* 8-bit loads widen through a plain loop: GCC vectorizes it (vpmovsxbd/vpmovzxbd), while it
+ * scalarizes __builtin_convertvector from 8-bit lanes. */
 static inline v16f load_i8(const int8_t *p) {
     int32_t t[16];
     for (int j = 0; j < 16; j++) t[j] = p[j];
@@ -225,9 +219,8 @@ static inline v16f hsum16(const v16f *x) {
 /* The P V loop's register block: QB query heads x CB chunks of head_dim whose accumulators stay
  * in registers, the token loop run once per block. AVX-512: 24 of the 32 registers, all chunks of
  * as many heads as fit. AVX2 (16 registers, two per 16-float vector): 6 vectors, the heads of a KV
- * group first (each V row loaded once serves them all), then as many chunks as fit (the AVX-512 block,
- * all chunks of 3 heads, spills to the stack there; benchmarks/attention_kernel.py on an AVX2 EPYC:
- * 1.5x with this and the broadcasts of splat16). */
+ * group first (each V row loaded once serves them all), then as many chunks as fit (the AVX-512
+ * block would spill to the stack there). */
 #if defined(__AVX512F__)
 #define QB_PV(NUM_CHUNKS, GROUP) ((NUM_CHUNKS) >= 24 ? 1 : 24 / (NUM_CHUNKS))
 #define CB_PV(NUM_CHUNKS, QB) (NUM_CHUNKS)
@@ -251,7 +244,7 @@ static inline v16f hsum16(const v16f *x) {
  * and multiplied into the accumulators of a register block of its query heads (QB_PV). The scores
  * are kept head-major (tokens in lanes), so the online softmax's max and exp run on 16 tokens per
  * vector; its denominator is summed token after token. Every sum is taken in the same order as a
- * plain per-head loop with hsum (the results are bitwise those of the previous per-head kernel). */
+ * plain per-head loop with hsum. */
 static inline __attribute__((always_inline)) void decode_one(
     const float *restrict q, const void *k_cache, const void *v_cache, const float *k_scales,
     const float *v_scales, const int32_t *restrict block_table, int seq_len, float *restrict out,
@@ -295,8 +288,7 @@ static inline __attribute__((always_inline)) void decode_one(
                     continue;
                 }
                 const int i = j0 + j;
-                /* Prefetch this token's V row (read after the scores) and the next tile's K row: blocks
-                 * are scattered, so the hardware prefetcher alone keeps only ~1/3 of the bandwidth. */
+                /* this token's V row (read after the scores) and the next tile's K row */
                 prefetch_row((const char *)v_cache + offsets[i] * elem_size, row_bytes);
                 const int t_next = t0 + TILE + i;
                 if (t_next < seq_len)
@@ -452,7 +444,7 @@ static void decode_request_e5m2(const struct decode_args *a, int r, float *s) { 
 static void decode_request_int8(const struct decode_args *a, int r, float *s) { decode_request(a, r, s, KV_INT8); }
 
 /* Requests [req_begin, req_end) over an OpenMP team of num_threads (torch's own threads, see
- * pagedllm/native.py), one request per iteration of a dynamic schedule: each request is computed by
+ * pagedllm.native), one request per iteration of a dynamic schedule: each request is computed by
  * one thread in one order, so the result does not depend on the team size. Returns 0, or -1 when a
  * thread's scratch allocation failed (its requests are not written). */
 static int decode_requests(const struct decode_args *a, int req_begin, int req_end, int num_threads,
@@ -477,8 +469,7 @@ static int decode_requests(const struct decode_args *a, int req_begin, int req_e
  * token t's key row key[t * key_stride ..] (num_kv_heads * head_dim = row_elems values, float32, or
  * bfloat16 with in_bf16) goes to k_cache at element slots[t] * row_elems, likewise value to v_cache,
  * converted to the cache's format fmt (KV_F32 or KV_BF16; float32 to bfloat16 rounds to nearest even
- * as torch does). Runs on the calling thread before the decode: a decode step writes one row per
- * request, a few KiB per layer. The caller checked every slot against the cache's size. */
+ * as torch does). Runs on the calling thread (one row per request). The caller checked every slot. */
 static void write_kv(const void *key, const void *value, long long key_stride, long long value_stride, int in_bf16,
                      void *k_cache, void *v_cache, int fmt, const int64_t *slots, int num_tokens, long long row_elems) {
     for (int i = 0; i < 2; i++) {
@@ -532,8 +523,7 @@ int paged_decode_int8(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_int8
 
 /* The arguments of one paged_decode_<format> call as one struct, field for field in the order of
  * PAGED_DECODE_ARGS: a caller making the same call in every layer of a step fills it once and
- * changes only the per-layer pointers (pagedllm/attention/decode_plan.py), passing one ctypes
- * argument instead of thirty. paged_decode_<format>_call(c) == paged_decode_<format>(c's fields). */
+ * changes only the per-layer pointers (pagedllm/attention/decode_plan.py): one ctypes argument. */
 struct paged_decode_call {
     const void *q;
     void *k_cache, *v_cache;
@@ -577,21 +567,15 @@ PAGED_DECODE_CALL(paged_decode_int8)
  * Parallelism and Work Partitioning", Algorithm 1): one work item = one tile of queries x one
  * KV head, the group's query heads folded into the tile's rows (row r = query r / group, head
  * kvh * group + r % group), so each K/V row is read once for the whole group (grouped-query
- * attention without repeated K/V). The rows are kept transposed (Q^T: head_dim x rows, scaled
- * by the softmax scale once), so both products vectorize over rows or head_dim and take K and V
- * rows straight from the cache by broadcast / vector loads (float32 caches are never copied;
- * bf16 rows are widened into a small buffer per key tile). Per key tile of PF_BK tokens (the next tile's rows prefetched):
- * S^T = K Q^T by a register-blocked micro-kernel (PF_RK keys x up to 6 row vectors); the online
- * softmax (Milakov & Gimelshein 2018) updates each row's max m and denominator l and rescales its
- * accumulator by exp(m_old - m_new); then O^T += V^T P^T (PF_RD dims x up to 6 row vectors per micro-tile). Key
- * tiles past the item's last query are never touched; tiles crossing the diagonal are masked.
+ * attention without repeated K/V). Rows are kept transposed (Q^T: head_dim x rows, pre-scaled), so
+ * both products vectorize and take K/V rows straight from the cache (bf16 rows widened per key
+ * tile). Per key tile of PF_BK tokens: S^T = K Q^T (micro-kernel PF_RK keys x up to 6 row vectors),
+ * the online softmax update, then O^T += V^T P^T (PF_RD dims x up to 6 row vectors). Tiles past the
+ * item's last query are never touched; tiles crossing the diagonal are masked.
  *
- * Sliding window W > 0 (Mistral, Gemma 2/3 local layers): the query at position p sees keys
- * p - W < k <= p, so an item starts at key first_pos - W + 1 (keys before it are never read) and
- * masks the tiles crossing either edge: its cost is ~(W + queries) keys, not the whole context.
- * Attention-logit soft-capping c > 0 (Gemma 2): each score s becomes c * tanh(s / c) before the
- * softmax, computed on 16 lanes (pf_tanh). Both are per-element operations on the S tile, so
- * nothing of size Q x keys is built for them either.
+ * Sliding window W > 0: the query at position p sees keys p - W < k <= p; an item starts at key
+ * first_pos - W + 1 (earlier keys never read) and masks the tiles crossing either edge. Soft cap
+ * c > 0 (Gemma 2): each score s becomes c * tanh(s / c) before the softmax (pf_tanh).
  *
  * q, out: [num_queries, num_heads, head_dim] float32 or bfloat16 contiguous (computed in float32).
  * head_dim is a multiple of 64 (<= 16 * MAX_CHUNKS). Items are numbered tile * num_kv_heads + kvh;

@@ -1,13 +1,10 @@
-/* Vector helpers shared by the engine's C kernels (attention/cpu_paged.c, ops/cpu_ops.c).
- *
- * pagedllm/native.py compiles every kernel with -I<this folder> and hashes this header into each
- * library's cache key, so an edit here rebuilds them all.
+/* Vector helpers shared by the engine's C kernels (pagedllm.native hashes this header into every
+ * library's cache key: an edit rebuilds them all).
  *
  * Vectors are GCC/Clang vector extensions over 16 lanes (one AVX-512 register, two AVX2 ones).
- * Libraries are built with -march=native for the host (the cache key names the CPU), so the
- * instruction-set branches below are compile-time: a host with AVX512-BF16 gets the one-instruction
- * bfloat16 conversion, every other host (AVX-512 without BF16, AVX2-only) the exact integer one.
- * PAGEDLLM_NO_AVX512BF16 forces the integer path (the tests build both and compare them to torch).
+ * Builds are -march=native, so the instruction-set branches are compile-time: AVX512-BF16 hosts
+ * get the one-instruction bfloat16 conversion, others the exact integer one (forced by
+ * PAGEDLLM_NO_AVX512BF16; the tests build both).
  *
  * bfloat16 rounding is c10::BFloat16's (torch's Tensor.to(torch.bfloat16)): round to nearest,
  * ties to even, subnormals rounded like any other value, every NaN to the quiet NaN 0x7fc0.
@@ -57,9 +54,8 @@ static inline v16f load_bf16(const uint16_t *p) {
     return (v16f)(__builtin_convertvector(h, v16u32) << 16);
 }
 
-/* x in all 16 lanes. GCC lowers `scalar * v16f` (and `(v16f){0} + x`) lane by lane where 16
- * floats are not one register (AVX2: 16 scalar stores and a reload per use, in a hot loop); one
- * broadcast per register here. */
+/* x in all 16 lanes, one broadcast per register: GCC lowers `(v16f){0} + x` lane by lane where 16
+ * floats are not one register (AVX2). */
 static inline v16f splat16(float x) {
 #if defined(__AVX512F__)
     return (v16f)_mm512_set1_ps(x);

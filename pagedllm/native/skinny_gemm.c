@@ -1,10 +1,9 @@
 /* Skinny GEMM: out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), float32, for the few rows of a decode
  * step (M up to about a hundred; N and K the model's projections).
  *
- * Why our own: at a decode step's row counts the weight is read once per step and every weight
- * element feeds only M multiply-adds, so the step is bound by the weight stream and the FMA units
- * together; oneDNN's and MKL's kernels, tuned for large M, leave the memory idle while they compute
- * (benchmarks/skinny_gemm.py measures all three on the model's shapes, weights cold in cache).
+ * Why our own: at a decode step's row counts every weight element feeds only M multiply-adds, so
+ * the step is bound by the weight stream and the FMA units together; kernels tuned for large M
+ * leave the memory idle while they compute.
  *
  * Layout: the weight is packed once (pagedllm/ops/skinny_gemm.py) into panels of SG_NR output
  * columns, each panel K rows of SG_NR contiguous floats (zero-padded past N), so one thread streams
@@ -14,13 +13,9 @@
  * (on AVX-512 builds while they pull the next panel into L2: prefetch, no loads, nothing waits on it).
  *
  * Numerics: every output element is bias + sum over k = 0..K-1, in that order, of x[m, k] * w[n, k],
- * each step one float32 fused multiply-add. The order does not depend on M, on the other rows of the
- * batch or on the thread count: a row's result is the same in any batch (batch-invariant), which the
- * tests check bit for bit.
- *
- * Built by pagedllm/native.py (-O3 -march=native -ffp-contract=fast, OpenMP on torch's libgomp).
- * The code is GCC vector extensions: 16 lanes (one AVX-512 register) where AVX-512F is there, 8 (one
- * AVX2 register) elsewhere, with the tile sized to the register file (32 or 16 registers).
+ * each step one float32 FMA: independent of M, the batch's other rows and the thread count
+ * (batch-invariant). Vectors: 16 lanes with AVX-512F, else 8 (AVX2), the tile sized to the
+ * register file.
  */
 #define _GNU_SOURCE /* syscall() under -std=c11 */
 #include <stddef.h>
@@ -55,8 +50,7 @@
 #define SG_NB 3                /* vectors of output columns per tile */
 #define SG_NR (SG_W * SG_NB)   /* output columns per panel */
 /* Whether the later walks pull the next panel into L2. Off on AVX2 builds: with 16 registers the
- * per-k pull loop costs more issue slots than it saves there (benchmarks/skinny_gemm.py on an
- * AVX2-only AMD EPYC: 10-20% faster without it from 16 rows up, within noise below). */
+ * per-k pull loop costs more issue slots than it saves. */
 #ifndef SG_PULL_NEXT
 #if defined(__AVX512F__)
 #define SG_PULL_NEXT 1
@@ -171,12 +165,9 @@ static inline __attribute__((always_inline)) void sg_tile(const float *x, ptrdif
         if (first) SG_TILE(R, 1); else SG_TILE(R, 0);                                                              \
         break;
 
-/* Panels per grab of the dynamic schedule: about SG_GRABS grabs per thread, so a thread that the
- * OS preempts (the HTTP server, the benchmark client, a neighbour on a shared machine) leaves its
- * remaining panels to the others instead of making the whole team wait for it at the barrier;
- * a grab of consecutive panels keeps one sequential stream for the prefetcher. Which thread
- * computes a panel does not change its numerics (the header comment), so outputs stay bitwise
- * equal to the static split's. */
+/* Panels per grab of the dynamic schedule: about SG_GRABS grabs per thread, so a preempted thread
+ * leaves its remaining panels to the others instead of holding the team at the barrier; a grab of
+ * consecutive panels keeps one sequential stream. Which thread computes a panel changes no bits. */
 #ifndef SG_GRABS
 #define SG_GRABS 8
 #endif
@@ -394,7 +385,7 @@ int skinny_gemm_bf16_amx(const uint16_t *x, ptrdiff_t x_stride, const uint16_t *
 /* ---- bfloat16 on AVX512-BF16 (no AMX) ---------------------------------------------------------
  *
  * out[M, N] (bfloat16) = x[M, K] (bfloat16) @ w[N, K]^T (+ bias[N], float32), for CPUs with
- * AVX512-BF16 and without AMX (AMD Zen 4/5, Intel Cooper Lake). vdpbf16ps multiplies 16 pairs of
+ * AVX512-BF16 and without AMX. vdpbf16ps multiplies 16 pairs of
  * bfloat16 and adds both products to 16 float32 accumulators: one instruction does two k steps of
  * the float32 kernel's FMA on half the weight bytes. K must be even.
  *
