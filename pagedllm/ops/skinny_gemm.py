@@ -35,8 +35,7 @@ _AMX_PANEL, _AMX_K_BLOCK, _AMX_ROW_BLOCK = 32, 32, 16  # skinny_gemm.c's SG_AMX_
 _DP_PANEL = 48  # skinny_gemm.c's SG_DP_NR
 _SOURCE = native.SOURCE_DIR / "skinny_gemm.c"
 _ABI_VERSION = 4
-# The kernels run outside torch's operators: under torch's profiler each call is recorded as a range
-# of this name, so profiles count it as a matmul (benchmarks/step_profile.py, long_context.py).
+# Under torch's profiler each call is a range of this name, so profiles count it as a matmul.
 PROFILER_EVENT = "pagedllm::skinny_gemm"
 _profiling = torch._C._autograd._profiler_enabled
 _p, _i, _ssize = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t
@@ -46,18 +45,11 @@ _GEMM_ARGS = [_p, _ssize, _p, _p, _p, _ssize, _i, _i, _i, _i]
 
 @dataclass(frozen=True)
 class SkinnyWeight:
-    """A linear weight packed for :func:`skinny_linear`.
-
-    Attributes:
-        panels: float32 (ceil(N / W), K, W), W consecutive output columns per panel (W: the float32
-            kernel's panel width, 48 with AVX-512, 24 without); or bfloat16 (ceil(N / 32), K / 32, 2,
-            16, 16, 2), the AMX kernel's tiles; or bfloat16 (ceil(N / 48), K / 2, 48, 2), the
-            AVX512-BF16 kernel's pairs. Contiguous, zero past N.
-        bias: (panels * W,) float32 zero-padded, or None.
-        out_features: N. in_features: K.
-        max_rows: the most rows :class:`~pagedllm.models.layers.linear.Linear` sends it.
-        layout: ``"f32"``, ``"amx"`` or ``"bf16_pairs"``: which kernel reads ``panels``.
-    """
+    """A linear weight (N = out_features, K = in_features) packed for :func:`skinny_linear`, contiguous,
+    zero past N. ``layout`` says which kernel reads ``panels``: ``"f32"`` (ceil(N / W), K, W) with W the
+    kernel's panel width; ``"amx"`` bfloat16 (ceil(N / 32), K / 32, 2, 16, 16, 2) tiles; ``"bf16_pairs"``
+    bfloat16 (ceil(N / 48), K / 2, 48, 2). ``bias``: float32 zero-padded, or None. ``max_rows``: the
+    most rows :class:`~pagedllm.models.layers.linear.Linear` sends it."""
 
     panels: torch.Tensor
     bias: torch.Tensor | None
@@ -68,20 +60,17 @@ class SkinnyWeight:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype of x and of the result."""
         return self.panels.dtype
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (the packed weight is a copy next to the layer's own)."""
         return self.panels.nbytes + (self.bias.nbytes if self.bias is not None else 0)
 
 
 class SkinnyGemmKernel:
-    """The loaded C library: ``gemm_f32``, ``gemm_bf16_amx``, ``gemm_bf16_dp`` and
-    ``gemm_bf16_dp_f32out`` (the latter's sums as float32; ctypes, they release the GIL), the float32 kernel's ``panel_width`` (output columns per packed panel) and
-    ``vector_width`` (float32 lanes of the build), ``amx`` (whether the AMX tile state was granted:
-    the AMX bfloat16 kernel can run) and ``bf16_dp`` (whether the build has the AVX512-BF16 one)."""
+    """The loaded library: the ``gemm_*`` kernels (ctypes; ``gemm_bf16_dp_f32out`` leaves the sums in
+    float32), ``panel_width`` and ``vector_width`` of the float32 kernel, ``amx`` (the tile state was
+    granted) and ``bf16_dp`` (the build has the AVX512-BF16 kernel)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         lib.pagedllm_skinny_gemm_abi_version.restype = _i

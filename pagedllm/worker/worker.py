@@ -1,11 +1,7 @@
-"""One tensor-parallel rank outside the engine process; a worker process (``mp``) or a Ray actor
-(``ray``) wraps a :class:`TensorParallelWorker`.
-
-Every reply is ``("ok", result)`` or ``("error", traceback text)``, so both transports report
-failures alike. After a failed call the rank's process exits: a peer may wait in a collective
-this rank will never reach, and only closing the gloo connections wakes it at once (leaving the
-process group does not).
-"""
+"""One tensor-parallel rank outside the engine process (wrapped by an ``mp`` worker process or a Ray
+actor). Replies are ``("ok", result)`` or ``("error", traceback text)``. After a failed call the
+process exits: a peer may wait in a collective this rank never reaches, and only closing the gloo
+connections wakes it at once (leaving the process group does not)."""
 
 from __future__ import annotations
 
