@@ -164,15 +164,11 @@ static inline v16f exp_nonpos_v16(v16f x) {
     return y * (v16f)bits;
 }
 
-/* hsum(x[j]) for j = 0 .. 15 as the lanes of one vector: a butterfly over the 16 vectors (halves
- * added pairwise, 15 shuffle-add steps instead of 16 separate reductions) doing exactly hsum's
- * additions on the same operands -- lanes i + (i + 8), then + 4, then (0 + 2) + (1 + 3) -- so each
- * lane is bitwise equal to hsum of its vector. */
+/* hsum(x[j]) for j = 0 .. 15 as the lanes of one vector: a butterfly doing exactly hsum's additions
+ * on the same operands, so each lane is bitwise equal to hsum of its vector. */
 static inline v16f hsum16(const v16f *x) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
-    /* AVX2: GCC lowers the 16-lane shuffles below to lane-by-lane moves through the stack. The
-     * same additions on 8-lane halves: s8 = lo + hi, then per pair of vectors one cross-lane
-     * permute + add (s4), two in-lane shuffles + add ((0 + 2), (1 + 3)) and a last one + add. */
+    /* AVX2 (GCC lowers 16-lane shuffles through the stack): the same additions on 8-lane halves. */
     __m256 s8[16];
     for (int j = 0; j < 16; j++) {
         __m256 lo, hi;
@@ -216,11 +212,9 @@ static inline v16f hsum16(const v16f *x) {
 #endif
 }
 
-/* The P V loop's register block: QB query heads x CB chunks of head_dim whose accumulators stay
- * in registers, the token loop run once per block. AVX-512: 24 of the 32 registers, all chunks of
- * as many heads as fit. AVX2 (16 registers, two per 16-float vector): 6 vectors, the heads of a KV
- * group first (each V row loaded once serves them all), then as many chunks as fit (the AVX-512
- * block would spill to the stack there). */
+/* The P V loop's register block: QB query heads x CB chunks of head_dim kept in registers. AVX-512:
+ * 24 of the 32 registers. AVX2 (16 registers, two per vector): 6 vectors, the heads of a KV group
+ * first (each V row loaded once serves them all). */
 #if defined(__AVX512F__)
 #define QB_PV(NUM_CHUNKS, GROUP) ((NUM_CHUNKS) >= 24 ? 1 : 24 / (NUM_CHUNKS))
 #define CB_PV(NUM_CHUNKS, QB) (NUM_CHUNKS)
@@ -233,18 +227,14 @@ static inline v16f hsum16(const v16f *x) {
 /* Floats of a decode thread's dots scratch: 16 vectors of 16 floats per query head. */
 #define DOTS_FLOATS(NUM_HEADS) ((size_t)(NUM_HEADS) * 256)
 
-/* One request: out[h, :] = softmax(scale * q[h] . K^T) V over its first seq_len tokens.
- * head_dim is a multiple of 16. fmt (a KV_* format) is a compile-time constant at every call
- * site, so each format gets its own specialised copy. k_scales/v_scales: int8's per token-and-head
- * scales (NULL otherwise); k_scale/v_scale: the per-tensor scales (1 unless fp8 has others).
+/* One request: out[h, :] = softmax(scale * q[h] . K^T) V over its first seq_len tokens. fmt (KV_*)
+ * is a compile-time constant at every call site. k_scales/v_scales: int8's per token-and-head
+ * scales (NULL otherwise); k_scale/v_scale: the per-tensor scales.
  *
- * Per tile of TILE tokens: each K row (all KV heads of a token) is loaded (and widened) once for
- * the query heads that share it, and the 16-lane products of 16 tokens are reduced together
- * (hsum16, into dots: 16 vectors per head of scratch); then per KV head each V row is loaded once
- * and multiplied into the accumulators of a register block of its query heads (QB_PV). The scores
- * are kept head-major (tokens in lanes), so the online softmax's max and exp run on 16 tokens per
- * vector; its denominator is summed token after token. Every sum is taken in the same order as a
- * plain per-head loop with hsum. */
+ * Per tile: each K row is loaded (and widened) once for the query heads that share it, 16 tokens'
+ * products reduced together (hsum16); then each V row once into a register block of its query
+ * heads (QB_PV). Scores are head-major (tokens in lanes), so max and exp run on 16 tokens per
+ * vector. Every sum is taken in the order of a plain per-head loop with hsum. */
 static inline __attribute__((always_inline)) void decode_one(
     const float *restrict q, const void *k_cache, const void *v_cache, const float *k_scales,
     const float *v_scales, const int32_t *restrict block_table, int seq_len, float *restrict out,
@@ -277,9 +267,7 @@ static inline __attribute__((always_inline)) void decode_one(
             offsets[i] = (long long)block_table[t / block_size] * kv_block_stride
                          + (long long)(t % block_size) * kv_token_stride;
         }
-        /* Scores, token after token (a token's row holds all its KV heads, so the reads run along
-         * memory); each K row is loaded (and widened) once for the query heads that share it, their
-         * products kept (dots) until 16 tokens are reduced together by hsum16. */
+        /* Scores, token after token (a row holds all KV heads: reads run along memory). */
         for (int j0 = 0; j0 < n; j0 += 16) {
             const int nj = n - j0 < 16 ? n - j0 : 16;
             for (int j = 0; j < 16; j++) {
@@ -394,9 +382,8 @@ struct decode_args {
     float scale, k_scale, v_scale, soft_cap;
 };
 
-/* Request r of a decode call, with its thread's scratch (DOTS_FLOATS(num_heads) floats, 64-byte
- * aligned, plus 2 rows of num_heads * head_dim with io_bf16). With io_bf16, q and out are bfloat16
- * (widened into / rounded from the scratch), else float32 (out is the accumulator). */
+/* Request r of a decode call with its thread's scratch (DOTS_FLOATS(num_heads) floats, plus 2 rows
+ * of num_heads * head_dim with io_bf16: q widened into it, out rounded from it). */
 static inline __attribute__((always_inline)) void decode_request(const struct decode_args *a, int r, float *scratch,
                                                                  const int fmt) {
     const size_t row_elems = (size_t)a->num_heads * a->head_dim, row = (size_t)r * row_elems;
@@ -409,8 +396,7 @@ static inline __attribute__((always_inline)) void decode_request(const struct de
         q = qf;
     }
     const int32_t *table = a->block_tables + (long long)r * a->block_table_stride;
-    /* Request r + 1 (this thread's next one when it runs alone): its first K rows are prefetched
-     * during r's last tile, so no request starts on cold misses. */
+    /* Request r + 1's first K rows are prefetched during r's last tile: no cold start. */
     const int32_t *next_table = table + a->block_table_stride;
     int next_first = 0, next_len = 0;
     if (r + 1 < a->req_end) {
@@ -443,10 +429,8 @@ static void decode_request_e4m3(const struct decode_args *a, int r, float *s) { 
 static void decode_request_e5m2(const struct decode_args *a, int r, float *s) { decode_request(a, r, s, KV_FP8_E5M2); }
 static void decode_request_int8(const struct decode_args *a, int r, float *s) { decode_request(a, r, s, KV_INT8); }
 
-/* Requests [req_begin, req_end) over an OpenMP team of num_threads (torch's own threads, see
- * pagedllm.native), one request per iteration of a dynamic schedule: each request is computed by
- * one thread in one order, so the result does not depend on the team size. Returns 0, or -1 when a
- * thread's scratch allocation failed (its requests are not written). */
+/* Requests [req_begin, req_end) over an OpenMP team, one request per iteration of a dynamic schedule.
+ * Returns 0, or -1 when a thread's scratch allocation failed (its requests are not written). */
 static int decode_requests(const struct decode_args *a, int req_begin, int req_end, int num_threads,
                            decode_request_fn fn) {
     const size_t floats = DOTS_FLOATS(a->num_heads) + (a->io_bf16 ? 2 * (size_t)a->num_heads * a->head_dim : 0);
@@ -510,11 +494,9 @@ static void write_kv(const void *key, const void *value, long long key_stride, l
                                   v_scale, soft_cap};                                                       \
     return decode_requests(&a, req_begin, req_end, num_threads, FN);
 
-/* Decode attention of requests [req_begin, req_end), one function per KV format; q and out are
- * float32 or (io_bf16) bfloat16 whatever the cache stores. k_scales/v_scales are read by the int8
- * one only, k_scale and v_scale by every one (pass 1 for an unscaled cache). With key != NULL
- * (float32 and bfloat16 caches only) the step's num_tokens new K/V rows are first written to their
- * slots (see write_kv; key/value in the dtype of q), so one call per layer does the whole decode. */
+/* Decode attention of requests [req_begin, req_end), one function per KV format; q and out float32
+ * or (io_bf16) bfloat16. k_scale/v_scale: 1 for an unscaled cache. With key != NULL (float32 and
+ * bfloat16 caches) the step's new K/V rows are first written (write_kv): one call per layer. */
 int paged_decode_f32(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_f32, KV_F32) }
 int paged_decode_bf16(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_bf16, KV_BF16) }
 int paged_decode_fp8_e4m3(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_e4m3, KV_FP8_E4M3) }
@@ -648,8 +630,7 @@ static void pf_scores_tile(const float *const *k, const float *qt, float *s, int
 }
 
 /* O^T[d0 + i][c ..] = alpha[c ..] O^T[d0 + i][c ..] + sum_j v_j[d0 + i] P^T[j][c ..] for PF_RD dims
- * x NV row vectors (pt: [keys][ld], ot: [head_dim][ld]; the same broadcast-times-row-vector form
- * as the S micro-kernel, so P^T is read as contiguous vectors). */
+ * x NV row vectors (pt: [keys][ld], ot: [head_dim][ld]). */
 static inline __attribute__((always_inline)) void pf_accumulate(const float *restrict pt, const float *const *restrict v,
                                                                 float *restrict ot, const float *restrict alpha, int ld,
                                                                 int d0, int n, int nv) {
@@ -814,8 +795,7 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
                 v_rows[j] = (const float *)v_cache + off;
             }
         }
-        /* Ask for the next tile's K/V rows now: its blocks are scattered, so the hardware prefetcher
-         * misses them (the same reason as in decode_one). */
+        /* the next tile's K/V rows (scattered blocks: the hardware prefetcher misses them) */
         const int k1 = k0 + PF_BK, n1 = num_keys - k1 < PF_BK ? num_keys - k1 : PF_BK;
         for (int j = 0; j < n1; j++) {
             const int t = k1 + j;
@@ -847,9 +827,8 @@ static void prefill_item_f32(const struct prefill_args *a, int i, float *s, int3
 static void prefill_item_bf16_64(const struct prefill_args *a, int i, float *s, int32_t *p) { prefill_item(a, i, s, p, 64, 1); }
 static void prefill_item_bf16(const struct prefill_args *a, int i, float *s, int32_t *p) { prefill_item(a, i, s, p, a->head_dim, 1); }
 
-/* Items [item_begin, item_end) over an OpenMP team of num_threads, one item per iteration of a
- * dynamic schedule, the costliest (last) items first; each item is computed by one thread, so the
- * result does not depend on the team size. Returns 0, or -1 when a thread's scratch allocation failed. */
+/* Items [item_begin, item_end) over an OpenMP team, one per iteration of a dynamic schedule, the
+ * costliest (last) first. Returns 0, or -1 when a thread's scratch allocation failed. */
 static int prefill_items(const struct prefill_args *a, int item_begin, int item_end, int num_threads, int is_bf16,
                          prefill_item_fn fn) {
     const int group = a->num_heads / a->num_kv_heads;
