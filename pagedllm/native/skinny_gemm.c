@@ -159,10 +159,12 @@ static inline __attribute__((always_inline)) void sg_tile(const float *x, ptrdif
     }
 }
 
-#define SG_TILE(R, PF) sg_tile(xr, x_stride, panel, K, b, o, out_stride, R, cols, PF, next, next_end, next_lines)
+#define SG_TILE(R, PF) \
+    sg_tile(x + (ptrdiff_t)m0 * x_stride, x_stride, panel, K, pp.bias, o, out_stride, R, pp.cols, PF, next, \
+            pp.next_end, walk.next_lines)
 #define SG_ROWS_CASE(R)                                                                                            \
     case R:                                                                                                        \
-        if (first) SG_TILE(R, 1); else SG_TILE(R, 0);                                                              \
+        if (m0 == 0) SG_TILE(R, 1); else SG_TILE(R, 0); /* the first walk reads from memory: it prefetches */      \
         break;
 
 /* Panels per grab of the dynamic schedule: about SG_GRABS grabs per thread, so a preempted thread
@@ -195,12 +197,22 @@ static inline __attribute__((always_inline)) struct sg_walk sg_walk(int M, int N
     return w;
 }
 
-/* Panel p + 1's first byte (NULL after the last panel); *end: its last prefetched line's end. */
-static inline __attribute__((always_inline)) const char *sg_next_panel(const void *packed, struct sg_walk w, int p,
-                                                                       const char **end) {
-    const char *next = p + 1 < w.panels ? (const char *)packed + (ptrdiff_t)(p + 1) * w.panel_bytes : NULL;
-    *end = next ? next + w.panel_lines * 64 : NULL;
-    return next;
+/* Panel p's bias (NULL without), its columns (the last panel may be partial) and the next panel's
+ * bytes [next, next_end) to prefetch (NULL after the last panel). */
+struct sg_panel {
+    const float *bias;
+    int cols;
+    const char *next, *next_end;
+};
+
+static inline __attribute__((always_inline)) struct sg_panel sg_panel(const void *packed, const float *bias,
+                                                                      struct sg_walk w, int N, int nr, int p) {
+    struct sg_panel pp;
+    pp.bias = bias ? bias + (ptrdiff_t)p * nr : NULL;
+    pp.cols = N - p * nr < nr ? N - p * nr : nr;
+    pp.next = p + 1 < w.panels ? (const char *)packed + (ptrdiff_t)(p + 1) * w.panel_bytes : NULL;
+    pp.next_end = pp.next ? pp.next + w.panel_lines * 64 : NULL;
+    return pp;
 }
 
 /* out[m, n] = bias[n] + sum_k x[m, k] * w[n, k] for m < M, n < N.
@@ -213,32 +225,18 @@ void skinny_gemm_f32(const float *x, ptrdiff_t x_stride, const float *packed, co
                      ptrdiff_t out_stride, int M, int N, int K, int num_threads) {
     const struct sg_walk walk = sg_walk(M, N, SG_NR, SG_MR, (ptrdiff_t)K * SG_NR * (ptrdiff_t)sizeof(float), K,
                                         num_threads);
-    const int next_lines = walk.next_lines;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, walk.chunk) if (num_threads > 1)
     for (int p = 0; p < walk.panels; p++) {
         const float *panel = packed + (ptrdiff_t)p * K * SG_NR;
-        const float *b = bias ? bias + (ptrdiff_t)p * SG_NR : NULL;
-        const int cols = N - p * SG_NR < SG_NR ? N - p * SG_NR : SG_NR;
-        const char *next_end;
-        const char *next_panel = sg_next_panel(packed, walk, p, &next_end);
+        const struct sg_panel pp = sg_panel(packed, bias, walk, N, SG_NR, p);
         for (int m0 = 0; m0 < M; m0 += SG_MR) {
-            const float *xr = x + (ptrdiff_t)m0 * x_stride;
             float *o = out + (ptrdiff_t)m0 * out_stride + (ptrdiff_t)p * SG_NR;
-            const int first = m0 == 0; /* the walk that reads the panel from memory prefetches */
-            const char *next = sg_next_start(next_panel, m0 / SG_MR, K, next_lines);
+            const char *next = sg_next_start(pp.next, m0 / SG_MR, K, walk.next_lines);
             switch (M - m0 < SG_MR ? M - m0 : SG_MR) {
 #if SG_MR == 8
-                SG_ROWS_CASE(8)
-                SG_ROWS_CASE(7)
-                SG_ROWS_CASE(6)
-                SG_ROWS_CASE(5)
+                SG_ROWS_CASE(8) SG_ROWS_CASE(7) SG_ROWS_CASE(6) SG_ROWS_CASE(5)
 #endif
-                SG_ROWS_CASE(4)
-                SG_ROWS_CASE(3)
-                SG_ROWS_CASE(2)
-                default:
-                    if (first) SG_TILE(1, 1); else SG_TILE(1, 0);
-                    break;
+                SG_ROWS_CASE(4) SG_ROWS_CASE(3) SG_ROWS_CASE(2) SG_ROWS_CASE(1)
             }
         }
     }
@@ -453,10 +451,11 @@ static inline __attribute__((always_inline)) void sg_dp_tile(const uint16_t *x, 
 }
 
 #define SG_DP_TILE(R, PF) \
-    sg_dp_tile(xr, x_stride, panel, K / 2, b, o, out_stride, R, cols, PF, next, next_end, next_lines, out_f32)
+    sg_dp_tile(x + (ptrdiff_t)m0 * x_stride, x_stride, panel, K / 2, pp.bias, o, out_stride, R, pp.cols, PF, next, \
+               pp.next_end, walk.next_lines, out_f32)
 #define SG_DP_ROWS_CASE(R)                                                                                         \
     case R:                                                                                                        \
-        if (first) SG_DP_TILE(R, 1); else SG_DP_TILE(R, 0);                                                        \
+        if (m0 == 0) SG_DP_TILE(R, 1); else SG_DP_TILE(R, 0);                                                      \
         break;
 #endif
 
@@ -474,30 +473,16 @@ static inline __attribute__((always_inline)) void sg_dp_gemm(const uint16_t *x, 
     const size_t out_elem = out_f32 ? sizeof(float) : sizeof(uint16_t);
     const struct sg_walk walk = sg_walk(M, N, SG_DP_NR, SG_DP_MR,
                                         (ptrdiff_t)K * SG_DP_NR * (ptrdiff_t)sizeof(uint16_t), K2, num_threads);
-    const int next_lines = walk.next_lines;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, walk.chunk) if (num_threads > 1)
     for (int p = 0; p < walk.panels; p++) {
         const uint16_t *panel = packed + (ptrdiff_t)p * K * SG_DP_NR;
-        const float *b = bias ? bias + (ptrdiff_t)p * SG_DP_NR : NULL;
-        const int cols = N - p * SG_DP_NR < SG_DP_NR ? N - p * SG_DP_NR : SG_DP_NR;
-        const char *next_end;
-        const char *next_panel = sg_next_panel(packed, walk, p, &next_end);
+        const struct sg_panel pp = sg_panel(packed, bias, walk, N, SG_DP_NR, p);
         for (int m0 = 0; m0 < M; m0 += SG_DP_MR) {
-            const uint16_t *xr = x + (ptrdiff_t)m0 * x_stride;
             void *o = (char *)out + ((ptrdiff_t)m0 * out_stride + (ptrdiff_t)p * SG_DP_NR) * (ptrdiff_t)out_elem;
-            const int first = m0 == 0;
-            const char *next = sg_next_start(next_panel, m0 / SG_DP_MR, K2, next_lines);
+            const char *next = sg_next_start(pp.next, m0 / SG_DP_MR, K2, walk.next_lines);
             switch (M - m0 < SG_DP_MR ? M - m0 : SG_DP_MR) {
-                SG_DP_ROWS_CASE(8)
-                SG_DP_ROWS_CASE(7)
-                SG_DP_ROWS_CASE(6)
-                SG_DP_ROWS_CASE(5)
-                SG_DP_ROWS_CASE(4)
-                SG_DP_ROWS_CASE(3)
-                SG_DP_ROWS_CASE(2)
-                default:
-                    if (first) SG_DP_TILE(1, 1); else SG_DP_TILE(1, 0);
-                    break;
+                SG_DP_ROWS_CASE(8) SG_DP_ROWS_CASE(7) SG_DP_ROWS_CASE(6) SG_DP_ROWS_CASE(5)
+                SG_DP_ROWS_CASE(4) SG_DP_ROWS_CASE(3) SG_DP_ROWS_CASE(2) SG_DP_ROWS_CASE(1)
             }
         }
     }
