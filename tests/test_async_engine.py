@@ -21,9 +21,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import (
     AsyncLLMEngine, EngineDeadError, EngineInput, EngineOverloadedError, EngineUnhealthyError,
     merge_request_output)
-from pagedllm.engine.errors import ContextLengthError
 from pagedllm.engine.front_end import FrontEnd
 from pagedllm.engine.input_processor import InputProcessor
+from pagedllm.errors import ContextLengthError
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams

@@ -1,4 +1,4 @@
-"""The fused CPU decode and prefill kernels (``pagedllm/attention/cpu_paged.c``) against plain attention.
+"""The fused CPU decode and prefill kernels (``pagedllm/native/cpu_paged.c``) against plain attention.
 
 Each case puts every request's context K/V into a paged cache with shuffled block tables
 (all other slots hold large garbage, so a read through a wrong slot shows), runs one step

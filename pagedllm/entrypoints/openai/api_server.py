@@ -344,7 +344,7 @@ def build_app_from_args(args: argparse.Namespace) -> FastAPI:
     from pagedllm.entrypoints.args import engine_config_from_args
     from pagedllm.metrics import EngineMetrics
 
-    from pagedllm.worker.model_runner import resolve_device
+    from pagedllm.utils import resolve_device
 
     config = engine_config_from_args(args, model=resolve_model_arg(args))
     config = config.with_serving_defaults(resolve_device(config.device).type)

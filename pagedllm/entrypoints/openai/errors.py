@@ -12,7 +12,7 @@ from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
-from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError, EngineUnhealthyError
+from pagedllm.errors import EngineDeadError, EngineOverloadedError, EngineUnhealthyError
 
 _ERROR_TYPES = {
     400: "invalid_request_error",

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineInput
 from pagedllm.engine.detokenizer import token_bytes, token_text
-from pagedllm.engine.errors import ContextLengthError
+from pagedllm.errors import ContextLengthError
 from pagedllm.engine.request_stream import RequestStream, merge_streams
 from pagedllm.entrypoints.openai.errors import APIError, to_api_error
 from pagedllm.outputs import RequestOutput
