@@ -43,14 +43,17 @@ def json_or_sse(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
 
 
 def finish_document(doc: dict[str, Any], limits: dict[str, int], vocab_size: int,
-                    max_model_len: int | None = None) -> dict[str, Any]:
-    """Drop FastAPI's 422 (validation errors are 400 here), state ``limits`` (field name →
+                    max_model_len: int | None = None, has_api_key: bool = True) -> dict[str, Any]:
+    """Drop FastAPI's 422 (validation errors are 400 here) and, without ``has_api_key``, the 401s; state
+    ``limits`` (field name →
     maximum, from server options) on every request schema that has such a field,
     ``vocab_size - 1`` as the maximum of every token id, and the server's ``vocab_size`` and
     ``max_model_len`` where field descriptions name them (``{vocab_size}``, ``{max_model_len}``)."""
     for path in doc.get("paths", {}).values():
         for op in path.values():
             op.get("responses", {}).pop("422", None)
+            if not has_api_key:
+                op.get("responses", {}).pop("401", None)
     schemas = doc.get("components", {}).get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
