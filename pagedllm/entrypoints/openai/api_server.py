@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP server: ``pagedllm serve [MODEL] --host --port --api-key ...``.
 
-Endpoints: ``POST /v1/completions``, ``/v1/chat/completions``, ``GET /v1/models[/{model}]``, ``/health``, ``/version``, ``POST /tokenize``, ``/detokenize``, ``GET /metrics``,
+Endpoints: ``POST /v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (with ``GET``/``DELETE
+/v1/responses/{id}`` and ``POST .../cancel``), Anthropic's ``POST /v1/messages`` and ``/v1/messages/count_tokens``,
+``GET /v1/models[/{model}]``, ``/health``, ``/version``, ``POST /tokenize``, ``/detokenize``, ``GET /metrics``,
 ``GET /kv`` and ``/kv/state`` (off with ``--disable-kv-map``), ``GET /openapi.json``. The routes are functions on
 :data:`router` reading ``request.app.state``; :func:`build_app` assembles. The error contract, limits and shutdown
-are in ``docs/architecture.md`` ("The HTTP server").
+are in ``docs/architecture.md`` ("The HTTP server"), the Responses and Messages APIs in ``docs/api.md``.
 """
 
 from __future__ import annotations
@@ -32,11 +34,17 @@ from pagedllm.entrypoints.openai.kv_map import KV_PAGE_PATH, add_kv_map_routes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
     DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionResponse)
+from pagedllm.entrypoints.openai.protocol_messages import (
+    AnthropicErrorResponse, CountTokensRequest, CountTokensResponse, MessagesRequest, MessagesResponse)
+from pagedllm.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from pagedllm.entrypoints.openai.openapi import errors, finish_document, json_or_sse
 from pagedllm.entrypoints.openai.lifecycle import DrainingServer, InFlight, InFlightMiddleware
+from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_COUNT, ResponseStore
 from pagedllm.entrypoints.openai.serving_base import ClientDisconnected, json_response, until_disconnected
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_messages import ServingMessages
+from pagedllm.entrypoints.openai.serving_responses import ServingResponses
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from pagedllm.metrics import CONTENT_TYPE_LATEST
 
@@ -50,6 +58,7 @@ DEFAULT_MAX_PROMPTS = 1024
 DEFAULT_SWITCH_INTERVAL_MS = 1.0
 _REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
 _API_ERRORS = (400, 401, 404)  # finish_document drops the 401 when the server has no key
+_ANTHROPIC_ERRORS = errors(*_API_ERRORS, 500, model=AnthropicErrorResponse)
 
 
 class APIKeyMiddleware:
@@ -132,6 +141,36 @@ async def create_completion(body: CompletionRequest, raw_request: Request) -> Re
 @router.post("/v1/chat/completions", responses={**json_or_sse(ChatCompletionResponse), **errors(*_API_ERRORS, 500)})
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
     return await run_handler(raw_request.app.state.chat.create_chat_completion(body), raw_request)
+
+
+@router.post("/v1/responses", responses={**json_or_sse(ResponseObject), **errors(*_API_ERRORS, 500)})
+async def create_response(body: ResponsesRequest, raw_request: Request) -> Response:
+    return await run_handler(raw_request.app.state.responses.create(body), raw_request)
+
+
+@router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=errors(*_API_ERRORS))
+async def retrieve_response(response_id: str, raw_request: Request) -> Response:
+    return json_response(raw_request.app.state.responses.retrieve(response_id))
+
+
+@router.delete("/v1/responses/{response_id}", responses={200: {"description": "deleted"}, **errors(*_API_ERRORS)})
+async def delete_response(response_id: str, raw_request: Request) -> Response:
+    return JSONResponse(raw_request.app.state.responses.delete(response_id))
+
+
+@router.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject, responses=errors(*_API_ERRORS))
+async def cancel_response(response_id: str, raw_request: Request) -> Response:
+    return json_response(await raw_request.app.state.responses.cancel(response_id))
+
+
+@router.post("/v1/messages", responses={**json_or_sse(MessagesResponse), **_ANTHROPIC_ERRORS})
+async def create_message(body: MessagesRequest, raw_request: Request) -> Response:
+    return await run_handler(raw_request.app.state.messages.create(body), raw_request)
+
+
+@router.post("/v1/messages/count_tokens", response_model=CountTokensResponse, responses=_ANTHROPIC_ERRORS)
+async def count_message_tokens(body: CountTokensRequest, raw_request: Request) -> Response:
+    return await run_handler(raw_request.app.state.messages.count_tokens(body), raw_request)
 
 
 def _model_card(request: Request, name: str) -> ModelCard:
@@ -232,13 +271,15 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None, *, api_key: str | None = None,
               chat_template: str | None = None, max_n: int = 16, enable_kv_map: bool = True,
-              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS, tool_call_parser: str | None = None) -> FastAPI:
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS, tool_call_parser: str | None = None,
+              response_store: ResponseStore | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (started in the app's lifespan, stopped at its end).
 
     ``served_model_names``: names accepted as ``model`` (default the engine's); ``api_key``: required as
     ``Authorization: Bearer`` or ``x-api-key``; ``chat_template``: overrides the model's; ``max_n``: largest ``n``;
     ``max_prompts_per_request``: most prompts of one completions request; ``tool_call_parser``: for
-    ``tool_choice: "auto"`` (default: the one the chat template teaches). Raises ValueError for an unknown parser.
+    ``tool_choice: "auto"`` (default: the one the chat template teaches); ``response_store``: where ``/v1/responses``
+    keeps stored responses (default :class:`ResponseStore`'s limits). Raises ValueError for an unknown parser.
     """
     if tool_call_parser is not None:
         get_tool_parser(tool_call_parser)
@@ -249,6 +290,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     state.completions = OpenAIServingCompletion(engine, names, max_n=max_n, max_prompts=max_prompts_per_request)
     state.chat = OpenAIServingChat(engine, names, max_n=max_n, chat_template=chat_template,
                                    tool_call_parser=tool_call_parser)
+    state.responses = ServingResponses(state.chat, ResponseStore() if response_store is None else response_store)
+    state.messages = ServingMessages(state.chat)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(InFlightMiddleware, state=state.in_flight)  # outermost: 503 while draining
@@ -305,6 +348,12 @@ def add_server_args(parser: argparse.ArgumentParser, include_engine_args: bool =
                        help="seconds between engine status log lines, 0 = off (default: 10)")
     group.add_argument("--disable-kv-map", action="store_true",
                        help="do not serve the live KV-cache map (GET /kv, GET /kv/state)")
+    group.add_argument("--response-store-max-count", type=int, default=DEFAULT_MAX_COUNT,
+                       help=f"most /v1/responses kept for previous_response_id and GET (default: {DEFAULT_MAX_COUNT})")
+    group.add_argument("--response-store-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                       help=f"most bytes of JSON the response store keeps (default: {DEFAULT_MAX_BYTES})")
+    group.add_argument("--disable-response-store", action="store_true",
+                       help="keep no /v1/responses (store: true is then a no-op and previous_response_id a 400)")
     if include_engine_args and not any(a.dest == "block_size" for a in parser._actions):
         add_engine_args(parser)
     return parser
@@ -326,6 +375,7 @@ def build_app_from_args(args: argparse.Namespace) -> FastAPI:
 
     from pagedllm.worker.model_runner import resolve_device
 
+    store = response_store_from_args(args)  # bad flags fail before the model loads
     config = engine_config_from_args(args, model=resolve_model_arg(args))
     config = config.with_serving_defaults(resolve_device(config.device).type)
     chat_template = None  # read before the model loads: a wrong path fails at once, by name
@@ -347,7 +397,19 @@ def build_app_from_args(args: argparse.Namespace) -> FastAPI:
     return build_app(async_engine, names, api_key=resolve_api_key(args), chat_template=chat_template,
                      max_n=args.max_n, enable_kv_map=not args.disable_kv_map,
                      max_prompts_per_request=args.max_prompts_per_request,
-                     tool_call_parser=getattr(args, "tool_call_parser", None))
+                     tool_call_parser=getattr(args, "tool_call_parser", None), response_store=store)
+
+
+def response_store_from_args(args: argparse.Namespace) -> ResponseStore:
+    """The ``/v1/responses`` store the ``--response-store-*`` flags ask for (raises ValueError naming one)."""
+    if getattr(args, "disable_response_store", False):
+        return ResponseStore(0, 0)
+    count = getattr(args, "response_store_max_count", DEFAULT_MAX_COUNT)
+    num_bytes = getattr(args, "response_store_max_bytes", DEFAULT_MAX_BYTES)
+    if count < 1 or num_bytes < 1:
+        raise ValueError(f"--response-store-max-count and --response-store-max-bytes must be >= 1 "
+                         f"(--disable-response-store turns the store off), got {count} and {num_bytes}")
+    return ResponseStore(count, num_bytes)
 
 
 def set_switch_interval(interval_ms: float) -> None:

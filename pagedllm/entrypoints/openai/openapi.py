@@ -12,7 +12,7 @@ from pagedllm.entrypoints.openai.errors import RETRY_AFTER_S
 from pagedllm.entrypoints.openai.protocol import TOKEN_ID_MARK, ErrorResponse
 
 _ERROR_TEXT = {400: "Invalid request (the field is in error.param)", 401: "Missing or wrong API key",
-               404: "Unknown model", 500: "The request failed inside the engine",
+               404: "Unknown model (or response id)", 500: "The request failed inside the engine",
                503: "Overloaded, shutting down, or the engine is down"}
 # Before OpenAPI 3.2 (`itemSchema`), an event stream's `schema` describes one event.
 _SSE = {"text/event-stream": {"schema": {
@@ -22,11 +22,12 @@ _SSE = {"text/event-stream": {"schema": {
                    "retry": {"type": "integer"}}}}}
 
 
-def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """``responses=`` entries for OpenAI error bodies (503 with Retry-After, 401 with WWW-Authenticate)."""
+def errors(*statuses: int, model: type[BaseModel] = ErrorResponse) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` entries for error bodies (OpenAI's unless ``model`` says otherwise; 503 with Retry-After,
+    401 with WWW-Authenticate)."""
     out: dict[int | str, dict[str, Any]] = {}
     for status in (*statuses, 503):
-        entry: dict[str, Any] = {"model": ErrorResponse, "description": _ERROR_TEXT[status]}
+        entry: dict[str, Any] = {"model": model, "description": _ERROR_TEXT[status]}
         if status == 503:
             entry["headers"] = {"Retry-After": {"description": f"seconds ({RETRY_AFTER_S})",
                                                 "schema": {"type": "integer"}}}

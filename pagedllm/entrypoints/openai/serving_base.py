@@ -153,28 +153,42 @@ def raise_if_failed(out: Any) -> None:
         raise APIError(500, f"the request failed inside the engine: {out.error}")
 
 
-async def guarded_sse(events: Any, streams: list) -> Any:
-    """Yield the SSE ``events``; a failure after the headers went out is reported in-band,
-    every engine stream is aborted on any exit (client gone included), and the stream
-    always ends with ``data: [DONE]``."""
+async def guarded_sse(events: Any, streams: list, error_events: Any = None, done: str | None = None) -> Any:
+    """Yield the SSE ``events``; a failure after the headers went out is reported in-band
+    (``error_events(exc)``: the events that say so, default OpenAI's error event), every engine
+    stream is aborted on any exit (client gone included), and the stream ends with ``done``
+    (default ``data: [DONE]``; "" for none)."""
     try:
         async for event in events:
             yield event
     except Exception as e:  # noqa: BLE001 - reported in-band: the headers are gone
-        yield stream_error_event(e)
+        for event in (error_events or _error_events)(e):
+            yield event
     finally:
         for s in streams:
             s.abort()
-    yield SSE_DONE
+    end = SSE_DONE if done is None else done
+    if end:
+        yield end
+
+
+def _error_events(exc: BaseException) -> list[str]:
+    return [stream_error_event(exc)]
+
+
+def log_stream_error(exc: BaseException) -> APIError:
+    """The APIError of a failure after a stream started, logged by its severity."""
+    err = to_api_error(exc)
+    if err.status == 500:
+        logger.error("stream failed: %s", exc, exc_info=exc)
+    elif err.status > 500:
+        logger.warning("stream ended: %s", err.message)
+    return err
 
 
 def stream_error_event(exc: BaseException) -> str:
     """The SSE error event for a failure after the stream started."""
     from pagedllm.entrypoints.openai.errors import sse_error
 
-    err = to_api_error(exc)
-    if err.status == 500:
-        logger.error("stream failed: %s", exc, exc_info=exc)
-    elif err.status > 500:
-        logger.warning("stream ended: %s", err.message)
+    err = log_stream_error(exc)
     return sse_error(err.status, err.message, err.param)
