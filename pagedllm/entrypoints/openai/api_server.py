@@ -62,13 +62,8 @@ _ANTHROPIC_ERRORS = errors(*_API_ERRORS, 500, model=AnthropicErrorResponse)
 
 
 class APIKeyMiddleware:
-    """Pure-ASGI check of ``Authorization: Bearer <key>`` or Anthropic's ``x-api-key: <key>``
-    (streaming-safe, unlike BaseHTTPMiddleware).
-
-    Runs before the body is read, so a wrong key gets 401 whatever the body holds. The
-    scheme name is case-insensitive (RFC 9110 section 11.1); the key is compared in
-    constant time.
-    """
+    """Pure-ASGI check (streaming-safe) of ``Authorization: Bearer <key>`` or Anthropic's ``x-api-key``, before
+    the body is read; the scheme is case-insensitive (RFC 9110 11.1), the key compared in constant time."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
@@ -307,15 +302,9 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
 
 # ---------------------------------------------------------------------------- command line
 def add_server_args(parser: argparse.ArgumentParser, include_engine_args: bool = True) -> argparse.ArgumentParser:
-    """Add the ``serve`` flags to ``parser`` and return it.
-
-    Adds MODEL (positional, optional; skipped when the parser already has a ``model``
-    destination), --host, --port, --api-key, --served-model-name, --chat-template, --tool-call-parser,
-    --max-n, --disable-log-requests, --stats-log-interval; with ``include_engine_args``
-    also one flag per EngineConfig field (``pagedllm.entrypoints.args.add_engine_args``,
-    skipped when the parser already has them). ``--log-level`` is left to the caller
-    (``pagedllm --log-level``); :func:`run_server` reads ``args.log_level`` if present.
-    """
+    """Add the ``serve`` flags to ``parser`` (MODEL unless it has a ``model`` destination; with
+    ``include_engine_args`` one flag per EngineConfig field unless present) and return it. ``--log-level`` is the
+    caller's."""
     from pagedllm.entrypoints.args import add_engine_args
 
     if not any(a.dest == "model" for a in parser._actions):
@@ -413,13 +402,9 @@ def response_store_from_args(args: argparse.Namespace) -> ResponseStore:
 
 
 def set_switch_interval(interval_ms: float) -> None:
-    """Set the interpreter's thread switch interval (``sys.setswitchinterval``, in ms here).
-
-    The engine thread's Python work (scheduling, input preparation, detokenization) keeps
-    the GIL up to this long each time the event loop asks for it; a shorter interval lets
-    the loop answer ``/health`` and write stream chunks sooner, at the price of more
-    switches. Raises ValueError naming ``--switch-interval-ms`` unless 0 < interval_ms <= 1000.
-    """
+    """``sys.setswitchinterval`` in ms: how long the engine thread keeps the GIL when the event loop asks (shorter:
+    ``/health`` and stream chunks sooner, more switches). Raises ValueError naming ``--switch-interval-ms`` unless
+    0 < interval_ms <= 1000."""
     if not 0 < interval_ms <= 1000:
         raise ValueError(f"--switch-interval-ms must be in (0, 1000], got {interval_ms!r}")
     sys.setswitchinterval(interval_ms / 1000.0)
@@ -457,14 +442,9 @@ def run_server(args: argparse.Namespace) -> None:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (port 0: a free one), for the server to listen on.
-
-    Bound before the model loads, so a port in use fails in a second rather than after minutes
-    of loading, and held until the server listens on this very socket (no other process can
-    take the port meanwhile; not listening yet, so clients are refused rather than left
-    waiting during the load). SO_REUSEADDR as uvicorn sets it: a port in TIME_WAIT is free.
-    Raises ValueError naming ``--host`` (unknown address) or ``--port`` (in use, no permission).
-    """
+    """A TCP socket bound to ``host:port`` (0: a free one) before the model loads, so a port in use fails at once,
+    and held (not listening: clients are refused during the load) until the server listens on it. SO_REUSEADDR as
+    uvicorn. Raises ValueError naming ``--host`` (unknown address) or ``--port`` (in use, no permission)."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]

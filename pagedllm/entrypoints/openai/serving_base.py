@@ -30,13 +30,8 @@ class ClientDisconnected(Exception):
 
 
 class OpenAIServing:
-    """Base of the endpoint handlers.
-
-    Args:
-        engine: the running AsyncLLMEngine.
-        served_model_names: names clients may pass as ``model`` (the first is reported).
-        max_n: largest ``n`` a request may ask for (requests beyond it get a 400).
-    """
+    """Base of the endpoint handlers: ``served_model_names`` are accepted as ``model`` (the first is reported),
+    ``n`` beyond ``max_n`` is a 400."""
 
     # The request field holding the prompt, which a context-length 400 names (as OpenAI does).
     prompt_field = "prompt"
@@ -89,9 +84,8 @@ class OpenAIServing:
 
     async def add_requests(self, label: str, prompts: list[EngineInput], params: SamplingParams,
                            priority: int = 0) -> list[RequestStream]:
-        """Add one engine request per prompt, all admitted together (or none). A prompt that
-        leaves no room for the output in ``max_model_len`` is an APIError(400) naming
-        ``prompt_field``."""
+        """Add one engine request per prompt, all admitted together or none (a prompt too long for
+        ``max_model_len`` is an APIError(400) naming ``prompt_field``)."""
         try:
             return await self.engine.add_requests(label, prompts, params, priority=priority)
         except ContextLengthError as e:
@@ -99,10 +93,8 @@ class OpenAIServing:
 
     @staticmethod
     async def collect_final(streams: list[RequestStream]) -> list[RequestOutput]:
-        """Wait for the final output of every stream (all are aborted if this is cancelled).
-
-        Raises EngineDeadError, or APIError(500) when a request failed inside the engine.
-        """
+        """The final output of every stream (all aborted if cancelled). Raises EngineDeadError, or
+        APIError(500) when a request failed inside the engine."""
         finals: list[RequestOutput | None] = [None] * len(streams)
         async for i, out in merge_streams(streams):
             finals[i] = out
@@ -113,12 +105,8 @@ class OpenAIServing:
 
 
 async def until_disconnected(coro: Awaitable[Response], raw_request: Request | None) -> Response:
-    """Await ``coro``, cancelling it when the HTTP client goes away (checked every 0.5 s).
-
-    Cancellation reaches every stage of a request: prompts queued for the engine are
-    aborted behind their add, accepted ones are aborted when their streams close.
-    Raises ClientDisconnected in that case.
-    """
+    """Await ``coro``, cancelling it (and so aborting its engine requests) when the HTTP client goes away,
+    checked every 0.5 s; raises ClientDisconnected then."""
     task = asyncio.ensure_future(coro)
     try:
         while True:

@@ -1,21 +1,10 @@
 """``POST /v1/chat/completions`` with the model's chat template (or ``--chat-template FILE``).
 
-The conversation is rendered and tokenized on the front-end thread, never the engine's
-(``apply_chat_template``:
-roles checked, text parts joined, tokenized without adding special tokens again, so
-there is exactly one BOS/``<|im_start|>``). ``max_completion_tokens`` wins over
-``max_tokens``; both absent means "up to the context length".
-
-Streaming follows OpenAI's delta protocol: for each choice a first chunk with
-``delta = {"role": "assistant", "content": ""}`` is sent as soon as the request has been
-accepted, then content deltas; each choice gets exactly one chunk with a non-null
-``finish_reason``; with ``stream_options.include_usage`` a last chunk with empty
-``choices`` carries the usage; the stream ends with ``data: [DONE]``.
-
-Logprobs: ``logprobs: true`` reports the chosen token's logprob per position, and
-``top_logprobs: k`` the k most likely tokens, most likely first (the chosen token is not
-added to that list when outside it; its own value is in ``logprob``). ``bytes`` are the
-token's raw bytes (part of a multi-byte character for some tokens).
+The conversation is rendered and tokenized on the front-end thread, without adding special tokens again.
+``max_completion_tokens`` wins over ``max_tokens``. Streaming follows OpenAI's delta protocol: a first chunk with
+the role per choice, content deltas, one chunk with ``finish_reason`` per choice, the usage chunk with
+``stream_options.include_usage``, then ``data: [DONE]``. :meth:`OpenAIServingChat.start` is the one door to the
+engine for chat, Responses and Messages requests.
 """
 
 from __future__ import annotations
