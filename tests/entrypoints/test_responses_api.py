@@ -4,6 +4,7 @@ cancel, engine failure and disconnect."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 import time
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 from api_fakes import MODEL, scripted_server, sse_typed_events, wait_until_free
+from pagedllm.entrypoints.openai.api_server import add_server_args, response_store_from_args
 from pagedllm.entrypoints.openai.response_store import ResponseStore
 from test_server import assert_error
 
@@ -88,7 +90,8 @@ def test_input_items_become_the_conversation(served, client):
 def test_required_tool_choice_gives_function_calls_valid_for_the_schema(served, client):
     fake = served.fake
     script = '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
-    body = create(client, fake, script, input="weather?", tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    body = create(client, fake, script, input="weather?", tools=TOOLS, tool_choice="required",
+                  parallel_tool_calls=False)
     (call,) = body["output"]
     assert call["type"] == "function_call" and call["name"] == "get_weather" and call["status"] == "completed"
     assert json.loads(call["arguments"]) == {"city": "Paris"} and call["call_id"].startswith("call_")
@@ -159,6 +162,16 @@ def test_store_is_bounded_by_count_and_bytes_least_recent_out():
     assert not ResponseStore(0, 0).is_enabled
     with pytest.raises(ValueError, match="limits"):
         ResponseStore(-1)
+
+
+def test_store_flags():
+    parser = add_server_args(argparse.ArgumentParser(), include_engine_args=False)
+    store = response_store_from_args(parser.parse_args(["--response-store-max-count", "3",
+                                                        "--response-store-max-bytes", "4096"]))
+    assert (store.max_count, store.max_bytes, store.is_enabled) == (3, 4096, True)
+    assert not response_store_from_args(parser.parse_args(["--disable-response-store"])).is_enabled
+    with pytest.raises(ValueError, match="--response-store-max-count"):
+        response_store_from_args(parser.parse_args(["--response-store-max-count", "0"]))
 
 
 def test_store_off_refuses_previous_response_id():
