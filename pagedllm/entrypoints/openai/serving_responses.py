@@ -26,7 +26,7 @@ from pagedllm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 
 # chat field -> the Responses field a 400 names
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-           "response_format": "text", "tools": "tools", "tool_choice": "tool_choice", "stop": "stop"}
+           "response_format": "text"}
 _TEXT_PART_TYPES = ("input_text", "output_text", "text")
 _ROLES = ("user", "assistant", "system", "developer")
 _REFUSED_INCLUDES = ("message.output_text.logprobs",)
