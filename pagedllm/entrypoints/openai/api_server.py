@@ -317,7 +317,8 @@ def add_server_args(parser: argparse.ArgumentParser, include_engine_args: bool =
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     group.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
     group.add_argument("--api-key", default=None,
-                       help="require KEY as 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: $PAGEDLLM_API_KEY, else none)")
+                       help="require KEY as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+                            "(default: $PAGEDLLM_API_KEY, else none)")
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="model name(s) clients use in 'model' (default: the model argument)")
     group.add_argument("--chat-template", default=None, help="file with a Jinja chat template overriding the model's")
