@@ -429,7 +429,7 @@ def test_arguments_validated():
 
 def test_benchmark_quick_runs(kernel):
     """benchmarks/attention_kernel.py --quick runs both backends and checks they agree."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_kernel.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_kernel.py"
     res = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     assert res.returncode == 0, res.stderr

@@ -226,7 +226,7 @@ def _questions() -> list[str]:
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bf16_accuracy.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bf16_accuracy.py"
     spec = importlib.util.spec_from_file_location("bf16_accuracy", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
