@@ -17,7 +17,7 @@ import torch
 from pagedllm.attention import Attention, CpuPagedAttention, TorchPagedAttention
 from pagedllm.attention.backend import set_forward_context
 from tests.reference import causal_attention
-from tests.test_attention import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, SCALE, build_case
+from tests.attention.test_attention import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, SCALE, build_case
 
 # (context_len, query_len): decodes (several past the window), then prefills and chunked prefills
 MIXED = [(0, 1), (5, 1), (37, 1), (130, 1), (16, 1), (0, 13), (20, 7), (48, 16), (3, 40), (0, 64)]

@@ -76,7 +76,7 @@ from pagedllm.attention import CpuPagedAttention, TorchPagedAttention  # noqa: E
 from pagedllm.attention import cpu_paged  # noqa: E402
 from pagedllm.attention.backend import set_forward_context, write_kv_cache  # noqa: E402
 from tests.model_utils import allocate_block_tables, kv_rounding_error_bound, make_metadata  # noqa: E402
-from tests.test_attention import HEAD_DIM, MIXED, NUM_HEADS, NUM_KV_HEADS, SCALE  # noqa: E402
+from tests.attention.test_attention import HEAD_DIM, MIXED, NUM_HEADS, NUM_KV_HEADS, SCALE  # noqa: E402
 from tests.reference import causal_attention  # noqa: E402
 
 KV_NAMES = ["bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"]
@@ -214,7 +214,7 @@ def test_int8_cache_needs_its_scales():
 # -- the engine over a quantized KV cache -----------------------------------------------------
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from tests.test_engine_equivalence import _prompts, _tokens  # noqa: E402
+from tests.engine.test_engine_equivalence import _prompts, _tokens  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["fp8", "int8"])
