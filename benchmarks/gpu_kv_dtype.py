@@ -53,8 +53,8 @@ def time_dtype(reqs, name: str) -> tuple[float, float, torch.Tensor]:
     backend = TritonPagedAttention()
     extra = {"kv_scales": scales} if scales is not None else {}
     scale = HEAD_DIM**-0.5
-    out = backend.forward(query, key, value, cache, meta, scale, **extra)
-    ms = bench_ms(lambda: backend.forward(query, key, value, cache, meta, scale, **extra))
+    out = backend.make_impl(scale).forward(query, key, value, cache, meta, **extra)
+    ms = bench_ms(lambda: backend.make_impl(scale).forward(query, key, value, cache, meta, **extra))
     kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * spec.bytes_per_token_head(HEAD_DIM)
     return ms, kv_bytes, out
 

@@ -69,7 +69,7 @@ def time_call(backend, case, scale: float, window: int | None, soft_cap: float |
     query, key, value, cache, meta = case
     with set_forward_context(meta), PeakRss() as rss:
         t0 = time.thread_time()
-        out = backend.forward(query, key, value, cache, meta, scale, sliding_window=window, logit_soft_cap=soft_cap)
+        out = backend.make_impl(scale, sliding_window=window, logit_soft_cap=soft_cap).forward(query, key, value, cache, meta)
         elapsed = time.thread_time() - t0
     return elapsed, rss.peak_above_start / 2**20, out
 

@@ -1,33 +1,8 @@
-"""Reference paged-attention backend in plain PyTorch: runs on CPU and CUDA, fp32/bf16/fp16.
+"""The reference paged-attention backend in plain PyTorch (CPU and CUDA; fp32/bf16/fp16 and fp8/int8 caches).
 
-One call of :meth:`TorchPagedAttention.forward` does, for a flat ragged batch:
-
-1. **KV write.** The new tokens' keys and values go into the paged cache at
-   ``slot_mapping`` (slot = block_id × block_size + offset), one ``index_copy_`` each.
-2. **Decode** (the first ``num_decodes`` requests, one query token each): batched with
-   no Python loop over requests (at most a loop over cache-sized groups of them, below). Each request's blocks are gathered through its block
-   table up to the longest decode context (one ``index_select`` for K and V together, into
-   a reusable workspace), keys past each request's ``seq_len`` are masked, and one
-   ``scaled_dot_product_attention`` call computes all of them. Grouped-query attention is
-   done by folding the ``num_heads // num_kv_heads`` query heads of a group into the
-   query-length axis (``q: (B, num_kv_heads, group, head_dim)``), so K/V are never
-   repeated per query head (the grouping GQA-aware decode kernels use).
-3. **Prefill** (the remaining requests; few per step, so a Python loop is fine): causal
-   within the request. A request whose earlier tokens are already cached (chunked prefill,
-   prefix-cache hit) reads them from its blocks; on CPU the cached prefix (no mask) and the
-   chunk (causal) are two flash-attention calls merged by log-sum-exp, elsewhere one SDPA
-   call with a bottom-right-aligned causal mask. SDPA always gets 4-D tensors, the only
-   ones CPU's flash kernel takes (3-D inputs fall back to the math path, which
-   materializes the score matrix).
-
-The algorithm is PagedAttention (Kwon et al., SOSP 2023, "Efficient Memory Management for
-Large Language Model Serving with PagedAttention"), expressed with gathers + SDPA.
-
-Decode cost on CPU is dominated by moving K/V: the gather copies every context token's
-K/V once and SDPA reads the copy. Decodes are therefore processed in groups whose gathered
-K/V fit in a few MiB (still in cache when SDPA reads them), in a reusable workspace (no
-fresh pages faulted in per layer); the per-step block tables and key mask are built once
-and shared by all layers.
+PagedAttention (Kwon et al., SOSP 2023) as gathers + SDPA: decodes batched through their block
+tables into a reusable workspace (GQA folded into the query axis, K/V never repeated); prefills
+one request at a time, the cached prefix and the chunk merged by log-sum-exp on CPU.
 """
 
 from __future__ import annotations
@@ -37,53 +12,89 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backend import (AttentionMetadata, ForwardContext, attention_mask, check_shapes, current_context,
-                                        masked_attention, read_kv_blocks, write_kv_cache)
+from pagedllm.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata, ForwardContext,
+                                        attention_mask, check_shapes, current_context, masked_attention,
+                                        read_kv_blocks, write_kv_cache)
 from pagedllm.quantization.kv_cache import round_trip_kv
 from pagedllm.utils import cdiv
 
+# Decode groups gather at most this much K/V: on CPU a group's copy is still in cache when SDPA reads it.
 _CPU_WORKSPACE_BYTES = 8 * 1024**2
 _CUDA_WORKSPACE_BYTES = 1024**3
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, kv_scales: torch.Tensor | None = None,
               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``seq_len`` tokens' K and V of one request, read through its block table.
-
-    Args:
-        kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim).
-        block_table: (>= ceil(seq_len / block_size),) int32/int64 physical block ids.
-        seq_len: tokens to read.
-        kv_scales: an int8 cache's (2, num_blocks, block_size, num_kv_heads) scales, else None.
-        dtype: the dtype to return (dequantizing fp8/int8); default the cache's.
-    Returns:
-        keys, values: each (seq_len, num_kv_heads, head_dim), new contiguous tensors.
-    """
+    """The first ``seq_len`` tokens' K and V of one request through its block table, in ``dtype``
+    (default the cache's): each (seq_len, num_kv_heads, head_dim), new tensors."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_blocks = cdiv(seq_len, block_size)
     kv = read_kv_blocks(kv_cache, kv_scales, block_table[:num_blocks], dtype or kv_cache.dtype)
-    # kv: (2, num_blocks, block_size, num_kv_heads, head_dim)
     kv = kv.view(2, num_blocks * block_size, num_kv_heads, head_dim)[:, :seq_len]  # (2, seq_len, num_kv_heads, head_dim)
     return kv[0], kv[1]
 
 
-class TorchPagedAttention:
-    """Paged attention with PyTorch ops (the :class:`~pagedllm.attention.backend.AttentionBackend`).
+class TorchPagedAttentionImpl(AttentionImpl):
+    """One layer on :class:`TorchPagedAttention` (contract: :class:`~pagedllm.attention.backend.AttentionImpl`)."""
 
-    Stateless apart from a reusable decode workspace and the current pass's decode plan,
-    so one instance may be shared by every layer of a model but not by two threads running
-    forwards at the same time.
+    backend: TorchPagedAttention
 
-    Args:
-        max_workspace_bytes: cap on the decode gather buffer; decode batches needing more
-            are processed in groups of requests. Default (None): 8 MiB on CPU (each group's
-            K/V are still in cache when SDPA reads them; at batch 64, context 300 on this
-            2-core machine 4-8 MiB beat one big gather by ~20 % single-threaded, and fewer,
-            larger groups lose less to OpenMP barriers when the cores are shared), 1 GiB on
-            CUDA (one group).
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        check_shapes(query, key, kv_cache)
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
+        return self._attend(query, key, value, kv_cache, metadata, kv_scales)
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, kv_scales: torch.Tensor | None, **decode_options) -> torch.Tensor:
+        """Decodes, then prefills, into a new (T, num_heads, head_dim) tensor (``decode_options`` to ``_decode``)."""
+        output = torch.empty_like(query)
+        num_decodes = metadata.num_decodes
+        if 0 < num_decodes == query.shape[0]:  # a decode-only step: no slicing
+            self._decode(query, kv_cache, metadata, output, kv_scales, **decode_options)
+        elif num_decodes > 0:
+            self._decode(query[:num_decodes], kv_cache, metadata, output[:num_decodes], kv_scales, **decode_options)
+        if num_decodes < metadata.num_reqs:
+            self._prefill(query, key, value, kv_cache, metadata, output, kv_scales)
+        return output
+
+    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 metadata: AttentionMetadata, output: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
+        """The prefill requests' rows of ``output`` (T, num_heads, head_dim); their K/V are already cached."""
+        qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+        for b in range(metadata.num_decodes, metadata.num_reqs):
+            start, end = qsl[b], qsl[b + 1]
+            output[start:end] = _prefill_one(query[start:end], key[start:end], value[start:end], kv_cache,
+                                             metadata.block_tables[b], seq_lens[b], self.scale, self.sliding_window,
+                                             self.logit_soft_cap, kv_scales)
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                out: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
+        """The decodes' attention into ``out``; query, out: (D, num_heads, head_dim)."""
+        num_decodes = query.shape[0]
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        backend = self.backend
+        plan = backend.decode_plan(metadata, block_size, self.sliding_window)
+        bytes_per_req = 2 * plan.max_len * num_kv_heads * head_dim * kv_cache.element_size()
+        cap = backend.max_workspace_bytes or _default_workspace_bytes(kv_cache.device)
+        group = max(1, min(num_decodes, cap // bytes_per_req))
+        workspace = backend.workspace(group * bytes_per_req // kv_cache.element_size(), kv_cache)
+        for i in range(0, num_decodes, group):  # one iteration unless the batch outgrows the workspace
+            j = min(i + group, num_decodes)
+            out[i:j] = _decode_group(query[i:j], kv_cache, plan.block_tables[i:j], plan.mask[i:j], self.scale,
+                                     workspace, self.logit_soft_cap, kv_scales)
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Paged attention in PyTorch ops. Shared by a model's layers: a decode workspace and the
+    current pass's decode plans (one per sliding window).
+
+    ``max_workspace_bytes``: cap on the decode gather buffer (larger batches run in groups of
+    requests); default 8 MiB on CPU, 1 GiB on CUDA. Raises ValueError when not positive.
     """
 
-    supports_quantized_kv = True  # fp8 and int8 caches (kv_scales) are written and read
+    impl_cls = TorchPagedAttentionImpl
+    supports_quantized_kv = True
 
     def __init__(self, max_workspace_bytes: int | None = None) -> None:
         if max_workspace_bytes is not None and max_workspace_bytes <= 0:
@@ -92,81 +103,11 @@ class TorchPagedAttention:
         self._workspace: torch.Tensor | None = None
         self._plans: dict[int | None, _DecodePlan] = {}  # this pass's decode plans, by sliding window
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-                sliding_window: int | None = None, logit_soft_cap: float | None = None,
-                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-        """Write this step's K/V into ``kv_cache`` and return causal attention per request.
-
-        Args:
-            query: (T, num_heads, head_dim); key, value: (T, num_kv_heads, head_dim).
-                Row t belongs to the request b with ``query_start_loc[b] <= t < query_start_loc[b+1]``
-                and sits at position ``seq_lens[b] - (query_start_loc[b+1] - t)`` of it.
-            kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim); written in place.
-            metadata: the step's :class:`AttentionMetadata` (decodes first, then prefills).
-            scale: softmax scale, usually ``head_dim ** -0.5``.
-            sliding_window, logit_soft_cap: see :class:`~pagedllm.attention.backend.AttentionBackend`.
-            kv_scales: the per token-and-head scales of an int8 cache,
-                (2, num_blocks, block_size, num_kv_heads) float32; None for other dtypes.
-        Returns:
-            (T, num_heads, head_dim), dtype of ``query``.
-        Raises:
-            ValueError: if the cache layout does not match the key/value heads or head_dim,
-                or ``num_heads`` is not a multiple of ``num_kv_heads``.
-        """
-        check_shapes(query, key, kv_cache)
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
-        output = torch.empty_like(query)
-        num_decodes = metadata.num_decodes
-        if num_decodes > 0:
-            self._decode(query[:num_decodes], kv_cache, metadata, scale, output[:num_decodes], sliding_window,
-                         logit_soft_cap, kv_scales)
-        if num_decodes < metadata.num_reqs:
-            self._prefill(query, key, value, kv_cache, metadata, scale, output, sliding_window, logit_soft_cap,
-                          kv_scales)
-        return output
-
-    __call__ = forward
-
-    # -- prefill ---------------------------------------------------------------------------
-
-    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 metadata: AttentionMetadata, scale: float, output: torch.Tensor, sliding_window: int | None = None,
-                 logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> None:
-        """Attention of the prefill requests (after the decodes) into their rows of ``output``.
-        query, output: (T, num_heads, head_dim) for the whole step; their K/V are already in the cache."""
-        qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-        for b in range(metadata.num_decodes, metadata.num_reqs):
-            start, end = qsl[b], qsl[b + 1]
-            output[start:end] = _prefill_one(query[start:end], key[start:end], value[start:end], kv_cache,
-                                             metadata.block_tables[b], seq_lens[b], scale, sliding_window,
-                                             logit_soft_cap, kv_scales)
-
-    # -- decode ----------------------------------------------------------------------------
-
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                scale: float, out: torch.Tensor, sliding_window: int | None = None,
-                logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> None:
-        """Attention of the decode requests into ``out``. query, out: (D, num_heads, head_dim)."""
-        num_decodes = query.shape[0]
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        plan = self._decode_plan(metadata, block_size, sliding_window)
-        bytes_per_req = 2 * plan.max_len * num_kv_heads * head_dim * kv_cache.element_size()
-        cap = self.max_workspace_bytes or _default_workspace_bytes(kv_cache.device)
-        group = max(1, min(num_decodes, cap // bytes_per_req))
-        workspace = self._get_workspace(group * bytes_per_req // kv_cache.element_size(), kv_cache)
-        for i in range(0, num_decodes, group):  # one iteration unless the batch outgrows the workspace
-            j = min(i + group, num_decodes)
-            out[i:j] = _decode_group(query[i:j], kv_cache, plan.block_tables[i:j], plan.mask[i:j], scale, workspace,
-                                     logit_soft_cap, kv_scales)
-
-    def _decode_plan(self, metadata: AttentionMetadata, block_size: int, sliding_window: int | None = None
-                     ) -> "_DecodePlan":
-        """Block tables and key mask of the step's decodes, computed once per forward pass and
-        sliding window, and shared by every layer with that window. The cache key is the pass's
-        ForwardContext object (new for each ``set_forward_context``), so a runner that refills
-        one metadata object in place every step never sees a stale plan; outside a forward
-        context nothing is cached."""
+    def decode_plan(self, metadata: AttentionMetadata, block_size: int, sliding_window: int | None = None
+                    ) -> _DecodePlan:
+        """The decodes' block tables and key mask, built once per forward pass and window. Keyed by
+        the pass's ForwardContext (new per ``set_forward_context``), so metadata refilled in place
+        never meets a stale plan; nothing is cached outside a forward context."""
         owner = current_context(metadata)
         plan = self._plans.get(sliding_window)
         if owner is not None and plan is not None and plan.owner is owner and plan.block_size == block_size:
@@ -181,8 +122,8 @@ class TorchPagedAttention:
             self._plans[sliding_window] = plan
         return plan
 
-    def _get_workspace(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """A flat buffer of at least ``numel`` elements of ``like``'s dtype and device (reused)."""
+    def workspace(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A reused flat buffer of ``numel`` elements of ``like``'s dtype and device."""
         ws = self._workspace
         if ws is None or ws.numel() < numel or ws.dtype != like.dtype or ws.device != like.device:
             ws = torch.empty(numel, dtype=like.dtype, device=like.device)
