@@ -18,34 +18,21 @@ differ (``_attention``, ``_mlp``, ``_decoder_layer``, ``_embedding_scale``,
 
 from __future__ import annotations
 
-import os
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.attention import AttentionBackend, TorchPagedAttention
 from pagedllm.models.layer_types import layer_types, sliding_windows
 from pagedllm.distributed.parallel_state import heads_per_rank
 from pagedllm.models.layers import (GatedMLP, MergedLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, SelfAttention,
                                     VocabParallelEmbedding, pack_linears_for_cpu, unpack_linears)
-from pagedllm.models.layers.linear import PACKED_LINEAR_ENV
 from pagedllm.models.layers.rotary import rope_parameters
 
-# opt-in: "bf16" computes float32 models' packed linears in bfloat16 (Linear.bf16_math)
-_FP32_MATMUL_ENV = "PAGEDLLM_CPU_FP32_MATMUL"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints still carry
 DEFAULT_ROPE = "default"
-
-
-def _fp32_matmul_in_bf16() -> bool:
-    """Whether ``PAGEDLLM_CPU_FP32_MATMUL`` asks for bfloat16 math in float32 linears.
-
-    Raises ValueError for a value other than "fp32" (the default) or "bf16"."""
-    value = os.environ.get(_FP32_MATMUL_ENV, "fp32").strip().lower()
-    if value not in ("fp32", "bf16"):
-        raise ValueError(f"{_FP32_MATMUL_ENV} must be 'fp32' or 'bf16', got {value!r}")
-    return value == "bf16"
 
 
 def _rank_part(module: nn.Module | None, name: str, tensor: torch.Tensor, param_name: str,
@@ -293,8 +280,8 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
             raise ValueError(f"weights missing from the checkpoint for {type(self).__name__}: {shown}")
-        if os.environ.get(PACKED_LINEAR_ENV, "1") != "0":
-            self.pack_linears_for_cpu(bf16_math=_fp32_matmul_in_bf16())
+        if envs.cpu_packed_linear():
+            self.pack_linears_for_cpu(bf16_math=envs.cpu_fp32_matmul_in_bf16())
 
     def pack_linears_for_cpu(self, batch_hint: int = 64, bf16_math: bool = False) -> int:
         """Prepack every projection for oneDNN when the model is on CPU (see :class:`Linear`).

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.ops import skinny_gemm
 
 logger = logging.getLogger("pagedllm")
@@ -188,8 +188,7 @@ def packing_generation() -> int:
     return _packing_generation
 
 
-FP32_ROWS_ENV = "PAGEDLLM_CPU_FP32_PREFILL_LINEAR"
-PACKED_LINEAR_ENV = "PAGEDLLM_CPU_PACKED_LINEAR"  # "0": the CPU loader packs no linear (llama.load_weights)
+PACKED_LINEAR_ENV = envs.CPU_PACKED_LINEAR.name  # planner.py reads it
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,9 +203,7 @@ def fp32_rows_use_onednn() -> bool:
     oneDNN copy (one more copy of each weight) on CPUs that are not Intel's, ``onednn`` everywhere,
     ``blas`` nowhere. Read once per process. Raises ValueError for another value.
     """
-    value = os.environ.get(FP32_ROWS_ENV, "auto").strip().lower()
-    if value not in ("auto", "onednn", "blas"):
-        raise ValueError(f"{FP32_ROWS_ENV} must be 'auto', 'onednn' or 'blas', got {value!r}")
+    value = envs.cpu_fp32_prefill_linear()
     if value != "auto":
         return value == "onednn"
     return cpu_vendor() != "GenuineIntel"
