@@ -104,18 +104,13 @@ class CpuPagedKernel:
                sliding_window: int | None = None, logit_soft_cap: float | None = None,
                kv_scales: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                num_threads: int = 1, write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Decode attention of requests ``[req_begin, req_end)`` into ``out`` (the result does not
-        depend on ``num_threads``), after the K/V ``write`` if given. Unchecked: the caller validates
-        block tables, seq_lens and slots once per step.
+        """Decode attention of requests ``[req_begin, req_end)`` into ``out``, after the K/V ``write``
+        ``(key, value, slots)`` if given; unchecked (the caller validates tables, seq_lens, slots once per step).
 
-        Args:
-            query, out: (D, num_heads, head_dim), both float32 or both bfloat16, contiguous (computed in float32).
-            kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim) contiguous, a :meth:`supports` dtype.
-            block_tables: (>= D, max_blocks) int32, unit last stride; seq_lens (>= D,) int32, each >= 1.
-            kv_scales: an int8 cache's contiguous float32 scales; k_scale, v_scale: fp8 per-tensor scales.
-            write: ``(key, value, slots)``: (T, num_kv_heads, head_dim) in query's dtype, unit strides
-                within a row, into a float32/bfloat16 cache at (T,) int64 ``slots``.
-        Raises MemoryError when the per-thread scratch cannot be allocated.
+        query, out (D, num_heads, head_dim) both float32 or both bfloat16, contiguous; kv_cache a
+        :meth:`supports` dtype, contiguous; block_tables (>= D, max_blocks) int32, unit last stride;
+        seq_lens (>= D,) int32 >= 1; k_scale, v_scale fp8's per-tensor scales. Raises MemoryError
+        when the per-thread scratch cannot be allocated.
         """
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         kv_block_stride = block_size * num_kv_heads * head_dim
@@ -150,14 +145,14 @@ class CpuPagedKernel:
         return dtype in self._prefill_fns and num_heads >= 1 and head_dim % 64 == 0 and 0 < head_dim <= self.max_head_dim
 
     def prefill_preferred(self, logit_soft_cap: float | None) -> bool:
-        """Whether :meth:`prefill` beats the torch code for such a layer: always on AVX-512 builds;
-        elsewhere only soft-capped layers, where torch has no flash path (benchmarks/prefill_attention.py)."""
+        """Whether :meth:`prefill` beats the torch code for such a layer: always on AVX-512; elsewhere only
+        soft-capped layers, where torch has no flash path (benchmarks/prefill_attention.py).
+        """
         return self.prefill_all_layers or bool(logit_soft_cap)
 
     def prefill_work_items(self, num_queries: int, num_context: int, num_heads: int, num_kv_heads: int,
                            sliding_window: int | None = None) -> list[int]:
-        """The cost of each prefill work item ``tile * num_kv_heads + kvh`` of one request, in order:
-        (queries in the tile) x (keys it reads, from its first query's window start to its last query)."""
+        """Cost of each work item ``tile * num_kv_heads + kvh`` of one request: queries x keys read."""
         block_queries = self._lib.pagedllm_cpu_paged_prefill_block_queries(num_heads // num_kv_heads)
         costs = []
         for tile in range(cdiv(num_queries, block_queries)):
@@ -171,11 +166,9 @@ class CpuPagedKernel:
     def prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
                 num_context: int, scale: float, item_begin: int, item_end: int, num_threads: int = 1,
                 sliding_window: int | None = None, logit_soft_cap: float | None = None) -> None:
-        """Causal attention of one request's Q new tokens (positions num_context ..) over its cached
-        keys, read in place through ``block_table`` (K/V already written), for work items
-        ``[item_begin, item_end)`` of :meth:`prefill_work_items`. Unchecked: the caller validates the table.
-        query, out: (Q, num_heads, head_dim), both float32 or both bfloat16, contiguous; block_table
-        int32 contiguous. Raises MemoryError when the scratch cannot be allocated.
+        """Causal attention of one request's Q new tokens over its cached keys, read in place through
+        ``block_table`` (int32, K/V already written), for items ``[item_begin, item_end)``; unchecked.
+        query, out (Q, num_heads, head_dim) both float32 or both bfloat16. Raises MemoryError on scratch failure.
         """
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         kv_block_stride = block_size * num_kv_heads * head_dim
@@ -194,8 +187,9 @@ _loaded: dict[str, CpuPagedKernel | None] = {}
 
 
 def load_kernel() -> CpuPagedKernel | None:
-    """The kernel built by ``$CC`` (default ``cc``; may carry words) and cached by :mod:`pagedllm.native`,
-    memoised per compiler; None, with one warning, when the build or load fails."""
+    """The kernel built by ``$CC`` (default ``cc``) and cached by :mod:`pagedllm.native`, memoised per
+    compiler; None, after one warning, when the build or load fails.
+    """
     compiler = os.environ.get("CC", "cc")
     with _load_lock:
         if compiler not in _loaded:
@@ -251,19 +245,18 @@ class _KernelPlan:
 
 
 class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
-    """One layer on :class:`CpuPagedAttention`: the torch impl with decodes, prefills and the
-    float32/bfloat16 K/V write in the C kernels, each falling back to the torch code where the
-    kernel does not handle the cache (:meth:`CpuPagedKernel.supports`, :meth:`~CpuPagedKernel.supports_prefill`).
-    Also raises ValueError for a block table naming a block outside the cache or too short for its seq_len.
+    """One layer on :class:`CpuPagedAttention`: the torch impl with the decodes, prefills and float32/bfloat16
+    K/V write in C where the kernel takes the cache. Also raises ValueError for a block table naming
+    a block outside the cache or too short for its seq_len.
     """
 
     backend: CpuPagedAttention
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-        """In a decode-only step the first layer that takes the kernel's one-call path (K/V write
-        and decode in one C call) prepares it for the others (:class:`DecodePlan`): a later layer
-        whose tensors and options match only supplies its pointers."""
+        """In a decode-only step the first layer on the one-call path (write + decode) plans it for the
+        others (:class:`DecodePlan`): a later matching layer only supplies its pointers.
+        """
         backend = self.backend
         decode_plan = backend.planned_decode
         if (decode_plan is not None and kv_scales is None and decode_plan.owner is current_context(metadata)
@@ -292,9 +285,9 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
     def _plan_decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                      metadata: AttentionMetadata, plan: _KernelPlan, kv_scales: torch.Tensor | None
                      ) -> DecodePlan | None:
-        """The step's :class:`DecodePlan`, kept for the next layers, when the call is one the plan
-        makes exactly as :meth:`forward` would (decode-only step of the current forward context,
-        OpenMP kernel, float32/bfloat16 cache it writes itself, query and K/V read in place); else None."""
+        """The step's :class:`DecodePlan`, kept for the next layers, when it makes this call exactly as
+        :meth:`forward` would; else None.
+        """
         backend = self.backend
         kernel = backend.kernel
         owner = current_context(metadata)
@@ -314,9 +307,9 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 out: torch.Tensor, kv_scales: torch.Tensor | None = None,
                 write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-        """The decodes' attention into ``out`` (D, num_heads, head_dim), after the step's K/V ``write``
-        (:meth:`CpuPagedKernel.decode`): one call over an OpenMP team, else request ranges of about
-        equal context on the thread pool."""
+        """The decodes into ``out`` (D, num_heads, head_dim) after the K/V ``write``: one OpenMP call, or
+        request ranges of about equal context on the thread pool.
+        """
         kernel = self.backend.kernel
         if not (kernel is not None and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
                 and kernel.supports(kv_cache.dtype, query.shape[1], kv_cache.shape[-1])
@@ -342,10 +335,9 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  metadata: AttentionMetadata, output: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
-        """The prefills' rows of ``output`` in the C kernel: each request's queries over its cached
-        prefix and the chunk, read in place through its block table (no gather, mask or merge).
-        Caches the kernel does not take and layers it is slower for (:meth:`CpuPagedKernel.prefill_preferred`)
-        run the torch code."""
+        """The prefills' rows of ``output`` in the C kernel, each request's prefix and chunk read in place;
+        the torch code where the kernel does not take the cache or is slower (:meth:`CpuPagedKernel.prefill_preferred`).
+        """
         backend = self.backend
         kernel = backend.kernel
         num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
@@ -378,14 +370,10 @@ class CpuPagedAttention(TorchPagedAttention):
     """Paged attention on CPU with the fused C kernels; exactly the torch backend when they do not build.
 
     Args:
-        num_threads: kernel threads; default ``torch.get_num_threads()`` read at each step on the
-            calling thread (OpenMP's own default there need not follow ``torch.set_num_threads``).
+        num_threads: kernel threads; default ``torch.get_num_threads()`` read at each step.
         kernel: a loaded :class:`CpuPagedKernel`; default :func:`load_kernel`.
-        min_tokens_per_thread: work (context tokens of the decodes; (query, key) pairs of a
-            prefill's items) each thread must get before the work is split, against the cost of
-            waking a thread team.
-        plan_decodes: prepare a decode-only step's kernel call once for all layers
-            (:class:`DecodePlan`; same results); False: every layer's call from scratch.
+        min_tokens_per_thread: work each thread must get before the work is split.
+        plan_decodes: plan a decode-only step's call once for all layers (:class:`DecodePlan`).
     Raises ValueError for ``num_threads`` or ``min_tokens_per_thread`` < 1.
     """
 
@@ -412,8 +400,7 @@ class CpuPagedAttention(TorchPagedAttention):
         return self.kernel is not None
 
     def threads_for(self, num_tokens: int) -> int:
-        """Threads for ``num_tokens`` of kernel work: ``num_threads``, fewer so each gets
-        ``min_tokens_per_thread``; at least 1."""
+        """Threads for ``num_tokens`` of work: ``num_threads``, fewer so each gets ``min_tokens_per_thread``."""
         return max(1, min(self.num_threads or torch.get_num_threads(), num_tokens // self.min_tokens_per_thread))
 
     def prefill_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _PrefillPlan:
@@ -429,8 +416,7 @@ class CpuPagedAttention(TorchPagedAttention):
         return plan
 
     def kernel_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _KernelPlan:
-        """The decodes' validated int32 block tables, seq_lens and thread split, and the K/V write's
-        validated slots, once per forward pass."""
+        """The decodes' validated tables, seq_lens and threads, and the write's slots, once per pass."""
         num_blocks, block_size, owner, plan = self._cached_plan(metadata, kv_cache, self._kernel_plan_cache)
         if plan is not None:
             return plan
@@ -461,9 +447,9 @@ class CpuPagedAttention(TorchPagedAttention):
 
 
 def _io_tensors(query: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The query and output buffer the kernel reads and writes: ``query`` and ``out`` themselves when
-    both are contiguous and of one dtype in :data:`_IO_DTYPES`, else a float32 copy of the query
-    and a fresh float32 buffer (the caller then copies it into ``out``)."""
+    """``query`` and ``out`` themselves when contiguous and of one :data:`_IO_DTYPES` dtype, else a float32
+    copy and buffer (the caller copies the result into ``out``).
+    """
     if query.dtype in _IO_DTYPES and out.dtype == query.dtype and query.is_contiguous() and out.is_contiguous():
         return query, out
     q = query.to(torch.float32).contiguous()
@@ -471,15 +457,15 @@ def _io_tensors(query: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def _rows_fit(new: torch.Tensor) -> bool:
-    """Whether new K or V rows (T, num_kv_heads, head_dim) are laid out as the kernel's write reads
-    them: each row's heads and dims contiguous (any row stride), on the CPU."""
+    """Whether K or V rows (T, num_kv_heads, head_dim) are contiguous within a row, on the CPU."""
     strides = new.stride()
     return len(strides) == 3 and strides[2] == 1 and strides[1] == new.shape[2] and new.is_cpu
 
 
 def _checked_slots(slot_mapping: torch.Tensor, num_slots: int) -> torch.Tensor | None:
-    """The step's slot mapping as the kernel's write takes it ((T,) int64 contiguous, CPU) when every
-    slot is inside the cache, else None (the torch write then runs and raises its own error)."""
+    """The slot mapping as (T,) int64 contiguous CPU when every slot is in the cache, else None
+    (the torch write then raises its own error).
+    """
     slots = slot_mapping.to(device="cpu", dtype=torch.int64).contiguous()
     if slots.dim() != 1 or (slots.numel() and not (int(slots.min()) >= 0 and int(slots.max()) < num_slots)):
         return None
@@ -487,15 +473,13 @@ def _checked_slots(slot_mapping: torch.Tensor, num_slots: int) -> torch.Tensor |
 
 
 def _scales_fit(kv_scales: torch.Tensor | None, kv_cache: torch.Tensor) -> bool:
-    """Whether an int8 cache's scales are the contiguous float32 (2, num_blocks, block_size,
-    num_kv_heads) tensor the kernel indexes (anything else decodes with the torch code)."""
+    """Whether an int8 cache's scales are the contiguous float32 tensor of its shape the kernel indexes."""
     return (kv_scales is not None and kv_scales.dtype == torch.float32 and kv_scales.is_contiguous()
             and tuple(kv_scales.shape) == tuple(kv_cache.shape[:4]) and kv_scales.device == kv_cache.device)
 
 
 def _run_split(fn, ranges: list[tuple[int, int]], *args) -> None:
-    """``fn(*args, begin, end)`` for every range, the first on the calling thread and the others
-    on the pool (ctypes releases the GIL, so they run in parallel); returns when all are done."""
+    """``fn(*args, begin, end)`` per range, the first on this thread, the others on the pool (GIL released)."""
     first, *rest = ranges
     pool = _get_pool(len(rest)) if rest else None
     futures = [pool.submit(fn, *args, *r) for r in rest] if pool else []
@@ -506,16 +490,16 @@ def _run_split(fn, ranges: list[tuple[int, int]], *args) -> None:
 
 def _validate_tables(tables: torch.Tensor, lens: list[int], num_blocks: int, block_size: int,
                      kind: str = "decode", first_row: int = 0) -> None:
-    """The kernel trusts its inputs: check once per step that every read stays inside the cache.
-    ``kind`` ("decode" or "prefill") names the requests in the error; ``tables`` row i is the
-    step's request ``first_row + i``."""
+    """Check once per step that every read stays in the cache (the kernel trusts its inputs); ``kind``
+    and ``first_row`` name the request in the error. Raises ValueError.
+    """
     max_blocks = tables.shape[1]
     if min(lens) < 1 or max(lens) > max_blocks * block_size:
         raise ValueError(f"{kind} seq_lens must be in [1, {max_blocks * block_size}] (block_tables width "
                          f"{max_blocks} x block_size {block_size}), got min {min(lens)} max {max(lens)}")
     needed = cdiv(max(lens), block_size)
     used = tables[:, :needed]
-    # Only the blocks each request actually reads must be valid; padding past its seq_len may be anything.
+    # only the blocks a request reads must be valid: padding past its seq_len may be anything
     valid = torch.arange(needed).unsqueeze(0) < cdiv(torch.tensor(lens), block_size).unsqueeze(1)
     bad = valid & ((used < 0) | (used >= num_blocks))
     if bool(bad.any()):
@@ -525,9 +509,9 @@ def _validate_tables(tables: torch.Tensor, lens: list[int], num_blocks: int, blo
 
 
 def _balanced_ranges(lens: list[int], num_parts: int) -> list[tuple[int, int]]:
-    """Split requests 0..len(lens)-1 into at most ``num_parts`` contiguous non-empty ranges of
-    about equal total context length (the kernel's cost is linear in it): range k ends after
-    the first request at which the running total reaches k/num_parts of the whole."""
+    """Requests split into at most ``num_parts`` contiguous non-empty ranges of about equal total
+    context (the kernel's cost is linear in it).
+    """
     num_reqs = len(lens)
     num_parts = max(1, min(num_parts, num_reqs))
     cumulative = list(itertools.accumulate(lens))

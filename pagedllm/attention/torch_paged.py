@@ -133,7 +133,7 @@ class TorchPagedAttention(AttentionBackend):
 
 @dataclass
 class _DecodePlan:
-    """Per-step decode inputs shared by all layers of one forward pass."""
+    """The decodes' block tables and key mask, shared by one forward pass's layers."""
 
     owner: ForwardContext | None  # the forward pass this plan belongs to
     block_size: int
@@ -155,9 +155,9 @@ def _full_decode_plan(owner: ForwardContext | None, metadata: AttentionMetadata,
 
 def _window_decode_plan(owner: ForwardContext | None, metadata: AttentionMetadata, block_size: int,
                         window: int) -> _DecodePlan:
-    """Each decode reads only the blocks holding its last ``window`` tokens (positions
-    seq_len - window .. seq_len - 1): at most (window - 1) // block_size + 2 blocks from its
-    first needed one, so blocks before the window are never touched."""
+    """Each decode reads only the blocks of its last ``window`` tokens (at most
+    (window - 1) // block_size + 2 from its first needed one).
+    """
     num_decodes = metadata.num_decodes
     device = metadata.seq_lens.device
     seq_lens = metadata.seq_lens[:num_decodes].long()  # (D,)
@@ -173,26 +173,15 @@ def _window_decode_plan(owner: ForwardContext | None, metadata: AttentionMetadat
 
 
 def _default_workspace_bytes(device: torch.device) -> int:
-    """CPU: a few MiB, so each group's gathered K/V is still in cache when SDPA reads it.
-    CUDA: large (one group), bounded so a huge batch cannot allocate without limit."""
     return _CPU_WORKSPACE_BYTES if device.type == "cpu" else _CUDA_WORKSPACE_BYTES
 
 
 def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   mask: torch.Tensor, scale: float, workspace: torch.Tensor,
                   logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Batched decode attention for D requests with one query token each.
-
-    Args:
-        query: (D, num_heads, head_dim).
-        kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim).
-        block_tables: (D, nb) int32 — every request's first nb blocks (padding entries are
-            any valid block id; they are masked out).
-        mask: (D, 1, 1, nb * block_size) bool, True for keys before each request's seq_len.
-        workspace: at least 2 * D * nb * block_size * num_kv_heads * head_dim elements of the cache's dtype.
-        kv_scales: an int8 cache's scales, else None (fp8/int8 blocks are dequantized after the gather).
-    Returns:
-        (D, num_heads, head_dim).
+    """Decode attention of D one-token requests: query (D, num_heads, head_dim), block_tables (D, nb)
+    int32 (padding masked out), mask (D, 1, 1, nb * block_size) bool, workspace of the cache's dtype
+    -> (D, num_heads, head_dim).
     """
     num_reqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -205,7 +194,7 @@ def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     kv = kv.view(2, num_reqs, max_len, num_kv_heads, head_dim)
     keys = kv[0].transpose(1, 2).to(query.dtype)  # (D, num_kv_heads, max_len, head_dim), a view
     values = kv[1].transpose(1, 2).to(query.dtype)  # (D, num_kv_heads, max_len, head_dim), a view
-    # Query head h reads KV head h // group_size: fold a group's heads into the query axis.
+    # query head h reads KV head h // group_size: a group's heads folded into the query axis
     q = query.view(num_reqs, num_kv_heads, group_size, head_dim)  # (D, num_kv_heads, group, head_dim)
     out = masked_attention(q, keys, values, mask, scale, logit_soft_cap)
     return out.reshape(num_reqs, num_heads, head_dim)  # (D, num_heads, head_dim)
@@ -214,20 +203,13 @@ def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
 def _prefill_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  block_table: torch.Tensor, seq_len: int, scale: float, sliding_window: int | None = None,
                  logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of one request's Q new tokens, the last Q of its ``seq_len``.
+    """Causal attention of one request's Q new tokens, the last Q of ``seq_len`` (K/V already cached):
+    query (Q, num_heads, head_dim), key/value (Q, num_kv_heads, head_dim) -> (Q, num_heads, head_dim).
 
-    query: (Q, num_heads, head_dim); key/value: (Q, num_kv_heads, head_dim) (already in the
-    cache). Full attention without soft-capping: with no earlier context, one causal SDPA
-    call over the fresh K/V. With C = ``seq_len - Q`` cached tokens (chunked prefill,
-    prefix-cache hit) the attention splits into the prefix part (every query sees all C
-    cached keys: no mask) and the in-chunk part (causal over the Q fresh keys), merged by
-    log-sum-exp (:func:`_prefix_chunk_attention`) on CPU; elsewhere one SDPA call with a
-    bottom-right causal mask. Every SDPA call gets 4-D (batch 1) tensors: on CPU only those
-    reach the fused flash kernel, 3-D ones take the math path that materializes the
-    (Q x keys) score matrix per head. A sliding window or a soft cap goes to
-    :func:`_prefill_one_masked`. With a KV cache of lower precision than the query, the fresh
-    K/V are first rounded as the cache stores them, so a prefill sees the same values whether
-    its prefix was cached, chunked or computed in this step. Returns (Q, num_heads, head_dim).
+    A cached prefix (chunked prefill, prefix hit) and the chunk are merged by log-sum-exp on CPU,
+    one SDPA with a bottom-right causal mask elsewhere; 4-D inputs only (3-D take SDPA's math path).
+    Fresh K/V are first rounded as a lower-precision cache stores them, so a prefill sees the same
+    values however its prefix was computed. Windows and soft caps: :func:`_prefill_one_masked`.
     """
     if kv_cache.dtype != query.dtype:  # attend over the K/V as stored, as every later read will
         key, value = round_trip_kv(key, kv_cache.dtype, query.dtype), round_trip_kv(value, kv_cache.dtype, query.dtype)
@@ -243,11 +225,10 @@ def _prefill_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
                                              enable_gqa=True)
         return out[0].transpose(0, 1)  # (Q, num_heads, head_dim)
     if query.device.type == "cpu" and _cpu_flash_attention is not None:
-        # (C, num_kv_heads, head_dim)
         prefix_keys, prefix_values = gather_kv(kv_cache, block_table, num_context, kv_scales, query.dtype)
         return _prefix_chunk_attention(q, prefix_keys, prefix_values, key, value, scale)
     keys, values = gather_kv(kv_cache, block_table, seq_len, kv_scales, query.dtype)  # (seq_len, kv_heads, head_dim)
-    # Bottom-right causal mask: query i (position num_context + i) sees keys 0..num_context + i.
+    # bottom-right causal: query i (position num_context + i) sees keys up to num_context + i
     key_pos = torch.arange(seq_len, device=query.device)
     query_pos = torch.arange(num_context, seq_len, device=query.device)
     mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # (Q, seq_len)
@@ -257,28 +238,16 @@ def _prefill_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
     return out[0].transpose(0, 1)  # (Q, num_heads, head_dim)
 
 
-# torch's fused CPU flash-attention kernel (what SDPA dispatches to for 4-D CPU inputs); called
-# directly because it also returns the log-sum-exp of each query row, which merging needs.
-# It handles grouped-query attention itself (num_kv_heads dividing num_heads).
+# SDPA's CPU flash kernel, called directly for the per-row log-sum-exp the merge needs (handles GQA)
 _cpu_flash_attention = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _prefix_chunk_attention(q: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor,
                             chunk_keys: torch.Tensor, chunk_values: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of Q chunk queries over C cached prefix tokens and (causally) the chunk itself.
-
-    Args:
-        q: (1, num_heads, Q, head_dim); prefix_keys/values: (C, num_kv_heads, head_dim);
-        chunk_keys/values: (Q, num_kv_heads, head_dim), the chunk's own K/V.
-    Returns:
-        (Q, num_heads, head_dim), dtype of ``q``.
-
-    Two flash-attention calls, neither with a mask (so nothing of size Q x (C + Q) is built,
-    and the causal one skips the key tiles above the diagonal): ``o1, lse1`` over the prefix,
-    ``o2, lse2`` causal over the chunk. Softmax over the union of two key sets is the
-    weighted mean of the two partial softmaxes with weights ``exp(lse_i)``, so
-    ``out = o1 + (o2 - o1) * sigmoid(lse2 - lse1)`` (the merge of FlashAttention's split-KV
-    / FlashDecoding, Dao et al. 2023). The log-sum-exps are float32.
+    """Q chunk queries over C cached keys (no mask) and, causally, the chunk's own keys: two flash calls
+    merged as ``o1 + (o2 - o1) * sigmoid(lse2 - lse1)`` (FlashDecoding's merge, Dao et al. 2023).
+    q (1, num_heads, Q, head_dim); prefix (C, num_kv_heads, head_dim); chunk (Q, num_kv_heads, head_dim)
+    -> (Q, num_heads, head_dim) in q's dtype.
     """
     dtype = q.dtype
     pk, pv = prefix_keys.transpose(0, 1).unsqueeze(0), prefix_values.transpose(0, 1).unsqueeze(0)
@@ -293,10 +262,9 @@ def _prefix_chunk_attention(q: torch.Tensor, prefix_keys: torch.Tensor, prefix_v
 def _prefill_one_masked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                         block_table: torch.Tensor, seq_len: int, scale: float, sliding_window: int | None,
                         logit_soft_cap: float | None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`_prefill_one` with a sliding window and/or attention-logit soft-capping: one
-    explicit-mask attention call (:func:`~pagedllm.attention.backend.masked_attention`). The
-    context is read back through ``block_table`` only from the first block the first query
-    token can see. Returns (Q, num_heads, head_dim)."""
+    """:func:`_prefill_one` with a sliding window and/or soft cap: one explicit-mask call, the context
+    read from the first block the first query can see. Returns (Q, num_heads, head_dim).
+    """
     query_len = query.shape[0]
     num_context = seq_len - query_len
     q = query.transpose(0, 1).unsqueeze(0)  # (1, num_heads, Q, head_dim)
@@ -306,9 +274,8 @@ def _prefill_one_masked(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if num_context == 0:
         keys, values = key, value  # (Q, num_kv_heads, head_dim)
     else:
-        # (S, kv_heads, hd)
         keys, values = gather_kv(kv_cache, block_table[first_block:], seq_len - first_key, kv_scales, query.dtype)
-    # Bottom-right causal mask: query i (position num_context + i) sees keys up to num_context + i.
+    # bottom-right causal: query i (position num_context + i) sees keys up to num_context + i
     mask = attention_mask(torch.arange(num_context, seq_len, device=query.device),
                           torch.arange(first_key, seq_len, device=query.device), sliding_window)  # (Q, S)
     out = masked_attention(q, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), mask, scale,

@@ -1,13 +1,6 @@
-"""The KV write (vLLM's ``reshape_and_cache``) as one Triton kernel launch.
-
-Each new token's key and value rows go to its slot of the paged cache
-(slot = block_id × block_size + offset, see :mod:`pagedllm.attention.backend`), cast to the
-cache dtype — or quantized for a float8 or int8 cache (:mod:`pagedllm.attention.triton_kv_dtype`:
-the torch backend's codes bit for bit; int8 writes each token's per-head scales beside the
-block). One program per token writes its ``num_kv_heads × head_dim`` keys and values;
-key/value may be strided views of the fused QKV projection (no copy to make them
-contiguous). A negative slot means "padding, write nothing" (a CUDA-graph batch padded to a
-captured size may carry such tokens).
+"""The KV write (vLLM's ``reshape_and_cache``) as one Triton launch: one program per token writes
+its keys and values (strided views of the fused QKV are fine) to its slot, cast or quantized
+(:mod:`~pagedllm.attention.triton_kv_dtype`). A negative slot (CUDA-graph padding) writes nothing.
 """
 
 from __future__ import annotations
