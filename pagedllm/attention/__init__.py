@@ -1,8 +1,7 @@
 """Paged attention: the backends, :func:`get_attention_backend`, and the :class:`Attention` layer.
 
 A backend is shared by a model's layers; each layer binds its constants once (``make_impl``)
-and reads the step's :class:`~pagedllm.attention.backend.AttentionMetadata` from the forward context.
-"""
+and reads the step's :class:`~pagedllm.attention.backend.AttentionMetadata` from the forward context."""
 
 from __future__ import annotations
 
@@ -26,15 +25,11 @@ BACKENDS = envs.ATTENTION_BACKEND.choices
 
 
 def get_attention_backend(device: torch.device | str, choice: str = "auto") -> AttentionBackend:
-    """The backend ``choice`` (``EngineConfig.attention_backend``) names for ``device``.
-
-    ``auto``: on CPU the C kernels (:class:`CpuPagedAttention`) when they build, else
-    :class:`TorchPagedAttention`; on CUDA FlashInfer when installed, else Triton when installed,
-    else torch. ``torch`` runs anywhere; ``cpu`` falls back to torch if the kernel does not build;
-    ``triton`` runs on CPU only under ``TRITON_INTERPRET=1``; ``flashinfer`` needs CUDA.
-    Raises ValueError naming ``attention_backend`` for an unknown name, a missing package or a
-    device the backend does not run on, and for a device type other than cpu and cuda.
-    """
+    """The backend ``choice`` (``EngineConfig.attention_backend``) names for ``device``: ``auto`` is the C
+    kernels on CPU when they build (else torch), FlashInfer, else Triton, else torch on CUDA.
+    ``cpu`` falls back to torch if the kernel does not build; ``triton`` runs on CPU only under
+    ``TRITON_INTERPRET=1``. Raises ValueError naming ``attention_backend`` for an unknown name, a
+    missing package or a device the backend does not run on, and for a device other than cpu/cuda."""
     device = torch.device(device)
     if choice not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {choice!r}")
@@ -73,8 +68,7 @@ class Attention(nn.Module):
     ``num_heads`` a multiple of ``num_kv_heads`` (ValueError otherwise); ``scale``, ``sliding_window``
     and ``logit_soft_cap`` are bound into the layer's :class:`AttentionImpl` once. The runner binds
     ``kv_cache`` (2, num_blocks, block_size, num_kv_heads, head_dim), an int8 cache's ``kv_scales``
-    (2, num_blocks, block_size, num_kv_heads) float32, and ``kv_cache_group`` (whose block tables it reads).
-    """
+    (2, num_blocks, block_size, num_kv_heads) float32, and ``kv_cache_group`` (whose block tables it reads)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  backend: AttentionBackend, sliding_window: int | None = None,
@@ -97,7 +91,6 @@ class Attention(nn.Module):
 
     @backend.setter
     def backend(self, backend: AttentionBackend) -> None:
-        """Run this layer on ``backend`` from now on, its constants kept."""
         self.impl = backend.make_impl(*self.impl.options)
 
     @property
@@ -112,8 +105,7 @@ class Attention(nn.Module):
         """query (T, num_heads, head_dim), key/value (T, num_kv_heads, head_dim) -> (T, num_heads, head_dim).
 
         Under torch.compile one opaque op (:mod:`pagedllm.compilation.attention_op`); while a pass is
-        recorded (:mod:`pagedllm.ops.recording`) one recorded call, rerun per replay for its own step.
-        """
+        recorded (:mod:`pagedllm.ops.recording`) one recorded call, rerun per replay for its own step."""
         if self.compiled_op_name is not None and torch.compiler.is_compiling():
             return torch.ops.pagedllm.paged_attention(query, key, value, self.compiled_op_name)
         rec = recording.current()

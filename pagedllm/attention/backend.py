@@ -2,8 +2,7 @@
 
 KV-cache layout per layer: ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K,
 1 = V). The token at position p of a request lives in slot
-``block_table[p // block_size] * block_size + p % block_size``, the one definition of "slot".
-"""
+``block_table[p // block_size] * block_size + p % block_size``, the one definition of "slot"."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ class AttentionMetadata:
         seq_lens:        [B] int32  context length after this step (cached + new)
         block_tables:    [B, max_num_blocks] int32, padded with 0
         num_decodes == num_decode_tokens: the leading requests with one query token
-        query_start_loc_cpu, seq_lens_cpu: host lists (no device sync)
-    """
+        query_start_loc_cpu, seq_lens_cpu: host lists (no device sync)"""
 
     slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor
@@ -49,18 +47,13 @@ class AttentionMetadata:
 class AttentionImpl:
     """One layer's attention on a backend, its constants bound once (vLLM's ``AttentionImpl``).
 
-    ``scale``: the softmax scale. ``sliding_window`` W or None: the token at position p attends to
-    keys p - W < k <= p (transformers' mask); blocks wholly before the window are never read.
-    ``logit_soft_cap`` c or None (0 = None): scores become ``c * tanh(s / c)`` before mask and softmax
-    (Gemma 2). Raises ValueError for a window < 1.
-
-    ``forward(query, key, value, kv_cache, metadata, kv_scales=None)`` writes the step's K/V into
-    ``kv_cache`` at ``metadata.slot_mapping`` and returns causal attention per request:
-    query (T, num_heads, head_dim), key/value (T, num_kv_heads, head_dim), kv_cache as above;
-    ``kv_scales``: an int8 cache's (2, num_blocks, block_size, num_kv_heads) float32 scales.
-    Returns (T, num_heads, head_dim) in query's dtype. Query head h reads KV head
-    h // (num_heads // num_kv_heads). Raises ValueError for layouts that do not match.
-    """
+    ``sliding_window`` W: position p attends to keys p - W < k <= p (blocks before are never read);
+    ``logit_soft_cap`` c: scores ``c * tanh(s / c)`` before mask and softmax (Gemma 2; 0 = None).
+    ``forward`` writes the step's K/V at ``metadata.slot_mapping`` (an int8 cache's scales into
+    ``kv_scales``) and returns causal attention per request: query (T, num_heads, head_dim),
+    key/value (T, num_kv_heads, head_dim) -> (T, num_heads, head_dim) in query's dtype; query head h
+    reads KV head h // (num_heads // num_kv_heads). Raises ValueError for a window < 1 or a layout
+    that does not match."""
 
     def __init__(self, backend: AttentionBackend, scale: float, sliding_window: int | None = None,
                  logit_soft_cap: float | None = None) -> None:
@@ -74,15 +67,24 @@ class AttentionImpl:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        check_shapes(query, key, kv_cache)
+        self.write_kv(key, value, kv_cache, metadata.slot_mapping, kv_scales)
+        return self._attend(query, key, value, kv_cache, metadata, kv_scales)
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scales: torch.Tensor | None) -> None:
+        write_kv_cache(key, value, kv_cache, slot_mapping, kv_scales)
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, kv_scales: torch.Tensor | None) -> torch.Tensor:
+        """The attention, the step's K/V already in the cache."""
         raise NotImplementedError
 
 
 class AttentionBackend:
-    """What one model's layers share: buffers and the current pass's plans (not thread-safe).
-
-    ``make_impl`` binds a layer's constants. ``supports_quantized_kv``: fp8/int8 caches;
-    ``supports_cuda_graphs``: no host sync, launch shapes from host-side sizes only.
-    """
+    """What a model's layers share: buffers and the current pass's plans (not thread-safe). ``make_impl``
+    binds a layer's constants; ``supports_quantized_kv``: fp8/int8 caches; ``supports_cuda_graphs``:
+    sync-free, launch shapes from host sizes."""
 
     impl_cls: type[AttentionImpl] = AttentionImpl
     supports_quantized_kv = False
@@ -205,8 +207,7 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
     query (..., Hq, Q, D); key, value (..., Hk, S, D), Hq a multiple of Hk; mask bool broadcastable
     to (..., Hq, Q, S), True = attend, every row seeing a key (None: causal, Q == S). Returns
-    (..., Hq, Q, D) in query's dtype.
-    """
+    (..., Hq, Q, D) in query's dtype."""
     key, value = key.to(query.dtype), value.to(query.dtype)
     if logit_soft_cap is None:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,

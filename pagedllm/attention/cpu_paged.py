@@ -6,8 +6,7 @@ same call. Prefills: FlashAttention-2's loop order over query tiles x KV heads, 
 and the chunk read in place. Both take sliding windows and soft caps. Plain C11 built on first use
 by :mod:`pagedllm.native` and loaded with ctypes; without a compiler the backend is the torch one.
 Decode kernel: float32/bfloat16/fp8/int8 caches, head_dim a multiple of 16 (<= 256), <= 256 heads;
-prefill kernel: float32/bfloat16 caches, head_dim a multiple of 64. Anything else runs the torch code.
-"""
+prefill kernel: float32/bfloat16 caches, head_dim a multiple of 64. Anything else runs the torch code."""
 
 from __future__ import annotations
 
@@ -104,14 +103,10 @@ class CpuPagedKernel:
                sliding_window: int | None = None, logit_soft_cap: float | None = None,
                kv_scales: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                num_threads: int = 1, write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Decode attention of requests ``[req_begin, req_end)`` into ``out``, after the K/V ``write``
-        ``(key, value, slots)`` if given; unchecked (the caller validates tables, seq_lens, slots once per step).
-
-        query, out (D, num_heads, head_dim) both float32 or both bfloat16, contiguous; kv_cache a
-        :meth:`supports` dtype, contiguous; block_tables (>= D, max_blocks) int32, unit last stride;
-        seq_lens (>= D,) int32 >= 1; k_scale, v_scale fp8's per-tensor scales. Raises MemoryError
-        when the per-thread scratch cannot be allocated.
-        """
+        """Decode attention of requests ``[req_begin, req_end)`` into ``out`` after the K/V ``write`` if given;
+        unchecked (the caller validates tables, seq_lens and slots). query, out (D, num_heads, head_dim)
+        both float32 or both bfloat16, contiguous; block_tables (>= D, max_blocks) int32, unit last
+        stride; seq_lens (>= D,) int32 >= 1. Raises MemoryError when the scratch cannot be allocated."""
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         kv_block_stride = block_size * num_kv_heads * head_dim
         k_scales = v_scales = 0
@@ -146,8 +141,7 @@ class CpuPagedKernel:
 
     def prefill_preferred(self, logit_soft_cap: float | None) -> bool:
         """Whether :meth:`prefill` beats the torch code for such a layer: always on AVX-512; elsewhere only
-        soft-capped layers, where torch has no flash path (benchmarks/prefill_attention.py).
-        """
+        soft-capped layers, where torch has no flash path (benchmarks/prefill_attention.py)."""
         return self.prefill_all_layers or bool(logit_soft_cap)
 
     def prefill_work_items(self, num_queries: int, num_context: int, num_heads: int, num_kv_heads: int,
@@ -168,8 +162,7 @@ class CpuPagedKernel:
                 sliding_window: int | None = None, logit_soft_cap: float | None = None) -> None:
         """Causal attention of one request's Q new tokens over its cached keys, read in place through
         ``block_table`` (int32, K/V already written), for items ``[item_begin, item_end)``; unchecked.
-        query, out (Q, num_heads, head_dim) both float32 or both bfloat16. Raises MemoryError on scratch failure.
-        """
+        query, out (Q, num_heads, head_dim) both float32 or both bfloat16. Raises MemoryError on scratch failure."""
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         kv_block_stride = block_size * num_kv_heads * head_dim
         status = self._prefill_fns[kv_cache.dtype](
@@ -188,8 +181,7 @@ _loaded: dict[str, CpuPagedKernel | None] = {}
 
 def load_kernel() -> CpuPagedKernel | None:
     """The kernel built by ``$CC`` (default ``cc``) and cached by :mod:`pagedllm.native`, memoised per
-    compiler; None, after one warning, when the build or load fails.
-    """
+    compiler; None, after one warning, when the build or load fails."""
     compiler = os.environ.get("CC", "cc")
     with _load_lock:
         if compiler not in _loaded:
@@ -212,7 +204,6 @@ _pool_size = 0
 
 
 def _get_pool(num_workers: int) -> ThreadPoolExecutor:
-    """A process-wide pool of at least ``num_workers`` threads."""
     global _pool, _pool_size
     with _pool_lock:
         if _pool is None or _pool_size < num_workers:
@@ -247,16 +238,14 @@ class _KernelPlan:
 class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
     """One layer on :class:`CpuPagedAttention`: the torch impl with the decodes, prefills and float32/bfloat16
     K/V write in C where the kernel takes the cache. Also raises ValueError for a block table naming
-    a block outside the cache or too short for its seq_len.
-    """
+    a block outside the cache or too short for its seq_len."""
 
     backend: CpuPagedAttention
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """In a decode-only step the first layer on the one-call path (write + decode) plans it for the
-        others (:class:`DecodePlan`): a later matching layer only supplies its pointers.
-        """
+        others (:class:`DecodePlan`): a later matching layer only supplies its pointers."""
         backend = self.backend
         decode_plan = backend.planned_decode
         if (decode_plan is not None and kv_scales is None and decode_plan.owner is current_context(metadata)
@@ -286,8 +275,7 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
                      metadata: AttentionMetadata, plan: _KernelPlan, kv_scales: torch.Tensor | None
                      ) -> DecodePlan | None:
         """The step's :class:`DecodePlan`, kept for the next layers, when it makes this call exactly as
-        :meth:`forward` would; else None.
-        """
+        :meth:`forward` would; else None."""
         backend = self.backend
         kernel = backend.kernel
         owner = current_context(metadata)
@@ -308,8 +296,7 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
                 out: torch.Tensor, kv_scales: torch.Tensor | None = None,
                 write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         """The decodes into ``out`` (D, num_heads, head_dim) after the K/V ``write``: one OpenMP call, or
-        request ranges of about equal context on the thread pool.
-        """
+        request ranges of about equal context on the thread pool."""
         kernel = self.backend.kernel
         if not (kernel is not None and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
                 and kernel.supports(kv_cache.dtype, query.shape[1], kv_cache.shape[-1])
@@ -336,8 +323,7 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  metadata: AttentionMetadata, output: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
         """The prefills' rows of ``output`` in the C kernel, each request's prefix and chunk read in place;
-        the torch code where the kernel does not take the cache or is slower (:meth:`CpuPagedKernel.prefill_preferred`).
-        """
+        the torch code where the kernel does not take the cache or is slower (:meth:`CpuPagedKernel.prefill_preferred`)."""
         backend = self.backend
         kernel = backend.kernel
         num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
@@ -374,8 +360,7 @@ class CpuPagedAttention(TorchPagedAttention):
         kernel: a loaded :class:`CpuPagedKernel`; default :func:`load_kernel`.
         min_tokens_per_thread: work each thread must get before the work is split.
         plan_decodes: plan a decode-only step's call once for all layers (:class:`DecodePlan`).
-    Raises ValueError for ``num_threads`` or ``min_tokens_per_thread`` < 1.
-    """
+    Raises ValueError for ``num_threads`` or ``min_tokens_per_thread`` < 1."""
 
     impl_cls = CpuPagedAttentionImpl
 
@@ -448,8 +433,7 @@ class CpuPagedAttention(TorchPagedAttention):
 
 def _io_tensors(query: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``query`` and ``out`` themselves when contiguous and of one :data:`_IO_DTYPES` dtype, else a float32
-    copy and buffer (the caller copies the result into ``out``).
-    """
+    copy and buffer (the caller copies the result into ``out``)."""
     if query.dtype in _IO_DTYPES and out.dtype == query.dtype and query.is_contiguous() and out.is_contiguous():
         return query, out
     q = query.to(torch.float32).contiguous()
@@ -464,8 +448,7 @@ def _rows_fit(new: torch.Tensor) -> bool:
 
 def _checked_slots(slot_mapping: torch.Tensor, num_slots: int) -> torch.Tensor | None:
     """The slot mapping as (T,) int64 contiguous CPU when every slot is in the cache, else None
-    (the torch write then raises its own error).
-    """
+    (the torch write then raises its own error)."""
     slots = slot_mapping.to(device="cpu", dtype=torch.int64).contiguous()
     if slots.dim() != 1 or (slots.numel() and not (int(slots.min()) >= 0 and int(slots.max()) < num_slots)):
         return None
@@ -491,8 +474,7 @@ def _run_split(fn, ranges: list[tuple[int, int]], *args) -> None:
 def _validate_tables(tables: torch.Tensor, lens: list[int], num_blocks: int, block_size: int,
                      kind: str = "decode", first_row: int = 0) -> None:
     """Check once per step that every read stays in the cache (the kernel trusts its inputs); ``kind``
-    and ``first_row`` name the request in the error. Raises ValueError.
-    """
+    and ``first_row`` name the request in the error. Raises ValueError."""
     max_blocks = tables.shape[1]
     if min(lens) < 1 or max(lens) > max_blocks * block_size:
         raise ValueError(f"{kind} seq_lens must be in [1, {max_blocks * block_size}] (block_tables width "
@@ -510,8 +492,7 @@ def _validate_tables(tables: torch.Tensor, lens: list[int], num_blocks: int, blo
 
 def _balanced_ranges(lens: list[int], num_parts: int) -> list[tuple[int, int]]:
     """Requests split into at most ``num_parts`` contiguous non-empty ranges of about equal total
-    context (the kernel's cost is linear in it).
-    """
+    context (the kernel's cost is linear in it)."""
     num_reqs = len(lens)
     num_parts = max(1, min(num_parts, num_reqs))
     cumulative = list(itertools.accumulate(lens))

@@ -2,8 +2,7 @@
 
 Every layer of such a step passes the same arguments but its KV cache, query, new K/V and output:
 the plan fills ``struct paged_decode_call`` once, and each later layer whose tensors match writes
-five pointers and makes a one-argument call (the same kernel and arguments: bitwise the same).
-"""
+five pointers and makes a one-argument call (the same kernel and arguments: bitwise the same)."""
 
 from __future__ import annotations
 
@@ -32,20 +31,11 @@ class DecodeCall(ctypes.Structure):
 
 
 class DecodePlan:
-    """The K/V write and decode of a decode-only step's D requests (float32/bfloat16 cache, query
-    and K/V of one such dtype, OpenMP build).
-
-    Args:
-        owner: the step's forward context (the plan is valid while it is current).
-        fn: the kernel's ``paged_decode_<format>_call`` (ctypes, takes the struct's pointer).
-        impl: the first layer's impl; its options are the plan's.
-        query (D, num_heads, head_dim) contiguous; key, value (D, num_kv_heads, head_dim) in
-            query's dtype, unit strides within a row; kv_cache contiguous: the first layer's,
-            whose shapes, dtypes and strides every later layer must match.
-        block_tables (D, max_blocks) int32, unit last stride; seq_lens (D,) int32; slots (D,)
-            int64: validated by the caller, kept alive by the plan.
-        num_threads: the OpenMP team size.
-    """
+    """The K/V write and decode of a decode-only step (float32/bfloat16 cache, query and K/V of one
+    such dtype, OpenMP build), planned from the first layer's ``impl`` and tensors (whose shapes,
+    dtypes and strides later layers must match) and the validated ``block_tables`` (D, max_blocks)
+    int32, ``seq_lens`` (D,) int32 and ``slots`` (D,) int64 it keeps alive; valid while ``owner`` is
+    the current forward context."""
 
     def __init__(self, owner: ForwardContext, fn, impl: AttentionImpl, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

@@ -5,8 +5,7 @@ FlashInfer (Ye et al., 2025) reads a paged cache through a CSR page table; the e
 page, so nothing is copied. Per forward pass, KV-cache group and layer options the block tables
 become CSR once and a decode and a prefill wrapper (``causal=True``, bottom-right aligned) are
 planned, shared by the layers with the same options. ``window_left = sliding_window - 1``.
-Float caches only (no int8 with per token-and-head scales); no CUDA graphs (its plan runs on the host).
-"""
+Float caches only (no int8 with per token-and-head scales); no CUDA graphs (its plan runs on the host)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata, ForwardContext,
-                                        check_shapes, get_forward_context, write_kv_cache)
+                                        get_forward_context)
 from pagedllm.utils import cdiv
 
 _WORKSPACE_BYTES = 256 * 1024**2
@@ -52,10 +51,8 @@ class FlashInferPagedAttentionImpl(AttentionImpl):
 
     backend: FlashInferPagedAttention
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-        check_shapes(query, key, kv_cache)
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, kv_scales: torch.Tensor | None) -> torch.Tensor:
         out = torch.empty_like(query)
         decode, prefill = self.backend.planned(self, metadata, kv_cache, query.shape[1], query.dtype)
         caches = (kv_cache[0], kv_cache[1])  # each (num_blocks, block_size, num_kv_heads, head_dim): NHD

@@ -2,8 +2,7 @@
 
 PagedAttention (Kwon et al., SOSP 2023) as gathers + SDPA: decodes batched through their block
 tables into a reusable workspace (GQA folded into the query axis, K/V never repeated); prefills
-one request at a time, the cached prefix and the chunk merged by log-sum-exp on CPU.
-"""
+one request at a time, the cached prefix and the chunk merged by log-sum-exp on CPU."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata, ForwardContext,
-                                        attention_mask, check_shapes, current_context, masked_attention,
-                                        read_kv_blocks, write_kv_cache)
+                                        attention_mask, current_context, masked_attention, read_kv_blocks)
 from pagedllm.quantization.kv_cache import round_trip_kv
 from pagedllm.utils import cdiv
 
@@ -38,12 +36,6 @@ class TorchPagedAttentionImpl(AttentionImpl):
     """One layer on :class:`TorchPagedAttention` (contract: :class:`~pagedllm.attention.backend.AttentionImpl`)."""
 
     backend: TorchPagedAttention
-
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-        check_shapes(query, key, kv_cache)
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
-        return self._attend(query, key, value, kv_cache, metadata, kv_scales)
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, kv_scales: torch.Tensor | None, **decode_options) -> torch.Tensor:
@@ -90,8 +82,7 @@ class TorchPagedAttention(AttentionBackend):
     current pass's decode plans (one per sliding window).
 
     ``max_workspace_bytes``: cap on the decode gather buffer (larger batches run in groups of
-    requests); default 8 MiB on CPU, 1 GiB on CUDA. Raises ValueError when not positive.
-    """
+    requests); default 8 MiB on CPU, 1 GiB on CUDA. Raises ValueError when not positive."""
 
     impl_cls = TorchPagedAttentionImpl
     supports_quantized_kv = True
@@ -156,8 +147,7 @@ def _full_decode_plan(owner: ForwardContext | None, metadata: AttentionMetadata,
 def _window_decode_plan(owner: ForwardContext | None, metadata: AttentionMetadata, block_size: int,
                         window: int) -> _DecodePlan:
     """Each decode reads only the blocks of its last ``window`` tokens (at most
-    (window - 1) // block_size + 2 from its first needed one).
-    """
+    (window - 1) // block_size + 2 from its first needed one)."""
     num_decodes = metadata.num_decodes
     device = metadata.seq_lens.device
     seq_lens = metadata.seq_lens[:num_decodes].long()  # (D,)
@@ -181,8 +171,7 @@ def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
                   logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of D one-token requests: query (D, num_heads, head_dim), block_tables (D, nb)
     int32 (padding masked out), mask (D, 1, 1, nb * block_size) bool, workspace of the cache's dtype
-    -> (D, num_heads, head_dim).
-    """
+    -> (D, num_heads, head_dim)."""
     num_reqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     nb = block_tables.shape[1]
@@ -209,8 +198,7 @@ def _prefill_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
     A cached prefix (chunked prefill, prefix hit) and the chunk are merged by log-sum-exp on CPU,
     one SDPA with a bottom-right causal mask elsewhere; 4-D inputs only (3-D take SDPA's math path).
     Fresh K/V are first rounded as a lower-precision cache stores them, so a prefill sees the same
-    values however its prefix was computed. Windows and soft caps: :func:`_prefill_one_masked`.
-    """
+    values however its prefix was computed. Windows and soft caps: :func:`_prefill_one_masked`."""
     if kv_cache.dtype != query.dtype:  # attend over the K/V as stored, as every later read will
         key, value = round_trip_kv(key, kv_cache.dtype, query.dtype), round_trip_kv(value, kv_cache.dtype, query.dtype)
     if sliding_window is not None or logit_soft_cap is not None:
@@ -247,8 +235,7 @@ def _prefix_chunk_attention(q: torch.Tensor, prefix_keys: torch.Tensor, prefix_v
     """Q chunk queries over C cached keys (no mask) and, causally, the chunk's own keys: two flash calls
     merged as ``o1 + (o2 - o1) * sigmoid(lse2 - lse1)`` (FlashDecoding's merge, Dao et al. 2023).
     q (1, num_heads, Q, head_dim); prefix (C, num_kv_heads, head_dim); chunk (Q, num_kv_heads, head_dim)
-    -> (Q, num_heads, head_dim) in q's dtype.
-    """
+    -> (Q, num_heads, head_dim) in q's dtype."""
     dtype = q.dtype
     pk, pv = prefix_keys.transpose(0, 1).unsqueeze(0), prefix_values.transpose(0, 1).unsqueeze(0)
     ck, cv = chunk_keys.transpose(0, 1).unsqueeze(0), chunk_values.transpose(0, 1).unsqueeze(0)
@@ -263,8 +250,7 @@ def _prefill_one_masked(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                         block_table: torch.Tensor, seq_len: int, scale: float, sliding_window: int | None,
                         logit_soft_cap: float | None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`_prefill_one` with a sliding window and/or soft cap: one explicit-mask call, the context
-    read from the first block the first query can see. Returns (Q, num_heads, head_dim).
-    """
+    read from the first block the first query can see. Returns (Q, num_heads, head_dim)."""
     query_len = query.shape[0]
     num_context = seq_len - query_len
     q = query.transpose(0, 1).unsqueeze(0)  # (1, num_heads, Q, head_dim)

@@ -5,8 +5,7 @@ even; int8 with one float32 scale per token and KV head (``max|x| / 127``) in
 ``kv_scales[2, num_blocks, block_size, num_kv_heads]``. float8 is encoded with integer arithmetic
 on uint8 views (Giesen's float-to-half rounding): Triton's float8 types convert natively only on
 compute capability 8.9+ and the interpreter flushes subnormals. Divisions are ``div_rn``. Reads
-fold the scales into the score columns (K) and the softmax weights (V).
-"""
+fold the scales into the score columns (K) and the softmax weights (V)."""
 
 from __future__ import annotations
 

@@ -3,14 +3,13 @@
 Per layer and step: the KV write (:mod:`~pagedllm.attention.triton_kv_write`), then the unified
 varlen kernel for the whole mixed batch (:mod:`~pagedllm.attention.triton_unified`), or, for a
 small decode-only batch with long contexts, split-KV decoding (:mod:`~pagedllm.attention.triton_split_kv`).
-Every choice reads host-side sizes only, so a step is sync-free and CUDA-graph capturable.
-"""
+Every choice reads host-side sizes only, so a step is sync-free and CUDA-graph capturable."""
 
 from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata, check_shapes
+from pagedllm.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
 from pagedllm.attention.triton_kv_write import write_kv_cache_triton
 from pagedllm.attention.triton_split_kv import choose_num_splits, split_kv_decode
 from pagedllm.attention.triton_unified import unified_attention
@@ -22,10 +21,12 @@ class TritonPagedAttentionImpl(AttentionImpl):
 
     backend: TritonPagedAttention
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-        check_shapes(query, key, kv_cache)
-        write_kv_cache_triton(key, value, kv_cache, metadata.slot_mapping, kv_scales)
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scales: torch.Tensor | None) -> None:
+        write_kv_cache_triton(key, value, kv_cache, slot_mapping, kv_scales)
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, kv_scales: torch.Tensor | None) -> torch.Tensor:
         if query.stride(-1) != 1:
             query = query.contiguous()
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -48,8 +49,7 @@ class TritonPagedAttention(AttentionBackend):
     Args:
         split_kv_max_programs: split-KV for a decode-only batch when requests x KV heads is below
             this (about a large GPU's SM count);
-        split_kv_min_seq_len: ... and its longest context has at least this many tokens.
-    """
+        split_kv_min_seq_len: ... and its longest context has at least this many tokens."""
 
     impl_cls = TritonPagedAttentionImpl
     supports_cuda_graphs = True

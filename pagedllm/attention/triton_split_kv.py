@@ -3,8 +3,7 @@
 Each request's keys split into ``num_splits`` ranges run in parallel, each writing its acc_s, m_s,
 l_s; the reduction is exact: ``M = max_s m_s``, ``out = Σ exp(m_s − M) acc_s / Σ exp(m_s − M) l_s``.
 Ranges are computed in the kernel from ``seq_len``, so the launch shape depends only on the batch
-size (CUDA graphs); an empty split writes m = -inf, l = 0. One query token per request.
-"""
+size (CUDA graphs); an empty split writes m = -inf, l = 0. One query token per request."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.attention.triton_kv_dtype import kernel_view, kv_format, native_fp8
-from pagedllm.attention.triton_unified import (_check_options, attend_key_tile, dot_precision, key_tile, scale_pointers,
+from pagedllm.attention.triton_unified import (attend_key_tile, checked_launch, dot_precision, key_tile,
                                                upcast_for_interpreter)
 
 
@@ -117,20 +116,15 @@ def split_kv_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
     Arguments as :func:`~pagedllm.attention.triton_unified.unified_attention` (request b's query row is
     ``query_start_loc[b]``); scratch: B x num_heads x num_splits x (head_dim + 2) float32.
-    Raises ValueError for a bad head grouping, ``num_splits < 1``, a bad option or ``kv_scales``.
-    """
+    Raises ValueError for a bad head grouping, ``num_splits < 1``, a bad option or ``kv_scales``."""
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    _check_options(sliding_window, logit_soft_cap)
-    k_scales, v_scales = scale_pointers(key_cache, kv_scales)
+    group, k_scales, v_scales = checked_launch(query, key_cache, sliding_window, logit_soft_cap, kv_scales)
     num_decodes = seq_lens.shape[0]
     if num_decodes == 0:
         return
-    group = num_heads // num_kv_heads
     part_acc = torch.empty(num_decodes, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     part_m = torch.empty(num_decodes, num_heads, num_splits, dtype=torch.float32, device=query.device)
     part_l = torch.empty_like(part_m)

@@ -6,8 +6,7 @@ request x one KV head (``BLOCK_M = BLOCK_Q x group`` rows, GQA), walks that requ
 ``TILE_N`` tiles through the block table, and keeps m, l, acc in float32. The grid
 ``(num_tokens // BLOCK_Q + num_reqs, num_kv_heads)`` depends only on host sizes (CUDA graphs);
 a program finds its request by binary search over ``query_start_loc``. fp8/int8 tiles are
-dequantized as they load (:mod:`~pagedllm.attention.triton_kv_dtype`).
-"""
+dequantized as they load (:mod:`~pagedllm.attention.triton_kv_dtype`)."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ def attend_key_tile(q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_le
     """One online-softmax step of request ``seq`` over key tile j: q (BLOCK_M, BLOCK_D) at positions
     q_pos; m_i, l_i (BLOCK_M,), acc (BLOCK_M, BLOCK_D) float32 -> updated (m_i, l_i, acc). Keys before
     ``first_key`` are never read (stale table entries). A quantized cache's scales multiply the
-    score columns (K) and the softmax weights (V).
-    """
+    score columns (K) and the softmax weights (V)."""
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     key_pos = j * TILE_N + tl.arange(0, TILE_N)  # (TILE_N,) positions of this tile's keys
@@ -155,8 +153,7 @@ def _unified_attention_kernel(
 
 def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_Q): rows per program (>= 16, the smallest ``tl.dot``) and query tokens per tile:
-    one token per tile for decode-only batches, 64-row tiles with prefills.
-    """
+    one token per tile for decode-only batches, 64-row tiles with prefills."""
     rows = max(16, triton.next_power_of_2(group))
     if max_query_len > 1:
         rows = max(64, rows)
@@ -192,18 +189,13 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     int32, seq_lens (B,) int32, query_start_loc (B + 1,) int32; max_query_len a host int;
     kv_scales an int8 cache's (2, num_blocks, block_size, num_kv_heads) float32; k_scale, v_scale
     fp8's per-tensor scales. Raises ValueError for a bad head grouping, a non-positive window or
-    cap, or ``kv_scales`` that do not fit.
-    """
+    cap, or ``kv_scales`` that do not fit."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    _check_options(sliding_window, logit_soft_cap)
-    k_scales, v_scales = scale_pointers(key_cache, kv_scales)
+    group, k_scales, v_scales = checked_launch(query, key_cache, sliding_window, logit_soft_cap, kv_scales)
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return
-    group = num_heads // num_kv_heads
     block_m, block_q = tile_shape(group, max_query_len)
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _unified_attention_kernel[grid](
@@ -219,10 +211,20 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     )
 
 
+def checked_launch(query: torch.Tensor, key_cache: torch.Tensor, sliding_window: int | None,
+                   logit_soft_cap: float | None, kv_scales: torch.Tensor | None) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(query heads per KV head, key scales, value scales) of a launch. Raises ValueError for a bad
+    head grouping, a non-positive window or cap, or ``kv_scales`` that do not fit."""
+    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    _check_options(sliding_window, logit_soft_cap)
+    return (num_heads // num_kv_heads, *scale_pointers(key_cache, kv_scales))
+
+
 def scale_pointers(key_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's key and value scale tensors (``kv_scales[0]``, ``[1]``; the key cache as a never-read
-    placeholder otherwise). Raises ValueError when ``kv_scales`` does not fit.
-    """
+    placeholder otherwise). Raises ValueError when ``kv_scales`` does not fit."""
     check_kv_scales(key_cache.unsqueeze(0).expand(2, *key_cache.shape), kv_scales)
     if kv_scales is None:
         return key_cache, key_cache

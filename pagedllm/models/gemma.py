@@ -2,8 +2,7 @@
 
 embeddings times ``sqrt(hidden_size)``; four ``(1 + w)`` float32 RMSNorms per layer (no residual
 fusion); GeGLU; scale ``query_pre_attn_scalar ** -0.5``; interleaved sliding-window layers;
-Gemma 2: attention- and final-logit soft caps; Gemma 3: q/k norms and per-layer-type rotary tables.
-"""
+Gemma 2: attention- and final-logit soft caps; Gemma 3: q/k norms and per-layer-type rotary tables."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Which layers use a sliding window, from a transformers config, without torch (the KV-cache
 manager and the models read it): ``layer_types`` with one ``sliding_window``, or (Mistral,
-Phi-3) only ``sliding_window``, then on every layer.
-"""
+Phi-3) only ``sliding_window``, then on every layer."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ FULL = "full_attention"
 
 def layer_types(config: Any) -> list[str]:
     """``"sliding_attention"`` or ``"full_attention"`` per layer. Raises ValueError for a
-    ``layer_types`` of the wrong length or with another attention type.
-    """
+    ``layer_types`` of the wrong length or with another attention type."""
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)

@@ -3,8 +3,7 @@
 transformers' ``LlamaForCausalLM`` restructured for serving: a flat batch of T tokens (no
 padding; the step's ``AttentionMetadata`` says which request each belongs to), q/k/v and
 gate/up fused into one matmul each, the residual add fused into the next RMSNorm (nano-vllm).
-Other families override the hooks (``_attention``, ``_mlp``, ``_decoder_layer``, ...).
-"""
+Other families override the hooks (``_attention``, ``_mlp``, ``_decoder_layer``, ...)."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 cos_sin: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden, residual (T, hidden) (residual None at the first layer) -> (mlp_out, residual).
-        Sub-modules are called through ``forward``: no hook dispatch per layer.
-        """
+        Sub-modules are called through ``forward``: no hook dispatch per layer."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm.forward(hidden)
         else:
@@ -95,8 +93,7 @@ class LlamaForCausalLM(nn.Module):
 
     Parameters are uninitialized until :meth:`load_weights`. With tensor parallelism
     ``num_heads``/``num_kv_heads`` are this rank's, ``total_num_heads``/``total_num_kv_heads``
-    the model's. Raises ValueError for config values not implemented (rope type, activation).
-    """
+    the model's. Raises ValueError for config values not implemented (rope type, activation)."""
 
     norm_class: type[nn.Module] = RMSNorm
     # HF projection -> (fused module, shard index): checkpoints store q/k/v and gate/up apart.
@@ -177,8 +174,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions (T,) int64 -> (T, hidden_size) final hidden states. Without step
-        metadata (``set_forward_context(None)``) the tokens are one causal sequence, no cache touched.
-        """
+        metadata (``set_forward_context(None)``) the tokens are one causal sequence, no cache touched."""
         return self.model(input_ids, self.rope_rows(positions))
 
     def rope_rows(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -191,8 +187,7 @@ class LlamaForCausalLM(nn.Module):
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Layer i gets ``kv_caches[i]`` (2, num_blocks, block_size, num_kv_heads, head_dim); [] unbinds.
-        Raises ValueError for a wrong count or layout.
-        """
+        Raises ValueError for a wrong count or layout."""
         layers = self.model.layers
         if kv_caches and len(kv_caches) != len(layers):
             raise ValueError(f"kv_caches must have one tensor per layer ({len(layers)}), got {len(kv_caches)}")
@@ -210,8 +205,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors into the (fused) parameters in the model dtype.
 
         Raises ValueError for an unknown name, a shape mismatch (both shapes named), or the
-        parameters never filled.
-        """
+        parameters never filled."""
         unpack_linears(self)
         params = dict(self.named_parameters(remove_duplicate=False))
         modules = dict(self.named_modules())

@@ -1,6 +1,5 @@
 """Mistral and Phi-3: Llama with an optional ``sliding_window`` on every layer; Phi-3 checkpoints
-store ``qkv_proj`` and ``gate_up_proj`` fused, the engine's own layout.
-"""
+store ``qkv_proj`` and ``gate_up_proj`` fused, the engine's own layout."""
 
 from __future__ import annotations
 

@@ -34,8 +34,7 @@ def supported_architectures() -> list[str]:
 
 def get_model_class(hf_config: Any) -> type[nn.Module]:
     """The model class for ``hf_config.architectures[0]`` (``model_type`` only for a config without
-    architectures). Raises ValueError naming the architecture and listing the supported ones.
-    """
+    architectures). Raises ValueError naming the architecture and listing the supported ones."""
     architectures = list(getattr(hf_config, "architectures", None) or [])
     model_type = getattr(hf_config, "model_type", None)
     arch = architectures[0] if architectures else _MODEL_TYPES.get(model_type)

@@ -1,6 +1,5 @@
 """Building blocks shared by every model family, one concept per module (linear, norm, rotary,
-activation and mlp, embedding, moe, tensor_parallel, attention).
-"""
+activation and mlp, embedding, moe, tensor_parallel, attention)."""
 
 from pagedllm.models.layers.attention import SelfAttention
 from pagedllm.models.layers.embedding import LMHead, VocabEmbedding

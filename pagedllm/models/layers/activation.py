@@ -34,8 +34,7 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """``act(gate) * up`` for ``gate_up`` (T, 2I) = [gate | up] -> (T, I); on CPU one fused kernel
-    (:mod:`pagedllm.ops.activation`). Raises ValueError for an unknown activation name.
-    """
+    (:mod:`pagedllm.ops.activation`). Raises ValueError for an unknown activation name."""
     out = act_and_mul(gate_up, activation)  # None: the fused kernel does not apply
     if out is not None:
         return out

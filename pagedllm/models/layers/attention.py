@@ -1,7 +1,6 @@
 """The self-attention block of a decoder layer: fused q/k/v projection, optional per-head q/k
 norm (Qwen 3, Gemma 3), rotary embedding, paged attention, output projection. Family
-differences are arguments; on CPU q/k norm and rotation are one fused kernel (:mod:`pagedllm.ops.rotary`).
-"""
+differences are arguments; on CPU q/k norm and rotation are one fused kernel (:mod:`pagedllm.ops.rotary`)."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ class SelfAttention(nn.Module):
         backend: the runner's attention backend; scale: default ``head_dim ** -0.5``.
         qk_norm: ``cls(head_dim, eps)`` applied per head of q and k before the rotation, or None.
         sliding_window, logit_soft_cap: see :class:`~pagedllm.attention.backend.AttentionImpl`.
-        rope_key: which of the model's rotary tables this layer uses (Gemma 3: per layer type).
-    """
+        rope_key: which of the model's rotary tables this layer uses (Gemma 3: per layer type)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  backend: AttentionBackend, *, scale: float | None = None, qkv_bias: bool = False,

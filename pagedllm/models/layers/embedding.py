@@ -27,8 +27,7 @@ class VocabEmbedding(nn.Embedding):
 
 class LMHead(Linear):
     """hidden (N, hidden) -> logits (N, vocab) float32 (a bfloat16 head on the skinny GEMM returns its
-    float32 sums). With ``soft_cap`` c: ``c * tanh(logits / c)`` in the model dtype (Gemma 2).
-    """
+    float32 sums). With ``soft_cap`` c: ``c * tanh(logits / c)`` in the model dtype (Gemma 2)."""
 
     # its rows are the sampled ones: no oneDNN copy of the (vocab x hidden) weight
     onednn_for_many_rows = False

@@ -1,6 +1,5 @@
 """Linear projections: plain, and several projections of one input fused into one matmul
-(:class:`MergedLinear`, whose rows the loader fills per checkpoint tensor via :meth:`~MergedLinear.shard`).
-"""
+(:class:`MergedLinear`, whose rows the loader fills per checkpoint tensor via :meth:`~MergedLinear.shard`)."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ class Linear(nn.Linear):
     The copy lives on the CPU: pack after the model reaches its device. A run-time weight format
     (:mod:`pagedllm.quantization`) sets ``quant_method``, which then owns the weight and the matmul
     (vLLM's ``LinearMethod``). ``bf16_math`` (opt-in, float32, AMX only): oneDNN multiplies in
-    bfloat16 and accumulates in float32 for at least :data:`BF16_MATH_MIN_ROWS` rows; greedy outputs can change.
-    """
+    bfloat16 and accumulates in float32 for at least :data:`BF16_MATH_MIN_ROWS` rows; greedy outputs can change."""
 
     packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout
     skinny_weight: skinny_gemm.SkinnyWeight | None = None
@@ -54,8 +52,7 @@ class Linear(nn.Linear):
 
     def skinny_for(self, x: torch.Tensor) -> skinny_gemm.SkinnyWeight | None:
         """The skinny GEMM weight that runs ``x`` (2-D, contiguous rows, at most ``max_rows``, its dtype,
-        no grad), or None (oneDNN or ``F.linear`` does).
-        """
+        no grad), or None (oneDNN or ``F.linear`` does)."""
         skinny = self.skinny_weight
         if skinny is not None and x.shape[0] <= skinny.max_rows and x.dtype == skinny.dtype \
                 and x.dim() == 2 and x.stride(1) == 1 and not (x.requires_grad and torch.is_grad_enabled()):
@@ -67,8 +64,7 @@ class Linear(nn.Linear):
 
         The copies are extra memory and do not follow later edits of ``self.weight``: pack again
         after changing weights (recorded CPU decode graphs are dropped, :func:`packing_generation`).
-        ``batch_hint``: the row count oneDNN's layout is chosen for.
-        """
+        ``batch_hint``: the row count oneDNN's layout is chosen for."""
         self.unpack()  # (counts as a packing change: see packing_generation)
         w = getattr(self, "weight", None)
         if w is None or self.quant_method is not None or w.device.type != "cpu":
@@ -110,8 +106,7 @@ class CpuPacking:
 def cpu_packing(dtype: torch.dtype, in_features: int, bf16_math: bool = False,
                 onednn_for_many_rows: bool = True) -> CpuPacking:
     """Which packed copies :meth:`Linear.pack_for_cpu` makes here for a weight of ``dtype``: the one
-    rule the packing and the capacity plan (:func:`cpu_packed_copy_bytes`) share.
-    """
+    rule the packing and the capacity plan (:func:`cpu_packed_copy_bytes`) share."""
     if dtype not in (torch.float32, torch.bfloat16):
         return CpuPacking(False, False, False)
     bf16_math = bf16_math and dtype == torch.float32 and bf16_math_supported()  # refused: float32 as usual
@@ -135,8 +130,7 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 def cpu_packed_copy_bytes(out_features: int, in_features: int, dtype: torch.dtype, bias: bool = False,
                           onednn_for_many_rows: bool = True) -> int:
     """Bytes :meth:`Linear.pack_for_cpu` would add here next to an ``(out_features, in_features)``
-    weight of ``dtype``, without packing (``pagedllm plan``).
-    """
+    weight of ``dtype``, without packing (``pagedllm plan``)."""
     plan = cpu_packing(dtype, in_features, onednn_for_many_rows=onednn_for_many_rows)
     elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 0
     total = out_features * in_features * elem if plan.onednn else 0  # oneDNN's blocked layout: no padding
@@ -150,8 +144,7 @@ _packing_generation = 0  # bumped by every Linear.unpack (so by every pack_for_c
 
 def packing_generation() -> int:
     """Changes whenever any :class:`Linear` is packed or unpacked: what was recorded against the
-    packed copies (:mod:`pagedllm.worker.cpu_graph`) is stale once it differs.
-    """
+    packed copies (:mod:`pagedllm.worker.cpu_graph`) is stale once it differs."""
     return _packing_generation
 
 
@@ -163,8 +156,7 @@ def fp32_rows_use_onednn() -> bool:
     """Whether float32 linears of more rows than the skinny GEMM takes run from a oneDNN packed copy
     instead of ``F.linear`` (MKL takes AVX2 paths on non-Intel CPUs; ``benchmarks/linear_kernels.py``).
     ``PAGEDLLM_CPU_FP32_PREFILL_LINEAR``: auto (non-Intel CPUs), onednn, blas. Read once per process;
-    raises ValueError for another value.
-    """
+    raises ValueError for another value."""
     value = envs.cpu_fp32_prefill_linear()
     if value != "auto":
         return value == "onednn"
@@ -214,8 +206,7 @@ def _packed_linear_bf16_math(x: torch.Tensor, packed: torch.Tensor, bias: torch.
 
 class MergedLinear(Linear):
     """Projections of one input stacked on the output axis (``output_sizes`` rows each, in order):
-    ``forward`` returns (T, sum(output_sizes)).
-    """
+    ``forward`` returns (T, sum(output_sizes))."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
         super().__init__(in_features, sum(output_sizes), bias=bias)

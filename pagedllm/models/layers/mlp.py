@@ -1,6 +1,5 @@
 """The gated feed-forward block: ``down(act(gate(x)) * up(x))`` (SwiGLU, Shazeer 2020; GeGLU for
-Gemma), gate and up one fused matmul (``gate_up_proj``).
-"""
+Gemma), gate and up one fused matmul (``gate_up_proj``)."""
 
 from __future__ import annotations
 

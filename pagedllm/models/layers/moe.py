@@ -5,8 +5,7 @@ the ``top_k`` largest kept and, with ``renormalize``, divided by their sum. Expe
 on their routed tokens, sorted by expert once (a loop over experts, never tokens). Parameters in
 transformers' fused layout: ``experts.gate_up_proj`` (E, 2I, H), gate rows first,
 ``experts.down_proj`` (E, H, I), ``gate.weight`` (E, H). Tensor parallelism splits every
-expert's I over the ranks (vLLM's ``FusedMoE``) and all-reduces the output; the router is replicated.
-"""
+expert's I over the ranks (vLLM's ``FusedMoE``) and all-reduces the output; the router is replicated."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ _EXPERT_PARTS = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0),
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits (T, num_experts) -> weights (T, top_k) float32 and expert ids (T, top_k) int64,
-    in descending weight.
-    """
+    in descending weight."""
     probs = torch.softmax(router_logits.float(), dim=-1)  # (T, E)
     weights, ids = torch.topk(probs, top_k, dim=-1)  # (T, k)
     if renormalize:
@@ -40,8 +38,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 
 class MoEExperts(nn.Module):
     """``num_experts`` SwiGLU experts as stacked tensors, this rank's ``intermediate_size / N`` of each.
-    ValueError naming ``tensor_parallel_size`` when N does not divide ``intermediate_size``.
-    """
+    ValueError naming ``tensor_parallel_size`` when N does not divide ``intermediate_size``."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str) -> None:
         super().__init__()
@@ -57,8 +54,7 @@ class MoEExperts(nn.Module):
 
     def expert_weight(self, expert: int, part: str) -> torch.Tensor:
         """The view of expert ``expert``'s ``part`` (w1/gate_proj, w3/up_proj, w2/down_proj) to copy a
-        checkpoint tensor into. Raises ValueError for an unknown part or expert.
-        """
+        checkpoint tensor into. Raises ValueError for an unknown part or expert."""
         if part not in _EXPERT_PARTS or not 0 <= expert < self.num_experts:
             raise ValueError(f"no expert weight {part!r} for expert {expert} (experts 0..{self.num_experts - 1}; "
                              f"parts {', '.join(_EXPERT_PARTS)})")
@@ -94,8 +90,7 @@ class MoEExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """x (T, hidden), weights (T, k) float32, expert_ids (T, k) int64 -> (T, hidden):
-        row t is ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``.
-        """
+        row t is ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``."""
         top_k = expert_ids.shape[1]
         flat_ids = expert_ids.reshape(-1)  # (T*k,) pair p = token p // k, its (p % k)-th expert
         order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
@@ -117,8 +112,7 @@ class MoEExperts(nn.Module):
 
 class FusedMoE(nn.Module):
     """Router (``gate``) + experts: x (T, hidden) -> (T, hidden). Raises ValueError for ``top_k``
-    outside ``1..num_experts`` or an unknown activation.
-    """
+    outside ``1..num_experts`` or an unknown activation."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, activation: str,
                  renormalize: bool) -> None:
@@ -141,8 +135,7 @@ _EXPERT_WEIGHT = re.compile(r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<par
 class MoEWeightsMixin:
     """Weight loading for a family whose MLPs are :class:`FusedMoE` (first among the bases): per-expert
     ``{experts}.{e}.{part}.weight`` or fused ``gate_up_proj``/``down_proj``; ``module_aliases`` renames
-    a checkpoint's module (Mixtral's ``block_sparse_moe``).
-    """
+    a checkpoint's module (Mixtral's ``block_sparse_moe``)."""
 
     module_aliases: dict[str, str] = {}
     expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down

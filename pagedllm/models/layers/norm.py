@@ -3,8 +3,7 @@
 :class:`RMSNorm` (Llama, Qwen, ...): ``w * normalize(x)``, cast to the model dtype before the
 weight (transformers' LlamaRMSNorm). :class:`GemmaRMSNorm`: ``normalize(x) * (1 + w)`` in float32.
 ``forward(x, residual)`` returns ``(normed, x + residual)`` (nano-vllm's layout); on CPU one fused
-kernel (:mod:`pagedllm.ops.norm`) that writes the sum into ``residual`` and the norm into ``x``.
-"""
+kernel (:mod:`pagedllm.ops.norm`) that writes the sum into ``residual`` and the norm into ``x``."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ class RMSNorm(nn.Module):
     def add_normed(self, x: torch.Tensor, residual: torch.Tensor,
                    next_norm: "RMSNorm | None" = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``(next_norm(residual + self(x)) or None, residual + self(x))``, x and residual (T, dim): the
-        residual add after a post-norm (Gemma). On CPU in place like :meth:`forward`.
-        """
+        residual add after a post-norm (Gemma). On CPU in place like :meth:`forward`."""
         same = next_norm is None or (next_norm.gemma_convention == self.gemma_convention and next_norm.eps == self.eps)
         if same and fused_add_rms_norm_(x, residual, None if next_norm is None else next_norm.weight, self.eps,
                                         self.gemma_convention, x_weight=self.weight):

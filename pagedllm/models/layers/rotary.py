@@ -3,8 +3,7 @@
 ``default``: ``1 / theta ** (2i / rotary_dim)``; ``linear``, ``dynamic``, ``yarn`` and ``llama3``
 use transformers' ``ROPE_INIT_FUNCTIONS``. ``dynamic`` is evaluated unscaled (a served sequence
 never passes ``max_position_embeddings``); ``longrope`` depends on the whole batch's length, so it
-is refused. Gemma 3's per-layer-type parameters come from ``config.rope_parameters[layer_type]``.
-"""
+is refused. Gemma 3's per-layer-type parameters come from ``config.rope_parameters[layer_type]``."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """``config``'s rotary parameters (for ``layer_type``) as one dict with ``rope_type`` and
     ``rope_theta`` (transformers 5's ``rope_parameters`` or 4.x's ``rope_theta``/``rope_scaling``).
-    Raises ValueError for a rope type not in :data:`SUPPORTED_ROPE_TYPES`.
-    """
+    Raises ValueError for a rope type not in :data:`SUPPORTED_ROPE_TYPES`."""
     params = getattr(config, "rope_parameters", None)
     if params and layer_type is not None and isinstance(params.get(layer_type), dict):
         params = params[layer_type]
@@ -56,8 +54,7 @@ class RotaryEmbedding(nn.Module):
     """The cos/sin table ``cos_sin`` (max_positions, 2, rotary_dim) in the model dtype, row p
     ``cat(cos, cos)`` and ``cat(-sin, sin)`` of ``p * inv_freq``: rotating is
     ``x * cos + roll(x, rotary_dim / 2) * sin`` (transformers' ``rotate_half``) on the first
-    ``rotary_dim`` features of each head.
-    """
+    ``rotary_dim`` features of each head."""
 
     def __init__(self, inv_freq: torch.Tensor, attention_factor: float, max_positions: int,
                  dtype: torch.dtype, device: torch.device) -> None:

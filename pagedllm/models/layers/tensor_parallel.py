@@ -4,8 +4,7 @@ Column-parallel (:class:`QKVParallelLinear`, :class:`MergedColumnParallelLinear`
 holds its rows (its heads; KV heads replicated when fewer than N), no communication.
 Row-parallel (:class:`RowParallelLinear`): its input columns, one all-reduce, the bias on rank 0.
 :class:`VocabParallelEmbedding` / :class:`ParallelLMHead`: ``ceil(vocab / N)`` rows per rank.
-The loader asks each layer for its rows of a checkpoint tensor (``checkpoint_slice``).
-"""
+The loader asks each layer for its rows of a checkpoint tensor (``checkpoint_slice``)."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ class _MergedColumnParallel(MergedLinear):
 
     def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
         """This rank's rows of projection ``shard`` (``q_proj``, ...), or with ``shard=None`` of the fused
-        tensor (Phi-3's ``qkv_proj``). Raises ValueError for a tensor not of the projection's shape.
-        """
+        tensor (Phi-3's ``qkv_proj``). Raises ValueError for a tensor not of the projection's shape."""
         param = getattr(self, param_name)
         _check_shape(tensor, param, 0, sum(self.full_sizes) if shard is None else self.full_sizes[shard])
         if shard is not None:
@@ -54,8 +52,7 @@ class _MergedColumnParallel(MergedLinear):
 
 class MergedColumnParallelLinear(_MergedColumnParallel):
     """gate/up stacked, each split by rows: x (T, in_features) -> (T, sum(output_sizes) / N).
-    Raises ValueError when N does not divide an output size.
-    """
+    Raises ValueError when N does not divide an output size."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
         local = [_split(size, "output features of a column-parallel projection") for size in output_sizes]
@@ -67,8 +64,7 @@ class MergedColumnParallelLinear(_MergedColumnParallel):
 
 class QKVParallelLinear(_MergedColumnParallel):
     """Fused q/k/v of this rank's heads: x (T, hidden) -> (T, (heads + 2 * kv_heads) * head_dim).
-    Raises ValueError as :func:`heads_per_rank`.
-    """
+    Raises ValueError as :func:`heads_per_rank`."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  bias: bool = False) -> None:
@@ -85,8 +81,7 @@ class QKVParallelLinear(_MergedColumnParallel):
 
 class RowParallelLinear(Linear):
     """x (T, in_features / N) -> (T, out_features), summed over the ranks (bias on rank 0 only).
-    Raises ValueError when N does not divide in_features.
-    """
+    Raises ValueError when N does not divide in_features."""
 
     # a weight format whose scale spans a whole output row (per-channel int8) reads it across the ranks
     input_is_parallel = True
@@ -153,8 +148,7 @@ class VocabParallelEmbedding(VocabEmbedding):
 
 class ParallelLMHead(LMHead):
     """hidden (R, hidden) -> logits (R, vocab) float32 for the rows passed in (the sampled ones):
-    vocabulary columns all-gathered, padding dropped, then the optional soft cap.
-    """
+    vocabulary columns all-gathered, padding dropped, then the optional soft cap."""
 
     def __init__(self, hidden_size: int, vocab_size: int, soft_cap: float | None = None) -> None:
         self.vocab_shard = _VocabShard(vocab_size)
