@@ -72,11 +72,11 @@ def decode_metadata(seq_lens: list[int], block_size: int, gen: torch.Generator) 
 def time_layers(backend, inputs, caches, meta: AttentionMetadata) -> float:
     """Seconds per layer of one step: len(caches) backend calls under one forward context."""
     query, key, value = inputs
-    scale = HEAD_DIM**-0.5
+    impl = backend.make_impl(HEAD_DIM**-0.5)
     t0 = time.perf_counter()
     with set_forward_context(meta):
         for cache, scales in caches:
-            backend.make_impl(scale).forward(query, key, value, cache, meta, **scales)
+            impl.forward(query, key, value, cache, meta, **scales)
     return (time.perf_counter() - t0) / len(caches)
 
 

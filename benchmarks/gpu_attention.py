@@ -117,7 +117,8 @@ def time_point(reqs, backends) -> dict[str, float]:
             err = (out.float() - ref.float()).abs().max().item()
             if err > 2e-2:
                 raise SystemExit(f"{name} disagrees with torch by {err} on {reqs[:3]}...")
-            times[name] = bench_ms(lambda b=backend: b.make_impl(scale).forward(query, key, value, cache, meta))
+            impl = backend.make_impl(scale)
+            times[name] = bench_ms(lambda impl=impl: impl.forward(query, key, value, cache, meta))
     return times
 
 
