@@ -111,7 +111,9 @@ def test_multi_query_and_mha_head_layouts():
             for p in range(c):
                 cache[:, t[p // 4], p % 4] = torch.stack([k[p], v[p]])
         meta = make_metadata([c for c, _ in reqs], [q for _, q in reqs], tables, 4)
-        out = TorchPagedAttention().make_impl(SCALE).forward(torch.cat(qs), torch.cat([k[c:] for (c, _), k in zip(reqs, k_full)]), torch.cat([v[c:] for (c, _), v in zip(reqs, v_full)]), cache, meta)
+        out = TorchPagedAttention().make_impl(SCALE).forward(
+            torch.cat(qs), torch.cat([k[c:] for (c, _), k in zip(reqs, k_full)]),
+            torch.cat([v[c:] for (c, _), v in zip(reqs, v_full)]), cache, meta)
         expected = torch.cat([reference_attention(q, k, v, c) for (c, _), q, k, v in zip(reqs, qs, k_full, v_full)])
         torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=0)
 

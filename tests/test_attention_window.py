@@ -85,7 +85,8 @@ def test_window_and_soft_cap_match_reference(backend_name, block_size, window, s
     else:
         backend = _cpu_backend()  # validates every table entry up to seq_len, so no poisoning
     with set_forward_context(meta):
-        out = backend.make_impl(SCALE, sliding_window=window, logit_soft_cap=soft_cap).forward(query, key, value, cache, meta)
+        impl = backend.make_impl(SCALE, sliding_window=window, logit_soft_cap=soft_cap)
+        out = impl.forward(query, key, value, cache, meta)
     torch.testing.assert_close(out.double(), expected, atol=3e-5, rtol=0)
 
 
@@ -126,5 +127,6 @@ def test_triton_window_and_soft_cap(monkeypatch, window, soft_cap):
 
     query, key, value, cache, meta, expected = windowed_case(MIXED[:8], 16, window, soft_cap)
     poison_blocks_before_window(meta, MIXED[:8], 16, window, cache.shape[1])
-    out = TritonPagedAttention().make_impl(SCALE, sliding_window=window, logit_soft_cap=soft_cap).forward(query, key, value, cache, meta)
+    impl = TritonPagedAttention().make_impl(SCALE, sliding_window=window, logit_soft_cap=soft_cap)
+    out = impl.forward(query, key, value, cache, meta)
     torch.testing.assert_close(out.double(), expected, atol=3e-5, rtol=0)

@@ -165,7 +165,8 @@ def test_prefill_thread_split_is_bitwise_deterministic(kernel, pool_kernel, dtyp
     """1, 2 or 3 threads, on the OpenMP team or the Python pool: the same bits."""
     query, key, value, cache, meta, expected, scale = build_case([(500, 200), (0, 70)], 16, dtype,
                                                                  HEADS["gqa"], seed=8)
-    outs = [CpuPagedAttention(num_threads=n, kernel=k, min_tokens_per_thread=1).make_impl(scale).forward(query, key, value, cache.clone(), meta) for k in (kernel, pool_kernel) for n in (1, 2, 3)]
+    outs = [CpuPagedAttention(num_threads=n, kernel=k, min_tokens_per_thread=1).make_impl(scale).forward(
+        query, key, value, cache.clone(), meta) for k in (kernel, pool_kernel) for n in (1, 2, 3)]
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=0, rtol=0)
     torch.testing.assert_close(outs[0].double(), expected, atol=TOLERANCE[dtype], rtol=0)
@@ -214,7 +215,8 @@ def test_prefill_window_and_soft_cap_match_reference(kernel, window, soft_cap, h
                 cache[:, meta.block_tables[b, p // 16], p % 16] = float("nan")
     monkeypatch.setattr(torch_paged, "_prefill_one_masked", None)
     with set_forward_context(meta):
-        out = CpuPagedAttention(kernel=kernel, min_tokens_per_thread=64).make_impl(scale, sliding_window=window, logit_soft_cap=soft_cap).forward(query, key, value, cache, meta)
+        impl = CpuPagedAttention(kernel=kernel, min_tokens_per_thread=64).make_impl(scale, window, soft_cap)
+        out = impl.forward(query, key, value, cache, meta)
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
 
 
@@ -225,7 +227,8 @@ def test_prefill_window_thread_split_is_bitwise_deterministic(kernel, pool_kerne
     query, key, value, cache, meta, expected, scale = build_case([(500, 200), (0, 70)], 16, torch.float32,
                                                                  HEADS["gqa"], seed=8, window=window,
                                                                  soft_cap=soft_cap)
-    outs = [CpuPagedAttention(num_threads=n, kernel=k, min_tokens_per_thread=1).make_impl(scale, sliding_window=window, logit_soft_cap=soft_cap).forward(query, key, value, cache.clone(), meta)
+    outs = [CpuPagedAttention(num_threads=n, kernel=k, min_tokens_per_thread=1).make_impl(scale, window, soft_cap)
+            .forward(query, key, value, cache.clone(), meta)
         for k in (kernel, pool_kernel) for n in (1, 2, 3)]
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=0, rtol=0)
@@ -259,8 +262,8 @@ def test_prefill_falls_back_for_head_dim(kernel):
     assert not kernel.supports_prefill(torch.float32, 4, 48) and kernel.supports_prefill(torch.bfloat16, 4, 128)
     query, key, value, cache, meta, expected, scale = build_case(PREFILLS[:4], 16, torch.float32, HEADS["mha"],
                                                                  seed=9, window=20, soft_cap=30.0)
-    out = CpuPagedAttention(kernel=kernel).make_impl(scale, sliding_window=20, logit_soft_cap=30.0).forward(query, key, value, cache.clone(), meta)
-    ref = TorchPagedAttention().make_impl(scale, sliding_window=20, logit_soft_cap=30.0).forward(query, key, value, cache.clone(), meta)
+    out = CpuPagedAttention(kernel=kernel).make_impl(scale, 20, 30.0).forward(query, key, value, cache.clone(), meta)
+    ref = TorchPagedAttention().make_impl(scale, 20, 30.0).forward(query, key, value, cache.clone(), meta)
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=0)
 

@@ -167,7 +167,8 @@ def test_config_errors_name_the_field(tiny_model_dir):
 
 
 @pytest.mark.parametrize("field,value", [("seed", "x"), ("seed", 1.5), ("gpu_memory_utilization", "0.5"),
-                                         ("max_logprobs", "5"), ("max_logprobs", -1), ("attention_backend", "xformers")])
+                                         ("max_logprobs", "5"), ("max_logprobs", -1),
+                                         ("attention_backend", "xformers")])
 def test_config_values_of_the_wrong_type_name_the_field(field, value):
     """(was: ``int('x')``'s message, or a TypeError comparing a str with a number)"""
     from pagedllm.config import EngineConfig
@@ -177,13 +178,15 @@ def test_config_values_of_the_wrong_type_name_the_field(field, value):
 
 
 def test_attention_backend_defaults_to_the_environment(monkeypatch):
-    """EngineConfig.attention_backend unset reads PAGEDLLM_ATTENTION_BACKEND (else auto); a bad value names the variable."""
+    """EngineConfig.attention_backend unset reads PAGEDLLM_ATTENTION_BACKEND (else auto), which the field
+    overrides; a bad value names the variable."""
     from pagedllm.config import EngineConfig
 
     monkeypatch.delenv("PAGEDLLM_ATTENTION_BACKEND", raising=False)
     assert EngineConfig().attention_backend == "auto"
     monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "Torch")
-    assert EngineConfig().attention_backend == "torch" and EngineConfig(attention_backend="cpu").attention_backend == "cpu"
+    assert EngineConfig().attention_backend == "torch"
+    assert EngineConfig(attention_backend="cpu").attention_backend == "cpu"
     monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "xformers")
     with pytest.raises(ValueError, match="PAGEDLLM_ATTENTION_BACKEND"):
         EngineConfig()

@@ -40,7 +40,8 @@ def get_attention_backend(device: torch.device | str, choice: str = "auto") -> A
         if device.type != "cuda":
             raise ValueError(f"attention_backend=flashinfer needs a CUDA device, got {device.type!r}")
         if not _importable("flashinfer"):
-            raise ValueError("attention_backend=flashinfer needs the flashinfer package (pip install pagedllm[flashinfer])")
+            raise ValueError("attention_backend=flashinfer needs the flashinfer package "
+                             "(pip install pagedllm[flashinfer])")
         from pagedllm.attention.flashinfer_paged import FlashInferPagedAttention
         return FlashInferPagedAttention()
     if choice == "triton" or (is_auto_cuda and _importable("triton")):

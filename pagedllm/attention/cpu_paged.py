@@ -323,7 +323,7 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  metadata: AttentionMetadata, output: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
         """The prefills' rows of ``output`` in the C kernel, each request's prefix and chunk read in place;
-        the torch code where the kernel does not take the cache or is slower (:meth:`CpuPagedKernel.prefill_preferred`)."""
+        the torch code where the kernel does not take the cache or is slower (``prefill_preferred``)."""
         backend = self.backend
         kernel = backend.kernel
         num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
@@ -423,7 +423,7 @@ class CpuPagedAttention(TorchPagedAttention):
 
     @staticmethod
     def _cached_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor, plan: _PrefillPlan | _KernelPlan | None):
-        """(num_blocks, block_size, the pass's ForwardContext, ``plan`` if it was made for this pass and cache else None)."""
+        """(num_blocks, block_size, the pass's context, ``plan`` if made for this pass and cache else None)."""
         owner = current_context(metadata)
         num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
         if not (owner is not None and plan is not None and plan.owner is owner and plan.num_blocks == num_blocks):

@@ -1,4 +1,4 @@
-"""float8 and int8 KV codes in the Triton kernels, bit for bit the torch backend's (:mod:`pagedllm.quantization.kv_cache`).
+"""float8 and int8 KV codes in the Triton kernels, bit for bit :mod:`pagedllm.quantization.kv_cache`'s.
 
 float8 e4m3fn/e5m2 with vLLM's per-tensor ``k_scale``/``v_scale``, saturating, round to nearest
 even; int8 with one float32 scale per token and KV head (``max|x| / 127``) in

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.attention.triton_kv_dtype import kernel_view, kv_format, native_fp8
-from pagedllm.attention.triton_unified import (attend_key_tile, checked_launch, dot_precision, key_tile,
+from pagedllm.attention.triton_unified import (attend_key_tiles, checked_launch, dot_precision, key_tile,
                                                upcast_for_interpreter)
 
 
@@ -45,10 +45,6 @@ def _split_kv_partial_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-
     first_key = 0
     if USE_WINDOW:  # the query (position seq_len - 1) sees keys from seq_len - window on
         first_key = tl.maximum(seq_len - window, 0)
@@ -57,13 +53,11 @@ def _split_kv_partial_kernel(
     tiles_per_split = tl.cdiv(end_tile - first_tile, NUM_SPLITS)
     lo = first_tile + split * tiles_per_split
     hi = tl.minimum(lo + tiles_per_split, end_tile)
-    for j in range(lo, hi):
-        m_i, l_i, acc = attend_key_tile(
-            q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_len, kv_head, k_cache_ptr,
-            v_cache_ptr, k_scales_ptr, v_scales_ptr, k_scale, v_scale, block_tables_ptr, stride_bt, stride_cb,
-            stride_cs, stride_ch, scale, softcap, window,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FORMAT, NUM_KV_HEADS,
-            NATIVE_FP8)
+    m_i, l_i, acc = attend_key_tiles(
+        q, q_pos, row_mask, lo, hi, first_key, seq, seq_len, kv_head, k_cache_ptr, v_cache_ptr, k_scales_ptr,
+        v_scales_ptr, k_scale, v_scale, block_tables_ptr, stride_bt, stride_cb, stride_cs, stride_ch, scale, softcap,
+        window, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FORMAT,
+        NUM_KV_HEADS, NATIVE_FP8)
 
     # partials laid out (seq, head, split[, d]), float32
     part = (seq * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split

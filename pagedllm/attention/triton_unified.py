@@ -96,6 +96,28 @@ def attend_key_tile(q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_le
 
 
 @triton.jit
+def attend_key_tiles(q, q_pos, row_mask, lo, hi, first_key, seq, seq_len, kv_head, k_cache_ptr, v_cache_ptr,
+                     k_scales_ptr, v_scales_ptr, k_scale, v_scale, block_tables_ptr, stride_bt, stride_cb, stride_cs,
+                     stride_ch, scale, softcap, window,
+                     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, KV_FORMAT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                     NATIVE_FP8: tl.constexpr):
+    """:func:`attend_key_tile` over key tiles ``[lo, hi)`` from an empty state: (m_i, l_i, acc) float32."""
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # running row max of the scores
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # running softmax denominator
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # running unnormalized output
+    for j in range(lo, hi):
+        m_i, l_i, acc = attend_key_tile(
+            q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_len, kv_head, k_cache_ptr,
+            v_cache_ptr, k_scales_ptr, v_scales_ptr, k_scale, v_scale, block_tables_ptr, stride_bt, stride_cb,
+            stride_cs, stride_ch, scale, softcap, window,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FORMAT, NUM_KV_HEADS,
+            NATIVE_FP8)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, scale, k_scale, v_scale, softcap, window, num_seqs,
@@ -130,21 +152,17 @@ def _unified_attention_kernel(
     if UPCAST:  # K/V follow q's dtype in attend_key_tile
         q = q.to(tl.float32)
 
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # running row max of the scores
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # running softmax denominator
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # running unnormalized output
-
     last_pos = context_len + tl.minimum((tile_in_seq + 1) * BLOCK_Q, query_len) - 1  # the tile's last query
-    start_key = 0
+    first_key = 0
     if USE_WINDOW:  # the tile's first query sees keys from first_pos - window + 1 on
-        start_key = tl.maximum(context_len + tile_in_seq * BLOCK_Q - window + 1, 0)
-    for j in range(start_key // TILE_N, tl.cdiv(last_pos + 1, TILE_N)):
-        m_i, l_i, acc = attend_key_tile(
-            q, q_pos, row_mask, m_i, l_i, acc, j, start_key, seq, seq_len, kv_head, k_cache_ptr,
-            v_cache_ptr, k_scales_ptr, v_scales_ptr, k_scale, v_scale, block_tables_ptr, stride_bt, stride_cb,
-            stride_cs, stride_ch, scale, softcap, window,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FORMAT, NUM_KV_HEADS,
-            NATIVE_FP8)
+        first_key = tl.maximum(context_len + tile_in_seq * BLOCK_Q - window + 1, 0)
+    lo = first_key // TILE_N
+    hi = tl.cdiv(last_pos + 1, TILE_N)
+    m_i, l_i, acc = attend_key_tiles(
+        q, q_pos, row_mask, lo, hi, first_key, seq, seq_len, kv_head, k_cache_ptr, v_cache_ptr, k_scales_ptr,
+        v_scales_ptr, k_scale, v_scale, block_tables_ptr, stride_bt, stride_cb, stride_cs, stride_ch, scale, softcap,
+        window, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FORMAT,
+        NUM_KV_HEADS, NATIVE_FP8)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -212,7 +230,8 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
 
 
 def checked_launch(query: torch.Tensor, key_cache: torch.Tensor, sliding_window: int | None,
-                   logit_soft_cap: float | None, kv_scales: torch.Tensor | None) -> tuple[int, torch.Tensor, torch.Tensor]:
+                   logit_soft_cap: float | None, kv_scales: torch.Tensor | None
+                   ) -> tuple[int, torch.Tensor, torch.Tensor]:
     """(query heads per KV head, key scales, value scales) of a launch. Raises ValueError for a bad
     head grouping, a non-positive window or cap, or ``kv_scales`` that do not fit."""
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
