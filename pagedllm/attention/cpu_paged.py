@@ -1,12 +1,9 @@
 """The CPU paged-attention backend: fused C kernels (``cpu_paged.c``) behind the torch backend.
 
-Decodes: each K/V row read once through the block table with an online softmax (Milakov &
-Gimelshein 2018), the query heads of a GQA group sharing it; the step's K/V write rides in the
-same call. Prefills: FlashAttention-2's loop order over query tiles x KV heads, the cached prefix
-and the chunk read in place. Both take sliding windows and soft caps. Plain C11 built on first use
-by :mod:`pagedllm.native` and loaded with ctypes; without a compiler the backend is the torch one.
-Decode kernel: float32/bfloat16/fp8/int8 caches, head_dim a multiple of 16 (<= 256), <= 256 heads;
-prefill kernel: float32/bfloat16 caches, head_dim a multiple of 64. Anything else runs the torch code."""
+Decode: an online softmax (Milakov & Gimelshein 2018) reading each K/V row once through the block
+table, the step's K/V write in the same call; prefill: FlashAttention-2's loop order, the cached
+prefix and the chunk read in place. Built on first use (:mod:`pagedllm.native`), loaded with ctypes;
+what the kernels take: ``docs/attention.md``. Anything else, or no compiler, runs the torch code."""
 
 from __future__ import annotations
 
