@@ -20,7 +20,7 @@ import torch
 from pagedllm import native
 from pagedllm.attention import CpuPagedAttention, TorchPagedAttention, get_attention_backend
 from pagedllm.attention import cpu_paged, torch_paged
-from pagedllm.attention.backend import set_forward_context
+from pagedllm.attention.backend import set_forward_context, write_kv_cache
 from tests.model_utils import allocate_block_tables, make_metadata
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -305,7 +305,7 @@ def test_kv_write_in_kernel_equals_torch_write(kernel, new_dtype, cache_dtype):
         n = m.query_start_loc_cpu[-1]
         k, v, q = key[-n:], value[-n:], query[-n:]
         expected, got = cache.clone(), cache.clone()
-        torch_paged.write_kv_cache(k, v, expected, m.slot_mapping)
+        write_kv_cache(k, v, expected, m.slot_mapping)
         with set_forward_context(m):
             CpuPagedAttention(kernel=kernel).make_impl(scale).forward(q, k, v, got, m)
         nan = expected.isnan()
