@@ -12,11 +12,13 @@ import sys
 import time
 
 from pagedllm.config import DEFAULT_MODEL
+from pagedllm.entrypoints.chat import FALLBACK_SAMPLING
 from pagedllm.entrypoints.args import (
     add_engine_args, add_sampling_args, engine_config_from_args, sampling_params_from_args)
 
 
-# The command line samples greedily and at more length than the API's defaults.
+# `generate` samples greedily and at more length than the API's defaults; `chat` takes the
+# model's own sampling defaults (a greedy small model repeats itself).
 _SAMPLING_DEFAULTS = {"max_tokens": 256, "temperature": 0.0}
 
 
@@ -36,11 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g, **_SAMPLING_DEFAULTS)
     add_engine_args(g)
 
-    c = sub.add_parser("chat", help="interactive chat that keeps the conversation")
-    c.add_argument("-m", "--model", default=DEFAULT_MODEL)
-    c.add_argument("--system", default=None)
+    c = sub.add_parser("chat", help="interactive chat that keeps the conversation and streams its answers")
+    c.add_argument("-m", "--model", default=DEFAULT_MODEL, help="model alias, .gguf path or HF folder")
+    c.add_argument("--system", default=None, help="system message")
     c.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template file")
-    add_sampling_args(c, **_SAMPLING_DEFAULTS)
+    add_sampling_args(c, max_tokens=_SAMPLING_DEFAULTS["max_tokens"], model_defaults=FALLBACK_SAMPLING)
     add_engine_args(c)
 
     from pagedllm.entrypoints.openai.api_server import add_server_args
@@ -133,6 +135,8 @@ def _generate(args) -> int:
     config = engine_config_from_args(args)
     params = sampling_params_from_args(args)
     template = _read_chat_template(args.chat_template)
+    if args.chat:
+        _require_chat_template(config, template)
     llm = LLM(**vars(config))
     t0 = time.perf_counter()
     if args.chat:
@@ -199,36 +203,35 @@ def _conversation(system: str | None, user: str) -> list[dict]:
     return msgs + [{"role": "user", "content": user}]
 
 
+def _require_chat_template(config, template: str | None) -> None:
+    """Refuse a model without a chat template before its weights load (``--chat-template`` gives one)."""
+    if template is not None:
+        return
+    from pagedllm.loader.gguf import GGUFFile
+    from pagedllm.loader.hf import read_chat_template
+    from pagedllm.loader.resolve import resolve_model
+
+    resolved = resolve_model(config.tokenizer or config.model)
+    if resolved.format == "hf":
+        found = read_chat_template(resolved.path)
+    else:
+        found = GGUFFile(resolved.path, string_arrays=()).metadata.get("tokenizer.chat_template")
+    if not found:
+        raise ValueError(f"model {config.model!r} has no chat template; pass --chat-template FILE")
+
+
 def _chat(args) -> int:
-    from pagedllm.llm import LLM
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.chat import ChatSession, model_sampling_defaults, run_chat
+    from pagedllm.loader.resolve import resolve_model
 
     config = engine_config_from_args(args)
-    params = sampling_params_from_args(args)
     template = _read_chat_template(args.chat_template)
-    llm = LLM(**vars(config))
-    history = [{"role": "system", "content": args.system}] if args.system else []
-    print("pagedllm chat — empty line or Ctrl-D to quit", file=sys.stderr)
-    while True:
-        try:
-            line = input("you> ").strip()
-        except EOFError:
-            break
-        if not line:
-            break
-        history.append({"role": "user", "content": line})
-        try:
-            out = llm.chat(history, params, use_tqdm=False, chat_template=template)[0]
-        except ValueError as e:  # e.g. the conversation outgrew max_model_len: keep it, drop this turn
-            history.pop()
-            print(f"error: {e}\n(the message was not added; send a shorter one, or an empty line to quit)",
-                  file=sys.stderr)
-            continue
-        answer = out.outputs[0].text
-        print(f"assistant> {answer}")
-        print(f"[{len(out.prompt_token_ids)} prompt tokens, {out.num_cached_tokens} from the prefix cache]",
-              file=sys.stderr)
-        history.append({"role": "assistant", "content": answer})
-    return 0
+    _require_chat_template(config, template)
+    resolved = resolve_model(config.model)
+    params = sampling_params_from_args(args, model_sampling_defaults(str(resolved.path), resolved.format))
+    engine = LLMEngine(config)
+    return run_chat(ChatSession(engine, params, args.system, template))
 
 
 if __name__ == "__main__":
