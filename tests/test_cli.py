@@ -65,7 +65,7 @@ def test_generate_prints_the_logprobs_of_its_tokens(tiny_model_dir, capsys):
 def test_bad_option_exits_2_with_the_field_named(tiny_model_dir, capsys):
     rc = main(["generate", "-m", str(tiny_model_dir), "hi", "--block-size", "7"])
     assert rc == 2
-    assert "block_size" in capsys.readouterr().err
+    assert "--block-size" in capsys.readouterr().err
     assert main(["generate", "-m", str(tiny_model_dir)]) == 2
 
 
@@ -135,8 +135,8 @@ def _no_model_load(monkeypatch):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["generate", "hi", "--max-tokens", "-1"], "max_tokens must be >= 1"),
-    (["generate", "hi", "--top-p", "2"], "top_p must be <= 1.0"),
+    (["generate", "hi", "--max-tokens", "-1"], "--max-tokens must be >= 1"),
+    (["generate", "hi", "--top-p", "2"], "--top-p must be <= 1.0"),
     (["chat", "--n", "0"], "n must be >= 1"),
     (["generate", "--prompts-file", "/nonexistent/prompts.txt"], "--prompts-file '/nonexistent/prompts.txt'"),
     (["generate", "hi", "--chat", "--chat-template", "/nonexistent/t.jinja"], "--chat-template '/nonexistent/t.jinja'"),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 import sys
 import time
 
@@ -22,10 +24,54 @@ from pagedllm.entrypoints.args import (
 _SAMPLING_DEFAULTS = {"max_tokens": 256, "temperature": 0.0}
 
 
+class CLIParser(argparse.ArgumentParser):
+    """argparse without abbreviations (``--max-token`` is not ``--max-tokens``), whose unknown
+    flags are reported by their subcommand with its usage and the nearest flag."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        parser = self.subcommands().get(getattr(namespace, "command", None), self)
+        if extras:
+            parser.error(unrecognized_message(parser, extras))
+        model = getattr(namespace, "model", None)
+        if isinstance(model, str) and model.isdigit() and not os.path.exists(model):
+            parser.error(f"MODEL {model!r} looks like a flag's value: name a model, or give the flag before it")
+        return namespace
+
+    def subcommands(self) -> dict[str, argparse.ArgumentParser]:
+        actions = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+        return dict(actions[0].choices) if actions else {}
+
+
+def unrecognized_message(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """``unrecognized arguments: --temprature (did you mean --temperature?)``."""
+    import difflib
+
+    flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    words = []
+    for extra in extras:
+        near = difflib.get_close_matches(extra.split("=", 1)[0], flags, n=1) if extra.startswith("--") else []
+        words.append(f"{extra} (did you mean {near[0]}?)" if near else extra)
+    return "unrecognized arguments: " + " ".join(words)
+
+
+def in_flag_terms(message: str, parser: argparse.ArgumentParser) -> str:
+    """``message`` with the Python names of ``parser``'s flags as the flags
+    (``chat_template=`` -> ``--chat-template``), so an error raised under the CLI names what to type."""
+    for action in parser._actions:
+        flag = next((s for s in action.option_strings if s.startswith("--")), None)
+        if flag and "_" in action.dest and flag[2:].replace("-", "_") == action.dest:
+            message = re.sub(rf"(?<![\w-]){action.dest}\b=?", flag, message)
+    return message
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference with a paged KV cache")
+    parser = CLIParser(prog="pagedllm", description="LLM inference with a paged KV cache")
     parser.add_argument("--log-level", default="INFO")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CLIParser)
 
     g = sub.add_parser("generate", help="complete one or more prompts and print the answers")
     g.add_argument("prompts", nargs="*", help="prompt text (several: one request each, batched)")
@@ -93,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         run_server(args)
         return 0
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {in_flag_terms(str(e), parser.subcommands()[args.command])}", file=sys.stderr)
         return 2
 
 
