@@ -52,7 +52,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
 
 
 # Sampling flags whose name would clash with an engine flag get a prefix.
-_SAMPLING_FLAG_NAMES = {"seed": "sampling_seed"}
+SAMPLING_FLAG_NAMES = {"seed": "sampling_seed"}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, model_defaults: dict | None = None, **defaults) -> None:
@@ -66,7 +66,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, model_defaults: dict | No
     for f in dataclasses.fields(SamplingParams):
         if "help" not in f.metadata:
             continue
-        dest = _SAMPLING_FLAG_NAMES.get(f.name, f.name)
+        dest = SAMPLING_FLAG_NAMES.get(f.name, f.name)
         default = None if f.name in model_defaults else defaults.get(f.name, f.default)
         shown = (f"the model's generation_config.json, else {model_defaults[f.name]}" if f.name in model_defaults
                  else default)
@@ -87,7 +87,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, model_defaults: dict | No
 def sampling_params_from_args(args: argparse.Namespace, model_defaults: dict | None = None) -> SamplingParams:
     """Build SamplingParams from flags added by :func:`add_sampling_args`, a flag left at None
     taking its ``model_defaults`` value. Raises ValueError naming the field."""
-    kwargs = {f.name: getattr(args, _SAMPLING_FLAG_NAMES.get(f.name, f.name)) for f in dataclasses.fields(SamplingParams)
+    kwargs = {f.name: getattr(args, SAMPLING_FLAG_NAMES.get(f.name, f.name)) for f in dataclasses.fields(SamplingParams)
               if "help" in f.metadata}
     kwargs.update({k: v for k, v in (model_defaults or {}).items() if kwargs.get(k) is None})
     return SamplingParams(**kwargs)

@@ -70,10 +70,11 @@ def in_flag_terms(message: str, parser: argparse.ArgumentParser) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CLIParser(prog="pagedllm", description="LLM inference with a paged KV cache")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (before the subcommand)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CLIParser)
 
-    g = sub.add_parser("generate", help="complete one or more prompts and print the answers")
+    g = sub.add_parser("generate", help="complete one or more prompts and print the answers",
+                       description="Complete one or more prompts (batched) and print the answers and tok/s.")
     g.add_argument("prompts", nargs="*", help="prompt text (several: one request each, batched)")
     g.add_argument("--prompts-file", default=None, help="file with one prompt per line (added to PROMPTS)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
@@ -84,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g, **_SAMPLING_DEFAULTS)
     add_engine_args(g)
 
-    c = sub.add_parser("chat", help="interactive chat that keeps the conversation and streams its answers")
+    c = sub.add_parser("chat", help="interactive chat that keeps the conversation and streams its answers",
+                       description="An interactive conversation: answers stream, then prompt / cached / output "
+                                   "tokens and tok/s. Ctrl-C stops an answer; Ctrl-C or Ctrl-D at the prompt quits.")
     c.add_argument("-m", "--model", default=DEFAULT_MODEL, help="model alias, .gguf path or HF folder")
     c.add_argument("--system", default=None, help="system message")
     c.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template file")
@@ -93,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from pagedllm.entrypoints.openai.api_server import add_server_args
 
-    add_server_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))  # MODEL + server + engine flags
+    add_server_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                                   description="An OpenAI-compatible HTTP server (docs/serving.md)."))  # MODEL + server + engine flags
     _add_plan_args(sub.add_parser("plan", help="how many sequences fit, at what context, on which device"))
     return parser
 
