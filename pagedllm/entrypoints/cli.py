@@ -96,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from pagedllm.entrypoints.openai.api_server import add_server_args
 
+    # MODEL + server + engine flags
     add_server_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server",
-                                   description="An OpenAI-compatible HTTP server (docs/serving.md)."))  # MODEL + server + engine flags
+                                   description="An OpenAI-compatible HTTP server (docs/serving.md)."))
     _add_plan_args(sub.add_parser("plan", help="how many sequences fit, at what context, on which device"))
     return parser
 
