@@ -1,9 +1,5 @@
-"""SamplingParams: how one request is sampled and when it stops.
-
-Field names, meanings and defaults follow vLLM's ``SamplingParams`` (and through it the
-OpenAI API); where engines differ, the choices made are listed in ``docs/architecture.md``
-("Sampling conventions"). No torch import here.
-"""
+"""SamplingParams: how one request is sampled and when it stops (vLLM's fields and defaults;
+where engines differ, ``docs/architecture.md`` "Sampling conventions"). No torch."""
 
 from __future__ import annotations
 
@@ -27,28 +23,10 @@ def _f(default: Any, help: str) -> Any:
 
 @dataclass
 class StructuredOutputsParams:
-    """A constraint on the output (vLLM's ``StructuredOutputsParams``; exactly one kind set).
-
-    Fields:
-        json: a JSON schema (dict or its JSON text); the output is one JSON value valid
-            against it (JSON Schema as xgrammar supports it: objects, arrays, enums,
-            ``const``, ``required``, numeric/length bounds, ``$ref``, ``anyOf``...).
-        regex: the output matches this regular expression (whole output).
-        choice: the output is exactly one of these strings (non-empty list).
-        grammar: an EBNF grammar (xgrammar/GBNF syntax, start rule ``root``).
-        json_object: any JSON object (OpenAI ``response_format={"type": "json_object"}``).
-        disable_any_whitespace: JSON without optional whitespace (compact output).
-        disable_additional_properties: accepted for vLLM compatibility; with xgrammar
-            objects never get properties beyond those the schema lists unless the schema
-            allows them (``additionalProperties``), as OpenAI's ``strict`` asks.
-        whitespace_pattern: accepted for vLLM compatibility; must be None (xgrammar has no
-            custom whitespace pattern).
-
-    Raises:
-        ValueError: naming the field, when none or more than one kind is set or a value
-            has the wrong type. Whether a schema, regex or grammar *compiles* is checked
-            when the engine admits the request (``validate_structured_outputs``).
-    """
+    """A constraint on the output (vLLM's ``StructuredOutputsParams``): exactly one of a JSON
+    schema (dict or text), a whole-output regex, a choice of strings, an EBNF grammar (start rule
+    ``root``) or any JSON object; ``whitespace_pattern`` must be None. ValueError naming the field
+    for no kind, several or a wrong type; compiling is checked at admission."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -85,7 +63,6 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.whitespace_pattern is not supported (xgrammar backend)")
 
     def kinds(self) -> list[str]:
-        """The constraint kinds set (a valid instance has exactly one)."""
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         return kinds + (["json_object"] if self.json_object else [])
 
@@ -104,11 +81,7 @@ class RequestOutputKind(enum.Enum):
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling and stopping parameters (vLLM-compatible).
-
-    Raises:
-        ValueError: naming the field, for any out-of-range or wrongly typed value.
-    """
+    """Per-request sampling and stopping parameters; ValueError naming the field for a bad value."""
 
     n: int = _f(1, "samples per prompt")
     presence_penalty: float = _f(0.0, "penalty for output tokens already present, -2..2")
@@ -156,7 +129,6 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
-    # ---- validation -----------------------------------------------------------------
     def _validate(self) -> None:
         _int("n", self.n, lo=1)
         _num("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
@@ -207,11 +179,8 @@ class SamplingParams:
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     def validate_for_model(self, vocab_size: int, max_logprobs: int) -> None:
-        """Check the token-id and logprob fields against the model.
-
-        Raises ValueError naming the field when a token id is >= ``vocab_size`` or a
-        logprobs count exceeds ``max_logprobs``.
-        """
+        """Raise ValueError naming the field for a token id >= ``vocab_size`` or a logprobs
+        count over ``max_logprobs``."""
         for name in ("stop_token_ids", "allowed_token_ids"):
             for t in getattr(self, name) or []:
                 if t >= vocab_size:
@@ -224,7 +193,6 @@ class SamplingParams:
             if v is not None and v > max_logprobs:
                 raise ValueError(f"{name}={v} exceeds the maximum of {max_logprobs} (engine option max_logprobs)")
 
-    # ---- derived --------------------------------------------------------------------
     @property
     def is_greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature < SAMPLING_EPS, or top_k 1)."""
@@ -235,10 +203,7 @@ class SamplingParams:
         return copy.deepcopy(self)
 
     def child(self, index: int) -> "SamplingParams":
-        """Parameters of child ``index`` of an ``n > 1`` request: n=1, seed + index.
-
-        Distinct seeds make the n samples differ while staying reproducible.
-        """
+        """Child ``index`` of an ``n > 1`` request: n=1, seed + index (distinct, reproducible)."""
         p = self.clone()
         p.n = 1
         if p.seed is not None:

@@ -1,40 +1,5 @@
-"""BlockPool: the physical KV-cache blocks, their reference counts, the prefix cache.
-
-The pool owns every block of the KV cache (one pool for all layers: block ``i`` is the
-same slot range ``[i * block_size, (i + 1) * block_size)`` in every layer's cache). It
-owns three pieces of state and nothing else:
-
-* ``ref_cnt`` per block: how many block tables hold it.
-* The free queue, a doubly linked list of every block with ``ref_cnt == 0``. It is also
-  the eviction order: allocation takes blocks from its head. O(1) removal from the
-  middle lets a prefix-cache hit take a cached-but-free block back out of it.
-* The prefix cache, a map ``block hash → block`` for full blocks whose K/V is computed.
-
-Which of a request's blocks are shared, cached or freeable (block_size 4, prompt of 10
-tokens, 2 of them shared with an earlier request)::
-
-    block table   [ 7 ][ 3 ][ 9 ]
-    tokens         0-3  4-7  8-9 (partial)
-    hash           h0   h1   -          h_i = H(h_{i-1}, tokens of block i, extra keys)
-    ref_cnt        2    1    1          7 is shared with the earlier request
-    after free     7 → ref 1 (still in use), 3 → free queue, cached (hash h1 kept),
-                   9 → free queue, no hash (nothing worth keeping: reused first)
-
-A freed block that carries a hash stays reusable through the prefix cache until an
-allocation takes it from the head of the free queue; that eviction drops its hash. The
-partial tail block of a request never carries a hash (its content is still growing).
-
-Free-queue order (a documented choice): blocks that carry a hash are appended at the
-*tail* (least recently used first, as in vLLM), blocks without a hash are pushed at the
-*head*, so an allocation consumes content-free blocks before it evicts anything a later
-request could hit.
-
-Block hash (chained, as in vLLM's automatic prefix caching): ``sha256(parent hash ‖
-token ids as 8-byte little-endian integers ‖ extra keys)``. Token ids are hashed at full
-width (ids 65 and 321 differ; test_hash_full_width_token_ids_c03). A hit is additionally verified against the
-stored parent hash and token ids of the block, so even a hash collision cannot hand a
-request another prompt's K/V.
-"""
+"""BlockPool: the physical KV blocks (one pool for all layers), their reference counts, the free
+queue (which is also the eviction order) and the prefix cache (block hash → block)."""
 
 from __future__ import annotations
 
@@ -45,28 +10,17 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 from pagedllm.config import validate_block_size
 
-# Parent hash of the first block of every sequence: a fixed, documented constant (not a
-# per-process random seed, so hashes are reproducible across runs and processes).
+# Parent of every sequence's first block: fixed, so hashes agree across runs and processes.
 ROOT_BLOCK_HASH = hashlib.sha256(b"pagedllm-prefix-cache-root").digest()
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
                       extra_keys: tuple | None = None) -> bytes:
-    """Chained hash of one full block.
-
-    Args:
-        parent_hash: hash of the previous block of the sequence, or None for the first
-            block (then :data:`ROOT_BLOCK_HASH` is used).
-        token_ids: the block's token ids (full width; each must fit in a signed 64-bit int).
-        extra_keys: anything else that changes the K/V (cache salt, LoRA id...): a tuple
-            of str/int, hashed through its ``repr``; None for none.
-
-    Returns:
-        The 32-byte SHA-256 digest of ``parent ‖ int64-LE token ids ‖ repr(extra_keys)``.
-    """
+    """SHA-256 of ``parent ‖ int64 LE token ids ‖ repr(extra_keys)`` (vLLM's chained hash; parent
+    None: the first block; extra keys: cache salt, LoRA id)."""
     h = hashlib.sha256(ROOT_BLOCK_HASH if parent_hash is None else parent_hash)
-    ids = array("q", token_ids)  # 8 bytes per id: no truncation, ever
+    ids = array("q", token_ids)  # full width: ids 65 and 321 never collide
     if _BIG_ENDIAN:
         ids.byteswap()
     h.update(ids.tobytes())
@@ -77,18 +31,15 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
 
 
 class KVCacheBlock:
-    """One physical block: its id, reference count, prefix-cache identity, queue links."""
 
     __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "token_ids", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        # Set while the block is published in the prefix cache (full block, K/V computed).
         self.block_hash: bytes | None = None
         self.parent_hash: bytes | None = None
         self.token_ids: tuple[int, ...] | None = None
-        # Links of the free queue (None when not in it; the sentinels are never None-linked).
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -98,10 +49,7 @@ class KVCacheBlock:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks with O(1) append, push-front, pop-front, remove.
-
-    The head is the next block to be handed out (and evicted, if it carries a hash).
-    """
+    """Doubly linked free blocks, O(1) anywhere (a hit takes one out); the head goes next."""
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
         self._head = KVCacheBlock(-1)  # sentinels
@@ -113,15 +61,12 @@ class FreeBlockQueue:
             self.append(b)
 
     def append(self, block: KVCacheBlock) -> None:
-        """Put ``block`` at the tail (evicted last)."""
         self._link(block, self._tail.prev_free, self._tail)
 
     def appendleft(self, block: KVCacheBlock) -> None:
-        """Put ``block`` at the head (handed out next)."""
         self._link(block, self._head, self._head.next_free)
 
     def popleft(self) -> KVCacheBlock:
-        """Remove and return the head block. Raises ValueError when empty."""
         block = self._head.next_free
         if block is self._tail:
             raise ValueError("no free blocks left")
@@ -129,7 +74,6 @@ class FreeBlockQueue:
         return block
 
     def remove(self, block: KVCacheBlock) -> None:
-        """Unlink ``block`` from anywhere in the queue in O(1)."""
         prev, nxt = block.prev_free, block.next_free
         if prev is None or nxt is None:
             raise ValueError(f"block {block.block_id} is not in the free queue")
@@ -145,7 +89,6 @@ class FreeBlockQueue:
             b = b.next_free
 
     def block_ids(self) -> list[int]:
-        """Free block ids from head (next out) to tail."""
         return [b.block_id for b in self]
 
     def _link(self, block: KVCacheBlock, prev: KVCacheBlock, nxt: KVCacheBlock) -> None:
@@ -158,22 +101,22 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All physical KV blocks: reference counts, free queue (= LRU order), prefix cache.
+    """All physical KV blocks; one scheduler thread owns it. ``reserve_null_block`` keeps block 0
+    out as :attr:`null_block` (vLLM's), where sliding tables point at freed blocks. ValueError
+    naming the argument for a bad ``num_blocks`` or ``block_size``."""
 
-    Args:
-        num_blocks: number of physical blocks (>= 1).
-        block_size: tokens per block, a power of two from 1 to 256.
-        enable_caching: keep full blocks in the prefix cache (else hashes are never stored).
-        reserve_null_block: keep block 0 out of circulation as :attr:`null_block`, the
-            placeholder a sliding-window block table holds where a block was freed
-            (vLLM's null block). It is never free, never referenced, never written, so
-            a block table entry pointing at it reads zeros.
-
-    Raises:
-        ValueError: naming the argument, for a bad ``num_blocks`` or ``block_size``.
-
-    Not thread-safe: one scheduler thread owns it.
-    """
+    # Which of a request's blocks are shared, cached or freeable (block_size 4, 10 tokens,
+    # the first block shared with an earlier request):
+    #
+    #   block table    [ 7 ][ 3 ][ 9 ]
+    #   tokens          0-3  4-7  8-9   (partial tail: never hashed, still growing)
+    #   hash            h0   h1   -     h_i = H(h_{i-1}, tokens of block i, extra keys)
+    #   ref_cnt         2    1    1
+    #   after free      7: ref 1, still in use
+    #                   3: free queue tail, cached (h1 kept: a later prompt may hit it)
+    #                   9: free queue head, no hash (reused first, before any eviction)
+    #
+    # An allocation takes the free queue's head; taking a hashed block evicts it (drops h).
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
                  reserve_null_block: bool = False) -> None:
@@ -187,30 +130,27 @@ class BlockPool:
         self.null_block: KVCacheBlock | None = self.blocks[0] if reserve_null_block else None
         self.free_block_queue = FreeBlockQueue(self.blocks[1:] if reserve_null_block else self.blocks)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
-        self.num_used_blocks = 0  # blocks with ref_cnt > 0
-        self.num_cached_free_blocks = 0  # blocks with ref_cnt == 0 that carry a hash
-        self.num_evicted_blocks = 0  # cumulative: cached blocks whose hash an allocation dropped
-        # Called as on_evict(block_id, hash, parent_hash, token_ids) just before an
-        # allocation drops a cached block's hash (the offload tiers save it then).
+        self.num_used_blocks = 0  # ref_cnt > 0
+        self.num_cached_free_blocks = 0  # ref_cnt == 0, hashed
+        self.num_evicted_blocks = 0
+        # on_evict(block_id, hash, parent_hash, token_ids): just before an eviction (offload tiers)
         self.on_evict: Callable[[int, bytes, bytes | None, tuple[int, ...]], None] | None = None
 
-    # ---- usage figures ---------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation can take: free without a hash plus cached-but-evictable."""
         return self.free_block_queue.num_free_blocks
 
     @property
-    def usage(self) -> float:
-        """Fraction of blocks in use (ref_cnt > 0); cached-but-free blocks do not count."""
-        return self.num_used_blocks / self.num_blocks
+    def num_total_blocks(self) -> int:
+        return self.num_blocks - (self.null_block is not None)
 
-    # ---- prefix cache ----------------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_total_blocks
+
     def get_cached_block(self, block_hash: bytes, parent_hash: bytes | None,
                          token_ids: Sequence[int]) -> KVCacheBlock | None:
-        """The published block for ``block_hash`` if its stored parent hash and token ids
-        equal the given ones (a mismatch — a hash collision — is a miss), else None.
-        Changes nothing (call :meth:`touch` to take a reference)."""
+        """The block published under ``block_hash`` with this parent and tokens, else None (no ref)."""
         block = self.cached_block_hash_to_block.get(block_hash)
         if block is None or block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
             return None
@@ -218,12 +158,7 @@ class BlockPool:
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes, parent_hash: bytes | None,
                          token_ids: Sequence[int]) -> bool:
-        """Publish a full, computed block under ``block_hash``.
-
-        A hash maps to at most one block: when another block already holds this hash
-        (identical prompts computed in the same step) this block stays
-        unpublished and False is returned. No-op (False) when caching is off.
-        """
+        """Publish a full, computed, in-use block; False if caching is off or the hash is taken."""
         if not self.enable_caching or block.block_hash is not None:
             return False
         if block_hash in self.cached_block_hash_to_block:
@@ -237,8 +172,7 @@ class BlockPool:
         return True
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every hash (benchmarks, weight reloads). Only when no block is in use;
-        returns False (and changes nothing) otherwise."""
+        """Drop every hash; only while no block is in use (else False, nothing changed)."""
         if self.num_used_blocks:
             return False
         for block in self.cached_block_hash_to_block.values():
@@ -247,16 +181,14 @@ class BlockPool:
         self.num_cached_free_blocks = 0
         return True
 
-    # ---- allocation ------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take ``num_blocks`` blocks from the head of the free queue, evicting their
-        hashes, each with ``ref_cnt = 1``. Raises ValueError if fewer are free."""
+        """``num_blocks`` blocks from the queue's head (evicted), ref_cnt 1; ValueError if short."""
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(f"cannot allocate {num_blocks} blocks, only {self.num_free_blocks} free")
         new_blocks = []
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
-            if block.block_hash is not None:  # evict: never hand out a block still mapped
+            if block.block_hash is not None:
                 if self.on_evict is not None:
                     self.on_evict(block.block_id, block.block_hash, block.parent_hash, block.token_ids)
                 del self.cached_block_hash_to_block[block.block_hash]
@@ -269,8 +201,6 @@ class BlockPool:
         return new_blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take one more reference on each block (a prefix hit or a shared prefix); a
-        free cached block leaves the free queue."""
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
@@ -280,8 +210,8 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference on each block, in the given order (first freed = first
-        evicted among blocks that carry a hash). Raises ValueError on a free block."""
+        """Drop one reference on each block; hashed ones join the queue's tail in this order
+        (first freed, first evicted), others its head. ValueError on a free block."""
         for block in ordered_blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"block {block.block_id} freed more often than it was taken")
@@ -295,10 +225,8 @@ class BlockPool:
                     self.free_block_queue.appendleft(block)
 
     def block_states(self) -> str:
-        """One character per block, in block-id order: ``0`` free, ``1`` cached (free but
-        still hashed: evictable, hits possible), ``2`` in use by one table, ``3`` shared
-        (ref_cnt > 1), ``4`` the null block. O(num_blocks); changes nothing (the live KV
-        map's snapshot)."""
+        """One character per block id: ``0`` free, ``1`` cached (free, hashed), ``2`` in use,
+        ``3`` shared (ref_cnt > 1), ``4`` the null block."""
         states = ["2" if b.ref_cnt == 1 else "3" if b.ref_cnt else "0" if b.block_hash is None else "1"
                   for b in self.blocks]
         if self.null_block is not None:
@@ -309,12 +237,8 @@ class BlockPool:
     def _drop_hash(block: KVCacheBlock) -> None:
         block.block_hash = block.parent_hash = block.token_ids = None
 
-    # ---- invariants ------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Raise AssertionError unless: free + in use == total; every free-queue block has
-        ref_cnt 0 and every other block ref_cnt > 0; every hash in the map points at a
-        block carrying that hash, and every block carrying a hash is in the map; the
-        counters match a recount."""
+        """AssertionError unless the queue, the hash map and the counters agree with the blocks."""
         free_ids = self.free_block_queue.block_ids()
         free_set = set(free_ids)
         assert len(free_set) == len(free_ids), "a block is twice in the free queue"

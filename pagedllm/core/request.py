@@ -1,9 +1,5 @@
-"""Request: one sequence's prompt, its output so far, and its progress.
-
-Progress is one number: ``num_computed_tokens`` (tokens whose K/V are in the cache).
-Each step the scheduler lets it catch up with ``num_tokens`` (prompt + output) under the
-token budget; prefill, chunked prefill, prefix hits and decode are all that one rule.
-"""
+"""Request: one sequence's prompt, output so far, and progress (``num_computed_tokens``: tokens
+whose K/V is in the cache, catching up with ``num_tokens`` each step)."""
 
 from __future__ import annotations
 
@@ -14,21 +10,16 @@ from pagedllm.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
-    """Life cycle: [WAITING_FOR_GRAMMAR →] WAITING → RUNNING ⇄ PREEMPTED → one of the FINISHED_* states.
-
-    A structured-output request waits in WAITING_FOR_GRAMMAR while its grammar compiles
-    off the step loop; the scheduler skips it (it blocks nobody) until the engine
-    declares the grammar ready.
-    """
+    """[WAITING_FOR_GRAMMAR →] WAITING → RUNNING ⇄ PREEMPTED → FINISHED_*."""
 
     WAITING = 0
     WAITING_FOR_GRAMMAR = 1
     RUNNING = 2
     PREEMPTED = 3
-    FINISHED_STOPPED = 4  # EOS, a stop token id, a stop string, or the grammar terminated
-    FINISHED_LENGTH_CAPPED = 5  # max_tokens or max_model_len reached
-    FINISHED_ABORTED = 6  # cancelled by the user / client gone
-    FINISHED_ERROR = 7  # failed inside a step (or its grammar failed to compile); the engine kept serving
+    FINISHED_STOPPED = 4  # EOS, stop token or string, grammar terminated
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7  # failed in a step or grammar compile; the engine kept serving
 
     @property
     def is_finished(self) -> bool:
@@ -36,7 +27,6 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        """The OpenAI finish_reason string, or None while unfinished."""
         return _FINISH_REASONS.get(self)
 
 
@@ -49,18 +39,8 @@ _FINISH_REASONS = {
 
 
 class Request:
-    """One sequence the scheduler runs (a child of an ``n > 1`` request is its own Request).
-
-    Args:
-        request_id: unique id.
-        prompt_token_ids: the prompt, token ids (non-empty).
-        sampling_params: sampling and stopping parameters (``n`` must be 1 here).
-        eos_token_id: the model's end-of-sequence id, or None.
-        arrival_time: seconds (``time.time()``); default now.
-        priority: lower value = served first under ``scheduling_policy="priority"``.
-        max_tokens: resolved output cap in tokens (``sampling_params.max_tokens`` or
-            what ``max_model_len`` leaves); default ``sampling_params.max_tokens``.
-    """
+    """One sequence (each child of an ``n > 1`` request is one). ``priority``: lower first;
+    ``max_tokens``: the resolved output cap (ValueError if neither it nor the params' is set)."""
 
     def __init__(
         self,
@@ -79,7 +59,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
-        self.parent_id = parent_id  # the user-facing id of an n > 1 group, if any
+        self.parent_id = parent_id  # of an n > 1 group
         mt = sampling_params.max_tokens if max_tokens is None else max_tokens
         if mt is None:
             raise ValueError("max_tokens must be resolved (engine fills it from max_model_len)")
@@ -87,25 +67,22 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
-        self.num_cached_tokens = -1  # prompt tokens served from the prefix cache (-1 = not yet scheduled)
-        # num_cached_tokens split by where the K/V came from: "pool", "host", "disk" (set at the first admission)
+        self.num_cached_tokens = -1  # -1: not yet admitted
         self.cached_tokens_by_tier: dict[str, int] | None = None
         self.num_preemptions = 0
-        self.preemption_modes: list[str] = []  # "recompute" or "swap", one per preemption
+        self.preemption_modes: list[str] = []
         self.status = RequestStatus.WAITING
-        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.stop_reason: int | str | None = None  # stop token id or stop string
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
-        self.block_hashes: list[bytes] = []  # filled by the KV-cache manager, one per full block
+        self.block_hashes: list[bytes] = []  # per full block, filled by the KV-cache manager
 
     @property
     def use_structured_output(self) -> bool:
-        """Whether a grammar constrains this request's output (it then waits for its compile)."""
         return self.sampling_params.structured_outputs is not None
 
     @property
     def num_tokens(self) -> int:
-        """Prompt + output tokens known so far."""
         return len(self.all_token_ids)
 
     @property
@@ -121,7 +98,6 @@ class Request:
         return self.status.is_finished
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
-        """Append sampled tokens (the scheduler calls this in update_from_output)."""
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
 

@@ -1,85 +1,7 @@
-"""Scheduler: which requests run each step, how many tokens each computes.
-
-Iteration-level (continuous) batching under a token budget, in the style of vLLM's v1
-scheduler. The scheduler owns only queues, budgets and the preemption policy; memory
-goes through :class:`~pagedllm.core.kv_cache_manager.KVCacheManager`.
-
-One step is ``schedule()`` → model runner → ``update_from_output()``. Progress is one
-number per request: each step a request computes ``num_tokens - num_computed_tokens``
-tokens, capped by what is left of the budget (chunked prefill). Prefill, chunked
-prefill, prefix hits, resumption after preemption and decode are all that one rule.
-
-Policies (documented choices):
-
-* **Order inside a step.** Running requests first — decodes (one token each) before
-  unfinished prefill chunks, so a long prompt being chunked never starves the decodes
-  already running — then waiting requests in FCFS order (or ``(priority,
-  arrival_time)`` order under ``scheduling_policy="priority"``; lower value first).
-* **Prompt tokens while decoding.** With ``max_prefill_tokens_while_decoding`` set and
-  chunked prefill on, a step in which some running request decodes carries at most that
-  many prompt tokens (chunks of running prefills first, then admissions), so one long
-  prompt cannot stretch every stream's inter-token gap; a step with no decode uses the
-  whole token budget.
-* **Time-aware budget while decoding** (``max_step_time_ratio``, ``max_step_time_ms``;
-  :mod:`pagedllm.core.step_cost`). With a target set and chunked prefill on, a step in which
-  some request decodes carries prompt tokens only while the online step-cost model predicts
-  the step within ``max(ratio x`` its time with the decodes alone``, max_step_time_ms)``;
-  each chunk is sized by its own cost (a chunk deep into a long prompt costs more per
-  token). The step's first prompt chunk always gets at least ``min_prefill_tokens_while_decoding``
-  (default ``block_size``) tokens, so a prompt progresses every step whatever the prediction
-  (with FCFS order: nothing starves), and few short decodes do not slow admission below it.
-  It composes with the token cap above and the long-prompt rules below (the smallest limit
-  wins). The engine feeds the model each step's wall time (``observe_step_time``).
-* **Long prompts** (vLLM's ``long_prefill_token_threshold``, ``max_num_partial_prefills``,
-  ``max_long_partial_prefills``). A prompt with more than ``long_prefill_token_threshold``
-  tokens left to compute is *long* and computes at most that many per step, so the step's
-  prompt tokens are shared rather than taken by the first long prompt. A request is a
-  *partial prefill* in a step whose chunk leaves part of its prompt uncomputed; at most
-  ``max_num_partial_prefills`` of them per step (running ones first, in admission order),
-  of which at most ``max_long_partial_prefills`` long. A running prefill without a slot
-  waits for the next step (keeping its blocks); a waiting one ends the admission loop,
-  except a long one refused only for the long slots: it is passed by shorter prompts
-  (the point of ``max_long_partial_prefills < max_num_partial_prefills``). The holders
-  of the slots run first every step, so the slots free up and nothing starves.
-  Defaults (threshold off, one partial prefill) are the plain rule above: a step ends
-  at most one prompt partway.
-* **Head-of-line blocking: strict order, no bypass** (vLLM's policy). The
-  waiting loop stops at the first request that cannot be admitted — not enough free
-  blocks, or (chunked prefill off) a prompt larger than what is left of the token
-  budget. Nothing passes a blocked head, so no request starves; the price is idle
-  capacity while a large head waits for memory. Held ``n > 1`` siblings (below) are
-  the one exception: they are skipped, not blocking.
-* **Preemption by recompute.** When ``allocate_slots`` fails for a running request the
-  victim is the running request with the lowest priority (largest value) and, among
-  equals, the latest arrival (under FCFS priority is ignored: the latest arrival). Its
-  blocks are freed, its output kept, ``num_computed_tokens`` reset to 0, and it goes
-  back to the head of the waiting queue; when re-admitted it recomputes prompt + output
-  (hitting its own published blocks if prefix caching is on). No request is admitted
-  in a step that preempted. If the victim is the request being scheduled, the running
-  phase stops.
-* **Structured outputs**: a request whose grammar is still compiling (status
-  WAITING_FOR_GRAMMAR) is skipped in the waiting queue, not blocking those behind it,
-  until the engine calls ``set_grammar_ready``. The scheduler never sees the grammar itself.
-* **n > 1 groups** (children sharing ``parent_id`` and the prompt): the first child to
-  be admitted computes the prompt; the others are held in the waiting queue until a
-  running sibling has computed the prompt's full blocks, then are admitted with those
-  blocks by reference (ref_cnt n while all run) and compute only the tail — whether or
-  not prefix caching is on. If no sibling is running, a child is admitted on its own.
-* **Static batching** (``batching="static"``, for benchmarks): the same code with two
-  rules changed — requests are admitted only when nothing is running, each reserving
-  blocks for its worst case (prompt + max_tokens, capped at max_model_len) up front, so
-  a batch never preempts and admits nothing new until all of it finished. Children of
-  an ``n > 1`` group are not held there (each computes its own prompt, or hits the
-  prefix cache): holding them would split the batch.
-* **Stop conditions** (checked per sampled token, in this order): EOS (unless
-  ``ignore_eos``) or a ``stop_token_ids`` member ends it as FINISHED_STOPPED, but only
-  once ``num_output_tokens >= min_tokens``; then ``max_tokens`` or ``max_model_len``
-  ends it as FINISHED_LENGTH_CAPPED. ``stop_reason`` is the stop token id, or None for
-  EOS and length (as vLLM). The stopping token stays in ``output_token_ids``.
-
-Not thread-safe; the engine calls it from one thread, never ``schedule()`` twice
-without ``update_from_output()`` in between.
-"""
+"""Scheduler: which requests run each step and how many tokens each computes, under a
+:class:`StepBudget` (vLLM v1's scheduler); memory only through the :class:`KVCacheManager`.
+Policies: ``docs/scheduler.md``. Not thread-safe: one thread alternates ``schedule()`` and
+``update_from_output()``."""
 
 from __future__ import annotations
 
@@ -87,14 +9,14 @@ import bisect
 import logging
 import time
 from collections import Counter
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.kv_cache_groups import KVCacheGroupSpec
-from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.kv_cache_groups import cdiv
+from pagedllm.core.kv_cache_groups import KVCacheGroupSpec, cdiv
+from pagedllm.core.kv_cache_manager import GroupBlockIds, KVCacheManager, TierHit
 from pagedllm.core.kv_offload import KVOffloadSpec, tier_hit_counts
-from pagedllm.core.step_cost import PrefillTimeBudget, StepCostModel, StepShape, attention_pairs
+from pagedllm.core.step_budget import StepBudget
+from pagedllm.core.step_cost import StepCostModel, StepShape, attention_pairs
 from pagedllm.core.swap_space import PREEMPT_SWAP, SwapSpace
 from pagedllm.core.kv_snapshot import (EVENT_EVICTED, EVENT_PREEMPTED, EVENT_PREFIX_HIT, EVENT_RESUMED,
                                        KVCacheSnapshot, KVEventLog, RequestKVRow)
@@ -106,29 +28,18 @@ from pagedllm.core.stats import SchedulerStats
 logger = logging.getLogger("pagedllm")
 
 
+class _PrefixHit(NamedTuple):
+    block_ids: GroupBlockIds
+    num_pool_tokens: int
+    tier_hits: list[TierHit]
+    num_tokens: int  # pool + tiers
+
+
 class Scheduler:
     """Continuous-batching scheduler with chunked prefill, prefix caching and preemption.
-
-    Args:
-        config: the engine configuration; reads ``block_size``, ``enable_prefix_caching``,
-            ``enable_chunked_prefill``, ``max_num_seqs``, ``token_budget``,
-            ``max_prefill_tokens_while_decoding``, ``max_step_time_ratio``, ``max_step_time_ms``,
-            ``min_prefill_tokens_while_decoding``,
-            ``long_prefill_threshold``,
-            ``max_num_partial_prefills``, ``max_long_partial_prefills``, ``max_model_len`` (must be resolved), ``scheduling_policy`` and ``batching``.
-        num_kv_blocks: physical KV blocks available.
-        record_trace: keep ``step_trace``, one ``{request_id: num_tokens}`` dict per
-            step (tests, benchmarks; grows without bound, so off by default).
-        kv_cache_groups: the model's KV-cache groups (plain data, see
-            :mod:`pagedllm.core.kv_cache_groups`); default one full-attention group.
-        num_kv_events: how many preemption / caching events ``kv_events`` keeps.
-        kv_offload: sizes of the prefix cache's offload tiers (host RAM, disk) below
-            the pool, or None for none (:mod:`pagedllm.core.kv_offload`).
-        swap_space: the swap space and preemption mode (:mod:`pagedllm.core.swap_space`);
-            default none, ``config.preemption_mode`` (so swap always falls back to recompute).
-
-    Raises:
-        ValueError: when ``config.max_model_len`` is None or ``num_kv_blocks`` < 1.
+    ``record_trace`` keeps ``step_trace``, one ``{request_id: num_tokens}`` per step (unbounded:
+    tests). ``kv_cache_groups`` default: one full-attention group; ``swap_space`` default: none
+    (swap falls back to recompute). ValueError when ``config.max_model_len`` is None.
     """
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int, record_trace: bool = False,
@@ -141,40 +52,29 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.max_num_seqs = config.max_num_seqs
         self.token_budget = config.token_budget
-        self.max_prefill_tokens_while_decoding = config.max_prefill_tokens_while_decoding
-        self.long_prefill_threshold = config.long_prefill_threshold  # 0: no prompt is long
-        self.max_num_partial_prefills = config.max_num_partial_prefills
-        self.max_long_partial_prefills = config.max_long_partial_prefills
         self.enable_chunked_prefill = config.enable_chunked_prefill
-        self.step_cost = StepCostModel()  # fed by the engine (observe_step_time), read by the time budget
+        self.step_cost = StepCostModel()  # fed by observe_step_time
         self.is_priority = config.scheduling_policy == "priority"
         self.is_static = config.batching == "static"
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                                config.max_model_len, kv_cache_groups, kv_offload)
-        self.requests: dict[str, Request] = {}  # every unfinished request
-        self.waiting: list[Request] = []  # head first
+        self.requests: dict[str, Request] = {}  # unfinished
+        self.waiting: list[Request] = []
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
         self.swap_space = swap_space if swap_space is not None else SwapSpace(0, config.preemption_mode)
-        self._swap_ops = KVTransferOps()  # swap copies decided this step
-        self.kv_events = KVEventLog(num_kv_events)  # the last preemptions, prefix hits, evictions
+        self._swap_ops = KVTransferOps()
+        self.kv_events = KVEventLog(num_kv_events)
         self.step_trace: list[dict[str, int]] | None = [] if record_trace else None
         self._groups: dict[str, list[Request]] = {}  # parent_id -> unfinished children
         self._arrival_seq: dict[str, int] = {}  # tie-breaker for equal arrival times
         self._next_seq = 0
         self._known_to_runner: set[str] = set()  # scheduled since (re)admission
-        self._finished_req_ids: set[str] = set()  # runner state to drop at the next step
+        self._finished_req_ids: set[str] = set()  # runner state to drop next step
 
-    # ---- requests in -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue ``request`` (status WAITING).
-
-        Raises:
-            ValueError: empty prompt; prompt longer than ``max_model_len``; a request
-                whose worst case (prompt + max_tokens, capped at max_model_len) needs
-                more blocks than the whole pool; a duplicate request id; a child whose
-                prompt differs from its siblings'.
-        """
+        """Queue ``request``. ValueError for a duplicate id, an empty or too long prompt, a worst
+        case (prompt + max_tokens) larger than the pool, or a child's prompt unlike its siblings'."""
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in the scheduler")
@@ -185,7 +85,6 @@ class Scheduler:
                              f"max_model_len ({self.max_model_len})")
         kv = self.kv_cache_manager
         worst = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-        # static batching reserves the whole sequence at once, like one chunk of it
         needed = kv.max_num_blocks_per_seq(worst, worst if self.is_static else self.token_budget)
         if needed > kv.num_total_blocks:
             raise ValueError(f"request {rid!r}: {worst} tokens (prompt {request.num_prompt_tokens} + max_tokens "
@@ -207,192 +106,94 @@ class Scheduler:
         else:
             self.waiting.append(request)
 
-    # ---- the step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's batch. See the module docstring for the policies.
-
-        Changes: admits waiting requests (status RUNNING, prefix hits applied to
-        ``num_computed_tokens``), allocates their slots, may preempt. Does not advance
-        ``num_computed_tokens`` for the tokens scheduled (``update_from_output`` does).
-        """
-        kv = self.kv_cache_manager
-        budget = self.token_budget
+        """This step's batch: admits (RUNNING, ``num_computed_tokens`` at the prefix hit), allocates
+        slots, may preempt; ``update_from_output`` advances ``num_computed_tokens``."""
+        # No prefill or decode phase: each request has num_computed_tokens and num_tokens, and
+        # each step lets the first catch up with the second under the StepBudget (tokens, prompt
+        # cap and time while decoding, partial-prefill slots). One rule for prefill, chunked
+        # prefill, prefix hits, resumption and decode (vLLM v1). Policies: docs/scheduler.md.
+        # 1. Running requests, decodes first; when blocks run out, the lowest-priority one is
+        #    preempted and gives its share back.
+        # 2. Waiting requests in queue order from their prefix hit; the first that cannot be
+        #    admitted ends the phase (no bypass) unless a rule skips it.
+        # 3. The output for the model runner.
+        budget = StepBudget.for_step(self.config, self.step_cost, self._is_decoding())
         num_scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, tuple[list[int], ...]] = {}  # per KV-cache group
+        new_block_ids: dict[str, GroupBlockIds] = {}
         preempted: list[Request] = []
-        # Prefill tokens this step may still take: capped while requests decode (inter-token latency).
-        prefill_left = self._prefill_cap()
-        time_budget = self._time_budget()  # None: no time-aware budget
-        prefill_ids: set[str] = set()  # requests scheduled this step that count against prefill_left
-        partial_ids: set[str] = set()  # prefills this step leaves unfinished (max_num_partial_prefills)
-        long_partial_ids: set[str] = set()  # those of them that are long (max_long_partial_prefills)
 
-        # Phase 1: running requests. Decodes first, then unfinished prefill chunks.
-        order = sorted(self.running, key=lambda r: len(r.all_token_ids) - r.num_computed_tokens > 1)
-        for req in order:
-            if budget == 0:
+        # 1. Running requests.
+        for req in sorted(self.running, key=lambda r: len(r.all_token_ids) - r.num_computed_tokens > 1):
+            if budget.num_tokens_left == 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_left = num_new = len(req.all_token_ids) - req.num_computed_tokens
-            is_prefill = num_new > 1
-            limit = budget
-            if is_prefill:
-                limit = min(budget, prefill_left, self._chunk_limit(num_left),
-                            self._time_limit(time_budget, req.num_computed_tokens, budget))
-            if num_new > limit:
-                if not self.enable_chunked_prefill:
-                    continue
-                num_new = limit
-            if num_new <= 0:
+            num_left = len(req.all_token_ids) - req.num_computed_tokens
+            is_prompt = num_left > 1
+            limit = budget.prompt_limit(num_left, req.num_computed_tokens) if is_prompt else budget.num_tokens_left
+            num_new = self._chunk(num_left, limit)
+            if num_new is None or num_new <= 0:
                 continue
-            if is_prefill and self._partial_refusal(num_left, num_new, partial_ids, long_partial_ids):
-                continue  # no partial-prefill slot this step: keeps its blocks, runs next step
-            while True:
-                block_ids = self._allocate(req, num_new)
-                if block_ids is not None:
-                    break
-                victim = self._pick_victim()
-                if victim.request_id in num_scheduled:  # scheduled earlier this step: undo
-                    undone = num_scheduled.pop(victim.request_id)
-                    budget += undone
-                    if victim.request_id in prefill_ids:
-                        prefill_ids.discard(victim.request_id)
-                        prefill_left += undone
-                    partial_ids.discard(victim.request_id)
-                    long_partial_ids.discard(victim.request_id)
-                    if time_budget is not None:
-                        time_budget.give_back(victim.request_id)
-                    new_block_ids.pop(victim.request_id)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is req:
-                    break
+            if is_prompt and budget.partial_refusal(num_left, num_new):
+                continue  # no partial-prefill slot: keeps its blocks, runs next step
+            block_ids = self._allocate_or_preempt(req, num_new, budget, num_scheduled, new_block_ids, preempted)
             if block_ids is None:
                 break
             num_scheduled[req.request_id] = num_new
             new_block_ids[req.request_id] = block_ids
-            budget -= num_new
-            if is_prefill:
-                prefill_ids.add(req.request_id)
-                prefill_left -= num_new
-                self._take_partial_slot(req.request_id, num_left, num_new, partial_ids, long_partial_ids)
-                if time_budget is not None:
-                    time_budget.take(req.request_id, req.num_computed_tokens, num_new)
-            elif time_budget is not None:
-                time_budget.add_decode(req.num_computed_tokens)
+            if is_prompt:
+                budget.take_prompt(req.request_id, num_new, req.num_computed_tokens, num_left)
+            else:
+                budget.take_decode(req.request_id, req.num_computed_tokens)
 
-        # Phase 2: waiting requests, in queue order, with their prefix hits.
+        # 2. Waiting requests.
         can_admit = not preempted and not (self.is_static and self.running)
         i = 0
-        while (can_admit and i < len(self.waiting) and min(budget, prefill_left) > 0
-               and len(self.running) < self.max_num_seqs):
+        while can_admit and i < len(self.waiting) and budget.has_prompt_room and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
-            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:  # compiling off the loop: skip, don't block
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:  # skipped, not blocking
                 i += 1
                 continue
             swapped = self.swap_space.swapped.get(req.request_id)
-            if swapped is not None:  # resumes from the swap space: no prefix lookup
-                if not self._admit_swapped(req, swapped, budget):
-                    break  # head-of-line: waits for memory
-                num_scheduled[req.request_id] = num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-                budget -= num_new
+            if swapped is not None:
+                num_new = min(req.num_tokens - swapped.num_computed_tokens, budget.num_tokens_left)
+                if not self._admit_swapped(req, swapped, num_new):
+                    break
+                num_scheduled[req.request_id] = num_new
+                budget.take_tokens(req.request_id, num_new)
                 continue
             donor = None
             if req.parent_id is not None and not self.is_static:
                 donor, is_held = self._find_sibling_donor(req)
-                if is_held:  # a sibling is computing the shared prompt: wait for it, don't block
+                if is_held:  # a sibling computes the shared prompt: skipped, not blocking
                     i += 1
                     continue
-            computed_ids, num_computed = kv.get_computed_blocks(req)
-            if donor is not None:
-                shared_ids, num_shared = kv.get_shared_prefix_blocks(req, donor)
-                if num_shared > num_computed:
-                    computed_ids, num_computed = shared_ids, num_shared
-            tier_hits = kv.get_tier_hits(req, num_computed // self.block_size)
-            num_pool_hit = num_computed
-            num_computed += len(tier_hits) * self.block_size
-            num_left = num_new = req.num_tokens - num_computed
-            limit = min(budget, prefill_left, self._chunk_limit(num_left),
-                        self._time_limit(time_budget, num_computed, budget))
+            hit = self._prefix_hit(req, donor)
+            num_left = req.num_tokens - hit.num_tokens
+            limit = budget.prompt_limit(num_left, hit.num_tokens)
             if limit <= 0:
-                break  # the step's time budget is spent: admissions wait for the next step
-            if num_new > limit:
-                if not self.enable_chunked_prefill:
-                    break  # admitted whole or waits; nothing passes it
-                num_new = limit
-            refusal = self._partial_refusal(num_left, num_new, partial_ids, long_partial_ids)
-            if refusal == "long":  # long slots taken: shorter prompts behind it may pass
+                break
+            num_new = self._chunk(num_left, limit)
+            if num_new is None:
+                break  # chunked prefill off: admitted whole or not at all
+            refusal = budget.partial_refusal(num_left, num_new)
+            if refusal == "long":  # shorter prompts may pass it
                 i += 1
                 continue
-            if refusal:
-                break  # no partial-prefill slot: head-of-line, nothing passes it
-            lookahead = 0
-            if self.is_static:  # reserve the worst case now: the batch never grows again
-                worst = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
-                lookahead = max(0, worst - num_computed - num_new)
-            block_ids = self._allocate(req, num_new, computed_ids, num_pool_hit, lookahead, tier_hits)
-            if block_ids is None:
-                break  # head-of-line: waits for memory; nothing passes it
-            self._log_admission(req, num_computed, tier_hits)
-            self.waiting.pop(i)
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_computed
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_computed
-                req.cached_tokens_by_tier = self._cached_tokens_by_tier(num_pool_hit, tier_hits)
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.time()
-            self.running.append(req)
+            if refusal or not self._admit(req, i, num_new, hit):
+                break
             num_scheduled[req.request_id] = num_new
-            budget -= num_new
-            prefill_left -= num_new
-            self._take_partial_slot(req.request_id, num_left, num_new, partial_ids, long_partial_ids)
-            if time_budget is not None:
-                time_budget.take(req.request_id, num_computed, num_new)
+            budget.take_prompt(req.request_id, num_new, hit.num_tokens, num_left)
 
-        # Phase 3: the output for the model runner.
-        out = SchedulerOutput(num_scheduled_tokens=num_scheduled,
-                              total_num_scheduled_tokens=self.token_budget - budget,
-                              step_shape=self._step_shape(num_scheduled))
-        for rid in num_scheduled:
-            req = self.requests[rid]
-            if rid in self._known_to_runner:
-                out.scheduled_cached_reqs.append(CachedRequestData(rid, new_block_ids[rid], req.num_computed_tokens))
-            else:
-                out.scheduled_new_reqs.append(NewRequestData(
-                    rid, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params,
-                    kv.get_group_block_ids(req), req.num_computed_tokens))
-                self._known_to_runner.add(rid)
-        out.preempted_req_ids = {r.request_id for r in preempted}
-        if kv.offload is not None:
-            out.kv_transfers = kv.offload.take_ops()
-        out.kv_transfers.swap_out, out.kv_transfers.swap_in = self._swap_ops.swap_out, self._swap_ops.swap_in
-        self._swap_ops = KVTransferOps()
-        out.finished_req_ids = self._finished_req_ids
-        self._finished_req_ids = set()
-        if self.step_trace is not None:
-            self.step_trace.append(dict(num_scheduled))
-        return out
+        # 3. The output for the model runner.
+        return self._make_output(num_scheduled, new_block_ids, preempted, budget)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[Request]:
-        """Apply one step's results.
-
-        For every request scheduled: advance ``num_computed_tokens``, publish its newly
-        computed full blocks, append its sampled tokens and check the stop conditions;
-        free finished requests. Requests in ``model_runner_output.failed`` end as
-        FINISHED_ERROR (their blocks freed, not published). Requests aborted since
-        ``schedule()`` are ignored.
-
-        Returns:
-            Every request that got new tokens or finished this step (batch order).
-
-        Raises:
-            ValueError: the runner sampled for a request whose K/V does not yet cover
-                all its tokens, or did not sample for one whose K/V does (the contract
-                of ``pagedllm.core.outputs``).
-        """
+        """Advance ``num_computed_tokens``, publish full blocks, append tokens, check stops, free
+        finished and failed requests. Returns those that got tokens or finished (batch order);
+        ValueError when the runner sampled mid-prefill or not for a complete request."""
         kv = self.kv_cache_manager
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
         failed = model_runner_output.failed
@@ -408,7 +209,7 @@ class Scheduler:
                 changed.append(req)
                 any_finished = True
                 continue
-            kv.cache_blocks(req)  # publishes the blocks filled (or copied in from a tier) this step
+            kv.cache_blocks(req)
             token_ids = sampled.get(rid)
             is_complete = num_computed == len(req.all_token_ids)
             if not token_ids:
@@ -429,7 +230,7 @@ class Scheduler:
                     any_finished = True
                     break
             changed.append(req)
-        for rid in failed:  # failures of requests not scheduled this step (defensive)
+        for rid in failed:
             req = self.requests.get(rid)
             if req is not None and rid not in scheduler_output.num_scheduled_tokens:
                 self._finish(req, RequestStatus.FINISHED_ERROR, in_running=req.status == RequestStatus.RUNNING)
@@ -438,13 +239,9 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return changed
 
-    # ---- requests out ------------------------------------------------------------------
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> list[Request]:
-        """End requests in any state with ``finished_status`` (stop strings, aborts),
-        freeing every block they hold. Unknown or already finished ids are ignored.
-
-        Returns the requests that were ended. Raises ValueError for a non-finished status.
-        """
+        """End requests in any state with ``finished_status``, freeing their blocks; unknown ids are
+        ignored. Returns those ended; ValueError for a status that is not FINISHED_*."""
         if not finished_status.is_finished:
             raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -458,7 +255,6 @@ class Scheduler:
         return ended
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[Request]:
-        """Abort requests in any state (FINISHED_ABORTED, blocks freed); unknown ids are a no-op."""
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
@@ -468,29 +264,21 @@ class Scheduler:
         return len(self.running) + len(self.waiting)
 
     def set_grammar_ready(self, request_id: str) -> None:
-        """Make a request whose grammar has compiled admissible (WAITING_FOR_GRAMMAR → WAITING).
-
-        Unknown, finished or already admissible requests are left alone.
-        """
+        """WAITING_FOR_GRAMMAR → WAITING; any other request is left alone."""
         req = self.requests.get(request_id)
         if req is not None and req.status == RequestStatus.WAITING_FOR_GRAMMAR:
             req.status = RequestStatus.WAITING
 
     def has_finished_requests(self) -> bool:
-        """Whether the runner still has state to drop (sent with the next schedule())."""
         return bool(self._finished_req_ids)
 
     def reset_runner_state(self) -> None:
-        """Declare that the model runner dropped its per-request state (e.g. after an
-        exception inside a step): every request scheduled from now on is sent in full
-        (``NewRequestData`` with its whole block table and ``num_computed_tokens``)."""
+        """The runner lost its per-request state: send every request in full from now on."""
         self._known_to_runner.clear()
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block hash; only possible while no block is in use."""
         return self.kv_cache_manager.reset_prefix_cache()
 
-    # ---- figures and invariants --------------------------------------------------------
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         return SchedulerStats(
@@ -501,9 +289,8 @@ class Scheduler:
             num_total_blocks=kv.num_total_blocks)
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless the KV cache is consistent and every unfinished
-        request is in exactly one queue with a matching status; only running requests
-        hold blocks, enough to cover their computed tokens; at most max_num_seqs run."""
+        """AssertionError unless the KV cache is consistent and each unfinished request sits in one
+        queue with a matching status, blocks only while running."""
         kv = self.kv_cache_manager
         kv.check_integrity()
         self.swap_space.check_integrity()
@@ -528,10 +315,7 @@ class Scheduler:
             assert children and all(c.request_id in self.requests for c in children), f"group {parent_id} stale"
 
     def kv_cache_snapshot(self, num_steps: int = 0) -> KVCacheSnapshot:
-        """Every block's state and every unfinished request's block table, now.
-
-        Call between steps (the engine thread does). O(blocks + requests); changes nothing.
-        """
+        """Every block's state and unfinished request's block tables; call between steps."""
         kv = self.kv_cache_manager
         rows = [self._kv_row(r, "running") for r in self.running]
         rows += [self._kv_row(r, "preempted" if r.status == RequestStatus.PREEMPTED else "waiting")
@@ -553,9 +337,7 @@ class Scheduler:
                             req.num_prompt_tokens, req.num_output_tokens, req.num_computed_tokens,
                             max(req.num_cached_tokens, 0), req.num_preemptions)
 
-    # ---- internals ---------------------------------------------------------------------
     def _allocate(self, req: Request, *args) -> list[int] | None:
-        """``KVCacheManager.allocate_slots``, logging the cached blocks it had to evict."""
         kv = self.kv_cache_manager
         evicted = kv.num_evicted_blocks
         block_ids = kv.allocate_slots(req, *args)
@@ -565,7 +347,6 @@ class Scheduler:
         return block_ids
 
     def _cached_tokens_by_tier(self, num_pool_tokens: int, tier_hits: list) -> dict[str, int]:
-        """Cached tokens of an admission per tier: ``pool``, ``host``, ``disk``."""
         counts = tier_hit_counts(tier_hits)
         return {"pool": num_pool_tokens, **{t: n * self.block_size for t, n in counts.items()}}
 
@@ -583,43 +364,7 @@ class Scheduler:
     def _priority_key(self, req: Request) -> tuple:
         return (req.priority, req.arrival_time, self._arrival_seq[req.request_id])
 
-    def _prefill_cap(self) -> int:
-        """Prompt tokens this step may carry: ``max_prefill_tokens_while_decoding`` when a running
-        request decodes (one token to compute) and chunked prefill is on, else the whole budget.
-
-        Why: on a compute-bound device (CPU) a step's time grows with its tokens, and every
-        decoding stream waits for the whole step; a 2,048-token chunk stretches their
-        inter-token gap ~10-20x. Capping the prompt tokens that ride along with decodes keeps
-        that gap bounded (``benchmarks/step_cost.py``), while a step with nothing decoding
-        still takes the full budget (fast time to first token when idle).
-        """
-        cap = self.max_prefill_tokens_while_decoding
-        if cap is None or not self.enable_chunked_prefill:
-            return self.token_budget
-        if any(len(r.all_token_ids) - r.num_computed_tokens == 1 for r in self.running):
-            return min(cap, self.token_budget)
-        return self.token_budget
-
-    def _time_budget(self) -> PrefillTimeBudget | None:
-        """This step's time-aware prompt-token allowance, or None when the budget is off."""
-        if not self.config.is_step_time_budget_on:
-            return None
-        ms = self.config.max_step_time_ms
-        return PrefillTimeBudget(self.step_cost, self.config.max_step_time_ratio or None,
-                                 ms / 1000.0 if ms else None,
-                                 self.config.min_prefill_tokens_while_decoding or self.block_size)
-
-    @staticmethod
-    def _time_limit(time_budget: PrefillTimeBudget | None, num_computed: int, budget: int) -> int:
-        """Most tokens the time budget lets the next prompt chunk take (``budget`` when none)."""
-        if time_budget is None:
-            return budget
-        limit = time_budget.limit(num_computed)
-        return budget if limit is None else limit
-
     def _step_shape(self, num_scheduled: dict[str, int]) -> StepShape:
-        """The step's decode tokens, prompt tokens and attention pairs (the step-cost model's
-        features); called before ``num_computed_tokens`` advances."""
         num_decode = num_prefill = num_pairs = 0
         for rid, n in num_scheduled.items():
             num_pairs += attention_pairs(self.requests[rid].num_computed_tokens, n)
@@ -630,54 +375,22 @@ class Scheduler:
         return StepShape(num_decode, num_prefill, num_pairs)
 
     def observe_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
-        """Feed the step-cost model: the step ``scheduler_output`` took ``seconds`` of wall
-        time (schedule to outputs; the engine measures it). Empty steps are ignored."""
+        """Feed the step-cost model a step's wall time."""
         if scheduler_output.step_shape is not None:
             self.step_cost.observe(scheduler_output.step_shape, seconds)
 
-    def _chunk_limit(self, num_left: int) -> int:
-        """Most tokens a prefill with ``num_left`` tokens to compute may take this step:
-        ``long_prefill_threshold`` for a long prompt (vLLM V1's rule), else no limit."""
-        if 0 < self.long_prefill_threshold < num_left:
-            return self.long_prefill_threshold
-        return num_left
-
-    def _partial_refusal(self, num_left: int, num_new: int, partial_ids: set[str],
-                         long_partial_ids: set[str]) -> str | None:
-        """Why a chunk of ``num_new`` of ``num_left`` prompt tokens may not run this step:
-        ``"full"`` (max_num_partial_prefills prefills already left unfinished), ``"long"``
-        (a long prompt, max_long_partial_prefills of them already), or None. A chunk that
-        finishes the prompt always may."""
-        if num_new >= num_left:
-            return None
-        if len(partial_ids) >= self.max_num_partial_prefills:
-            return "full"
-        if 0 < self.long_prefill_threshold < num_left and len(long_partial_ids) >= self.max_long_partial_prefills:
-            return "long"
-        return None
-
-    def _take_partial_slot(self, rid: str, num_left: int, num_new: int, partial_ids: set[str],
-                           long_partial_ids: set[str]) -> None:
-        """Count ``rid`` against the partial-prefill slots when its chunk leaves prompt tokens."""
-        if num_new < num_left:
-            partial_ids.add(rid)
-            if 0 < self.long_prefill_threshold < num_left:
-                long_partial_ids.add(rid)
-
     def _pick_victim(self) -> Request:
-        """Lowest priority (largest value), latest arrival among running (FCFS: latest)."""
+        """Lowest priority (largest value), then latest arrival."""
         if self.is_priority:
             return max(self.running, key=self._priority_key)
         return max(self.running, key=lambda r: (r.arrival_time, self._arrival_seq[r.request_id]))
 
     def _preempt(self, req: Request) -> None:
-        """Preempt ``req``: by swap (its computed blocks copied to the swap space) when the
-        preemption mode picks it and the space has room, else by recompute; then free all
-        its blocks, keep the output, back to the queue head."""
+        """Free ``req``'s blocks (swapped out first when the mode picks swap) and queue it at the head."""
         kv = self.kv_cache_manager
         self.kv_events.record(EVENT_PREEMPTED, req.request_id, kv.num_held_blocks(req), req.num_computed_tokens)
         mode, num_blocks = "recompute", cdiv(req.num_computed_tokens, self.block_size)
-        if kv.num_groups == 1:  # a sliding-window group's freed blocks cannot be swapped back
+        if kv.num_groups == 1:  # freed sliding-window blocks cannot be swapped back
             mode = self.swap_space.choose_mode(req.num_computed_tokens, num_blocks)
         if mode == PREEMPT_SWAP:
             slots = self.swap_space.swap_out(req.request_id, num_blocks, req.num_computed_tokens)
@@ -694,15 +407,67 @@ class Scheduler:
         if req.request_id in self._known_to_runner:
             self._known_to_runner.discard(req.request_id)
             self._finished_req_ids.add(req.request_id)
-        if self.is_priority:  # head among its equals: earlier arrival than later requests
+        if self.is_priority:
             bisect.insort(self.waiting, req, key=self._priority_key)
         else:
             self.waiting.insert(0, req)
 
-    def _admit_swapped(self, req: Request, record, budget: int) -> bool:
-        """Admit a swapped-out request: fresh blocks for its swapped tokens (copied back in
-        before the forward) plus this step's tokens. False (nothing changed) without memory."""
-        num_new = min(req.num_tokens - record.num_computed_tokens, budget)
+    def _is_decoding(self) -> bool:
+        return any(len(r.all_token_ids) - r.num_computed_tokens == 1 for r in self.running)
+
+    def _chunk(self, num_left: int, limit: int) -> int | None:
+        """None: too many, chunked prefill off."""
+        if num_left <= limit:
+            return num_left
+        return limit if self.enable_chunked_prefill else None
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, budget: StepBudget, num_scheduled: dict[str, int],
+                             new_block_ids: dict[str, GroupBlockIds], preempted: list[Request]) -> GroupBlockIds | None:
+        """Slots for ``num_new`` tokens of ``req``, preempting (and unscheduling) victims until they
+        fit; None when ``req`` itself was preempted."""
+        while (block_ids := self._allocate(req, num_new)) is None:
+            victim = self._pick_victim()
+            if num_scheduled.pop(victim.request_id, None) is not None:
+                new_block_ids.pop(victim.request_id)
+                budget.give_back(victim.request_id)
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return None
+        return block_ids
+
+    def _prefix_hit(self, req: Request, donor: Request | None) -> _PrefixHit:
+        kv = self.kv_cache_manager
+        block_ids, num_pool_tokens = kv.get_computed_blocks(req)
+        if donor is not None:
+            shared_ids, num_shared = kv.get_shared_prefix_blocks(req, donor)
+            if num_shared > num_pool_tokens:
+                block_ids, num_pool_tokens = shared_ids, num_shared
+        tier_hits = kv.get_tier_hits(req, num_pool_tokens // self.block_size)
+        return _PrefixHit(block_ids, num_pool_tokens, tier_hits, num_pool_tokens + len(tier_hits) * self.block_size)
+
+    def _admit(self, req: Request, index: int, num_new: int, hit: _PrefixHit) -> bool:
+        """Move ``self.waiting[index]`` to running after its ``hit``; False (no change) without memory."""
+        lookahead = 0
+        if self.is_static:  # the worst case now: the batch never grows
+            worst = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
+            lookahead = max(0, worst - hit.num_tokens - num_new)
+        if self._allocate(req, num_new, hit.block_ids, hit.num_pool_tokens, lookahead, hit.tier_hits) is None:
+            return False
+        self._log_admission(req, hit.num_tokens, hit.tier_hits)
+        self.waiting.pop(index)
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = hit.num_tokens
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = hit.num_tokens
+            req.cached_tokens_by_tier = self._cached_tokens_by_tier(hit.num_pool_tokens, hit.tier_hits)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.time()
+        self.running.append(req)
+        return True
+
+    def _admit_swapped(self, req: Request, record, num_new: int) -> bool:
+        """Admit a swapped-out request; False (no change) without memory."""
         block_ids = self._allocate(req, num_new, (), 0, 0, (), record.num_computed_tokens)
         if block_ids is None:
             return False
@@ -715,9 +480,33 @@ class Scheduler:
         self.running.append(req)
         return True
 
+    def _make_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, GroupBlockIds],
+                     preempted: list[Request], budget: StepBudget) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        out = SchedulerOutput(num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=budget.num_scheduled_tokens,
+                              step_shape=self._step_shape(num_scheduled))
+        for rid in num_scheduled:
+            req = self.requests[rid]
+            if rid in self._known_to_runner:
+                out.scheduled_cached_reqs.append(CachedRequestData(rid, new_block_ids[rid], req.num_computed_tokens))
+            else:
+                out.scheduled_new_reqs.append(NewRequestData(
+                    rid, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params,
+                    kv.get_group_block_ids(req), req.num_computed_tokens))
+                self._known_to_runner.add(rid)
+        out.preempted_req_ids = {r.request_id for r in preempted}
+        if kv.offload is not None:
+            out.kv_transfers = kv.offload.take_ops()
+        out.kv_transfers.swap_out, out.kv_transfers.swap_in = self._swap_ops.swap_out, self._swap_ops.swap_in
+        self._swap_ops = KVTransferOps()
+        out.finished_req_ids = self._finished_req_ids
+        self._finished_req_ids = set()
+        if self.step_trace is not None:
+            self.step_trace.append(dict(num_scheduled))
+        return out
+
     def _find_sibling_donor(self, req: Request) -> tuple[Request | None, bool]:
-        """(a running sibling holding the computed prompt blocks, or None; whether
-        ``req`` should wait because a running sibling is still computing them)."""
+        """(a running sibling holding the prompt's blocks or None, whether one still computes them)."""
         num_shareable = min(req.num_prompt_tokens, req.num_tokens - 1) // self.block_size * self.block_size
         if num_shareable == 0 or req.sampling_params.prompt_logprobs is not None:
             return None, False
@@ -731,7 +520,6 @@ class Scheduler:
         return None, is_held
 
     def _check_stop(self, req: Request, token_id: int) -> bool:
-        """Set the finished status and stop_reason if ``token_id`` ends ``req``."""
         params = req.sampling_params
         num_output = len(req.output_token_ids)
         if num_output >= params.min_tokens:
@@ -748,7 +536,6 @@ class Scheduler:
         return False
 
     def _finish(self, req: Request, status: RequestStatus, in_running: bool) -> None:
-        """End ``req`` outside the normal stop path: dequeue, set status, free."""
         if in_running:
             self.running.remove(req)
         else:
@@ -758,11 +545,10 @@ class Scheduler:
         self._forget(req)
 
     def _forget(self, req: Request) -> None:
-        """Drop a finished request's bookkeeping (its blocks are already freed)."""
         rid = req.request_id
         del self.requests[rid]
         del self._arrival_seq[rid]
-        self.swap_space.release(rid)  # aborted while swapped out
+        self.swap_space.release(rid)
         if rid in self._known_to_runner:
             self._known_to_runner.discard(rid)
             self._finished_req_ids.add(rid)
