@@ -21,13 +21,8 @@ from typing import Any
 from pagedllm import envs
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-# `serve` on CPU: prompt tokens a step may carry while requests decode. On CPU a step's time
-# grows with its tokens, so every decoding stream waits for the prompt tokens riding in its
-# step; but each step also streams all the weights, so a small cap spends the CPU on many
-# small weight-bound steps. 256 served with the CPU time per output token of a 2,048-token
-# cap (vLLM's budget) and a tail a fraction of its; 64 cost more CPU per token and lost half
-# the throughput (README result 2, benchmarks/results/serving_*_2026-12-01.json). Offline
-# (LLM.generate) nobody waits between tokens: no cap, like vLLM's larger offline budget.
+# `serve` on CPU: prompt tokens a step may carry while requests decode (each decoding stream waits for
+# them; too small a cap spends the CPU on many weight-bound steps; figures: benchmarks/README.md). Offline: no cap.
 SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING = 256
 # `serve` on CPU with the time-aware budget on: the step's first prompt chunk may always take
 # this many tokens (the floor that keeps every prompt progressing; the former fixed cap).
