@@ -161,6 +161,11 @@ class EngineConfig:
     distributed_executor_backend: str = _f("mp", "tensor parallelism: who runs ranks 1..N-1: mp (processes on this "
                                                  "machine) or ray (Ray actors placed by a placement group, so ranks "
                                                  "can span the machines of a Ray cluster; pip install 'pagedllm[ray]')")
+    runner: str = _f("auto", "generate (text generation), pooling (embeddings, scores, classes: no KV cache for "
+                             "encoders), or auto: pooling for encoder-only checkpoints and sentence-transformers folders")
+    pooler_config: str | dict | None = _f(None, "pooling runner: a JSON object such as '{\"pooling_type\": \"MEAN\", "
+                                                "\"normalize\": true}' (MEAN, CLS or LAST) overriding the model's "
+                                                "own (default: sentence-transformers' files, else CLS, normalized)")
     disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers (one block table for all layers) instead of freeing blocks outside the window")
 
     def __post_init__(self) -> None:
@@ -224,6 +229,8 @@ class EngineConfig:
             raise ValueError(f"worker_timeout_s must be a positive number of seconds, got {self.worker_timeout_s!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
