@@ -99,6 +99,7 @@ class PoolingEngine:
         self.tasks = ("classify", "score") if arch in CLASSIFIER_ARCHITECTURES else ("embed",)
         self.num_labels = int(getattr(files.hf_config, "num_labels", 0) or 0)
         self.hidden_size = int(files.hf_config.hidden_size)
+        self.vocab_size = int(files.hf_config.vocab_size)
         self.waiting: deque[_PoolingRequest] = deque()
         self._ids = itertools.count()
         self.num_steps = self.num_requests_total = self.prompt_tokens_total = 0
@@ -145,7 +146,7 @@ class PoolingEngine:
             enc = self.tokenizer(prompt, text_pair, truncation=limit is not None, max_length=limit)
             ids, types = list(enc["input_ids"]), enc.get("token_type_ids")
         else:
-            ids = _token_ids(prompt, int(self.model_files.hf_config.vocab_size))
+            ids = _token_ids(prompt, self.vocab_size)
             ids, types = (ids[-limit:] if limit is not None else ids), None
         if len(ids) > self.config.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.config.max_model_len}; "
@@ -242,6 +243,15 @@ class PoolingEngine:
         if failed:
             raise ValueError(f"request {failed[0].request_id} failed: {failed[0].error}")
         return [done[i] for i in request_ids]
+
+    def get_stats(self):
+        """An ``EngineStats`` snapshot: waiting requests and prompt tokens; no KV cache (all zeros)."""
+        from pagedllm.engine.llm_engine import EngineStats
+
+        return EngineStats(num_running=0, num_waiting=len(self.waiting), kv_cache_usage=0.0, num_used_blocks=0,
+                           num_free_blocks=0, num_total_blocks=0, prefix_cache_queries=0, prefix_cache_hits=0,
+                           num_preemptions_total=0, prompt_tokens_total=self.prompt_tokens_total,
+                           generation_tokens_total=0, num_steps=self.num_steps)
 
     def shutdown(self) -> None:
         pass

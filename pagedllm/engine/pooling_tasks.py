@@ -66,15 +66,25 @@ def score_pairs(text_1, text_2) -> list[tuple[str, str]]:
     return list(zip(first, second))
 
 
-def score(engine, text_1, text_2, truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+def score_plan(engine, text_1, text_2, truncate_prompt_tokens: int | None = None):
+    """(task, encoded prompts, a function of their outputs in order -> one score per pair): a
+    cross-encoder encodes each pair; an embedding model each distinct text once, scored by cosine."""
     pairs = score_pairs(text_1, text_2)
     if "score" in engine.tasks:
         encoded = [engine.encode_prompt(a, b, truncate_prompt_tokens) for a, b in pairs]
-        outs = run_pooling(engine, "score", encoded)
-        return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])), o.prompt_token_ids)
-                for o in outs]
-    texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text embedded once
-    vectors = dict(zip(texts, (o.outputs.data for o in run_pooling(
-        engine, "embed", [engine.encode_prompt(t, truncate_prompt_tokens=truncate_prompt_tokens) for t in texts]))))
-    return [ScoringRequestOutput(f"score-{next(_ids)}", ScoringOutput(
-        float(F.cosine_similarity(vectors[a], vectors[b], dim=0))), []) for a, b in pairs]
+        return "score", encoded, lambda outs: [float(o.outputs.data[0]) for o in outs]
+    texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+    encoded = [engine.encode_prompt(t, truncate_prompt_tokens=truncate_prompt_tokens) for t in texts]
+
+    def cosines(outs: list[PoolingRequestOutput]) -> list[float]:
+        vectors = {t: o.outputs.data for t, o in zip(texts, outs)}
+        return [float(F.cosine_similarity(vectors[a], vectors[b], dim=0)) for a, b in pairs]
+    return "embed", encoded, cosines
+
+
+def score(engine, text_1, text_2, truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+    task, encoded, combine = score_plan(engine, text_1, text_2, truncate_prompt_tokens)
+    outs = run_pooling(engine, task, encoded)
+    token_ids = [o.prompt_token_ids for o in outs] if task == "score" else [[] for _ in combine(outs)]
+    return [ScoringRequestOutput(f"score-{next(_ids)}", ScoringOutput(s), ids)
+            for s, ids in zip(combine(outs), token_ids)]
