@@ -36,7 +36,8 @@ def server():
 def test_every_operation_conforms_to_the_document(server):
     api = schemathesis.openapi.from_url(server.url + "/openapi.json")
     operations = [op.ok() for op in api.get_all_operations()]
-    assert len(operations) == 10  # completions, chat, models, a model, health, version, metrics, (de)tokenize, kv state
+    # completions, chat, models, a model, health, version, metrics, (de)tokenize, kv state, embeddings, rerank x2, score
+    assert len(operations) == 14
     for op in operations:
         @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE)
                | op.as_strategy(generation_mode=GenerationMode.NEGATIVE))
@@ -202,7 +203,8 @@ def test_401_is_documented_exactly_where_the_key_is_checked(api_key):
     assert listed == answered
     if api_key:
         assert answered == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
-                            "/tokenize", "/detokenize", "/kv/state"}
+                            "/tokenize", "/detokenize", "/kv/state", "/v1/embeddings", "/v1/rerank", "/rerank",
+                            "/score"}
     else:
         assert answered == set()
 

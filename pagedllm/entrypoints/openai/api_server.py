@@ -280,7 +280,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
 
     if enable_kv_map:
         add_kv_map_routes(app, engine, names[0], requires_api_key=bool(api_key))
-    app.include_router(pooling_router(engine, names))  # /v1/embeddings, /v1/rerank, /rerank, /score
+    app.include_router(pooling_router(engine, names, errors(*api_errors, 500)))  # embeddings, rerank, score
     return app
 
 

@@ -113,24 +113,25 @@ def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:
     return vector.tolist()
 
 
-def pooling_router(engine, served_model_names: list[str]) -> APIRouter:
-    """The pooling routes for ``engine``, to include in the app."""
+def pooling_router(engine, served_model_names: list[str], error_responses: dict) -> APIRouter:
+    """The pooling routes for ``engine``, to include in the app; ``error_responses``: the error
+    statuses the document lists for each (``openapi.errors(...)``)."""
     serving = OpenAIServingPooling(engine, served_model_names)
     router = APIRouter(tags=["pooling"])
 
-    @router.post("/v1/embeddings")
+    @router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=error_responses)
     async def create_embedding(body: EmbeddingRequest) -> Response:
         return json_response(await serving.embed(body))
 
-    @router.post("/v1/rerank")
+    @router.post("/v1/rerank", response_model=RerankResponse, responses=error_responses)
     async def rerank_v1(body: RerankRequest) -> Response:
         return json_response(await serving.rerank(body, "/v1/rerank"))
 
-    @router.post("/rerank")
+    @router.post("/rerank", response_model=RerankResponse, responses=error_responses)
     async def rerank(body: RerankRequest) -> Response:
         return json_response(await serving.rerank(body, "/rerank"))
 
-    @router.post("/score")
+    @router.post("/score", response_model=ScoreResponse, responses=error_responses)
     async def score(body: ScoreRequest) -> Response:
         return json_response(await serving.score(body))
 
