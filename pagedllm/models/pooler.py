@@ -1,9 +1,5 @@
-"""Pooling of packed hidden states into one vector per sequence (vLLM's ``PoolingType`` names).
-
-``MEAN``: the mean of a sequence's hidden states (sentence-transformers' mean pooling); ``CLS``: its
-first token's; ``LAST``: its last token's (decoder embedders such as e5-mistral). ``normalize``
-divides each vector by its L2 norm, as sentence-transformers' Normalize module does.
-"""
+"""Packed hidden states -> one vector per sequence (vLLM's ``PoolingType`` names): ``MEAN`` of its
+tokens, its first (``CLS``) or its last (``LAST``) token's; ``normalize``: divided by its L2 norm."""
 
 from __future__ import annotations
 
