@@ -50,9 +50,9 @@ class BertSelfAttention(nn.Module):
         qkv = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # (3, nh, T, hd)
         out = torch.empty(self.num_heads, x.shape[0], self.head_dim, dtype=x.dtype, device=x.device)
         start = 0
-        for n in seq_lens:
-            q, k, v = qkv[:, :, start:start + n].unbind(0)
-            out[:, start:start + n] = F.scaled_dot_product_attention(q, k, v)
+        for n in seq_lens:  # 4-D (1, nh, n, hd): torch's fused CPU kernel takes only 4-D inputs
+            q, k, v = qkv[:, None, :, start:start + n].unbind(0)
+            out[:, start:start + n] = F.scaled_dot_product_attention(q, k, v)[0]
             start += n
         return out.transpose(0, 1).reshape(x.shape)
 
