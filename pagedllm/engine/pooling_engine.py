@@ -78,7 +78,8 @@ class PoolingEngine:
     def __init__(self, config: EngineConfig) -> None:
         from pagedllm.loader import load_model_files
         from pagedllm.models.registry import get_model_class
-        from pagedllm.worker.model_runner import resolve_device, resolve_dtype
+        from pagedllm.utils import resolve_device
+        from pagedllm.worker.model_runner import resolve_dtype
 
         if config.tensor_parallel_size > 1 or config.data_parallel_size > 1 or config.quantization:
             raise ValueError("runner='pooling' runs one unquantized rank: tensor_parallel_size, "
