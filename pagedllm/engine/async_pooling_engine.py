@@ -8,7 +8,7 @@ import asyncio
 import time
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, _CallCommand
-from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError
+from pagedllm.errors import EngineDeadError, EngineOverloadedError
 from pagedllm.outputs import PoolingRequestOutput
 
 
