@@ -22,8 +22,8 @@ from pagedllm.engine.async_pooling_engine import make_async_engine
 from pagedllm.engine.pooling_engine import PoolingEngine
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.metrics import EngineMetrics
-from test_pooling_runner import TEXTS, _reference_embeddings, bert_folder, cross_folder  # noqa: F401
-from test_server import ServerThread, make_server
+from bert_utils import TEXTS, bert_folder, cross_folder, reference_embeddings  # noqa: F401  (fixtures)
+from server_utils import ServerThread, make_server
 
 MODEL = "tiny-bert"
 
@@ -50,7 +50,7 @@ def test_embeddings_match_transformers(embed_client, bert_folder):  # noqa: F811
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "list" and body["model"] == MODEL and [d["object"] for d in body["data"]] == ["embedding"] * 4
-    torch.testing.assert_close(_vectors(body), _reference_embeddings(ref, tok, TEXTS), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_vectors(body), reference_embeddings(ref, tok, TEXTS), atol=1e-5, rtol=1e-5)
     tokens = sum(len(tok(t)["input_ids"]) for t in TEXTS)
     assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
 
@@ -89,7 +89,7 @@ def test_truncate_prompt_tokens(embed_client):
 
 def test_rerank_and_score_are_cosines(embed_client, bert_folder):  # noqa: F811
     ref, tok, _ = bert_folder
-    vectors = _reference_embeddings(ref, tok, TEXTS)
+    vectors = reference_embeddings(ref, tok, TEXTS)
     cosines = [float(torch.nn.functional.cosine_similarity(vectors[0], v, dim=0)) for v in vectors[1:]]
     for route in ("/v1/rerank", "/rerank"):
         r = embed_client.post(route, json={"query": TEXTS[0], "documents": TEXTS[1:], "top_n": 2})

@@ -7,59 +7,11 @@ import importlib.util
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 
+from bert_utils import TEXTS, bert_folder, cross_folder, reference_embeddings  # noqa: F401  (fixtures)
 from pagedllm import LLM
 from pagedllm.config import EngineConfig
 from pagedllm.engine.pooling_engine import PoolingEngine, select_runner
-
-WORDS = "the a cat dog sat on mat big small red blue runs fast slowly house tree".split()
-TEXTS = ["the cat sat on the mat", "dog", "a big red house and a small blue tree", "runs fast"]
-
-
-def _tokenizer(folder):
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS
-    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    tok = transformers.BertTokenizerFast(str(folder / "vocab.txt"), do_lower_case=True)
-    tok.save_pretrained(folder)
-    return tok
-
-
-def _save(model, folder):
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, safe_serialization=True)
-    return _tokenizer(folder)
-
-
-def _config(**kw):
-    return transformers.BertConfig(vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2,
-                                   num_attention_heads=4, intermediate_size=48, max_position_embeddings=40, **kw)
-
-
-@pytest.fixture(scope="module")
-def bert_folder(tmp_path_factory):
-    torch.manual_seed(0)
-    ref = transformers.BertModel(_config(architectures=["BertModel"])).eval()
-    folder = tmp_path_factory.mktemp("bert")
-    return ref, _save(ref, folder), folder
-
-
-@pytest.fixture(scope="module")
-def cross_folder(tmp_path_factory):
-    torch.manual_seed(1)
-    ref = transformers.BertForSequenceClassification(
-        _config(architectures=["BertForSequenceClassification"], num_labels=1)).eval()
-    folder = tmp_path_factory.mktemp("cross")
-    return ref, _save(ref, folder), folder
-
-
-def _reference_embeddings(ref, tok, texts, pooling="CLS", normalize=True):
-    enc = tok(texts, padding=True, return_tensors="pt")
-    with torch.no_grad():
-        hidden = ref(**enc).last_hidden_state
-    mask = enc["attention_mask"].unsqueeze(-1).float()
-    pooled = hidden[:, 0] if pooling == "CLS" else (hidden * mask).sum(1) / mask.sum(1)
-    return F.normalize(pooled, dim=1) if normalize else pooled
 
 
 def test_runner_selection(bert_folder, cross_folder):
@@ -78,7 +30,7 @@ def test_embed_matches_transformers_batched_and_alone(bert_folder):
     ref, tok, folder = bert_folder
     llm = LLM(str(folder))
     got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS)])
-    torch.testing.assert_close(got, _reference_embeddings(ref, tok, TEXTS), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, reference_embeddings(ref, tok, TEXTS), atol=1e-5, rtol=1e-5)
     alone = torch.tensor([llm.embed(t)[0].outputs.embedding for t in TEXTS])
     torch.testing.assert_close(alone, got, atol=1e-6, rtol=1e-6)
     assert llm.embed(TEXTS[0])[0].prompt_token_ids == tok(TEXTS[0])["input_ids"]
@@ -88,7 +40,7 @@ def test_pooler_config_overrides(bert_folder):
     ref, tok, folder = bert_folder
     llm = LLM(str(folder), pooler_config='{"pooling_type": "MEAN", "normalize": false}')
     got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS)])
-    torch.testing.assert_close(got, _reference_embeddings(ref, tok, TEXTS, "MEAN", False), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, reference_embeddings(ref, tok, TEXTS, "MEAN", False), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="pooler_config"):
         LLM(str(folder), pooler_config='{"pooling": "MEAN"}')
 
@@ -97,7 +49,7 @@ def test_embedding_score_is_cosine(bert_folder):
     ref, tok, folder = bert_folder
     llm = LLM(str(folder))
     scores = [s.outputs.score for s in llm.score(TEXTS[0], TEXTS[1:])]
-    vectors = _reference_embeddings(ref, tok, TEXTS)
+    vectors = reference_embeddings(ref, tok, TEXTS)
     expected = [float(F.cosine_similarity(vectors[0], v, dim=0)) for v in vectors[1:]]
     assert scores == pytest.approx(expected, abs=1e-5)
     with pytest.raises(ValueError, match="text_1 has 2 entries and text_2 3"):
