@@ -137,6 +137,10 @@ class EngineConfig:
     data_parallel_size: int = _f(1, "`serve`: engine replicas, each a process with its own KV cache, behind one front end")
     data_parallel_router: str = _f("prefix", "`serve` with replicas: how a request picks one: prefix, least_loaded or round_robin")
     distributed_executor_backend: str = _f("mp", "tensor parallelism: mp (processes on this machine) or ray (Ray actors, the `ray` extra)")
+    runner: str = _f("auto", "generate, pooling (embeddings, scores; no KV cache), or auto: pooling for encoder-only "
+                             "checkpoints and sentence-transformers folders")
+    pooler_config: str | dict | None = _f(None, "pooling runner: JSON like '{\"pooling_type\": \"MEAN\", \"normalize\": true}' "
+                                                "(MEAN, CLS, LAST) (default: sentence-transformers' files, else CLS, normalized)")
     disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers instead of freeing those outside the window")
 
     def __post_init__(self) -> None:
@@ -205,6 +209,8 @@ class EngineConfig:
             raise ValueError(f"worker_timeout_s must be a positive number of seconds, got {self.worker_timeout_s!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
