@@ -162,6 +162,9 @@ class EngineConfig:
                                                  "machine) or ray (Ray actors placed by a placement group, so ranks "
                                                  "can span the machines of a Ray cluster; pip install 'pagedllm[ray]')")
     disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers (one block table for all layers) instead of freeing blocks outside the window")
+    reasoning_parser: str | None = _f(None, "`serve`: how the model's text marks its reasoning: deepseek_r1 or qwen3 (default: detected from the chat template)")
+    default_chat_template_kwargs: str | dict | None = _f(None, "`serve`: a JSON object of chat-template variables for every request, e.g. '{\"enable_thinking\": false}' (a request's chat_template_kwargs win)")
+    generation_config: str = _f("auto", "`serve`: sampling defaults for fields a request omits: auto (the model folder's generation_config.json), vllm (none), or a folder holding one")
 
     def __post_init__(self) -> None:
         validate_block_size(self.block_size)

@@ -135,7 +135,7 @@ class FakeEngine:
         return ids
 
     def apply_chat_template(self, conversation, add_generation_prompt=True, chat_template=None,
-                            continue_final_message=False) -> list[int]:
+                            continue_final_message=False, template_kwargs=None) -> list[int]:
         from pagedllm.engine.chat import normalize_conversation
 
         msgs = normalize_conversation(conversation)

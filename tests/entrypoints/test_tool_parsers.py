@@ -132,7 +132,8 @@ def test_registry_and_template_detection():
     with pytest.raises(ValueError, match="llama3_json"):
         get_tool_parser("nope")
     templates = {
-        "hermes": "{{- '<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call>' }}",
+        "hermes": "{{- '<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n"
+                  "</tool_call>' }}",
         "qwen3_coder": "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>",
         "mistral": "{{- '[AVAILABLE_TOOLS]' }}{%- if message.tool_calls %}{{- '[TOOL_CALLS]' }}",
         "llama3_json": 'Respond in the format {"name": function name, "parameters": dictionary of argument name and '

@@ -257,7 +257,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
             body.check_template_flags()
             if body.messages is not None:
                 ids = await chat.render([m.model_dump(exclude_none=True) for m in body.messages],
-                                        body.add_generation_prompt, body.continue_final_message)
+                                        body.add_generation_prompt, body.continue_final_message,
+                                        template_kwargs=chat.template_kwargs(body))
             else:
                 text, special = body.prompt, body.add_special_tokens
                 ids = await engine.call_front(lambda f: f.tokenizer.encode(text, add_special_tokens=special))

@@ -1,11 +1,9 @@
 """The reasoning-parser interface: a model's output → ``(reasoning, content)``, whole or streamed.
 
-A ``<think>…</think>`` block is the reasoning and the text after it the answer. Whether the
-output starts inside the block is decided once, at its start: from the prompt (a template
-that opened ``<think>`` in the prompt, or closed it to switch thinking off), else from an
-opening tag at the output's start, else the parser's default. Both paths run one function
-over the text so far, so streamed pieces always concatenate to the whole-output split.
-Whitespace around the reasoning and before the answer is dropped.
+Whether the output starts inside the ``<think>`` block is decided at its start: an opening tag
+in the output, else the prompt's verdict, else the parser's default. Streaming re-runs the
+whole-output split on the text so far, so its pieces concatenate to that split. Whitespace
+around the reasoning and before the answer is dropped.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from dataclasses import dataclass
 
 @dataclass
 class ReasoningSplit:
-    """``reasoning`` (None: the output has none) and ``content``; ``is_reasoning_done``: the block closed."""
+    """``reasoning`` None: the output has none; ``is_reasoning_done``: the block closed."""
 
     reasoning: str | None
     content: str
@@ -43,18 +41,15 @@ def prompt_reasoning_state(prompt_text: str, start: str = "<think>", end: str = 
 
 
 class ReasoningParser:
-    """Base class; one instance per generated sequence (it holds the streaming state).
-
-    ``starts_in_reasoning``: the prompt's verdict (:func:`prompt_reasoning_state`), None to
-    let the output's first characters and ``default_starts_in_reasoning`` decide.
-    """
+    """One instance per generated sequence. ``starts_in_reasoning``: the prompt's verdict
+    (:func:`prompt_reasoning_state`), None to let ``default_starts_in_reasoning`` decide."""
 
     start, end = "<think>", "</think>"
     default_starts_in_reasoning = False
 
     def __init__(self, starts_in_reasoning: bool | None = None) -> None:
         self.starts_in_reasoning = starts_in_reasoning
-        self._text = ""
+        self.text = ""
         self._sent_reasoning = 0
         self._sent_content = 0
 
@@ -87,8 +82,8 @@ class ReasoningParser:
 
     def stream(self, delta_text: str, is_final: bool = False) -> tuple[str | None, str | None]:
         """The ``(reasoning, content)`` pieces the next ``delta_text`` adds (None: nothing new)."""
-        self._text += delta_text
-        s = self.split(self._text, is_final)
+        self.text += delta_text
+        s = self.split(self.text, is_final)
         reasoning = (s.reasoning or "")[self._sent_reasoning:] or None
         content = s.content[self._sent_content:] or None
         self._sent_reasoning += len(reasoning or "")

@@ -162,6 +162,21 @@ def json_call(text: str, pos: int) -> tuple[ParsedCall, int | None]:
     return ParsedCall(name, args, is_complete, text[pos:end]), end
 
 
+def json_call_array(text: str, pos: int) -> tuple[list[ParsedCall], int | None]:
+    """The calls of the JSON array at ``text[pos]`` (``[``), and its end (None while open)."""
+    calls: list[ParsedCall] = []
+    i = skip_ws(text, pos + 1)
+    while text.startswith("{", i):
+        call, end = json_call(text, i)
+        calls.append(call)
+        if end is None:
+            return calls, None
+        i = skip_ws(text, end)
+        if text.startswith(",", i):
+            i = skip_ws(text, i + 1)
+    return calls, (i + 1 if text.startswith("]", i) else None)
+
+
 class ReparsingToolParser(ToolParser):
     """A format parser: subclasses write ``parse``; extraction and streaming are shared."""
 

@@ -8,25 +8,10 @@ from __future__ import annotations
 import re
 
 from pagedllm.entrypoints.openai.tool_parsers.base import (
-    ParsedCall, ParsedOutput, ReparsingToolParser, held_back, json_arguments, json_call, skip_ws)
+    ParsedCall, ParsedOutput, ReparsingToolParser, held_back, json_arguments, json_call_array, skip_ws)
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
-
-
-def _array_calls(text: str, pos: int) -> tuple[list[ParsedCall], int | None]:
-    """The calls of the JSON array at ``text[pos]`` (``[``), and its end (None while open)."""
-    calls: list[ParsedCall] = []
-    i = skip_ws(text, pos + 1)
-    while text.startswith("{", i):
-        call, end = json_call(text, i)
-        calls.append(call)
-        if end is None:
-            return calls, None
-        i = skip_ws(text, end)
-        if text.startswith(",", i):
-            i = skip_ws(text, i + 1)
-    return calls, (i + 1 if text.startswith("]", i) else None)
 
 
 def _named_call(text: str, pos: int, is_final: bool) -> tuple[ParsedCall | None, int | None]:
@@ -56,7 +41,7 @@ class MistralToolParser(ReparsingToolParser):
             content.append(text[pos:i])
             j = skip_ws(text, i + len(TOOL_CALLS))
             if text.startswith("[", j):
-                found, end = _array_calls(text, j)
+                found, end = json_call_array(text, j)
             else:
                 call, end = _named_call(text, j, is_final)
                 found = [call] if call else []
