@@ -116,12 +116,12 @@ def test_reasoning_is_split_streamed_and_not(client):
 
 
 def test_a_length_cut_inside_reasoning_returns_it_with_an_empty_answer(client):
-    kw = dict(model=MODEL, messages=ASK, max_tokens=6, extra_body={"structured_outputs": {"regex": THINK}})
+    kw = dict(model=MODEL, messages=ASK, max_tokens=10, extra_body={"structured_outputs": {"regex": THINK}})
     resp = client.chat.completions.create(**kw)
     choice = resp.choices[0]
     assert choice.finish_reason == "length" and choice.message.content == ""
     assert choice.message.model_dump()["reasoning_content"].startswith("I think")
-    assert resp.usage.completion_tokens_details.reasoning_tokens == resp.usage.completion_tokens == 6
+    assert resp.usage.completion_tokens_details.reasoning_tokens == resp.usage.completion_tokens == 10
     streamed = _stream(client, **kw)
     assert streamed["reasoning"] == choice.message.model_dump()["reasoning_content"] and streamed["content"] == ""
 
@@ -161,7 +161,8 @@ def test_hermes_end_tag_inside_an_argument_string_is_text(client):
     text = '{"path": "notes.xml", "text": "close with </tool_call> here"}'
     forced = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"path": "notes\.xml", "text": "close with '
               r'</tool_call> here"\}\}\n</tool_call>')
-    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60, extra_body={"structured_outputs": {"regex": forced}})
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=120,
+              extra_body={"structured_outputs": {"regex": forced}})
     resp = client.chat.completions.create(**kw)
     assert _calls(resp.choices[0].message) == [("get_weather", text)] and resp.choices[0].finish_reason == "tool_calls"
     streamed = _stream(client, **kw)
