@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import re
 from dataclasses import dataclass, field
-
-from pagedllm.compilation.config import CompilationConfig
+from enum import IntEnum
+from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # `serve` on CPU: prompt tokens a step may carry while requests decode. On CPU a step's time
@@ -349,3 +350,100 @@ class EngineConfig:
 def engine_arg_names() -> list[str]:
     """Names of every EngineConfig field: the keyword arguments ``LLM`` accepts."""
     return [f.name for f in dataclasses.fields(EngineConfig)]
+
+
+# ---------------------------------------------------------------- compilation_config
+# vLLM's option and names. Accepted forms, as vLLM accepts them: None (eager), a mode (0 or 3),
+# a dict or a JSON object string (the --compilation-config flag), or a CompilationConfig.
+COMPILATION_BACKENDS = ("inductor", "aot_eager", "eager")
+_COMPILATION_FIELD = "compilation_config"
+
+
+class CompilationMode(IntEnum):
+    """vLLM's ``CompilationMode`` values this engine implements."""
+
+    NONE = 0  # eager
+    VLLM_COMPILE = 3  # the model compiled around the opaque paged-attention op
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """How the model runner compiles the model's forward (``pagedllm.compilation``).
+
+    Attributes:
+        mode: 0 (eager, the default) or 3 (torch.compile of the whole forward, paged attention an
+            opaque custom op; vLLM's ``VLLM_COMPILE``).
+        backend: ``inductor`` (fused C++ kernels), or ``aot_eager`` / ``eager`` (trace only: debugging).
+        dynamic: one graph with the token count symbolic (default); False compiles a graph per
+            size in ``compile_sizes`` and runs other sizes eagerly.
+        compile_sizes: positive token counts compiled and warmed up at start-up (with ``dynamic``
+            the sizes that specialise, 1 and one size >= 2, are added).
+        inductor_compile_config: ``torch._inductor.config`` options while compiling; default
+            ``{"freezing": True}`` (weights become constants, folded and prepacked for oneDNN).
+
+    Raises ValueError naming the field (``compilation_config.<name>``) for a bad value.
+    """
+
+    mode: int = CompilationMode.NONE
+    backend: str = "inductor"
+    dynamic: bool = True
+    compile_sizes: tuple[int, ...] = ()
+    inductor_compile_config: dict[str, Any] = field(default_factory=lambda: {"freezing": True})
+
+    def __post_init__(self) -> None:
+        f = _COMPILATION_FIELD
+        if isinstance(self.mode, bool) or not isinstance(self.mode, int) or self.mode not in tuple(CompilationMode):
+            raise ValueError(f"{f}.mode must be 0 (eager) or 3 (compiled), got {self.mode!r}")
+        object.__setattr__(self, "mode", CompilationMode(self.mode))
+        if self.backend not in COMPILATION_BACKENDS:
+            raise ValueError(f"{f}.backend must be one of {', '.join(COMPILATION_BACKENDS)}, got {self.backend!r}")
+        if not isinstance(self.dynamic, bool):
+            raise ValueError(f"{f}.dynamic must be true or false, got {self.dynamic!r}")
+        sizes = self.compile_sizes
+        if not isinstance(sizes, (list, tuple)) or any(
+                isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+            raise ValueError(f"{f}.compile_sizes must be a list of positive integers, got {sizes!r}")
+        object.__setattr__(self, "compile_sizes", tuple(sorted(set(sizes))))
+        if not self.dynamic and not self.compile_sizes and self.is_compiled:
+            raise ValueError(f"{f}.compile_sizes must not be empty when {f}.dynamic is false")
+        if not isinstance(self.inductor_compile_config, dict) or not all(
+                isinstance(k, str) for k in self.inductor_compile_config):
+            raise ValueError(f"{f}.inductor_compile_config must be an object of inductor option names, "
+                             f"got {self.inductor_compile_config!r}")
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.mode == CompilationMode.VLLM_COMPILE
+
+    @classmethod
+    def parse(cls, value: "CompilationConfig | dict | int | str | None") -> "CompilationConfig":
+        """The config for any accepted form. Raises ValueError naming ``compilation_config``
+        (or the bad key) for anything else."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            value = _parse_compilation_text(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(mode=value)
+        if not isinstance(value, dict):
+            raise ValueError(f"{_COMPILATION_FIELD} must be a mode (0 or 3), an object or a JSON object string, "
+                             f"got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"{_COMPILATION_FIELD} has unknown keys {unknown}; known: {', '.join(sorted(known))}")
+        options = dict(value)
+        if "inductor_compile_config" in options and isinstance(options["inductor_compile_config"], dict):
+            options["inductor_compile_config"] = {"freezing": True, **options["inductor_compile_config"]}
+        return cls(**options)
+
+
+def _parse_compilation_text(text: str) -> Any:
+    """A command-line value: a bare mode (``"3"``) or a JSON object."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{_COMPILATION_FIELD} must be a mode (0 or 3) or a JSON object, "
+                         f"got {text!r} ({e.msg})") from None

@@ -1,14 +1,16 @@
 """AsyncLLMEngine against a small fake engine with LLMEngine's API (fast, deterministic).
 
 The fake generates letters: child ``i`` of a request starts at ``'a' + i`` and counts up
-the alphabet, one token per step; it ends by length. It accounts KV blocks (block size
-4) so aborts and leaks are visible, and can fail a step or die on demand.
+the alphabet, one token per step; it ends by length. Its prompts go through the real
+InputProcessor on a character-level tokenizer. It accounts KV blocks (block size 4) so
+aborts and leaks are visible, and can fail a step or die on demand.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -19,7 +21,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import (
     AsyncLLMEngine, EngineDeadError, EngineInput, EngineOverloadedError, EngineUnhealthyError,
     merge_request_output)
-from pagedllm.engine.errors import ContextLengthError
+from pagedllm.engine.front_end import FrontEnd
+from pagedllm.engine.input_processor import InputProcessor
+from pagedllm.errors import ContextLengthError
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -28,20 +32,32 @@ BLOCK_SIZE = 4
 
 
 class FakeTokenizer:
-    """Character-level: id = ord(c) for ASCII; 0, 1, 2 are special (<eos>, <bos>, <end>)."""
+    """Character-level: id = ord(c) for ASCII; 0, 1, 2 are special (<eos>, <bos>, <end>), and their
+    texts encode to them as in a real tokenizer. The chat template renders ``<bos>[role]content...``."""
 
     specials = {0: "<eos>", 1: "<bos>", 2: "<end>"}
+    _special_ids = {text: i for i, text in specials.items()}
     chat_template = "fake"
 
     def __init__(self) -> None:
         self.on_encode = None  # called with the text before encoding it (a test makes it slow)
         self.encode_threads: list[str] = []  # the thread that encoded each text
+        self.last_chat_template: str | None = None
+        self.last_continue_final_message: bool | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.encode_threads.append(threading.current_thread().name)
         if self.on_encode is not None:
             self.on_encode(text)
-        return [ord(c) if 3 <= ord(c) < 128 else ord("?") for c in text]
+        parts = re.split("(<eos>|<bos>|<end>)", text)
+        return [t for part in parts for t in ([self._special_ids[part]] if part in self._special_ids else
+                                              [ord(c) if 3 <= ord(c) < 128 else ord("?") for c in part])]
+
+    def apply_chat_template(self, messages, tools=None, tokenize=False, chat_template=None,
+                            continue_final_message=False, add_generation_prompt=True) -> str:
+        self.last_chat_template, self.last_continue_final_message = chat_template, continue_final_message
+        turns = "".join(f"[{m['role']}]{m['content']}" for m in messages)
+        return "<bos>" + turns + ("[assistant]" if add_generation_prompt else "")
 
     added_tokens_decoder = specials
 
@@ -106,6 +122,7 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.model_name = "fake-model"
         self.vocab_size = 128
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, max_model_len, max_logprobs, [])
         self.num_blocks = num_blocks
         self.step_s = step_s
         self.requests: dict[str, _Req] = {}
@@ -117,49 +134,38 @@ class FakeEngine:
         self.prompt_seen: list[list[int]] = []
         self.added_at_step: list[int] = []  # engine steps run before each add_request
 
-    # ---- prompts
-    def front_end(self) -> "FakeEngine":
-        """The tokenizer work, run off the engine thread: these prompt methods only read the
-        tokenizer and the vocabulary size (as LLMEngine's FrontEnd)."""
-        return self
+    # ---- prompts: the real input processor, as LLMEngine's
+    def front_end(self) -> FrontEnd:
+        return FrontEnd(self.input_processor)
 
     def tokenize_prompt(self, prompt, add_special_tokens: bool = True) -> list[int]:
-        if isinstance(prompt, dict):
-            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty (it has 0 tokens)")
-        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt contains token id {bad[0]}, outside the vocabulary (size {self.vocab_size})")
-        return ids
+        return self.input_processor.tokenize(prompt, add_special_tokens)
 
     def apply_chat_template(self, conversation, add_generation_prompt=True, chat_template=None,
-                            continue_final_message=False, template_kwargs=None) -> list[int]:
-        from pagedllm.engine.chat import normalize_conversation
+                            continue_final_message=False, tools=None, template_kwargs=None) -> list[int]:
+        return self.input_processor.render_chat(conversation, add_generation_prompt, chat_template,
+                                                continue_final_message, tools, template_kwargs)
 
-        msgs = normalize_conversation(conversation)
-        self.last_chat_template = chat_template
-        self.last_continue_final_message = continue_final_message
-        text = "".join(f"[{m['role']}]{m['content']}" for m in msgs) + ("[assistant]" if add_generation_prompt else "")
-        return [1] + self.tokenizer.encode(text)
+    @property
+    def last_chat_template(self) -> str | None:
+        return self.tokenizer.last_chat_template
+
+    @property
+    def last_continue_final_message(self) -> bool | None:
+        return self.tokenizer.last_continue_final_message
 
     # ---- requests
     def add_request(self, request_id, prompt, params=None, arrival_time=None, priority=0, prompt_text=None):
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.tokenize_prompt(prompt)
-        params.validate_for_model(self.vocab_size, self.config.max_logprobs)
-        limit = self.config.max_model_len
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
-        if len(ids) + max_tokens > limit:
-            raise ContextLengthError(f"This model's maximum context length is {limit} tokens. However, you requested "
-                             f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
-                             f"completion).")
+        processed = self.input_processor.process(prompt, params)
+        ids, params = processed.token_ids, processed.params
+        if processed.is_truncated:  # as LLMEngine: the prompt reported is the one the model saw
+            prompt_text = self.tokenizer.decode(ids, skip_special_tokens=False)
         req = _Req(request_id, prompt_text if prompt_text is not None else (prompt if isinstance(prompt, str) else None),
                    ids, params, time.time() if arrival_time is None else arrival_time)
-        req.max_tokens = max_tokens
+        req.max_tokens = processed.max_tokens
         self.requests[request_id] = req
         self.order.append(request_id)
         self.prompt_seen.append(ids)

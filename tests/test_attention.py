@@ -16,6 +16,7 @@ import torch
 from pagedllm.attention import Attention, TorchPagedAttention, get_attention_backend
 from pagedllm.attention.backend import set_forward_context
 from tests.model_utils import allocate_block_tables, make_metadata
+from tests.reference import causal_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 32
 SCALE = HEAD_DIM**-0.5
@@ -24,17 +25,6 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 # (context_len, query_len): decodes first (query 1), then prefills, chunked prefills with context
 MIXED = [(0, 1), (5, 1), (37, 1), (130, 1), (16, 1),
          (0, 13), (0, 1), (20, 7), (48, 16), (3, 40), (0, 64)]
-
-
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int) -> torch.Tensor:
-    """Plain causal attention in float64. q: (Q, H, D) at positions context_len.. ; k, v: (S, KV, D)."""
-    group = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(group, dim=1)  # (S, H, D)
-    v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * SCALE
-    q_pos = torch.arange(context_len, context_len + q.shape[0]).unsqueeze(1)
-    scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > q_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
 def build_case(reqs, block_size, dtype, seed=0):
@@ -55,7 +45,8 @@ def build_case(reqs, block_size, dtype, seed=0):
     query = torch.cat(queries)
     key = torch.cat([k[c:] for (c, _), k in zip(reqs, full_k)])
     value = torch.cat([v[c:] for (c, _), v in zip(reqs, full_v)])
-    expected = torch.cat([reference_attention(q, k, v, c) for (c, _), q, k, v in zip(reqs, queries, full_k, full_v)])
+    expected = torch.cat([causal_attention(q, k, v, c, SCALE)
+                          for (c, _), q, k, v in zip(reqs, queries, full_k, full_v)])
     return query, key, value, cache, meta, expected
 
 
@@ -113,7 +104,7 @@ def test_multi_query_and_mha_head_layouts():
         meta = make_metadata([c for c, _ in reqs], [q for _, q in reqs], tables, 4)
         out = TorchPagedAttention().forward(torch.cat(qs), torch.cat([k[c:] for (c, _), k in zip(reqs, k_full)]),
                                             torch.cat([v[c:] for (c, _), v in zip(reqs, v_full)]), cache, meta, SCALE)
-        expected = torch.cat([reference_attention(q, k, v, c) for (c, _), q, k, v in zip(reqs, qs, k_full, v_full)])
+        expected = torch.cat([causal_attention(q, k, v, c, SCALE) for (c, _), q, k, v in zip(reqs, qs, k_full, v_full)])
         torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=0)
 
 
@@ -160,7 +151,7 @@ def test_attention_layer_without_metadata_is_one_causal_sequence():
     layer = Attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, SCALE, TorchPagedAttention())
     with set_forward_context(None):
         out = layer(q, k, v)
-    torch.testing.assert_close(out.double(), reference_attention(q, k, v, 0), atol=2e-5, rtol=0)
+    torch.testing.assert_close(out.double(), causal_attention(q, k, v, 0, SCALE), atol=2e-5, rtol=0)
     meta = make_metadata([0], [12], [[0, 1, 2]], 4)
     with set_forward_context(meta), pytest.raises(RuntimeError, match="bind_kv_caches"):
         layer(q, k, v)

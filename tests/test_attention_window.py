@@ -16,27 +16,12 @@ import torch
 
 from pagedllm.attention import Attention, CpuPagedAttention, TorchPagedAttention
 from pagedllm.attention.backend import set_forward_context
+from tests.reference import causal_attention
 from tests.test_attention import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, SCALE, build_case
 
 # (context_len, query_len): decodes (several past the window), then prefills and chunked prefills
 MIXED = [(0, 1), (5, 1), (37, 1), (130, 1), (16, 1), (0, 13), (20, 7), (48, 16), (3, 40), (0, 64)]
 WINDOWS = [None, 1, 8, 16, 33]
-
-
-def reference(q, k, v, context_len, window, soft_cap):
-    """float64 attention of q: (Q, H, D) at positions context_len.. over k, v: (S, KV, D)."""
-    group = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(group, dim=1)
-    v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * SCALE
-    if soft_cap is not None:
-        scores = soft_cap * torch.tanh(scores / soft_cap)
-    q_pos = torch.arange(context_len, context_len + q.shape[0]).unsqueeze(1)
-    k_pos = torch.arange(k.shape[0]).unsqueeze(0)
-    hidden = k_pos > q_pos
-    if window is not None:
-        hidden |= k_pos <= q_pos - window
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
 
 
 def windowed_case(reqs, block_size, window, soft_cap, dtype=torch.float32, seed=0):
@@ -49,7 +34,7 @@ def windowed_case(reqs, block_size, window, soft_cap, dtype=torch.float32, seed=
     full_v = [torch.randn(s, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype) for s in seq_lens]
     queries = [torch.randn(q, NUM_HEADS, HEAD_DIM, generator=g).to(dtype) for _, q in reqs]
     assert torch.equal(torch.cat(queries), query)
-    expected = torch.cat([reference(q, k, v, c, window, soft_cap)
+    expected = torch.cat([causal_attention(q, k, v, c, SCALE, window, soft_cap)
                           for (c, _), q, k, v in zip(reqs, queries, full_k, full_v)])
     return query, key, value, cache, meta, expected
 
@@ -110,7 +95,7 @@ def test_profiling_path_honours_window_and_soft_cap(soft_cap):
                       logit_soft_cap=soft_cap)
     with set_forward_context(None):
         out = layer(q, k, v)
-    torch.testing.assert_close(out.double(), reference(q, k, v, 0, 8, soft_cap), atol=3e-5, rtol=0)
+    torch.testing.assert_close(out.double(), causal_attention(q, k, v, 0, SCALE, 8, soft_cap), atol=3e-5, rtol=0)
 
 
 def test_bad_window_rejected():

@@ -13,8 +13,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.backend import set_forward_context
-from pagedllm.compilation import CompilationConfig
-from pagedllm.config import EngineConfig
+from pagedllm.config import CompilationConfig, EngineConfig
 
 
 # -- configuration -----------------------------------------------------------------------------

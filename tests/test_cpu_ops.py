@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from pagedllm import native
 from pagedllm.models.layers import GatedMLP, GemmaRMSNorm, RMSNorm, RotaryEmbedding
-from pagedllm.ops import FUSED_OPS_ENV, act_and_mul, cpu_ops, fused_add_rms_norm_, library, rms_norm, rope_qk, set_enabled
+from pagedllm.envs import CPU_FUSED_OPS
+from pagedllm.ops import act_and_mul, cpu_ops, fused_add_rms_norm_, library, rms_norm, rope_qk, set_enabled
 from pagedllm.ops.library import CpuOps
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="no C compiler: the fused CPU kernels are not built")
@@ -151,14 +152,14 @@ def test_environment_switch_gives_torch_code(monkeypatch):
     x, residual = randn(4, 64), randn(4, 64, seed=2)
     out, _ = norm(x, residual)
     assert out is x  # the kernel wrote in place
-    monkeypatch.setenv(FUSED_OPS_ENV, "0")
+    monkeypatch.setenv(CPU_FUSED_OPS.name, "0")
     set_enabled(None)
     try:
         assert cpu_ops() is None and rms_norm(x, norm.weight, 1e-6, False) is None
         x2, residual2 = randn(4, 64), randn(4, 64, seed=2)
         out, new_residual = norm(x2, residual2)
     finally:
-        monkeypatch.delenv(FUSED_OPS_ENV)
+        monkeypatch.delenv(CPU_FUSED_OPS.name)
         set_enabled(None)
     assert cpu_ops() is not None
     assert out is not x2 and new_residual is not residual2  # torch's out-of-place code
@@ -402,7 +403,7 @@ def test_torch_compile_traces_the_torch_code():
         assert_close_ulps(a, b, 64, 64 * f32_ulp(b.abs().amax()))
 
 
-# -- the bfloat16 rounding paths (pagedllm/native_simd.h) ----------------------------------------
+# -- the bfloat16 rounding paths (pagedllm/native/native_simd.h) ----------------------------------------
 # A host with AVX512-BF16 rounds with vcvtneps2bf16 and sends vectors holding a NaN or a subnormal
 # to the exact integer path; other hosts (AVX-512 without BF16, AVX2-only) use the integer path
 # everywhere. Each build below must give the bits of the integer path ("exact") on inputs full of

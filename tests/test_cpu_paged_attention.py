@@ -1,4 +1,4 @@
-"""The fused CPU decode and prefill kernels (``pagedllm/attention/cpu_paged.c``) against plain attention.
+"""The fused CPU decode and prefill kernels (``pagedllm/native/cpu_paged.c``) against plain attention.
 
 Each case puts every request's context K/V into a paged cache with shuffled block tables
 (all other slots hold large garbage, so a read through a wrong slot shows), runs one step
@@ -22,6 +22,7 @@ from pagedllm.attention import CpuPagedAttention, TorchPagedAttention, get_atten
 from pagedllm.attention import cpu_paged, torch_paged
 from pagedllm.attention.backend import set_forward_context
 from tests.model_utils import allocate_block_tables, make_metadata
+from tests.reference import causal_attention
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 # (num_heads, num_kv_heads, head_dim): GQA (SmolLM2's 9/3 at head_dim 64), MQA, MHA, the generic
@@ -42,28 +43,10 @@ def kernel():
     return k
 
 
-def reference_attention(q, k, v, context_len, scale, window=None, soft_cap=None):
-    """Float64 causal attention. q: (Q, H, D) at positions context_len..; k, v: (S, KV, D). With a
-    window W the query at position p sees keys p - W < k <= p; with a soft cap c scores become
-    c * tanh(s / c) (transformers' Gemma 2 / Gemma 3 masks and capping)."""
-    group = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(group, dim=1)  # (S, H, D)
-    v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    if soft_cap is not None:
-        scores = soft_cap * torch.tanh(scores / soft_cap)
-    q_pos = torch.arange(context_len, context_len + q.shape[0]).unsqueeze(1)
-    k_pos = torch.arange(k.shape[0]).unsqueeze(0)
-    hidden = k_pos > q_pos
-    if window is not None:
-        hidden |= k_pos <= q_pos - window
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
-
-
 def build_case(reqs, block_size, dtype, heads, seed=0, window=None, soft_cap=None):
     """Random Q/K/V for requests [(context_len, query_len)] (decodes first), a cache holding each
     request's context, the step's metadata and the float64 reference output (with ``window`` /
-    ``soft_cap`` as :func:`reference_attention`)."""
+    ``soft_cap`` as :func:`causal_attention`)."""
     num_heads, num_kv_heads, head_dim = heads
     scale = head_dim**-0.5
     g = torch.Generator().manual_seed(seed)
@@ -80,7 +63,7 @@ def build_case(reqs, block_size, dtype, heads, seed=0, window=None, soft_cap=Non
     query = torch.cat(queries)
     key = torch.cat([k[c:] for (c, _), k in zip(reqs, full_k)])
     value = torch.cat([v[c:] for (c, _), v in zip(reqs, full_v)])
-    expected = torch.cat([reference_attention(q, k, v, c, scale, window, soft_cap)
+    expected = torch.cat([causal_attention(q, k, v, c, scale, window, soft_cap)
                           for (c, _), q, k, v in zip(reqs, queries, full_k, full_v)])
     return query, key, value, cache, meta, expected, scale
 

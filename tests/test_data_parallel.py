@@ -235,7 +235,10 @@ def test_serve_tiny_model_with_two_replicas_equals_llm(tmp_path):
 
 def test_tensor_parallel_ranks_share_their_replicas_cores(monkeypatch):
     """A replica's TP ranks split the replica's cores (set by the replica), not the machine's."""
-    from pagedllm.distributed.worker import ENGINE_CORES_ENV, threads_per_rank
+    from pagedllm.envs import ENGINE_CORES
+    from pagedllm.worker.worker import threads_per_rank
+
+    ENGINE_CORES_ENV = ENGINE_CORES.name
 
     monkeypatch.delenv(ENGINE_CORES_ENV, raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 8)

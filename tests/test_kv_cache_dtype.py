@@ -77,7 +77,7 @@ from pagedllm.attention import cpu_paged  # noqa: E402
 from pagedllm.attention.backend import set_forward_context, write_kv_cache  # noqa: E402
 from tests.model_utils import allocate_block_tables, kv_rounding_error_bound, make_metadata  # noqa: E402
 from tests.test_attention import HEAD_DIM, MIXED, NUM_HEADS, NUM_KV_HEADS, SCALE  # noqa: E402
-from tests.test_cpu_paged_attention import reference_attention  # noqa: E402
+from tests.reference import causal_attention  # noqa: E402
 
 KV_NAMES = ["bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"]
 
@@ -128,9 +128,9 @@ def test_paged_attention_reads_and_writes_each_kv_dtype(name, block_size):
             k2, v2 = _round_trip(k, spec.storage), _round_trip(v, spec.storage)
             got = out[start:start + n]
             # exactly the attention over the stored (rounded) K/V ...
-            torch.testing.assert_close(got, reference_attention(q, k2, v2, c, SCALE), atol=2e-5, rtol=0)
+            torch.testing.assert_close(got, causal_attention(q, k2, v2, c, SCALE), atol=2e-5, rtol=0)
             # ... hence within the rounding's bound of the float32 attention
-            err = (got - reference_attention(q, k, v, c, SCALE)).abs().amax(-1)  # (Q, H)
+            err = (got - causal_attention(q, k, v, c, SCALE)).abs().amax(-1)  # (Q, H)
             assert (err <= kv_rounding_error_bound(q, k[:c + n], v[:c + n], k2[:c + n], v2[:c + n], SCALE) + 2e-5).all()
             start += n
         # this step's K/V landed at their slots, rounded
@@ -165,8 +165,8 @@ def _check_decode_kernel(backend: CpuPagedAttention, name: str, block_size: int,
         out = backend.forward(query, key, value, cache, meta, scale, **kwargs).double()
     for b, ((c, _), q, k, v) in enumerate(zip(reqs, qs, ks, vs)):
         k2, v2 = _round_trip(k, spec.storage), _round_trip(v, spec.storage)
-        torch.testing.assert_close(out[b:b + 1], reference_attention(q, k2, v2, c, scale), atol=2e-5, rtol=0)
-        err = (out[b:b + 1] - reference_attention(q, k, v, c, scale)).abs().amax(-1)  # (1, H)
+        torch.testing.assert_close(out[b:b + 1], causal_attention(q, k2, v2, c, scale), atol=2e-5, rtol=0)
+        err = (out[b:b + 1] - causal_attention(q, k, v, c, scale)).abs().amax(-1)  # (1, H)
         assert (err <= kv_rounding_error_bound(q, k, v, k2, v2, scale) + 2e-5).all()
     return out
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedllm import native
+from pagedllm import envs, native
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc").split()[0]) is None,
                                 reason="no C compiler")
@@ -36,7 +36,7 @@ int team_size(int n) {
 
 @pytest.fixture
 def source(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv(native.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(envs.CACHE_DIR.name, str(tmp_path / "cache"))
     path = tmp_path / "tiny.c"
     path.write_text(_SOURCE)
     return path
@@ -79,7 +79,7 @@ def test_rebuilt_when_a_shared_header_changes(source, tmp_path, monkeypatch):
 def test_kernels_include_the_shared_header():
     header = native.INCLUDE_DIR / "native_simd.h"
     assert header.is_file()
-    for source in ("attention/cpu_paged.c", "ops/cpu_ops.c"):
+    for source in ("cpu_paged.c", "cpu_ops.c", "skinny_gemm.c"):
         assert '#include "native_simd.h"' in (native.INCLUDE_DIR / source).read_text()
 
 

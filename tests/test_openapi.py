@@ -36,7 +36,9 @@ def server():
 def test_every_operation_conforms_to_the_document(server):
     api = schemathesis.openapi.from_url(server.url + "/openapi.json")
     operations = [op.ok() for op in api.get_all_operations()]
-    assert len(operations) == 10  # completions, chat, models, a model, health, version, metrics, (de)tokenize, kv state
+    # completions, chat, responses (create, get, delete, cancel), messages (create, count tokens), models, a model,
+    # health, version, metrics, (de)tokenize, kv state
+    assert len(operations) == 16
     for op in operations:
         @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE)
                | op.as_strategy(generation_mode=GenerationMode.NEGATIVE))
@@ -195,14 +197,15 @@ def test_401_is_documented_exactly_where_the_key_is_checked(api_key):
                 if "401" in op["responses"]:
                     listed.add(path)
                     assert "WWW-Authenticate" in op["responses"]["401"]["headers"]
-                url = srv.url + path.replace("{model}", MODEL)
+                url = srv.url + path.replace("{model}", MODEL).replace("{response_id}", "resp_1")
                 r = httpx.request(method, url, json={} if method == "post" else None)  # no Authorization
                 if r.status_code == 401:
                     answered.add(path)
     assert listed == answered
     if api_key:
         assert answered == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
-                            "/tokenize", "/detokenize", "/kv/state"}
+                            "/tokenize", "/detokenize", "/kv/state", "/v1/responses", "/v1/responses/{response_id}",
+                            "/v1/responses/{response_id}/cancel", "/v1/messages", "/v1/messages/count_tokens"}
     else:
         assert answered == set()
 

@@ -1,4 +1,4 @@
-"""The skinny GEMM (pagedllm/ops/skinny_gemm.c): float32 linears of a decode step's few rows.
+"""The skinny GEMM (pagedllm/native/skinny_gemm.c): float32 linears of a decode step's few rows.
 
 Reference: the float64 matmul of the same float32 inputs. Both builds run on every host: the
 native one (AVX-512 where the CPU has it) and ``-march=haswell`` (AVX2, the other tile shape).
@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.envs import SKINNY_GEMM
 from pagedllm.models.layers.linear import Linear
 from pagedllm.ops import skinny_gemm
 
@@ -134,11 +135,11 @@ def test_pack_applies_to_cpu_weights_of_its_dtypes_only(kernel_on):
 
 def test_env_switch_is_checked(monkeypatch):
     skinny_gemm.set_enabled(None)
-    monkeypatch.setenv(skinny_gemm.SKINNY_GEMM_ENV, "yes")
+    monkeypatch.setenv(SKINNY_GEMM.name, "yes")
     try:
-        with pytest.raises(ValueError, match="PAGEDLLM_SKINNY_GEMM must be 0, 1 or unset"):
+        with pytest.raises(ValueError, match="PAGEDLLM_SKINNY_GEMM must be one of '', '0', '1', got 'yes'"):
             skinny_gemm.enabled()
-        monkeypatch.setenv(skinny_gemm.SKINNY_GEMM_ENV, "0")
+        monkeypatch.setenv(SKINNY_GEMM.name, "0")
         assert not skinny_gemm.enabled()
     finally:
         skinny_gemm.set_enabled(None)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.distributed.executor import TensorParallelWorkerError
+from pagedllm.errors import TensorParallelWorkerError
 from tests.family_utils import family_config, make_hf_model, save_hf_folder
 from tests.model_utils import write_random_llama_folder
 

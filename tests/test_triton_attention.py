@@ -33,6 +33,7 @@ from pagedllm.attention.triton_unified import find_seq_idx, tile_shape, unified_
 from pagedllm.attention.backend import write_kv_cache  # noqa: E402
 from pagedllm.quantization.kv_cache import dequantize_kv, quantize_kv, resolve_kv_cache_dtype  # noqa: E402
 from tests.model_utils import allocate_block_tables, kv_rounding_error_bound, make_metadata  # noqa: E402
+from tests.reference import causal_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -40,23 +41,6 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 # (context_len, query_len): decodes first, then a prefill, chunked prefills with context
 MIXED = [(0, 1), (17, 1), (70, 1), (0, 21), (33, 5), (40, 18)]
 DECODES = [(0, 1), (15, 1), (95, 1), (200, 1)]
-
-
-def reference(q, k, v, context_len, scale, window=None, softcap=None):
-    """float64 causal attention. q: (Q, H, D) at positions context_len..; k, v: (S, KV, D)."""
-    group = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(group, dim=1)
-    v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    q_pos = torch.arange(context_len, context_len + q.shape[0]).unsqueeze(1)
-    k_pos = torch.arange(k.shape[0]).unsqueeze(0)
-    hidden = k_pos > q_pos
-    if window is not None:
-        hidden |= q_pos - k_pos >= window
-    scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
 def build(reqs, *, num_kv_heads=2, group=3, head_dim=64, block_size=16, dtype=torch.float32,
@@ -77,7 +61,7 @@ def build(reqs, *, num_kv_heads=2, group=3, head_dim=64, block_size=16, dtype=to
             cache[1, table[p // block_size], p % block_size] = v[p]
     meta = make_metadata([c for c, _ in reqs], [n for _, n in reqs], tables, block_size, DEVICE)
     scale = head_dim**-0.5
-    expected = torch.cat([reference(q, k, v, c, scale, window, softcap)
+    expected = torch.cat([causal_attention(q, k, v, c, scale, window, softcap)
                           for (c, _), q, k, v in zip(reqs, queries, full_k, full_v)])
     key = torch.cat([k[c:] for (c, _), k in zip(reqs, full_k)])
     value = torch.cat([v[c:] for (c, _), v in zip(reqs, full_v)])
@@ -256,8 +240,8 @@ def build_quantized(reqs, name, *, dtype=torch.float32, num_kv_heads=2, group=3,
     stored, floats, bounds = [], [], []
     for (c, _), q, k, v in zip(reqs, qs, ks, vs):
         k2, v2 = (dequantize_kv(*quantize_kv(x, spec.storage), torch.float32) for x in (k, v))
-        stored.append(reference(q.to(dtype), k2, v2, c, scale))
-        floats.append(reference(q.to(dtype), k, v, c, scale))
+        stored.append(causal_attention(q.to(dtype), k2, v2, c, scale))
+        floats.append(causal_attention(q.to(dtype), k, v, c, scale))
         bounds.append(kv_rounding_error_bound(q, k, v, k2, v2, scale))
     meta = make_metadata([c for c, _ in reqs], [n for _, n in reqs], tables, block_size, DEVICE)
     key = torch.cat([k[c:] for (c, _), k in zip(reqs, ks)]).to(dtype)

@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CpuPagedAttention", "CpuPagedKernel", "load_kernel"]
 
-_SOURCE = Path(__file__).with_name("cpu_paged.c")
+_SOURCE = native.SOURCE_DIR / "cpu_paged.c"
 _ABI_VERSION = 7
 
 _c_int, _c_ll, _c_float, _c_void_p = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p

@@ -31,7 +31,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionMetadata, set_forward_context
 from pagedllm.compilation.attention_op import register_attention_layers
-from pagedllm.compilation.config import CompilationConfig
+from pagedllm.config import CompilationConfig
 
 logger = logging.getLogger("pagedllm")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Protocol, Union
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError, EngineUnhealthyError
+from pagedllm.errors import EngineDeadError, EngineOverloadedError, EngineUnhealthyError
 from pagedllm.engine.front_end import FrontEndThread, needs_tokenizing, tokenize_inputs
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.request_stream import RequestStream, merge_request_output

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineInput
-from pagedllm.engine.errors import EngineDeadError, EngineUnhealthyError
+from pagedllm.errors import EngineDeadError, EngineUnhealthyError
 from pagedllm.engine.front_end import FrontEnd, FrontEndThread, tokenize_inputs
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.replica import EngineFactory, ReplicaEngine, ReplicaInfo, threads_per_replica

@@ -9,7 +9,7 @@ from typing import Any, Union
 import jinja2
 
 from pagedllm.engine.chat import normalize_conversation
-from pagedllm.engine.errors import ContextLengthError
+from pagedllm.errors import ContextLengthError
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict]

@@ -57,7 +57,7 @@ class LLMEngine:
     cannot hold one sequence of ``max_model_len`` tokens."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from pagedllm.distributed.executor import make_executor
+        from pagedllm.executor import make_executor
         from pagedllm.loader import load_model_files
 
         if config.data_parallel_size > 1:
@@ -215,7 +215,7 @@ class LLMEngine:
 
         A tensor-parallel worker that died is fatal: every request is aborted (its blocks
         freed) and TensorParallelWorkerError propagates to the caller."""
-        from pagedllm.distributed.executor import TensorParallelWorkerError
+        from pagedllm.errors import TensorParallelWorkerError
 
         try:
             return self.executor.execute_model(so, grammar_bitmask)

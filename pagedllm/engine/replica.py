@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterable
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.worker import ENGINE_CORES_ENV
-from pagedllm.engine.errors import EngineDeadError
+from pagedllm.errors import EngineDeadError
 
 logger = logging.getLogger("pagedllm.data_parallel")
 
@@ -56,7 +56,7 @@ def _replica_main(index: int, config: EngineConfig, conn: Connection, engine_fac
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # before torch is imported
         os.environ[var] = str(num_threads)
     # this replica's tensor-parallel ranks (processes it starts) share its threads, not the machine
-    os.environ[ENGINE_CORES_ENV] = str(num_threads * config.tensor_parallel_size)
+    os.environ[envs.ENGINE_CORES.name] = str(num_threads * config.tensor_parallel_size)
     if cuda_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
     try:

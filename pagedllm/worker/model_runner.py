@@ -34,22 +34,13 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.sizing import KVCacheSpec, format_bytes, kv_bytes_per_block, num_blocks_for_budget
 from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.structured_output.manager import GrammarBitmask
-from pagedllm.utils import cdiv
+from pagedllm.utils import cdiv, resolve_device
 from pagedllm.worker.cpu_graph import CpuDecodeGraphs
 from pagedllm.worker.cuda_graph import DecodeGraphRunner, capture_sizes, cuda_graph_mode
 
 logger = logging.getLogger("pagedllm")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` → cuda when available, else cpu. Raises ValueError for cuda without a GPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is available; use device='cpu'")
-    return torch.device(name)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -1,28 +1,20 @@
 """``POST /v1/chat/completions`` with the model's chat template (or ``--chat-template FILE``).
 
-The conversation is rendered and tokenized on the front-end thread, never the engine's
-(``apply_chat_template``:
-roles checked, text parts joined, tokenized without adding special tokens again, so
-there is exactly one BOS/``<|im_start|>``). ``max_completion_tokens`` wins over
-``max_tokens``; both absent means "up to the context length".
-
-Streaming follows OpenAI's delta protocol: for each choice a first chunk with
-``delta = {"role": "assistant", "content": ""}`` is sent as soon as the request has been
-accepted, then content deltas; each choice gets exactly one chunk with a non-null
-``finish_reason``; with ``stream_options.include_usage`` a last chunk with empty
-``choices`` carries the usage; the stream ends with ``data: [DONE]``.
-
-Logprobs: ``logprobs: true`` reports the chosen token's logprob per position, and
-``top_logprobs: k`` the k most likely tokens, most likely first (the chosen token is not
-added to that list when outside it; its own value is in ``logprob``). ``bytes`` are the
-token's raw bytes (part of a multi-byte character for some tokens).
+The conversation is rendered and tokenized on the front-end thread, without adding special tokens again.
+``max_completion_tokens`` wins over ``max_tokens``. Streaming follows OpenAI's delta protocol: a first chunk with
+the role per choice, content deltas, one chunk with ``finish_reason`` per choice, the usage chunk with
+``stream_options.include_usage``, then ``data: [DONE]``. :meth:`OpenAIServingChat.start` is the one door to the
+engine for chat, Responses and Messages requests.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import AsyncIterator
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from pydantic import ValidationError
 
 from fastapi.responses import Response, StreamingResponse
 
@@ -33,12 +25,13 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_base import (
     OpenAIServing, guarded_sse, json_response, raise_if_failed, sse)
 from pagedllm.engine.async_engine import EngineInput
-from pagedllm.engine.request_stream import merge_streams
-from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.engine.request_stream import RequestStream, merge_streams
+from pagedllm.entrypoints.openai.errors import APIError, to_api_error, validation_message
 from pagedllm.entrypoints.openai.generation_defaults import apply_generation_defaults
 from pagedllm.entrypoints.openai.reasoning import (
     ReasoningPlan, ReasoningStream, plan_reasoning, resolve_reasoning_parser, split_reasoning)
-from pagedllm.entrypoints.openai.tools import ToolPlan, ToolStream, apply_tool_plan, message_parts, plan_tools
+from pagedllm.entrypoints.openai.tools import (
+    ToolCallItem, ToolPlan, ToolStream, apply_tool_plan, message_parts, plan_tools)
 from pagedllm.loader.tokenizer import chat_template_of
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
@@ -107,8 +100,9 @@ class OpenAIServingChat(OpenAIServing):
         apply_tool_plan(plan, params)
         return plan
 
-    async def create_chat_completion(self, req: ChatCompletionRequest) -> Response:
-        """Validate, submit and answer one chat request (JSON or SSE). Raises APIError."""
+    async def start(self, req: ChatCompletionRequest, request_id: str) -> ChatRun:
+        """Validate ``req``, render its conversation and add it to the engine (raises APIError).
+        The chat, Responses and Messages APIs all run through here."""
         self.check_model(req.model)
         self.check_n(req.n)
         apply_generation_defaults(req, self.sampling_defaults)
@@ -118,15 +112,33 @@ class OpenAIServingChat(OpenAIServing):
         prompt_ids = await self.render(req.conversation(), req.add_generation_prompt, req.continue_final_message,
                                        req.chat_template, plan.tools if plan else None, template_kwargs)
         reasoning = self.plan_reasoning(req, prompt_ids, params, template_kwargs)
-        request_id = self.new_id("chatcmpl", req.request_id)
         streams = await self.add_requests(self.label(request_id, req.user), [EngineInput(prompt_ids)], params,
                                           req.priority)
+        return ChatRun(streams, plan, len(prompt_ids), reasoning)
+
+    async def start_translated(self, build: Callable[[], ChatCompletionRequest], request_id: str,
+                               params: dict[str, str]) -> ChatRun:
+        """:meth:`start` for another API: ``build()`` makes its chat request; a 400 names the other
+        API's field (``params``: chat field -> its name there)."""
+        try:
+            return await self.start(build(), request_id)
+        except ValidationError as e:
+            message, field = validation_message(e)
+            raise APIError(400, message, params.get(field, field)) from None
+        except (APIError, ValueError) as e:
+            err = e if isinstance(e, APIError) else to_api_error(e, set(ChatCompletionRequest.model_fields))
+            raise APIError(err.status, err.message, params.get(err.param, err.param)) from None
+
+    async def create_chat_completion(self, req: ChatCompletionRequest) -> Response:
+        """Validate, submit and answer one chat request (JSON or SSE). Raises APIError."""
+        request_id = self.new_id("chatcmpl", req.request_id)
+        run = await self.start(req, request_id)
         created = int(time.time())
         if req.stream:
-            events = self._events(req, request_id, created, streams, plan, reasoning)
-            return StreamingResponse(guarded_sse(events, streams), media_type="text/event-stream")
-        (final,) = await self.collect_final(streams)
-        return json_response(self._response(req, request_id, created, final, plan, reasoning))
+            return StreamingResponse(guarded_sse(self._events(req, request_id, created, run), run.streams),
+                                     media_type="text/event-stream")
+        (final,) = await self.collect_final(run.streams)
+        return json_response(self._response(req, request_id, created, final, run))
 
     def _encode(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text, add_special_tokens=False)
@@ -137,11 +149,11 @@ class OpenAIServingChat(OpenAIServing):
         return usage
 
     def _response(self, req: ChatCompletionRequest, request_id: str, created: int, out: RequestOutput,
-                  plan: ToolPlan | None = None, reasoning_plan: ReasoningPlan | None = None) -> ChatCompletionResponse:
+                  run: ChatRun) -> ChatCompletionResponse:
         choices = []
         for c in out.outputs:
-            reasoning, answer = split_reasoning(reasoning_plan, c.text)
-            content, tool_calls, finish_reason = message_parts(plan, answer, c.finish_reason)
+            reasoning = run.reasoning_of(c)
+            content, tool_calls, finish_reason = run.parts(c)
             message = ChatResponseMessage(content=content, tool_calls=tool_calls, reasoning_content=reasoning,
                                           reasoning=reasoning)
             choices.append(ChatCompletionChoice(
@@ -149,8 +161,8 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs=self._logprobs(req, c) if req.logprobs else None,
                 finish_reason=finish_reason, stop_reason=c.stop_reason))
         num_completion = sum(len(c.token_ids) for c in out.outputs)
-        num_reasoning = None if reasoning_plan is None else sum(
-            reasoning_plan.num_tokens(c.token_ids, c.text, self._encode) for c in out.outputs)
+        num_reasoning = None if run.reasoning is None else sum(
+            run.reasoning.num_tokens(c.token_ids, c.text, self._encode) for c in out.outputs)
         usage = make_usage(len(out.prompt_token_ids), num_completion, out.num_cached_tokens, self.story(out))
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                       usage=self._with_reasoning_tokens(usage, num_reasoning),
@@ -175,33 +187,29 @@ class OpenAIServingChat(OpenAIServing):
                               for t, l in top]))
         return ChatChoiceLogprobs(content=content)
 
-    async def _events(self, req: ChatCompletionRequest, request_id: str, created: int, streams: list,
-                      plan: ToolPlan | None = None, reasoning_plan: ReasoningPlan | None = None) -> AsyncIterator[str]:
+    async def _events(self, req: ChatCompletionRequest, request_id: str, created: int, run: ChatRun
+                      ) -> AsyncIterator[str]:
         def chunk(choices: list[ChatStreamChoice], usage=None) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                     choices=choices, usage=usage).model_dump_json())
 
-        num_prompt = num_cached = num_completion = 0
+        num_completion = 0
         last = None
-        tool_stream = ToolStream(plan)
-        reasoning_stream = ReasoningStream(reasoning_plan)
+        reasoning_stream = ReasoningStream(run.reasoning)
 
         def usage(metrics=None) -> UsageInfo:
-            num_reasoning = None if reasoning_plan is None else reasoning_stream.num_tokens(self._encode)
+            num_prompt, num_cached = (len(last.prompt_token_ids), last.num_cached_tokens) if last else (0, 0)
+            num_reasoning = None if run.reasoning is None else reasoning_stream.num_tokens(self._encode)
             return self._with_reasoning_tokens(make_usage(num_prompt, num_completion, num_cached, metrics),
                                                num_reasoning)
+
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(req.n)])
-        async for _, out in merge_streams(streams):
-            raise_if_failed(out)
-            num_prompt, num_cached, last = len(out.prompt_token_ids), out.num_cached_tokens, out
+        async for out, deltas in run.deltas(reasoning_stream):
+            last = out
             choices = []
-            for c in out.outputs:
+            for c, (reasoning, content, tool_calls, finish_reason) in zip(out.outputs, deltas):
                 num_completion += len(c.token_ids)
-                reasoning, answer = reasoning_stream.delta(c.index, c.text, c.token_ids, c.finish_reason)
-                content, tool_calls, finish_reason = tool_stream.delta(c.index, answer, c.finish_reason)
-                if reasoning_plan is not None:
-                    content = content or None
                 if (content is None and reasoning is None and not tool_calls and finish_reason is None
                         and not req.logprobs):
                     continue  # a parser holds this text back: nothing to send (as vLLM)
@@ -215,6 +223,47 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk(choices, usage() if req.include_usage_in_every_chunk else None)
         if req.include_usage_in_stream:
             yield chunk([], usage(self.story(last)))
+
+
+@dataclass
+class ChatRun:
+    """A chat request in the engine: its streams (one per prompt), its tool plan, prompt length and
+    reasoning split (tool parsing and every API's content see only the answer)."""
+
+    streams: list[RequestStream]
+    plan: ToolPlan | None
+    num_prompt_tokens: int
+    reasoning: ReasoningPlan | None = None
+
+    async def final(self) -> RequestOutput | None:
+        """The finished output, None when aborted (raises APIError(500) when the engine failed it)."""
+        finals = await OpenAIServing.collect_final(self.streams)
+        return finals[0] if finals else None
+
+    def reasoning_of(self, c: CompletionOutput) -> str | None:
+        return split_reasoning(self.reasoning, c.text)[0]
+
+    def parts(self, c: CompletionOutput) -> tuple[str | None, list[ToolCallItem], str | None]:
+        """``(content, tool_calls, finish_reason)`` of a finished choice's answer."""
+        return message_parts(self.plan, split_reasoning(self.reasoning, c.text)[1], c.finish_reason)
+
+    async def deltas(self, reasoning_stream: ReasoningStream | None = None
+                     ) -> AsyncIterator[tuple[RequestOutput, list[tuple]]]:
+        """Each engine output with, per choice, ``(content, delta tool calls, finish_reason)`` of the
+        answer; with ``reasoning_stream`` (of this run's plan) ``(reasoning, content, ...)``. Raises
+        APIError(500) when the engine failed the request."""
+        tool_stream = ToolStream(self.plan)
+        reasoning = reasoning_stream or ReasoningStream(self.reasoning)
+        async for _, out in merge_streams(self.streams):
+            raise_if_failed(out)
+            deltas = []
+            for c in out.outputs:
+                thought, answer = reasoning.delta(c.index, c.text, c.token_ids, c.finish_reason)
+                content, tool_calls, finish_reason = tool_stream.delta(c.index, answer, c.finish_reason)
+                content = (content or None) if self.reasoning is not None else content
+                deltas.append((thought, content, tool_calls, finish_reason) if reasoning_stream else
+                              (content, tool_calls, finish_reason))
+            yield out, deltas
 
 
 def template_kwargs_of(value: str | dict | None) -> dict:

@@ -1,10 +1,7 @@
-"""Hermes-style tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
-
-The format of NousResearch's Hermes 2 Pro function-calling models, taught by the Qwen 2.5
-and Qwen 3 chat templates (vLLM's ``hermes`` parser). Text outside the tags is content;
-several calls may follow one another. A call ends where its JSON object ends (a
-``</tool_call>`` inside an argument string is just text); the end tag after it is optional,
-so a call cut off right after its JSON still counts.
+"""Hermes-style tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (NousResearch's Hermes 2
+Pro format, taught by the Qwen 2.5 and 3 templates; vLLM's ``hermes``). Text outside the tags is content. A call
+ends where its JSON object ends (a ``</tool_call>`` inside an argument string is text); the end tag after it is
+optional, so a call cut off right after its JSON still counts.
 """
 
 from __future__ import annotations

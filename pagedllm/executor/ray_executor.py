@@ -1,22 +1,10 @@
-"""The Ray executor (``distributed_executor_backend="ray"``): ranks 1..N-1 as Ray actors, so a
-tensor-parallel group can span the machines of a Ray cluster.
-
-As in vLLM's Ray executor:
-
-- the engine joins the cluster this machine belongs to (``ray.init()``: the one ``ray start``
-  started here, or ``RAY_ADDRESS``, else a new local one) unless Ray is already initialized;
-- one placement-group bundle per rank (``{"GPU": 1}`` on CUDA, ``{"CPU": 1}`` on CPU), bundle 0
-  pinned to this node (rank 0 is the engine process), strategy ``PACK``: every rank on one
-  machine when it has room, spilling to other machines otherwise. Inside a placement group
-  already (a Ray job that reserved one) that group is used;
-- the torch.distributed rendezvous is ``tcp://<this node's IP>:<free port>``, the address the
-  other machines reach the engine at (gloo on CPU, nccl on CUDA; set ``GLOO_SOCKET_IFNAME`` /
-  ``NCCL_SOCKET_IFNAME`` when a node has several networks).
-
-Each actor wraps a :class:`~pagedllm.distributed.worker.TensorParallelWorker`; calls are actor
-method calls, replies are awaited with ``ray.wait`` bounded by ``worker_timeout_s``, and an
-actor that dies (its process killed, its node lost) fails the engine naming its rank and node.
-Ray is an optional extra: ``pip install 'pagedllm[ray]'``.
+"""The Ray executor (``distributed_executor_backend="ray"``): ranks 1..N-1 as Ray actors in a placement
+group, so a tensor-parallel group can span the machines of a Ray cluster (as vLLM's): one bundle per
+rank, bundle 0 pinned to this node (rank 0 is the engine process), strategy ``PACK``; the rendezvous
+is ``tcp://<this node's IP>:<free port>``. Replies are awaited with ``ray.wait`` bounded by
+``worker_timeout_s``; an actor that dies fails the engine naming its rank and node. The cluster is
+the user's (``ray.init()`` joins it, or a placement group it is already in is used; README, "Across
+machines with Ray").
 """
 
 from __future__ import annotations
@@ -29,8 +17,9 @@ import weakref
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.executor import DistributedExecutor, TensorParallelWorkerError, failure_summary
-from pagedllm.distributed.worker import TensorParallelWorker
+from pagedllm.errors import TensorParallelWorkerError
+from pagedllm.executor.abstract import DistributedExecutor, failure_summary
+from pagedllm.worker.worker import TensorParallelWorker
 
 logger = logging.getLogger("pagedllm")
 
@@ -65,7 +54,8 @@ class RayExecutor(DistributedExecutor):
         import torch
 
         from pagedllm.distributed.parallel_state import free_port, init_tensor_parallel
-        from pagedllm.worker.model_runner import ModelRunner, resolve_device
+        from pagedllm.utils import resolve_device
+        from pagedllm.worker.model_runner import ModelRunner
 
         ray = import_ray()
         from ray.util.placement_group import get_current_placement_group, placement_group

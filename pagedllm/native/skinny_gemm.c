@@ -1,10 +1,9 @@
 /* Skinny GEMM: out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), float32, for the few rows of a decode
  * step (M up to about a hundred; N and K the model's projections).
  *
- * Why our own: at a decode step's row counts the weight is read once per step and every weight
- * element feeds only M multiply-adds, so the step is bound by the weight stream and the FMA units
- * together; oneDNN's and MKL's kernels, tuned for large M, leave the memory idle while they compute
- * (benchmarks/skinny_gemm.py measures all three on the model's shapes, weights cold in cache).
+ * Why our own: at a decode step's row counts every weight element feeds only M multiply-adds, so
+ * the step is bound by the weight stream and the FMA units together; kernels tuned for large M
+ * leave the memory idle while they compute.
  *
  * Layout: the weight is packed once (pagedllm/ops/skinny_gemm.py) into panels of SG_NR output
  * columns, each panel K rows of SG_NR contiguous floats (zero-padded past N), so one thread streams
@@ -14,13 +13,9 @@
  * (on AVX-512 builds while they pull the next panel into L2: prefetch, no loads, nothing waits on it).
  *
  * Numerics: every output element is bias + sum over k = 0..K-1, in that order, of x[m, k] * w[n, k],
- * each step one float32 fused multiply-add. The order does not depend on M, on the other rows of the
- * batch or on the thread count: a row's result is the same in any batch (batch-invariant), which the
- * tests check bit for bit.
- *
- * Built by pagedllm/native.py (-O3 -march=native -ffp-contract=fast, OpenMP on torch's libgomp).
- * The code is GCC vector extensions: 16 lanes (one AVX-512 register) where AVX-512F is there, 8 (one
- * AVX2 register) elsewhere, with the tile sized to the register file (32 or 16 registers).
+ * each step one float32 FMA: independent of M, the batch's other rows and the thread count
+ * (batch-invariant). Vectors: 16 lanes with AVX-512F, else 8 (AVX2), the tile sized to the
+ * register file.
  */
 #define _GNU_SOURCE /* syscall() under -std=c11 */
 #include <stddef.h>
@@ -55,8 +50,7 @@
 #define SG_NB 3                /* vectors of output columns per tile */
 #define SG_NR (SG_W * SG_NB)   /* output columns per panel */
 /* Whether the later walks pull the next panel into L2. Off on AVX2 builds: with 16 registers the
- * per-k pull loop costs more issue slots than it saves there (benchmarks/skinny_gemm.py on an
- * AVX2-only AMD EPYC: 10-20% faster without it from 16 rows up, within noise below). */
+ * per-k pull loop costs more issue slots than it saves. */
 #ifndef SG_PULL_NEXT
 #if defined(__AVX512F__)
 #define SG_PULL_NEXT 1
@@ -165,24 +159,60 @@ static inline __attribute__((always_inline)) void sg_tile(const float *x, ptrdif
     }
 }
 
-#define SG_TILE(R, PF) sg_tile(xr, x_stride, panel, K, b, o, out_stride, R, cols, PF, next, next_end, next_lines)
+#define SG_TILE(R, PF) \
+    sg_tile(x + (ptrdiff_t)m0 * x_stride, x_stride, panel, K, pp.bias, o, out_stride, R, pp.cols, PF, next, \
+            pp.next_end, walk.next_lines)
 #define SG_ROWS_CASE(R)                                                                                            \
     case R:                                                                                                        \
-        if (first) SG_TILE(R, 1); else SG_TILE(R, 0);                                                              \
+        if (m0 == 0) SG_TILE(R, 1); else SG_TILE(R, 0); /* the first walk reads from memory: it prefetches */      \
         break;
 
-/* Panels per grab of the dynamic schedule: about SG_GRABS grabs per thread, so a thread that the
- * OS preempts (the HTTP server, the benchmark client, a neighbour on a shared machine) leaves its
- * remaining panels to the others instead of making the whole team wait for it at the barrier;
- * a grab of consecutive panels keeps one sequential stream for the prefetcher. Which thread
- * computes a panel does not change its numerics (the header comment), so outputs stay bitwise
- * equal to the static split's. */
+/* Panels per grab of the dynamic schedule: about SG_GRABS grabs per thread, so a preempted thread
+ * leaves its remaining panels to the others instead of holding the team at the barrier; a grab of
+ * consecutive panels keeps one sequential stream. Which thread computes a panel changes no bits. */
 #ifndef SG_GRABS
 #define SG_GRABS 8
 #endif
 static inline int sg_chunk(int panels, int num_threads) {
     const int chunk = panels / (SG_GRABS * (num_threads > 0 ? num_threads : 1));
     return chunk > 0 ? chunk : 1;
+}
+
+/* A walk over a packed weight: N columns in panels of nr, each panel_bytes long and walked in
+ * `steps` k steps per tile of mr rows. */
+struct sg_walk {
+    int panels, next_lines, chunk;
+    ptrdiff_t panel_bytes, panel_lines;
+};
+
+static inline __attribute__((always_inline)) struct sg_walk sg_walk(int M, int N, int nr, int mr,
+                                                                    ptrdiff_t panel_bytes, int steps,
+                                                                    int num_threads) {
+    struct sg_walk w;
+    w.panels = (N + nr - 1) / nr;
+    w.panel_bytes = panel_bytes;
+    w.panel_lines = (panel_bytes + 63) / 64;
+    w.next_lines = sg_next_lines(w.panel_lines, (M + mr - 1) / mr, steps); /* later walks pull the next panel */
+    w.chunk = sg_chunk(w.panels, num_threads);
+    return w;
+}
+
+/* Panel p's bias (NULL without), its columns (the last panel may be partial) and the next panel's
+ * bytes [next, next_end) to prefetch (NULL after the last panel). */
+struct sg_panel {
+    const float *bias;
+    int cols;
+    const char *next, *next_end;
+};
+
+static inline __attribute__((always_inline)) struct sg_panel sg_panel(const void *packed, const float *bias,
+                                                                      struct sg_walk w, int N, int nr, int p) {
+    struct sg_panel pp;
+    pp.bias = bias ? bias + (ptrdiff_t)p * nr : NULL;
+    pp.cols = N - p * nr < nr ? N - p * nr : nr;
+    pp.next = p + 1 < w.panels ? (const char *)packed + (ptrdiff_t)(p + 1) * w.panel_bytes : NULL;
+    pp.next_end = pp.next ? pp.next + w.panel_lines * 64 : NULL;
+    return pp;
 }
 
 /* out[m, n] = bias[n] + sum_k x[m, k] * w[n, k] for m < M, n < N.
@@ -193,36 +223,20 @@ static inline int sg_chunk(int panels, int num_threads) {
  * The caller checks shapes, strides and dtypes (skinny_gemm.py); nothing here is validated. */
 void skinny_gemm_f32(const float *x, ptrdiff_t x_stride, const float *packed, const float *bias, float *out,
                      ptrdiff_t out_stride, int M, int N, int K, int num_threads) {
-    const int panels = (N + SG_NR - 1) / SG_NR;
-    const int tiles = (M + SG_MR - 1) / SG_MR;
-    const ptrdiff_t panel_lines = ((ptrdiff_t)K * SG_NR * (ptrdiff_t)sizeof(float) + 63) / 64;
-    const int next_lines = sg_next_lines(panel_lines, tiles, K); /* the later walks pull the next panel */
-    const int chunk = sg_chunk(panels, num_threads);
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, chunk) if (num_threads > 1)
-    for (int p = 0; p < panels; p++) {
+    const struct sg_walk walk = sg_walk(M, N, SG_NR, SG_MR, (ptrdiff_t)K * SG_NR * (ptrdiff_t)sizeof(float), K,
+                                        num_threads);
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, walk.chunk) if (num_threads > 1)
+    for (int p = 0; p < walk.panels; p++) {
         const float *panel = packed + (ptrdiff_t)p * K * SG_NR;
-        const float *b = bias ? bias + (ptrdiff_t)p * SG_NR : NULL;
-        const int cols = N - p * SG_NR < SG_NR ? N - p * SG_NR : SG_NR;
-        const char *next_panel = p + 1 < panels ? (const char *)(panel + (ptrdiff_t)K * SG_NR) : NULL;
-        const char *next_end = next_panel ? next_panel + panel_lines * 64 : NULL;
+        const struct sg_panel pp = sg_panel(packed, bias, walk, N, SG_NR, p);
         for (int m0 = 0; m0 < M; m0 += SG_MR) {
-            const float *xr = x + (ptrdiff_t)m0 * x_stride;
             float *o = out + (ptrdiff_t)m0 * out_stride + (ptrdiff_t)p * SG_NR;
-            const int first = m0 == 0; /* the walk that reads the panel from memory prefetches */
-            const char *next = sg_next_start(next_panel, m0 / SG_MR, K, next_lines);
+            const char *next = sg_next_start(pp.next, m0 / SG_MR, K, walk.next_lines);
             switch (M - m0 < SG_MR ? M - m0 : SG_MR) {
 #if SG_MR == 8
-                SG_ROWS_CASE(8)
-                SG_ROWS_CASE(7)
-                SG_ROWS_CASE(6)
-                SG_ROWS_CASE(5)
+                SG_ROWS_CASE(8) SG_ROWS_CASE(7) SG_ROWS_CASE(6) SG_ROWS_CASE(5)
 #endif
-                SG_ROWS_CASE(4)
-                SG_ROWS_CASE(3)
-                SG_ROWS_CASE(2)
-                default:
-                    if (first) SG_TILE(1, 1); else SG_TILE(1, 0);
-                    break;
+                SG_ROWS_CASE(4) SG_ROWS_CASE(3) SG_ROWS_CASE(2) SG_ROWS_CASE(1)
             }
         }
     }
@@ -369,7 +383,7 @@ int skinny_gemm_bf16_amx(const uint16_t *x, ptrdiff_t x_stride, const uint16_t *
 /* ---- bfloat16 on AVX512-BF16 (no AMX) ---------------------------------------------------------
  *
  * out[M, N] (bfloat16) = x[M, K] (bfloat16) @ w[N, K]^T (+ bias[N], float32), for CPUs with
- * AVX512-BF16 and without AMX (AMD Zen 4/5, Intel Cooper Lake). vdpbf16ps multiplies 16 pairs of
+ * AVX512-BF16 and without AMX. vdpbf16ps multiplies 16 pairs of
  * bfloat16 and adds both products to 16 float32 accumulators: one instruction does two k steps of
  * the float32 kernel's FMA on half the weight bytes. K must be even.
  *
@@ -437,10 +451,11 @@ static inline __attribute__((always_inline)) void sg_dp_tile(const uint16_t *x, 
 }
 
 #define SG_DP_TILE(R, PF) \
-    sg_dp_tile(xr, x_stride, panel, K / 2, b, o, out_stride, R, cols, PF, next, next_end, next_lines, out_f32)
+    sg_dp_tile(x + (ptrdiff_t)m0 * x_stride, x_stride, panel, K / 2, pp.bias, o, out_stride, R, pp.cols, PF, next, \
+               pp.next_end, walk.next_lines, out_f32)
 #define SG_DP_ROWS_CASE(R)                                                                                         \
     case R:                                                                                                        \
-        if (first) SG_DP_TILE(R, 1); else SG_DP_TILE(R, 0);                                                        \
+        if (m0 == 0) SG_DP_TILE(R, 1); else SG_DP_TILE(R, 0);                                                      \
         break;
 #endif
 
@@ -454,36 +469,20 @@ static inline __attribute__((always_inline)) void sg_dp_gemm(const uint16_t *x, 
                                                              const uint16_t *packed, const float *bias, void *out,
                                                              ptrdiff_t out_stride, int M, int N, int K,
                                                              int num_threads, const int out_f32) {
-    const int panels = (N + SG_DP_NR - 1) / SG_DP_NR;
-    const int tiles = (M + SG_DP_MR - 1) / SG_DP_MR;
-    const ptrdiff_t panel_lines = ((ptrdiff_t)K * SG_DP_NR * (ptrdiff_t)sizeof(uint16_t) + 63) / 64;
     const int K2 = K / 2;
     const size_t out_elem = out_f32 ? sizeof(float) : sizeof(uint16_t);
-    const int next_lines = sg_next_lines(panel_lines, tiles, K2); /* the later walks pull the next panel */
-    const int chunk = sg_chunk(panels, num_threads);
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, chunk) if (num_threads > 1)
-    for (int p = 0; p < panels; p++) {
+    const struct sg_walk walk = sg_walk(M, N, SG_DP_NR, SG_DP_MR,
+                                        (ptrdiff_t)K * SG_DP_NR * (ptrdiff_t)sizeof(uint16_t), K2, num_threads);
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, walk.chunk) if (num_threads > 1)
+    for (int p = 0; p < walk.panels; p++) {
         const uint16_t *panel = packed + (ptrdiff_t)p * K * SG_DP_NR;
-        const float *b = bias ? bias + (ptrdiff_t)p * SG_DP_NR : NULL;
-        const int cols = N - p * SG_DP_NR < SG_DP_NR ? N - p * SG_DP_NR : SG_DP_NR;
-        const char *next_panel = p + 1 < panels ? (const char *)(panel + (ptrdiff_t)K * SG_DP_NR) : NULL;
-        const char *next_end = next_panel ? next_panel + panel_lines * 64 : NULL;
+        const struct sg_panel pp = sg_panel(packed, bias, walk, N, SG_DP_NR, p);
         for (int m0 = 0; m0 < M; m0 += SG_DP_MR) {
-            const uint16_t *xr = x + (ptrdiff_t)m0 * x_stride;
             void *o = (char *)out + ((ptrdiff_t)m0 * out_stride + (ptrdiff_t)p * SG_DP_NR) * (ptrdiff_t)out_elem;
-            const int first = m0 == 0;
-            const char *next = sg_next_start(next_panel, m0 / SG_DP_MR, K2, next_lines);
+            const char *next = sg_next_start(pp.next, m0 / SG_DP_MR, K2, walk.next_lines);
             switch (M - m0 < SG_DP_MR ? M - m0 : SG_DP_MR) {
-                SG_DP_ROWS_CASE(8)
-                SG_DP_ROWS_CASE(7)
-                SG_DP_ROWS_CASE(6)
-                SG_DP_ROWS_CASE(5)
-                SG_DP_ROWS_CASE(4)
-                SG_DP_ROWS_CASE(3)
-                SG_DP_ROWS_CASE(2)
-                default:
-                    if (first) SG_DP_TILE(1, 1); else SG_DP_TILE(1, 0);
-                    break;
+                SG_DP_ROWS_CASE(8) SG_DP_ROWS_CASE(7) SG_DP_ROWS_CASE(6) SG_DP_ROWS_CASE(5)
+                SG_DP_ROWS_CASE(4) SG_DP_ROWS_CASE(3) SG_DP_ROWS_CASE(2) SG_DP_ROWS_CASE(1)
             }
         }
     }

@@ -1,17 +1,7 @@
-"""One tensor-parallel rank outside the engine process: a worker process (``mp``) or a Ray
-actor (``ray``) wraps a :class:`TensorParallelWorker`.
-
-The worker joins the group, builds its :class:`~pagedllm.worker.model_runner.ModelRunner`
-over its shard, then runs the calls the executor sends, in the engine's order. Every reply is
-``("ok", result)`` or ``("error", traceback text)``, so both transports report failures the
-same way.
-
-A call that raises leaves the ranks out of lock step (a peer may be waiting in a collective
-this rank will never reach), so after replying the worker's process exits: the closed gloo
-connections make every peer's pending collective fail at once ("Connection reset by peer")
-instead of after ``worker_timeout_s`` (leaving the process group is not enough: a peer's
-pending receive is not woken by it), and the engine fails with this rank's error.
-"""
+"""One tensor-parallel rank outside the engine process (wrapped by an ``mp`` worker process or a Ray
+actor). Replies are ``("ok", result)`` or ``("error", traceback text)``. After a failed call the
+process exits: a peer may wait in a collective this rank never reaches, and only closing the gloo
+connections wakes it at once (leaving the process group does not)."""
 
 from __future__ import annotations
 
@@ -19,16 +9,13 @@ import os
 import traceback
 from typing import Any, Callable
 
-
-# The cores one engine may use; a data-parallel replica sets it to its share of the machine so
-# its tensor-parallel ranks split that share, not the whole machine.
-ENGINE_CORES_ENV = "PAGEDLLM_ENGINE_CORES"
+from pagedllm import envs
 
 
 def threads_per_rank(world_size: int) -> int:
-    """CPU threads each rank's torch uses: the engine's cores (``$PAGEDLLM_ENGINE_CORES``, default
-    all of this machine's) shared out among the ``world_size`` ranks, at least one."""
-    cores = int(os.environ.get(ENGINE_CORES_ENV) or 0) or os.cpu_count() or 1
+    """CPU threads each rank's torch uses: the engine's cores (``envs.ENGINE_CORES``, default all of
+    this machine's; a data-parallel replica sets its share) split among ``world_size`` ranks, at least 1."""
+    cores = envs.engine_cores() or os.cpu_count() or 1
     return max(1, cores // world_size)
 
 
@@ -40,20 +27,15 @@ def run_on_runner(runner, method: str | Callable, args: tuple, kwargs: dict | No
 
 
 class TensorParallelWorker:
-    """Rank ``rank`` of ``world_size``: its runner and the calls it runs.
-
-    Args:
-        rank: 1..world_size-1 (rank 0 is the engine process).
-        world_size: the tensor-parallel size.
-    """
+    """Rank ``rank`` (1..world_size-1; rank 0 is the engine process): its runner and the calls it runs."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
         self.runner = None
 
     def start(self, init_method: str, backend: str, config, timeout_s: float, cuda_device: int | None = None):
-        """Join the group (blocks until every rank has), then build the runner (loads this
-        rank's shard). ``cuda_device``: the GPU index to use with ``nccl``. Returns a reply."""
+        """Join the group (blocks until every rank has), then build the runner over this rank's
+        shard. ``cuda_device``: the GPU index with ``nccl``. Returns a reply."""
         try:
             import torch
 
@@ -75,10 +57,7 @@ class TensorParallelWorker:
     def call(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
              return_result: bool = False):
         """Run one call on the runner; reply ``("ok", result or None)`` or ``("error", text)``.
-
-        ``execute_model``'s output stays here (the engine uses rank 0's), so only calls that
-        ask for it (``return_result``: ``collective_rpc``) ship a result back.
-        """
+        Only ``return_result`` calls (``collective_rpc``) ship a result back: the engine uses rank 0's."""
         try:
             result = run_on_runner(self.runner, method, args, kwargs)
             return "ok", (result if return_result else None)

@@ -1,8 +1,7 @@
 /* Fused elementwise kernels of a decoder layer for CPUs (plain C11 + OpenMP, no torch headers).
  *
- * Each kernel replaces a chain of small torch ops (and the tensors between them) by one pass
- * over the data, threaded over tokens by OpenMP on torch's own thread team (pagedllm.native
- * links the libgomp torch already loaded; the caller passes torch.get_num_threads()):
+ * Each kernel replaces a chain of small torch ops by one pass over the data, threaded over tokens
+ * on torch's own OpenMP team (pagedllm.native):
  *
  *   rms_norm_*        [residual += x or norm'(x);] out = norm(residual or x), per row, in place
  *                     allowed (norm' before the add: Gemma's post-attention/post-MLP norms)
@@ -10,26 +9,21 @@
  *   rope_qk_*         optional per-head q/k RMSNorm, then the neox rotary rotation of the q and
  *                     k heads of the fused qkv output: k in place, q to q_out (may be in place)
  *
- * Numerics: every kernel rounds where the torch code it replaces rounds (pagedllm/models/layers:
- * norm.py, mlp.py + activation.py, rotary.py + attention.py), so that float32 results agree to a
- * few ulp and bfloat16 results are equal except where a float32 intermediate lies within a few
- * ulp of a bfloat16 rounding boundary:
+ * Numerics: every kernel rounds where the torch code it replaces (pagedllm/models/layers) rounds:
  *   - bfloat16 tensors are widened to float32, every op computed in float32 and rounded to
  *     bfloat16 (round to nearest even) after each torch op that produced a bfloat16 tensor;
- *   - RMSNorm: sum of squares in float32 (16 lanes, then halving: torch sums in another order,
- *     the source of the few-ulp difference), mean = sum / dim, 1 / sqrt(mean + eps) correctly
- *     rounded like torch.rsqrt; Llama convention w * cast(x * rs), Gemma cast(x * rs * (1 + w));
+ *   - RMSNorm: sum of squares in float32 (16 lanes, then halving; torch's order differs), 1 /
+ *     sqrt(mean + eps) correctly rounded like torch.rsqrt; Llama w * cast(x * rs), Gemma
+ *     cast(x * rs * (1 + w));
  *   - SiLU x / (1 + exp(-x)) and GELU-tanh 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), torch's
- *     formulas, with Cephes-style exp and tanh (~1-2 ulp; torch uses SLEEF's 1-ulp ones);
+ *     formulas, with Cephes-style exp and tanh;
  *   - rotary: x * cos rounded, then fma(roll(x), sin, .) as torch.addcmul computes it (an FMA in
  *     float32; in bfloat16 the product of two bfloat16 values is exact in float32, rounded
  *     twice: to float32 by the add, then to bfloat16), so the rotation is bit-exact.
  * Built without -ffast-math: the order of operations above is the one executed.
  *
- * Vectorization: GCC/Clang vector extensions over 16-float chunks (one AVX-512 register, two
- * AVX2 ones; loads, sums and the bfloat16 rounding shared with the attention kernel in
- * pagedllm/native_simd.h, which uses AVX512-BF16's vcvtneps2bf16 where the host has it) with scalar tails, so any row length works; the rotation is a scalar loop over
- * fmaf that the compiler vectorizes (vector extensions have no portable FMA).
+ * Vectorization: 16-float chunks (native_simd.h) with scalar tails, so any row length works; the
+ * rotation is a scalar loop over fmaf that the compiler vectorizes (no portable vector FMA).
  *
  * The Python callers (pagedllm/ops/) check devices, dtypes, shapes and strides; the kernels trust
  * their arguments. Strides and sizes are in elements.
@@ -80,24 +74,15 @@ static inline float scalar_to_dtype(float x, const int bf16) { return bf16 ? rou
 
 /* -- exp and tanh ------------------------------------------------------------------------- */
 
-/* exp(x) over the whole float range (0 below -104, inf above 88.8). Cephes expf: x = n ln2 + r,
- * |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, 2^n applied as 2^(n/2) 2^(n - n/2) so that
- * results near the overflow and subnormal ends are right. */
 static inline v16f splat(float a) { return (v16f){0} + a; }
 
+/* exp(x) over the whole float range (0 below -104, inf above 88.8): 2^n applied as
+ * 2^(n/2) 2^(n - n/2) so that results near the overflow and subnormal ends are right. */
 static inline v16f exp_v(v16f x) {
     x = select_f(x < -104.0f, splat(-104.0f), x);
     x = select_f(x > 88.8f, splat(88.8f), x);
-    const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    v16f r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v16f y = splat(1.9875691500e-4f);
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * (r * r) + r + 1.0f;
+    v16f n;
+    const v16f y = exp_reduced_v16(x, &n);
     const v16i32 ni = __builtin_convertvector(n, v16i32);
     const v16i32 n1 = ni >> 1, n2 = ni - n1;
     return y * (v16f)((n1 + 127) << 23) * (v16f)((n2 + 127) << 23);
@@ -189,11 +174,9 @@ static inline __attribute__((always_inline)) void rms_norm_row(
 }
 
 /* The row loop of every kernel: `BODY` for t in [0, num_rows), split over OpenMP threads when
- * num_threads > 1, else a plain loop on the calling thread that never enters libgomp (an
- * `if (false)` parallel region still sets up a one-thread team on every call, which costs more
- * than a decode step's rows of work). Each exported function has its own loop so that the dtype
- * and the activation are constants in the outlined parallel body (one shared body would test them
- * per element). */
+ * num_threads > 1, else a plain loop that never enters libgomp (an `if (false)` region still sets
+ * up a team per call). Each exported function has its own loop so that the dtype and the
+ * activation are constants in the outlined parallel body. */
 #define FOR_ROWS(num_rows, BODY)                                                                \
     do {                                                                                        \
         if (num_threads > 1) {                                                                  \
@@ -249,22 +232,24 @@ static inline __attribute__((always_inline)) void act_and_mul_row(const char *ga
 }
 
 /* in: (num_rows, 2 * inter) rows at in_stride, gate then up; out: (num_rows, inter) rows at out_stride. */
+/* The activation a compile-time constant of each row loop, so the row function is specialised. */
+#define ACT_AND_MUL_ROWS(elem_size, bf16)                                                                    \
+    if (act == ACT_SILU) {                                                                                   \
+        FOR_ROWS(num_rows, act_and_mul_row(ROW(in, in_stride, elem_size), ROW(out, out_stride, elem_size),   \
+                                           inter, ACT_SILU, bf16));                                          \
+    } else {                                                                                                 \
+        FOR_ROWS(num_rows, act_and_mul_row(ROW(in, in_stride, elem_size), ROW(out, out_stride, elem_size),   \
+                                           inter, ACT_GELU_TANH, bf16));                                     \
+    }
+
 void act_and_mul_f32(const void *in, void *out, int num_rows, int inter, ptrdiff_t in_stride,
                      ptrdiff_t out_stride, int act, int num_threads) {
-    if (act == ACT_SILU) {
-        FOR_ROWS(num_rows, act_and_mul_row(ROW(in, in_stride, 4), ROW(out, out_stride, 4), inter, ACT_SILU, 0));
-    } else {
-        FOR_ROWS(num_rows, act_and_mul_row(ROW(in, in_stride, 4), ROW(out, out_stride, 4), inter, ACT_GELU_TANH, 0));
-    }
+    ACT_AND_MUL_ROWS(4, 0)
 }
 
 void act_and_mul_bf16(const void *in, void *out, int num_rows, int inter, ptrdiff_t in_stride,
                       ptrdiff_t out_stride, int act, int num_threads) {
-    if (act == ACT_SILU) {
-        FOR_ROWS(num_rows, act_and_mul_row(ROW(in, in_stride, 2), ROW(out, out_stride, 2), inter, ACT_SILU, 1));
-    } else {
-        FOR_ROWS(num_rows, act_and_mul_row(ROW(in, in_stride, 2), ROW(out, out_stride, 2), inter, ACT_GELU_TANH, 1));
-    }
+    ACT_AND_MUL_ROWS(2, 1)
 }
 
 /* -- q/k norm and rotary ---------------------------------------------------------------------- */
@@ -336,8 +321,7 @@ void rope_qk_bf16(void *qkv, ptrdiff_t qkv_stride, void *q_out, ptrdiff_t q_out_
 
 /* The arguments of rms_norm_<dtype>, act_and_mul_<dtype> and rope_qk_<dtype> as structs, field for
  * field in the order of their parameters, and the same functions taking one: a decode step makes
- * each call once per layer with only its pointers changed, so the caller fills the struct once and
- * passes one ctypes argument instead of 8 to 16 (pagedllm/ops/calls.py). */
+ * each call once per layer with only its pointers changed (pagedllm/ops/calls.py). */
 struct rms_norm_call {
     const void *x, *x_w;
     void *residual;

@@ -1,26 +1,14 @@
-"""Compile, cache and load the engine's C kernels (plain C11 sources, no torch headers).
+"""The engine's C kernels (plain C11, no torch headers): the sources and the shared SIMD header
+live in this folder; this module compiles, caches and loads them.
 
-A kernel source is compiled on first use with the system C compiler (``$CC``, default ``cc``;
-it may carry words, e.g. ``"ccache gcc"``) with :data:`BASE_CFLAGS` (``-O3 -march=native
--ffp-contract=fast``, no ``-ffast-math``) and ``-I`` this package's folder (the shared headers,
-:data:`INCLUDE_DIR`: ``native_simd.h``) into ``$PAGEDLLM_CACHE_DIR`` (default
-``~/.cache/pagedllm``), under a name keyed by the SHA-256 of the source, every header in
-:data:`INCLUDE_DIR` (an edit to one rebuilds every kernel), the flags, the compiler and the host
-CPU, written atomically (concurrent builders never load a partial file), and
-loaded with :mod:`ctypes` (which releases the GIL for every call).
-
-OpenMP: a kernel built with ``openmp=True`` is compiled with ``-fopenmp`` and linked against the
-very libgomp that torch has loaded (found in ``/proc/self/maps``, else ``torch/lib``), by its
-file name (``-l:<name>``) and an rpath to its folder. Its SONAME then equals the loaded copy's,
-so the dynamic loader reuses that copy instead of loading a second OpenMP runtime: the kernel's
-``#pragma omp parallel`` regions run on the same worker threads as torch's intra-op parallelism
-(libgomp keeps one thread pool per calling thread), and the two never compete for the cores
-with two spinning teams. Callers pass the thread count explicitly (``num_threads(n)`` with
-``n = torch.get_num_threads()``): OpenMP's per-thread settings on the engine's thread need not
-be the ones of the thread that called ``torch.set_num_threads``. When torch has no libgomp
-(a build on another OpenMP runtime, or none), :func:`openmp_link_flags` is None, the kernel is
-built without ``-fopenmp`` (its pragmas are ignored, it runs on the calling thread) and
-:func:`openmp_available` tells its caller to split the work itself.
+A kernel is compiled on first use with ``$CC`` (default ``cc``; may carry words: ``"ccache gcc"``),
+:data:`BASE_CFLAGS` (no ``-ffast-math``) and ``-I`` this folder, into ``envs.cache_dir()`` under a
+name keyed by the source, every header here, the flags, the compiler and the host CPU (a
+``-march=native`` library must not load on another CPU), written atomically, loaded with ctypes
+(which releases the GIL). With ``openmp=True`` it links the very libgomp torch loaded, by file name
+and rpath, so its ``#pragma omp`` regions run on torch's own thread team instead of a second
+runtime's; callers pass the thread count explicitly. Without a torch libgomp it is built without
+``-fopenmp`` and :func:`openmp_available` tells the caller to split the work itself.
 """
 
 from __future__ import annotations
@@ -36,42 +24,34 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Callable, TypeVar
+
+from pagedllm import envs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BASE_CFLAGS", "CACHE_DIR_ENV", "INCLUDE_DIR", "build_library", "cache_dir", "load_library",
+__all__ = ["BASE_CFLAGS", "INCLUDE_DIR", "SOURCE_DIR", "build_library", "cache_dir", "load_kernels", "load_library",
            "openmp_available", "openmp_link_flags"]
 
 BASE_CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
-CACHE_DIR_ENV = "PAGEDLLM_CACHE_DIR"
-INCLUDE_DIR = Path(__file__).parent  # the headers shared by the kernels (native_simd.h)
-# A cold build of cpu_paged.c takes ~30 s of CPU; on a busy 2-core host its wall time has
-# reached 70 s, so the limit only catches a hung compiler, never a slow one.
-_BUILD_TIMEOUT_S = 600
+SOURCE_DIR = Path(__file__).parent  # every kernel source
+INCLUDE_DIR = SOURCE_DIR  # the headers shared by the kernels (native_simd.h)
+_BUILD_TIMEOUT_S = 600  # catches a hung compiler, never a slow one on a busy host
+T = TypeVar("T")
 
 
 def cache_dir() -> Path:
-    """Where compiled libraries are kept: ``$PAGEDLLM_CACHE_DIR`` or ``~/.cache/pagedllm``, read at call time."""
-    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "pagedllm")
+    """Where compiled libraries are kept (``envs.CACHE_DIR``), read at call time."""
+    return envs.cache_dir()
 
 
 def build_library(source: Path, extra_flags: tuple[str, ...] = (), openmp: bool = True,
                   compiler: str | None = None) -> Path:
-    """Path of ``source`` compiled into a shared library, building it if not cached yet.
+    """``<cache_dir()>/<source stem>_<key>.so``, built if not cached yet. ``extra_flags`` go after
+    :data:`BASE_CFLAGS` (a later ``-march=`` wins); ``compiler`` defaults to ``$CC`` or ``cc``.
 
-    Args:
-        source: a C11 source file; its bytes and those of every ``*.h`` in :data:`INCLUDE_DIR` are
-            part of the cache key (an edit to either rebuilds).
-        extra_flags: appended after :data:`BASE_CFLAGS` (a later ``-march=`` overrides ``native``).
-        openmp: compile with ``-fopenmp`` and link torch's libgomp (see the module docstring);
-            built without when :func:`openmp_link_flags` is None.
-        compiler: the compiler command line; default ``$CC`` or ``cc``, read at call time.
-    Returns:
-        ``<cache_dir()>/<source stem>_<key>.so``; the key covers the source, the shared headers,
-        every flag, the compiler and the host CPU (a ``-march=native`` library must not load on another CPU).
-    Raises:
-        OSError: the compiler is missing or fails (its stderr tail in the message).
-        subprocess.SubprocessError: the build ran over two minutes.
+    Raises OSError when the compiler is missing or fails (its stderr tail in the message),
+    subprocess.SubprocessError when the build runs over ``_BUILD_TIMEOUT_S``.
     """
     compiler = compiler or os.environ.get("CC", "cc")
     link = openmp_link_flags() if openmp else None
@@ -108,12 +88,8 @@ _loaded: dict[tuple, ctypes.CDLL | None] = {}
 
 def load_library(source: Path, extra_flags: tuple[str, ...] = (), openmp: bool = True,
                  what: str | None = None) -> ctypes.CDLL | None:
-    """``ctypes.CDLL`` of :func:`build_library`'s result, memoised per (source, flags, openmp, ``$CC``).
-
-    Returns None, after logging one warning per process and key (``"<what> unavailable (...)"``,
-    ``what`` defaulting to the source's name), when the compiler is missing or the build or the
-    load fails; never raises for those, so callers fall back to their torch code.
-    """
+    """``ctypes.CDLL`` of :func:`build_library`'s result, memoised per (source, flags, openmp, ``$CC``);
+    None, after one warning per key (``"<what> unavailable (...)"``), when the build or load fails."""
     compiler = os.environ.get("CC", "cc")
     key = (str(source), tuple(extra_flags), openmp, compiler)
     with _load_lock:
@@ -124,6 +100,20 @@ def load_library(source: Path, extra_flags: tuple[str, ...] = (), openmp: bool =
                 logger.warning("%s unavailable (%s); using the PyTorch code", what or source.name, e)
                 _loaded[key] = None
         return _loaded[key]
+
+
+def load_kernels(source: Path, wrap: Callable[[ctypes.CDLL], T], what: str, fallback: str,
+                 extra_flags: tuple[str, ...] = ()) -> T | None:
+    """``wrap(library)``, or None (one warning naming ``fallback``, what runs instead) when the library
+    cannot be built or loaded or ``wrap`` refuses it (OSError, AttributeError: an ABI mismatch)."""
+    lib = load_library(source, extra_flags, what=what)
+    if lib is None:
+        return None
+    try:
+        return wrap(lib)
+    except (OSError, AttributeError) as e:
+        logger.warning("%s unavailable (%s); using %s", what, e, fallback)
+        return None
 
 
 def openmp_available() -> bool:
@@ -143,9 +133,8 @@ def openmp_link_flags() -> tuple[str, ...] | None:
 
 
 def _torch_libgomp() -> Path | None:
-    """The libgomp file mapped into this process after importing torch (a wheel may ship it under a
-    hashed name such as ``libgomp-a34b3233.so.1``), else ``torch/lib/libgomp.so.1`` if torch's
-    OpenMP runtime is GNU's; None when torch runs on another OpenMP runtime (libiomp5, libomp)."""
+    """The libgomp mapped into this process after importing torch (a wheel may ship it under a hashed
+    name), else ``torch/lib/libgomp.so.1``; None when torch runs on another OpenMP runtime."""
     import torch
 
     mapped = set()
@@ -167,8 +156,7 @@ def _torch_libgomp() -> Path | None:
 
 
 def _host_cpu_id() -> str:
-    """Machine + CPU model + ISA flags: a library built with -march=native on one CPU must not be
-    loaded on another that shares the cache directory."""
+    """Machine + CPU model + ISA flags (the cache key's host part)."""
     text = ""
     try:
         with open("/proc/cpuinfo") as f:

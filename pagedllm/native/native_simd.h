@@ -1,13 +1,10 @@
-/* Vector helpers shared by the engine's C kernels (attention/cpu_paged.c, ops/cpu_ops.c).
- *
- * pagedllm/native.py compiles every kernel with -I<this folder> and hashes this header into each
- * library's cache key, so an edit here rebuilds them all.
+/* Vector helpers shared by the engine's C kernels (pagedllm.native hashes this header into every
+ * library's cache key: an edit rebuilds them all).
  *
  * Vectors are GCC/Clang vector extensions over 16 lanes (one AVX-512 register, two AVX2 ones).
- * Libraries are built with -march=native for the host (the cache key names the CPU), so the
- * instruction-set branches below are compile-time: a host with AVX512-BF16 gets the one-instruction
- * bfloat16 conversion, every other host (AVX-512 without BF16, AVX2-only) the exact integer one.
- * PAGEDLLM_NO_AVX512BF16 forces the integer path (the tests build both and compare them to torch).
+ * Builds are -march=native, so the instruction-set branches are compile-time: AVX512-BF16 hosts
+ * get the one-instruction bfloat16 conversion, others the exact integer one (forced by
+ * PAGEDLLM_NO_AVX512BF16; the tests build both).
  *
  * bfloat16 rounding is c10::BFloat16's (torch's Tensor.to(torch.bfloat16)): round to nearest,
  * ties to even, subnormals rounded like any other value, every NaN to the quiet NaN 0x7fc0.
@@ -57,9 +54,8 @@ static inline v16f load_bf16(const uint16_t *p) {
     return (v16f)(__builtin_convertvector(h, v16u32) << 16);
 }
 
-/* x in all 16 lanes. GCC lowers `scalar * v16f` (and `(v16f){0} + x`) lane by lane where 16
- * floats are not one register (AVX2: 16 scalar stores and a reload per use, in a hot loop); one
- * broadcast per register here. */
+/* x in all 16 lanes, one broadcast per register: GCC lowers `(v16f){0} + x` lane by lane where 16
+ * floats are not one register (AVX2). */
 static inline v16f splat16(float x) {
 #if defined(__AVX512F__)
     return (v16f)_mm512_set1_ps(x);
@@ -188,6 +184,23 @@ static inline void store_bf16_rounded(uint16_t *p, v16f x) {
 #endif
     const v16u16 h = __builtin_convertvector((v16u32)x >> 16, v16u16);
     memcpy(p, &h, sizeof h);
+}
+
+/* Cephes expf without its range handling: x = n ln2 + r (n = x / ln2 rounded to nearest, ln2 in two
+ * parts so r is exact, |r| <= ln2 / 2), exp(r) by a degree-7 polynomial. Returns exp(r) and sets *n;
+ * the caller clamps x first and multiplies by 2^n as its range needs. */
+static inline __attribute__((always_inline)) v16f exp_reduced_v16(v16f x, v16f *n_out) {
+    const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    v16f r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v16f y = (v16f){0} + 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    *n_out = n;
+    return y * (r * r) + r + 1.0f;
 }
 
 #endif /* PAGEDLLM_NATIVE_SIMD_H */

@@ -32,22 +32,16 @@
  * (exact for every finite code, subnormals included; the writers saturate, so no NaN/inf codes are
  * stored), so no F16C/AVX-512 instruction is needed.
  *
- * Vectorization: GCC/Clang vector extensions over 16-float chunks of head_dim (one AVX-512
- * register, two AVX2 ones; the helpers shared with ops/cpu_ops.c are in pagedllm/native_simd.h), so head_dim must be a multiple of 16; head_dim 64 and 128 get
- * copies with the chunk loops unrolled so the accumulators live in registers. The next
- * tile's K rows and the current tile's V rows are prefetched while the scores are computed
- * (blocks are scattered, so the hardware prefetcher alone keeps only ~1/3 of the bandwidth).
+ * Vectorization: 16-float chunks of head_dim (native_simd.h), so head_dim is a multiple of 16;
+ * head_dim 64 and 128 get copies with the chunk loops unrolled (accumulators in registers). The
+ * next tile's K rows and the current tile's V rows are prefetched while the scores are computed:
+ * blocks are scattered, so the hardware prefetcher alone cannot follow.
  *
- * Numerics: IEEE float32 (built without -ffast-math; -ffp-contract=fast allows FMA). Dot
- * products sum 16 lanes then halve in a fixed order; exp is a Cephes-style polynomial (max
- * rel. error ~2 ulp for arguments <= 0) so the tile loop vectorizes. Results are
- * deterministic and independent of the number of threads (each request is computed by one
- * thread, in one order).
- *
- * Threads: built with OpenMP (pagedllm/native.py links torch's own libgomp), each call splits its
- * requests (prefill: its work items) over a team of num_threads threads -- the same worker threads
- * torch's parallel ops use, so the two never compete; built without, the pragmas are ignored and
- * the caller splits the work itself.
+ * Numerics: IEEE float32 (no -ffast-math; -ffp-contract=fast allows FMA). Dot products sum 16
+ * lanes then halve in a fixed order; exp is native_simd.h's polynomial (~2 ulp for x <= 0). Each
+ * request (prefill: work item) is computed by one thread in one order, so results do not depend
+ * on the thread count. Threads: an OpenMP team on torch's own libgomp (pagedllm.native); built
+ * without OpenMP, the caller splits the work itself.
  *
  * The caller (pagedllm/attention/cpu_paged.py) validates shapes, block ids and limits;
  * the kernel trusts its arguments.
@@ -62,8 +56,8 @@
 #define TILE 32         /* tokens per online-softmax tile (K and V of a tile stay in L1/L2) */
 #define MAX_HEADS 256   /* decode's scores are [MAX_HEADS][TILE] floats on the stack */
 #define MAX_CHUNKS 16   /* head_dim <= 16 * MAX_CHUNKS */
-/* Prefetch hint for the rows of the next tile: 2 = prefetcht1 (into L2). Into L1 (3) evicts the
- * tile being computed; measured at batch 64, context 300, block 16: 2 beats 3 by ~1.5x. */
+/* Prefetch hint for the rows of the next tile: 2 = prefetcht1 (into L2); into L1 (3) would evict
+ * the tile being computed. */
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 2
 #endif
@@ -108,8 +102,8 @@ static inline void prefetch_row(const char *p, long long num_bytes) {
     for (long long b = 0; b < num_bytes; b += PREFETCH_STRIDE) __builtin_prefetch(p + b, 0, PREFETCH_LOCALITY);
 }
 
-/* 8-bit loads widen through a plain loop: GCC 12 vectorizes it (vpmovsxbd/vpmovzxbd), while its
- * __builtin_convertvector from 8-bit lanes is scalarized (measured ~3x slower decode). */
+/* 8-bit loads widen through a plain loop: GCC vectorizes it (vpmovsxbd/vpmovzxbd), while it
+ * scalarizes __builtin_convertvector from 8-bit lanes. */
 static inline v16f load_i8(const int8_t *p) {
     int32_t t[16];
     for (int j = 0; j < 16; j++) t[j] = p[j];
@@ -158,36 +152,23 @@ static inline __attribute__((always_inline)) v16f load_kv(const void *cache, lon
     }
 }
 
-/* exp(x) on 16 lanes, for x <= 0 (x >= -87.3 gives a normal result; below, exp(-87.3) ~ 1e-38 is
- * returned, harmless next to a softmax denominator >= 1). Cephes expf: x = n ln2 + r, |r| <= ln2/2,
- * exp(r) by a degree-7 polynomial, 2^n by building the exponent bits. */
+/* exp(x) for x <= 0: x clamped at -87.3 (exp(-87.3) ~ 1e-38 stays normal, harmless next to a
+ * softmax denominator >= 1), 2^n built in the exponent bits. */
 static inline v16f exp_nonpos_v16(v16f x) {
     const v16f lim = (v16f){0} - 87.3f;
     const v16i32 low = x < lim;
     x = (v16f)(((v16i32)x & ~low) | ((v16i32)lim & low));
-    const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    v16f r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v16f y = (v16f){0} + 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * (r * r) + r + 1.0f;
+    v16f n;
+    const v16f y = exp_reduced_v16(x, &n);
     const v16i32 bits = (__builtin_convertvector(n, v16i32) + 127) << 23;
     return y * (v16f)bits;
 }
 
-/* hsum(x[j]) for j = 0 .. 15 as the lanes of one vector: a butterfly over the 16 vectors (halves
- * added pairwise, 15 shuffle-add steps instead of 16 separate reductions) doing exactly hsum's
- * additions on the same operands -- lanes i + (i + 8), then + 4, then (0 + 2) + (1 + 3) -- so each
- * lane is bitwise equal to hsum of its vector. */
+/* hsum(x[j]) for j = 0 .. 15 as the lanes of one vector: a butterfly doing exactly hsum's additions
+ * on the same operands, so each lane is bitwise equal to hsum of its vector. */
 static inline v16f hsum16(const v16f *x) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
-    /* AVX2: GCC lowers the 16-lane shuffles below to lane-by-lane moves through the stack. The
-     * same additions on 8-lane halves: s8 = lo + hi, then per pair of vectors one cross-lane
-     * permute + add (s4), two in-lane shuffles + add ((0 + 2), (1 + 3)) and a last one + add. */
+    /* AVX2 (GCC lowers 16-lane shuffles through the stack): the same additions on 8-lane halves. */
     __m256 s8[16];
     for (int j = 0; j < 16; j++) {
         __m256 lo, hi;
@@ -231,12 +212,9 @@ static inline v16f hsum16(const v16f *x) {
 #endif
 }
 
-/* The P V loop's register block: QB query heads x CB chunks of head_dim whose accumulators stay
- * in registers, the token loop run once per block. AVX-512: 24 of the 32 registers, all chunks of
- * as many heads as fit. AVX2 (16 registers, two per 16-float vector): 6 vectors, the heads of a KV
- * group first (each V row loaded once serves them all), then as many chunks as fit (the AVX-512 block,
- * all chunks of 3 heads, spills to the stack there; benchmarks/attention_kernel.py on an AVX2 EPYC:
- * 1.5x with this and the broadcasts of splat16). */
+/* The P V loop's register block: QB query heads x CB chunks of head_dim kept in registers. AVX-512:
+ * 24 of the 32 registers. AVX2 (16 registers, two per vector): 6 vectors, the heads of a KV group
+ * first (each V row loaded once serves them all). */
 #if defined(__AVX512F__)
 #define QB_PV(NUM_CHUNKS, GROUP) ((NUM_CHUNKS) >= 24 ? 1 : 24 / (NUM_CHUNKS))
 #define CB_PV(NUM_CHUNKS, QB) (NUM_CHUNKS)
@@ -249,18 +227,14 @@ static inline v16f hsum16(const v16f *x) {
 /* Floats of a decode thread's dots scratch: 16 vectors of 16 floats per query head. */
 #define DOTS_FLOATS(NUM_HEADS) ((size_t)(NUM_HEADS) * 256)
 
-/* One request: out[h, :] = softmax(scale * q[h] . K^T) V over its first seq_len tokens.
- * head_dim is a multiple of 16. fmt (a KV_* format) is a compile-time constant at every call
- * site, so each format gets its own specialised copy. k_scales/v_scales: int8's per token-and-head
- * scales (NULL otherwise); k_scale/v_scale: the per-tensor scales (1 unless fp8 has others).
+/* One request: out[h, :] = softmax(scale * q[h] . K^T) V over its first seq_len tokens. fmt (KV_*)
+ * is a compile-time constant at every call site. k_scales/v_scales: int8's per token-and-head
+ * scales (NULL otherwise); k_scale/v_scale: the per-tensor scales.
  *
- * Per tile of TILE tokens: each K row (all KV heads of a token) is loaded (and widened) once for
- * the query heads that share it, and the 16-lane products of 16 tokens are reduced together
- * (hsum16, into dots: 16 vectors per head of scratch); then per KV head each V row is loaded once
- * and multiplied into the accumulators of a register block of its query heads (QB_PV). The scores
- * are kept head-major (tokens in lanes), so the online softmax's max and exp run on 16 tokens per
- * vector; its denominator is summed token after token. Every sum is taken in the same order as a
- * plain per-head loop with hsum (the results are bitwise those of the previous per-head kernel). */
+ * Per tile: each K row is loaded (and widened) once for the query heads that share it, 16 tokens'
+ * products reduced together (hsum16); then each V row once into a register block of its query
+ * heads (QB_PV). Scores are head-major (tokens in lanes), so max and exp run on 16 tokens per
+ * vector. Every sum is taken in the order of a plain per-head loop with hsum. */
 static inline __attribute__((always_inline)) void decode_one(
     const float *restrict q, const void *k_cache, const void *v_cache, const float *k_scales,
     const float *v_scales, const int32_t *restrict block_table, int seq_len, float *restrict out,
@@ -293,9 +267,7 @@ static inline __attribute__((always_inline)) void decode_one(
             offsets[i] = (long long)block_table[t / block_size] * kv_block_stride
                          + (long long)(t % block_size) * kv_token_stride;
         }
-        /* Scores, token after token (a token's row holds all its KV heads, so the reads run along
-         * memory); each K row is loaded (and widened) once for the query heads that share it, their
-         * products kept (dots) until 16 tokens are reduced together by hsum16. */
+        /* Scores, token after token (a row holds all KV heads: reads run along memory). */
         for (int j0 = 0; j0 < n; j0 += 16) {
             const int nj = n - j0 < 16 ? n - j0 : 16;
             for (int j = 0; j < 16; j++) {
@@ -304,8 +276,7 @@ static inline __attribute__((always_inline)) void decode_one(
                     continue;
                 }
                 const int i = j0 + j;
-                /* Prefetch this token's V row (read after the scores) and the next tile's K row: blocks
-                 * are scattered, so the hardware prefetcher alone keeps only ~1/3 of the bandwidth. */
+                /* this token's V row (read after the scores) and the next tile's K row */
                 prefetch_row((const char *)v_cache + offsets[i] * elem_size, row_bytes);
                 const int t_next = t0 + TILE + i;
                 if (t_next < seq_len)
@@ -411,9 +382,8 @@ struct decode_args {
     float scale, k_scale, v_scale, soft_cap;
 };
 
-/* Request r of a decode call, with its thread's scratch (DOTS_FLOATS(num_heads) floats, 64-byte
- * aligned, plus 2 rows of num_heads * head_dim with io_bf16). With io_bf16, q and out are bfloat16
- * (widened into / rounded from the scratch), else float32 (out is the accumulator). */
+/* Request r of a decode call with its thread's scratch (DOTS_FLOATS(num_heads) floats, plus 2 rows
+ * of num_heads * head_dim with io_bf16: q widened into it, out rounded from it). */
 static inline __attribute__((always_inline)) void decode_request(const struct decode_args *a, int r, float *scratch,
                                                                  const int fmt) {
     const size_t row_elems = (size_t)a->num_heads * a->head_dim, row = (size_t)r * row_elems;
@@ -426,8 +396,7 @@ static inline __attribute__((always_inline)) void decode_request(const struct de
         q = qf;
     }
     const int32_t *table = a->block_tables + (long long)r * a->block_table_stride;
-    /* Request r + 1 (this thread's next one when it runs alone): its first K rows are prefetched
-     * during r's last tile, so no request starts on cold misses. */
+    /* Request r + 1's first K rows are prefetched during r's last tile: no cold start. */
     const int32_t *next_table = table + a->block_table_stride;
     int next_first = 0, next_len = 0;
     if (r + 1 < a->req_end) {
@@ -460,10 +429,8 @@ static void decode_request_e4m3(const struct decode_args *a, int r, float *s) { 
 static void decode_request_e5m2(const struct decode_args *a, int r, float *s) { decode_request(a, r, s, KV_FP8_E5M2); }
 static void decode_request_int8(const struct decode_args *a, int r, float *s) { decode_request(a, r, s, KV_INT8); }
 
-/* Requests [req_begin, req_end) over an OpenMP team of num_threads (torch's own threads, see
- * pagedllm/native.py), one request per iteration of a dynamic schedule: each request is computed by
- * one thread in one order, so the result does not depend on the team size. Returns 0, or -1 when a
- * thread's scratch allocation failed (its requests are not written). */
+/* Requests [req_begin, req_end) over an OpenMP team, one request per iteration of a dynamic schedule.
+ * Returns 0, or -1 when a thread's scratch allocation failed (its requests are not written). */
 static int decode_requests(const struct decode_args *a, int req_begin, int req_end, int num_threads,
                            decode_request_fn fn) {
     const size_t floats = DOTS_FLOATS(a->num_heads) + (a->io_bf16 ? 2 * (size_t)a->num_heads * a->head_dim : 0);
@@ -486,8 +453,7 @@ static int decode_requests(const struct decode_args *a, int req_begin, int req_e
  * token t's key row key[t * key_stride ..] (num_kv_heads * head_dim = row_elems values, float32, or
  * bfloat16 with in_bf16) goes to k_cache at element slots[t] * row_elems, likewise value to v_cache,
  * converted to the cache's format fmt (KV_F32 or KV_BF16; float32 to bfloat16 rounds to nearest even
- * as torch does). Runs on the calling thread before the decode: a decode step writes one row per
- * request, a few KiB per layer. The caller checked every slot against the cache's size. */
+ * as torch does). Runs on the calling thread (one row per request). The caller checked every slot. */
 static void write_kv(const void *key, const void *value, long long key_stride, long long value_stride, int in_bf16,
                      void *k_cache, void *v_cache, int fmt, const int64_t *slots, int num_tokens, long long row_elems) {
     for (int i = 0; i < 2; i++) {
@@ -528,11 +494,9 @@ static void write_kv(const void *key, const void *value, long long key_stride, l
                                   v_scale, soft_cap};                                                       \
     return decode_requests(&a, req_begin, req_end, num_threads, FN);
 
-/* Decode attention of requests [req_begin, req_end), one function per KV format; q and out are
- * float32 or (io_bf16) bfloat16 whatever the cache stores. k_scales/v_scales are read by the int8
- * one only, k_scale and v_scale by every one (pass 1 for an unscaled cache). With key != NULL
- * (float32 and bfloat16 caches only) the step's num_tokens new K/V rows are first written to their
- * slots (see write_kv; key/value in the dtype of q), so one call per layer does the whole decode. */
+/* Decode attention of requests [req_begin, req_end), one function per KV format; q and out float32
+ * or (io_bf16) bfloat16. k_scale/v_scale: 1 for an unscaled cache. With key != NULL (float32 and
+ * bfloat16 caches) the step's new K/V rows are first written (write_kv): one call per layer. */
 int paged_decode_f32(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_f32, KV_F32) }
 int paged_decode_bf16(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_bf16, KV_BF16) }
 int paged_decode_fp8_e4m3(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_e4m3, KV_FP8_E4M3) }
@@ -541,8 +505,7 @@ int paged_decode_int8(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_int8
 
 /* The arguments of one paged_decode_<format> call as one struct, field for field in the order of
  * PAGED_DECODE_ARGS: a caller making the same call in every layer of a step fills it once and
- * changes only the per-layer pointers (pagedllm/attention/decode_plan.py), passing one ctypes
- * argument instead of thirty. paged_decode_<format>_call(c) == paged_decode_<format>(c's fields). */
+ * changes only the per-layer pointers (pagedllm/attention/decode_plan.py): one ctypes argument. */
 struct paged_decode_call {
     const void *q;
     void *k_cache, *v_cache;
@@ -586,21 +549,15 @@ PAGED_DECODE_CALL(paged_decode_int8)
  * Parallelism and Work Partitioning", Algorithm 1): one work item = one tile of queries x one
  * KV head, the group's query heads folded into the tile's rows (row r = query r / group, head
  * kvh * group + r % group), so each K/V row is read once for the whole group (grouped-query
- * attention without repeated K/V). The rows are kept transposed (Q^T: head_dim x rows, scaled
- * by the softmax scale once), so both products vectorize over rows or head_dim and take K and V
- * rows straight from the cache by broadcast / vector loads (float32 caches are never copied;
- * bf16 rows are widened into a small buffer per key tile). Per key tile of PF_BK tokens (the next tile's rows prefetched):
- * S^T = K Q^T by a register-blocked micro-kernel (PF_RK keys x up to 6 row vectors); the online
- * softmax (Milakov & Gimelshein 2018) updates each row's max m and denominator l and rescales its
- * accumulator by exp(m_old - m_new); then O^T += V^T P^T (PF_RD dims x up to 6 row vectors per micro-tile). Key
- * tiles past the item's last query are never touched; tiles crossing the diagonal are masked.
+ * attention without repeated K/V). Rows are kept transposed (Q^T: head_dim x rows, pre-scaled), so
+ * both products vectorize and take K/V rows straight from the cache (bf16 rows widened per key
+ * tile). Per key tile of PF_BK tokens: S^T = K Q^T (micro-kernel PF_RK keys x up to 6 row vectors),
+ * the online softmax update, then O^T += V^T P^T (PF_RD dims x up to 6 row vectors). Tiles past the
+ * item's last query are never touched; tiles crossing the diagonal are masked.
  *
- * Sliding window W > 0 (Mistral, Gemma 2/3 local layers): the query at position p sees keys
- * p - W < k <= p, so an item starts at key first_pos - W + 1 (keys before it are never read) and
- * masks the tiles crossing either edge: its cost is ~(W + queries) keys, not the whole context.
- * Attention-logit soft-capping c > 0 (Gemma 2): each score s becomes c * tanh(s / c) before the
- * softmax, computed on 16 lanes (pf_tanh). Both are per-element operations on the S tile, so
- * nothing of size Q x keys is built for them either.
+ * Sliding window W > 0: the query at position p sees keys p - W < k <= p; an item starts at key
+ * first_pos - W + 1 (earlier keys never read) and masks the tiles crossing either edge. Soft cap
+ * c > 0 (Gemma 2): each score s becomes c * tanh(s / c) before the softmax (pf_tanh).
  *
  * q, out: [num_queries, num_heads, head_dim] float32 or bfloat16 contiguous (computed in float32).
  * head_dim is a multiple of 64 (<= 16 * MAX_CHUNKS). Items are numbered tile * num_kv_heads + kvh;
@@ -673,8 +630,7 @@ static void pf_scores_tile(const float *const *k, const float *qt, float *s, int
 }
 
 /* O^T[d0 + i][c ..] = alpha[c ..] O^T[d0 + i][c ..] + sum_j v_j[d0 + i] P^T[j][c ..] for PF_RD dims
- * x NV row vectors (pt: [keys][ld], ot: [head_dim][ld]; the same broadcast-times-row-vector form
- * as the S micro-kernel, so P^T is read as contiguous vectors). */
+ * x NV row vectors (pt: [keys][ld], ot: [head_dim][ld]). */
 static inline __attribute__((always_inline)) void pf_accumulate(const float *restrict pt, const float *const *restrict v,
                                                                 float *restrict ot, const float *restrict alpha, int ld,
                                                                 int d0, int n, int nv) {
@@ -839,8 +795,7 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
                 v_rows[j] = (const float *)v_cache + off;
             }
         }
-        /* Ask for the next tile's K/V rows now: its blocks are scattered, so the hardware prefetcher
-         * misses them (the same reason as in decode_one). */
+        /* the next tile's K/V rows (scattered blocks: the hardware prefetcher misses them) */
         const int k1 = k0 + PF_BK, n1 = num_keys - k1 < PF_BK ? num_keys - k1 : PF_BK;
         for (int j = 0; j < n1; j++) {
             const int t = k1 + j;
@@ -872,9 +827,8 @@ static void prefill_item_f32(const struct prefill_args *a, int i, float *s, int3
 static void prefill_item_bf16_64(const struct prefill_args *a, int i, float *s, int32_t *p) { prefill_item(a, i, s, p, 64, 1); }
 static void prefill_item_bf16(const struct prefill_args *a, int i, float *s, int32_t *p) { prefill_item(a, i, s, p, a->head_dim, 1); }
 
-/* Items [item_begin, item_end) over an OpenMP team of num_threads, one item per iteration of a
- * dynamic schedule, the costliest (last) items first; each item is computed by one thread, so the
- * result does not depend on the team size. Returns 0, or -1 when a thread's scratch allocation failed. */
+/* Items [item_begin, item_end) over an OpenMP team, one per iteration of a dynamic schedule, the
+ * costliest (last) first. Returns 0, or -1 when a thread's scratch allocation failed. */
 static int prefill_items(const struct prefill_args *a, int item_begin, int item_end, int num_threads, int is_bf16,
                          prefill_item_fn fn) {
     const int group = a->num_heads / a->num_kv_heads;
