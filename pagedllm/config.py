@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from pagedllm import envs
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # `serve` on CPU: prompt tokens a step may carry while requests decode. On CPU a step's time
 # grows with its tokens, so every decoding stream waits for the prompt tokens riding in its
@@ -37,6 +39,7 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's int4 CPU kernel
 DATA_PARALLEL_ROUTERS = ("prefix", "least_loaded", "round_robin")
 # Who runs the tensor-parallel workers (vLLM's names): processes on this machine, or Ray actors.
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+ATTENTION_BACKENDS = envs.ATTENTION_BACKEND.choices
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
           "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
@@ -99,6 +102,9 @@ class EngineConfig:
     block_size: int = _f(16, "tokens per KV-cache block (power of two, 1..256)")
     gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory the engine may use (CUDA only)")
     kv_cache_memory: int | str | None = _f(None, "KV pool size on CPU in bytes or like '2GiB' (default 1GiB)")
+    attention_backend: str | None = _f(
+        None, "attention kernels: auto, torch, cpu, triton or flashinfer (default: $PAGEDLLM_ATTENTION_BACKEND, "
+              "else auto)")
     enforce_eager: bool = _f(False, "run every step eagerly: no CUDA graphs for decode, no torch.compile")
     compilation_config: int | str | dict | None = _f(
         None, "torch.compile the model's forward (CPU; vLLM's option): a mode, 0 = eager or 3 = compiled, or a JSON "
@@ -180,6 +186,11 @@ class EngineConfig:
                              f"got {self.quantization_group_size!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.attention_backend is None:
+            object.__setattr__(self, "attention_backend", envs.attention_backend())
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):

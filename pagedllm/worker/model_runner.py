@@ -106,7 +106,7 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.attn_backend = get_attention_backend(self.device)
+        self.attn_backend = get_attention_backend(self.device, config.attention_backend)
         # decode steps: "graphs" (CUDA), "pad" (the same buffers, eager: tests), "off"
         self.graph_mode = cuda_graph_mode(config.enforce_eager, self.device, self.attn_backend)
         self.decode_graphs: DecodeGraphRunner | None = None

@@ -9,8 +9,8 @@ import time
 import httpx
 
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from test_async_engine import BLOCK_SIZE, FakeEngine
-from test_server import MODEL, make_server
+from fake_engine import BLOCK_SIZE, FakeEngine
+from server_utils import MODEL, make_server
 
 __all__ = ["MODEL", "ScriptedEngine", "scripted_server", "sse_typed_events", "wait_until_free"]
 
@@ -29,16 +29,14 @@ class ScriptedEngine(FakeEngine):
         self._texts: dict[str, str] = {}
         self._cached: dict[str, int] = {}
         self._last_prompt: list[int] = []
+        render = self.tokenizer.apply_chat_template
 
-    def front_end(self) -> "ScriptedEngine":
-        return self  # its own apply_chat_template records what was rendered
+        def recording_render(messages, tools=None, **kwargs) -> str:  # what the server's front end renders
+            self.conversations.append(messages)
+            self.tools_seen.append(tools)
+            return render(messages, tools=tools, **kwargs)
 
-    def apply_chat_template(self, conversation, add_generation_prompt=True, chat_template=None,
-                            continue_final_message=False, tools=None, template_kwargs=None) -> list[int]:
-        self.conversations.append(conversation)
-        self.tools_seen.append(tools)
-        return super().apply_chat_template(conversation, add_generation_prompt, chat_template, continue_final_message,
-                                           template_kwargs=template_kwargs)
+        self.tokenizer.apply_chat_template = recording_render
 
     def add_request(self, request_id, prompt, params=None, *args, **kwargs):
         rid = super().add_request(request_id, prompt, params, *args, **kwargs)

@@ -1,6 +1,6 @@
 """Data parallelism through the OpenAI server: replica processes behind one front end.
 
-Fast tests drive fake engines (tests/test_async_engine.py's letter generator) in real replica
+Fast tests drive fake engines (tests/fake_engine.py's letter generator) in real replica
 processes: streaming, n > 1, aborts when the client goes, per-replica metrics, prefix routing,
 and a replica killed mid-stream (its request fails with an error naming it, /health turns
 503 naming it, the other replica keeps serving). One test serves a tiny random model with
@@ -27,8 +27,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.data_parallel import DataParallelAsyncEngine
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.metrics import EngineMetrics
-from test_async_engine import FakeEngine
-from test_server import ServerThread, sse_events
+from fake_engine import FakeEngine
+from server_utils import ServerThread, sse_events
 
 MODEL = "fake-model"
 

@@ -19,14 +19,14 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.api_server import add_server_args, build_app
-from test_server import ServerThread
+from server_utils import ServerThread
 
 KEY = "sk-kv-map"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 NUM_BLOCKS = 48
 BLOCK_SIZE = 16
 PREFIX = list(range(100, 164))  # 64 tokens = 4 full blocks every request below shares
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class SlowSteps:
@@ -245,7 +245,7 @@ def test_kv_page_in_headless_chromium(kv_server, tmp_path):
 
 
 def test_state_of_an_engine_without_a_kv_cache_is_a_clear_404():
-    from test_async_engine import FakeEngine
+    from fake_engine import FakeEngine
 
     app = build_app(AsyncLLMEngine(FakeEngine(), stats_log_interval_s=0), ["fake"])
     with ServerThread(app) as srv:

@@ -20,8 +20,8 @@ from schemathesis import GenerationMode
 from hypothesis import HealthCheck, given, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from test_async_engine import FakeEngine
-from test_server import MODEL, make_server
+from fake_engine import FakeEngine
+from server_utils import MODEL, make_server
 
 MAX_EXAMPLES = 20  # per operation: the whole run stays well under a minute
 

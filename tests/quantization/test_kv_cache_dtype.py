@@ -74,9 +74,10 @@ def test_int8_per_token_head_scales():
 
 from pagedllm.attention import CpuPagedAttention, TorchPagedAttention  # noqa: E402
 from pagedllm.attention import cpu_paged  # noqa: E402
+from pagedllm.attention.torch_paged import TorchPagedAttentionImpl  # noqa: E402
 from pagedllm.attention.backend import set_forward_context, write_kv_cache  # noqa: E402
 from tests.model_utils import allocate_block_tables, kv_rounding_error_bound, make_metadata  # noqa: E402
-from tests.test_attention import HEAD_DIM, MIXED, NUM_HEADS, NUM_KV_HEADS, SCALE  # noqa: E402
+from tests.attention.test_attention import HEAD_DIM, MIXED, NUM_HEADS, NUM_KV_HEADS, SCALE  # noqa: E402
 from tests.reference import causal_attention  # noqa: E402
 
 KV_NAMES = ["bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"]
@@ -122,7 +123,7 @@ def test_paged_attention_reads_and_writes_each_kv_dtype(name, block_size):
     for backend in _backends():
         spec, query, key, value, cache, scales, meta, (qs, ks, vs) = _case(name, block_size)
         kwargs = {"kv_scales": scales} if scales is not None else {}
-        out = backend.forward(query, key, value, cache, meta, SCALE, **kwargs).double()
+        out = backend.make_impl(SCALE).forward(query, key, value, cache, meta, **kwargs).double()
         start = 0
         for (c, n), q, k, v in zip(MIXED, qs, ks, vs):
             k2, v2 = _round_trip(k, spec.storage), _round_trip(v, spec.storage)
@@ -151,7 +152,7 @@ def _kernel_only(backend: CpuPagedAttention, monkeypatch) -> None:
 
     def no_fallback(*args, **kwargs):
         raise AssertionError("decode fell back to the torch code")
-    monkeypatch.setattr(TorchPagedAttention, "_decode", no_fallback)
+    monkeypatch.setattr(TorchPagedAttentionImpl, "_decode", no_fallback)
 
 
 def _check_decode_kernel(backend: CpuPagedAttention, name: str, block_size: int, heads, seed: int = 0) -> torch.Tensor:
@@ -162,7 +163,7 @@ def _check_decode_kernel(backend: CpuPagedAttention, name: str, block_size: int,
     spec, query, key, value, cache, scales, meta, (qs, ks, vs) = _case(name, block_size, seed, reqs, heads)
     kwargs = {"kv_scales": scales} if scales is not None else {}
     with set_forward_context(meta):
-        out = backend.forward(query, key, value, cache, meta, scale, **kwargs).double()
+        out = backend.make_impl(scale).forward(query, key, value, cache, meta, **kwargs).double()
     for b, ((c, _), q, k, v) in enumerate(zip(reqs, qs, ks, vs)):
         k2, v2 = _round_trip(k, spec.storage), _round_trip(v, spec.storage)
         torch.testing.assert_close(out[b:b + 1], causal_attention(q, k2, v2, c, scale), atol=2e-5, rtol=0)
@@ -208,13 +209,13 @@ def test_cpu_kernel_built_for_avx2_only_gives_the_same_decodes(tmp_path, monkeyp
 def test_int8_cache_needs_its_scales():
     spec, query, key, value, cache, scales, meta, _ = _case("int8", 16)
     with pytest.raises(ValueError, match="kv_scales"):
-        TorchPagedAttention().forward(query, key, value, cache, meta, SCALE)
+        TorchPagedAttention().make_impl(SCALE).forward(query, key, value, cache, meta)
 
 
 # -- the engine over a quantized KV cache -----------------------------------------------------
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from tests.test_engine_equivalence import _prompts, _tokens  # noqa: E402
+from tests.engine.test_engine_equivalence import _prompts, _tokens  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["fp8", "int8"])
@@ -288,6 +289,6 @@ def test_backend_without_quantized_kv_refuses_it(tiny_model_dir, monkeypatch):
 
     class FloatOnly(TorchPagedAttention):
         supports_quantized_kv = False
-    monkeypatch.setattr(model_runner, "get_attention_backend", lambda device: FloatOnly())
+    monkeypatch.setattr(model_runner, "get_attention_backend", lambda device, choice: FloatOnly())
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not supported by the FloatOnly backend"):
         LLM(model=str(tiny_model_dir), kv_cache_dtype="int8", num_kv_blocks=16, max_model_len=64)

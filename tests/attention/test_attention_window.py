@@ -17,7 +17,7 @@ import torch
 from pagedllm.attention import Attention, CpuPagedAttention, TorchPagedAttention
 from pagedllm.attention.backend import set_forward_context
 from tests.reference import causal_attention
-from tests.test_attention import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, SCALE, build_case
+from tests.attention.test_attention import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, SCALE, build_case
 
 # (context_len, query_len): decodes (several past the window), then prefills and chunked prefills
 MIXED = [(0, 1), (5, 1), (37, 1), (130, 1), (16, 1), (0, 13), (20, 7), (48, 16), (3, 40), (0, 64)]
@@ -70,7 +70,8 @@ def test_window_and_soft_cap_match_reference(backend_name, block_size, window, s
     else:
         backend = _cpu_backend()  # validates every table entry up to seq_len, so no poisoning
     with set_forward_context(meta):
-        out = backend.forward(query, key, value, cache, meta, SCALE, sliding_window=window, logit_soft_cap=soft_cap)
+        impl = backend.make_impl(SCALE, sliding_window=window, logit_soft_cap=soft_cap)
+        out = impl.forward(query, key, value, cache, meta)
     torch.testing.assert_close(out.double(), expected, atol=3e-5, rtol=0)
 
 
@@ -80,7 +81,7 @@ def test_layers_with_different_windows_share_one_pass():
     for window in (None, 8, None, 8, 33):
         query, key, value, cache, meta, expected = windowed_case(MIXED, 16, window, None, seed=3)
         with set_forward_context(meta):
-            out = backend.forward(query, key, value, cache, meta, SCALE, sliding_window=window)
+            out = backend.make_impl(SCALE, sliding_window=window).forward(query, key, value, cache, meta)
         torch.testing.assert_close(out.double(), expected, atol=3e-5, rtol=0)
 
 
@@ -111,6 +112,6 @@ def test_triton_window_and_soft_cap(monkeypatch, window, soft_cap):
 
     query, key, value, cache, meta, expected = windowed_case(MIXED[:8], 16, window, soft_cap)
     poison_blocks_before_window(meta, MIXED[:8], 16, window, cache.shape[1])
-    out = TritonPagedAttention().forward(query, key, value, cache, meta, SCALE, sliding_window=window,
-                                         logit_soft_cap=soft_cap)
+    impl = TritonPagedAttention().make_impl(SCALE, sliding_window=window, logit_soft_cap=soft_cap)
+    out = impl.forward(query, key, value, cache, meta)
     torch.testing.assert_close(out.double(), expected, atol=3e-5, rtol=0)

@@ -530,7 +530,7 @@ def test_resolve_imports_no_torch():
 
     code = ("import sys; from pagedllm.loader import resolve_model; resolve_model('smollm2-135m-instruct'); "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
 def test_max_model_len_with_rope_scaling():

@@ -11,7 +11,7 @@ import pytest
 
 from pagedllm.entrypoints.cli import main
 from tests.conftest import build_tiny_llama_dir
-from tests.test_server import ServerThread, assert_error
+from tests.server_utils import ServerThread, assert_error
 
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
 

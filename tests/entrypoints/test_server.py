@@ -17,57 +17,10 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 
-from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.entrypoints.openai.api_server import add_server_args, build_app, resolve_api_key
-from pagedllm.entrypoints.openai.lifecycle import DrainingServer
-from pagedllm.metrics import EngineMetrics
-from test_async_engine import FakeEngine
-
-MODEL = "fake-model"
-
-
-class ServerThread:
-    """uvicorn serving ``app`` in a background thread on a free loopback port (context manager).
-
-    With ``drain_timeout_s`` the server is a DrainingServer (``server.handle_exit`` drains).
-    """
-
-    def __init__(self, app, drain_timeout_s: float | None = None) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
-        if drain_timeout_s is None:
-            self.server = uvicorn.Server(config)
-        else:
-            self.server = DrainingServer(config, app.state.engine, app.state.in_flight, drain_timeout_s)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> "ServerThread":
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
-
-
-def make_server(fake: FakeEngine | None = None, drain_timeout_s: float | None = None,
-                **kwargs) -> tuple[ServerThread, FakeEngine]:
-    fake = fake or FakeEngine()
-    engine = AsyncLLMEngine(fake, metrics=EngineMetrics(MODEL), stats_log_interval_s=0)
-    return ServerThread(build_app(engine, [MODEL], **kwargs), drain_timeout_s), fake
-
+from pagedllm.entrypoints.openai.api_server import add_server_args, resolve_api_key
+from fake_engine import FakeEngine
+from server_utils import MODEL, assert_error, make_server, sse_events
 
 @pytest.fixture(scope="module")
 def server():
@@ -81,27 +34,6 @@ def server():
 def client(server):
     with httpx.Client(base_url=server.url, timeout=10) as c:
         yield c
-
-
-def sse_events(text: str) -> list[str]:
-    """The data payloads of an SSE body, in order."""
-    return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
-
-
-def assert_error(resp: httpx.Response, status: int, param: str | None = "any") -> dict:
-    assert resp.status_code == status, resp.text
-    assert resp.headers["content-type"].startswith("application/json")
-    body = resp.json()
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and err["message"]
-    assert isinstance(err["type"], str) and err["code"] == status
-    assert "Traceback" not in resp.text
-    if status < 500:  # bad input: no Python class names either
-        assert not re.search(r"\b[A-Z]\w*(Error|Exception)\b", err["message"]), err
-    if param != "any":
-        assert err["param"] == param, err
-    return err
 
 
 # ---------------------------------------------------------------------------- completions
@@ -646,8 +578,7 @@ def test_sigterm_drains_then_ends_streams_in_band(caplog):
 _SERVE_FAKE = """
 import sys
 sys.path.insert(0, {tests!r})
-from test_async_engine import FakeEngine
-from pagedllm.engine.async_engine import AsyncLLMEngine
+from fake_engine import FakeEngine
 from pagedllm.entrypoints.openai.api_server import build_app, serve_app
 engine = AsyncLLMEngine(FakeEngine(step_s=0.01, max_model_len=4096), stats_log_interval_s=0)
 serve_app(build_app(engine, ["fake-model"]), "127.0.0.1", {port}, "info", drain_timeout_s=0.3)
@@ -664,7 +595,7 @@ def test_sigint_in_a_real_process_ends_streams_without_tracebacks(tmp_path):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    script = _SERVE_FAKE.format(tests=os.path.dirname(__file__), port=port)
+    script = _SERVE_FAKE.format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), port=port)
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

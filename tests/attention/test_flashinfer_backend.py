@@ -27,10 +27,10 @@ def test_block_tables_to_csr():
 @pytest.mark.parametrize("window,softcap", [(None, None), (24, 30.0)])
 def test_flashinfer_mixed_batch_matches_reference(window, softcap):
     from pagedllm.attention.flashinfer_paged import FlashInferPagedAttention
-    from tests.test_triton_attention import MIXED, build, check
+    from tests.attention.test_triton_attention import MIXED, build, check
 
     query, key, value, cache, meta, expected, scale = build(
         MIXED, num_kv_heads=2, group=4, head_dim=128, dtype=torch.bfloat16, window=window, softcap=softcap)
-    out = FlashInferPagedAttention().forward(query, key, value, cache, meta, scale, sliding_window=window,
-                                             logit_soft_cap=softcap)
+    impl = FlashInferPagedAttention().make_impl(scale, sliding_window=window, logit_soft_cap=softcap)
+    out = impl.forward(query, key, value, cache, meta)
     check(out, expected, torch.bfloat16)

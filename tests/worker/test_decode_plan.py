@@ -71,7 +71,8 @@ def test_layer_that_does_not_match_the_plan_is_run_from_scratch(kernel, monkeypa
                                                                                       plan_decodes=plan_decodes))
         model.load_weights(weights.items())
         for layer in model.model.layers[1::2]:
-            layer.self_attn.attn.sliding_window = 6
+            attn = layer.self_attn.attn
+            attn.impl = attn.backend.make_impl(attn.impl.scale, 6, attn.logit_soft_cap)
         logits[plan_decodes] = run_paged(model.eval(), SEQUENCES, PROMPT_LENS, block_size=4)
     for unplanned, planned_logits in zip(logits[False], logits[True]):
         assert torch.equal(unplanned, planned_logits)

@@ -167,13 +167,29 @@ def test_config_errors_name_the_field(tiny_model_dir):
 
 
 @pytest.mark.parametrize("field,value", [("seed", "x"), ("seed", 1.5), ("gpu_memory_utilization", "0.5"),
-                                         ("max_logprobs", "5"), ("max_logprobs", -1)])
+                                         ("max_logprobs", "5"), ("max_logprobs", -1),
+                                         ("attention_backend", "xformers")])
 def test_config_values_of_the_wrong_type_name_the_field(field, value):
     """(was: ``int('x')``'s message, or a TypeError comparing a str with a number)"""
     from pagedllm.config import EngineConfig
 
     with pytest.raises(ValueError, match=f"^{field} must be .*got {re.escape(repr(value))}$"):
         EngineConfig(**{field: value})
+
+
+def test_attention_backend_defaults_to_the_environment(monkeypatch):
+    """EngineConfig.attention_backend unset reads PAGEDLLM_ATTENTION_BACKEND (else auto), which the field
+    overrides; a bad value names the variable."""
+    from pagedllm.config import EngineConfig
+
+    monkeypatch.delenv("PAGEDLLM_ATTENTION_BACKEND", raising=False)
+    assert EngineConfig().attention_backend == "auto"
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "Torch")
+    assert EngineConfig().attention_backend == "torch"
+    assert EngineConfig(attention_backend="cpu").attention_backend == "cpu"
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "xformers")
+    with pytest.raises(ValueError, match="PAGEDLLM_ATTENTION_BACKEND"):
+        EngineConfig()
 
 
 def test_max_tokens_none_runs_to_max_model_len(tiny_model_dir):
@@ -269,13 +285,13 @@ def test_n4_children_share_prompt_blocks_by_reference(tiny_model_dir, caching):
 @pytest.mark.parametrize("choice, expected", [("torch", "TorchPagedAttention"), ("cpu", "CpuPagedAttention")])
 def test_runner_owns_model_and_chooses_backend(tiny_model_dir, monkeypatch, choice, expected):
     """The runner builds the model (eval mode, its device and dtype) and hands every attention
-    layer the backend it chose from PAGEDLLM_ATTENTION_BACKEND; the model never reads it."""
+    layer the backend EngineConfig.attention_backend names; the model never reads it."""
     from pagedllm.attention import Attention, CpuPagedAttention
 
     if choice == "cpu" and not CpuPagedAttention().is_kernel_available:
         pytest.skip("no C compiler for the CPU kernel")
-    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", choice)
-    llm = _make(tiny_model_dir, max_model_len=64, num_kv_blocks=16)
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "torch" if choice == "cpu" else "cpu")  # the field wins
+    llm = _make(tiny_model_dir, max_model_len=64, num_kv_blocks=16, attention_backend=choice)
     runner = llm.llm_engine.runner
     assert type(runner.attn_backend).__name__ == expected
     assert not runner.model.training and next(runner.model.parameters()).dtype == runner.dtype

@@ -296,7 +296,7 @@ def test_quantized_kv_unified_and_split(name):
     context) and split-KV decodes, each KV dtype, against the float32 reference within the
     rounding bound."""
     query, key, value, cache, scales, meta, stored, floats, bound, scale = build_quantized(MIXED, name, seed=10)
-    out = TritonPagedAttention().forward(query, key, value, cache, meta, scale, kv_scales=scales)
+    out = TritonPagedAttention().make_impl(scale).forward(query, key, value, cache, meta, kv_scales=scales)
     check_quantized(out, stored, floats, bound, torch.float32)
     query, key, value, cache, scales, meta, stored, floats, bound, scale = build_quantized(
         DECODES, name, num_kv_heads=1, group=8, block_size=4, seed=11)
@@ -310,10 +310,10 @@ def test_quantized_kv_unified_and_split(name):
 def test_quantized_kv_bfloat16_queries_and_missing_scales():
     query, key, value, cache, scales, meta, stored, floats, bound, scale = build_quantized(
         MIXED, "int8", dtype=torch.bfloat16, head_dim=128, block_size=32, seed=12)
-    out = TritonPagedAttention().forward(query, key, value, cache, meta, scale, kv_scales=scales)
+    out = TritonPagedAttention().make_impl(scale).forward(query, key, value, cache, meta, kv_scales=scales)
     check_quantized(out, stored, floats, bound, torch.bfloat16)
     with pytest.raises(ValueError, match="kv_scales"):
-        TritonPagedAttention().forward(query, key, value, cache, meta, scale)
+        TritonPagedAttention().make_impl(scale).forward(query, key, value, cache, meta)
 
 
 # -- the backend --------------------------------------------------------------------------------
@@ -322,10 +322,10 @@ def test_backend_mixed_batch_and_split_kv_choice():
     backend = TritonPagedAttention(split_kv_min_seq_len=64)
     query, key, value, cache, meta, expected, scale = build(MIXED, seed=7)
     assert backend.num_splits(meta, cache) == 1  # prefills in the batch: unified kernel
-    check(backend.forward(query, key, value, cache, meta, scale), expected, torch.float32)
+    check(backend.make_impl(scale).forward(query, key, value, cache, meta), expected, torch.float32)
     query, key, value, cache, meta, expected, scale = build(DECODES, seed=8)
     assert backend.num_splits(meta, cache) > 1  # small decode-only batch, long context: split-KV
-    out = backend.forward(query, key, value, cache, meta, scale, sliding_window=None, logit_soft_cap=None)
+    out = backend.make_impl(scale, sliding_window=None, logit_soft_cap=None).forward(query, key, value, cache, meta)
     check(out, expected, torch.float32)
     assert TritonPagedAttention(split_kv_min_seq_len=10_000).num_splits(meta, cache) == 1
 

@@ -55,7 +55,7 @@ def build_case(reqs, block_size, dtype, seed=0):
 def test_mixed_batch_matches_causal_attention(block_size, dtype):
     query, key, value, cache, meta, expected = build_case(MIXED, block_size, dtype)
     assert meta.num_decodes == 5
-    out = TorchPagedAttention().forward(query, key, value, cache, meta, SCALE)
+    out = TorchPagedAttention().make_impl(SCALE).forward(query, key, value, cache, meta)
     assert out.shape == query.shape and out.dtype == dtype
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
 
@@ -63,7 +63,7 @@ def test_mixed_batch_matches_causal_attention(block_size, dtype):
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_new_kv_written_at_slot_mapping(block_size):
     query, key, value, cache, meta, _ = build_case(MIXED, block_size, torch.float32, seed=1)
-    TorchPagedAttention().forward(query, key, value, cache, meta, SCALE)
+    TorchPagedAttention().make_impl(SCALE).forward(query, key, value, cache, meta)
     flat = cache.view(2, -1, NUM_KV_HEADS, HEAD_DIM)
     torch.testing.assert_close(flat[0, meta.slot_mapping], key, atol=0, rtol=0)
     torch.testing.assert_close(flat[1, meta.slot_mapping], value, atol=0, rtol=0)
@@ -75,7 +75,7 @@ def test_new_kv_written_at_slot_mapping(block_size):
 ])
 def test_decode_only_and_prefill_only(reqs):
     query, key, value, cache, meta, expected = build_case(reqs, 16, torch.float32, seed=2)
-    out = TorchPagedAttention().forward(query, key, value, cache, meta, SCALE)
+    out = TorchPagedAttention().make_impl(SCALE).forward(query, key, value, cache, meta)
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=0)
 
 
@@ -84,7 +84,7 @@ def test_decode_groups_when_workspace_is_capped():
     reqs = [(c, 1) for c in (3, 70, 150, 31, 200, 16, 99)]
     query, key, value, cache, meta, expected = build_case(reqs, 16, torch.float32, seed=3)
     backend = TorchPagedAttention(max_workspace_bytes=2 * 13 * 16 * NUM_KV_HEADS * HEAD_DIM * 4 * 2)
-    out = backend.forward(query, key, value, cache.clone(), meta, SCALE)
+    out = backend.make_impl(SCALE).forward(query, key, value, cache.clone(), meta)
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=0)
     assert backend._workspace.numel() < 7 * 2 * 13 * 16 * NUM_KV_HEADS * HEAD_DIM  # really grouped
 
@@ -102,8 +102,9 @@ def test_multi_query_and_mha_head_layouts():
             for p in range(c):
                 cache[:, t[p // 4], p % 4] = torch.stack([k[p], v[p]])
         meta = make_metadata([c for c, _ in reqs], [q for _, q in reqs], tables, 4)
-        out = TorchPagedAttention().forward(torch.cat(qs), torch.cat([k[c:] for (c, _), k in zip(reqs, k_full)]),
-                                            torch.cat([v[c:] for (c, _), v in zip(reqs, v_full)]), cache, meta, SCALE)
+        out = TorchPagedAttention().make_impl(SCALE).forward(
+            torch.cat(qs), torch.cat([k[c:] for (c, _), k in zip(reqs, k_full)]),
+            torch.cat([v[c:] for (c, _), v in zip(reqs, v_full)]), cache, meta)
         expected = torch.cat([causal_attention(q, k, v, c, SCALE) for (c, _), q, k, v in zip(reqs, qs, k_full, v_full)])
         torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=0)
 
@@ -111,16 +112,16 @@ def test_multi_query_and_mha_head_layouts():
 def test_shape_errors_name_the_mismatch():
     query, key, value, cache, meta, _ = build_case([(0, 3)], 4, torch.float32)
     with pytest.raises(ValueError, match="kv_cache"):
-        TorchPagedAttention().forward(query, key, value, cache[:, :, :, :1], meta, SCALE)
+        TorchPagedAttention().make_impl(SCALE).forward(query, key, value, cache[:, :, :, :1], meta)
     with pytest.raises(ValueError, match=r"\[2, num_blocks"):
-        TorchPagedAttention().forward(query, key, value, cache[0], meta, SCALE)
+        TorchPagedAttention().make_impl(SCALE).forward(query, key, value, cache[0], meta)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        TorchPagedAttention().forward(query[:, :5], key, value, cache, meta, SCALE)
+        TorchPagedAttention().make_impl(SCALE).forward(query[:, :5], key, value, cache, meta)
     with pytest.raises(ValueError, match="max_workspace_bytes"):
         TorchPagedAttention(max_workspace_bytes=0)
 
 
-def test_backend_factory(monkeypatch):
+def test_backend_factory():
     assert isinstance(get_attention_backend("cpu"), TorchPagedAttention)
     has_triton = importlib.util.find_spec("triton") is not None
     has_flashinfer = importlib.util.find_spec("flashinfer") is not None
@@ -129,18 +130,14 @@ def test_backend_factory(monkeypatch):
                             "TritonPagedAttention" if has_triton else "TorchPagedAttention")
     with pytest.raises(ValueError, match="device type"):
         get_attention_backend("meta")
-    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "torch")
-    assert isinstance(get_attention_backend("cuda"), TorchPagedAttention)  # the reference stays selectable
+    assert isinstance(get_attention_backend("cuda", "torch"), TorchPagedAttention)  # the reference stays selectable
     if not has_triton:
-        monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton")
         with pytest.raises(ValueError, match="needs the triton package"):
-            get_attention_backend("cpu")
-    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "flashinfer")
+            get_attention_backend("cpu", "triton")
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        get_attention_backend("cpu")
-    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "xformers")
-    with pytest.raises(ValueError, match="PAGEDLLM_ATTENTION_BACKEND"):
-        get_attention_backend("cpu")
+        get_attention_backend("cpu", "flashinfer")
+    with pytest.raises(ValueError, match="attention_backend"):
+        get_attention_backend("cpu", "xformers")
 
 
 def test_attention_layer_without_metadata_is_one_causal_sequence():
@@ -168,13 +165,13 @@ def test_decode_plan_is_per_forward_pass_not_per_metadata_object():
     meta = first[4]
     with set_forward_context(meta):
         for _ in range(2):  # two "layers" (the second writes the same K/V again: harmless)
-            out = backend.forward(*first[:3], first[3], meta, SCALE)
+            out = backend.make_impl(SCALE).forward(*first[:3], first[3], meta)
             torch.testing.assert_close(out.double(), first[5], atol=2e-5, rtol=0)
     for field in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables", "max_seq_len",
                   "query_start_loc_cpu", "seq_lens_cpu"):
         setattr(meta, field, getattr(second[4], field))  # the same object, refilled
     with set_forward_context(meta):
-        out = backend.forward(*second[:3], second[3], meta, SCALE)
+        out = backend.make_impl(SCALE).forward(*second[:3], second[3], meta)
     torch.testing.assert_close(out.double(), second[5], atol=2e-5, rtol=0)
 
 
@@ -184,7 +181,7 @@ def test_cpu_prefill_uses_fused_flash_attention_not_the_math_path():
     tokens costs gigabytes and most of the prefill time."""
     query, key, value, cache, meta, expected = build_case([(0, 40), (300, 64), (17, 33)], 16, torch.float32)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        out = TorchPagedAttention().forward(query, key, value, cache, meta, SCALE)
+        out = TorchPagedAttention().make_impl(SCALE).forward(query, key, value, cache, meta)
     ops = {e.key for e in prof.key_averages()}
     assert "aten::_scaled_dot_product_attention_math" not in ops
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops

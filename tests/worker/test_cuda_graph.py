@@ -110,7 +110,7 @@ def test_engine_greedy_with_padded_decode_equals_eager(random_model_dir, prompts
 def test_padded_decode_with_two_kv_cache_groups(monkeypatch):
     """Sliding-window and full-attention layers (two KV-cache groups, two block tables):
     padding fills both groups' buffers; greedy tokens equal the unpadded run's."""
-    from tests.test_hybrid_kv import _generate, _prompts, qwen2_reference
+    from tests.engine.test_hybrid_kv import _generate, _prompts, qwen2_reference
 
     reference = qwen2_reference.__wrapped__()
     prompts = _prompts()[:3]  # decode batches of 3, padded to 4

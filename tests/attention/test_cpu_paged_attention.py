@@ -20,7 +20,7 @@ import torch
 from pagedllm import native
 from pagedllm.attention import CpuPagedAttention, TorchPagedAttention, get_attention_backend
 from pagedllm.attention import cpu_paged, torch_paged
-from pagedllm.attention.backend import set_forward_context
+from pagedllm.attention.backend import set_forward_context, write_kv_cache
 from tests.model_utils import allocate_block_tables, make_metadata
 from tests.reference import causal_attention
 
@@ -78,8 +78,8 @@ def run_both(query, key, value, cache, meta, scale, backend):
     """(kernel output, torch output) on separate copies of the cache, inside a forward context."""
     torch_cache = cache.clone()
     with set_forward_context(meta):
-        out = backend.forward(query, key, value, cache, meta, scale)
-        ref = TorchPagedAttention().forward(query, key, value, torch_cache, meta, scale)
+        out = backend.make_impl(scale).forward(query, key, value, cache, meta)
+        ref = TorchPagedAttention().make_impl(scale).forward(query, key, value, torch_cache, meta)
     torch.testing.assert_close(cache, torch_cache, atol=0, rtol=0)  # the same K/V written
     return out, ref
 
@@ -126,9 +126,9 @@ def test_prefill_over_cached_prefix_matches_causal_attention(kernel, block_size,
                                                                  shapes[heads], seed=7)
     backend = CpuPagedAttention(kernel=kernel, min_tokens_per_thread=64)
     with set_forward_context(meta):
-        ref = TorchPagedAttention().forward(query, key, value, cache.clone(), meta, scale)
+        ref = TorchPagedAttention().make_impl(scale).forward(query, key, value, cache.clone(), meta)
         monkeypatch.setattr(torch_paged, "_prefill_one", None)  # any fallback to the torch code fails
-        out = backend.forward(query, key, value, cache, meta, scale)
+        out = backend.make_impl(scale).forward(query, key, value, cache, meta)
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
     torch.testing.assert_close(out.double(), ref.double(), atol=TOLERANCE[dtype], rtol=0)
@@ -148,8 +148,8 @@ def test_prefill_thread_split_is_bitwise_deterministic(kernel, pool_kernel, dtyp
     """1, 2 or 3 threads, on the OpenMP team or the Python pool: the same bits."""
     query, key, value, cache, meta, expected, scale = build_case([(500, 200), (0, 70)], 16, dtype,
                                                                  HEADS["gqa"], seed=8)
-    outs = [CpuPagedAttention(num_threads=n, kernel=k, min_tokens_per_thread=1).forward(
-        query, key, value, cache.clone(), meta, scale) for k in (kernel, pool_kernel) for n in (1, 2, 3)]
+    outs = [CpuPagedAttention(num_threads=n, kernel=k, min_tokens_per_thread=1).make_impl(scale).forward(
+        query, key, value, cache.clone(), meta) for k in (kernel, pool_kernel) for n in (1, 2, 3)]
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=0, rtol=0)
     torch.testing.assert_close(outs[0].double(), expected, atol=TOLERANCE[dtype], rtol=0)
@@ -169,7 +169,7 @@ def test_prefill_threads_follow_query_key_pairs(kernel, monkeypatch):
     real = kernel.prefill
     monkeypatch.setattr(kernel, "prefill", lambda *a: seen.append(a[8]) or real(*a))
     with set_forward_context(meta):
-        out = CpuPagedAttention(num_threads=2, kernel=kernel).forward(query, key, value, cache, meta, scale)
+        out = CpuPagedAttention(num_threads=2, kernel=kernel).make_impl(scale).forward(query, key, value, cache, meta)
     assert seen == [2, 1]
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=0)
 
@@ -198,8 +198,8 @@ def test_prefill_window_and_soft_cap_match_reference(kernel, window, soft_cap, h
                 cache[:, meta.block_tables[b, p // 16], p % 16] = float("nan")
     monkeypatch.setattr(torch_paged, "_prefill_one_masked", None)
     with set_forward_context(meta):
-        out = CpuPagedAttention(kernel=kernel, min_tokens_per_thread=64).forward(
-            query, key, value, cache, meta, scale, sliding_window=window, logit_soft_cap=soft_cap)
+        impl = CpuPagedAttention(kernel=kernel, min_tokens_per_thread=64).make_impl(scale, window, soft_cap)
+        out = impl.forward(query, key, value, cache, meta)
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
 
 
@@ -210,8 +210,8 @@ def test_prefill_window_thread_split_is_bitwise_deterministic(kernel, pool_kerne
     query, key, value, cache, meta, expected, scale = build_case([(500, 200), (0, 70)], 16, torch.float32,
                                                                  HEADS["gqa"], seed=8, window=window,
                                                                  soft_cap=soft_cap)
-    outs = [CpuPagedAttention(num_threads=n, kernel=k, min_tokens_per_thread=1).forward(
-        query, key, value, cache.clone(), meta, scale, sliding_window=window, logit_soft_cap=soft_cap)
+    outs = [CpuPagedAttention(num_threads=n, kernel=k, min_tokens_per_thread=1).make_impl(scale, window, soft_cap)
+            .forward(query, key, value, cache.clone(), meta)
         for k in (kernel, pool_kernel) for n in (1, 2, 3)]
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=0, rtol=0)
@@ -235,7 +235,7 @@ def test_prefill_preferred_follows_the_cpu(monkeypatch):
     real = k.prefill
     monkeypatch.setattr(k, "prefill", lambda *a: calls.append(1) or real(*a))
     with set_forward_context(meta):
-        out = CpuPagedAttention(kernel=k).forward(query, key, value, cache, meta, scale)
+        out = CpuPagedAttention(kernel=k).make_impl(scale).forward(query, key, value, cache, meta)
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=0)
     assert bool(calls) == avx512
 
@@ -245,10 +245,8 @@ def test_prefill_falls_back_for_head_dim(kernel):
     assert not kernel.supports_prefill(torch.float32, 4, 48) and kernel.supports_prefill(torch.bfloat16, 4, 128)
     query, key, value, cache, meta, expected, scale = build_case(PREFILLS[:4], 16, torch.float32, HEADS["mha"],
                                                                  seed=9, window=20, soft_cap=30.0)
-    out = CpuPagedAttention(kernel=kernel).forward(query, key, value, cache.clone(), meta, scale,
-                                                   sliding_window=20, logit_soft_cap=30.0)
-    ref = TorchPagedAttention().forward(query, key, value, cache.clone(), meta, scale, sliding_window=20,
-                                        logit_soft_cap=30.0)
+    out = CpuPagedAttention(kernel=kernel).make_impl(scale, 20, 30.0).forward(query, key, value, cache.clone(), meta)
+    ref = TorchPagedAttention().make_impl(scale, 20, 30.0).forward(query, key, value, cache.clone(), meta)
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=0)
 
@@ -262,11 +260,11 @@ def test_thread_split_is_bitwise_deterministic(kernel, pool_kernel, dtype):
         for num_threads in (1, 2, 3, 5):
             with set_forward_context(meta):
                 backend = CpuPagedAttention(num_threads=num_threads, kernel=k, min_tokens_per_thread=1)
-                outs.append(backend.forward(query, key, value, cache.clone(), meta, scale))
+                outs.append(backend.make_impl(scale).forward(query, key, value, cache.clone(), meta))
                 plan = backend._kernel_plan_cache
                 assert plan.num_threads == num_threads
                 assert len(plan.ranges) == (0 if k.has_openmp else min(num_threads, meta.num_reqs))
-    assert CpuPagedAttention(num_threads=4, kernel=kernel)._kernel_plan(meta, cache).num_threads == 1  # too small
+    assert CpuPagedAttention(num_threads=4, kernel=kernel).kernel_plan(meta, cache).num_threads == 1  # too small
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=0, rtol=0)
     torch.testing.assert_close(outs[0].double(), expected, atol=TOLERANCE[dtype], rtol=0)
@@ -290,9 +288,9 @@ def test_kv_write_in_kernel_equals_torch_write(kernel, new_dtype, cache_dtype):
         n = m.query_start_loc_cpu[-1]
         k, v, q = key[-n:], value[-n:], query[-n:]
         expected, got = cache.clone(), cache.clone()
-        torch_paged.write_kv_cache(k, v, expected, m.slot_mapping)
+        write_kv_cache(k, v, expected, m.slot_mapping)
         with set_forward_context(m):
-            CpuPagedAttention(kernel=kernel).forward(q, k, v, got, m, scale)
+            CpuPagedAttention(kernel=kernel).make_impl(scale).forward(q, k, v, got, m)
         nan = expected.isnan()
         assert torch.equal(got.isnan(), nan) and bool(nan.any()) == (m is meta)  # row 0 is written in the decode step
         bits = torch.int16 if cache_dtype == torch.bfloat16 else torch.int32
@@ -306,10 +304,10 @@ def test_bfloat16_queries_and_outputs_read_and_written_in_place(kernel, monkeypa
     query, key, value, cache, meta, expected, scale = build_case(reqs, 16, torch.bfloat16, HEADS["gqa"], seed=11)
     backend = CpuPagedAttention(kernel=kernel, min_tokens_per_thread=1)
     with set_forward_context(meta):
-        out = backend.forward(query, key, value, cache.clone(), meta, scale)
+        out = backend.make_impl(scale).forward(query, key, value, cache.clone(), meta)
     with monkeypatch.context() as m, set_forward_context(meta):
         m.setattr(cpu_paged, "_io_tensors", lambda q, o: (q.float().contiguous(), torch.empty(q.shape)))
-        via_float = backend.forward(query, key, value, cache.clone(), meta, scale)
+        via_float = backend.make_impl(scale).forward(query, key, value, cache.clone(), meta)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, via_float, atol=0, rtol=0)
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.bfloat16], rtol=0)
@@ -335,9 +333,9 @@ def test_plan_shared_by_layers_and_renewed_per_step(kernel):
     step2 = build_case([(70, 1), (3, 1), (16, 1)], 16, torch.float32, HEADS["gqa"], seed=4)
     for query, key, value, cache, meta, expected, scale in (step1, step2):
         with set_forward_context(meta):
-            layer0 = backend.forward(query, key, value, cache.clone(), meta, scale)
+            layer0 = backend.make_impl(scale).forward(query, key, value, cache.clone(), meta)
             plan = backend._kernel_plan_cache
-            layer1 = backend.forward(query, key, value, cache.clone(), meta, scale)
+            layer1 = backend.make_impl(scale).forward(query, key, value, cache.clone(), meta)
             assert plan is not None and backend._kernel_plan_cache is plan
         for out in (layer0, layer1):
             torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=0)
@@ -359,11 +357,11 @@ def test_block_id_outside_cache_raises(kernel):
     query, key, value, cache, meta, _, scale = build_case([(20, 1), (5, 1)], 16, torch.float32, HEADS["gqa"])
     meta.block_tables[1, 0] = cache.shape[1]  # one past the last block
     with pytest.raises(ValueError, match=r"block_tables\[1, 0\]"):
-        CpuPagedAttention(kernel=kernel).forward(query, key, value, cache, meta, scale)
+        CpuPagedAttention(kernel=kernel).make_impl(scale).forward(query, key, value, cache, meta)
     query, key, value, cache, meta, _, scale = build_case([(20, 1), (40, 9)], 16, torch.float32, HEADS["gqa"])
     meta.block_tables[1, 2] = -1
     with pytest.raises(ValueError, match=r"block_tables\[1, 2\] = -1"):
-        CpuPagedAttention(kernel=kernel).forward(query, key, value, cache, meta, scale)
+        CpuPagedAttention(kernel=kernel).make_impl(scale).forward(query, key, value, cache, meta)
 
 
 @pytest.mark.parametrize("lens, parts, expected", [
@@ -402,22 +400,18 @@ def test_fallback_when_build_fails(tmp_path, monkeypatch, caplog, compiler):
     assert len([r for r in caplog.records if "kernel unavailable" in r.getMessage()]) == 1
     assert isinstance(get_attention_backend("cpu"), TorchPagedAttention)
     query, key, value, cache, meta, expected, scale = build_case(MIXED, 16, torch.float32, HEADS["gqa"])
-    out = backend.forward(query, key, value, cache, meta, scale)
+    out = backend.make_impl(scale).forward(query, key, value, cache, meta)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=0)
 
 
-def test_backend_selection(kernel, monkeypatch):
-    monkeypatch.delenv("PAGEDLLM_ATTENTION_BACKEND", raising=False)
+def test_backend_selection(kernel):
     assert isinstance(get_attention_backend("cpu"), CpuPagedAttention)
-    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "torch")
-    assert type(get_attention_backend("cpu")) is TorchPagedAttention
-    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "cpu")
-    assert isinstance(get_attention_backend("cpu"), CpuPagedAttention)
+    assert type(get_attention_backend("cpu", "torch")) is TorchPagedAttention
+    assert isinstance(get_attention_backend("cpu", "cpu"), CpuPagedAttention)
     with pytest.raises(ValueError, match="needs a CPU device"):
-        get_attention_backend("cuda")
-    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "bogus")
-    with pytest.raises(ValueError, match="PAGEDLLM_ATTENTION_BACKEND"):
-        get_attention_backend("cpu")
+        get_attention_backend("cuda", "cpu")
+    with pytest.raises(ValueError, match="attention_backend"):
+        get_attention_backend("cpu", "bogus")
 
 
 def test_arguments_validated():
@@ -429,7 +423,7 @@ def test_arguments_validated():
 
 def test_benchmark_quick_runs(kernel):
     """benchmarks/attention_kernel.py --quick runs both backends and checks they agree."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_kernel.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_kernel.py"
     res = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     assert res.returncode == 0, res.stderr
@@ -491,10 +485,10 @@ def test_bfloat16_outputs_with_subnormals_and_nan_are_torch_rounding(kernel, fla
     built = cpu_paged.CpuPagedKernel(cpu_paged._build(os.environ.get("CC", "cc"), flags))
     backend = CpuPagedAttention(kernel=built, min_tokens_per_thread=1)
     with set_forward_context(meta):
-        out = backend.forward(query, key, value, cache.clone(), meta, scale)
+        out = backend.make_impl(scale).forward(query, key, value, cache.clone(), meta)
     with monkeypatch.context() as m, set_forward_context(meta):
         m.setattr(cpu_paged, "_io_tensors", lambda q, o: (q.float().contiguous(), torch.empty(q.shape)))
-        via_float = backend.forward(query, key, value, cache.clone(), meta, scale).bfloat16()
+        via_float = backend.make_impl(scale).forward(query, key, value, cache.clone(), meta).bfloat16()
     nan = via_float.isnan()
     assert nan[3, 2].all() and nan.sum() == 64 and torch.equal(out.isnan(), nan)
     assert (via_float.float().abs() < 2.0 ** -126).logical_and(via_float != 0).sum() > 100  # subnormals

@@ -118,7 +118,7 @@ def test_missing_expert_names_it_and_the_architecture(tmp_path, smollm2_path):
 def test_served_greedy_equals_transformers(name):
     """Through the model runner and the scheduler (chunked prefill, prefix hits, decodes of a
     few sequences at once): transformers' greedy tokens."""
-    from tests.test_hybrid_kv import _generate, _prompts
+    from tests.engine.test_hybrid_kv import _generate, _prompts
 
     hf = make_hf_model(family_config(name), seed=11)
     hf.config.architectures = [type(hf).__name__]

@@ -194,7 +194,7 @@ def test_quantized_model_equals_float_model_on_dequantized_weights(tiny_model_di
 def test_int8_weights_resident_bytes_and_greedy_agreement(tiny_model_dir):
     """int8 keeps 1 byte + a float32 scale per row instead of 4 bytes per weight; greedy
     tokens agree with float32 (measured 100 % on these 8 x 16 tokens; floor 90 %)."""
-    from tests.test_engine_equivalence import _prompts, _tokens
+    from tests.engine.test_engine_equivalence import _prompts, _tokens
 
     prompts = _prompts(8, seed=5, lo=5, hi=40)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -226,7 +226,7 @@ def _questions() -> list[str]:
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bf16_accuracy.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bf16_accuracy.py"
     spec = importlib.util.spec_from_file_location("bf16_accuracy", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -24,7 +24,7 @@ from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.metrics import EngineMetrics
 from pagedllm.sampling_params import SamplingParams
-from test_server import ServerThread, assert_error, sse_events
+from server_utils import ServerThread, assert_error, sse_events
 
 MODEL = "smollm2-135m-instruct"
 API_KEY = "test-key"

@@ -42,7 +42,7 @@ def ray_cluster():
     # the actors unpickle this module's functions (collective_rpc) by name: give them its folder
     here = os.path.dirname(os.path.abspath(__file__))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([here, os.path.dirname(here)])}})
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.path.dirname(os.path.dirname(here))])}})
     yield ray
     ray.shutdown()
 

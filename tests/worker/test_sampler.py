@@ -590,7 +590,7 @@ def test_sampler_overhead_benchmark_quick(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "sampler_overhead.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "sampler_overhead.py"
     out = tmp_path / "so.json"
     res = subprocess.run([sys.executable, str(script), "--quick", "--threads", "1", "--out", str(out)],
                          capture_output=True, text=True, timeout=120)
