@@ -78,7 +78,8 @@ class InputProcessor:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, tokenize=False, chat_template=template,
                 continue_final_message=continue_final_message,
-                add_generation_prompt=add_generation_prompt and not continue_final_message, **(template_kwargs or {}))
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                **(template_kwargs or {}))
         except (jinja2.TemplateError, TypeError) as e:
             where = ("chat_template could not render the conversation" if chat_template
                      else "messages: the model's chat template refused the conversation")

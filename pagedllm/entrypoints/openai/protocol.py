@@ -383,6 +383,7 @@ class UsageInfo(OpenAIBase):
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
     completion_tokens_details: CompletionTokensDetails | None = None
+    metrics: UsageMetrics | None = None
 
     @model_serializer(mode="wrap")
     def _drop_no_details(self, handler):
@@ -390,7 +391,6 @@ class UsageInfo(OpenAIBase):
         if data.get("completion_tokens_details") is None:
             data.pop("completion_tokens_details", None)
         return data
-    metrics: UsageMetrics | None = None
 
 
 def _longest(values: list[float | None]) -> float | None:
