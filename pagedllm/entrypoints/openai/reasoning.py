@@ -1,12 +1,7 @@
-"""Reasoning on ``/v1/chat/completions``: the ``<think>`` block as ``reasoning_content`` (and
-vLLM's newer ``reasoning``), whole and streamed (``delta.reasoning_content``), and
-``usage.completion_tokens_details.reasoning_tokens``.
-
-The parser is ``--reasoning-parser NAME``, else the one the chat template writes (none: no
-split). Whether the output starts inside a block is read from the end of the prompt; under an
-output constraint the grammar covers the whole output (vLLM's ``enable_in_reasoning``), so
-only an opening tag in the output starts one. A length cut inside the reasoning returns it
-with an empty answer. Tool-call parsing sees only the answer.
+"""Reasoning on the chat path: the ``<think>`` block as ``reasoning_content`` / ``reasoning``, whole and
+streamed, and ``usage.completion_tokens_details.reasoning_tokens``. Where the output starts is read from
+the prompt's end; under an output constraint the grammar covers the whole output (vLLM's
+``enable_in_reasoning``), so only an opening tag in the output starts a block.
 """
 
 from __future__ import annotations

@@ -57,8 +57,7 @@ class Qwen3CoderToolParser(ReparsingToolParser):
         return ParsedOutput("".join(content), calls)
 
     def _call(self, text: str, pos: int, start: int, is_final: bool) -> tuple[ParsedCall, int | None]:
-        """The call whose name starts at ``pos``; end (past ``</function>`` and an optional
-        ``</tool_call>``) None while it is open."""
+        """The call whose name starts at ``pos``, and its end (None while open)."""
         k = text.find(">", pos)
         if k < 0:
             return ParsedCall(None, None, False, text[start:]), None
