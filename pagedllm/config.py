@@ -21,13 +21,8 @@ from typing import Any
 from pagedllm import envs
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-# `serve` on CPU: prompt tokens a step may carry while requests decode. On CPU a step's time
-# grows with its tokens, so every decoding stream waits for the prompt tokens riding in its
-# step; but each step also streams all the weights, so a small cap spends the CPU on many
-# small weight-bound steps. 256 served with the CPU time per output token of a 2,048-token
-# cap (vLLM's budget) and a tail a fraction of its; 64 cost more CPU per token and lost half
-# the throughput (README result 2, benchmarks/results/serving_*_2026-12-01.json). Offline
-# (LLM.generate) nobody waits between tokens: no cap, like vLLM's larger offline budget.
+# `serve` on CPU: prompt tokens a step may carry while requests decode (each decoding stream waits for
+# them; too small a cap spends the CPU on many weight-bound steps; figures: benchmarks/README.md). Offline: no cap.
 SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING = 256
 # `serve` on CPU with the time-aware budget on: the step's first prompt chunk may always take
 # this many tokens (the floor that keeps every prompt progressing; the former fixed cap).
@@ -89,14 +84,11 @@ class EngineConfig:
 
     model: str = _f(DEFAULT_MODEL, "model alias, path to a .gguf file, or a Hugging Face model folder")
     tokenizer: str | None = _f(None, "tokenizer folder or .gguf (default: the model's own)")
-    dtype: str = _f("auto", "weights and activations dtype: auto, float32, bfloat16, float16 (auto = float32 on CPU, bfloat16 on CUDA)")
+    dtype: str = _f("auto", "weights and activations: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     device: str = _f("auto", "auto, cpu or cuda")
-    quantization: str | None = _f(None, "keep weights quantized at run time: int8 (per-channel), int4 (group "
-                                  "scales), gguf (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K blocks kept packed); "
-                                  "default: float weights in dtype")
+    quantization: str | None = _f(None, "keep weights quantized at run time: int8, int4 or gguf (default: float weights in dtype)")
     quantization_group_size: int = _f(128, "int4 group size in input features: 32, 64, 128 or 256")
-    kv_cache_dtype: str = _f("auto", "KV-cache storage: auto (the model dtype), bfloat16, fp8 (= fp8_e4m3), "
-                             "fp8_e5m2, int8 (per token-and-head scales)")
+    kv_cache_dtype: str = _f("auto", "KV-cache storage: auto (the model dtype), bfloat16, fp8 (= fp8_e4m3), fp8_e5m2, int8")
     seed: int = _f(0, "global random seed (requests without their own seed)")
     max_model_len: int | None = _f(None, "maximum tokens per sequence, prompt + output (default: the model's context length)")
     block_size: int = _f(16, "tokens per KV-cache block (power of two, 1..256)")
@@ -107,71 +99,52 @@ class EngineConfig:
               "else auto)")
     enforce_eager: bool = _f(False, "run every step eagerly: no CUDA graphs for decode, no torch.compile")
     compilation_config: int | str | dict | None = _f(
-        None, "torch.compile the model's forward (CPU; vLLM's option): a mode, 0 = eager or 3 = compiled, or a JSON "
-              "object such as '{\"mode\": 3, \"dynamic\": true, \"inductor_compile_config\": {\"freezing\": "
-              "true}}'; compiles at start-up; compiled float32 rounds differently from eager; enforce_eager wins "
-              "(default: eager)")
+        None, "torch.compile the forward (CPU): 0 = eager, 3 = compiled, or a JSON object of vLLM's "
+              "fields; enforce_eager wins (default: eager)")
     num_kv_blocks: int | None = _f(None, "override the number of KV blocks (tests, benchmarks)")
     enable_prefix_caching: bool = _f(True, "share KV blocks between requests with a common prompt prefix")
     enable_chunked_prefill: bool = _f(True, "split long prompts across steps under the token budget")
     max_num_seqs: int = _f(128, "most sequences running at once")
     max_num_batched_tokens: int | None = _f(None, "token budget per step (default 2048 with chunked prefill, else max_model_len)")
     max_prefill_tokens_while_decoding: int | None = _f(
-        None, "while requests are decoding, at most this many prompt tokens per step (chunked prefill): bounds "
-              "inter-token latency; default: off offline, "
-              f"{SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING} for `serve` on CPU (benchmarks/serving.py)")
+        None, "at most this many prompt tokens per step while requests decode (default: off offline, "
+              f"{SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING} for `serve` on CPU)")
     max_step_time_ratio: float | None = _f(
-        None, "time-aware token budget (chunked prefill): while requests decode, prompt tokens join a step only "
-              "as far as the step-cost model, measured online from the engine's own steps, predicts the step "
-              "within this multiple of the same step without them, so a decoding stream's inter-token gap grows "
-              "at most this factor (a number >= 1, e.g. 2; 0 or unset = off: against `serve`'s fixed cap on a "
-              "2-core CPU it shortens inter-token gaps but delays first tokens, README result 8); the step's first prompt chunk always gets at least "
-              "min_prefill_tokens_while_decoding tokens, so every prompt progresses; replaces `serve`'s default cap")
-    max_step_time_ms: float | None = _f(
-        None, "time-aware token budget: while requests decode, a step may also grow to this many milliseconds "
-              "when that allows more prompt tokens than max_step_time_ratio (an inter-token latency target: "
-              "slack for new prompts when decode steps are short; 0 = off; default: off)")
+        None, "time-aware budget: prompt tokens join a decoding step while its predicted time stays within "
+              "this multiple of the step without them (a number >= 1; 0 = off; default: off)")
+    max_step_time_ms: float | None = _f(None, "time-aware budget: a decoding step may also grow to this many milliseconds (0 = off; default: off)")
     min_prefill_tokens_while_decoding: int | None = _f(
-        None, "time-aware token budget: the first prompt chunk of a step in which requests decode may always take "
-              "this many tokens, whatever the step-cost model predicts, so short decode steps (few streams) do not "
-              "slow admission below it (default: block_size; "
+        None, "time-aware budget: prompt tokens a decoding step may always take (default: block_size; "
               f"{SERVING_CPU_MIN_PREFILL_TOKENS_WHILE_DECODING} for `serve` on CPU)")
     long_prefill_token_threshold: int = _f(
-        0, "chunked prefill: a prompt with more than this many tokens left to compute is long, and computes at "
-           "most this many per step (vLLM's name; 0 = off; default: off, or 4% of max_model_len when "
-           "max_num_partial_prefills > 1)")
-    max_num_partial_prefills: int = _f(1, "chunked prefill: most requests whose prompt is partly computed at the end "
-                                          "of a step")
-    max_long_partial_prefills: int = _f(1, "chunked prefill: most long prompts (long_prefill_token_threshold) partly "
-                                           "computed at once; a long prompt beyond it lets shorter ones pass it "
-                                           "(at most max_num_partial_prefills)")
+        0, "a prompt with more tokens left than this is long and computes at most this many per step "
+           "(0 = off; default: off, or 4% of max_model_len when max_num_partial_prefills > 1)")
+    max_num_partial_prefills: int = _f(1, "most requests whose prompt is partly computed at the end of a step")
+    max_long_partial_prefills: int = _f(1, "most long prompts partly computed at once (shorter prompts pass them)")
     scheduling_policy: str = _f("fcfs", "fcfs or priority")
     batching: str = _f("continuous", "continuous, or static (admit a batch, wait for all of it; benchmarks only)")
     max_logprobs: int = _f(20, "largest logprobs / prompt_logprobs a request may ask for")
     max_waiting_requests: int | None = _f(None, "reject new requests (HTTP 503) beyond this many waiting")
     debug_integrity_checks: bool = _f(False, "check block pool and scheduler invariants after every step (slow)")
-    kv_offload_memory: int | str | None = _f(None, "host-RAM tier of the prefix cache in bytes or like '4GiB': blocks evicted from the KV pool are kept there and copied back on a hit (default: off)")
-    kv_offload_dir: str | None = _f(None, "folder of the disk tier of the prefix cache (one safetensors file per block; survives restarts; default: off)")
-    kv_offload_disk_space: int | str = _f("8GiB", "most bytes the disk tier keeps in kv_offload_dir (least recently used blocks go first)")
-    preemption_mode: str = _f("recompute", "how a request is preempted when blocks run out: recompute (free its K/V, recompute on resumption), swap (copy its blocks to the swap space and back), or auto (per request, whichever costs less by measured prefill speed and copy bandwidth); swap falls back to recompute when the swap space is full")
+    kv_offload_memory: int | str | None = _f(None, "host-RAM tier of the prefix cache, in bytes or like '4GiB' (default: off)")
+    kv_offload_dir: str | None = _f(None, "folder of the prefix cache's disk tier, which survives restarts (default: off)")
+    kv_offload_disk_space: int | str = _f("8GiB", "most bytes the disk tier keeps (least recently used blocks go first)")
+    preemption_mode: str = _f("recompute", "when blocks run out: recompute, swap (to swap_space) or auto (whichever costs less)")
     swap_space: int | str = _f("4GiB", "swap space for preemption_mode swap/auto, in bytes or like '4GiB' (host memory)")
-    usage_metrics: bool = _f(True, "report each request's cache story in the server's usage (usage.metrics: cached tokens by tier, preemptions and their modes, queue / prefill / decode time); --no-usage-metrics leaves it out")
-    tensor_parallel_size: int = _f(1, "ranks (processes; GPUs on CUDA) the model's weights and KV heads are split "
-                                      "across, Megatron-style; must divide the attention heads")
-    worker_timeout_s: float = _f(300.0, "tensor parallelism: seconds a collective or a call may wait on a worker "
-                                        "before the engine fails with an error naming it")
-    data_parallel_size: int = _f(1, "`serve`: engine replicas (one process each, with its own KV cache) behind one "
-                                    "OpenAI front end; requests are routed by prompt prefix, else to the least loaded")
-    data_parallel_router: str = _f("prefix", "`serve` with data_parallel_size > 1: how requests pick a replica: prefix "
-                                   "(the replica that last served the prompt's first blocks, unless it is overloaded), "
-                                   "least_loaded, round_robin")
-    distributed_executor_backend: str = _f("mp", "tensor parallelism: who runs ranks 1..N-1: mp (processes on this "
-                                                 "machine) or ray (Ray actors placed by a placement group, so ranks "
-                                                 "can span the machines of a Ray cluster; pip install 'pagedllm[ray]')")
-    disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers (one block table for all layers) instead of freeing blocks outside the window")
-    reasoning_parser: str | None = _f(None, "`serve`: how the model's text marks its reasoning: deepseek_r1 or qwen3 (default: detected from the chat template)")
-    default_chat_template_kwargs: str | dict | None = _f(None, "`serve`: a JSON object of chat-template variables for every request, e.g. '{\"enable_thinking\": false}' (a request's chat_template_kwargs win)")
-    generation_config: str = _f("auto", "`serve`: sampling defaults for fields a request omits: auto (the model folder's generation_config.json), vllm (none), or a folder holding one")
+    usage_metrics: bool = _f(True, "add usage.metrics to responses: cached tokens by tier, preemptions, queue / prefill / decode time")
+    tensor_parallel_size: int = _f(1, "ranks (processes; GPUs on CUDA) the weights and KV heads are split across; divides the heads")
+    worker_timeout_s: float = _f(300.0, "tensor parallelism: seconds a call may wait on a worker before the engine fails naming it")
+    data_parallel_size: int = _f(1, "`serve`: engine replicas, each a process with its own KV cache, behind one front end")
+    data_parallel_router: str = _f("prefix", "`serve` with replicas: how a request picks one: prefix, least_loaded or round_robin")
+    distributed_executor_backend: str = _f("mp", "tensor parallelism: mp (processes on this machine) or ray (Ray actors, the `ray` extra)")
+    runner: str = _f("auto", "generate, pooling (embeddings, scores; no KV cache), or auto: pooling for encoder-only "
+                             "checkpoints and sentence-transformers folders")
+    pooler_config: str | dict | None = _f(None, "pooling runner: JSON like '{\"pooling_type\": \"MEAN\", \"normalize\": true}' "
+                                                "(MEAN, CLS, LAST) (default: sentence-transformers' files, else CLS, normalized)")
+    disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers instead of freeing those outside the window")
+    reasoning_parser: str | None = _f(None, "`serve`: deepseek_r1 or qwen3, how the text marks its reasoning (default: from the chat template)")
+    default_chat_template_kwargs: str | dict | None = _f(None, "`serve`: JSON object of chat-template variables for every request, like '{\"enable_thinking\": false}'")
+    generation_config: str = _f("auto", "`serve`: defaults for omitted sampling fields: auto (generation_config.json), vllm (none) or a folder")
 
     def __post_init__(self) -> None:
         validate_block_size(self.block_size)
@@ -239,6 +212,8 @@ class EngineConfig:
             raise ValueError(f"worker_timeout_s must be a positive number of seconds, got {self.worker_timeout_s!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:

@@ -292,14 +292,17 @@ class KVCacheSpec:
 
     def describe(self) -> str:
         dtype = f" ({self.kv_cache_dtype})" if self.kv_cache_dtype else ""
-        text = (f"KV cache{dtype}: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
-                f"{self.num_bytes / GiB:.2f} GiB; max concurrency {self.max_concurrency:.2f} "
-                f"sequences at max_model_len {self.max_model_len}")
-        if self.is_hybrid:
-            num_sliding = sum(1 for g in self.kv_cache_groups if g.sliding_window)
-            text += (f" (hybrid: {len(self.kv_cache_groups)} KV-cache groups of {self.layers_per_block} layers, "
-                     f"{num_sliding} sliding-window; {self.full_attention_max_concurrency:.2f} if all blocks were kept)")
-        return text
+        head = f"KV cache{dtype}: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens"
+        concurrency = f"max concurrency {self.max_concurrency:.2f} sequences at max_model_len {self.max_model_len}"
+        if not self.is_hybrid:
+            return f"{head}, {self.num_bytes / GiB:.2f} GiB; {concurrency}"
+        windows = sorted({g.sliding_window for g in self.kv_cache_groups if g.sliding_window})
+        num_sliding = sum(1 for g in self.kv_cache_groups if g.sliding_window)
+        return (f"{head} per KV-cache group, {self.num_bytes / GiB:.2f} GiB (hybrid: {len(self.kv_cache_groups)} "
+                f"KV-cache groups of {self.layers_per_block} layers, {num_sliding} sliding-window, share the blocks; "
+                f"a sequence takes a slot per token in each group, a sliding-window group only for its last "
+                f"{'/'.join(map(str, windows))} tokens); {concurrency} "
+                f"({self.full_attention_max_concurrency:.2f} if every group kept every token)")
 
     def too_small_message(self, source: str) -> str | None:
         """The error text when one ``max_model_len`` sequence does not fit, naming setting ``source``; else None."""

@@ -190,9 +190,9 @@ def test_bad_data_parallel_flags_and_llm_is_one_replica(capsys):
     from pagedllm.entrypoints.cli import main
 
     assert main(["serve", "--data-parallel-size", "0"]) == 2
-    assert "data_parallel_size must be a positive integer" in capsys.readouterr().err
+    assert "--data-parallel-size must be a positive integer" in capsys.readouterr().err
     assert main(["serve", "--data-parallel-router", "random"]) == 2
-    assert "data_parallel_router" in capsys.readouterr().err
+    assert "--data-parallel-router" in capsys.readouterr().err
     with pytest.raises(ValueError, match="data_parallel_size=2: an LLMEngine .and LLM. is one replica"):
         LLM("no-such-model", data_parallel_size=2)
 
