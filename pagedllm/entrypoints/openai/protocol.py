@@ -420,20 +420,22 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, m
                      metrics=usage_metrics(metrics) if metrics else None)
 
 
-class CompletionResponse(OpenAIBase):
+class _Envelope(OpenAIBase):
+    """The fields every completion and chat response (and chunk) opens with, in OpenAI's order."""
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+
+
+class CompletionResponse(_Envelope):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: UsageInfo
 
 
-class CompletionStreamResponse(OpenAIBase):
-    id: str
+class CompletionStreamResponse(_Envelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -554,11 +556,8 @@ class ChatCompletionChoice(OpenAIBase):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(OpenAIBase):
-    id: str
+class ChatCompletionResponse(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
@@ -580,11 +579,8 @@ class ChatStreamChoice(OpenAIBase):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionStreamResponse(OpenAIBase):
-    id: str
+class ChatCompletionStreamResponse(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
 

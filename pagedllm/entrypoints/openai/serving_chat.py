@@ -148,6 +148,11 @@ class OpenAIServingChat(OpenAIServing):
             usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=num_reasoning)
         return usage
 
+    def _choice_fields(self, req: ChatCompletionRequest, c, finish_reason: str | None) -> dict:
+        """What a choice and a streamed choice share: index, logprobs, finish and stop reasons."""
+        return {"index": c.index, "logprobs": self._logprobs(req, c) if req.logprobs else None,
+                "finish_reason": finish_reason, "stop_reason": c.stop_reason}
+
     def _response(self, req: ChatCompletionRequest, request_id: str, created: int, out: RequestOutput,
                   run: ChatRun) -> ChatCompletionResponse:
         choices = []
@@ -156,10 +161,7 @@ class OpenAIServingChat(OpenAIServing):
             content, tool_calls, finish_reason = run.parts(c)
             message = ChatResponseMessage(content=content, tool_calls=tool_calls, reasoning_content=reasoning,
                                           reasoning=reasoning)
-            choices.append(ChatCompletionChoice(
-                index=c.index, message=message,
-                logprobs=self._logprobs(req, c) if req.logprobs else None,
-                finish_reason=finish_reason, stop_reason=c.stop_reason))
+            choices.append(ChatCompletionChoice(message=message, **self._choice_fields(req, c, finish_reason)))
         num_completion = sum(len(c.token_ids) for c in out.outputs)
         num_reasoning = None if run.reasoning is None else sum(
             run.reasoning.num_tokens(c.token_ids, c.text, self._encode) for c in out.outputs)
@@ -215,10 +217,7 @@ class OpenAIServingChat(OpenAIServing):
                     continue  # a parser holds this text back: nothing to send (as vLLM)
                 delta = DeltaMessage(content=content, tool_calls=tool_calls, reasoning_content=reasoning,
                                      reasoning=reasoning)
-                choices.append(ChatStreamChoice(
-                    index=c.index, delta=delta,
-                    logprobs=self._logprobs(req, c) if req.logprobs else None,
-                    finish_reason=finish_reason, stop_reason=c.stop_reason))
+                choices.append(ChatStreamChoice(delta=delta, **self._choice_fields(req, c, finish_reason)))
             if choices:
                 yield chunk(choices, usage() if req.include_usage_in_every_chunk else None)
         if req.include_usage_in_stream:

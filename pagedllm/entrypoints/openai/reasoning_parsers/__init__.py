@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedllm.entrypoints.openai.parser_registry import detect, lookup
 from pagedllm.entrypoints.openai.reasoning_parsers.base import (
     ReasoningParser, ReasoningSplit, prompt_reasoning_state)
 from pagedllm.entrypoints.openai.reasoning_parsers.deepseek_r1 import DeepSeekR1ReasoningParser
@@ -13,18 +14,12 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
     """The parser registered as ``name``. Raises ValueError listing the known names."""
-    try:
-        return REASONING_PARSERS[name]
-    except KeyError:
-        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}") from None
+    return lookup(REASONING_PARSERS, name, "reasoning parser")
 
 
 def detect_reasoning_parser(chat_template: str | None) -> type[ReasoningParser] | None:
     """The parser whose ``<think>`` format ``chat_template`` writes, or None."""
-    for cls in REASONING_PARSERS.values():
-        if chat_template and cls.matches_template(chat_template):
-            return cls
-    return None
+    return detect(REASONING_PARSERS, chat_template)
 
 
 __all__ = ["REASONING_PARSERS", "ReasoningParser", "ReasoningSplit", "detect_reasoning_parser",

@@ -4,6 +4,7 @@ to the same calls."""
 
 from __future__ import annotations
 
+from pagedllm.entrypoints.openai.parser_registry import detect, lookup
 from pagedllm.entrypoints.openai.tool_parsers.base import ExtractedToolCalls, ToolCallDelta, ToolParser
 from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagedllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
@@ -19,18 +20,12 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 
 def get_tool_parser(name: str) -> type[ToolParser]:
     """The parser class registered as ``name``. Raises ValueError listing the known names."""
-    try:
-        return TOOL_PARSERS[name]
-    except KeyError:
-        raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}") from None
+    return lookup(TOOL_PARSERS, name, "tool-call parser")
 
 
 def detect_tool_parser(chat_template: str | None) -> type[ToolParser] | None:
     """The parser whose format ``chat_template`` teaches the model, or None (no tool format)."""
-    for cls in TOOL_PARSERS.values():
-        if chat_template and cls.matches_template(chat_template):
-            return cls
-    return None
+    return detect(TOOL_PARSERS, chat_template)
 
 
 __all__ = ["ExtractedToolCalls", "ToolCallDelta", "ToolParser", "TOOL_PARSERS", "get_tool_parser",
