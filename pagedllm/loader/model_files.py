@@ -146,8 +146,8 @@ def max_model_len_of(config: PretrainedConfig) -> int:
     """The context length a config allows, in tokens.
 
     The smallest of the length fields vLLM reads (``max_position_embeddings``, ``n_positions``,
-    ...), multiplied by the rope scaling factor for ``linear``/``dynamic``/``yarn`` scaling
-    (yarn: from ``original_max_position_embeddings``), following vLLM's
+    ...), multiplied by the rope scaling factor for ``linear``/``yarn`` scaling (yarn: from
+    ``original_max_position_embeddings``; ``dynamic`` stays at the trained length), following vLLM's
     ``_get_and_verify_max_len``. Raises ValueError if the config names no length.
     """
     config = getattr(config, "text_config", None) or config
@@ -157,7 +157,7 @@ def max_model_len_of(config: PretrainedConfig) -> int:
     length = min(lengths)
     rope = _rope_params(config)
     factor = rope.get("factor")
-    if rope.get("rope_type") in ("linear", "dynamic", "yarn") and factor:
+    if rope.get("rope_type") in ("linear", "yarn") and factor:
         if rope.get("rope_type") == "yarn":
             length = rope.get("original_max_position_embeddings", length)
         length = int(length * factor)

@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineInput
 from pagedllm.engine.detokenizer import token_bytes, token_text
 from pagedllm.engine.errors import ContextLengthError
+from pagedllm.core.step_failure import InputError
 from pagedllm.engine.request_stream import RequestStream, merge_streams
 from pagedllm.entrypoints.openai.errors import APIError, to_api_error
 from pagedllm.outputs import RequestOutput
@@ -150,7 +151,8 @@ def json_response(model: Any, status_code: int = 200) -> Response:
 def raise_if_failed(out: Any) -> None:
     """Raise APIError(500) when a RequestOutput reports a failure inside the engine."""
     if out.error is not None:
-        raise APIError(500, f"the request failed inside the engine: {out.error}")
+        status = 400 if isinstance(out.error, InputError) else 500
+        raise APIError(status, f"the request failed inside the engine: {out.error}")
 
 
 async def guarded_sse(events: Any, streams: list) -> Any:
