@@ -145,7 +145,7 @@ class EngineConfig:
     debug_integrity_checks: bool = _f(False, "check block pool and scheduler invariants after every step (slow)")
     kv_offload_memory: int | str | None = _f(None, "host-RAM tier of the prefix cache in bytes or like '4GiB': blocks evicted from the KV pool are kept there and copied back on a hit (default: off)")
     kv_offload_dir: str | None = _f(None, "folder of the disk tier of the prefix cache (one safetensors file per block; survives restarts; default: off)")
-    kv_offload_disk_space: int | str = _f("8GiB", "most bytes the disk tier keeps in kv_offload_dir (least recently used blocks go first)")
+    kv_offload_disk_space: int | str | None = _f(None, "most bytes the disk tier keeps in kv_offload_dir (least recently used blocks go first; default: the smaller of 8 GiB and half the folder's free space at start)")
     preemption_mode: str = _f("recompute", "how a request is preempted when blocks run out: recompute (free its K/V, recompute on resumption), swap (copy its blocks to the swap space and back), or auto (per request, whichever costs less by measured prefill speed and copy bandwidth); swap falls back to recompute when the swap space is full")
     swap_space: int | str = _f("4GiB", "swap space for preemption_mode swap/auto, in bytes or like '4GiB' (host memory)")
     usage_metrics: bool = _f(True, "report each request's cache story in the server's usage (usage.metrics: cached tokens by tier, preemptions and their modes, queue / prefill / decode time); --no-usage-metrics leaves it out")
@@ -187,7 +187,8 @@ class EngineConfig:
             parse_bytes(self.kv_cache_memory)
         if self.kv_offload_memory is not None:
             parse_bytes(self.kv_offload_memory, "kv_offload_memory")
-        parse_bytes(self.kv_offload_disk_space, "kv_offload_disk_space")
+        if self.kv_offload_disk_space is not None:
+            parse_bytes(self.kv_offload_disk_space, "kv_offload_disk_space")
         parse_bytes(self.swap_space, "swap_space")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
@@ -294,7 +295,11 @@ class EngineConfig:
 
     @property
     def kv_offload_disk_space_bytes(self) -> int:
-        """The disk tier's bound in bytes."""
+        """The disk tier's bound in bytes (the default needs ``kv_offload_dir`` to exist)."""
+        if self.kv_offload_disk_space is None:
+            import shutil
+
+            return min(8 << 30, shutil.disk_usage(self.kv_offload_dir).free // 2)
         return parse_bytes(self.kv_offload_disk_space, "kv_offload_disk_space")
 
     @property
