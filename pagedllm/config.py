@@ -149,6 +149,7 @@ class EngineConfig:
     preemption_mode: str = _f("recompute", "how a request is preempted when blocks run out: recompute (free its K/V, recompute on resumption), swap (copy its blocks to the swap space and back), or auto (per request, whichever costs less by measured prefill speed and copy bandwidth); swap falls back to recompute when the swap space is full")
     swap_space: int | str = _f("4GiB", "swap space for preemption_mode swap/auto, in bytes or like '4GiB' (host memory)")
     usage_metrics: bool = _f(True, "report each request's cache story in the server's usage (usage.metrics: cached tokens by tier, preemptions and their modes, queue / prefill / decode time); --no-usage-metrics leaves it out")
+    usage_cached_tokens: bool = _f(True, "report prompt_tokens_details.cached_tokens (and cached tokens by tier) in the server's usage; it tells a client how much of its prompt was already cached (docs/robustness.md); --no-usage-cached-tokens leaves it out")
     tensor_parallel_size: int = _f(1, "ranks (processes; GPUs on CUDA) the model's weights and KV heads are split "
                                       "across, Megatron-style; must divide the attention heads")
     worker_timeout_s: float = _f(300.0, "tensor parallelism: seconds a collective or a call may wait on a worker "

@@ -109,6 +109,7 @@ class SamplingParams:
                                                   "max_model_len with max_tokens)")
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    cache_salt: str | None = _f(None, "prefix-cache namespace: requests share cached blocks only with the same salt")
     # Filled in by the engine (tokenizer-dependent), not by users.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -175,6 +176,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams)):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 

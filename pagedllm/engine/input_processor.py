@@ -4,7 +4,7 @@ tokenize a chat conversation, and check a prompt and its SamplingParams against 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Union
 
 import jinja2
@@ -113,6 +113,8 @@ class InputProcessor:
         (unless ``ignore_eos``); ``max_tokens`` None becomes what is left of ``max_model_len``.
         """
         full = self.tokenize(prompt)
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:  # vLLM's prompt-level salt
+            params = replace(params, cache_salt=prompt["cache_salt"])
         params.validate_for_model(self.vocab_size, self.max_logprobs)
         ids = self._truncate(full, params)
         max_tokens = self._resolve_max_tokens(len(ids), params)

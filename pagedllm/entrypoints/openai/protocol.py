@@ -153,6 +153,7 @@ class _Request(_RequestBase):
     temperature: float | None = Field(None, ge=0, strict=True)
     top_p: float | None = Field(None, gt=0, le=1, strict=True)
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    cache_salt: NonEmptyStr | None = None
     stream: StrictBool = False
     stream_options: "StreamOptions | None" = None
     seed: int | None = Field(None, ge=-(2**63 - 1), le=2**63 - 1, strict=True)
@@ -376,13 +377,17 @@ def usage_metrics(metrics: list) -> UsageMetrics:
                         decode_time=_longest([m.decode_time for m in metrics]))
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, metrics: list | None = None
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None, metrics: list | None = None
                ) -> UsageInfo:
-    """OpenAI's usage; ``metrics`` (the requests' ``RequestMetrics``) adds ``usage.metrics``."""
+    """OpenAI's usage; ``metrics`` (the requests' ``RequestMetrics``) adds ``usage.metrics``.
+    ``cached_tokens`` None leaves every cached-token count out (``prompt_tokens_details``, by tier)."""
+    story = usage_metrics(metrics) if metrics else None
+    if story is not None and cached_tokens is None:
+        story.cached_tokens_by_tier = {}
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-                     metrics=usage_metrics(metrics) if metrics else None)
+                     metrics=story, prompt_tokens_details=None if cached_tokens is None
+                     else PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class CompletionResponse(OpenAIBase):

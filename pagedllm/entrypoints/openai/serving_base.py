@@ -53,6 +53,10 @@ class OpenAIServing:
             return None
         return [o.metrics for o in outputs if o is not None and o.metrics is not None]
 
+    def cached_tokens(self, num_cached: int) -> int | None:
+        """``num_cached`` for ``usage``, or None when ``usage_cached_tokens`` is off."""
+        return num_cached if self.engine.config.usage_cached_tokens else None
+
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]

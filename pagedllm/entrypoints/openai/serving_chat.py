@@ -111,7 +111,7 @@ class OpenAIServingChat(OpenAIServing):
         num_completion = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                       usage=make_usage(len(out.prompt_token_ids), num_completion,
-                                                       out.num_cached_tokens, self.story(out)),
+                                                       self.cached_tokens(out.num_cached_tokens), self.story(out)),
                                       prompt_logprobs=make_prompt_logprobs(out.prompt_logprobs, self.token_text))
 
     def _logprobs(self, req: ChatCompletionRequest, c: CompletionOutput) -> ChatChoiceLogprobs:
@@ -160,4 +160,4 @@ class OpenAIServingChat(OpenAIServing):
             if choices:
                 yield chunk(choices)
         if req.include_usage_in_stream:
-            yield chunk([], make_usage(num_prompt, num_completion, num_cached, self.story(last)))
+            yield chunk([], make_usage(num_prompt, num_completion, self.cached_tokens(num_cached), self.story(last)))
