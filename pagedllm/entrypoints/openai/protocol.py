@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_serializer,
 
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_of
 from pagedllm.entrypoints.openai.tools import DeltaToolCallItem, ToolCallItem
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams, sampling_field_names
+from pagedllm.sampling_params import MAX_PROMPTS, RequestOutputKind, SamplingParams, sampling_field_names
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -249,9 +249,10 @@ class _ChatTemplateFlags(BaseModel):
 class CompletionRequest(_Request):
     """``POST /v1/completions``. ``prompt``: a string, strings, token ids, or lists of token ids."""
 
-    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)]
              | Annotated[list[TokenId], Field(min_length=1)]
-             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]) = Field(
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
         description=_CONTEXT_RULE.replace("{field}", "prompt") + " With several prompts, each must fit.")
     max_tokens: int | None = Field(16, ge=0, strict=True,
                                    description=_MAX_TOKENS_RULE.replace("{field}", "prompt")
