@@ -150,6 +150,7 @@ class EngineConfig:
     swap_space: int | str = _f("4GiB", "swap space for preemption_mode swap/auto, in bytes or like '4GiB' (host memory)")
     usage_metrics: bool = _f(True, "report each request's cache story in the server's usage (usage.metrics: cached tokens by tier, preemptions and their modes, queue / prefill / decode time); --no-usage-metrics leaves it out")
     usage_cached_tokens: bool = _f(True, "report prompt_tokens_details.cached_tokens (and cached tokens by tier) in the server's usage; it tells a client how much of its prompt was already cached (docs/robustness.md); --no-usage-cached-tokens leaves it out")
+    trust_request_chat_template: bool = _f(False, "render a chat_template sent in a request (refused with 400 otherwise, as vLLM): a template is code the server runs")
     tensor_parallel_size: int = _f(1, "ranks (processes; GPUs on CUDA) the model's weights and KV heads are split "
                                       "across, Megatron-style; must divide the attention heads")
     worker_timeout_s: float = _f(300.0, "tensor parallelism: seconds a collective or a call may wait on a worker "

@@ -63,6 +63,9 @@ class OpenAIServingChat(OpenAIServing):
         ``chat_template``: a request's own template, over the server's and the model's;
         ``tools``: passed to the template.
         """
+        if chat_template is not None and not self.engine.config.trust_request_chat_template:
+            raise APIError(400, "chat_template in a request is refused: the server runs it as code "
+                           "(start it with --trust-request-chat-template to allow it)", "chat_template")
         template = chat_template or self.chat_template
         kwargs = {"continue_final_message": True} if continue_final_message else {}
         if tools:
