@@ -11,6 +11,7 @@ import jinja2
 
 from pagedllm.engine.chat import normalize_conversation
 from pagedllm.engine.errors import ContextLengthError
+from pagedllm.engine.special_text import encode_rendered, mask_special_texts, special_texts
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict]
@@ -45,6 +46,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self.extra_stop_token_ids = extra_stop_token_ids
+        self._special_texts = special_texts(tokenizer)  # typed in a message, they stay text
 
     def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt, a token-id list, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": str}``.
@@ -89,7 +91,7 @@ class InputProcessor:
         error): naming ``chat_template`` for a template passed in, else ``messages`` (the
         model's template refused them), as vLLM answers 400 for either.
         """
-        messages = normalize_conversation(conversation)
+        messages, replaced = mask_special_texts(normalize_conversation(conversation), self._special_texts)
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise ValueError("this model has no chat template; pass chat_template= or use a plain prompt")
@@ -104,7 +106,7 @@ class InputProcessor:
             where = ("chat_template could not render the conversation" if chat_template
                      else "messages: the model's chat template refused the conversation")
             raise ValueError(f"{where}: {e}") from e
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return encode_rendered(self.tokenizer.encode, text, replaced)
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         """Tokenize and check ``prompt`` with ``params``. Raises ValueError naming what is wrong.
