@@ -1,10 +1,5 @@
-"""Message contents as text: a special-token string typed in a message never becomes a control token.
-
-The rendered template is tokenized with special tokens parsed, as it must be (the template writes
-its own control tokens as text). Special-token strings inside message contents are first swapped
-for private-use sentinels; the rendered text is cut at them and each is encoded as the plain text
-it stood for (``split_special_tokens``). A conversation without such strings is tokenized as before.
-"""
+"""Special-token strings typed in message contents stay text: they pass the template as private-use
+sentinels, and each sentinel is encoded as the plain text it stands for (``split_special_tokens``)."""
 
 from __future__ import annotations
 
@@ -23,8 +18,7 @@ def special_texts(tokenizer) -> list[str]:
 
 
 def mask_special_texts(messages: list[dict], specials: list[str]) -> tuple[list[dict], list[str]]:
-    """``messages`` with every special-token string in a text content replaced by a sentinel, and
-    the strings replaced (sentinel ``i`` stands for ``strings[i]``)."""
+    """``messages`` with special-token strings in text contents as sentinels; sentinel i is ``replaced[i]``."""
     if not specials:
         return messages, []
     pattern = re.compile("|".join(map(re.escape, specials)))
@@ -40,8 +34,7 @@ def mask_special_texts(messages: list[dict], specials: list[str]) -> tuple[list[
 
 
 def encode_rendered(encode: Callable[..., list[int]], text: str, replaced: list[str]) -> list[int]:
-    """Token ids of a rendered template: ``encode(text, add_special_tokens=False)``, with each
-    sentinel encoded as the plain text of the string it replaced."""
+    """``encode(text, add_special_tokens=False)``, each sentinel encoded as plain text."""
     if not replaced:
         return encode(text, add_special_tokens=False)
     ids, start = [], 0

@@ -1,5 +1,4 @@
-"""The engine's side of a step failure that names its requests: the step without them, and the
-output that ends them while every other scheduled request runs again next step."""
+"""A step without some requests, and the output of a step that ran none of its requests."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Stop strings matched over a growing text with an Aho–Corasick automaton (Aho & Corasick, 1975).
-
-Memory is O(total length of the stop strings) and each appended character costs amortised O(1),
-so a long stop string never materialises its prefixes. The automaton's state after the text is
-the longest suffix of the text that is a prefix of some stop string: the text held back while a
-match may still complete.
-"""
+"""Stop strings matched over a growing text by an Aho–Corasick automaton (Aho & Corasick, 1975):
+memory O(total stop length), amortised O(1) per character. Its state is the longest suffix of the
+text that is a prefix of a stop string (the text held back)."""
 
 from __future__ import annotations
 
@@ -25,7 +21,7 @@ class StopMatcher:
         self._build()
 
     def _build(self) -> None:
-        """Nodes are created breadth first, so every fail link points to a finished node."""
+        # breadth first: every fail link points to a node already finished
         nodes = [0] * len(self.stops)
         for depth in range(max(len(s) for s in self.stops)):
             created = []
@@ -62,9 +58,8 @@ class StopMatcher:
             state = self._fail[state]
 
     def feed(self, text: str, report: bool = True) -> tuple[int, str] | None:
-        """Advance over ``text``. With ``report``, stops at the first stop string that ends in it
-        (the longest of those ending at that character) and returns ``(end, stop)``, ``end``
-        counted in characters of ``text``; otherwise returns None after the whole text."""
+        """Advance over ``text``; with ``report``, stop at the first stop string ending in it (the
+        longest there) and return ``(end, stop)``, ``end`` in characters of ``text``."""
         state, match = self._state, self._match
         for i, char in enumerate(text):
             state = self._step(state, char)
