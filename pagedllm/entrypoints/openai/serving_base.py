@@ -153,7 +153,7 @@ def json_response(model: Any, status_code: int = 200) -> Response:
 
 
 def raise_if_failed(out: Any) -> None:
-    """Raise APIError(500) when a RequestOutput reports a failure inside the engine."""
+    """Raise APIError when a RequestOutput reports a failure inside the engine: 400 for an InputError, else 500."""
     if out.error is not None:
         status = 400 if isinstance(out.error, InputError) else 500
         raise APIError(status, f"the request failed inside the engine: {out.error}")
