@@ -72,11 +72,11 @@ def decode_metadata(seq_lens: list[int], block_size: int, gen: torch.Generator) 
 def time_layers(backend, inputs, caches, meta: AttentionMetadata) -> float:
     """Seconds per layer of one step: len(caches) backend calls under one forward context."""
     query, key, value = inputs
-    scale = HEAD_DIM**-0.5
+    impl = backend.make_impl(HEAD_DIM**-0.5)
     t0 = time.perf_counter()
     with set_forward_context(meta):
         for cache, scales in caches:
-            backend.forward(query, key, value, cache, meta, scale, **scales)
+            impl.forward(query, key, value, cache, meta, **scales)
     return (time.perf_counter() - t0) / len(caches)
 
 
@@ -104,7 +104,7 @@ def bench_attention(args, name: str, backends: dict[str, object]) -> dict[str, f
               torch.randn(args.batch, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype),
               torch.randn(args.batch, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype))
     with set_forward_context(meta):  # same answer from all (sanity check, not a test)
-        outs = [b.forward(*inputs, caches[0][0].clone(), meta, HEAD_DIM**-0.5, **caches[0][1]).float()
+        outs = [b.make_impl(HEAD_DIM**-0.5).forward(*inputs, caches[0][0].clone(), meta, **caches[0][1]).float()
                 for b in backends.values()]
     max_diff = max((outs[0] - out).abs().max().item() for out in outs[1:])
     samples: dict[str, list[float]] = {name: [] for name in backends}

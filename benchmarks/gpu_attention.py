@@ -109,15 +109,16 @@ def time_point(reqs, backends) -> dict[str, float]:
 
     query, key, value, cache, meta = make_batch(reqs)
     scale = HEAD_DIM**-0.5
-    ref = backends["torch"].forward(query, key, value, cache, meta, scale)
+    ref = backends["torch"].make_impl(scale).forward(query, key, value, cache, meta)
     times = {}
     for name, backend in backends.items():
         with set_forward_context(meta):
-            out = backend.forward(query, key, value, cache, meta, scale)
+            out = backend.make_impl(scale).forward(query, key, value, cache, meta)
             err = (out.float() - ref.float()).abs().max().item()
             if err > 2e-2:
                 raise SystemExit(f"{name} disagrees with torch by {err} on {reqs[:3]}...")
-            times[name] = bench_ms(lambda b=backend: b.forward(query, key, value, cache, meta, scale))
+            impl = backend.make_impl(scale)
+            times[name] = bench_ms(lambda impl=impl: impl.forward(query, key, value, cache, meta))
     return times
 
 

@@ -53,8 +53,9 @@ def time_dtype(reqs, name: str) -> tuple[float, float, torch.Tensor]:
     backend = TritonPagedAttention()
     extra = {"kv_scales": scales} if scales is not None else {}
     scale = HEAD_DIM**-0.5
-    out = backend.forward(query, key, value, cache, meta, scale, **extra)
-    ms = bench_ms(lambda: backend.forward(query, key, value, cache, meta, scale, **extra))
+    impl = backend.make_impl(scale)
+    out = impl.forward(query, key, value, cache, meta, **extra)
+    ms = bench_ms(lambda: impl.forward(query, key, value, cache, meta, **extra))
     kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * spec.bytes_per_token_head(HEAD_DIM)
     return ms, kv_bytes, out
 

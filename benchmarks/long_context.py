@@ -128,13 +128,13 @@ class PagedLLM:
     def label_prefill_attention(self) -> None:
         """Make the backend's prefill attention one labelled profiler range (its C kernel is not a torch op)."""
         import torch
-        backend = self.llm.llm_engine.runner.model.model.layers[0].self_attn.attn.backend  # shared by all layers
-        prefill = backend._prefill
+        impl_cls = type(self.llm.llm_engine.runner.model.model.layers[0].self_attn.attn.impl)  # every layer's
+        prefill = impl_cls._prefill
 
         def labelled(*args, **kwargs):
             with torch.profiler.record_function("pagedllm::prefill_attention"):
                 return prefill(*args, **kwargs)
-        backend._prefill = labelled
+        impl_cls._prefill = labelled
 
     def run(self, prompt: list[int], new_tokens: int) -> dict:
         """The engine's own step loop (what ``LLM.generate`` runs), timed at the first token; the

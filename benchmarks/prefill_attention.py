@@ -67,9 +67,10 @@ def attention_flops(context: int, chunk: int, shape: tuple[int, int, int], windo
 def time_call(backend, case, scale: float, window: int | None, soft_cap: float | None) -> tuple[float, float, torch.Tensor]:
     """(thread CPU seconds, peak RSS above start in MiB, output) of one forward call."""
     query, key, value, cache, meta = case
+    impl = backend.make_impl(scale, sliding_window=window, logit_soft_cap=soft_cap)
     with set_forward_context(meta), PeakRss() as rss:
         t0 = time.thread_time()
-        out = backend.forward(query, key, value, cache, meta, scale, sliding_window=window, logit_soft_cap=soft_cap)
+        out = impl.forward(query, key, value, cache, meta)
         elapsed = time.thread_time() - t0
     return elapsed, rss.peak_above_start / 2**20, out
 

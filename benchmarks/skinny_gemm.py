@@ -1,4 +1,4 @@
-"""The skinny GEMM (pagedllm/ops/skinny_gemm.c) against oneDNN and torch on a decode step's linears.
+"""The skinny GEMM (pagedllm/native/skinny_gemm.c) against oneDNN and torch on a decode step's linears.
 
 Two parts, one process, paths alternated so they see the same machine load:
 

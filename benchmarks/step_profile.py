@@ -92,7 +92,7 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
     clock = time.process_time
     layer = eng.runner.model.model.layers[0]
     parts = [(Linear, "forward", "linear"), (RMSNorm, "forward", "rms_norm"),
-             (layer.self_attn.attn.backend, "forward", "attention"), (eng.runner, "_sample", "sample")]
+             (type(layer.self_attn.attn.impl), "forward", "attention"), (eng.runner, "_sample", "sample")]
     kernel = getattr(layer.self_attn.attn.backend, "kernel", None)
     parts += [(kernel, name, "c_kernels") for name in ("decode", "prefill", "write") if hasattr(kernel, name)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in parts]
@@ -210,9 +210,10 @@ def main() -> None:
     wrap(runner, "_order_batch", acc, "input_prep")
     wrap(runner, "_prepare_inputs", acc, "input_prep")
     wrap(runner.model, "forward", acc, "forward")
-    backend = runner.model.model.layers[0].self_attn.attn.backend  # one backend object shared by all layers
-    if hasattr(backend, "_decode"):
-        wrap(backend, "_decode", acc, "forward.decode_attention")
+    attn = runner.model.model.layers[0].self_attn.attn
+    backend = attn.backend  # one backend object shared by all layers
+    if hasattr(attn.impl, "_decode"):
+        wrap(type(attn.impl), "_decode", acc, "forward.decode_attention")
     call_fns = getattr(getattr(backend, "kernel", None), "call_fns", {})  # the decode plan's kernel calls
     for dtype, fn in call_fns.items():
         call_fns[dtype] = _cpu_timed(fn, acc, "forward.decode_attention", time.perf_counter)

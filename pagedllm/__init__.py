@@ -1,11 +1,4 @@
-"""pagedllm: LLM inference and serving with a paged KV-cache.
-
-Public API (imported lazily so ``import pagedllm.core`` needs no torch)::
-
-    from pagedllm import LLM, SamplingParams
-    llm = LLM(model="smollm2-135m-instruct", enable_prefix_caching=True)
-    outputs = llm.generate(["Hello"], SamplingParams(temperature=0.7, top_p=0.9))
-"""
+"""pagedllm: LLM inference and serving with a paged KV-cache. Names import lazily: ``pagedllm.core`` needs no torch."""
 
 from __future__ import annotations
 
@@ -15,13 +8,9 @@ from typing import Any
 
 from pagedllm import runtime_env
 
-# Idle OpenMP threads sleep (PASSIVE) unless the user sets OMP_WAIT_POLICY: a decode step is
-# hundreds of short parallel regions, and on a machine where other processes compete for the
-# cores a spinning team waits at every barrier for a descheduled thread, many times slower.
-# On a dedicated machine spinning is faster: set OMP_WAIT_POLICY=ACTIVE (both measured by
-# benchmarks/omp_wait_policy.py). Only effective before torch is first imported.
+# A decode step is hundreds of short parallel regions; on shared cores a spinning team waits at every
+# barrier for a descheduled thread (benchmarks/omp_wait_policy.py). Read when torch is first imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# LRU_CACHE_CAPACITY=0 crashes oneDNN on the first linear layer: replaced, with a warning.
 runtime_env.apply(os.environ)
 
 __version__ = "0.1.0"

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import re
 from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
 
-from pagedllm.compilation.config import CompilationConfig
+from pagedllm import envs
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # `serve` on CPU: prompt tokens a step may carry while requests decode. On CPU a step's time
@@ -36,6 +39,7 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's int4 CPU kernel
 DATA_PARALLEL_ROUTERS = ("prefix", "least_loaded", "round_robin")
 # Who runs the tensor-parallel workers (vLLM's names): processes on this machine, or Ray actors.
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+ATTENTION_BACKENDS = envs.ATTENTION_BACKEND.choices
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
           "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
@@ -85,89 +89,66 @@ class EngineConfig:
 
     model: str = _f(DEFAULT_MODEL, "model alias, path to a .gguf file, or a Hugging Face model folder")
     tokenizer: str | None = _f(None, "tokenizer folder or .gguf (default: the model's own)")
-    dtype: str = _f("auto", "weights and activations dtype: auto, float32, bfloat16, float16 (auto = float32 on CPU, bfloat16 on CUDA)")
+    dtype: str = _f("auto", "weights and activations: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     device: str = _f("auto", "auto, cpu or cuda")
-    quantization: str | None = _f(None, "keep weights quantized at run time: int8 (per-channel), int4 (group "
-                                  "scales), gguf (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K blocks kept packed); "
-                                  "default: float weights in dtype")
+    quantization: str | None = _f(None, "keep weights quantized at run time: int8, int4 or gguf (default: float weights in dtype)")
     quantization_group_size: int = _f(128, "int4 group size in input features: 32, 64, 128 or 256")
-    kv_cache_dtype: str = _f("auto", "KV-cache storage: auto (the model dtype), bfloat16, fp8 (= fp8_e4m3), "
-                             "fp8_e5m2, int8 (per token-and-head scales)")
+    kv_cache_dtype: str = _f("auto", "KV-cache storage: auto (the model dtype), bfloat16, fp8 (= fp8_e4m3), fp8_e5m2, int8")
     seed: int = _f(0, "global random seed (requests without their own seed)")
     max_model_len: int | None = _f(None, "maximum tokens per sequence, prompt + output (default: the model's context length)")
     block_size: int = _f(16, "tokens per KV-cache block (power of two, 1..256)")
     gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory the engine may use (CUDA only)")
     kv_cache_memory: int | str | None = _f(None, "KV pool size on CPU in bytes or like '2GiB' (default 1GiB)")
+    attention_backend: str | None = _f(
+        None, "attention kernels: auto, torch, cpu, triton or flashinfer (default: $PAGEDLLM_ATTENTION_BACKEND, "
+              "else auto)")
     enforce_eager: bool = _f(False, "run every step eagerly: no CUDA graphs for decode, no torch.compile")
     compilation_config: int | str | dict | None = _f(
-        None, "torch.compile the model's forward (CPU; vLLM's option): a mode, 0 = eager or 3 = compiled, or a JSON "
-              "object such as '{\"mode\": 3, \"dynamic\": true, \"inductor_compile_config\": {\"freezing\": "
-              "true}}'; compiles at start-up; compiled float32 rounds differently from eager; enforce_eager wins "
-              "(default: eager)")
+        None, "torch.compile the forward (CPU): 0 = eager, 3 = compiled, or a JSON object of vLLM's "
+              "fields; enforce_eager wins (default: eager)")
     num_kv_blocks: int | None = _f(None, "override the number of KV blocks (tests, benchmarks)")
     enable_prefix_caching: bool = _f(True, "share KV blocks between requests with a common prompt prefix")
     enable_chunked_prefill: bool = _f(True, "split long prompts across steps under the token budget")
     max_num_seqs: int = _f(128, "most sequences running at once")
     max_num_batched_tokens: int | None = _f(None, "token budget per step (default 2048 with chunked prefill, else max_model_len)")
     max_prefill_tokens_while_decoding: int | None = _f(
-        None, "while requests are decoding, at most this many prompt tokens per step (chunked prefill): bounds "
-              "inter-token latency; default: off offline, "
-              f"{SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING} for `serve` on CPU (benchmarks/serving.py)")
+        None, "at most this many prompt tokens per step while requests decode (default: off offline, "
+              f"{SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING} for `serve` on CPU)")
     max_step_time_ratio: float | None = _f(
-        None, "time-aware token budget (chunked prefill): while requests decode, prompt tokens join a step only "
-              "as far as the step-cost model, measured online from the engine's own steps, predicts the step "
-              "within this multiple of the same step without them, so a decoding stream's inter-token gap grows "
-              "at most this factor (a number >= 1, e.g. 2; 0 or unset = off: against `serve`'s fixed cap on a "
-              "2-core CPU it shortens inter-token gaps but delays first tokens, README result 8); the step's first prompt chunk always gets at least "
-              "min_prefill_tokens_while_decoding tokens, so every prompt progresses; replaces `serve`'s default cap")
-    max_step_time_ms: float | None = _f(
-        None, "time-aware token budget: while requests decode, a step may also grow to this many milliseconds "
-              "when that allows more prompt tokens than max_step_time_ratio (an inter-token latency target: "
-              "slack for new prompts when decode steps are short; 0 = off; default: off)")
+        None, "time-aware budget: prompt tokens join a decoding step while its predicted time stays within "
+              "this multiple of the step without them (a number >= 1; 0 = off; default: off)")
+    max_step_time_ms: float | None = _f(None, "time-aware budget: a decoding step may also grow to this many milliseconds (0 = off; default: off)")
     min_prefill_tokens_while_decoding: int | None = _f(
-        None, "time-aware token budget: the first prompt chunk of a step in which requests decode may always take "
-              "this many tokens, whatever the step-cost model predicts, so short decode steps (few streams) do not "
-              "slow admission below it (default: block_size; "
+        None, "time-aware budget: prompt tokens a decoding step may always take (default: block_size; "
               f"{SERVING_CPU_MIN_PREFILL_TOKENS_WHILE_DECODING} for `serve` on CPU)")
     long_prefill_token_threshold: int = _f(
-        0, "chunked prefill: a prompt with more than this many tokens left to compute is long, and computes at "
-           "most this many per step (vLLM's name; 0 = off; default: off, or 4% of max_model_len when "
-           "max_num_partial_prefills > 1)")
-    max_num_partial_prefills: int = _f(1, "chunked prefill: most requests whose prompt is partly computed at the end "
-                                          "of a step")
-    max_long_partial_prefills: int = _f(1, "chunked prefill: most long prompts (long_prefill_token_threshold) partly "
-                                           "computed at once; a long prompt beyond it lets shorter ones pass it "
-                                           "(at most max_num_partial_prefills)")
+        0, "a prompt with more tokens left than this is long and computes at most this many per step "
+           "(0 = off; default: off, or 4% of max_model_len when max_num_partial_prefills > 1)")
+    max_num_partial_prefills: int = _f(1, "most requests whose prompt is partly computed at the end of a step")
+    max_long_partial_prefills: int = _f(1, "most long prompts partly computed at once (shorter prompts pass them)")
     scheduling_policy: str = _f("fcfs", "fcfs or priority")
     batching: str = _f("continuous", "continuous, or static (admit a batch, wait for all of it; benchmarks only)")
     max_logprobs: int = _f(20, "largest logprobs / prompt_logprobs a request may ask for")
     max_waiting_requests: int | None = _f(None, "reject new requests (HTTP 503) beyond this many waiting")
-    max_connections: int | None = _f(None, "most concurrent client connections and requests of the server; beyond, HTTP 503 (default: no limit)")
-    max_header_bytes: int = _f(16384, "largest request head (request line and headers) the server reads; beyond, the connection is refused")
-    keep_alive_timeout_s: int = _f(5, "seconds an idle keep-alive connection stays open")
-    request_head_timeout_s: int = _f(10, "seconds a client may take to send a request head (line and headers); then the connection is closed")
+    max_connections: int | None = _f(None, "`serve`: most concurrent connections and requests; beyond, HTTP 503 (default: no limit)")
+    max_header_bytes: int = _f(16384, "`serve`: largest request head (path, query, headers) in bytes; beyond, HTTP 431")
+    keep_alive_timeout_s: int = _f(5, "`serve`: seconds an idle keep-alive connection stays open")
+    request_head_timeout_s: int = _f(10, "`serve`: seconds a client may take to send a request head; then it is disconnected")
     debug_integrity_checks: bool = _f(False, "check block pool and scheduler invariants after every step (slow)")
-    kv_offload_memory: int | str | None = _f(None, "host-RAM tier of the prefix cache in bytes or like '4GiB': blocks evicted from the KV pool are kept there and copied back on a hit (default: off)")
-    kv_offload_dir: str | None = _f(None, "folder of the disk tier of the prefix cache (one safetensors file per block; survives restarts; default: off)")
-    kv_offload_disk_space: int | str | None = _f(None, "most bytes the disk tier keeps in kv_offload_dir (least recently used blocks go first; default: the smaller of 8 GiB and half the folder's free space at start)")
-    preemption_mode: str = _f("recompute", "how a request is preempted when blocks run out: recompute (free its K/V, recompute on resumption), swap (copy its blocks to the swap space and back), or auto (per request, whichever costs less by measured prefill speed and copy bandwidth); swap falls back to recompute when the swap space is full")
+    kv_offload_memory: int | str | None = _f(None, "host-RAM tier of the prefix cache, in bytes or like '4GiB' (default: off)")
+    kv_offload_dir: str | None = _f(None, "folder of the prefix cache's disk tier, which survives restarts (default: off)")
+    kv_offload_disk_space: int | str | None = _f(None, "most bytes the disk tier keeps (default: the smaller of 8 GiB and half the folder's free space)")
+    preemption_mode: str = _f("recompute", "when blocks run out: recompute, swap (to swap_space) or auto (whichever costs less)")
     swap_space: int | str = _f("4GiB", "swap space for preemption_mode swap/auto, in bytes or like '4GiB' (host memory)")
-    usage_metrics: bool = _f(True, "report each request's cache story in the server's usage (usage.metrics: cached tokens by tier, preemptions and their modes, queue / prefill / decode time); --no-usage-metrics leaves it out")
-    usage_cached_tokens: bool = _f(True, "report prompt_tokens_details.cached_tokens (and cached tokens by tier) in the server's usage; it tells a client how much of its prompt was already cached (docs/robustness.md); --no-usage-cached-tokens leaves it out")
-    trust_request_chat_template: bool = _f(False, "render a chat_template sent in a request (refused with 400 otherwise, as vLLM): a template is code the server runs")
-    tensor_parallel_size: int = _f(1, "ranks (processes; GPUs on CUDA) the model's weights and KV heads are split "
-                                      "across, Megatron-style; must divide the attention heads")
-    worker_timeout_s: float = _f(300.0, "tensor parallelism: seconds a collective or a call may wait on a worker "
-                                        "before the engine fails with an error naming it")
-    data_parallel_size: int = _f(1, "`serve`: engine replicas (one process each, with its own KV cache) behind one "
-                                    "OpenAI front end; requests are routed by prompt prefix, else to the least loaded")
-    data_parallel_router: str = _f("prefix", "`serve` with data_parallel_size > 1: how requests pick a replica: prefix "
-                                   "(the replica that last served the prompt's first blocks, unless it is overloaded), "
-                                   "least_loaded, round_robin")
-    distributed_executor_backend: str = _f("mp", "tensor parallelism: who runs ranks 1..N-1: mp (processes on this "
-                                                 "machine) or ray (Ray actors placed by a placement group, so ranks "
-                                                 "can span the machines of a Ray cluster; pip install 'pagedllm[ray]')")
-    disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers (one block table for all layers) instead of freeing blocks outside the window")
+    usage_metrics: bool = _f(True, "add usage.metrics to responses: cached tokens by tier, preemptions, queue / prefill / decode time")
+    usage_cached_tokens: bool = _f(True, "report cached-token counts in usage (a side channel across tenants: docs/robustness.md)")
+    trust_request_chat_template: bool = _f(False, "render a chat_template sent in a request (else 400): a template is code the server runs")
+    tensor_parallel_size: int = _f(1, "ranks (processes; GPUs on CUDA) the weights and KV heads are split across; divides the heads")
+    worker_timeout_s: float = _f(300.0, "tensor parallelism: seconds a call may wait on a worker before the engine fails naming it")
+    data_parallel_size: int = _f(1, "`serve`: engine replicas, each a process with its own KV cache, behind one front end")
+    data_parallel_router: str = _f("prefix", "`serve` with replicas: how a request picks one: prefix, least_loaded or round_robin")
+    distributed_executor_backend: str = _f("mp", "tensor parallelism: mp (processes on this machine) or ray (Ray actors, the `ray` extra)")
+    disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers instead of freeing those outside the window")
 
     def __post_init__(self) -> None:
         validate_block_size(self.block_size)
@@ -182,6 +163,11 @@ class EngineConfig:
                              f"got {self.quantization_group_size!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.attention_backend is None:
+            object.__setattr__(self, "attention_backend", envs.attention_backend())
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -359,3 +345,100 @@ class EngineConfig:
 def engine_arg_names() -> list[str]:
     """Names of every EngineConfig field: the keyword arguments ``LLM`` accepts."""
     return [f.name for f in dataclasses.fields(EngineConfig)]
+
+
+# ---------------------------------------------------------------- compilation_config
+# vLLM's option and names. Accepted forms, as vLLM accepts them: None (eager), a mode (0 or 3),
+# a dict or a JSON object string (the --compilation-config flag), or a CompilationConfig.
+COMPILATION_BACKENDS = ("inductor", "aot_eager", "eager")
+_COMPILATION_FIELD = "compilation_config"
+
+
+class CompilationMode(IntEnum):
+    """vLLM's ``CompilationMode`` values this engine implements."""
+
+    NONE = 0  # eager
+    VLLM_COMPILE = 3  # the model compiled around the opaque paged-attention op
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """How the model runner compiles the model's forward (``pagedllm.compilation``).
+
+    Attributes:
+        mode: 0 (eager, the default) or 3 (torch.compile of the whole forward, paged attention an
+            opaque custom op; vLLM's ``VLLM_COMPILE``).
+        backend: ``inductor`` (fused C++ kernels), or ``aot_eager`` / ``eager`` (trace only: debugging).
+        dynamic: one graph with the token count symbolic (default); False compiles a graph per
+            size in ``compile_sizes`` and runs other sizes eagerly.
+        compile_sizes: positive token counts compiled and warmed up at start-up (with ``dynamic``
+            the sizes that specialise, 1 and one size >= 2, are added).
+        inductor_compile_config: ``torch._inductor.config`` options while compiling; default
+            ``{"freezing": True}`` (weights become constants, folded and prepacked for oneDNN).
+
+    Raises ValueError naming the field (``compilation_config.<name>``) for a bad value.
+    """
+
+    mode: int = CompilationMode.NONE
+    backend: str = "inductor"
+    dynamic: bool = True
+    compile_sizes: tuple[int, ...] = ()
+    inductor_compile_config: dict[str, Any] = field(default_factory=lambda: {"freezing": True})
+
+    def __post_init__(self) -> None:
+        f = _COMPILATION_FIELD
+        if isinstance(self.mode, bool) or not isinstance(self.mode, int) or self.mode not in tuple(CompilationMode):
+            raise ValueError(f"{f}.mode must be 0 (eager) or 3 (compiled), got {self.mode!r}")
+        object.__setattr__(self, "mode", CompilationMode(self.mode))
+        if self.backend not in COMPILATION_BACKENDS:
+            raise ValueError(f"{f}.backend must be one of {', '.join(COMPILATION_BACKENDS)}, got {self.backend!r}")
+        if not isinstance(self.dynamic, bool):
+            raise ValueError(f"{f}.dynamic must be true or false, got {self.dynamic!r}")
+        sizes = self.compile_sizes
+        if not isinstance(sizes, (list, tuple)) or any(
+                isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+            raise ValueError(f"{f}.compile_sizes must be a list of positive integers, got {sizes!r}")
+        object.__setattr__(self, "compile_sizes", tuple(sorted(set(sizes))))
+        if not self.dynamic and not self.compile_sizes and self.is_compiled:
+            raise ValueError(f"{f}.compile_sizes must not be empty when {f}.dynamic is false")
+        if not isinstance(self.inductor_compile_config, dict) or not all(
+                isinstance(k, str) for k in self.inductor_compile_config):
+            raise ValueError(f"{f}.inductor_compile_config must be an object of inductor option names, "
+                             f"got {self.inductor_compile_config!r}")
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.mode == CompilationMode.VLLM_COMPILE
+
+    @classmethod
+    def parse(cls, value: "CompilationConfig | dict | int | str | None") -> "CompilationConfig":
+        """The config for any accepted form. Raises ValueError naming ``compilation_config``
+        (or the bad key) for anything else."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            value = _parse_compilation_text(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(mode=value)
+        if not isinstance(value, dict):
+            raise ValueError(f"{_COMPILATION_FIELD} must be a mode (0 or 3), an object or a JSON object string, "
+                             f"got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"{_COMPILATION_FIELD} has unknown keys {unknown}; known: {', '.join(sorted(known))}")
+        options = dict(value)
+        if "inductor_compile_config" in options and isinstance(options["inductor_compile_config"], dict):
+            options["inductor_compile_config"] = {"freezing": True, **options["inductor_compile_config"]}
+        return cls(**options)
+
+
+def _parse_compilation_text(text: str) -> Any:
+    """A command-line value: a bare mode (``"3"``) or a JSON object."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{_COMPILATION_FIELD} must be a mode (0 or 3) or a JSON object, "
+                         f"got {text!r} ({e.msg})") from None

@@ -52,12 +52,9 @@ ALL: tuple[EnvVar, ...] = (ATTENTION_BACKEND, CACHE_DIR, CPU_FUSED_OPS, SKINNY_G
 
 
 def read(var: EnvVar) -> str:
-    """The variable's value (stripped; lower-cased when it has choices), or its default when unset.
-
-    Raises:
-        ValueError: the value is not one of ``var.choices``.
-    """
-    value = os.environ.get(var.name, var.default).strip()
+    """The variable's value (stripped; lower-cased when it has choices), or its default when unset
+    or empty. Raises ValueError naming the variable when the value is not one of ``var.choices``."""
+    value = os.environ.get(var.name, "").strip() or var.default
     if var.choices is None:
         return value
     value = value.lower()

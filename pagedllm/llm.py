@@ -13,16 +13,9 @@ PromptInput = str | list[int] | dict
 
 
 class LLM:
-    """Generate text for many prompts at once through the paged KV cache.
+    """Generate text for many prompts at once; every keyword is an :class:`~pagedllm.config.EngineConfig` field.
 
-    ``LLM(model="smollm2-135m-instruct", gpu_memory_utilization=0.9,
-    enable_prefix_caching=True, block_size=16, max_model_len=..., max_num_seqs=...,
-    max_num_batched_tokens=..., kv_cache_memory="2GiB", dtype="float32", seed=0)`` —
-    every keyword is a field of :class:`pagedllm.config.EngineConfig`.
-
-    Raises:
-        TypeError: for an unknown keyword argument.
-        ValueError: for an invalid option value, an unknown model, or a KV cache too small.
+    Raises TypeError for an unknown keyword; ValueError for a bad value, unknown model or too small a cache.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs) -> None:
@@ -35,26 +28,20 @@ class LLM:
         self._next_id = 0
 
     def get_tokenizer(self):
-        """The model's tokenizer (a transformers PreTrainedTokenizerFast)."""
         return self.llm_engine.tokenizer
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
-        """Run ``runner.method(*args, **kwargs)`` — or ``method(runner, *args, **kwargs)`` for a
-        callable — on the model runner of every tensor-parallel rank (vLLM's ``collective_rpc``);
-        returns the results in rank order (one with ``tensor_parallel_size=1``). Raises
-        TensorParallelWorkerError when a rank fails."""
+        """vLLM's ``collective_rpc``: ``method`` (a name or a callable) on every rank's runner; results in rank order.
+
+        Raises TensorParallelWorkerError when a rank fails."""
         return self.llm_engine.executor.collective_rpc(method, args, kwargs)
 
-    # ------------------------------------------------------------------ generate
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate completions; returns one finished RequestOutput per prompt, in input order.
+        """One finished RequestOutput per prompt, in input order; ``sampling_params``: one, or one per prompt.
 
-        ``prompts``: a string, a list of token ids wrapped as ``{"prompt_token_ids": [...]}``,
-        or a list of either. ``sampling_params``: one for all, or one per prompt.
-        Raises ValueError (before anything runs) for an invalid prompt or parameter; the
-        engine stays usable.
+        Raises ValueError, before anything runs, for an invalid prompt or parameter.
         """
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
@@ -71,11 +58,9 @@ class LLM:
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate.
+        """Generate for one conversation or a list of them through the chat template (``tools`` included).
 
-        ``continue_final_message=True`` makes the model continue the last (assistant)
-        message instead of starting a new turn. ``tools`` (OpenAI function tools) are passed to
-        the chat template. Raises ValueError for an empty conversation or an unknown role.
+        Raises ValueError for an empty conversation or an unknown role.
         """
         if not isinstance(messages, (list, tuple)):
             raise ValueError(f"messages must be a list of message dicts, or a list of such lists; "
@@ -91,7 +76,6 @@ class LLM:
             prompts.append({"prompt_token_ids": ids, "prompt": engine.tokenizer.decode(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    # ------------------------------------------------------------------ helpers
     @staticmethod
     def _as_prompt_list(prompts) -> list[PromptInput]:
         if prompts is None or isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):

@@ -1,20 +1,7 @@
-"""Prometheus metrics of the serving engine, named as vLLM names them (``vllm:`` → ``pagedllm:``).
+"""Prometheus metrics named as vLLM names them (``vllm:`` → ``pagedllm:``), labelled ``model_name`` and ``engine``.
 
-Existing vLLM dashboards work after replacing the prefix. Every metric carries a
-``model_name`` label and an ``engine`` label (the data-parallel replica: ``"0"`` .. ``"N-1"``,
-as vLLM labels its engines). prometheus_client appends ``_total`` to counters in the
-exposition, so the counter ``pagedllm:prompt_tokens`` is scraped as
-``pagedllm:prompt_tokens_total`` (as in vLLM).
-
-Gauges and token counters are fed from :class:`~pagedllm.engine.llm_engine.EngineStats`
-snapshots (the engine keeps cumulative totals; :meth:`EngineMetrics.record_stats` adds
-the increase since the previous snapshot). Per-request histograms are fed by the async
-engine when a request produces tokens or finishes. All methods are thread-safe
-(prometheus_client metrics are), so the engine thread records while the HTTP thread
-scrapes.
-
-Each :class:`EngineMetrics` owns its own ``CollectorRegistry`` so several servers can
-live in one process (tests) without duplicate-registration errors.
+Counters are scraped with ``_total`` appended, as in vLLM. Thread-safe: the engine thread records
+while the HTTP thread scrapes. Each registry is its own, so several servers can live in one process.
 """
 
 from __future__ import annotations
@@ -40,8 +27,6 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class _Families:
-    """The metric families of one registry, labelled ``model_name`` and ``engine`` (the
-    data-parallel replica, ``"0"`` without data parallelism, as in vLLM)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r, lbl = registry, ["model_name", "engine"]
@@ -92,16 +77,7 @@ _PER_ENGINE = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_p
 
 
 class EngineMetrics:
-    """The Prometheus metrics of one engine (one data-parallel replica).
-
-    Args:
-        model_name: value of the ``model_name`` label (the served model name).
-        registry: where to register; default a fresh ``CollectorRegistry``.
-        engine_index: value of the ``engine`` label (the data-parallel replica's index).
-
-    :meth:`for_engine` gives another replica's metrics in the same registry; :meth:`render`
-    of any of them exposes them all.
-    """
+    """The metrics of one data-parallel replica (label ``engine``); :meth:`render` exposes every replica's."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None, engine_index: int = 0,
                  *, _families: _Families | None = None) -> None:
@@ -119,12 +95,10 @@ class EngineMetrics:
         self._last_totals: dict[str, int] = {}
 
     def for_engine(self, engine_index: int) -> "EngineMetrics":
-        """The metrics of replica ``engine_index`` in this registry (same model name)."""
         return EngineMetrics(self.model_name, self.registry, engine_index, _families=self._families)
 
-    # ------------------------------------------------------------------ engine snapshots
     def record_stats(self, stats: Any) -> None:
-        """Update gauges from an EngineStats snapshot and add counter increases since the last one."""
+        """Set gauges from an EngineStats snapshot; counters grow by the increase since the last one."""
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(float(stats.kv_cache_usage))
@@ -146,7 +120,6 @@ class EngineMetrics:
     def set_healthy(self, is_healthy: bool) -> None:
         self.engine_healthy.set(1 if is_healthy else 0)
 
-    # ------------------------------------------------------------------ per request
     def record_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(max(ttft_s, 0.0))
 
@@ -155,7 +128,6 @@ class EngineMetrics:
 
     def record_finished(self, finish_reason: str, e2e_s: float, queue_s: float | None,
                         num_prompt_tokens: int, num_generation_tokens: int, tpot_s: float | None) -> None:
-        """One finished (or aborted / failed) request."""
         self._success.labels(self.model_name, str(self.engine_index), finish_reason or "abort").inc()
         self.e2e.observe(max(e2e_s, 0.0))
         if queue_s is not None:
@@ -166,5 +138,4 @@ class EngineMetrics:
             self.tpot.observe(max(tpot_s, 0.0))
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)

@@ -7,31 +7,20 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """Log-probability of one token at one position.
-
-    ``logprob``: natural log (float, ≤ 0); ``rank``: 1 = most likely;
-    ``decoded_token``: the token's text, when the engine decoded it.
-    """
+    """Natural-log probability of one token at one position; ``rank`` 1 is the most likely."""
 
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
 
 
-# One dict per position: token id -> Logprob (top-k plus the chosen token).
+# token id → Logprob (top-k plus the chosen token)
 PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass
 class RequestMetrics:
-    """One request's story: its timings, in seconds since the epoch (``time.time()``),
-    where its cached prompt tokens came from, and its preemptions.
-
-    ``cached_tokens_by_tier``: prompt tokens served from cache by where their K/V was
-    (``pool``: the KV pool's prefix cache; ``host`` / ``disk``: the offload tiers); their
-    sum is ``RequestOutput.num_cached_tokens``. ``preemption_modes``: ``recompute`` or
-    ``swap``, one per preemption (of any of its ``n`` sequences).
-    """
+    """One request's timings (``time.time()`` seconds), cached prompt tokens and preemptions."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -39,32 +28,27 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     preemption_modes: list[str] = field(default_factory=list)  # "recompute" / "swap", one per preemption
-    # prompt tokens served from cache by where their K/V was: "pool", "host", "disk" tier
+    # by the tier their K/V came from ("pool", "host", "disk"); sums to num_cached_tokens
     cached_tokens_by_tier: dict[str, int] | None = None
 
     @property
     def queue_time(self) -> float | None:
-        """Seconds from arrival to the first scheduling, or None before it."""
         return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def prefill_time(self) -> float | None:
-        """Seconds from the first scheduling to the first token (the prompt's prefill,
-        chunks and waits between them included), or None before the first token."""
         if self.first_token_time is None or self.first_scheduled_time is None:
             return None
         return self.first_token_time - self.first_scheduled_time
 
     @property
     def decode_time(self) -> float | None:
-        """Seconds from the first token to the finish, or None until finished."""
         if self.finished_time is None or self.first_token_time is None:
             return None
         return self.finished_time - self.first_token_time
 
     @property
     def time_to_first_token(self) -> float | None:
-        """TTFT in seconds, or None before the first token."""
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time

@@ -1,16 +1,7 @@
-"""``pagedllm plan``: how many sequences fit, at what context, on which device — before
-buying or starting anything.
+"""``pagedllm plan``: how many sequences fit, at what context, on which device, before starting anything.
 
-:func:`plan` resolves the inputs (a model alias, GGUF file, HF folder or a named shape from
-:data:`MODEL_SHAPES`; a device from :data:`GPUS` or a byte count; dtypes, quantization,
-block size, contexts, tensor parallelism) and does the arithmetic with
-:mod:`pagedllm.sizing`, the same functions the engine sizes its KV cache with at
-start-up, so on the same inputs the two report the same blocks, tokens and concurrency.
-
-Without ``device_memory``/``gpu`` it plans the engine on this machine's CPU (the KV pool
-is ``kv_cache_memory``, default 1 GiB, or ``num_kv_blocks``), exactly as the engine sizes
-itself there; with one it plans a GPU (``gpu_memory_utilization`` × memory − weights −
-estimated activations).
+The arithmetic is :mod:`pagedllm.sizing`'s, the engine's own, so both report the same blocks.
+Without ``device_memory``/``gpu`` it plans this machine's CPU, as the engine sizes itself there.
 """
 
 from __future__ import annotations
@@ -34,9 +25,7 @@ def _shape(name, layers, hidden, heads, kv_heads, inter, vocab, ctx, tied=False,
                       tie_word_embeddings=tied, attention_bias=bias)
 
 
-# Config numbers from each model's published config.json (num_hidden_layers, hidden_size,
-# num_attention_heads, num_key_value_heads, intermediate_size, vocab_size,
-# max_position_embeddings, tie_word_embeddings; Qwen2 has q/k/v biases).
+# From each model's published config.json.
 MODEL_SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     _shape("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
     _shape("llama-2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
@@ -55,7 +44,7 @@ MODEL_SHAPES: dict[str, ModelShape] = {s.name: s for s in (
 
 @dataclass(frozen=True)
 class GPU:
-    """A named device: its memory in bytes as the driver reports it (``nvidia-smi``)."""
+    """A named device; ``memory_bytes`` as the driver reports it."""
 
     name: str
     memory_bytes: int
@@ -71,20 +60,19 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
 )}
 _GPU_ALIASES = {"rtx-4090": "24gb", "rtx-3090": "24gb", "a100": "a100-80", "h100": "h100-80", "h200-141": "h200"}
 
-# Options of plan() that are not EngineConfig fields (a later EngineConfig field of the
-# same name is used from the config instead).
+# plan() options that are not EngineConfig fields.
 PLAN_OPTIONS = ("device_memory", "gpu", "quantization", "kv_cache_dtype", "context_lens")
 
 
 @dataclass
 class ContextRow:
-    """Capacity at one context length (tokens per sequence)."""
+    """Capacity at one context length; ``max_concurrency`` = usable blocks ÷ blocks per sequence."""
 
     context_len: int
-    blocks_per_seq: int  # all KV-cache groups
-    max_concurrency: float  # paged: usable blocks ÷ blocks per sequence
-    max_seqs: int  # paged: whole sequences that fit at once
-    contiguous_max_seqs: int  # each reserving max_model_len slots (its window in a sliding layer)
+    blocks_per_seq: int
+    max_concurrency: float
+    max_seqs: int
+    contiguous_max_seqs: int
 
 
 @dataclass
@@ -97,7 +85,7 @@ class Plan:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    device: str  # "cpu" or a GPU name or "gpu"
+    device: str  # "cpu", a GPU name or "gpu"
     device_memory_bytes: int | None
     gpu_memory_utilization: float | None
     dtype: str
@@ -110,45 +98,37 @@ class Plan:
     weight_bytes: int
     activation_bytes: int
     activation_tokens: int
-    kv_bytes_per_token: int  # all layers
+    kv_bytes_per_token: int
     kv_cache_groups: list[KVCacheGroupSpec]
-    max_chunk_tokens: int  # the token budget per step (bounds a sliding group's blocks)
+    max_chunk_tokens: int  # the step's token budget
     bytes_per_block: int
     kv_budget_bytes: int
     kv_budget_source: str
     num_blocks: int
     num_tokens: int
-    max_concurrency: float  # at max_model_len, as the engine's start-up line
+    max_concurrency: float  # at max_model_len
     contiguous_max_seqs: int
     rows: list[ContextRow]
     fits: bool
     problems: list[str] = field(default_factory=list)
     suggested_flags: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    # CPU: the copies of the linear weights packed for the matmul kernels (skinny GEMM, oneDNN),
-    # host memory next to weight_bytes (the start-up line's "+ N packed")
+    # CPU: copies of the linear weights packed for the matmul kernels, beside weight_bytes
     packed_weight_bytes: int = 0
 
     def to_dict(self) -> dict:
-        """A JSON-ready dict (what ``pagedllm plan --json`` prints)."""
         return dataclasses.asdict(self)
 
     def kv_cache_spec(self) -> sizing.KVCacheSpec:
-        """The KVCacheSpec the engine would build from these inputs."""
         return sizing.KVCacheSpec(self.num_blocks, self.block_size, self.bytes_per_block, self.max_model_len,
                                   tuple(self.kv_cache_groups), self.max_chunk_tokens, self.kv_cache_dtype)
 
     def render(self) -> str:
-        """The human-readable table."""
         return render_plan(self)
 
 
-# ---------------------------------------------------------------------------- inputs
 def resolve_gpu(name: str) -> GPU:
-    """A GPU from :data:`GPUS` by name (case-insensitive, aliases such as ``rtx-4090``).
-
-    Raises ValueError listing the known names.
-    """
+    """A GPU of :data:`GPUS` by name or alias, case-insensitive. Raises ValueError listing the names."""
     key = name.strip().lower()
     key = _GPU_ALIASES.get(key, key)
     if key not in GPUS:
@@ -158,11 +138,7 @@ def resolve_gpu(name: str) -> GPU:
 
 
 def resolve_model_shape(model: str) -> tuple[ModelShape, str]:
-    """``(shape, source)`` of a named shape, an alias, a GGUF file or an HF folder.
-
-    Reads only headers (config, tensor shapes), never the weights. Raises ValueError
-    (a ``ModelNotFoundError`` for a missing model) listing the named shapes.
-    """
+    """``(shape, source)`` of a named shape or a model, from headers only. Raises ValueError listing the shapes."""
     key = model.strip().lower()
     if key in MODEL_SHAPES:
         return MODEL_SHAPES[key], "named shape"
@@ -197,7 +173,7 @@ def _hf_shape(folder: Path, name: str) -> ModelShape:
     shapes = []
     for file in hf_loader.safetensors_files(folder):
         with safe_open(str(file), framework="numpy") as f:
-            for key in f.keys():  # the engine's own skip rules (rotary buffers, a tied lm_head)
+            for key in f.keys():  # the engine's own skip rules
                 if key.endswith(hf_loader._SKIPPED_SUFFIXES) or (is_tied and key == "lm_head.weight"):
                     continue
                 shapes.append(f.get_slice(key).get_shape())
@@ -205,35 +181,17 @@ def _hf_shape(folder: Path, name: str) -> ModelShape:
 
 
 def _with_max_len(shape: ModelShape, config: Any) -> ModelShape:
-    """The context length the engine derives from the config (rope scaling included)."""
     from pagedllm.loader.model_files import max_model_len_of
 
     return dataclasses.replace(shape, max_position_embeddings=max_model_len_of(config))
 
 
-# ---------------------------------------------------------------------------- the plan
 def plan(model: str | None = None, **options: Any) -> Plan:
-    """Plan the KV cache for ``model`` on a device. Never loads weights.
+    """Plan the KV cache for ``model`` (or a :data:`MODEL_SHAPES` key) without loading weights.
 
-    Args:
-        model: alias, .gguf path, HF folder, or a key of :data:`MODEL_SHAPES`
-            (default: the engine's default model).
-        **options: any :class:`~pagedllm.config.EngineConfig` field (``dtype``,
-            ``block_size``, ``max_model_len``, ``gpu_memory_utilization``,
-            ``kv_cache_memory``, ``num_kv_blocks``, ``max_num_seqs``, ...) and:
-            ``device_memory`` (bytes or ``"80GiB"``) or ``gpu`` (a key of :data:`GPUS`) to
-            plan a GPU; ``quantization`` (none or a key of
-            :data:`~pagedllm.sizing.QUANTIZATION_BITS`); ``kv_cache_dtype`` (auto = dtype);
-            ``tensor_parallel_size`` (default 1); ``context_lens`` (token counts for the
-            table; default max_model_len ÷ 8, ÷ 4, ÷ 2, ÷ 1).
-
-    Returns:
-        A :class:`Plan`; ``fits`` is False (with ``problems`` saying why) when the weights
-        do not fit or the KV cache cannot hold one ``max_model_len`` sequence.
-
-    Raises:
-        ValueError: naming the option, for an unknown option, GPU, dtype or quantization,
-            a non-positive memory size, or a model that cannot be found.
+    ``options``: EngineConfig fields and :data:`PLAN_OPTIONS` (``device_memory`` or ``gpu`` plan a GPU).
+    ``fits`` is False, ``problems`` saying why, when one ``max_model_len`` sequence does not fit.
+    Raises ValueError naming the option.
     """
     unknown = set(options) - set(PLAN_OPTIONS) - set(engine_arg_names())
     if unknown:
@@ -248,8 +206,7 @@ def plan(model: str | None = None, **options: Any) -> Plan:
 def plan_from_config(config: EngineConfig, *, device_memory: int | str | None = None, gpu: str | None = None,
                      quantization: str | None = None, kv_cache_dtype: str = "auto",
                      context_lens: list[int] | None = None) -> Plan:
-    """:func:`plan` for an already validated EngineConfig (the CLI's path); the tensor-parallel
-    size is the engine's own ``config.tensor_parallel_size``. Raises as :func:`plan`."""
+    """:func:`plan` for a validated EngineConfig (the CLI's path). Raises as :func:`plan`."""
     inputs = _PlanInputs.build(config, device_memory, gpu, quantization, kv_cache_dtype, config.tensor_parallel_size)
     shape, source = resolve_model_shape(config.model)
     return _compute(config, inputs, shape, source, context_lens)
@@ -258,9 +215,9 @@ def plan_from_config(config: EngineConfig, *, device_memory: int | str | None = 
 @dataclass
 class _PlanInputs:
     device: str
-    device_memory_bytes: int | None  # None: the CPU plan (host RAM is checked separately)
+    device_memory_bytes: int | None  # None: the CPU plan
     quantization: str
-    kv_cache_dtype: str | None  # None = the model dtype
+    kv_cache_dtype: str | None  # None: the model dtype
     tensor_parallel_size: int
 
     @classmethod
@@ -288,8 +245,6 @@ class _PlanInputs:
 
 def _compute(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, source: str,
              context_lens: list[int] | None, advise: bool = True) -> Plan:
-    """The figures; with ``advise`` also the suggested flags and notes (which try variants
-    of the inputs through this function with ``advise=False``)."""
     is_gpu = inp.device_memory_bytes is not None
     dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if is_gpu else "float32")
     kv_dtype = inp.kv_cache_dtype or dtype
@@ -308,7 +263,7 @@ def _compute(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, source: 
     packed = 0 if is_gpu else _cpu_packed_bytes(shape, dtype, inp.quantization, tp)
     act_tokens = min(config.token_budget, max_model_len)
     activations = sizing.activation_bytes(shape, act_tokens, min(act_tokens, config.max_num_seqs), dbytes, tp)
-    kv_bytes, scale_bytes = sizing.kv_dtype_bytes(kv_dtype)  # an int8 cache's scales count too
+    kv_bytes, scale_bytes = sizing.kv_dtype_bytes(kv_dtype)
     per_token = sizing.kv_bytes_per_token(shape, kv_bytes, tp, scale_bytes)
     groups = tuple(sizing.kv_cache_groups_for(shape, hybrid=not config.disable_hybrid_kv_cache_manager))
     per_block = sizing.kv_bytes_per_block(shape, config.block_size, kv_bytes, sizing.layers_per_block(groups), tp,
@@ -364,16 +319,15 @@ def _compute(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, source: 
 
 
 def _cpu_packed_bytes(shape: ModelShape, dtype: str, quantization: str | None, tp: int) -> int:
-    """Bytes of the packed copies the CPU loader makes of the linear weights (``Linear.pack_for_cpu``'s
-    rule for this host, :func:`pagedllm.models.layers.linear.cpu_packed_copy_bytes`); 0 for quantized
-    weights or with ``PAGEDLLM_CPU_PACKED_LINEAR=0``. Imports torch (the rule asks the kernels)."""
+    """Bytes of the CPU loader's packed copies of the linear weights (``Linear.pack_for_cpu``); imports torch."""
     if quantization not in (None, "none"):
         return 0
     import torch
 
-    from pagedllm.models.layers.linear import PACKED_LINEAR_ENV, cpu_packed_copy_bytes
+    from pagedllm import envs
+    from pagedllm.models.layers.linear import cpu_packed_copy_bytes
 
-    if os.environ.get(PACKED_LINEAR_ENV, "1") == "0":
+    if not envs.cpu_packed_linear():
         return 0
 
     torch_dtype = getattr(torch, dtype)
@@ -399,14 +353,12 @@ def _host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-# ---------------------------------------------------------------------------- advice
 def _suggest(p: Plan, shape: ModelShape, config: EngineConfig, inp: _PlanInputs) -> list[str]:
     """Flags that make it fit (when it does not), or that use what fits (when it does)."""
     if not p.fits:
         return _suggest_fixes(p, shape, config, inp)
     flags = [f"--dtype {p.dtype}"]
-    # The planned formats and sharding, where the engine runs them: without them `serve` would
-    # size a different (larger) model and may not fit at all.
+    # without them `serve` would size a different (larger) model
     if p.quantization in QUANTIZATION_METHODS:
         flags.append(f"--quantization {p.quantization}")
     if p.kv_cache_dtype != p.dtype and p.kv_cache_dtype in KV_CACHE_DTYPES:
@@ -415,7 +367,7 @@ def _suggest(p: Plan, shape: ModelShape, config: EngineConfig, inp: _PlanInputs)
         flags.append(f"--tensor-parallel-size {p.tensor_parallel_size}")
     flags += [f"--block-size {p.block_size}", f"--max-model-len {p.max_model_len}"]
     shortest = p.rows[0]
-    # More running sequences than fit at the shortest context would only preempt; fewer leave memory idle.
+    # more would only preempt; fewer leave memory idle
     flags.append(f"--max-num-seqs {max(1, min(shortest.max_seqs, 1024))}")
     if p.kv_budget_source == "gpu_memory_utilization":
         flags.append(f"--gpu-memory-utilization {config.gpu_memory_utilization}")
@@ -455,7 +407,7 @@ def _suggest_fixes(p: Plan, shape: ModelShape, config: EngineConfig, inp: _PlanI
 
 
 def _largest_max_model_len(spec: sizing.KVCacheSpec) -> int:
-    """The longest max_model_len (a multiple of block_size) one sequence of which the pool runs; 0 if none."""
+    """The longest max_model_len (in whole blocks) one sequence of which the pool runs; 0 if none."""
     lo, hi = 0, spec.max_model_len // spec.block_size  # in blocks
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -490,7 +442,6 @@ def _notes(p: Plan, source: str) -> list[str]:
     return notes
 
 
-# ---------------------------------------------------------------------------- output
 def render_plan(p: Plan) -> str:
     """The plan as a text report with one table row per context length."""
     fb = sizing.format_bytes

@@ -1,27 +1,8 @@
-"""KV-cache, weight and activation arithmetic: the one source for the engine's start-up
-sizing (:class:`~pagedllm.worker.model_runner.ModelRunner`) and ``pagedllm plan``.
+"""KV-cache, weight and activation arithmetic (bytes, tokens), shared by the engine's sizing and ``pagedllm plan``.
 
-Pure Python (no torch), so the planner runs anywhere and the two can never disagree.
-Units: bytes and tokens. The formulas:
-
-* K/V bytes per token = 2 (K and V) × layers × KV heads per rank × head_dim × element
-  bytes (Kwon et al., "Efficient Memory Management for LLM Serving with PagedAttention",
-  SOSP 2023, §2-3).
-* The layers are split into KV-cache groups by attention type
-  (:mod:`pagedllm.core.kv_cache_groups`: one group for a model without sliding windows).
-  A block holds ``block_size`` tokens of ``layers_per_block`` layers, so bytes per block =
-  2 × layers_per_block × block_size × KV heads × head_dim × element bytes.
-* Blocks = KV budget // bytes per block; the KV budget is ``kv_cache_memory`` on CPU, and
-  ``gpu_memory_utilization`` × device memory − weights − peak activations on a GPU
-  (vLLM's sizing rule; the engine measures the peak with a profiling forward pass, the
-  planner estimates it with :func:`activation_bytes`).
-* Max concurrency at a context of L tokens = usable blocks ÷ the blocks one sequence of
-  L tokens holds across all groups (⌈L / block_size⌉ per full-attention group; a
-  sliding-window group holds only its window, :meth:`KVCacheGroupSpec.max_num_blocks`).
-  A paged sequence wastes at most one partly filled block per group. A contiguous
-  allocator (FasterTransformer, Orca, a padded static batch) reserves ``max_model_len``
-  slots per sequence in every layer (its window in a sliding layer) up front, whatever L
-  is (:func:`contiguous_bytes_per_sequence`).
+No torch, so the two never disagree. K/V bytes per block = 2 × layers_per_block × block_size ×
+KV heads × head_dim × element bytes (Kwon et al., SOSP 2023, §2-3); blocks = KV budget // that;
+on a GPU the budget is utilization × memory − weights − peak activations (vLLM's rule).
 """
 
 from __future__ import annotations
@@ -35,32 +16,22 @@ from pagedllm.core.kv_cache_groups import (KVCacheGroupSpec, cdiv, layers_per_bl
 
 GiB = 1024**3
 
-# Bytes per element of the dtypes weights, activations and K/V can be stored in.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
-# Bits per weight of the linear layers' weights under each quantization (scales and
-# zero points included): int4 = 4 bits + fp16 scale and zero per group of 128 (AWQ/GPTQ);
-# int8/fp8 keep one scale per output channel (< 0.1%, not counted); the GGML block types
-# from their block structs (q8_0: 34 bytes per 32 weights, q4_k: 144 per 256, ...).
-# Embeddings, lm_head and norms stay in the model dtype (as vLLM's AWQ/GPTQ/int8 paths).
+# Bits per linear weight, scales included: int4 = 4 + fp16 scale and zero per 128; GGML types from
+# their block structs (q8_0: 34 bytes per 32 weights, ...). Embeddings and norms keep the model dtype.
 QUANTIZATION_BITS: dict[str, float] = {
     "int8": 8.0, "fp8": 8.0, "int4": 4.25,
     "q8_0": 8.5, "q6_k": 6.5625, "q5_k": 5.5, "q5_0": 5.5, "q5_1": 6.0, "q4_k": 4.5, "q4_1": 5.0, "q4_0": 4.5,
 }
 
 
-# What a KV cache stores beside each token's K (or V) of one KV head, by kv_cache_dtype: int8
-# keeps a float32 scale per token and head (pagedllm.quantization.kv_cache). fp8's per-tensor
-# scales (vLLM's k_scale / v_scale) are two numbers per layer, not per token: 0 here.
+# Scale bytes per token and KV head (fp8's per-tensor scales are per layer: 0).
 KV_SCALE_BYTES: dict[str, int] = {"int8": 4}
 
 
 def kv_dtype_bytes(name: str) -> tuple[int, int]:
-    """(bytes per element, scale bytes per token and KV head) of a KV cache storing ``name``
-    (a model dtype, ``bfloat16``, ``fp8``/``fp8_e4m3``/``fp8_e5m2`` or ``int8``).
-
-    Raises ValueError naming ``kv_cache_dtype`` for an unknown name.
-    """
+    """(element bytes, scale bytes per token and KV head) of a KV cache. Raises ValueError naming ``kv_cache_dtype``."""
     if name == "int8":
         return 1, KV_SCALE_BYTES["int8"]
     if name not in DTYPE_BYTES:
@@ -69,10 +40,7 @@ def kv_dtype_bytes(name: str) -> tuple[int, int]:
 
 
 def dtype_bytes(name: str, field_name: str = "dtype") -> int:
-    """Element size in bytes of a dtype name (``float32``, ``bfloat16``, ``fp8``, ...).
-
-    Raises ValueError naming ``field_name`` for an unknown name.
-    """
+    """Element size in bytes of a dtype name. Raises ValueError naming ``field_name``."""
     if name not in DTYPE_BYTES:
         raise ValueError(f"{field_name} must be one of {', '.join(DTYPE_BYTES)}, got {name!r}")
     return DTYPE_BYTES[name]
@@ -80,12 +48,9 @@ def dtype_bytes(name: str, field_name: str = "dtype") -> int:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The config numbers of a decoder-only transformer that memory depends on.
+    """The config numbers memory depends on; ``num_params`` None: count from the shape.
 
-    ``num_params`` is the exact parameter count when the model's files are known (sum of
-    tensor sizes); None means "count from the shape" (:meth:`param_count`).
-    ``layer_windows``: one entry per layer, the sliding-window size in tokens or None for
-    full attention; None for the whole field means every layer is full attention.
+    ``layer_windows``: per layer, the sliding window in tokens or None (full); None: all full.
     """
 
     name: str
@@ -98,7 +63,7 @@ class ModelShape:
     vocab_size: int
     max_position_embeddings: int
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    attention_bias: bool = False
     layer_windows: tuple[int | None, ...] | None = None
     num_params: int | None = None
 
@@ -117,11 +82,7 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config: Any, name: str = "model", num_params: int | None = None) -> "ModelShape":
-        """Read a transformers config (or any object / dict with its attribute names).
-
-        ``text_config`` is used when present (multimodal wrappers). Raises ValueError
-        when a required number is missing.
-        """
+        """From a transformers config, object or dict (its ``text_config`` if any). Raises ValueError if incomplete."""
         config = getattr(config, "text_config", None) or config
         get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else \
             (lambda k, d=None: getattr(config, k, d))
@@ -140,17 +101,15 @@ class ModelShape:
                    attention_bias=bool(get("attention_bias", False)) or get("model_type") == "qwen2",
                    layer_windows=_layer_windows(get, get("num_hidden_layers")), num_params=num_params)
 
-    # ---- parameters ------------------------------------------------------------------
     def linear_param_count(self) -> int:
-        """Parameters of the attention and MLP projections (the quantizable ones), all layers."""
+        """Parameters of the attention and MLP projections, all layers."""
         h, hd = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * hd, self.num_kv_heads * hd
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
         return self.num_layers * per_layer
 
     def linear_shapes(self) -> list[tuple[int, int, bool]]:
-        """(out_features, in_features, has_bias) of one layer's linear layers as the engine builds
-        them (q/k/v merged, gate/up merged), then the lm_head's: what the CPU kernels pack."""
+        """(out, in, has_bias) of one layer's linears as built (q/k/v, gate/up merged), then the lm_head's."""
         h, hd = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * hd, self.num_kv_heads * hd
         layer = [(q + 2 * kv, h, self.attention_bias), (h, q, False), (2 * self.intermediate_size, h, False),
@@ -158,8 +117,7 @@ class ModelShape:
         return layer + [(self.vocab_size, h, False)]
 
     def param_count(self) -> int:
-        """All parameters: ``num_params`` if known, else counted from the shape (embeddings,
-        projections, q/k/v biases, norms, lm_head unless tied)."""
+        """``num_params``, else counted from the shape."""
         if self.num_params is not None:
             return self.num_params
         h = self.hidden_size
@@ -171,7 +129,6 @@ class ModelShape:
 
 
 def _layer_windows(get, num_layers: int) -> tuple[int | None, ...] | None:
-    """Per-layer sliding windows from ``sliding_window`` + ``layer_types`` / ``use_sliding_window``."""
     window = get("sliding_window")
     if not window or get("use_sliding_window") is False:
         return None
@@ -181,81 +138,58 @@ def _layer_windows(get, num_layers: int) -> tuple[int | None, ...] | None:
     return (window,) * num_layers
 
 
-# ---- K/V -------------------------------------------------------------------------------
-# The K/V functions take a ModelShape or anything with ``num_layers``, ``num_kv_heads`` and
-# ``head_dim`` (the engine passes its model), so the planner and the engine share them.
+# The K/V functions take anything with num_layers, num_kv_heads and head_dim (the engine passes its model).
 def kv_heads_per_rank(shape: Any, tensor_parallel_size: int = 1) -> int:
-    """KV heads each tensor-parallel rank stores (replicated when there are fewer than ranks)."""
+    """KV heads per tensor-parallel rank (replicated when fewer than ranks)."""
     return max(1, shape.num_kv_heads // tensor_parallel_size)
 
 
 def kv_cache_groups_for(shape: ModelShape, hybrid: bool = True) -> list[KVCacheGroupSpec]:
-    """The KV-cache groups the engine builds for ``shape``'s layer windows
-    (:func:`~pagedllm.core.kv_cache_groups.make_kv_cache_groups`; ``hybrid=False`` is
-    ``--disable-hybrid-kv-cache-manager``)."""
     windows = shape.layer_windows or (None,) * shape.num_layers
     return make_kv_cache_groups(list(windows), hybrid=hybrid)
 
 
 def kv_bytes_per_token(shape: Any, kv_dtype_bytes: int, tensor_parallel_size: int = 1, scale_bytes: int = 0) -> int:
-    """K/V bytes one token takes in all layers on one rank:
-    2 × layers × KV heads × (head_dim × bytes + ``scale_bytes``) (:func:`kv_dtype_bytes`)."""
-    per_token_head = shape.head_dim * kv_dtype_bytes + scale_bytes
-    return 2 * shape.num_layers * kv_heads_per_rank(shape, tensor_parallel_size) * per_token_head
+    """2 × layers × KV heads × (head_dim × bytes + ``scale_bytes``), on one rank."""
+    return kv_bytes_per_block(shape, 1, kv_dtype_bytes, None, tensor_parallel_size, scale_bytes)
 
 
 def kv_bytes_per_block(shape: Any, block_size: int, kv_dtype_bytes: int, num_layers_per_block: int | None = None,
                        tensor_parallel_size: int = 1, scale_bytes: int = 0) -> int:
-    """Bytes of one block on one rank: ``block_size`` tokens of ``num_layers_per_block``
-    layers (default all of them: one full-attention group). ``scale_bytes``: per token and KV
-    head, beside the values (an int8 cache keeps a float32 scale there)."""
+    """One block on one rank: ``block_size`` tokens of ``num_layers_per_block`` layers (default all)."""
     layers = shape.num_layers if num_layers_per_block is None else num_layers_per_block
     per_token_head = shape.head_dim * kv_dtype_bytes + scale_bytes
     return 2 * layers * block_size * kv_heads_per_rank(shape, tensor_parallel_size) * per_token_head
 
 
 def kv_tokens_per_layer(shape: ModelShape, num_tokens: int) -> list[int]:
-    """Tokens whose K/V each layer must keep for a sequence of ``num_tokens`` tokens: all
-    of them, or the last ``window`` in a sliding-window layer."""
+    """Tokens each layer keeps of a ``num_tokens`` sequence (a sliding layer: its window)."""
     windows = shape.layer_windows or (None,) * shape.num_layers
     return [num_tokens if w is None else min(num_tokens, w) for w in windows]
 
 
 def contiguous_bytes_per_sequence(shape: ModelShape, max_model_len: int, kv_dtype_bytes: int,
                                   tensor_parallel_size: int = 1, scale_bytes: int = 0) -> int:
-    """What a contiguous allocator reserves per sequence: ``max_model_len`` slots in every
-    layer (the window in a sliding layer), on one rank (``scale_bytes`` per token and KV head
-    beside the values, as in :func:`kv_bytes_per_token`)."""
-    per_layer_token = 2 * kv_heads_per_rank(shape, tensor_parallel_size) * (shape.head_dim * kv_dtype_bytes
-                                                                            + scale_bytes)
+    """What a contiguous allocator (Orca, a static batch) reserves per sequence: ``max_model_len`` slots a layer."""
+    per_layer_token = kv_bytes_per_block(shape, 1, kv_dtype_bytes, 1, tensor_parallel_size, scale_bytes)
     return sum(kv_tokens_per_layer(shape, max_model_len)) * per_layer_token
 
 
 def blocks_per_sequence(num_tokens: int, block_size: int) -> int:
-    """Blocks one full-attention group's table needs for ``num_tokens`` tokens."""
     return cdiv(num_tokens, block_size)
 
 
 def num_blocks_for_budget(kv_budget_bytes: int, bytes_per_block: int) -> int:
-    """Whole blocks a KV budget holds (0 for a negative budget)."""
     return max(kv_budget_bytes, 0) // bytes_per_block
 
 
 def contiguous_max_sequences(kv_budget_bytes: int, bytes_per_sequence: int) -> int:
-    """Sequences a contiguous allocator holds, each reserving ``bytes_per_sequence`` up front."""
     return max(kv_budget_bytes, 0) // bytes_per_sequence
 
 
-# ---- weights and activations -------------------------------------------------------------
 def weight_bytes(shape: ModelShape, dtype_bytes_: int, quantization: str | None = None,
                  tensor_parallel_size: int = 1) -> int:
-    """Bytes of the weights on one rank.
-
-    Without ``quantization`` every parameter is stored in the model dtype (what this engine
-    does, GGUF files included: they are dequantized at load). With one of
-    :data:`QUANTIZATION_BITS`, the linear projections take that many bits per weight and
-    the rest stays in the model dtype. Tensor parallelism splits everything evenly (vLLM
-    shards the vocabulary too; norms are replicated, a negligible difference).
+    """Weight bytes on one rank, linears at :data:`QUANTIZATION_BITS`, split evenly over ranks.
 
     Raises ValueError for an unknown ``quantization``.
     """
@@ -272,14 +206,10 @@ def weight_bytes(shape: ModelShape, dtype_bytes_: int, quantization: str | None 
 
 def activation_bytes(shape: ModelShape, num_tokens: int, num_logit_rows: int, dtype_bytes_: int,
                      tensor_parallel_size: int = 1) -> int:
-    """Estimated peak activation bytes of one forward pass over ``num_tokens`` tokens.
+    """Estimated peak activation bytes of a forward pass (CUDA measures it instead).
 
-    The live tensors at the larger of the two peaks of a layer — the MLP (residual, normed
-    input, gate, up, and their product: 2·hidden + 3·intermediate) or attention (residual,
-    normed input, q/k/v, output: 2·hidden + (2·heads + 2·kv_heads)·head_dim) — per token in
-    the model dtype, plus float32 logits for ``num_logit_rows`` rows. This is the figure the
-    engine's profiling forward pass measures on CUDA (where it replaces this estimate);
-    the CUDA context and allocator slack live in the 1 − gpu_memory_utilization margin.
+    Per token, the larger of the MLP (2·hidden + 3·intermediate) and attention
+    (2·hidden + (2·heads + 2·kv_heads)·head_dim) peaks, plus float32 logits of ``num_logit_rows``.
     """
     tp = tensor_parallel_size
     h, hd = shape.hidden_size, shape.head_dim
@@ -291,20 +221,12 @@ def activation_bytes(shape: ModelShape, num_tokens: int, num_logit_rows: int, dt
 
 def gpu_kv_budget_bytes(device_memory_bytes: int, gpu_memory_utilization: float, weight_bytes_: int,
                         activation_bytes_: int) -> int:
-    """The KV budget on a GPU: utilization × device memory − weights − peak activations (may be negative)."""
     return int(device_memory_bytes * gpu_memory_utilization) - weight_bytes_ - activation_bytes_
 
 
-# ---- the sized cache ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Sizes of the paged KV cache as decided at start-up (bytes, tokens, blocks).
-
-    ``bytes_per_block`` is one block of every KV tensor (``layers_per_block`` layers; all
-    layers without sliding windows). ``kv_cache_groups`` are the KV-cache groups (default:
-    one full-attention group); ``max_chunk_tokens`` the scheduler's token budget, which
-    bounds how many blocks a sliding-window group holds per sequence.
-    """
+    """The paged KV cache as sized at start-up; ``max_chunk_tokens`` bounds a sliding group's blocks."""
 
     num_blocks: int
     block_size: int
@@ -312,12 +234,11 @@ class KVCacheSpec:
     max_model_len: int
     kv_cache_groups: tuple[KVCacheGroupSpec, ...] = ()
     max_chunk_tokens: int = 2048
-    kv_cache_dtype: str | None = None  # what the cache stores (the engine's kv_cache_dtype, auto resolved)
+    kv_cache_dtype: str | None = None
 
     @property
     def num_tokens(self) -> int:
-        """Tokens whose K/V of every layer fit in the pool (a hybrid block holds
-        ``layers_per_block`` of the layers, so it is that fraction of a token's K/V)."""
+        """Tokens whose K/V of every layer fit in the pool."""
         return self.num_blocks * self.block_size * self.layers_per_block // self.num_layers
 
     @property
@@ -330,33 +251,27 @@ class KVCacheSpec:
 
     @property
     def is_hybrid(self) -> bool:
-        """Whether some group has a sliding window (its out-of-window blocks are freed)."""
         return any(g.sliding_window for g in self.kv_cache_groups)
 
     @property
     def num_usable_blocks(self) -> int:
-        """Blocks requests can hold: a hybrid pool reserves block 0 as the null block."""
+        """A hybrid pool reserves block 0 as the null block."""
         return self.num_blocks - self.is_hybrid
 
     def blocks_per_seq_at(self, num_tokens: int) -> int:
-        """Most blocks one sequence of ``num_tokens`` tokens holds at once, all groups."""
         groups = self.kv_cache_groups or (KVCacheGroupSpec((0,)),)
         return max_num_blocks_per_seq(groups, num_tokens, self.block_size, self.max_chunk_tokens)
 
     @property
     def blocks_per_seq(self) -> int:
-        """Most blocks one sequence of ``max_model_len`` tokens holds at once, all groups."""
         return self.blocks_per_seq_at(self.max_model_len)
 
     @property
     def num_blocks_needed(self) -> int:
-        """Blocks the pool needs to run one ``max_model_len`` sequence (null block included)."""
         return self.blocks_per_seq + self.is_hybrid
 
     @property
     def bytes_per_seq(self) -> int:
-        """KV bytes one sequence of ``max_model_len`` tokens holds at most (a group with
-        fewer layers than ``layers_per_block`` still takes whole blocks)."""
         return self.blocks_per_seq * self.bytes_per_block
 
     @property
@@ -364,38 +279,33 @@ class KVCacheSpec:
         return layers_per_block(self.kv_cache_groups) if self.kv_cache_groups else 1
 
     def max_concurrency_at(self, num_tokens: int) -> float:
-        """Sequences of ``num_tokens`` tokens that fit at once (sliding-window groups
-        holding only their window)."""
         return self.num_usable_blocks / self.blocks_per_seq_at(num_tokens)
 
     @property
     def max_concurrency(self) -> float:
-        """Sequences of ``max_model_len`` tokens that fit at once."""
         return self.max_concurrency_at(self.max_model_len)
 
     @property
     def full_attention_max_concurrency(self) -> float:
-        """The same pool's max concurrency if every layer kept every block."""
         blocks_per_seq = cdiv(self.max_model_len, self.block_size) * self.num_layers / self.layers_per_block
         return self.num_blocks / blocks_per_seq
 
     def describe(self) -> str:
-        """The start-up log line."""
         dtype = f" ({self.kv_cache_dtype})" if self.kv_cache_dtype else ""
-        text = (f"KV cache{dtype}: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
-                f"{self.num_bytes / GiB:.2f} GiB; max concurrency {self.max_concurrency:.2f} "
-                f"sequences at max_model_len {self.max_model_len}")
-        if self.is_hybrid:
-            num_sliding = sum(1 for g in self.kv_cache_groups if g.sliding_window)
-            text += (f" (hybrid: {len(self.kv_cache_groups)} KV-cache groups of {self.layers_per_block} layers, "
-                     f"{num_sliding} sliding-window; {self.full_attention_max_concurrency:.2f} if all blocks were kept)")
-        return text
+        head = f"KV cache{dtype}: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens"
+        concurrency = f"max concurrency {self.max_concurrency:.2f} sequences at max_model_len {self.max_model_len}"
+        if not self.is_hybrid:
+            return f"{head}, {self.num_bytes / GiB:.2f} GiB; {concurrency}"
+        windows = sorted({g.sliding_window for g in self.kv_cache_groups if g.sliding_window})
+        num_sliding = sum(1 for g in self.kv_cache_groups if g.sliding_window)
+        return (f"{head} per KV-cache group, {self.num_bytes / GiB:.2f} GiB (hybrid: {len(self.kv_cache_groups)} "
+                f"KV-cache groups of {self.layers_per_block} layers, {num_sliding} sliding-window, share the blocks; "
+                f"a sequence takes a slot per token in each group, a sliding-window group only for its last "
+                f"{'/'.join(map(str, windows))} tokens); {concurrency} "
+                f"({self.full_attention_max_concurrency:.2f} if every group kept every token)")
 
     def too_small_message(self, source: str) -> str | None:
-        """The error text when the pool cannot run one ``max_model_len`` sequence, else None.
-
-        ``source`` names the setting that decided the pool size (``kv_cache_memory``, ...).
-        """
+        """The error text when one ``max_model_len`` sequence does not fit, naming setting ``source``; else None."""
         needed, per_block = self.num_blocks_needed, self.bytes_per_block
         if self.num_blocks >= needed:
             return None
@@ -406,7 +316,6 @@ class KVCacheSpec:
 
 
 def format_bytes(num: float) -> str:
-    """``1610612736`` → ``'1.50 GiB'`` (binary units)."""
     for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(num) >= size:
             return f"{num / size:.2f} {unit}"
@@ -414,5 +323,4 @@ def format_bytes(num: float) -> str:
 
 
 def sum_params(shapes: Sequence[Sequence[int]]) -> int:
-    """Total elements of tensors with the given shapes (exact parameter counts from file headers)."""
     return sum(math.prod(s) for s in shapes)

@@ -64,7 +64,7 @@ def main() -> None:
     total = sum(r[2] for r in rows)
     print(f"{root}: {prose} prose lines of {total} ({100 * prose / total:.1f}%) in {len(rows)} files")
     for name, p, t in sorted(rows, key=lambda r: -r[1])[:top]:
-        print(f"  {p:5d}/{t:5d} {100 * p / t:5.1f}%  {name}")
+        print(f"  {p:5d}/{t:5d} {100 * p / max(t, 1):5.1f}%  {name}")
 
 
 if __name__ == "__main__":

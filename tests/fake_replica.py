@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from test_async_engine import FakeEngine
+from fake_engine import FakeEngine
 
 STEP_S = 0.05  # slow enough that a stream is still running when a test aborts it or kills its replica
 
 
 class ReplicaFakeEngine(FakeEngine):
-    """The letter-generating FakeEngine (tests/test_async_engine.py), whose add history a test
+    """The letter-generating FakeEngine (tests/fake_engine.py), whose add history a test
     can read from the server process (``ReplicaEngine.call_engine``)."""
 
     def steps_before_adds(self) -> list[int]:

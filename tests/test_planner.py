@@ -234,11 +234,11 @@ def test_cli_table(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--gpu", "rtx-9999"], "unknown GPU 'rtx-9999'"),
-    (["--device-memory=-8GiB"], "device_memory must be positive"),
-    (["--device-memory", "0"], "device_memory must be positive"),
-    (["--gpu", "a100-80", "--device-memory", "80GiB"], "either device_memory or gpu"),
+    (["--device-memory=-8GiB"], "--device-memory must be positive"),
+    (["--device-memory", "0"], "--device-memory must be positive"),
+    (["--gpu", "a100-80", "--device-memory", "80GiB"], "either --device-memory or gpu"),
     (["-m", "no-such-model"], "llama-2-13b"),  # the message lists the named shapes
-    (["--gpu", "h100-80", "--tensor-parallel-size", "0"], "tensor_parallel_size"),
+    (["--gpu", "h100-80", "--tensor-parallel-size", "0"], "--tensor-parallel-size"),
 ])
 def test_cli_bad_input_exits_2(argv, message, capsys):
     args = ["plan", *argv] if "-m" in argv else ["plan", "-m", "llama-3-8b", *argv]

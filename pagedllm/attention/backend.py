@@ -1,20 +1,15 @@
-"""Attention backend interface, per-step metadata, and the forward context.
+"""The attention backend interface, the per-step metadata and the forward context.
 
-KV-cache layout, per layer: ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(index 0 = keys, 1 = values). A token at position p of a request lives in slot
-``block_table[p // block_size] * block_size + p % block_size`` — that slot number is the
-one definition of "slot" in this project (``slot_mapping`` carries it per new token).
-
-The metadata for a step travels in a context object set by :func:`set_forward_context`
-for the duration of one forward pass, not in module globals.
-"""
+KV-cache layout per layer: ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K,
+1 = V). The token at position p of a request lives in slot
+``block_table[p // block_size] * block_size + p % block_size``, the one definition of "slot"."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Protocol, Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,22 +19,14 @@ from pagedllm.quantization.kv_cache import as_bytes, dequantize_kv, quantize_kv
 
 @dataclass
 class AttentionMetadata:
-    """The flat ragged batch of one step, as the attention layers see it.
+    """The flat ragged batch of one step: decodes (query length 1) first, then prefills.
 
-    Requests are ordered decodes first (query length 1), then prefills (query length
-    > 1, including chunks), so backends can treat the two groups separately.
-
-    Shapes and dtypes (T = tokens this step, B = requests this step):
-        slot_mapping:    [T] int64  — cache slot each new token's K/V is written to
-        query_start_loc: [B+1] int32 — request b's tokens are rows qsl[b]:qsl[b+1]
-        seq_lens:        [B] int32  — context length after this step (cached + new)
-        block_tables:    [B, max_num_blocks] int32 — physical block ids, padded with 0
-        num_decodes:     requests (the first ones) with exactly one query token
-        num_decode_tokens: == num_decodes
-        max_query_len, max_seq_len: maxima over the batch (tokens)
-        query_start_loc_cpu, seq_lens_cpu: host copies (lists) for backends that
-            need Python ints without a device sync
-    """
+        slot_mapping:    [T] int64  cache slot of each new token's K/V
+        query_start_loc: [B+1] int32  request b's tokens are rows qsl[b]:qsl[b+1]
+        seq_lens:        [B] int32  context length after this step (cached + new)
+        block_tables:    [B, max_num_blocks] int32, padded with 0
+        num_decodes == num_decode_tokens: the leading requests with one query token
+        query_start_loc_cpu, seq_lens_cpu: host lists (no device sync)"""
 
     slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor
@@ -57,46 +44,67 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
 
-class AttentionBackend(Protocol):
-    """Writes new K/V into the paged cache and computes causal attention.
+class AttentionImpl:
+    """One layer's attention on a backend, its constants bound once (vLLM's ``AttentionImpl``).
 
-    ``forward(query, key, value, kv_cache, metadata, scale, sliding_window=None, logit_soft_cap=None)``:
-        query: [T, num_heads, head_dim]; key/value: [T, num_kv_heads, head_dim]
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (written in place)
-        scale: the softmax scale (``head_dim ** -0.5`` unless the model says otherwise)
-        sliding_window: W, or None for full attention: the token at position p attends to
-            keys at positions p - W < k <= p (transformers' sliding-window mask); blocks
-            wholly before p - W + 1 are never read, so their table entries may be stale
-        logit_soft_cap: c, or None: scores become ``c * tanh(scores / c)`` before the mask
-            and softmax (Gemma 2's attention-logit soft-capping)
-        returns: [T, num_heads, head_dim], dtype of ``query``.
-    Grouped-query attention: query head h reads KV head h // (num_heads // num_kv_heads).
+    ``sliding_window`` W: position p attends to keys p - W < k <= p (blocks before are never read);
+    ``logit_soft_cap`` c: scores ``c * tanh(s / c)`` before mask and softmax (Gemma 2; 0 = None).
+    ``forward`` writes the step's K/V at ``metadata.slot_mapping`` (an int8 cache's scales into
+    ``kv_scales``) and returns causal attention per request: query (T, num_heads, head_dim),
+    key/value (T, num_kv_heads, head_dim) -> (T, num_heads, head_dim) in query's dtype; query head h
+    reads KV head h // (num_heads // num_kv_heads). Raises ValueError for a window < 1 or a layout
+    that does not match."""
 
-    A backend with ``supports_quantized_kv = True`` also takes fp8/int8 caches, an int8 one
-    with ``kv_scales=`` (2, num_blocks, block_size, num_kv_heads) float32
-    (:mod:`pagedllm.quantization.kv_cache`); without the attribute, only float caches.
-    """
+    def __init__(self, backend: AttentionBackend, scale: float, sliding_window: int | None = None,
+                 logit_soft_cap: float | None = None) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        self.backend = backend
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.logit_soft_cap = logit_soft_cap or None
+        self.options = (scale, sliding_window, self.logit_soft_cap)  # what per-pass plans are keyed by
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-                sliding_window: int | None = None, logit_soft_cap: float | None = None) -> torch.Tensor: ...
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        check_shapes(query, key, kv_cache)
+        self.write_kv(key, value, kv_cache, metadata.slot_mapping, kv_scales)
+        return self._attend(query, key, value, kv_cache, metadata, kv_scales)
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scales: torch.Tensor | None) -> None:
+        write_kv_cache(key, value, kv_cache, slot_mapping, kv_scales)
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, kv_scales: torch.Tensor | None) -> torch.Tensor:
+        """The attention, the step's K/V already in the cache."""
+        raise NotImplementedError
+
+
+class AttentionBackend:
+    """What a model's layers share: buffers and the current pass's plans (not thread-safe). ``make_impl``
+    binds a layer's constants; ``supports_quantized_kv``: fp8/int8 caches; ``supports_cuda_graphs``:
+    sync-free, launch shapes from host sizes."""
+
+    impl_cls: type[AttentionImpl] = AttentionImpl
+    supports_quantized_kv = False
+    supports_cuda_graphs = False
+
+    def make_impl(self, scale: float, sliding_window: int | None = None,
+                  logit_soft_cap: float | None = None) -> AttentionImpl:
+        return self.impl_cls(self, scale, sliding_window, logit_soft_cap)
 
 
 @dataclass
 class ForwardContext:
-    """What every attention layer needs during one forward pass.
-
-    ``group_metadata[g]`` is the metadata of KV-cache group ``g`` (its own block tables
-    and slot mapping; see :mod:`pagedllm.core.kv_cache_groups`); ``attn_metadata`` is
-    group 0's (the only one for a model without sliding-window layers), or None.
-    """
+    """What every attention layer needs during one forward pass: ``group_metadata[g]`` is KV-cache
+    group g's (:mod:`pagedllm.core.kv_cache_groups`); ``attn_metadata`` group 0's, or None."""
 
     attn_metadata: AttentionMetadata | None
     group_metadata: tuple[AttentionMetadata, ...] = ()
 
     def metadata_for(self, group: int) -> AttentionMetadata | None:
-        """The metadata of KV-cache group ``group`` (None in a pass without metadata).
-        Raises IndexError for a group the pass has no metadata for."""
+        """Group ``group``'s metadata (None in a pass without). Raises IndexError for an unknown group."""
         if self.attn_metadata is None:
             return None
         if group == 0:
@@ -110,8 +118,7 @@ _local = threading.local()
 @contextlib.contextmanager
 def set_forward_context(attn_metadata: AttentionMetadata | Sequence[AttentionMetadata] | None
                         ) -> Iterator[ForwardContext]:
-    """Make the step's metadata visible to the attention layers for one forward pass:
-    one :class:`AttentionMetadata`, or one per KV-cache group (a list or tuple), or None."""
+    """The step's metadata (one, one per KV-cache group, or None) for one forward pass."""
     prev = getattr(_local, "ctx", None)
     if isinstance(attn_metadata, (list, tuple)):
         ctx = ForwardContext(attn_metadata[0], tuple(attn_metadata))
@@ -132,23 +139,12 @@ def get_forward_context() -> ForwardContext:
     return ctx
 
 
-# -- helpers shared by the backends ------------------------------------------------------
-
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
-    """Write new keys/values into the paged cache, in place, in the cache's storage dtype.
-
-    Args:
-        key, value: (T, num_kv_heads, head_dim), any float dtype; rounded to the cache's
-            dtype (float8 saturates; int8 is quantized per token and head,
-            :func:`pagedllm.quantization.kv_cache.quantize_kv`).
-        kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim), contiguous.
-        slot_mapping: (T,) int64, each in [0, num_blocks * block_size). Negative slots are
-            not supported (the runner never pads).
-        kv_scales: (2, num_blocks, block_size, num_kv_heads) float32 for an int8 cache (the
-            per token-and-head scales, written at the same slots); None otherwise.
-    Raises ValueError for an int8 cache without ``kv_scales``.
-    """
+    """key, value (T, num_kv_heads, head_dim) into ``kv_cache`` (contiguous) at ``slot_mapping`` (T,)
+    int64 (no negative slots), in the cache's storage dtype (:func:`~pagedllm.quantization.kv_cache.quantize_kv`;
+    int8 writes its scales into ``kv_scales`` at the same slots). Raises ValueError for an int8 cache
+    without ``kv_scales`` or another with them."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     if (kv_cache.dtype == torch.int8) != (kv_scales is not None):
         raise ValueError("an int8 KV cache needs kv_scales (and only an int8 one has them)")
@@ -162,12 +158,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
 
 def read_kv_blocks(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, block_ids: torch.Tensor,
                    dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """K and V of the blocks ``block_ids`` (n,), dequantized to ``dtype``.
-
-    Returns (2, n, block_size, num_kv_heads, head_dim). ``out``, if given, is a buffer of the
-    cache's dtype and that shape the raw blocks are gathered into (no allocation when the
-    cache is already in ``dtype``: the result is then ``out`` itself).
-    """
+    """K and V of blocks ``block_ids`` (n,) in ``dtype``: (2, n, block_size, num_kv_heads, head_dim).
+    ``out``: a buffer of the cache's dtype to gather into (returned itself when no dequantizing is needed)."""
     raw = torch.index_select(as_bytes(kv_cache), 1, block_ids, out=None if out is None else as_bytes(out))
     raw = raw.view(kv_cache.dtype)
     scales = None if kv_scales is None else kv_scales.index_select(1, block_ids)
@@ -191,12 +183,8 @@ def check_shapes(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor)
 
 
 def current_context(metadata: AttentionMetadata) -> ForwardContext | None:
-    """The active forward context if ``metadata`` is its group-0 metadata, else None.
-
-    Backends key per-pass caches (decode plans) by this context; the other KV-cache groups'
-    metadata have other block tables, so they get None (no caching) and never a plan of
-    another group's tables.
-    """
+    """The active forward context if ``metadata`` is its group-0 metadata, else None: per-pass plans
+    are keyed by it, so another KV-cache group (other block tables) never gets group 0's plan."""
     try:
         ctx = get_forward_context()
     except RuntimeError:
@@ -205,10 +193,7 @@ def current_context(metadata: AttentionMetadata) -> ForwardContext | None:
 
 
 def attention_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
-    """Causal (and sliding-window) mask, True = attend: (Q,) and (S,) positions -> (Q, S) bool.
-
-    Key k is visible to query q when ``k <= q`` and, with a window W, ``k > q - W``.
-    """
+    """(Q,) and (S,) positions -> (Q, S) bool, True = attend: ``k <= q`` and, with a window W, ``k > q - W``."""
     q, k = query_pos.unsqueeze(1), key_pos.unsqueeze(0)
     mask = k <= q
     if sliding_window is not None:
@@ -220,15 +205,9 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      scale: float, logit_soft_cap: float | None = None) -> torch.Tensor:
     """softmax(cap(scale * q k^T) masked) v, the reference every backend must equal.
 
-    Args:
-        query: (..., Hq, Q, D); key, value: (..., Hk, S, D) with Hq a multiple of Hk (query
-            head h reads key head h // (Hq // Hk)).
-        mask: bool broadcastable to (..., Hq, Q, S), True = attend; None = causal, top-left
-            aligned (Q == S). Every query row must see at least one key.
-        logit_soft_cap: c or None: scores become ``c * tanh(scores / c)`` before masking.
-    Returns:
-        (..., Hq, Q, D) in query's dtype.
-    """
+    query (..., Hq, Q, D); key, value (..., Hk, S, D), Hq a multiple of Hk; mask bool broadcastable
+    to (..., Hq, Q, S), True = attend, every row seeing a key (None: causal, Q == S). Returns
+    (..., Hq, Q, D) in query's dtype."""
     key, value = key.to(query.dtype), value.to(query.dtype)
     if logit_soft_cap is None:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,

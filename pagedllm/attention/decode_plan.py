@@ -1,17 +1,8 @@
-"""The decode plan: a decode step's call of the CPU attention kernel, prepared once for all layers.
+"""A decode-only step's call of the C decode kernel (``cpu_paged.c``), prepared once for all layers.
 
-In a decode-only step every layer calls the C decode kernel (``cpu_paged.c``) with the same
-arguments but for a handful: the block tables, sequence lengths, slots, shapes, strides, scale,
-thread count and KV format are the step's; only the layer's KV cache and its query, new key and
-value, and output buffer differ. Passed one by one through ctypes, the thirty arguments cost more
-Python time than the kernel's smaller layers take to run. A :class:`DecodePlan` fills the
-kernel's argument struct (``struct paged_decode_call``) once per step, when the first layer has
-passed every check of :class:`~pagedllm.attention.cpu_paged.CpuPagedAttention`; each later layer
-checks that its tensors have the planned shapes, dtypes and layout (:meth:`DecodePlan.matches`),
-writes its five pointers into the struct and makes one call with one argument
-(:meth:`DecodePlan.run`). The kernel and its arguments are the same as unplanned, so the
-outputs are bitwise the same.
-"""
+Every layer of such a step passes the same arguments but its KV cache, query, new K/V and output:
+the plan fills ``struct paged_decode_call`` once, and each later layer whose tensors match writes
+five pointers and makes a one-argument call (the same kernel and arguments: bitwise the same)."""
 
 from __future__ import annotations
 
@@ -19,7 +10,7 @@ import ctypes
 
 import torch
 
-from pagedllm.attention.backend import ForwardContext
+from pagedllm.attention.backend import AttentionImpl, ForwardContext
 
 __all__ = ["DecodeCall", "DecodePlan"]
 
@@ -40,27 +31,15 @@ class DecodeCall(ctypes.Structure):
 
 
 class DecodePlan:
-    """One decode-only step's attention call: the K/V write of the step's new rows and the decode
-    of all its D requests, for float32 or bfloat16 caches with queries, keys and values of one
-    dtype (float32 or bfloat16), on an OpenMP build of the kernel.
+    """The K/V write and decode of a decode-only step (float32/bfloat16 cache, query and K/V of one
+    such dtype, OpenMP build), planned from the first layer's ``impl`` and tensors (whose shapes,
+    dtypes and strides later layers must match) and the validated ``block_tables`` (D, max_blocks)
+    int32, ``seq_lens`` (D,) int32 and ``slots`` (D,) int64 it keeps alive; valid while ``owner`` is
+    the current forward context."""
 
-    Args:
-        owner: the step's forward context (the plan is valid while it is the current one).
-        fn: the kernel's ``paged_decode_<format>_call`` (ctypes; takes a pointer to the struct).
-        query: (D, num_heads, head_dim) contiguous; key, value: (D, num_kv_heads, head_dim) in
-            query's dtype, unit strides within a row; kv_cache: (2, num_blocks, block_size,
-            num_kv_heads, head_dim) contiguous. The first layer's tensors: their shapes, dtypes
-            and strides are the plan's (their pointers are replaced by every layer's own).
-        block_tables: (D, max_blocks) int32 with a unit last stride; seq_lens (D,) int32
-            contiguous; slots (D,) int64 contiguous: validated against the cache by the caller,
-            and kept alive by the plan while the kernel reads them.
-        scale, sliding_window, logit_soft_cap: the layer options the plan was made for (a layer
-            with others does not match); num_threads: the kernel's OpenMP team size.
-    """
-
-    def __init__(self, owner: ForwardContext, fn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
-                 scale: float, sliding_window: int | None, logit_soft_cap: float | None, num_threads: int) -> None:
+    def __init__(self, owner: ForwardContext, fn, impl: AttentionImpl, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 slots: torch.Tensor, num_threads: int) -> None:
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         kv_block_stride = block_size * num_kv_heads * head_dim
         self.owner = owner
@@ -69,7 +48,8 @@ class DecodePlan:
         self._cache_shape, self._cache_dtype = kv_cache.shape, kv_cache.dtype
         self._query_shape, self._kv_shape, self._dtype = query.shape, key.shape, query.dtype
         self._key_stride, self._value_stride = key.stride(), value.stride()
-        self._options = (scale, sliding_window, logit_soft_cap)
+        self._options = impl.options
+        scale, sliding_window, logit_soft_cap = impl.options
         self._v_offset = num_blocks * kv_block_stride * kv_cache.element_size()  # bytes from K to V
         self._call = DecodeCall(
             block_tables=block_tables.data_ptr(), seq_lens=seq_lens.data_ptr(), req_begin=0, req_end=query.shape[0],
@@ -82,22 +62,20 @@ class DecodePlan:
         self._call_ref = ctypes.byref(self._call)
 
     def matches(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                scale: float, sliding_window: int | None, logit_soft_cap: float | None) -> bool:
-        """Whether a layer's call is this plan's with other tensors: the same shapes, dtypes and
-        strides, contiguous CPU query and cache, and the same options. (The caller checks that
-        the step's forward context is still :attr:`owner`.)"""
+                options: tuple) -> bool:
+        """Whether a layer's call (its impl's ``options``) is this plan's with other tensors of the same
+        shapes, dtypes and strides (the caller checks that :attr:`owner` is still current)."""
         dtype = self._dtype
         return (kv_cache.shape == self._cache_shape and kv_cache.dtype is self._cache_dtype and kv_cache.is_cpu
                 and kv_cache.is_contiguous() and query.shape == self._query_shape and query.dtype is dtype
                 and query.is_cpu and query.is_contiguous() and key.dtype is dtype and value.dtype is dtype
                 and key.shape == self._kv_shape and value.shape == self._kv_shape and key.is_cpu and value.is_cpu
                 and key.stride() == self._key_stride and value.stride() == self._value_stride
-                and (scale, sliding_window, logit_soft_cap) == self._options)
+                and options == self._options)
 
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Write the layer's new K/V rows into ``kv_cache`` and return the decode attention,
-        (D, num_heads, head_dim) in query's dtype. The tensors must satisfy :meth:`matches`.
-        Raises MemoryError when the kernel cannot allocate its scratch."""
+        """Write the layer's K/V rows and return its decode attention, (D, num_heads, head_dim) in
+        query's dtype (tensors as :meth:`matches`). Raises MemoryError when the kernel's scratch fails."""
         out = torch.empty(self._query_shape, dtype=self._dtype)
         call, cache = self._call, kv_cache.data_ptr()
         call.q, call.k_cache, call.v_cache, call.out = query.data_ptr(), cache, cache + self._v_offset, out.data_ptr()

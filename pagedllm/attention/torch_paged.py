@@ -1,34 +1,8 @@
-"""Reference paged-attention backend in plain PyTorch: runs on CPU and CUDA, fp32/bf16/fp16.
+"""The reference paged-attention backend in plain PyTorch (CPU and CUDA; fp32/bf16/fp16 and fp8/int8 caches).
 
-One call of :meth:`TorchPagedAttention.forward` does, for a flat ragged batch:
-
-1. **KV write.** The new tokens' keys and values go into the paged cache at
-   ``slot_mapping`` (slot = block_id × block_size + offset), one ``index_copy_`` each.
-2. **Decode** (the first ``num_decodes`` requests, one query token each): batched with
-   no Python loop over requests (at most a loop over cache-sized groups of them, below). Each request's blocks are gathered through its block
-   table up to the longest decode context (one ``index_select`` for K and V together, into
-   a reusable workspace), keys past each request's ``seq_len`` are masked, and one
-   ``scaled_dot_product_attention`` call computes all of them. Grouped-query attention is
-   done by folding the ``num_heads // num_kv_heads`` query heads of a group into the
-   query-length axis (``q: (B, num_kv_heads, group, head_dim)``), so K/V are never
-   repeated per query head (the grouping GQA-aware decode kernels use).
-3. **Prefill** (the remaining requests; few per step, so a Python loop is fine): causal
-   within the request. A request whose earlier tokens are already cached (chunked prefill,
-   prefix-cache hit) reads them from its blocks; on CPU the cached prefix (no mask) and the
-   chunk (causal) are two flash-attention calls merged by log-sum-exp, elsewhere one SDPA
-   call with a bottom-right-aligned causal mask. SDPA always gets 4-D tensors, the only
-   ones CPU's flash kernel takes (3-D inputs fall back to the math path, which
-   materializes the score matrix).
-
-The algorithm is PagedAttention (Kwon et al., SOSP 2023, "Efficient Memory Management for
-Large Language Model Serving with PagedAttention"), expressed with gathers + SDPA.
-
-Decode cost on CPU is dominated by moving K/V: the gather copies every context token's
-K/V once and SDPA reads the copy. Decodes are therefore processed in groups whose gathered
-K/V fit in a few MiB (still in cache when SDPA reads them), in a reusable workspace (no
-fresh pages faulted in per layer); the per-step block tables and key mask are built once
-and shared by all layers.
-"""
+PagedAttention (Kwon et al., SOSP 2023) as gathers + SDPA: decodes batched through their block
+tables into a reusable workspace (GQA folded into the query axis, K/V never repeated); prefills
+one request at a time, the cached prefix and the chunk merged by log-sum-exp on CPU."""
 
 from __future__ import annotations
 
@@ -37,53 +11,81 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backend import (AttentionMetadata, ForwardContext, attention_mask, check_shapes, current_context,
-                                        masked_attention, read_kv_blocks, write_kv_cache)
+from pagedllm.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata, ForwardContext,
+                                        attention_mask, current_context, masked_attention, read_kv_blocks)
 from pagedllm.quantization.kv_cache import round_trip_kv
 from pagedllm.utils import cdiv
 
+# Decode groups gather at most this much K/V: on CPU a group's copy is still in cache when SDPA reads it.
 _CPU_WORKSPACE_BYTES = 8 * 1024**2
 _CUDA_WORKSPACE_BYTES = 1024**3
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, kv_scales: torch.Tensor | None = None,
               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``seq_len`` tokens' K and V of one request, read through its block table.
-
-    Args:
-        kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim).
-        block_table: (>= ceil(seq_len / block_size),) int32/int64 physical block ids.
-        seq_len: tokens to read.
-        kv_scales: an int8 cache's (2, num_blocks, block_size, num_kv_heads) scales, else None.
-        dtype: the dtype to return (dequantizing fp8/int8); default the cache's.
-    Returns:
-        keys, values: each (seq_len, num_kv_heads, head_dim), new contiguous tensors.
-    """
+    """The first ``seq_len`` tokens' K and V of one request through its block table, in ``dtype``
+    (default the cache's): each (seq_len, num_kv_heads, head_dim), new tensors."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_blocks = cdiv(seq_len, block_size)
     kv = read_kv_blocks(kv_cache, kv_scales, block_table[:num_blocks], dtype or kv_cache.dtype)
-    # kv: (2, num_blocks, block_size, num_kv_heads, head_dim)
     kv = kv.view(2, num_blocks * block_size, num_kv_heads, head_dim)[:, :seq_len]  # (2, seq_len, num_kv_heads, head_dim)
     return kv[0], kv[1]
 
 
-class TorchPagedAttention:
-    """Paged attention with PyTorch ops (the :class:`~pagedllm.attention.backend.AttentionBackend`).
+class TorchPagedAttentionImpl(AttentionImpl):
+    """One layer on :class:`TorchPagedAttention` (contract: :class:`~pagedllm.attention.backend.AttentionImpl`)."""
 
-    Stateless apart from a reusable decode workspace and the current pass's decode plan,
-    so one instance may be shared by every layer of a model but not by two threads running
-    forwards at the same time.
+    backend: TorchPagedAttention
 
-    Args:
-        max_workspace_bytes: cap on the decode gather buffer; decode batches needing more
-            are processed in groups of requests. Default (None): 8 MiB on CPU (each group's
-            K/V are still in cache when SDPA reads them; at batch 64, context 300 on this
-            2-core machine 4-8 MiB beat one big gather by ~20 % single-threaded, and fewer,
-            larger groups lose less to OpenMP barriers when the cores are shared), 1 GiB on
-            CUDA (one group).
-    """
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, kv_scales: torch.Tensor | None, **decode_options) -> torch.Tensor:
+        """Decodes, then prefills, into a new (T, num_heads, head_dim) tensor (``decode_options`` to ``_decode``)."""
+        output = torch.empty_like(query)
+        num_decodes = metadata.num_decodes
+        if 0 < num_decodes == query.shape[0]:  # a decode-only step: no slicing
+            self._decode(query, kv_cache, metadata, output, kv_scales, **decode_options)
+        elif num_decodes > 0:
+            self._decode(query[:num_decodes], kv_cache, metadata, output[:num_decodes], kv_scales, **decode_options)
+        if num_decodes < metadata.num_reqs:
+            self._prefill(query, key, value, kv_cache, metadata, output, kv_scales)
+        return output
 
-    supports_quantized_kv = True  # fp8 and int8 caches (kv_scales) are written and read
+    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 metadata: AttentionMetadata, output: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
+        """The prefill requests' rows of ``output`` (T, num_heads, head_dim); their K/V are already cached."""
+        qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+        for b in range(metadata.num_decodes, metadata.num_reqs):
+            start, end = qsl[b], qsl[b + 1]
+            output[start:end] = _prefill_one(query[start:end], key[start:end], value[start:end], kv_cache,
+                                             metadata.block_tables[b], seq_lens[b], self.scale, self.sliding_window,
+                                             self.logit_soft_cap, kv_scales)
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                out: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
+        """The decodes' attention into ``out``; query, out: (D, num_heads, head_dim)."""
+        num_decodes = query.shape[0]
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        backend = self.backend
+        plan = backend.decode_plan(metadata, block_size, self.sliding_window)
+        bytes_per_req = 2 * plan.max_len * num_kv_heads * head_dim * kv_cache.element_size()
+        cap = backend.max_workspace_bytes or _default_workspace_bytes(kv_cache.device)
+        group = max(1, min(num_decodes, cap // bytes_per_req))
+        workspace = backend.workspace(group * bytes_per_req // kv_cache.element_size(), kv_cache)
+        for i in range(0, num_decodes, group):  # one iteration unless the batch outgrows the workspace
+            j = min(i + group, num_decodes)
+            out[i:j] = _decode_group(query[i:j], kv_cache, plan.block_tables[i:j], plan.mask[i:j], self.scale,
+                                     workspace, self.logit_soft_cap, kv_scales)
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Paged attention in PyTorch ops. Shared by a model's layers: a decode workspace and the
+    current pass's decode plans (one per sliding window).
+
+    ``max_workspace_bytes``: cap on the decode gather buffer (larger batches run in groups of
+    requests); default 8 MiB on CPU, 1 GiB on CUDA. Raises ValueError when not positive."""
+
+    impl_cls = TorchPagedAttentionImpl
+    supports_quantized_kv = True
 
     def __init__(self, max_workspace_bytes: int | None = None) -> None:
         if max_workspace_bytes is not None and max_workspace_bytes <= 0:
@@ -92,81 +94,11 @@ class TorchPagedAttention:
         self._workspace: torch.Tensor | None = None
         self._plans: dict[int | None, _DecodePlan] = {}  # this pass's decode plans, by sliding window
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-                sliding_window: int | None = None, logit_soft_cap: float | None = None,
-                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-        """Write this step's K/V into ``kv_cache`` and return causal attention per request.
-
-        Args:
-            query: (T, num_heads, head_dim); key, value: (T, num_kv_heads, head_dim).
-                Row t belongs to the request b with ``query_start_loc[b] <= t < query_start_loc[b+1]``
-                and sits at position ``seq_lens[b] - (query_start_loc[b+1] - t)`` of it.
-            kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim); written in place.
-            metadata: the step's :class:`AttentionMetadata` (decodes first, then prefills).
-            scale: softmax scale, usually ``head_dim ** -0.5``.
-            sliding_window, logit_soft_cap: see :class:`~pagedllm.attention.backend.AttentionBackend`.
-            kv_scales: the per token-and-head scales of an int8 cache,
-                (2, num_blocks, block_size, num_kv_heads) float32; None for other dtypes.
-        Returns:
-            (T, num_heads, head_dim), dtype of ``query``.
-        Raises:
-            ValueError: if the cache layout does not match the key/value heads or head_dim,
-                or ``num_heads`` is not a multiple of ``num_kv_heads``.
-        """
-        check_shapes(query, key, kv_cache)
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
-        output = torch.empty_like(query)
-        num_decodes = metadata.num_decodes
-        if num_decodes > 0:
-            self._decode(query[:num_decodes], kv_cache, metadata, scale, output[:num_decodes], sliding_window,
-                         logit_soft_cap, kv_scales)
-        if num_decodes < metadata.num_reqs:
-            self._prefill(query, key, value, kv_cache, metadata, scale, output, sliding_window, logit_soft_cap,
-                          kv_scales)
-        return output
-
-    __call__ = forward
-
-    # -- prefill ---------------------------------------------------------------------------
-
-    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 metadata: AttentionMetadata, scale: float, output: torch.Tensor, sliding_window: int | None = None,
-                 logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> None:
-        """Attention of the prefill requests (after the decodes) into their rows of ``output``.
-        query, output: (T, num_heads, head_dim) for the whole step; their K/V are already in the cache."""
-        qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-        for b in range(metadata.num_decodes, metadata.num_reqs):
-            start, end = qsl[b], qsl[b + 1]
-            output[start:end] = _prefill_one(query[start:end], key[start:end], value[start:end], kv_cache,
-                                             metadata.block_tables[b], seq_lens[b], scale, sliding_window,
-                                             logit_soft_cap, kv_scales)
-
-    # -- decode ----------------------------------------------------------------------------
-
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                scale: float, out: torch.Tensor, sliding_window: int | None = None,
-                logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> None:
-        """Attention of the decode requests into ``out``. query, out: (D, num_heads, head_dim)."""
-        num_decodes = query.shape[0]
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        plan = self._decode_plan(metadata, block_size, sliding_window)
-        bytes_per_req = 2 * plan.max_len * num_kv_heads * head_dim * kv_cache.element_size()
-        cap = self.max_workspace_bytes or _default_workspace_bytes(kv_cache.device)
-        group = max(1, min(num_decodes, cap // bytes_per_req))
-        workspace = self._get_workspace(group * bytes_per_req // kv_cache.element_size(), kv_cache)
-        for i in range(0, num_decodes, group):  # one iteration unless the batch outgrows the workspace
-            j = min(i + group, num_decodes)
-            out[i:j] = _decode_group(query[i:j], kv_cache, plan.block_tables[i:j], plan.mask[i:j], scale, workspace,
-                                     logit_soft_cap, kv_scales)
-
-    def _decode_plan(self, metadata: AttentionMetadata, block_size: int, sliding_window: int | None = None
-                     ) -> "_DecodePlan":
-        """Block tables and key mask of the step's decodes, computed once per forward pass and
-        sliding window, and shared by every layer with that window. The cache key is the pass's
-        ForwardContext object (new for each ``set_forward_context``), so a runner that refills
-        one metadata object in place every step never sees a stale plan; outside a forward
-        context nothing is cached."""
+    def decode_plan(self, metadata: AttentionMetadata, block_size: int, sliding_window: int | None = None
+                    ) -> _DecodePlan:
+        """The decodes' block tables and key mask, built once per forward pass and window. Keyed by
+        the pass's ForwardContext (new per ``set_forward_context``), so metadata refilled in place
+        never meets a stale plan; nothing is cached outside a forward context."""
         owner = current_context(metadata)
         plan = self._plans.get(sliding_window)
         if owner is not None and plan is not None and plan.owner is owner and plan.block_size == block_size:
@@ -181,8 +113,8 @@ class TorchPagedAttention:
             self._plans[sliding_window] = plan
         return plan
 
-    def _get_workspace(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """A flat buffer of at least ``numel`` elements of ``like``'s dtype and device (reused)."""
+    def workspace(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A reused flat buffer of ``numel`` elements of ``like``'s dtype and device."""
         ws = self._workspace
         if ws is None or ws.numel() < numel or ws.dtype != like.dtype or ws.device != like.device:
             ws = torch.empty(numel, dtype=like.dtype, device=like.device)
@@ -192,7 +124,7 @@ class TorchPagedAttention:
 
 @dataclass
 class _DecodePlan:
-    """Per-step decode inputs shared by all layers of one forward pass."""
+    """The decodes' block tables and key mask, shared by one forward pass's layers."""
 
     owner: ForwardContext | None  # the forward pass this plan belongs to
     block_size: int
@@ -214,9 +146,8 @@ def _full_decode_plan(owner: ForwardContext | None, metadata: AttentionMetadata,
 
 def _window_decode_plan(owner: ForwardContext | None, metadata: AttentionMetadata, block_size: int,
                         window: int) -> _DecodePlan:
-    """Each decode reads only the blocks holding its last ``window`` tokens (positions
-    seq_len - window .. seq_len - 1): at most (window - 1) // block_size + 2 blocks from its
-    first needed one, so blocks before the window are never touched."""
+    """Each decode reads only the blocks of its last ``window`` tokens (at most
+    (window - 1) // block_size + 2 from its first needed one)."""
     num_decodes = metadata.num_decodes
     device = metadata.seq_lens.device
     seq_lens = metadata.seq_lens[:num_decodes].long()  # (D,)
@@ -232,27 +163,15 @@ def _window_decode_plan(owner: ForwardContext | None, metadata: AttentionMetadat
 
 
 def _default_workspace_bytes(device: torch.device) -> int:
-    """CPU: a few MiB, so each group's gathered K/V is still in cache when SDPA reads it.
-    CUDA: large (one group), bounded so a huge batch cannot allocate without limit."""
     return _CPU_WORKSPACE_BYTES if device.type == "cpu" else _CUDA_WORKSPACE_BYTES
 
 
 def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   mask: torch.Tensor, scale: float, workspace: torch.Tensor,
                   logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Batched decode attention for D requests with one query token each.
-
-    Args:
-        query: (D, num_heads, head_dim).
-        kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim).
-        block_tables: (D, nb) int32 — every request's first nb blocks (padding entries are
-            any valid block id; they are masked out).
-        mask: (D, 1, 1, nb * block_size) bool, True for keys before each request's seq_len.
-        workspace: at least 2 * D * nb * block_size * num_kv_heads * head_dim elements of the cache's dtype.
-        kv_scales: an int8 cache's scales, else None (fp8/int8 blocks are dequantized after the gather).
-    Returns:
-        (D, num_heads, head_dim).
-    """
+    """Decode attention of D one-token requests: query (D, num_heads, head_dim), block_tables (D, nb)
+    int32 (padding masked out), mask (D, 1, 1, nb * block_size) bool, workspace of the cache's dtype
+    -> (D, num_heads, head_dim)."""
     num_reqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     nb = block_tables.shape[1]
@@ -264,7 +183,7 @@ def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     kv = kv.view(2, num_reqs, max_len, num_kv_heads, head_dim)
     keys = kv[0].transpose(1, 2).to(query.dtype)  # (D, num_kv_heads, max_len, head_dim), a view
     values = kv[1].transpose(1, 2).to(query.dtype)  # (D, num_kv_heads, max_len, head_dim), a view
-    # Query head h reads KV head h // group_size: fold a group's heads into the query axis.
+    # query head h reads KV head h // group_size: a group's heads folded into the query axis
     q = query.view(num_reqs, num_kv_heads, group_size, head_dim)  # (D, num_kv_heads, group, head_dim)
     out = masked_attention(q, keys, values, mask, scale, logit_soft_cap)
     return out.reshape(num_reqs, num_heads, head_dim)  # (D, num_heads, head_dim)
@@ -273,21 +192,13 @@ def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
 def _prefill_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  block_table: torch.Tensor, seq_len: int, scale: float, sliding_window: int | None = None,
                  logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of one request's Q new tokens, the last Q of its ``seq_len``.
+    """Causal attention of one request's Q new tokens, the last Q of ``seq_len`` (K/V already cached):
+    query (Q, num_heads, head_dim), key/value (Q, num_kv_heads, head_dim) -> (Q, num_heads, head_dim).
 
-    query: (Q, num_heads, head_dim); key/value: (Q, num_kv_heads, head_dim) (already in the
-    cache). Full attention without soft-capping: with no earlier context, one causal SDPA
-    call over the fresh K/V. With C = ``seq_len - Q`` cached tokens (chunked prefill,
-    prefix-cache hit) the attention splits into the prefix part (every query sees all C
-    cached keys: no mask) and the in-chunk part (causal over the Q fresh keys), merged by
-    log-sum-exp (:func:`_prefix_chunk_attention`) on CPU; elsewhere one SDPA call with a
-    bottom-right causal mask. Every SDPA call gets 4-D (batch 1) tensors: on CPU only those
-    reach the fused flash kernel, 3-D ones take the math path that materializes the
-    (Q x keys) score matrix per head. A sliding window or a soft cap goes to
-    :func:`_prefill_one_masked`. With a KV cache of lower precision than the query, the fresh
-    K/V are first rounded as the cache stores them, so a prefill sees the same values whether
-    its prefix was cached, chunked or computed in this step. Returns (Q, num_heads, head_dim).
-    """
+    A cached prefix (chunked prefill, prefix hit) and the chunk are merged by log-sum-exp on CPU,
+    one SDPA with a bottom-right causal mask elsewhere; 4-D inputs only (3-D take SDPA's math path).
+    Fresh K/V are first rounded as a lower-precision cache stores them, so a prefill sees the same
+    values however its prefix was computed. Windows and soft caps: :func:`_prefill_one_masked`."""
     if kv_cache.dtype != query.dtype:  # attend over the K/V as stored, as every later read will
         key, value = round_trip_kv(key, kv_cache.dtype, query.dtype), round_trip_kv(value, kv_cache.dtype, query.dtype)
     if sliding_window is not None or logit_soft_cap is not None:
@@ -302,11 +213,10 @@ def _prefill_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
                                              enable_gqa=True)
         return out[0].transpose(0, 1)  # (Q, num_heads, head_dim)
     if query.device.type == "cpu" and _cpu_flash_attention is not None:
-        # (C, num_kv_heads, head_dim)
         prefix_keys, prefix_values = gather_kv(kv_cache, block_table, num_context, kv_scales, query.dtype)
         return _prefix_chunk_attention(q, prefix_keys, prefix_values, key, value, scale)
     keys, values = gather_kv(kv_cache, block_table, seq_len, kv_scales, query.dtype)  # (seq_len, kv_heads, head_dim)
-    # Bottom-right causal mask: query i (position num_context + i) sees keys 0..num_context + i.
+    # bottom-right causal: query i (position num_context + i) sees keys up to num_context + i
     key_pos = torch.arange(seq_len, device=query.device)
     query_pos = torch.arange(num_context, seq_len, device=query.device)
     mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # (Q, seq_len)
@@ -316,29 +226,16 @@ def _prefill_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
     return out[0].transpose(0, 1)  # (Q, num_heads, head_dim)
 
 
-# torch's fused CPU flash-attention kernel (what SDPA dispatches to for 4-D CPU inputs); called
-# directly because it also returns the log-sum-exp of each query row, which merging needs.
-# It handles grouped-query attention itself (num_kv_heads dividing num_heads).
+# SDPA's CPU flash kernel, called directly for the per-row log-sum-exp the merge needs (handles GQA)
 _cpu_flash_attention = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _prefix_chunk_attention(q: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor,
                             chunk_keys: torch.Tensor, chunk_values: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of Q chunk queries over C cached prefix tokens and (causally) the chunk itself.
-
-    Args:
-        q: (1, num_heads, Q, head_dim); prefix_keys/values: (C, num_kv_heads, head_dim);
-        chunk_keys/values: (Q, num_kv_heads, head_dim), the chunk's own K/V.
-    Returns:
-        (Q, num_heads, head_dim), dtype of ``q``.
-
-    Two flash-attention calls, neither with a mask (so nothing of size Q x (C + Q) is built,
-    and the causal one skips the key tiles above the diagonal): ``o1, lse1`` over the prefix,
-    ``o2, lse2`` causal over the chunk. Softmax over the union of two key sets is the
-    weighted mean of the two partial softmaxes with weights ``exp(lse_i)``, so
-    ``out = o1 + (o2 - o1) * sigmoid(lse2 - lse1)`` (the merge of FlashAttention's split-KV
-    / FlashDecoding, Dao et al. 2023). The log-sum-exps are float32.
-    """
+    """Q chunk queries over C cached keys (no mask) and, causally, the chunk's own keys: two flash calls
+    merged as ``o1 + (o2 - o1) * sigmoid(lse2 - lse1)`` (FlashDecoding's merge, Dao et al. 2023).
+    q (1, num_heads, Q, head_dim); prefix (C, num_kv_heads, head_dim); chunk (Q, num_kv_heads, head_dim)
+    -> (Q, num_heads, head_dim) in q's dtype."""
     dtype = q.dtype
     pk, pv = prefix_keys.transpose(0, 1).unsqueeze(0), prefix_values.transpose(0, 1).unsqueeze(0)
     ck, cv = chunk_keys.transpose(0, 1).unsqueeze(0), chunk_values.transpose(0, 1).unsqueeze(0)
@@ -352,10 +249,8 @@ def _prefix_chunk_attention(q: torch.Tensor, prefix_keys: torch.Tensor, prefix_v
 def _prefill_one_masked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                         block_table: torch.Tensor, seq_len: int, scale: float, sliding_window: int | None,
                         logit_soft_cap: float | None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`_prefill_one` with a sliding window and/or attention-logit soft-capping: one
-    explicit-mask attention call (:func:`~pagedllm.attention.backend.masked_attention`). The
-    context is read back through ``block_table`` only from the first block the first query
-    token can see. Returns (Q, num_heads, head_dim)."""
+    """:func:`_prefill_one` with a sliding window and/or soft cap: one explicit-mask call, the context
+    read from the first block the first query can see. Returns (Q, num_heads, head_dim)."""
     query_len = query.shape[0]
     num_context = seq_len - query_len
     q = query.transpose(0, 1).unsqueeze(0)  # (1, num_heads, Q, head_dim)
@@ -365,9 +260,8 @@ def _prefill_one_masked(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if num_context == 0:
         keys, values = key, value  # (Q, num_kv_heads, head_dim)
     else:
-        # (S, kv_heads, hd)
         keys, values = gather_kv(kv_cache, block_table[first_block:], seq_len - first_key, kv_scales, query.dtype)
-    # Bottom-right causal mask: query i (position num_context + i) sees keys up to num_context + i.
+    # bottom-right causal: query i (position num_context + i) sees keys up to num_context + i
     mask = attention_mask(torch.arange(num_context, seq_len, device=query.device),
                           torch.arange(first_key, seq_len, device=query.device), sliding_window)  # (Q, S)
     out = masked_attention(q, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), mask, scale,

@@ -1,26 +1,11 @@
-"""Quantized KV caches in the Triton kernels: float8 and int8 codes, written and read.
+"""float8 and int8 KV codes in the Triton kernels, bit for bit :mod:`pagedllm.quantization.kv_cache`'s.
 
-The formats are those of :mod:`pagedllm.quantization.kv_cache` (the torch backend's), bit for
-bit: float8 e4m3fn / e5m2 with a per-tensor scale (vLLM's ``k_scale``/``v_scale``, 1.0 unless a
-checkpoint gives others), round to nearest even, saturating at the format's maximum; int8 with
-one float32 scale per token and KV head (``max|x| / 127`` over head_dim), stored beside the
-blocks in ``kv_scales[2, num_blocks, block_size, num_kv_heads]``.
-
-Float8 codes are kept in uint8 views of the cache and encoded with integer arithmetic, not
-with Triton's float8 types: those convert natively only on GPUs of compute capability 8.9+,
-and the interpreter's conversion flushes subnormals. Encoding (after Giesen's float-to-half
-with round-to-nearest-even): a normal value's float32 bits are rounded at the target's last
-mantissa bit by an integer add, then rebiased; a subnormal one is added to a power of two
-whose float32 spacing is the target's subnormal step, so the hardware's own
-round-to-nearest-even produces the code in the low bits. Decoding uses the GPU's float8
-conversion where it has one (exact for every finite code; :func:`native_fp8`), the integer
-path elsewhere. Divisions are ``div_rn`` (IEEE round to nearest): a GPU's default float32
-division is approximate, and the codes and scales must be the torch writer's bit for bit.
-
-Reading folds the scales into the attention arithmetic instead of into every element: an int8
-key's scale multiplies its score column, a value's scale the softmax weight that multiplies
-it; fp8's per-tensor scales multiply the scores and the weights alike.
-"""
+float8 e4m3fn/e5m2 with vLLM's per-tensor ``k_scale``/``v_scale``, saturating, round to nearest
+even; int8 with one float32 scale per token and KV head (``max|x| / 127``) in
+``kv_scales[2, num_blocks, block_size, num_kv_heads]``. float8 is encoded with integer arithmetic
+on uint8 views (Giesen's float-to-half rounding): Triton's float8 types convert natively only on
+compute capability 8.9+ and the interpreter flushes subnormals. Divisions are ``div_rn``. Reads
+fold the scales into the score columns (K) and the softmax weights (V)."""
 
 from __future__ import annotations
 

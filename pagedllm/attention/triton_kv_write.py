@@ -1,14 +1,6 @@
-"""The KV write (vLLM's ``reshape_and_cache``) as one Triton kernel launch.
-
-Each new token's key and value rows go to its slot of the paged cache
-(slot = block_id × block_size + offset, see :mod:`pagedllm.attention.backend`), cast to the
-cache dtype — or quantized for a float8 or int8 cache (:mod:`pagedllm.attention.triton_kv_dtype`:
-the torch backend's codes bit for bit; int8 writes each token's per-head scales beside the
-block). One program per token writes its ``num_kv_heads × head_dim`` keys and values;
-key/value may be strided views of the fused QKV projection (no copy to make them
-contiguous). A negative slot means "padding, write nothing" (a CUDA-graph batch padded to a
-captured size may carry such tokens).
-"""
+"""The KV write (vLLM's ``reshape_and_cache``) as one Triton launch: one program per token writes
+its keys and values (strided views of the fused QKV are fine) to its slot, cast or quantized
+(:mod:`~pagedllm.attention.triton_kv_dtype`). A negative slot (CUDA-graph padding) writes nothing."""
 
 from __future__ import annotations
 
@@ -63,20 +55,10 @@ def _kv_write_kernel(
 def write_kv_cache_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None,
                           k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Write new keys/values into the paged cache, in place (one launch).
-
-    Args:
-        key, value: (T, num_kv_heads, head_dim), last dim contiguous, any float dtype.
-        kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim), contiguous; its dtype
-            is the stored dtype (float32/bfloat16/float16, float8 e4m3fn/e5m2, int8).
-        slot_mapping: (T,) int64 (or int32); a negative slot skips that token.
-        kv_scales: an int8 cache's (2, num_blocks, block_size, num_kv_heads) float32 scales,
-            written at the same slots; None for other caches.
-        k_scale, v_scale: fp8's per-tensor scales (code = value / scale).
-    Raises:
-        ValueError: when key/value/cache shapes disagree, a last dim is strided, or an int8
-            cache comes without its ``kv_scales`` (or another cache with some).
-    """
+    """key, value (T, num_kv_heads, head_dim), last dim contiguous, into ``kv_cache`` (contiguous, any
+    KV dtype) at ``slot_mapping`` (T,) (negative: skipped), int8 scales into ``kv_scales``, fp8 codes
+    ``value / k_scale``. Raises ValueError for mismatched shapes, a strided last dim, or ``kv_scales``
+    on the wrong cache."""
     num_tokens = key.shape[0]
     if key.shape != value.shape or tuple(key.shape[1:]) != tuple(kv_cache.shape[3:]):
         raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match the cache "

@@ -1,22 +1,9 @@
-"""Split-KV (flash-decoding) paged attention for decode: partial kernels plus a reduction kernel.
+"""Split-KV (flash-decoding; Dao, Haziza, Massa, Sizov, 2023) paged decode: partials + a reduction.
 
-At small batch and long context, one program per (request, KV head) leaves most of a GPU's
-streaming multiprocessors idle while each program walks thousands of keys alone. Flash-decoding
-(Dao, Haziza, Massa, Sizov, 2023, "Flash-Decoding for long-context inference") splits each
-request's keys into ``num_splits`` contiguous ranges processed in parallel; each partial
-program keeps the usual online softmax and writes its unnormalized output ``acc_s``, row max
-``m_s`` and normalizer ``l_s``; the reduction combines them exactly:
-
-    M = max_s m_s,   out = Σ_s exp(m_s − M) · acc_s  /  Σ_s exp(m_s − M) · l_s
-
-The range of a split is computed in the kernel from the request's ``seq_len``
-(``ceil(key tiles / num_splits)`` tiles each), so the launch shape depends only on the batch
-size: a CUDA graph captured once serves every context length. A split with no keys writes
-``m = -inf, l = 0`` and weighs nothing.
-
-Decode only: every request in the call has exactly one query token (its last position).
-Same options as the unified kernel (sliding window, logit soft-cap, GQA).
-"""
+Each request's keys split into ``num_splits`` ranges run in parallel, each writing its acc_s, m_s,
+l_s; the reduction is exact: ``M = max_s m_s``, ``out = Σ exp(m_s − M) acc_s / Σ exp(m_s − M) l_s``.
+Ranges are computed in the kernel from ``seq_len``, so the launch shape depends only on the batch
+size (CUDA graphs); an empty split writes m = -inf, l = 0. One query token per request."""
 
 from __future__ import annotations
 
@@ -25,7 +12,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.attention.triton_kv_dtype import kernel_view, kv_format, native_fp8
-from pagedllm.attention.triton_unified import (_check_options, attend_key_tile, dot_precision, key_tile, scale_pointers,
+from pagedllm.attention.triton_unified import (attend_key_tiles, checked_launch, dot_precision, key_tile,
                                                upcast_for_interpreter)
 
 
@@ -58,10 +45,6 @@ def _split_kv_partial_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-
     first_key = 0
     if USE_WINDOW:  # the query (position seq_len - 1) sees keys from seq_len - window on
         first_key = tl.maximum(seq_len - window, 0)
@@ -70,13 +53,11 @@ def _split_kv_partial_kernel(
     tiles_per_split = tl.cdiv(end_tile - first_tile, NUM_SPLITS)
     lo = first_tile + split * tiles_per_split
     hi = tl.minimum(lo + tiles_per_split, end_tile)
-    for j in range(lo, hi):
-        m_i, l_i, acc = attend_key_tile(
-            q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_len, kv_head, k_cache_ptr,
-            v_cache_ptr, k_scales_ptr, v_scales_ptr, k_scale, v_scale, block_tables_ptr, stride_bt, stride_cb,
-            stride_cs, stride_ch, scale, softcap, window,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FORMAT, NUM_KV_HEADS,
-            NATIVE_FP8)
+    m_i, l_i, acc = attend_key_tiles(
+        q, q_pos, row_mask, lo, hi, first_key, seq, seq_len, kv_head, k_cache_ptr, v_cache_ptr, k_scales_ptr,
+        v_scales_ptr, k_scale, v_scale, block_tables_ptr, stride_bt, stride_cb, stride_cs, stride_ch, scale, softcap,
+        window, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FORMAT,
+        NUM_KV_HEADS, NATIVE_FP8)
 
     # partials laid out (seq, head, split[, d]), float32
     part = (seq * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split
@@ -125,35 +106,19 @@ def split_kv_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     query_start_loc: torch.Tensor, num_splits: int, scale: float,
                     sliding_window: int | None = None, logit_soft_cap: float | None = None,
                     kv_scales: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Decode attention (one query token per request) with the keys split ``num_splits`` ways.
+    """Decode attention with the keys split ``num_splits`` ways into ``out``'s rows of the B requests.
 
-    Args:
-        query: (T, num_heads, head_dim); the query row of request b is ``query_start_loc[b]``.
-        key_cache, value_cache: (num_blocks, block_size, num_kv_heads, head_dim), holding every
-            token of this step.
-        out: (T, num_heads, head_dim); rows of the B requests are written.
-        block_tables: (B, max_blocks) int32; seq_lens: (B,) int32 (the query sits at seq_len - 1);
-        query_start_loc: (B + 1,) int32 (only the first B entries are read).
-        num_splits: key ranges per request (>= 1); partials take
-            B × num_heads × num_splits × (head_dim + 2) float32 of scratch.
-        scale, sliding_window, logit_soft_cap, kv_scales, k_scale, v_scale: as in
-            :func:`~pagedllm.attention.triton_unified.unified_attention` (any KV-cache dtype).
-    Raises:
-        ValueError: for a bad head grouping, ``num_splits < 1``, a non-positive option or
-            ``kv_scales`` that do not fit the cache.
-    """
+    Arguments as :func:`~pagedllm.attention.triton_unified.unified_attention` (request b's query row is
+    ``query_start_loc[b]``); scratch: B x num_heads x num_splits x (head_dim + 2) float32.
+    Raises ValueError for a bad head grouping, ``num_splits < 1``, a bad option or ``kv_scales``."""
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    _check_options(sliding_window, logit_soft_cap)
-    k_scales, v_scales = scale_pointers(key_cache, kv_scales)
+    group, k_scales, v_scales = checked_launch(query, key_cache, sliding_window, logit_soft_cap, kv_scales)
     num_decodes = seq_lens.shape[0]
     if num_decodes == 0:
         return
-    group = num_heads // num_kv_heads
     part_acc = torch.empty(num_decodes, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     part_m = torch.empty(num_decodes, num_heads, num_splits, dtype=torch.float32, device=query.device)
     part_l = torch.empty_like(part_m)

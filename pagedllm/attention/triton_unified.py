@@ -1,38 +1,12 @@
-"""Unified varlen paged attention with query tiles, as one Triton kernel launch.
+"""Unified varlen paged attention with query tiles: one Triton launch for a whole ragged batch.
 
-One launch serves a whole flat ragged batch: decodes, prefills and chunked prefills with
-cached context. Every token's K/V are written to the paged cache first
-(:mod:`pagedllm.attention.triton_kv_write`), so a query token at position p of its request
-attends keys 0..p of that request, read through its block table; "prefill" and "decode"
-are the same rule with different query lengths.
-
-Algorithm: FlashAttention-2's tiling with an online softmax (Dao, 2023, "FlashAttention-2:
-Faster Attention with Better Parallelism and Work Partitioning", Algorithm 1), over a paged
-KV cache (Kwon et al., SOSP 2023), in the layout of vLLM's unified Triton attention
-(``kernel_unified_attention_2d``):
-
-- a program owns one *query tile* — ``BLOCK_Q`` consecutive query tokens of one request —
-  and one KV head. Its ``BLOCK_M = BLOCK_Q × group`` rows are (token, query head) pairs of
-  the heads that share the KV head (grouped-query attention), so each K/V block is loaded
-  once for the whole tile and multiplied with ``tl.dot`` (tensor cores on a GPU);
-- the program walks the request's keys in tiles of ``TILE_N`` (each key's block looked up in
-  the block table, so any block size works) from the first key its tile can see (sliding
-  window) to the tile's last query position (causal with the context offset
-  ``seq_len - query_len``), keeping a running row max ``m``, normalizer ``l`` and
-  unnormalized output ``acc`` in float32;
-- the grid is ``(num_tokens // BLOCK_Q + num_reqs, num_kv_heads)``, an upper bound on the
-  tiles that depends only on the batch's token and request counts (a CUDA graph can be
-  captured for it); a program finds its request by binary search over
-  ``query_start_loc`` and exits when its tile is past the request's last token.
-
-KV caches in float32/bfloat16/float16 are read as they are; float8 (e4m3fn/e5m2, per-tensor
-scale) and int8 (per token-and-head scales beside the blocks) are dequantized tile by tile as
-they are loaded (:mod:`pagedllm.attention.triton_kv_dtype`), so attention runs in the query dtype.
-
-Options a model family needs: ``sliding_window`` (a query at position i sees keys j with
-``i - j < sliding_window``, Mistral/Gemma) and ``logit_soft_cap`` (scores become
-``cap × tanh(scores / cap)`` after scaling, Gemma 2).
-"""
+FlashAttention-2's tiling and online softmax (Dao, 2023, Algorithm 1) over a paged cache, in the
+layout of vLLM's ``kernel_unified_attention_2d``: a program owns ``BLOCK_Q`` query tokens of one
+request x one KV head (``BLOCK_M = BLOCK_Q x group`` rows, GQA), walks that request's keys in
+``TILE_N`` tiles through the block table, and keeps m, l, acc in float32. The grid
+``(num_tokens // BLOCK_Q + num_reqs, num_kv_heads)`` depends only on host sizes (CUDA graphs);
+a program finds its request by binary search over ``query_start_loc``. fp8/int8 tiles are
+dequantized as they load (:mod:`~pagedllm.attention.triton_kv_dtype`)."""
 
 from __future__ import annotations
 
@@ -75,17 +49,10 @@ def attend_key_tile(q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_le
                     TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, KV_FORMAT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                     NATIVE_FP8: tl.constexpr):
-    """One online-softmax step over key tile j (keys j*TILE_N ..) of request ``seq``.
-
-    q: (BLOCK_M, BLOCK_D) rows at positions q_pos (BLOCK_M,); m_i, l_i (BLOCK_M,) and
-    acc (BLOCK_M, BLOCK_D) float32 are the running max, normalizer and unnormalized output.
-    Keys before ``first_key`` (outside every row's window) are not read: their block-table
-    entries may be stale. K/V of a quantized cache (KV_FORMAT, :mod:`triton_kv_dtype`) are
-    loaded as codes; their scales — int8's (block, offset, head) scales of ``k/v_scales_ptr``
-    (a (num_blocks, block_size, NUM_KV_HEADS) float32 layout), float8's ``k/v_scale`` — multiply
-    the score columns (K) and the softmax weights (V).
-    Returns the updated (m_i, l_i, acc).
-    """
+    """One online-softmax step of request ``seq`` over key tile j: q (BLOCK_M, BLOCK_D) at positions
+    q_pos; m_i, l_i (BLOCK_M,), acc (BLOCK_M, BLOCK_D) float32 -> updated (m_i, l_i, acc). Keys before
+    ``first_key`` are never read (stale table entries). A quantized cache's scales multiply the
+    score columns (K) and the softmax weights (V)."""
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     key_pos = j * TILE_N + tl.arange(0, TILE_N)  # (TILE_N,) positions of this tile's keys
@@ -129,6 +96,28 @@ def attend_key_tile(q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_le
 
 
 @triton.jit
+def attend_key_tiles(q, q_pos, row_mask, lo, hi, first_key, seq, seq_len, kv_head, k_cache_ptr, v_cache_ptr,
+                     k_scales_ptr, v_scales_ptr, k_scale, v_scale, block_tables_ptr, stride_bt, stride_cb, stride_cs,
+                     stride_ch, scale, softcap, window,
+                     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, KV_FORMAT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                     NATIVE_FP8: tl.constexpr):
+    """:func:`attend_key_tile` over key tiles ``[lo, hi)`` from an empty state: (m_i, l_i, acc) float32."""
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # running row max of the scores
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # running softmax denominator
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # running unnormalized output
+    for j in range(lo, hi):
+        m_i, l_i, acc = attend_key_tile(
+            q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_len, kv_head, k_cache_ptr,
+            v_cache_ptr, k_scales_ptr, v_scales_ptr, k_scale, v_scale, block_tables_ptr, stride_bt, stride_cb,
+            stride_cs, stride_ch, scale, softcap, window,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FORMAT, NUM_KV_HEADS,
+            NATIVE_FP8)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, scale, k_scale, v_scale, softcap, window, num_seqs,
@@ -163,21 +152,17 @@ def _unified_attention_kernel(
     if UPCAST:  # K/V follow q's dtype in attend_key_tile
         q = q.to(tl.float32)
 
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # running row max of the scores
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # running softmax denominator
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # running unnormalized output
-
     last_pos = context_len + tl.minimum((tile_in_seq + 1) * BLOCK_Q, query_len) - 1  # the tile's last query
-    start_key = 0
+    first_key = 0
     if USE_WINDOW:  # the tile's first query sees keys from first_pos - window + 1 on
-        start_key = tl.maximum(context_len + tile_in_seq * BLOCK_Q - window + 1, 0)
-    for j in range(start_key // TILE_N, tl.cdiv(last_pos + 1, TILE_N)):
-        m_i, l_i, acc = attend_key_tile(
-            q, q_pos, row_mask, m_i, l_i, acc, j, start_key, seq, seq_len, kv_head, k_cache_ptr,
-            v_cache_ptr, k_scales_ptr, v_scales_ptr, k_scale, v_scale, block_tables_ptr, stride_bt, stride_cb,
-            stride_cs, stride_ch, scale, softcap, window,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FORMAT, NUM_KV_HEADS,
-            NATIVE_FP8)
+        first_key = tl.maximum(context_len + tile_in_seq * BLOCK_Q - window + 1, 0)
+    lo = first_key // TILE_N
+    hi = tl.cdiv(last_pos + 1, TILE_N)
+    m_i, l_i, acc = attend_key_tiles(
+        q, q_pos, row_mask, lo, hi, first_key, seq, seq_len, kv_head, k_cache_ptr, v_cache_ptr, k_scales_ptr,
+        v_scales_ptr, k_scale, v_scale, block_tables_ptr, stride_bt, stride_cb, stride_cs, stride_ch, scale, softcap,
+        window, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, KV_FORMAT,
+        NUM_KV_HEADS, NATIVE_FP8)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -185,12 +170,8 @@ def _unified_attention_kernel(
 
 
 def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_Q): rows per program (>= 16, the smallest ``tl.dot`` tile) and query tokens per tile.
-
-    Decode-only batches take one token per tile (BLOCK_M = the group, padded to 16); batches
-    with prefills take 64-row tiles (a multiple of the group's heads), so a long prompt is a
-    few dozen programs per KV head rather than one per token.
-    """
+    """(BLOCK_M, BLOCK_Q): rows per program (>= 16, the smallest ``tl.dot``) and query tokens per tile:
+    one token per tile for decode-only batches, 64-row tiles with prefills."""
     rows = max(16, triton.next_power_of_2(group))
     if max_query_len > 1:
         rows = max(64, rows)
@@ -219,36 +200,20 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
                       query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                       sliding_window: int | None = None, logit_soft_cap: float | None = None,
                       kv_scales: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Causal paged attention of a flat ragged batch into ``out`` (one kernel launch).
+    """Causal paged attention of a flat ragged batch into ``out`` (one launch).
 
-    Args:
-        query: (T, num_heads, head_dim), last dim contiguous; float32/bfloat16/float16.
-        key_cache, value_cache: (num_blocks, block_size, num_kv_heads, head_dim), already holding
-            every token of this step (write first); float32/bfloat16/float16, float8 or int8.
-        out: (T, num_heads, head_dim), written for every real token.
-        block_tables: (B, max_blocks) int32; seq_lens: (B,) int32 (cached + new tokens);
-        query_start_loc: (B + 1,) int32, request b's query rows are qsl[b]:qsl[b+1].
-        max_query_len: the longest query in the batch (host int; picks the tile shape).
-        scale: softmax scale; sliding_window: keys a query sees, itself included (None = all);
-        logit_soft_cap: Gemma 2's score cap (None = off).
-        kv_scales: an int8 cache's (2, num_blocks, block_size, num_kv_heads) float32 scales
-            (index 0 for key_cache, 1 for value_cache); None for other caches.
-        k_scale, v_scale: fp8's per-tensor scales (value = code × scale).
-    Raises:
-        ValueError: when ``num_heads`` is not a multiple of ``num_kv_heads``,
-            ``sliding_window`` / ``logit_soft_cap`` is not positive, or ``kv_scales`` does not
-            fit the cache (:func:`~pagedllm.attention.triton_kv_dtype.check_kv_scales`).
-    """
+    query, out (T, num_heads, head_dim), last dim contiguous; key_cache, value_cache (num_blocks,
+    block_size, num_kv_heads, head_dim) already holding this step's tokens; block_tables (B, max_blocks)
+    int32, seq_lens (B,) int32, query_start_loc (B + 1,) int32; max_query_len a host int;
+    kv_scales an int8 cache's (2, num_blocks, block_size, num_kv_heads) float32; k_scale, v_scale
+    fp8's per-tensor scales. Raises ValueError for a bad head grouping, a non-positive window or
+    cap, or ``kv_scales`` that do not fit."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    _check_options(sliding_window, logit_soft_cap)
-    k_scales, v_scales = scale_pointers(key_cache, kv_scales)
+    group, k_scales, v_scales = checked_launch(query, key_cache, sliding_window, logit_soft_cap, kv_scales)
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return
-    group = num_heads // num_kv_heads
     block_m, block_q = tile_shape(group, max_query_len)
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _unified_attention_kernel[grid](
@@ -264,10 +229,21 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     )
 
 
+def checked_launch(query: torch.Tensor, key_cache: torch.Tensor, sliding_window: int | None,
+                   logit_soft_cap: float | None, kv_scales: torch.Tensor | None
+                   ) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(query heads per KV head, key scales, value scales) of a launch. Raises ValueError for a bad
+    head grouping, a non-positive window or cap, or ``kv_scales`` that do not fit."""
+    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    _check_options(sliding_window, logit_soft_cap)
+    return (num_heads // num_kv_heads, *scale_pointers(key_cache, kv_scales))
+
+
 def scale_pointers(key_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tensors a kernel gets for an int8 cache's key and value scales (``kv_scales[0]``,
-    ``kv_scales[1]``); for other caches a placeholder (the key cache, never read). Raises ValueError
-    when ``kv_scales`` does not fit ``key_cache`` (:func:`~pagedllm.attention.triton_kv_dtype.check_kv_scales`)."""
+    """The kernel's key and value scale tensors (``kv_scales[0]``, ``[1]``; the key cache as a never-read
+    placeholder otherwise). Raises ValueError when ``kv_scales`` does not fit."""
     check_kv_scales(key_cache.unsqueeze(0).expand(2, *key_cache.shape), kv_scales)
     if kv_scales is None:
         return key_cache, key_cache

@@ -1,17 +1,7 @@
-"""The paged attention as one opaque op of the compiled graph: ``torch.ops.pagedllm.paged_attention``.
-
-The attention backends write K/V through a slot mapping, read them through block tables
-and take host-side metadata (Python lists of lengths) from the forward context: nothing
-torch.compile can or should trace. The compiled graph therefore sees each layer's
-attention as one custom op (vLLM's ``unified_attention``): ``(query, key, value,
-layer_name) -> out``. At run time the op looks the layer up by name and runs its eager
-path (:meth:`pagedllm.attention.Attention.forward_eager`), which reads the step's metadata
-and writes the layer's KV cache.
-
-The cache write is a side effect the graph does not see (the cache is not an op input):
-nothing in the compiled graph reads a KV cache, and each layer's op depends on the
-previous layer's output, so the calls keep their order.
-"""
+"""The paged attention as one opaque op of the compiled graph, ``torch.ops.pagedllm.paged_attention``
+(vLLM's ``unified_attention``): ``(query, key, value, layer_name) -> out`` runs the named layer's
+eager path. The KV-cache write is a side effect the graph does not see; nothing in it reads a
+cache and each op depends on the previous layer's output, so the calls keep their order."""
 
 from __future__ import annotations
 
@@ -27,9 +17,8 @@ _LAYERS: "weakref.WeakValueDictionary[str, Attention]" = weakref.WeakValueDictio
 
 @torch.library.custom_op("pagedllm::paged_attention", mutates_args=())
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_name: str) -> torch.Tensor:
-    """query: (T, num_heads, head_dim); key, value: (T, num_kv_heads, head_dim) ->
-    (T, num_heads, head_dim) contiguous, the layer ``layer_name``'s paged attention.
-    Raises KeyError for a name :func:`register_attention_layers` never gave."""
+    """query (T, num_heads, head_dim), key/value (T, num_kv_heads, head_dim) -> (T, num_heads, head_dim)
+    contiguous. Raises KeyError for a name :func:`register_attention_layers` never gave."""
     return _LAYERS[layer_name].forward_eager(query, key, value).contiguous()
 
 

@@ -1,24 +1,10 @@
 """The model's forward compiled once at start-up with torch.compile (inductor), never per step.
 
-What is compiled: ``model.forward(input_ids, positions) -> hidden`` as one graph (embedding,
-every decoder layer, the final norm), the paged attention of each layer an opaque op
-(:mod:`pagedllm.compilation.attention_op`). Inductor fuses the element-wise work around the
-matmuls (residual add + RMSNorm, rotary, SiLU-and-mul) into generated C++ loops and, with
-``freezing``, treats the weights as constants: folded and prepacked for oneDNN once. The
-fused loops round float32 differently from the eager ops (same math, other order), hence
-opt-in.
-
-Shapes: with ``dynamic=True`` the token count T is symbolic, so one graph serves every
-step (traced at 64 tokens: the weights are prepacked for that batch size); torch
-specialises T == 1, so a second graph is compiled for it. Both are compiled
-by :meth:`CompiledModel.warm_up` at start-up. With ``dynamic=False`` one graph per size
-in ``compile_sizes``, and other sizes run eagerly. After warm-up every call runs under
-torch's ``fail_on_recompile`` stance: a step that would need a new graph runs eagerly
-instead of compiling in the middle of serving (counted in :attr:`num_eager_fallbacks`).
-
-Only model code reachable from ``forward`` is compiled; ``compute_logits`` (the lm_head
-matmul on the sampled rows) and sampling stay eager.
-"""
+``model.forward(input_ids, positions)`` is one graph, each layer's paged attention an opaque op
+(:mod:`~pagedllm.compilation.attention_op`); inductor fuses the element-wise work and, with
+``freezing``, folds and prepacks the weights. Fused float32 rounds differently from eager: opt-in.
+After :meth:`CompiledModel.warm_up` every call runs under ``fail_on_recompile``: a step no graph
+fits runs eagerly. ``compute_logits`` and sampling stay eager."""
 
 from __future__ import annotations
 
@@ -31,29 +17,19 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionMetadata, set_forward_context
 from pagedllm.compilation.attention_op import register_attention_layers
-from pagedllm.compilation.config import CompilationConfig
+from pagedllm.config import CompilationConfig
 
 logger = logging.getLogger("pagedllm")
 
-# A dynamic graph is compiled separately for T == 1 (torch's 0/1 specialisation) and traced
-# at 64 tokens for every other T: freezing prepacks the linear weights for oneDNN with the
-# traced token count as its batch hint, and 64 is the hint the eager path packs with.
+# dynamic: T == 1 specialises; other T traced at 64, the batch hint freezing prepacks the weights for
 _DYNAMIC_WARMUP_SIZES = (1, 64)
 _LM_HEAD_BATCH_HINT = 64  # pack_linears_for_cpu's default
 
 
 class CompiledModel:
-    """``model.forward`` compiled, with the eager model as fallback.
-
-    Args:
-        model: a pagedllm model (``forward(input_ids, positions)``, ``unpack_linears()``).
-            Its linear layers but the lm_head are unpacked (the compiled graph needs plain
-            weights; freezing packs its own copy), so the eager fallback runs ``F.linear``.
-        config: a compiled :class:`CompilationConfig` (``mode`` 3).
-
-    Raises ValueError naming ``compilation_config.inductor_compile_config`` for an
-    option inductor does not know.
-    """
+    """``model.forward`` compiled (``config.mode`` 3), the eager model as fallback; the linears but the
+    lm_head are unpacked (freezing packs its own copy). Raises ValueError naming
+    ``compilation_config.inductor_compile_config`` for an option inductor does not know."""
 
     def __init__(self, model: nn.Module, config: CompilationConfig) -> None:
         if not config.is_compiled:
@@ -84,10 +60,8 @@ class CompiledModel:
         return self.config.dynamic or num_tokens in self.config.compile_sizes
 
     def warm_up(self, make_metadata: Callable[[int], Sequence[AttentionMetadata]], device: torch.device) -> float:
-        """Compile every graph now: one forward per size in :attr:`warmup_sizes`, with
-        ``make_metadata(num_tokens)`` (per KV-cache group) as the step's metadata (it must
-        describe a valid batch of that many tokens on the bound caches: the attention runs,
-        K/V are written). Returns the seconds it took, also in :attr:`compile_seconds`."""
+        """Compile every graph now, one forward per :attr:`warmup_sizes` with ``make_metadata(num_tokens)``
+        (per KV-cache group, a valid batch on the bound caches) as the step's metadata. Returns the seconds."""
         t0 = time.perf_counter()
         # one graph per size with dynamic=False: more than dynamo's default limit of 8 may be asked for
         limit = max(torch._dynamo.config.recompile_limit, len(self.warmup_sizes) + 1)
@@ -126,9 +100,8 @@ class CompiledModel:
 
 
 def _unpack_compiled_linears(model: nn.Module) -> None:
-    """Plain weights for the linears the graph traces (a oneDNN-packed weight is an opaque
-    tensor torch.compile cannot trace; freezing packs its own copy). The lm_head stays as
-    it was: ``compute_logits`` runs eagerly."""
+    """Plain weights for the linears the graph traces (a oneDNN-packed weight is opaque to it); the
+    lm_head stays packed (``compute_logits`` is eager)."""
     if not hasattr(model, "unpack_linears"):
         return
     head = getattr(model, "lm_head", None)
@@ -149,11 +122,8 @@ def _inductor_options(options: dict) -> dict:
 
 
 def _patch_inductor_linear_bias_check() -> None:
-    """Work around an inductor freezing bug (torch 2.13, CPU): its "linear + add -> linear with
-    bias" pattern asserts that every oneDNN linear's weight is a ``_reorder_linear_weight``
-    node, but constant folding has already turned some into frozen constants, and the
-    assertion fails the whole compile. Answer "not a bias add" for those (the add then stays a
-    fused element-wise op). Idempotent; a no-op on torch builds without the check."""
+    """Work around an inductor freezing bug (torch 2.13, CPU): its linear + add -> linear-with-bias pattern
+    asserts on weights constant folding already froze; answer "not a bias add" for those. Idempotent."""
     try:
         from torch._inductor.fx_passes import mkldnn_fusion
         device_op = mkldnn_fusion.CpuMkldnnDeviceOp
@@ -174,8 +144,7 @@ def _patch_inductor_linear_bias_check() -> None:
 
 
 class _NoMetaNode:
-    """Stands in for the transposed-weight node: ``args[0].meta`` has no ``val``, which the
-    bias check reads as "not a bias add"."""
+    """A transposed-weight node whose ``args[0].meta`` has no ``val``: "not a bias add"."""
 
     class _Arg:
         meta: dict = {}

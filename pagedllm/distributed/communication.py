@@ -6,8 +6,7 @@ Megatron-LM's pattern (Shoeybi et al., 2019): a row-parallel projection ends wit
 with :func:`all_gather` of the logits of the rows being sampled.
 
 Every collective on more than one rank is counted in :data:`COLLECTIVE_STATS` (calls, payload
-bytes, wall seconds this rank spent in it, waiting for slower ranks included): two clock reads
-per call, for ``benchmarks/scaling.py``'s all-reduce share of a step.
+bytes, seconds inside the call, waiting for slower ranks included).
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ from pagedllm.distributed.parallel_state import get_tensor_parallel_backend, get
 
 @dataclass
 class CollectiveStats:
-    """Counters of one kind of collective on this rank: calls, payload bytes (this rank's
-    tensor), seconds spent inside the call."""
+    """Counters of one kind of collective on this rank (bytes: this rank's tensor)."""
 
     calls: int = 0
     bytes: int = 0

@@ -1,9 +1,6 @@
-"""The tensor-parallel process group of this process.
-
-One group per process (the engine process is rank 0, workers are 1..N-1). Before
-:func:`init_tensor_parallel` — and always when ``tensor_parallel_size`` is 1 — the rank is 0
-and the size 1, so model code reads the same functions whether or not it is sharded.
-"""
+"""This process's tensor-parallel group (the engine process is rank 0). Unsharded (before
+:func:`init_tensor_parallel`, or with one rank) the rank is 0 and the size 1, so model code reads
+the same functions either way."""
 
 from __future__ import annotations
 
@@ -40,12 +37,9 @@ def get_tensor_parallel_backend() -> str:
 
 
 def heads_per_rank(num_heads: int, num_kv_heads: int, tensor_parallel_size: int | None = None) -> tuple[int, int]:
-    """(attention heads, KV heads) each rank holds with ``tensor_parallel_size`` ranks
-    (default: this process's group). KV heads are replicated when fewer than the ranks.
-
-    Raises ValueError naming ``tensor_parallel_size`` when it does not divide the attention
-    heads, or neither divides nor is a multiple of the KV heads.
-    """
+    """(attention heads, KV heads) per rank with ``tensor_parallel_size`` ranks (default: this group's);
+    KV heads are replicated when fewer than the ranks. Raises ValueError naming ``tensor_parallel_size``
+    when it does not divide the heads, or neither divides nor is a multiple of the KV heads."""
     tp = get_tensor_parallel_size() if tensor_parallel_size is None else tensor_parallel_size
     if num_heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide the model's {num_heads} attention heads")
@@ -64,18 +58,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str,
                          timeout_s: float = 300.0) -> None:
-    """Join the tensor-parallel group (blocks until all ``world_size`` ranks have joined).
-
-    Args:
-        rank: 0..world_size-1; world_size: the tensor-parallel size.
-        init_method: torch.distributed rendezvous, e.g. ``tcp://127.0.0.1:PORT``.
-        backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors).
-        timeout_s: a collective that waits longer than this raises instead of hanging
-            (a peer that died mid-step).
-
-    Raises ValueError for a rank outside the group, RuntimeError when this process is
-    already in a group.
-    """
+    """Join the group (blocks until all ``world_size`` ranks have) at ``init_method``
+    (``tcp://host:port``) over ``gloo`` (CPU) or ``nccl`` (CUDA); a collective waiting longer than
+    ``timeout_s`` raises instead of hanging. Raises ValueError for a rank outside the group,
+    RuntimeError when this process is already in one."""
     global _STATE
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")

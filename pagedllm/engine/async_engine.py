@@ -1,9 +1,6 @@
 """AsyncLLMEngine: the synchronous :class:`LLMEngine` run by one background thread and served
-to asyncio code (the HTTP server) through a command queue and per-request streams.
-
-The why of the thread, the command queue, the failure model and backpressure is in
-``docs/architecture.md`` ("The async engine").
-"""
+to asyncio code through a command queue and per-request streams (why: docs/architecture.md,
+"The async engine")."""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Protocol, Union
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.errors import EngineDeadError, EngineOverloadedError, EngineUnhealthyError
+from pagedllm.errors import EngineDeadError, EngineOverloadedError, EngineUnhealthyError
 from pagedllm.engine.front_end import FrontEndThread, needs_tokenizing, tokenize_inputs
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.request_stream import RequestStream, merge_request_output
@@ -64,7 +61,6 @@ class EngineInput:
     prompt_text: str | None = None
 
 
-# ---------------------------------------------------------------------------- commands
 @dataclass
 class _AddCommand:
     """Add every prompt of one request, or none of them."""
@@ -100,26 +96,10 @@ Command = Union[_AddCommand, _AbortCommand, _CallCommand, _StopCommand]
 class AsyncLLMEngine:
     """Runs an ``LLMEngine`` in a background thread and serves it to asyncio code.
 
-    Args:
-        engine: a constructed ``LLMEngine`` (or anything with its API). From now on only
-            the engine thread may touch it.
-        max_waiting_requests: reject new requests beyond this many waiting (default
-            ``engine.config.max_waiting_requests``; None = unbounded).
-        metrics: the Prometheus metrics to feed, or None.
-        log_requests: log one line per finished request.
-        stats_log_interval_s: seconds between status log lines (0 disables them).
-        name: how status lines name the engine (``"engine 1"`` for a data-parallel replica).
-        front: the tokenizer work (:class:`~pagedllm.engine.front_end.FrontEnd`, or anything with
-            ``tokenizer``, ``tokenize_prompt`` and ``apply_chat_template``) run on a front-end
-            thread of its own (:meth:`call_front`); default ``engine.front_end()``. Without
-            either (a replica proxy: its data-parallel front tokenizes), tokenizer work runs
-            on the engine thread.
-
-    Request ids: the id a caller passes is a *label* (logs, responses), never used by the
-    engine; each engine request gets an internal id ``f"{label}-{k}"`` with ``k`` from a
-    counter, unique whatever callers send. Use from a running event loop: :meth:`start`
-    (or the first request) binds the engine to that loop; public methods are
-    event-loop-thread only.
+    Only the engine thread touches ``engine``; ``front`` (default ``engine.front_end()``; none: the
+    engine thread) does tokenizer work. A caller's request id is a *label*; engine requests get
+    ``f"{label}-{k}"``, unique whatever callers send. :meth:`start` binds the engine to the
+    running event loop; public methods are for that loop's thread only.
     """
 
     def __init__(self, engine: SyncEngine, *, max_waiting_requests: int | None = None,
@@ -152,20 +132,18 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> "AsyncLLMEngine":
-        """Load an ``LLMEngine`` from an EngineConfig (blocking: loads the model) and wrap it."""
+        """Wrap a new ``LLMEngine`` (blocking: loads the model)."""
         from pagedllm.engine.llm_engine import LLMEngine
 
         return cls(LLMEngine(config), **kwargs)
 
-    # ------------------------------------------------------------------ engine facts
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
 
     @property
     def tokenizer(self) -> Any:
-        """The tokenizer. Decoding from the event loop is safe (read-only); encoding goes
-        through :meth:`call_front`, off the event loop and off the engine thread."""
+        """Safe to decode with from the event loop (read-only); encode through :meth:`call_front`."""
         return self.engine.tokenizer
 
     @property
@@ -182,11 +160,9 @@ class AsyncLLMEngine:
         return len(self._streams)
 
     def is_active(self, request_id: str) -> bool:
-        """Whether the engine request ``request_id`` (an internal id) is accepted and not yet
-        finished, aborted or failed."""
+        """Whether internal id ``request_id`` is accepted and not finished, aborted or failed."""
         return request_id in self._streams
 
-    # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
         """Start the engine thread bound to the running event loop (idempotent)."""
         if self._thread is not None:
@@ -199,9 +175,8 @@ class AsyncLLMEngine:
             self.metrics.record_stats(self.stats)
 
     async def shutdown(self, timeout_s: float = 30.0, reason: str = "the engine has been shut down") -> None:
-        """Stop the engine thread after its current step, then the engine itself
-        (``engine.shutdown()``: tensor-parallel workers, replica processes); every open stream
-        then raises EngineDeadError(``reason``), and so does every later request. Idempotent."""
+        """Stop the engine thread after its step, then ``engine.shutdown()``; open streams and later
+        requests raise EngineDeadError(``reason``). Idempotent."""
         self._is_stopped = True
         if self._front_thread is not None:
             self._front_thread.shutdown()
@@ -226,11 +201,8 @@ class AsyncLLMEngine:
         return self._dead_error
 
     async def check_health(self, probe_timeout_s: float = 10.0) -> None:
-        """Raise EngineDeadError if the loop died, EngineUnhealthyError if steps keep failing.
-
-        When the last step failed all of its requests, this sends a one-token greedy probe
-        request (shared by concurrent callers) and raises if it fails or times out.
-        """
+        """Raise EngineDeadError if the loop died; after a step that failed all its requests, send a
+        one-token probe (shared by concurrent callers) and raise EngineUnhealthyError if it fails."""
         self._raise_if_dead()
         if not self._last_step_failed:
             return
@@ -262,7 +234,6 @@ class AsyncLLMEngine:
         if self._is_stopped:
             raise EngineDeadError("the engine has been shut down")
 
-    # ------------------------------------------------------------------ requests
     def num_waiting_estimate(self) -> int:
         """Requests waiting in the scheduler (last snapshot) plus adds not yet applied."""
         return int(self.stats.num_waiting) + self._num_pending_adds
@@ -270,27 +241,17 @@ class AsyncLLMEngine:
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                           arrival_time: float | None = None, priority: int = 0,
                           prompt_text: str | None = None) -> RequestStream:
-        """Queue one request (``request_id`` is the caller's label) and return its stream once
-        the engine accepted it. As :meth:`add_requests` with one prompt."""
+        """:meth:`add_requests` with one prompt."""
         (stream,) = await self.add_requests(request_id, [EngineInput(prompt, prompt_text)], params,
                                             arrival_time=arrival_time, priority=priority)
         return stream
 
     async def add_requests(self, label: str, inputs: list[EngineInput], params: SamplingParams, *,
                            arrival_time: float | None = None, priority: int = 0) -> list[RequestStream]:
-        """Queue one engine request per prompt, all in one engine-thread turn, and return their
-        streams once the engine accepted every one of them (or none).
-
-        Returns after validation, before any token is computed, so callers can answer a bad
-        request before streaming anything. Cancelling the call aborts every prompt.
-
-        Raises:
-            ValueError: the engine rejected a prompt (empty, token id outside the
-                vocabulary, prompt + max_tokens beyond max_model_len, ...); the message
-                starts with ``prompt[i]:`` for the i-th prompt, i > 0. Nothing stays queued.
-            EngineOverloadedError: ``max_waiting_requests`` requests already wait.
-            EngineDeadError: the engine loop has stopped.
-        """
+        """Queue one engine request per prompt in one turn; return their streams once the engine
+        accepted all (or none), before any token is computed. Cancelling aborts every prompt.
+        Raises ValueError for a rejected prompt (``prompt[i]:`` for i > 0; nothing stays queued),
+        EngineOverloadedError past ``max_waiting_requests``, EngineDeadError after the loop stopped."""
         self.start()
         self._raise_if_dead()
         if self.max_waiting_requests is not None and self.num_waiting_estimate() >= self.max_waiting_requests:
@@ -332,13 +293,9 @@ class AsyncLLMEngine:
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, *,
                        arrival_time: float | None = None, priority: int = 0,
                        prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs (per ``params.output_kind``) until it finishes.
-
-        ``request_id`` is the caller's label (default ``"req"``). Closing or cancelling the
-        iterator before the end (client gone) aborts the request; its blocks are freed
-        before the engine's next step. Raises as :meth:`add_requests`, and
-        EngineDeadError if the engine dies mid-request.
-        """
+        """Yield a request's outputs (per ``params.output_kind``) until it finishes. Closing the
+        iterator early aborts it (blocks freed before the next step). Raises as
+        :meth:`add_requests`, and EngineDeadError if the engine dies mid-request."""
         stream = await self.add_request(request_id or "req", prompt, params, arrival_time=arrival_time,
                                         priority=priority, prompt_text=prompt_text)
         try:
@@ -356,12 +313,8 @@ class AsyncLLMEngine:
             self._commands.put(_AbortCommand(request_id))
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread (between steps) and return its result.
-
-        The engine thread remains the only user of the engine (tokenizer work goes to
-        :meth:`call_front` instead, which does not wait for a step). Exceptions of ``fn`` propagate; raises
-        EngineDeadError when the loop has stopped.
-        """
+        """``fn(engine)`` on the engine thread between steps; its exceptions propagate, and
+        EngineDeadError after the loop stopped."""
         self.start()
         self._raise_if_dead()
         future = self._loop.create_future()
@@ -369,10 +322,8 @@ class AsyncLLMEngine:
         return await future
 
     async def call_front(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(front)`` on the front-end thread and return its result: tokenizer work
-        (prompts, chat templates), which then never delays an engine step or the event loop.
-        Without a front end, ``fn(engine)`` on the engine thread (:meth:`call`). Exceptions
-        of ``fn`` propagate; raises EngineDeadError when the loop has stopped."""
+        """``fn(front)`` on the front-end thread (tokenizer work never delays a step or the loop);
+        without a front end :meth:`call`. Raises as :meth:`call`."""
         if self._front_thread is None:
             return await self.call(fn)
         self._raise_if_dead()
@@ -381,10 +332,8 @@ class AsyncLLMEngine:
         return await self._front_thread.call(fn)
 
     async def kv_cache_snapshot(self, engine_index: int = 0):
-        """The engine's :class:`~pagedllm.core.kv_snapshot.KVCacheSnapshot`, taken between two steps.
-
-        Raises ValueError for an ``engine_index`` other than 0 (one engine), AttributeError
-        when the engine has no KV cache to show, EngineDeadError when the loop has stopped."""
+        """The engine's KVCacheSnapshot between two steps. Raises ValueError for an ``engine_index``
+        other than 0, AttributeError without a KV cache, EngineDeadError after the loop stopped."""
         if engine_index != 0:
             raise ValueError(f"engine must be 0 (this server runs one engine), got {engine_index}")
         return await self.call(lambda e: e.kv_cache_snapshot())
@@ -394,7 +343,6 @@ class AsyncLLMEngine:
             self._raise_if_dead()
             self._commands.put(command)
 
-    # ------------------------------------------------------------------ event-loop side
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -421,7 +369,6 @@ class AsyncLLMEngine:
     def _reply(self, future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
         self._loop.call_soon_threadsafe(self._settle, future, result, error)
 
-    # ------------------------------------------------------------------ engine thread
     def _run_loop(self) -> None:
         try:
             while True:
@@ -436,8 +383,7 @@ class AsyncLLMEngine:
             self._shutdown_engine()  # stopped or dead, this thread was the engine's last user
 
     def _shutdown_engine(self) -> None:
-        """``engine.shutdown()`` (tensor-parallel workers, replica processes), if it has one;
-        a failure is logged, never raised (the engine is going away either way)."""
+        """``engine.shutdown()`` if it has one; a failure is logged, never raised."""
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is None:
             return

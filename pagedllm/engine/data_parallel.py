@@ -1,20 +1,8 @@
 """Data parallelism for the server: N engine replicas behind one OpenAI front end.
 
-``pagedllm serve --data-parallel-size N`` starts N replica processes (each an ``LLMEngine``
-with its own weights, KV cache and prefix cache; see :mod:`pagedllm.engine.replica`), each
-driven by an ordinary :class:`AsyncLLMEngine` in the server process, and answers through
-:class:`DataParallelAsyncEngine`, which has ``AsyncLLMEngine``'s API, so the HTTP layer is
-the same for one engine or N.
-
-The front end tokenizes each prompt once, on its own thread (the tokenizer is not
-thread-safe), so the router can hash it and the replicas receive token ids. The router
-(:mod:`pagedllm.engine.router`, ``--data-parallel-router``) picks the replica; all prompts
-of one request go to the same replica (admitted together). Streams, aborts (client gone)
-and errors are the chosen replica's.
-
-A replica that dies fails its requests at once (EngineDeadError naming it: HTTP 503, or
-an in-band error event in a stream), takes no new requests, and makes ``/health`` answer
-503 naming it, while the other replicas keep serving.
+:class:`DataParallelAsyncEngine` has ``AsyncLLMEngine``'s API over N replica processes
+(:mod:`pagedllm.engine.replica`), so the HTTP layer is the same for one engine or N. Why and
+the failure model: docs/architecture.md, "Data parallelism".
 """
 
 from __future__ import annotations
@@ -28,7 +16,7 @@ from typing import Any, Callable
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineInput
-from pagedllm.engine.errors import EngineDeadError, EngineUnhealthyError
+from pagedllm.errors import EngineDeadError, EngineUnhealthyError
 from pagedllm.engine.front_end import FrontEnd, FrontEndThread, tokenize_inputs
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.replica import EngineFactory, ReplicaEngine, ReplicaInfo, threads_per_replica
@@ -42,19 +30,8 @@ __all__ = ["DataParallelAsyncEngine", "FrontEnd"]
 
 
 class DataParallelAsyncEngine:
-    """``AsyncLLMEngine``'s API over N replicas (build it with :meth:`from_config`).
-
-    Args:
-        replicas: one AsyncLLMEngine per replica, each driving a :class:`ReplicaEngine`.
-        front: the tokenizer work (:class:`FrontEnd`, or anything with ``tokenizer``,
-            ``tokenize_prompt`` and ``apply_chat_template``).
-        config: the served config (``data_parallel_size`` N, ``max_model_len`` resolved).
-        router: chooses each request's replica.
-        metrics: the metrics of replica 0 (:meth:`EngineMetrics.for_engine` gives the others);
-            rendering them exposes every replica's, labelled ``engine``.
-
-    Event-loop thread only, like AsyncLLMEngine.
-    """
+    """``AsyncLLMEngine``'s API over N replicas (build it with :meth:`from_config`), event-loop
+    thread only. ``metrics`` are replica 0's (:meth:`EngineMetrics.for_engine` gives the others)."""
 
     def __init__(self, replicas: list[AsyncLLMEngine], front: Any, config: EngineConfig, router: Router,
                  metrics: Any = None) -> None:
@@ -74,15 +51,8 @@ class DataParallelAsyncEngine:
     def from_config(cls, config: EngineConfig, *, metrics: Any = None, log_requests: bool = True,
                     stats_log_interval_s: float = 10.0, engine_factory: EngineFactory | None = None,
                     front: Any = None, start_timeout_s: float | None = None) -> "DataParallelAsyncEngine":
-        """Start ``config.data_parallel_size`` replica processes and wait for their engines
-        (blocking: each loads the model).
-
-        ``engine_factory`` builds each replica's engine from its config (default
-        ``LLMEngine``; must be picklable); ``front`` replaces the :class:`FrontEnd` loaded from
-        the model's files (tests pass a fake). Raises ValueError for a config the replicas
-        cannot run (too few GPUs), ReplicaDeadError when a replica fails to start (its
-        traceback in the message; the others are stopped).
-        """
+        """Start the replica processes and wait for their engines (blocking). Raises ValueError
+        for too few GPUs, ReplicaDeadError when a replica fails to start (the others stopped)."""
         n = config.data_parallel_size
         replica_config = config.replace(data_parallel_size=1)
         devices = _cuda_device_slices(config)
@@ -118,11 +88,8 @@ class DataParallelAsyncEngine:
                     [p.process.pid for p in proxies], threads, config.data_parallel_router)
         return engine
 
-    # ------------------------------------------------------------------ engine facts
     @property
     def tokenizer(self) -> Any:
-        """The front end's tokenizer (decoding from the event loop is safe; encoding goes
-        through :meth:`call`)."""
         return self.front.tokenizer
 
     @property
@@ -141,29 +108,24 @@ class DataParallelAsyncEngine:
     def data_parallel_size(self) -> int:
         return len(self.replicas)
 
-    # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
-        """Start every replica's engine thread, bound to the running event loop (idempotent)."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         for replica in self.replicas:
             replica.start()
 
     async def shutdown(self, timeout_s: float = 30.0, reason: str = "the engine has been shut down") -> None:
-        """Stop every replica (its thread, then its process); open streams raise
-        EngineDeadError(``reason``). Idempotent."""
+        """Stop every replica (thread, then process); open streams raise EngineDeadError(``reason``)."""
         self._is_stopped = True
         await asyncio.gather(*(r.shutdown(timeout_s, reason) for r in self.replicas))
         self._front_thread.shutdown()
 
     @property
     def is_running(self) -> bool:
-        """True while at least one replica serves."""
         return any(r.is_running for r in self.replicas)
 
     @property
     def is_healthy(self) -> bool:
-        """True while every replica is alive and healthy."""
         return not self._is_stopped and all(self._down_reason(i) is None and r.is_healthy
                                             for i, r in enumerate(self.replicas))
 
@@ -175,8 +137,7 @@ class DataParallelAsyncEngine:
         return EngineDeadError("; ".join(self._down_reasons()))
 
     async def check_health(self, probe_timeout_s: float = 10.0) -> None:
-        """Raise EngineDeadError when no replica serves, EngineUnhealthyError when some replica
-        is down or failing; the message names each such replica and why."""
+        """EngineDeadError when no replica serves, EngineUnhealthyError naming each replica down or failing."""
         if self._is_stopped:
             raise EngineDeadError("the engine has been shut down")
         problems = self._down_reasons()
@@ -195,7 +156,7 @@ class DataParallelAsyncEngine:
         raise EngineUnhealthyError(message)
 
     def _down_reason(self, index: int) -> str | None:
-        """Why replica ``index`` cannot serve (its process died or was stopped), or None."""
+        """Why replica ``index`` cannot serve, or None."""
         proxy: ReplicaEngine = self.replicas[index].engine
         return None if proxy.is_alive() else proxy.exit_reason
 
@@ -203,13 +164,11 @@ class DataParallelAsyncEngine:
         return [r for r in (self._down_reason(i) for i in range(len(self.replicas))) if r is not None]
 
     def _on_replica_exit(self, index: int) -> None:
-        """Reader thread of replica ``index``: its process is gone."""
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._stop_replica, index)
 
     def _on_replica_stats(self, index: int) -> None:
-        """Reader thread of replica ``index``: fresh stats outside a step (an abort freed blocks,
-        say). An idle engine thread waits for a command: wake it so it records them."""
+        """Fresh stats outside a step: wake an idle engine thread (it waits for a command) to record them."""
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake_idle, index)
 
@@ -236,16 +195,10 @@ class DataParallelAsyncEngine:
         if error is not None:
             raise error
 
-    # ------------------------------------------------------------------ requests
     async def add_requests(self, label: str, inputs: list[EngineInput], params: SamplingParams, *,
                            arrival_time: float | None = None, priority: int = 0) -> list[RequestStream]:
-        """Tokenize the prompts, route them (all to one replica) and add them there; returns
-        their streams once that replica accepted every one of them (or none).
-
-        Raises as :meth:`AsyncLLMEngine.add_requests` (ValueError for a bad prompt, with
-        ``prompt[i]:`` for i > 0; EngineOverloadedError; EngineDeadError when no replica serves
-        or the chosen one died meanwhile).
-        """
+        """Tokenize the prompts and add them all to the one replica the router picks. Raises as
+        :meth:`AsyncLLMEngine.add_requests` (EngineDeadError also when no replica serves)."""
         self.start()
         self._raise_if_dead()
         arrival = time.time() if arrival_time is None else arrival_time
@@ -263,8 +216,7 @@ class DataParallelAsyncEngine:
             self._in_flight[index][stream.request_id] = tokens // len(streams)
         return streams
 
-    # One prompt, and a request's outputs until it ends (leaving early aborts it): the single
-    # engine's methods, which only call ``add_requests`` / ``add_request`` on ``self``.
+    # the single engine's methods: they only call add_requests / add_request on self
     add_request = AsyncLLMEngine.add_request
     generate = AsyncLLMEngine.generate
 
@@ -286,25 +238,22 @@ class DataParallelAsyncEngine:
         return loads
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(front)`` on the front end's thread (tokenizer work) and return its result.
-        Exceptions of ``fn`` propagate; raises EngineDeadError once shut down."""
+        """``fn(front)`` on the front end's thread; EngineDeadError once shut down."""
         self.start()
         if self._is_stopped:
             raise EngineDeadError("the engine has been shut down")
         return await self._front_thread.call(fn)
 
-    call_front = call  # the server's tokenizer work: on the front end's thread, as AsyncLLMEngine.call_front
+    call_front = call
 
     async def kv_cache_snapshot(self, engine_index: int = 0) -> Any:
-        """Replica ``engine_index``'s KV-cache snapshot. Raises ValueError for an index outside
-        0..N-1, EngineDeadError when that replica is down."""
+        """Replica ``engine_index``'s KV-cache snapshot; ValueError outside 0..N-1."""
         if not 0 <= engine_index < len(self.replicas):
             raise ValueError(f"engine must be in 0..{len(self.replicas) - 1}, got {engine_index}")
         return await self.replicas[engine_index].call(lambda proxy: proxy.kv_cache_snapshot())
 
 
 async def _quietly(awaitable: Any) -> None:
-    """Await, ignoring EngineDeadError (a replica that stopped meanwhile)."""
     try:
         await awaitable
     except EngineDeadError:
@@ -312,9 +261,8 @@ async def _quietly(awaitable: Any) -> None:
 
 
 def _cuda_device_slices(config: EngineConfig) -> list[str | None]:
-    """``CUDA_VISIBLE_DEVICES`` of each replica: replica i gets GPUs ``i*tp .. (i+1)*tp - 1``
-    of the visible ones; None for all (CPU). Raises ValueError naming data_parallel_size when
-    there are too few GPUs."""
+    """``CUDA_VISIBLE_DEVICES`` per replica (i gets visible GPUs ``i*tp .. (i+1)*tp - 1``; None:
+    all). Raises ValueError naming data_parallel_size for too few GPUs."""
     n, tp = config.data_parallel_size, config.tensor_parallel_size
     if config.device == "cpu":
         return [None] * n

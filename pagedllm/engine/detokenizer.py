@@ -1,13 +1,9 @@
 """Incremental detokenization and stop strings, one ``IncrementalDetokenizer`` per sequence.
 
-Each step appends a sequence's new token ids; the detokenizer extends its text by only the
-new characters (decoding a window of recent ids with the tokenizer's own ``decode``),
-matches stop strings across token boundaries, and hands out the text that is safe to
-stream. The contract (text == ``decode(ids)``, incomplete characters held back, stop
-strings, ``min_tokens``, no leaks while streaming) and the cost per step are in
-``docs/architecture.md`` ("Detokenization"). Algorithm: the prefix/read-offset scheme of
-vLLM's ``detokenize_incrementally``, from Hugging Face TGI's ``decode_token``, with one
-``decode`` per token.
+Each step decodes a window of recent ids (the prefix/read-offset scheme of vLLM's
+``detokenize_incrementally``, from TGI's ``decode_token``), matches stop strings across
+token boundaries and hands out the text safe to stream. Contract: docs/architecture.md,
+"Detokenization".
 """
 
 from __future__ import annotations
@@ -21,21 +17,14 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.engine.stop_matcher import StopMatcher
 
 _REPLACEMENT_CHAR = "\ufffd"
-# Above this many ids the decode window restarts at the last character boundary. It only
-# bounds the cost per token; it does not change the text.
+# Past this many ids the decode window restarts at a character boundary (cost, not text).
 _MAX_WINDOW_TOKENS = 8
 
 
 def _window_decoder(tokenizer: Any, skip_special_tokens: bool, spaces_between_special_tokens: bool):
-    """``ids -> text``: ``tokenizer.decode(ids, skip_special_tokens=..., spaces_between_special_tokens=...,
-    clean_up_tokenization_spaces=False)``.
-
-    For a transformers fast tokenizer whose ``decode`` and ``_decode`` are the library's own, that
-    call is exactly its Rust backend's ``decode(ids, skip_special_tokens=...)`` (without the
-    clean-up, ``spaces_between_special_tokens`` is a slow-tokenizer option), and calling the
-    backend skips ~3 us of Python per call: one call per sequence per step
-    (tests/test_detokenizer.py compares the two on every token of its texts).
-    """
+    """``ids -> text`` as ``tokenizer.decode(ids, ..., clean_up_tokenization_spaces=False)``: for an
+    unmodified transformers fast tokenizer that is exactly its Rust backend's ``decode``, called
+    directly to skip the Python layers (once per sequence per step)."""
     backend = _rust_backend(tokenizer)
     if backend is not None:
         return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
@@ -45,8 +34,7 @@ def _window_decoder(tokenizer: Any, skip_special_tokens: bool, spaces_between_sp
 
 
 def _rust_backend(tokenizer: Any) -> Any:
-    """The ``tokenizers.Tokenizer`` behind ``tokenizer`` when its decode path is transformers'
-    unmodified one (see :func:`_window_decoder`), else None."""
+    """The ``tokenizers.Tokenizer`` behind an unmodified transformers decode path, else None."""
     try:
         from tokenizers import Tokenizer
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -64,22 +52,9 @@ def _rust_backend(tokenizer: Any) -> Any:
 class IncrementalDetokenizer:
     """Turns one sequence's output token ids into text, step by step, and finds stop strings.
 
-    Args:
-        tokenizer: a Hugging Face tokenizer (``decode(ids, skip_special_tokens=...)``,
-            ``convert_ids_to_tokens``); the one the model was trained with.
-        prompt_token_ids: the prompt's ids. Kept for the record (``num_prompt_tokens``);
-            not used as decoding context, by design (see the module docstring).
-        params: the sequence's sampling parameters; reads ``stop``,
-            ``include_stop_str_in_output``, ``min_tokens``, ``skip_special_tokens`` and
-            ``spaces_between_special_tokens``.
-
-    Attributes:
-        output_text: all text decoded so far, complete characters only; the final text
-            once finished (after a stop-string match, ``update(..., stop_terminated=True)``
-            or ``get_next_output_text(finished=True)``).
-        token_ids: the output ids delivered so far (a stop token passed with
-            ``stop_terminated`` included; ids after a matched stop string excluded).
-        stop_reason: the stop string that matched, or None.
+    ``prompt_token_ids`` is counted, never used as decoding context. ``output_text``: complete
+    characters so far, final once finished; ``token_ids``: the output ids delivered (a stop
+    token included, ids after a stop string excluded); ``stop_reason``: the matched stop string.
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -92,10 +67,8 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         self.is_finished = False
         self._num_text_tokens = 0  # ids decoded into text (token_ids minus a stop token)
-        # Decode window: ids[_prefix_offset:] are decoded together each step. The window
-        # starts at a character boundary; _window_emitted chars of its text are already in
-        # output_text; _last_clean_offset is the latest boundary inside it (context for a
-        # restart, so decoders that strip a leading space at the window start see one).
+        # ids[_prefix_offset:] are decoded each step, from a character boundary; _last_clean_offset
+        # is the latest boundary inside (restart context for decoders that strip a leading space)
         self._prefix_offset = 0
         self._last_clean_offset = 0
         self._window_emitted = 0
@@ -104,26 +77,11 @@ class IncrementalDetokenizer:
         self._stop_matcher = StopMatcher(self._stop) if self._stop else None
         self._hold_back = bool(self._stop) and not params.include_stop_str_in_output
 
-    # ---- per step --------------------------------------------------------------------
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
-        """Append newly sampled ids, extend ``output_text``, and check stop strings.
-
-        Args:
-            new_token_ids: the ids sampled for this sequence since the last call, in order.
-            stop_terminated: True when the last id of ``new_token_ids`` is the EOS or a
-                ``stop_token_ids`` id that ended the sequence. That id is recorded in
-                ``token_ids`` but never decoded into the text (special or not), and the
-                detokenizer finishes: incomplete bytes are flushed (see :meth:`flush`).
-
-        Returns:
-            The matched stop string, or None. On a match ``output_text`` is cut before the
-            string (after it with ``include_stop_str_in_output``), the sequence is
-            finished, and ids after the matching one in ``new_token_ids`` are dropped.
-
-        Raises:
-            ValueError: ``stop_terminated`` with an empty ``new_token_ids``.
-            RuntimeError: called after the sequence finished.
-        """
+        """Append new ids and extend the text; returns the stop string that matched (the text cut
+        there, later ids dropped, the sequence finished) or None. With ``stop_terminated`` the last
+        id ended the sequence: recorded, never decoded, text flushed. Raises ValueError for
+        ``stop_terminated`` without ids, RuntimeError after the sequence finished."""
         if self.is_finished:
             raise RuntimeError("IncrementalDetokenizer.update() called after the sequence finished")
         if stop_terminated and not new_token_ids:
@@ -144,18 +102,8 @@ class IncrementalDetokenizer:
         return None
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
-        """The text to emit now: everything safe so far, or only its new part.
-
-        Args:
-            finished: the sequence has ended (stop, length, abort): everything is
-                released, after :meth:`flush`.
-            delta: return only the text not returned by earlier calls (else all safe text).
-
-        While unfinished, the longest suffix of ``output_text`` that is a proper prefix of
-        some stop string is held back (unless ``include_stop_str_in_output``); incomplete
-        characters never reach ``output_text``. Successive results only grow, so the
-        concatenation of all deltas equals the final ``output_text``.
-        """
+        """The safe text (``delta``: only its part not returned before); while unfinished, a suffix
+        that may still become a stop string is held back. All deltas add up to the final text."""
         if finished:
             self.flush()
             safe_len = len(self._text)
@@ -169,16 +117,11 @@ class IncrementalDetokenizer:
 
     @property
     def output_text(self) -> str:
-        """All text so far (complete characters only); the final text once finished."""
         return str(self._text)
 
     def flush(self) -> None:
-        """Finish the text: decode bytes still held as an incomplete character.
-
-        They get what the tokenizer's ``decode`` gives (U+FFFD for invalid or truncated
-        UTF-8). Stop strings are not checked on this text. Idempotent; after it
-        ``output_text`` is final and :meth:`update` raises.
-        """
+        """Decode bytes held as an incomplete character (U+FFFD where invalid), without a stop
+        check; idempotent, and afterwards ``output_text`` is final and :meth:`update` raises."""
         if self.is_finished:
             return
         window_text = self._decode(self.token_ids[self._prefix_offset:self._num_text_tokens])
@@ -186,21 +129,11 @@ class IncrementalDetokenizer:
         self._window_emitted = len(window_text)
         self.is_finished = True
 
-    # ---- logprobs --------------------------------------------------------------------
     def decode_token(self, token_id: int) -> str:
-        """Text of one token, for ``Logprob.decoded_token``.
-
-        Byte-level aware: a byte-level BPE token is shown with real spaces ("Ġhello" →
-        " hello"), a special token as its content ("<|im_end|>"). A token whose bytes are
-        not valid UTF-8 on their own (part of an emoji) is shown with backslash escapes
-        for the invalid bytes ("\\xf0\\x9f"), as the OpenAI API shows such tokens; the
-        raw bytes are :func:`token_bytes`. Cached per tokenizer.
-        """
+        """Text of one token for ``Logprob.decoded_token`` (:func:`token_text`)."""
         return token_text(self.tokenizer, token_id)
 
-    # ---- internals -------------------------------------------------------------------
     def _decode_next(self) -> None:
-        """Decode the window including the newest id and append its new complete text."""
         end = self._num_text_tokens
         window_text = self._decode(self.token_ids[self._prefix_offset:end])
         stable_len = len(window_text.rstrip(_REPLACEMENT_CHAR))
@@ -210,8 +143,7 @@ class IncrementalDetokenizer:
         if stable_len < len(window_text):
             return  # ends inside a character: not a boundary, the window keeps growing
         if end - self._prefix_offset > _MAX_WINDOW_TOKENS and self._last_clean_offset > self._prefix_offset:
-            # Restart the window at the previous boundary, keeping >= 1 id of context (with
-            # text: a decoder that strips a leading space must strip it from the context).
+            # restart at the previous boundary with >= 1 id of context that has text
             context_text = self._decode(self.token_ids[self._last_clean_offset:end])
             if context_text:
                 self._prefix_offset = self._last_clean_offset
@@ -237,13 +169,9 @@ class IncrementalDetokenizer:
 
 
 class _TextBuffer:
-    """Append-only text with O(k) access to (and truncation within) its last k characters.
-
-    ``str +=`` on an attribute copies the whole string, which would make each step
-    O(text length). Appends go to a short ``_recent`` string instead; once it reaches
-    ``_SEAL_CHARS`` it moves, unchanged, to a list of sealed chunks. Each append copies at
-    most ``_SEAL_CHARS`` characters, and the last k characters are usually one slice.
-    """
+    """Append-only text with O(k) access to (and truncation within) its last k characters:
+    ``str +=`` on an attribute copies the whole string each step, so appends go to a short
+    ``_recent`` string, sealed into a chunk list once it reaches ``_SEAL_CHARS``."""
 
     _SEAL_CHARS = 256
 
@@ -268,7 +196,6 @@ class _TextBuffer:
             self._recent = ""
 
     def tail(self, num_chars: int) -> str:
-        """The last ``num_chars`` characters (all of them if fewer), in O(num_chars)."""
         if num_chars <= len(self._recent):
             return self._recent[len(self._recent) - num_chars:] if num_chars > 0 else ""
         parts, need = [self._recent], num_chars - len(self._recent)
@@ -280,14 +207,12 @@ class _TextBuffer:
         return "".join(reversed(parts))
 
     def truncate(self, length: int) -> None:
-        """Keep the first ``length`` characters (done once, at a stop-string match)."""
         while self._sealed and self._sealed_len > length:
             self._recent = self._sealed.pop()
             self._sealed_len -= len(self._recent)
         self._recent = self._recent[:max(0, length - self._sealed_len)]
 
 
-# ---- per-tokenizer token facts (for logprobs) ------------------------------------------
 class _TokenizerInfo:
     """Per-token bytes and display text of one tokenizer, computed once per id."""
 
@@ -296,7 +221,7 @@ class _TokenizerInfo:
         decoder_types = _decoder_types(tokenizer)
         self.byte_decoder: dict[str, int] | None = None
         if "ByteLevel" in decoder_types:
-            from transformers.convert_slow_tokenizer import bytes_to_unicode  # the GPT-2 byte table
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
 
             self.byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
         self.has_byte_fallback = "ByteFallback" in decoder_types
@@ -329,7 +254,6 @@ class _TokenizerInfo:
 
 
 def _decoder_types(tokenizer: Any) -> set[str]:
-    """Type names of the fast tokenizer's decoder (and its parts, for a Sequence)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return set()
@@ -352,19 +276,14 @@ def _tokenizer_info(tokenizer: Any) -> _TokenizerInfo:
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
-    """Text of one token for logprobs: the one rule shared by ``Logprob.decoded_token`` and the
-    server's ``tokens`` / ``top_logprobs`` keys (see :meth:`IncrementalDetokenizer.decode_token`)."""
+    """Text of one token for logprobs (``decoded_token``, the server's ``tokens`` keys): byte-level
+    tokens with real spaces, special tokens as their content, invalid UTF-8 backslash-escaped
+    ("\\xf0\\x9f") as the OpenAI API shows them. Cached per tokenizer."""
     return _tokenizer_info(tokenizer).token_text(token_id)
 
 
 def token_bytes(tokenizer: Any, token_id: int) -> bytes:
-    """Raw bytes of one token (for the OpenAI ``logprobs[].bytes`` field).
-
-    Byte-level BPE tokens map through the GPT-2 byte table, SentencePiece byte-fallback
-    tokens ``<0xNN>`` give that byte, added/special tokens their UTF-8 content, others the
-    UTF-8 of ``decode([token_id])``.
-
-    Raises:
-        ValueError: ``token_id`` is outside the vocabulary.
-    """
+    """Raw bytes of one token (OpenAI ``logprobs[].bytes``): byte-level BPE through the GPT-2 byte
+    table, byte-fallback ``<0xNN>`` its byte, added tokens their UTF-8, others ``decode([id])``'s.
+    Raises ValueError outside the vocabulary."""
     return _tokenizer_info(tokenizer).token_bytes(token_id)

@@ -1,11 +1,7 @@
 """The server's tokenizer work (prompts, chat templates) on a thread of its own.
 
-Tokenizing a long prompt or rendering a chat template takes as long as a few engine steps;
-done on the engine thread it would stall every running stream for that time. The front end
-does it on one worker thread beside the engine thread (one engine, or N data-parallel
-replicas), with the same checks as the engine's :class:`InputProcessor`, and hands the engine
-token ids. One worker thread: callers never encode with one tokenizer from two threads at
-once, while the engine thread only decodes (read-only) with it.
+A long prompt or chat template on the engine thread would stall every running stream. One
+worker thread: a tokenizer never encodes on two threads at once; the engine thread only decodes.
 """
 
 from __future__ import annotations
@@ -21,44 +17,34 @@ __all__ = ["FrontEnd", "FrontEndThread", "needs_tokenizing", "tokenize_inputs"]
 
 
 class FrontEnd:
-    """Tokenizer work with the engine's checks, callable from any one thread.
-
-    Args:
-        input_processor: the checks and the tokenizer (the engine's own, or one built from the
-            model's files); only its read-only state is used.
-    """
+    """Tokenizer work with the engine's checks (``input_processor``'s read-only state), callable
+    from any one thread."""
 
     def __init__(self, input_processor: InputProcessor) -> None:
         self.input_processor = input_processor
         self.tokenizer = input_processor.tokenizer
 
     def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
-        """As :meth:`LLMEngine.tokenize_prompt`. Raises ValueError."""
+        """Token ids of a prompt (:meth:`InputProcessor.tokenize`). Raises ValueError."""
         return self.input_processor.tokenize(prompt, add_special_tokens)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, continue_final_message: bool = False,
                             tools: list[dict] | None = None) -> list[int]:
-        """As :meth:`LLMEngine.apply_chat_template`. Raises ValueError."""
+        """Prompt token ids of a conversation, the template receiving ``tools``. Raises ValueError."""
         return self.input_processor.render_chat(conversation, add_generation_prompt, chat_template,
                                                 continue_final_message, tools)
 
 
 class FrontEndThread:
-    """Runs ``fn(front)`` on one worker thread and awaits it from the event loop.
-
-    Args:
-        front: a :class:`FrontEnd` (or anything with ``tokenizer``, ``tokenize_prompt`` and
-            ``apply_chat_template``: tests pass fakes).
-    """
+    """Runs ``fn(front)`` on one worker thread and awaits it from the event loop."""
 
     def __init__(self, front: Any) -> None:
         self.front = front
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-frontend")
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """``fn(front)``'s result; exceptions of ``fn`` propagate. Cancelling the await leaves
-        ``fn`` to finish on the worker (its result is dropped)."""
+        """``fn(front)``'s result or exception; a cancelled await leaves ``fn`` to finish, result dropped."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, self.front)
 
     def shutdown(self) -> None:
@@ -74,9 +60,8 @@ def needs_tokenizing(prompt: PromptType) -> bool:
 
 
 def tokenize_inputs(front: Any, inputs: list) -> list:
-    """Each :class:`~pagedllm.engine.async_engine.EngineInput` as ``{"prompt_token_ids": ids}``
-    with its text to report, as the engine reports it (run on the front-end thread). Raises
-    ValueError (``prompt[i]:`` for i > 0) as the engine would."""
+    """Each EngineInput as ``{"prompt_token_ids": ids}`` with the text the engine would report.
+    Raises ValueError (``prompt[i]:`` for i > 0) as the engine would."""
     out = []
     for i, item in enumerate(inputs):
         try:

@@ -1,6 +1,5 @@
-"""Prompt processing shared by the offline ``LLM`` and the server: tokenize a prompt, render and
-tokenize a chat conversation, and check a prompt and its SamplingParams against the model
-(vocabulary, ``max_model_len``, ``max_logprobs``), resolving what depends on the tokenizer."""
+"""Prompt processing shared by ``LLM`` and the server: tokenize prompts and chats, and check a prompt
+and its SamplingParams against the model (vocabulary, ``max_model_len``, ``max_logprobs``)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from typing import Any, Union
 import jinja2
 
 from pagedllm.engine.chat import normalize_conversation
-from pagedllm.engine.errors import ContextLengthError
+from pagedllm.errors import ContextLengthError
 from pagedllm.engine.special_text import encode_rendered, mask_special_texts, special_texts
 from pagedllm.sampling_params import SamplingParams
 
@@ -30,14 +29,7 @@ class ProcessedPrompt:
 
 class InputProcessor:
     """Turns user prompts into checked token ids. Not thread-safe (the tokenizer is not).
-
-    Args:
-        tokenizer: the model's (transformers) tokenizer.
-        vocab_size: the model's vocabulary size (token ids must be below it).
-        max_model_len: most tokens per sequence, prompt + output.
-        max_logprobs: the largest ``logprobs`` / ``prompt_logprobs`` a request may ask for.
-        extra_stop_token_ids: end-of-turn ids beyond EOS (from the generation config).
-    """
+    ``extra_stop_token_ids``: end-of-turn ids beyond EOS (from the generation config)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, max_logprobs: int,
                  extra_stop_token_ids: list[int]) -> None:
@@ -49,10 +41,8 @@ class InputProcessor:
         self._special_texts = special_texts(tokenizer)  # typed in a message, they stay text
 
     def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a text prompt, a token-id list, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": str}``.
-
-        Raises ValueError for an empty prompt, a wrong type, or a token id outside the vocabulary.
-        """
+        """Token ids of a text, a token-id list, ``{"prompt_token_ids": [...]}`` or ``{"prompt": str}``.
+        Raises ValueError for an empty prompt, a wrong type, or a token id outside the vocabulary."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
@@ -76,21 +66,10 @@ class InputProcessor:
     def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
                     chat_template: str | None = None, continue_final_message: bool = False,
                     tools: list[dict] | None = None) -> list[int]:
-        """Render a conversation with the chat template and tokenize it.
-
-        Messages are ``{"role": "system"|"user"|"assistant"|"tool"|"developer", "content": str |
-        [{"type": "text", "text": ...}, ...]}``. The rendered text already contains the
-        template's special tokens, so it is tokenized with ``add_special_tokens=False``
-        (no doubled BOS). ``continue_final_message`` leaves the last (assistant) message open
-        so the model continues it (then no generation prompt is added). ``tools`` (OpenAI
-        function tools) are passed to the template, which renders them if it knows how (Qwen's
-        and Hermes' templates do); assistant messages may carry ``tool_calls`` and tool
-        messages ``tool_call_id``. Raises ValueError for an empty conversation, an unknown
-        role, non-text content, or no chat template, and when the template fails to render the
-        conversation (a Jinja syntax error, an undefined name, its own ``raise_exception``, a type
-        error): naming ``chat_template`` for a template passed in, else ``messages`` (the
-        model's template refused them), as vLLM answers 400 for either.
-        """
+        """Render a conversation with the chat template (``tools`` passed in) and tokenize it without
+        added special tokens (the template has them). Raises ValueError for an empty conversation,
+        an unknown role, non-text content, no template, or a failed render: naming ``chat_template``
+        for one passed in, else ``messages`` (vLLM answers 400 for either)."""
         messages, replaced = mask_special_texts(normalize_conversation(conversation), self._special_texts)
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
@@ -109,11 +88,8 @@ class InputProcessor:
         return encode_rendered(self.tokenizer.encode, text, replaced)
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
-        """Tokenize and check ``prompt`` with ``params``. Raises ValueError naming what is wrong.
-
-        The returned params carry the tokenized ``bad_words`` and the model's extra stop ids
-        (unless ``ignore_eos``); ``max_tokens`` None becomes what is left of ``max_model_len``.
-        """
+        """Tokenize and check ``prompt`` with ``params``; the params returned carry the tokenized
+        ``bad_words`` and extra stop ids. Raises ValueError naming what is wrong."""
         full = self.tokenize(prompt)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:  # vLLM's prompt-level salt
             params = replace(params, cache_salt=prompt["cache_salt"])
@@ -125,10 +101,8 @@ class InputProcessor:
         return ProcessedPrompt(ids, max_tokens, self._with_extra_stop_ids(params), len(ids) < len(full))
 
     def _truncate(self, ids: list[int], params: SamplingParams) -> list[int]:
-        """The last ``truncate_prompt_tokens`` of ``ids`` (left truncation, as vLLM: the end of a
-        prompt is what the next token depends on most). -1 keeps as many as fit in
-        ``max_model_len`` beside ``max_tokens`` (beside one output token when it is None).
-        Raises ValueError naming the field when it exceeds ``max_model_len``."""
+        """The last ``truncate_prompt_tokens`` of ``ids`` (left, as vLLM: the next token depends most
+        on the end); -1: as many as fit beside ``max_tokens``. ValueError past ``max_model_len``."""
         keep = params.truncate_prompt_tokens
         if keep is None:
             return ids
@@ -139,8 +113,7 @@ class InputProcessor:
         return ids[-keep:]
 
     def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
-        """The request's max_tokens (None: what is left of ``max_model_len``). Raises
-        ContextLengthError when the prompt, or the prompt plus max_tokens, exceeds it."""
+        """max_tokens (None: what is left of ``max_model_len``); ContextLengthError past it."""
         limit = self.max_model_len
         if num_prompt >= limit:
             raise ContextLengthError(f"This model's maximum context length is {limit} tokens, but the prompt has "

@@ -31,11 +31,8 @@ logger = logging.getLogger("pagedllm")
 
 
 def child_request_id(request_id: str, index: int) -> str:
-    """The scheduler's id of sample ``index`` of user request ``request_id``.
-
-    Injective: the text after the last ``#`` is the index, so distinct (parent, index)
-    pairs never share an id, whatever ids users choose.
-    """
+    """The scheduler's id of sample ``index`` of ``request_id``; injective, as the index follows
+    the last ``#``."""
     return f"{request_id}#{index}"
 
 
@@ -59,14 +56,11 @@ class EngineStats:
 
 
 class LLMEngine:
-    """The synchronous engine. Construct with an :class:`EngineConfig`.
-
-    Raises ValueError (from loading or sizing) when the model cannot be found or the
-    KV cache cannot hold one sequence of ``max_model_len`` tokens.
-    """
+    """The synchronous engine. Raises ValueError when the model cannot be found or the KV cache
+    cannot hold one sequence of ``max_model_len`` tokens."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from pagedllm.distributed.executor import make_executor
+        from pagedllm.executor import make_executor
         from pagedllm.loader import load_model_files
 
         if config.data_parallel_size > 1:
@@ -118,36 +112,21 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length {model_len}")
         return config
 
-    # ------------------------------------------------------------------ prompts
-    def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a prompt (see :meth:`InputProcessor.tokenize`). Raises ValueError."""
-        return self.input_processor.tokenize(prompt, add_special_tokens)
-
-    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, continue_final_message: bool = False,
-                            tools: list[dict] | None = None) -> list[int]:
-        """Prompt token ids of a conversation, the template receiving ``tools`` (see
-        :meth:`InputProcessor.render_chat`). Raises ValueError."""
-        return self.input_processor.render_chat(conversation, add_generation_prompt, chat_template,
-                                                continue_final_message, tools)
+    # the front end's methods: they use only self.input_processor
+    tokenize_prompt = FrontEnd.tokenize_prompt
+    apply_chat_template = FrontEnd.apply_chat_template
 
     def front_end(self) -> FrontEnd:
-        """This engine's tokenizer work (:meth:`tokenize_prompt`, :meth:`apply_chat_template`)
-        as an object safe to use from one other thread while this engine steps: it shares only
-        the tokenizer and the read-only checks of the input processor."""
+        """This engine's tokenizer work, safe to use from one other thread while it steps (it
+        shares only the tokenizer and the input processor's read-only checks)."""
         return FrontEnd(self.input_processor)
 
-    # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, prompt_text: str | None = None) -> str:
-        """Queue a request (``params.n`` sequences). Returns its id.
-
-        With ``params.truncate_prompt_tokens`` the prompt is cut to its last tokens first, and
-        the outputs report the text of what was kept as the prompt.
-
-        Raises ValueError — and queues nothing — for an empty prompt, a token id outside
-        the vocabulary, a prompt (+ ``max_tokens``) longer than ``max_model_len``, a
-        duplicate id, or sampling parameters the model cannot honour.
+        """Queue a request of ``params.n`` sequences; returns its id. A truncated prompt
+        (``truncate_prompt_tokens``) is reported as the text kept. Raises ValueError, queueing
+        nothing, for an empty prompt, a token id outside the vocabulary, a prompt (+ ``max_tokens``)
+        past ``max_model_len``, a duplicate id, or parameters the model cannot honour.
         """
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -190,7 +169,6 @@ class LLMEngine:
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             self.structured_output.remove_requests(child_ids)
 
-    # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of the requests it advanced."""
         grammar_failed = self._admit_compiled_grammars()
@@ -212,11 +190,8 @@ class LLMEngine:
         return processed.outputs
 
     def _admit_compiled_grammars(self) -> dict[str, str]:
-        """Requests whose grammar compiled become admissible; returns failed compiles {id: error}.
-
-        When nothing but grammar compiles is waiting, waits briefly for one instead of
-        spinning through empty steps.
-        """
+        """Admit requests whose grammar compiled; returns failed compiles {id: error}. Waits briefly
+        when nothing else is waiting, instead of spinning through empty steps."""
         so = self.structured_output
         if not so.has_pending():
             return {}
@@ -227,8 +202,7 @@ class LLMEngine:
     def _advance_grammars(self, updated: list[Request], ro: ModelRunnerOutput,
                           grammar_failed: dict[str, str]) -> list[Request]:
         """Advance matchers by this step's tokens; end requests whose grammar terminated (stop),
-        was violated or failed to compile (error). Returns requests ended here that
-        ``updated`` does not hold (failed compiles), for the output processor."""
+        was violated or failed to compile (error). Returns the ended ones ``updated`` lacks."""
         result = self.structured_output.accept_tokens(updated)
         if result.terminated:
             self.scheduler.finish_requests(result.terminated, RequestStatus.FINISHED_STOPPED)
@@ -244,7 +218,7 @@ class LLMEngine:
 
         A tensor-parallel worker that died is fatal: every request is aborted (its blocks
         freed) and TensorParallelWorkerError propagates to the caller."""
-        from pagedllm.distributed.executor import TensorParallelWorkerError
+        from pagedllm.errors import TensorParallelWorkerError
 
         num_computed = {r: self.scheduler.requests[r].num_computed_tokens for r in so.num_scheduled_tokens}
         culprits = positions_beyond(num_computed, so.num_scheduled_tokens, self.runner.model.max_positions)
@@ -259,8 +233,7 @@ class LLMEngine:
             ro = retry_output(so, f.failed, self.scheduler.recompute_failed_loads(f.failed_loads))
         except Exception as e:  # noqa: BLE001
             logger.exception("step failed; failing its %d requests", len(so.num_scheduled_tokens))
-            # Runner state may be half-updated: drop it all and have the scheduler resend
-            # every running request in full next step.
+            # runner state may be half-updated: drop it, the scheduler resends every request in full
             self._reset_runner()
             msg = f"{type(e).__name__}: {e}"
             return ModelRunnerOutput(failed={rid: msg for rid in so.num_scheduled_tokens})
@@ -268,7 +241,7 @@ class LLMEngine:
         return ro
 
     def _reset_runner(self) -> None:
-        from pagedllm.distributed.executor import TensorParallelWorkerError
+        from pagedllm.errors import TensorParallelWorkerError
 
         try:
             self.executor.reset_state()
@@ -278,13 +251,12 @@ class LLMEngine:
         self.scheduler.reset_runner_state()
 
     def _observe_prefill(self, so: SchedulerOutput, ro: ModelRunnerOutput, seconds: float) -> None:
-        """Feed the auto preemption mode the cost per token of prefill-heavy steps (at
-        least 32 prompt tokens, so the per-step overhead does not dominate)."""
+        """Feed the auto preemption mode the cost per token of prefill-heavy steps (>= 32 prompt
+        tokens, so the per-step overhead does not dominate)."""
         if so.total_num_scheduled_tokens - len(ro.req_ids) >= 32:
             self.scheduler.swap_space.observe_prefill(seconds, so.total_num_scheduled_tokens)
 
     def _abort_all(self) -> None:
-        """Abort every request (the engine cannot step any more); frees all their blocks."""
         self.abort_request(list(self.output_processor.requests))
 
     def shutdown(self) -> None:
@@ -302,9 +274,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished()
 
     def kv_cache_snapshot(self) -> KVCacheSnapshot:
-        """The KV cache's blocks, block tables and recent events (the live KV map's data).
-
-        Engine thread only, between steps; O(blocks + requests)."""
+        """The KV cache's blocks, block tables and recent events; engine thread, between steps."""
         return self.scheduler.kv_cache_snapshot(self.num_steps)
 
     def get_stats(self) -> EngineStats:

@@ -1,10 +1,7 @@
 """OutputProcessor: scheduler results → detokenized, user-facing RequestOutputs.
 
-It owns one :class:`RequestState` per user request (an ``n > 1`` request has n child
-sequences, each a scheduler Request with its own detokenizer). Each step it takes the
-requests the scheduler updated, detokenizes their new tokens, matches stop strings (a
-match finishes the child: the engine then tells the scheduler), converts logprobs, and
-builds the RequestOutputs the request's ``output_kind`` asks for.
+One :class:`RequestState` per user request, one detokenizer per child sequence; a stop-string
+match finishes the child, and the engine then tells the scheduler.
 """
 
 from __future__ import annotations
@@ -71,14 +68,13 @@ class ProcessedStep:
 
 
 class OutputProcessor:
-    """Builds RequestOutputs; see the module docstring. Not thread-safe (engine thread only)."""
+    """Builds RequestOutputs; engine thread only."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         self.child_to_parent: dict[str, tuple[str, int]] = {}
 
-    # ------------------------------------------------------------------ registration
     def add_request(self, request_id: str, prompt: str | None, children: list[Request],
                     params: SamplingParams, arrival_time: float) -> None:
         seqs = []
@@ -105,7 +101,6 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    # ------------------------------------------------------------------ per step
     def process(self, updated: list[Request], runner_output: ModelRunnerOutput) -> ProcessedStep:
         """Detokenize the updated children and build this step's outputs."""
         now = time.time()
@@ -155,12 +150,10 @@ class OutputProcessor:
             seq.logprobs.append(self._convert_logprobs(seq, lp))
             seq.cumulative_logprob += lp.sampled_logprob
         status = req.status
-        # The EOS / stop token that ended a sequence is never part of its text.
         ended_by_token = (status == RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str)
                           and not req.sampling_params.include_stop_str_in_output)
         stop_str = seq.detokenizer.update(new_ids, stop_terminated=ended_by_token) if new_ids else None
-        # A stop string wins over the length cap reached by the same token (vLLM checks stop
-        # strings before max_tokens / max_model_len): the text is cut at it, so the reason is "stop".
+        # a stop string wins over a length cap hit by the same token (vLLM checks stop strings first)
         if stop_str is not None and (not status.is_finished or status == RequestStatus.FINISHED_LENGTH_CAPPED):
             seq.finish_reason, seq.stop_reason = "stop", stop_str
             return not status.is_finished
@@ -169,7 +162,6 @@ class OutputProcessor:
             seq.stop_reason = req.stop_reason
         return False
 
-    # ------------------------------------------------------------------ conversion
     def _convert_logprobs(self, seq: SequenceState, lp: SampleLogprobs) -> PositionLogprobs:
         decode = seq.detokenizer.decode_token
         d: PositionLogprobs = {}

@@ -1,32 +1,8 @@
 """One data-parallel replica: an ``LLMEngine`` in its own process, and the proxy the server drives.
 
-Why a process per replica: each replica then has its own GIL and its own torch thread
-pool (``cpu_count // data_parallel_size`` threads, at least 1), so N replicas step in
-parallel; a crash (killed, out of memory) takes down one replica, not the server.
-
-The replica process runs its engine on its own: it applies the commands it received, runs
-one step when it has work, sends that step's outputs (and a stats snapshot) back, and
-repeats; idle, it blocks on its pipe. :class:`ReplicaEngine` is the server-side proxy with
-``LLMEngine``'s API (``add_request``, ``abort_request``, ``step``, ``get_stats``,
-``kv_cache_snapshot``, ``shutdown``), so an ordinary :class:`AsyncLLMEngine` drives each
-replica: its thread's ``step()`` returns the next step's outputs the process sent.
-
-Messages (pickled over one ``multiprocessing`` pipe; requests carry token ids, already
-tokenized by the front end):
-
-- server → replica: ``("add", call_id, request_id, prompt, params, arrival_time, priority,
-  prompt_text)``, ``("abort", [request_ids])``, ``("call", call_id, method, args)``,
-  ``("go",)`` (adds done: step), ``("stop",)``;
-- replica → server: ``("ready", ReplicaInfo)`` or ``("start_failed", traceback)`` once, then
-  ``("reply", call_id, is_ok, value)``, ``("step", outputs, stats)`` after every step,
-  ``("stats", stats)`` after commands applied without a step, ``("dead", traceback)`` when its
-  loop fails (the process then exits).
-
-A reader thread on the server side drains the pipe into a queue, so the replica never
-blocks on a full pipe while the server is busy. When the process dies, the reader sees the
-pipe close: the call or step waiting on it raises :class:`ReplicaDeadError` naming the
-replica, its pid and how it ended — the requests it held fail, nothing waits forever —
-and ``on_exit`` is called so the server can react at once even while idle.
+A process per replica gives each its own GIL and torch thread pool, and confines a crash to it.
+:class:`ReplicaEngine` has ``LLMEngine``'s API, so an ordinary :class:`AsyncLLMEngine` drives
+it. The pipe's messages and the failure model: docs/engine.md, "Data-parallel replicas".
 """
 
 from __future__ import annotations
@@ -45,9 +21,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterable
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.worker import ENGINE_CORES_ENV
-from pagedllm.engine.errors import EngineDeadError
+from pagedllm.errors import EngineDeadError
 
 logger = logging.getLogger("pagedllm.data_parallel")
 
@@ -62,15 +38,12 @@ class ReplicaDeadError(EngineDeadError):
 
 @dataclass
 class ReplicaInfo:
-    """What a replica reports once its engine is built."""
-
     config: EngineConfig  # resolved (max_model_len set)
     model_name: str
     vocab_size: int
-    stats: Any  # EngineStats
+    stats: Any
 
 
-# ---------------------------------------------------------------------------- the replica process
 def threads_per_replica(data_parallel_size: int, tensor_parallel_size: int = 1) -> int:
     """CPU threads each replica's torch uses: the cores shared out, at least one."""
     return max(1, (os.cpu_count() or 1) // (data_parallel_size * tensor_parallel_size))
@@ -78,13 +51,12 @@ def threads_per_replica(data_parallel_size: int, tensor_parallel_size: int = 1) 
 
 def _replica_main(index: int, config: EngineConfig, conn: Connection, engine_factory: EngineFactory | None,
                   num_threads: int, cuda_devices: str | None) -> None:
-    """The replica process: build the engine, report ready, then serve commands until ``stop``
-    or until the server's end of the pipe closes (the server is gone)."""
+    """The replica process: build the engine, report ready, serve until ``stop`` or the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the server, which drains, then stops us
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # before torch is imported
         os.environ[var] = str(num_threads)
     # this replica's tensor-parallel ranks (processes it starts) share its threads, not the machine
-    os.environ[ENGINE_CORES_ENV] = str(num_threads * config.tensor_parallel_size)
+    os.environ[envs.ENGINE_CORES.name] = str(num_threads * config.tensor_parallel_size)
     if cuda_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
     try:
@@ -115,8 +87,6 @@ def _replica_main(index: int, config: EngineConfig, conn: Connection, engine_fac
 
 
 class _ReplicaLoop:
-    """The replica process's loop: commands, then one step when there is work."""
-
     def __init__(self, engine: Any, conn: Connection) -> None:
         self.engine = engine
         self.conn = conn
@@ -133,12 +103,9 @@ class _ReplicaLoop:
                 self.conn.send(("stats", self.engine.get_stats()))
 
     def _apply_commands(self, block: bool) -> bool:
-        """Apply every command waiting (at least one when ``block``). False on stop or when the
-        server is gone.
-
-        After an ``add`` it waits for the next message before stepping: the prompts of one
-        request arrive as consecutive adds, each answered at once, and are admitted in one
-        turn; the server's first ``step()`` after them sends ``go``."""
+        """Apply every waiting command (at least one when ``block``); False on stop or server gone.
+        After an ``add`` it waits for the next message (more adds of the same request, or ``go``),
+        so a request's prompts are admitted in one turn."""
         try:
             if block or self.conn.poll():
                 while True:
@@ -178,26 +145,13 @@ class _ReplicaLoop:
                                                                   f"(not sendable: {e})")))
 
 
-# ---------------------------------------------------------------------------- the server's proxy
 class ReplicaEngine:
     """Server-side proxy of replica ``index``: ``LLMEngine``'s API over a pipe to its process.
 
-    Args:
-        index: the replica's index (its ``engine`` metrics label, its name in errors).
-        config: the replica's EngineConfig (``data_parallel_size`` 1).
-        tokenizer: the front end's tokenizer (the proxy's ``tokenizer``; never sent).
-        engine_factory: builds the engine from the config in the process (default
-            ``LLMEngine``; tests pass a fake); must be picklable (a module-level callable).
-        num_threads: torch CPU threads of the replica.
-        cuda_devices: ``CUDA_VISIBLE_DEVICES`` of the replica, or None to inherit.
-        on_exit: called with ``index`` (from the reader thread) once the process's pipe closes.
-        on_stats: called with ``index`` (from the reader thread) when the replica sent a stats
-            snapshot outside a step (after an abort, say), for a server whose engine thread idles.
-
-    The process starts at construction; :meth:`wait_ready` waits for its engine. One thread
-    at a time may call ``add_request`` / ``step`` / ``get_stats`` / ``kv_cache_snapshot``
-    (the AsyncLLMEngine's thread); ``abort_request``, ``is_alive`` and ``shutdown`` are safe
-    from any thread.
+    The process starts at construction (``engine_factory`` must pickle); :meth:`wait_ready` waits
+    for its engine. ``on_exit`` / ``on_stats`` run on the reader thread (pipe closed; stats outside
+    a step). One thread at a time may call ``add_request`` / ``step`` / ``get_stats`` /
+    ``kv_cache_snapshot``; ``abort_request``, ``is_alive`` and ``shutdown`` from any thread.
     """
 
     def __init__(self, index: int, config: EngineConfig, tokenizer: Any = None, *,
@@ -210,7 +164,7 @@ class ReplicaEngine:
         self.on_stats = on_stats
         ctx = mp.get_context("spawn")  # never fork a process that holds torch threads
         self._conn, child = ctx.Pipe()
-        # Not a daemon: a replica with tensor_parallel_size > 1 starts worker processes of its own.
+        # not a daemon: a tensor-parallel replica starts processes of its own
         self.process = ctx.Process(target=_replica_main, name=f"pagedllm-dp-engine{index}", daemon=False,
                                    args=(index, config, child, engine_factory, num_threads, cuda_devices))
         self.process.start()
@@ -231,10 +185,9 @@ class ReplicaEngine:
         self._stats: Any = None
         atexit.register(self.shutdown)  # before multiprocessing's own exit hook joins the process
 
-    # ------------------------------------------------------------------ start
     def wait_ready(self, timeout_s: float | None = None) -> ReplicaInfo:
-        """Wait for the replica's engine (blocking). Raises ReplicaDeadError when it failed to
-        start (its traceback in the message), died, or took longer than ``timeout_s``."""
+        """Wait for the replica's engine; ReplicaDeadError when it failed to start (with its
+        traceback), died, or took longer than ``timeout_s``."""
         ready = wait([self._conn, self.process.sentinel], timeout=timeout_s)
         if self._conn in ready:
             try:
@@ -258,7 +211,7 @@ class ReplicaEngine:
         threading.Thread(target=self._read, name=f"pagedllm-dp-reader{self.index}", daemon=True).start()
 
     def _read(self) -> None:
-        """Reader thread: every message of the replica into the inbox; its exit as ``("gone",)``."""
+        """Reader thread: messages into the inbox, then ``("gone",)``."""
         while True:
             try:
                 msg = self._conn.recv()
@@ -283,14 +236,12 @@ class ReplicaEngine:
         if self.on_exit is not None and not self._is_shut_down:
             self.on_exit(self.index)
 
-    # ------------------------------------------------------------------ LLMEngine's API
     def add_request(self, request_id: str, prompt: Any, params: Any, arrival_time: float | None = None,
                     priority: int = 0, prompt_text: str | None = None) -> str:
-        """Add a request in the replica (round trip). Raises what its ``add_request`` raised
-        (ValueError for bad input), ReplicaDeadError when the replica is gone."""
+        """Round trip; raises what the replica's ``add_request`` raised, or ReplicaDeadError."""
         self._call(("add", None, request_id, prompt, params, arrival_time, priority, prompt_text))
         self._unfinished.add(request_id)
-        self._is_holding = True  # the replica waits for the next message before its next step
+        self._is_holding = True
         return request_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -299,8 +250,7 @@ class ReplicaEngine:
         self._send(("abort", ids), quiet=True)
 
     def step(self) -> list:
-        """The outputs of the replica's next step (blocks until it sends them).
-        Raises ReplicaDeadError when the replica is gone."""
+        """The replica's next step's outputs (blocking); ReplicaDeadError once it is gone."""
         if self._is_holding:
             self._is_holding = False
             self._send(("go",))
@@ -314,28 +264,23 @@ class ReplicaEngine:
         return bool(self._unfinished)
 
     def get_stats(self) -> Any:
-        """The latest stats snapshot the replica sent (never blocks). Raises ReplicaDeadError
-        once the replica is gone."""
+        """The latest stats the replica sent (never blocks); ReplicaDeadError once it is gone."""
         if self._exit_reason is not None:
             raise ReplicaDeadError(self._exit_reason)
         return self._stats
 
     def kv_cache_snapshot(self) -> Any:
-        """The replica's KV-cache snapshot (round trip, between two of its steps)."""
         return self.call_engine("kv_cache_snapshot")
 
     def call_engine(self, method: str, *args: Any) -> Any:
-        """``engine.<method>(*args)`` in the replica, between two of its steps (round trip);
-        returns its (picklable) result or raises its exception."""
+        """``engine.<method>(*args)`` in the replica between two steps: its result or exception."""
         return self._call(("call", None, method, args))
 
     def is_alive(self) -> bool:
-        """Whether the replica's process runs and its loop has not failed."""
         return self._exit_reason is None and self.process.is_alive()
 
     @property
     def exit_reason(self) -> str | None:
-        """Why the replica is gone (None while it runs)."""
         if self._exit_reason is None and not self.process.is_alive():
             self._exit_reason = self._describe_exit()
         return self._exit_reason
@@ -357,7 +302,6 @@ class ReplicaEngine:
             self._exit_reason = f"data-parallel engine {self.index} has been shut down"
         self._conn.close()
 
-    # ------------------------------------------------------------------ messages
     def _call(self, msg: tuple) -> Any:
         call_id = next(self._call_ids)
         self._send((msg[0], call_id, *msg[2:]))
@@ -384,7 +328,7 @@ class ReplicaEngine:
             raise ReplicaDeadError(self._exit_reason or self._describe_exit())
 
     def _send(self, msg: tuple, quiet: bool = False) -> None:
-        """Send a message; raises ReplicaDeadError (or, ``quiet``, ignores it) when the replica is gone."""
+        """Raises ReplicaDeadError (``quiet``: nothing) when the replica is gone."""
         try:
             with self._send_lock:
                 self._conn.send(msg)
@@ -394,7 +338,6 @@ class ReplicaEngine:
                 raise ReplicaDeadError(self.exit_reason or self._describe_exit()) from None
 
     def _describe_exit(self) -> str:
-        """How the process ended: its exit code or the signal that killed it."""
         code = self.process.exitcode
         if code is None:
             how = "its pipe closed"

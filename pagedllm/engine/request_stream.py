@@ -1,9 +1,6 @@
-"""The asyncio side of requests: one :class:`RequestStream` per engine request, the folding of
-DELTA outputs into CUMULATIVE / FINAL_ONLY ones, and the merging of several streams into one.
-
-The engine always runs requests with ``RequestOutputKind.DELTA`` (cheap to hand over);
-a stream rebuilds the kind its caller asked for. Event-loop thread only.
-"""
+"""The asyncio side of requests: one :class:`RequestStream` per engine request. The engine
+always runs DELTA outputs (cheap to hand over); a stream rebuilds the kind its caller asked
+for. Event-loop thread only."""
 
 from __future__ import annotations
 
@@ -18,13 +15,8 @@ __all__ = ["RequestStream", "merge_request_output", "merge_streams"]
 
 
 def merge_request_output(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    """Fold a DELTA ``RequestOutput`` into an accumulated one (in place when ``acc`` is given).
-
-    Completions are matched by ``CompletionOutput.index`` (a delta carries only the
-    sequences with news): text is concatenated, token ids and logprobs appended,
-    ``cumulative_logprob`` / ``finish_reason`` / ``stop_reason`` replaced. Returns the
-    accumulated output.
-    """
+    """Fold a DELTA ``RequestOutput`` into ``acc`` (in place; a copy when None) and return it:
+    completions matched by ``index``, text and ids appended, the rest replaced."""
     if acc is None:
         acc = copy.copy(delta)
         acc.outputs = [_copy_completion(c) for c in delta.outputs]
@@ -59,18 +51,10 @@ def _copy_completion(c: CompletionOutput) -> CompletionOutput:
 
 
 class RequestStream:
-    """An async iterator of one engine request's ``RequestOutput``s.
-
-    Args:
-        request_id: the engine's internal id (unique; never a client's id).
-        label: the caller's id for this request (logs, responses); not unique.
-        output_kind: the kind of output the caller asked for.
-        on_abort: called with ``request_id`` when the caller gives up on the request.
-
-    Iteration ends after the output with ``finished=True`` and raises the error put into
-    the stream (EngineDeadError when the engine dies or shuts down first). :meth:`abort`
-    (or leaving the iteration early through :meth:`aclose`) aborts the request.
-    """
+    """An async iterator of one engine request's ``RequestOutput``s (``request_id`` internal and
+    unique, ``label`` the caller's). Iteration ends after the finished output, or raises the
+    error put in (EngineDeadError when the engine dies first); :meth:`abort` or leaving early
+    calls ``on_abort(request_id)``."""
 
     def __init__(self, request_id: str, label: str, output_kind: RequestOutputKind,
                  on_abort: Callable[[str], None]) -> None:
@@ -125,10 +109,8 @@ class RequestStream:
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several request streams as ``(stream index, output)`` in arrival order.
-
-    Leaving the iteration early (or an error in one stream) aborts every stream.
-    """
+    """Interleave streams as ``(stream index, output)`` in arrival order; leaving early (or an
+    error in one) aborts every stream."""
     if len(streams) == 1:
         try:
             async for out in streams[0]:

@@ -1,9 +1,6 @@
-"""Per-request timing for the server: Prometheus histograms, one log line per finished
-request, and the periodic engine status line. Fed by the engine thread after each step.
-
-Time to first token is read from ``RequestOutput.metrics`` (the scheduler records it
-when the first token is appended); only the inter-token gaps are timed here.
-"""
+"""Per-request timing for the server (Prometheus histograms, a line per finished request) and
+the periodic status line, fed by the engine thread after each step. Time to first token comes
+from ``RequestOutput.metrics``; only inter-token gaps are timed here."""
 
 from __future__ import annotations
 
@@ -36,12 +33,7 @@ class _Timing:
 
 
 class RequestTracker:
-    """Timing of the requests the engine runs, keyed by internal request id. Engine thread only.
-
-    Args:
-        metrics: the Prometheus metrics to feed, or None.
-        log_requests: log one INFO line per finished request (under its caller's label).
-    """
+    """Timing of the requests the engine runs, keyed by internal request id. Engine thread only."""
 
     def __init__(self, metrics: "EngineMetrics | None", log_requests: bool) -> None:
         self.metrics = metrics
@@ -107,11 +99,8 @@ class RequestTracker:
 
 
 class StatusLogger:
-    """One INFO line of engine state and throughput every ``interval_s`` seconds while busy.
-
-    ``interval_s`` 0 disables it. Throughputs are the increase of the engine's counters
-    since the previous line, divided by the time between the two lines.
-    """
+    """One INFO line of engine state and throughput (counter increase over the time since the
+    previous line) every ``interval_s`` seconds while busy; 0 disables it."""
 
     def __init__(self, interval_s: float, stats: "EngineStats", name: str = "engine") -> None:
         self.interval_s = interval_s

@@ -1,20 +1,8 @@
 """Which data-parallel replica serves a request: by prompt prefix, by load, or in turn.
 
-Each replica has its own prefix cache, so a prompt is cheapest on the replica that last
-computed its first blocks. :class:`PrefixAwareRouter` keys a prompt by the chained hashes
-of its first full blocks — the prefix cache's own hashing
-(:func:`~pagedllm.core.block_pool.hash_block_tokens`, same block size), so "same router
-key" means "same cache blocks" — and remembers, per hash, the replica that last served it.
-A request goes to the replica holding its longest remembered prefix, unless that replica
-has ``max_imbalance`` more requests in flight than the least loaded one (a load cap, so one
-hot system prompt does not pin all traffic to one replica; once a request spills over,
-the other replica becomes that prefix's latest owner as well, and the hot prefix ends up
-cached on both). Prompts with no remembered prefix go to the least loaded replica:
-fewest requests in flight, then fewest tokens in flight, ties taken in turn.
-
-SGLang's cache-aware router follows the same idea with a radix tree of text; the
-load-imbalance guard is its ``balance_abs_threshold``. Pure Python, no torch: routers
-run on the server's event loop and are unit-tested without a model.
+Each replica has its own prefix cache, so a prompt is cheapest where its first blocks were last
+computed. Pure Python, no torch: routers run on the event loop and are tested without a model.
+The prefix policy and its load cap: docs/engine.md, "Routing".
 """
 
 from __future__ import annotations
@@ -31,21 +19,19 @@ __all__ = ["ReplicaLoad", "Router", "PrefixAwareRouter", "LeastLoadedRouter", "R
 
 DEFAULT_MAX_PREFIX_BLOCKS = 64  # a prefix longer than 64 blocks adds nothing to where it should go
 DEFAULT_MAX_IMBALANCE = 8  # requests in flight beyond the least loaded replica before a prefix spills over
-DEFAULT_MAX_ENTRIES = 1 << 18  # remembered block hashes (32 bytes + an int each), least recently used go first
+DEFAULT_MAX_ENTRIES = 1 << 18  # remembered block hashes, least recently used go first
 
 
 @dataclass(frozen=True)
 class ReplicaLoad:
-    """What a replica has in flight: requests accepted and not finished, and their tokens
-    (prompt + requested output)."""
+    """A replica's requests in flight and their tokens (prompt + requested output)."""
 
     num_requests: int
     num_tokens: int
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[bytes]:
-    """Chained hashes of the first ``min(max_blocks, len(token_ids) // block_size)`` full blocks,
-    equal to the prefix cache's hashes of those blocks (no cache salt / extra keys)."""
+    """The prefix cache's chained hashes of the first ``max_blocks`` full blocks (no extra keys)."""
     hashes: list[bytes] = []
     for i in range(min(max_blocks, len(token_ids) // block_size)):
         hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * block_size:(i + 1) * block_size]))
@@ -78,7 +64,7 @@ class LeastLoadedRouter:
 
 
 class RoundRobinRouter:
-    """Each available replica in turn, whatever the prompt (the baseline the prefix router beats)."""
+    """Each available replica in turn, whatever the prompt."""
 
     def __init__(self) -> None:
         self._turn = itertools.count()
@@ -89,17 +75,9 @@ class RoundRobinRouter:
 
 
 class PrefixAwareRouter:
-    """Route to the replica that last served the longest remembered prefix of the prompt.
-
-    Args:
-        block_size: the engines' KV block size (the prefix cache's hashing granularity).
-        max_prefix_blocks: most leading full blocks hashed per prompt.
-        max_imbalance: the prefix owner is skipped for the least loaded replica when it has
-            at least this many more requests in flight.
-        max_entries: most block hashes remembered (least recently routed go first).
-
-    Raises ValueError for a non-positive argument.
-    """
+    """Route to the replica that last served the longest remembered prefix of the prompt,
+    unless it has ``max_imbalance`` more requests in flight than the least loaded one.
+    Raises ValueError for a non-positive argument."""
 
     def __init__(self, block_size: int, *, max_prefix_blocks: int = DEFAULT_MAX_PREFIX_BLOCKS,
                  max_imbalance: int = DEFAULT_MAX_IMBALANCE, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
@@ -130,7 +108,6 @@ class PrefixAwareRouter:
         return choice
 
     def _owner(self, hashes: list[bytes], loads: Sequence[ReplicaLoad | None]) -> int | None:
-        """The available replica that last served the longest of the prompt's block prefixes."""
         for h in reversed(hashes):
             owner = self._owners.get(h)
             if owner is not None and owner < len(loads) and loads[owner] is not None:
@@ -151,9 +128,7 @@ class PrefixAwareRouter:
 
 
 def make_router(policy: str, block_size: int) -> Router:
-    """The router named by ``data_parallel_router``: prefix, least_loaded or round_robin.
-
-    Raises ValueError naming ``data_parallel_router`` for another name."""
+    """The router ``data_parallel_router`` names; ValueError naming it for an unknown one."""
     if policy == "prefix":
         return PrefixAwareRouter(block_size)
     if policy == "least_loaded":

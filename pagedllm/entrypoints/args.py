@@ -52,20 +52,25 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
 
 
 # Sampling flags whose name would clash with an engine flag get a prefix.
-_SAMPLING_FLAG_NAMES = {"seed": "sampling_seed"}
+SAMPLING_FLAG_NAMES = {"seed": "sampling_seed"}
 
 
-def add_sampling_args(parser: argparse.ArgumentParser, **defaults) -> None:
+def add_sampling_args(parser: argparse.ArgumentParser, model_defaults: dict | None = None, **defaults) -> None:
     """Add one ``--flag`` per user-facing SamplingParams field with help text (``--seed`` is
-    ``--sampling-seed``: the engine has its own). ``defaults`` override SamplingParams' defaults."""
+    ``--sampling-seed``: the engine has its own). ``defaults`` override SamplingParams' defaults;
+    the flags of ``model_defaults`` default to None, filled from the model by
+    :func:`sampling_params_from_args` (``model_defaults`` holds the values without one)."""
     hints = typing.get_type_hints(SamplingParams)
     group = parser.add_argument_group("sampling options")
+    model_defaults = model_defaults or {}
     for f in dataclasses.fields(SamplingParams):
         if "help" not in f.metadata:
             continue
-        dest = _SAMPLING_FLAG_NAMES.get(f.name, f.name)
-        default = defaults.get(f.name, f.default)
-        kw = dict(dest=dest, default=default, help=_argparse_text(f"{f.metadata['help']} (default: {default})"))
+        dest = SAMPLING_FLAG_NAMES.get(f.name, f.name)
+        default = None if f.name in model_defaults else defaults.get(f.name, f.default)
+        shown = (f"the model's generation_config.json, else {model_defaults[f.name]}" if f.name in model_defaults
+                 else default)
+        kw = dict(dest=dest, default=default, help=_argparse_text(f"{f.metadata['help']} (default: {shown})"))
         hint = hints[f.name]
         if hint is bool:
             group.add_argument(_flag(dest), action=argparse.BooleanOptionalAction, **kw)
@@ -79,8 +84,10 @@ def add_sampling_args(parser: argparse.ArgumentParser, **defaults) -> None:
             group.add_argument(_flag(dest), type=str, action="append", **kw)
 
 
-def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
-    """Build SamplingParams from flags added by :func:`add_sampling_args`. Raises ValueError."""
-    kwargs = {f.name: getattr(args, _SAMPLING_FLAG_NAMES.get(f.name, f.name)) for f in dataclasses.fields(SamplingParams)
+def sampling_params_from_args(args: argparse.Namespace, model_defaults: dict | None = None) -> SamplingParams:
+    """Build SamplingParams from flags added by :func:`add_sampling_args`, a flag left at None
+    taking its ``model_defaults`` value. Raises ValueError naming the field."""
+    kwargs = {f.name: getattr(args, SAMPLING_FLAG_NAMES.get(f.name, f.name)) for f in dataclasses.fields(SamplingParams)
               if "help" in f.metadata}
+    kwargs.update({k: v for k, v in (model_defaults or {}).items() if kwargs.get(k) is None})
     return SamplingParams(**kwargs)

@@ -8,24 +8,73 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 import sys
 import time
 
 from pagedllm.config import DEFAULT_MODEL
+from pagedllm.entrypoints.chat import FALLBACK_SAMPLING
 from pagedllm.entrypoints.args import (
     add_engine_args, add_sampling_args, engine_config_from_args, sampling_params_from_args)
 
 
-# The command line samples greedily and at more length than the API's defaults.
+# `generate` samples greedily and at more length than the API's defaults; `chat` takes the
+# model's own sampling defaults (a greedy small model repeats itself).
 _SAMPLING_DEFAULTS = {"max_tokens": 256, "temperature": 0.0}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference with a paged KV cache")
-    parser.add_argument("--log-level", default="INFO")
-    sub = parser.add_subparsers(dest="command", required=True)
+class CLIParser(argparse.ArgumentParser):
+    """argparse without abbreviations (``--max-token`` is not ``--max-tokens``), whose unknown
+    flags are reported by their subcommand with its usage and the nearest flag."""
 
-    g = sub.add_parser("generate", help="complete one or more prompts and print the answers")
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        parser = self.subcommands().get(getattr(namespace, "command", None), self)
+        if extras:
+            parser.error(unrecognized_message(parser, extras))
+        model = getattr(namespace, "model", None)
+        if isinstance(model, str) and model.isdigit() and not os.path.exists(model):
+            parser.error(f"MODEL {model!r} looks like a flag's value: name a model, or give the flag before it")
+        return namespace
+
+    def subcommands(self) -> dict[str, argparse.ArgumentParser]:
+        actions = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+        return dict(actions[0].choices) if actions else {}
+
+
+def unrecognized_message(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """``unrecognized arguments: --temprature (did you mean --temperature?)``."""
+    import difflib
+
+    flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    words = []
+    for extra in extras:
+        near = difflib.get_close_matches(extra.split("=", 1)[0], flags, n=1) if extra.startswith("--") else []
+        words.append(f"{extra} (did you mean {near[0]}?)" if near else extra)
+    return "unrecognized arguments: " + " ".join(words)
+
+
+def in_flag_terms(message: str, parser: argparse.ArgumentParser) -> str:
+    """``message`` with the Python names of ``parser``'s flags as the flags
+    (``chat_template=`` -> ``--chat-template``), so an error raised under the CLI names what to type."""
+    for action in parser._actions:
+        flag = next((s for s in action.option_strings if s.startswith("--")), None)
+        if flag and "_" in action.dest and flag[2:].replace("-", "_") == action.dest:
+            message = re.sub(rf"(?<![\w-]){action.dest}\b=?", flag, message)
+    return message
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = CLIParser(prog="pagedllm", description="LLM inference with a paged KV cache")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (before the subcommand)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CLIParser)
+
+    g = sub.add_parser("generate", help="complete one or more prompts and print the answers",
+                       description="Complete one or more prompts (batched) and print the answers and tok/s.")
     g.add_argument("prompts", nargs="*", help="prompt text (several: one request each, batched)")
     g.add_argument("--prompts-file", default=None, help="file with one prompt per line (added to PROMPTS)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
@@ -36,16 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g, **_SAMPLING_DEFAULTS)
     add_engine_args(g)
 
-    c = sub.add_parser("chat", help="interactive chat that keeps the conversation")
-    c.add_argument("-m", "--model", default=DEFAULT_MODEL)
-    c.add_argument("--system", default=None)
+    c = sub.add_parser("chat", help="interactive chat that keeps the conversation and streams its answers",
+                       description="An interactive conversation: answers stream, then prompt / cached / output "
+                                   "tokens and tok/s. Ctrl-C stops an answer; Ctrl-C or Ctrl-D at the prompt quits.")
+    c.add_argument("-m", "--model", default=DEFAULT_MODEL, help="model alias, .gguf path or HF folder")
+    c.add_argument("--system", default=None, help="system message")
     c.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template file")
-    add_sampling_args(c, **_SAMPLING_DEFAULTS)
+    add_sampling_args(c, max_tokens=_SAMPLING_DEFAULTS["max_tokens"], model_defaults=FALLBACK_SAMPLING)
     add_engine_args(c)
 
     from pagedllm.entrypoints.openai.api_server import add_server_args
 
-    add_server_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))  # MODEL + server + engine flags
+    # MODEL + server + engine flags
+    add_server_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                                   description="An OpenAI-compatible HTTP server (docs/serving.md)."))
     _add_plan_args(sub.add_parser("plan", help="how many sequences fit, at what context, on which device"))
     return parser
 
@@ -91,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         run_server(args)
         return 0
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {in_flag_terms(str(e), parser.subcommands()[args.command])}", file=sys.stderr)
         return 2
 
 
@@ -133,6 +186,8 @@ def _generate(args) -> int:
     config = engine_config_from_args(args)
     params = sampling_params_from_args(args)
     template = _read_chat_template(args.chat_template)
+    if args.chat:
+        _require_chat_template(config, template)
     llm = LLM(**vars(config))
     t0 = time.perf_counter()
     if args.chat:
@@ -199,36 +254,35 @@ def _conversation(system: str | None, user: str) -> list[dict]:
     return msgs + [{"role": "user", "content": user}]
 
 
+def _require_chat_template(config, template: str | None) -> None:
+    """Refuse a model without a chat template before its weights load (``--chat-template`` gives one)."""
+    if template is not None:
+        return
+    from pagedllm.loader.gguf import GGUFFile
+    from pagedllm.loader.hf import read_chat_template
+    from pagedllm.loader.resolve import resolve_model
+
+    resolved = resolve_model(config.tokenizer or config.model)
+    if resolved.format == "hf":
+        found = read_chat_template(resolved.path)
+    else:
+        found = GGUFFile(resolved.path, string_arrays=()).metadata.get("tokenizer.chat_template")
+    if not found:
+        raise ValueError(f"model {config.model!r} has no chat template; pass --chat-template FILE")
+
+
 def _chat(args) -> int:
-    from pagedllm.llm import LLM
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.chat import ChatSession, model_sampling_defaults, run_chat
+    from pagedllm.loader.resolve import resolve_model
 
     config = engine_config_from_args(args)
-    params = sampling_params_from_args(args)
     template = _read_chat_template(args.chat_template)
-    llm = LLM(**vars(config))
-    history = [{"role": "system", "content": args.system}] if args.system else []
-    print("pagedllm chat — empty line or Ctrl-D to quit", file=sys.stderr)
-    while True:
-        try:
-            line = input("you> ").strip()
-        except EOFError:
-            break
-        if not line:
-            break
-        history.append({"role": "user", "content": line})
-        try:
-            out = llm.chat(history, params, use_tqdm=False, chat_template=template)[0]
-        except ValueError as e:  # e.g. the conversation outgrew max_model_len: keep it, drop this turn
-            history.pop()
-            print(f"error: {e}\n(the message was not added; send a shorter one, or an empty line to quit)",
-                  file=sys.stderr)
-            continue
-        answer = out.outputs[0].text
-        print(f"assistant> {answer}")
-        print(f"[{len(out.prompt_token_ids)} prompt tokens, {out.num_cached_tokens} from the prefix cache]",
-              file=sys.stderr)
-        history.append({"role": "assistant", "content": answer})
-    return 0
+    _require_chat_template(config, template)
+    resolved = resolve_model(config.model)
+    params = sampling_params_from_args(args, model_sampling_defaults(str(resolved.path), resolved.format))
+    engine = LLMEngine(config)
+    return run_chat(ChatSession(engine, params, args.system, template))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,6 @@
-"""Model loading: GGUF files, Hugging Face folders, tokenizer, chat template, aliases.
+"""Model loading: ``load_model_files(alias | .gguf | HF folder)`` → :class:`ModelFiles`.
 
-    files = load_model_files("smollm2-135m-instruct")   # or a .gguf path, or an HF folder
-    files.hf_config, files.tokenizer, files.chat_template, files.max_model_len
-    for name, tensor in files.weights(torch.float32): ...   # HF names, dense, one at a time
-
-Modules: ``resolve`` (alias/path → files; no torch), ``gguf`` (GGUF header, config,
-dequantized weights), ``hf`` (config.json + safetensors), ``tokenizer`` (GGUF/HF tokenizers,
-chat template, end-of-generation ids), ``model_files`` (:class:`ModelFiles`). Names are
-imported lazily, so ``from pagedllm.loader import resolve_model`` does not import torch.
+Names are imported lazily, so ``from pagedllm.loader import resolve_model`` does not import torch.
 """
 
 from __future__ import annotations

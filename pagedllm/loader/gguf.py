@@ -1,21 +1,8 @@
-"""GGUF files: hyper-parameters → a transformers config, tensors → HF-named dense weights.
+"""GGUF files (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md): config and HF-named dense weights.
 
-The header (metadata and tensor table) is parsed by :class:`GGUFFile`, a small reader of the
-GGUF v2/v3 layout (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) that memory-maps
-the file and skips the vocabulary-sized string arrays it is not asked for: ``gguf.GGUFReader``
-decodes every field into numpy parts, which takes ~2.5 s on SmolLM2 and ~30 s on Gemma 3's
-262k-token vocabulary, against ~0.2 s here. Values are unpacked by the ``gguf`` package
-(``gguf.quants.dequantize``: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants Q2_K..Q6_K, the IQ types,
-F16, BF16, F32); tests check the reader against ``GGUFReader`` byte for byte.
-Three conversions undo what llama.cpp's ``convert_hf_to_gguf.py`` did:
-
-* tensor names: ``blk.{i}.attn_q.weight`` → ``model.layers.{i}.self_attn.q_proj.weight`` etc.;
-* the Q/K row permutation of the ``llama`` architecture (``LlamaModel.permute``: llama.cpp
-  computes rotary embeddings on interleaved pairs, HF on two halves) — :func:`unpermute_qk`;
-* the ``+ 1`` llama.cpp adds to every Gemma norm weight (HF Gemma computes ``x * (1 + w)``).
-
-Tensor layout: GGUF lists dimensions fastest-first (``ne[0]`` = input features); the reader's
-numpy arrays are already row-major ``(out_features, in_features)``, the HF ``nn.Linear`` layout.
+:class:`GGUFFile` memory-maps the file and skips the string arrays it is not asked for (unlike
+``gguf.GGUFReader``); ``gguf.quants`` dequantizes. Undone from llama.cpp's ``convert_hf_to_gguf.py``:
+tensor names, the llama Q/K row permutation, and the ``+ 1`` on Gemma norm weights.
 """
 
 from __future__ import annotations
@@ -32,8 +19,7 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape
 from transformers import AutoConfig, PretrainedConfig
 
 
-# GGUF architecture → transformers model_type. Only dense decoder families whose tensors
-# _BLOCK_TENSORS covers are listed; anything else is rejected with a clear error.
+# Only the families whose tensors _BLOCK_TENSORS covers.
 _MODEL_TYPES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
     "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text",
@@ -43,9 +29,8 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
 }
-# llama.cpp permutes Q/K rows only for these (convert_hf_to_gguf.py: LlamaModel and subclasses).
+# convert_hf_to_gguf.py permutes Q/K rows (LlamaModel) and stores Gemma norms as w + 1.
 _PERMUTED_QK_ARCHS = frozenset({"llama", "mistral"})
-# llama.cpp stores Gemma RMSNorm weights as w + 1 (Gemma*Model.modify_tensors).
 _NORM_PLUS_ONE_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -57,19 +42,16 @@ _BLOCK_TENSORS = {
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-    # mixture of experts: the router, and each projection of all experts stacked (experts, out, in);
-    # "*" is the expert index, filled in when the stack is split (iter_gguf_weights)
+    # experts stacked (experts, out, in); "*" is the expert index
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_exps": "mlp.experts.*.gate_proj", "ffn_up_exps": "mlp.experts.*.up_proj",
     "ffn_down_exps": "mlp.experts.*.down_proj",
 }
-# Gemma 2/3 have four norms per layer; the one before the MLP is HF's pre_feedforward_layernorm.
 _GEMMA_BLOCK_OVERRIDES = {"ffn_norm": "pre_feedforward_layernorm"}
-# Tensors recomputed from the config (llama.cpp stores llama3 rope frequency factors as a tensor).
+# Recomputed from the config.
 _SKIPPED_TENSORS = frozenset({"rope_freqs"})
 
-# Hyper-parameters: GGUF key (after "{arch}.") → transformers config field. The same table as
-# transformers' GGUF_CONFIG_MAPPING, restricted to the fields the engine's models read.
+# "{arch}.<key>" → config field: transformers' GGUF_CONFIG_MAPPING, the fields the models read.
 _CONFIG_KEYS = {
     "context_length": "max_position_embeddings",
     "block_count": "num_hidden_layers",
@@ -85,11 +67,9 @@ _CONFIG_KEYS = {
     "attn_logit_softcapping": "attn_logit_softcapping",
     "final_logit_softcapping": "final_logit_softcapping",
 }
-# llama.cpp writes Mixtral as architecture "llama" with these keys (convert_hf_to_gguf.py,
-# LlamaModel.set_gguf_parameters): their presence makes the model a MixtralForCausalLM.
+# llama.cpp writes Mixtral as architecture "llama" with these keys.
 _MIXTRAL_KEYS = {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"}
-# The 27B Gemmas scale queries by hidden_size / num_heads instead of head_dim: llama.cpp tells
-# them apart by layer count (LLM_TYPE_27B) since the GGUF has no query_pre_attn_scalar.
+# The GGUF has no query_pre_attn_scalar; llama.cpp tells the 27B Gemmas by layer count (LLM_TYPE_27B).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
@@ -105,8 +85,7 @@ DEFAULT_STRING_ARRAYS = ("tokenizer.ggml.tokens",)
 
 @dataclass(frozen=True)
 class GGUFTensorInfo:
-    """One entry of the tensor table. ``shape`` is in numpy/torch order (slowest first), in
-    elements; ``offset`` is absolute in the file; ``nbytes`` is the stored size."""
+    """``shape``: elements, slowest first (GGUF lists them reversed); ``offset``: absolute, in bytes."""
 
     name: str
     shape: tuple[int, ...]
@@ -116,13 +95,9 @@ class GGUFTensorInfo:
 
 
 class GGUFFile:
-    """A memory-mapped GGUF file: ``metadata`` (dict), ``tensors`` (list of GGUFTensorInfo).
+    """A memory-mapped GGUF v2/v3 file; string arrays not in ``string_arrays`` are given as their length.
 
-    String arrays are decoded only for the keys in ``string_arrays`` (default: the token list);
-    others are given as their length, since merges/scores are needed only by the tokenizer
-    builder, which reads them itself. Numeric arrays become lists. Raises ValueError naming the
-    file if it is not GGUF v2/v3 or is truncated.
-    """
+    Raises ValueError naming the file if it is not GGUF v2/v3 or is truncated."""
 
     def __init__(self, path: str | Path, string_arrays: tuple[str, ...] = DEFAULT_STRING_ARRAYS):
         self.path = str(path)
@@ -133,9 +108,7 @@ class GGUFFile:
             raise ValueError(f"{self.path!r} is not a readable GGUF file: {e}") from e
 
     def raw(self, info: GGUFTensorInfo) -> np.ndarray:
-        """The stored data of a tensor, as ``gguf.quants.dequantize`` takes it (the layout
-        ``GGUFReader`` gives): F32/F16 typed arrays of ``shape``; other types uint8 with the
-        last axis in bytes. A read-only view of the memory map."""
+        """Read-only view of a tensor's data: F32/F16 typed of ``shape``; else uint8, last axis in bytes."""
         data = self._blob[info.offset:info.offset + info.nbytes]
         if info.tensor_type in _DTYPES:
             return data.view(_DTYPES[info.tensor_type]).reshape(info.shape)
@@ -186,7 +159,7 @@ class GGUFFile:
             dtype = np.dtype(_SCALAR_FORMATS[item_kind])
             values = np.frombuffer(self._blob, dtype=dtype, count=count, offset=pos).tolist()
             return values, pos + count * dtype.itemsize
-        if item_kind != GGUFValueType.STRING:  # arrays of arrays: not used by any model key we read
+        if item_kind != GGUFValueType.STRING:
             raise ValueError("nested GGUF arrays are not supported")
         if decode_strings:
             values = []
@@ -194,7 +167,7 @@ class GGUFFile:
                 value, pos = self._string(pos)
                 values.append(value)
             return values, pos
-        for _ in range(count):  # skip: walk the lengths only
+        for _ in range(count):
             pos += 8 + struct.unpack_from("<Q", self._blob, pos)[0]
         return count, pos
 
@@ -213,20 +186,16 @@ def read_rope_freqs(gguf_file: GGUFFile) -> np.ndarray | None:
 
 
 def read_gguf_metadata(path: str | Path) -> tuple[dict, set[str]]:
-    """``(metadata, tensor_names)`` of a GGUF file, reading only its header. The token list
-    (``tokenizer.ggml.tokens``) is decoded; other string arrays are given as their length."""
+    """``(metadata, tensor_names)`` of a GGUF file, from its header only."""
     gguf_file = GGUFFile(path)
     return gguf_file.metadata, {t.name for t in gguf_file.tensors}
 
 
 def gguf_config(metadata: dict, tensor_names: set[str], rope_freqs: np.ndarray | None = None) -> PretrainedConfig:
-    """Build the transformers config (``architectures`` set) from GGUF metadata.
+    """The transformers config of GGUF metadata; no ``output.weight`` means tied embeddings.
 
-    ``tensor_names`` decides ``tie_word_embeddings`` (no ``output.weight`` → tied).
-    ``rope_freqs`` is the file's ``rope_freqs.weight`` tensor, if any (llama3 rope scaling,
-    shape ``(head_dim // 2,)`` float32), from which ``rope_scaling`` is rebuilt. Raises
-    ValueError naming ``general.architecture`` if the architecture is not supported, if
-    ``rope_freqs`` matches no llama3 scaling, or if the file is one shard of a split GGUF.
+    ``rope_freqs``: the file's ``(head_dim // 2,)`` float32 tensor, if any. Raises ValueError for an
+    unsupported architecture, a ``rope_freqs`` that is not llama3 scaling, or a split GGUF.
     """
     arch = metadata.get("general.architecture")
     if arch not in _MODEL_TYPES:
@@ -264,15 +233,12 @@ def gguf_config(metadata: dict, tensor_names: set[str], rope_freqs: np.ndarray |
 
 
 def _gemma_query_pre_attn_scalar(fields: dict, arch: str) -> int:
-    """Gemma 2/3 scale queries by ``query_pre_attn_scalar ** -0.5``, which the GGUF does not
-    store; llama.cpp uses head_dim, or hidden_size / num_heads for the 27B models."""
     if fields.get("num_hidden_layers") == _GEMMA_27B_LAYERS[arch]:
         return fields["hidden_size"] // fields["num_attention_heads"]
     return fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
 
 
 def _rope_scaling(metadata: dict, arch: str) -> dict | None:
-    """``rope_scaling`` from ``{arch}.rope.scaling.{type,factor,original_context_length}``."""
     kind = metadata.get(f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
@@ -283,19 +249,13 @@ def _rope_scaling(metadata: dict, arch: str) -> dict | None:
     return scaling
 
 
-# Llama 3.1/3.2/3.3 use these; llama.cpp's converter hard-codes the same defaults.
+# Llama 3.1-3.3's values, which llama.cpp's converter hard-codes too.
 _LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def llama3_factors(theta: float, head_dim: int, factor: float, low_freq_factor: float, high_freq_factor: float,
                    original_max_position_embeddings: int) -> np.ndarray:
-    """Per-frequency divisors of llama3 rope scaling, shape ``(head_dim // 2,)`` float64.
-
-    The formula of llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.generate_extra_tensors``)
-    and of HF's ``_compute_llama3_parameters``: wavelengths shorter than
-    ``original / high_freq_factor`` keep 1, longer than ``original / low_freq_factor`` get
-    ``factor``, and the band between is interpolated smoothly.
-    """
+    """Divisors of llama3 rope scaling, ``(head_dim // 2,)`` float64 (HF's ``_compute_llama3_parameters``)."""
     freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * np.pi / freqs
     smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
@@ -305,12 +265,7 @@ def llama3_factors(theta: float, head_dim: int, factor: float, low_freq_factor: 
 
 
 def llama3_rope_scaling(rope_freqs: np.ndarray, theta: float, head_dim: int) -> dict:
-    """Rebuild HF's llama3 ``rope_scaling`` from llama.cpp's ``rope_freqs`` tensor.
-
-    The GGUF keeps only the resulting per-frequency divisors; ``factor`` is their maximum and
-    the other parameters are Llama 3's (low 1, high 4, original context 8192). Raises
-    ValueError if the tensor does not match that formula (within 1e-4 relative).
-    """
+    """HF's llama3 ``rope_scaling`` from ``rope_freqs``. Raises ValueError unless it matches within 1e-4 relative."""
     rope_freqs = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
     scaling = {"rope_type": "llama3", "factor": float(rope_freqs.max()), **_LLAMA3_DEFAULTS}
     expected = llama3_factors(theta, head_dim, **{k: v for k, v in scaling.items() if k != "rope_type"})
@@ -321,11 +276,9 @@ def llama3_rope_scaling(rope_freqs: np.ndarray, theta: float, head_dim: int) -> 
 
 
 def hf_tensor_name(gguf_name: str, arch: str) -> str | None:
-    """The HF parameter name of a GGUF tensor, or None for tensors recomputed from the config.
+    """``blk.3.attn_q.weight`` → ``model.layers.3.self_attn.q_proj.weight``; None if recomputed.
 
-    ``blk.3.attn_q.weight`` → ``model.layers.3.self_attn.q_proj.weight``. Raises ValueError for
-    a tensor name this loader does not know (so nothing is silently left uninitialised).
-    """
+    Raises ValueError for an unknown name, so nothing is silently left uninitialised."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in _SKIPPED_TENSORS:
         return None
@@ -340,12 +293,9 @@ def hf_tensor_name(gguf_name: str, arch: str) -> str | None:
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation (``convert_hf_to_gguf.py``, ``LlamaModel.permute``).
+    """Inverse of llama.cpp's ``LlamaModel.permute`` (interleaved rotary pairs → HF's two halves).
 
-    llama.cpp reorders each head's rows from HF's "two halves" rotary layout to interleaved
-    pairs: ``w.reshape(n_head, 2, head_dim // 2, in).swapaxes(1, 2)``. This is its inverse.
-    ``weight``: (num_heads * head_dim, in_features) for weights or (num_heads * head_dim,) for
-    biases; ``num_heads`` is the head count of that projection (KV heads for K).
+    ``weight``: (num_heads * head_dim, ...) rows; ``num_heads``: that projection's (KV heads for K).
     """
     rows = weight.shape[0]
     # (num_heads, head_dim // 2, 2, *rest) -> (num_heads, 2, head_dim // 2, *rest)
@@ -353,31 +303,22 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def dequantize_tensor(data: np.ndarray, tensor_type: GGMLQuantizationType, name: str = "") -> np.ndarray:
-    """Dense float32 values of a GGUF tensor's raw data (``ReaderTensor.data``).
-
-    Returns a writable float32 array of shape ``data.shape`` with the last axis in elements
-    (quantized data arrives as uint8 bytes per row). Raises ValueError naming the tensor and
-    type when ``gguf.quants`` cannot dequantize it.
-    """
+    """Writable float32 values of raw data, last axis in elements. Raises ValueError if the type is unsupported."""
     try:
         values = dequantize(data, tensor_type)
     except NotImplementedError as e:
         raise ValueError(f"GGUF tensor {name!r} has type {tensor_type.name}, which gguf.quants cannot "
                          f"dequantize") from e
     if values.dtype != np.float32 or not values.flags.writeable:
-        values = np.array(values, dtype=np.float32)  # e.g. F32: a read-only view of the mmap
+        values = np.array(values, dtype=np.float32)
     return values
 
 
 def iter_gguf_weights(gguf_file: GGUFFile, config: PretrainedConfig, dtype: torch.dtype,
                       packed: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every weight of the file, dequantized to ``dtype``.
+    """Yield ``(hf_name, tensor)`` in file order, one at a time, dequantized to ``dtype``.
 
-    Tensors named in ``packed`` are yielded as stored instead: their raw block bytes,
-    (rows, bytes per row) uint8, rows un-permuted like the dequantized ones (the weight formats
-    of :mod:`pagedllm.quantization.gguf` convert them). One tensor is materialized at a time
-    (the file stays memory-mapped). Tensors are yielded in file order; with
-    ``tie_word_embeddings`` there is no ``lm_head.weight``.
+    Names in ``packed`` come as stored block bytes, (rows, bytes per row) uint8, rows un-permuted.
     """
     arch = gguf_file.metadata["general.architecture"]
     for info in gguf_file.tensors:
@@ -385,12 +326,12 @@ def iter_gguf_weights(gguf_file: GGUFFile, config: PretrainedConfig, dtype: torc
         if name is None:
             continue
         if name in packed:
-            raw = gguf_file.raw(info).reshape(info.shape[0], -1)  # (rows, bytes per row)
+            raw = gguf_file.raw(info).reshape(info.shape[0], -1)
             yield name, torch.from_numpy(np.array(_undo_converter(raw, info.name, arch, config, is_raw=True)))
             continue
         values = dequantize_tensor(gguf_file.raw(info), info.tensor_type, info.name)
         values = _undo_converter(values, info.name, arch, config)
-        if "*" in name:  # stacked experts: one tensor per expert, as HF checkpoints store them
+        if "*" in name:  # one tensor per expert, as HF checkpoints store them
             for e, expert in enumerate(values):
                 yield name.replace("*", str(e)), torch.from_numpy(expert).to(dtype)
             continue
@@ -398,7 +339,7 @@ def iter_gguf_weights(gguf_file: GGUFFile, config: PretrainedConfig, dtype: torc
 
 
 def gguf_tensor_types(gguf_file: GGUFFile) -> dict[str, GGMLQuantizationType]:
-    """HF weight name -> GGUF storage type of each tensor of the file (recomputed ones left out)."""
+    """HF weight name → GGUF storage type (recomputed tensors left out)."""
     arch = gguf_file.metadata["general.architecture"]
     names = ((hf_tensor_name(info.name, arch), info.tensor_type) for info in gguf_file.tensors)
     return {name: kind for name, kind in names if name is not None}
@@ -406,8 +347,6 @@ def gguf_tensor_types(gguf_file: GGUFFile) -> dict[str, GGMLQuantizationType]:
 
 def _undo_converter(values: np.ndarray, gguf_name: str, arch: str, config: PretrainedConfig,
                     is_raw: bool = False) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation (rows of values or of raw blocks) and, for dense
-    values only, its ``+ 1`` on Gemma norm weights (norms are never kept packed)."""
     if arch in _PERMUTED_QK_ARCHS:
         if ".attn_q." in gguf_name:
             return unpermute_qk(values, config.num_attention_heads)

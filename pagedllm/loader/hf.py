@@ -1,7 +1,4 @@
-"""Hugging Face model folders: config.json + *.safetensors (single or sharded) + tokenizer files.
-
-Everything is read from local files only (``local_files_only=True``); nothing is downloaded.
-"""
+"""Hugging Face model folders (config.json + *.safetensors, sharded or not), read from local files only."""
 
 from __future__ import annotations
 
@@ -20,8 +17,7 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 
 def load_hf_config(folder: str | Path) -> PretrainedConfig:
-    """``AutoConfig`` of a local folder. Raises ValueError naming the folder if config.json is
-    unreadable or its ``architectures`` field is missing."""
+    """``AutoConfig`` of a folder. Raises ValueError if config.json is unreadable or lacks ``architectures``."""
     try:
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as e:
@@ -43,9 +39,7 @@ def load_generation_eos_ids(folder: str | Path) -> list[int]:
 
 
 def read_chat_template(folder: str | Path) -> str | None:
-    """The chat template stored in a folder: ``chat_template.jinja``, else the
-    ``chat_template`` of ``tokenizer_config.json`` (a string, or the "default" of a list of
-    named templates); None if neither exists."""
+    """``chat_template.jinja``, else tokenizer_config.json's ``chat_template`` ("default" of a list), else None."""
     folder = Path(folder)
     if (folder / "chat_template.jinja").is_file():
         return (folder / "chat_template.jinja").read_text(encoding="utf-8")
@@ -59,8 +53,7 @@ def read_chat_template(folder: str | Path) -> str | None:
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:
-    """The weight files of a folder: the shards listed in ``model.safetensors.index.json`` if it
-    exists, else every ``*.safetensors``. Raises FileNotFoundError naming what is missing."""
+    """The shards the index lists, else every ``*.safetensors``. Raises FileNotFoundError naming what is missing."""
     folder = Path(folder)
     index = folder / SAFETENSORS_INDEX
     if index.is_file():
@@ -80,11 +73,7 @@ def safetensors_files(folder: str | Path) -> list[Path]:
 
 def iter_safetensors_weights(folder: str | Path, config: PretrainedConfig, dtype: torch.dtype
                              ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every weight, floating tensors cast to ``dtype``.
-
-    Reads one tensor at a time from memory-mapped files. With ``tie_word_embeddings`` a stored
-    ``lm_head.weight`` is skipped (the model reuses ``model.embed_tokens.weight``).
-    """
+    """Yield ``(hf_name, tensor)`` one at a time, floats cast to ``dtype``; a tied ``lm_head.weight`` is skipped."""
     is_tied = bool(getattr(config, "tie_word_embeddings", False))
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt") as f:

@@ -14,33 +14,16 @@ from pagedllm.loader.resolve import ResolvedModel, resolve_model
 from pagedllm.loader.tokenizer import (chat_template_of, gguf_end_of_generation_ids, load_gguf_tokenizer,
                                        load_hf_tokenizer)
 
-# (dtype) -> weights; GGUF's also takes the names to keep packed as a second argument.
 WeightsFn = Callable[..., Iterator[tuple[str, torch.Tensor]]]
 
-# Config fields that bound the context length, as vLLM's _get_and_verify_max_len reads them.
+# As vLLM's _get_and_verify_max_len reads them.
 _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
                  "max_sequence_length", "max_seq_length", "seq_len")
 
 
 @dataclass
 class ModelFiles:
-    """Everything the engine needs from a model's files, weights read lazily.
-
-    Attributes:
-        hf_config: transformers config with ``architectures`` set (e.g. ``LlamaConfig``,
-            ``["LlamaForCausalLM"]``).
-        tokenizer: fast tokenizer; its ``chat_template`` is set when the model has one.
-        chat_template: Jinja source of the chat template, or None.
-        eos_token_id: the model's end-of-sequence id, or None.
-        stop_token_ids: further ids that end generation (GGUF: llama.cpp's end-of-generation
-            tokens such as eot ids; HF folder: generation_config.json's extra eos ids), sorted,
-            without ``eos_token_id``.
-        max_model_len: the model's context length in tokens.
-        source: resolved path (the .gguf file or the HF folder).
-        format: ``"gguf"`` or ``"hf"``.
-        gguf_tensor_types: GGUF only: HF weight name -> the file's storage type
-            (``gguf.GGMLQuantizationType``), for ``quantization="gguf"``; None for HF folders.
-    """
+    """A model's config, tokenizer and end ids, weights read lazily; stops are sorted, without eos."""
 
     hf_config: PretrainedConfig = field(repr=False)
     tokenizer: PreTrainedTokenizerFast = field(repr=False)
@@ -55,17 +38,10 @@ class ModelFiles:
 
     def weights(self, dtype: torch.dtype = torch.float32, packed: frozenset[str] = frozenset()
                 ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_parameter_name, tensor)`` one at a time, dense, in ``dtype``, on CPU.
+        """Yield ``(hf_name, tensor)`` one at a time, dense, in ``dtype``, on CPU.
 
-        Names follow transformers (``model.embed_tokens.weight``,
-        ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight`` only if untied).
-        GGUF tensors are dequantized and their Q/K rows un-permuted. Only one tensor is
-        materialized at a time, so the caller can copy it into place and drop it.
-        GGUF tensors named in ``packed`` come as their raw block bytes (rows, bytes per row)
-        uint8 instead (see :func:`pagedllm.loader.gguf.iter_gguf_weights`).
-
-        Raises ValueError if ``dtype`` is not a floating-point torch dtype, or ``packed`` is
-        given for a model that is not a GGUF file.
+        GGUF tensors named in ``packed`` come as raw block bytes, uint8 (rows, bytes per row).
+        Raises ValueError for a non-float ``dtype`` or ``packed`` on a non-GGUF model.
         """
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
@@ -75,15 +51,9 @@ class ModelFiles:
 
 
 def load_model_files(model: str, tokenizer: str | None = None) -> ModelFiles:
-    """Resolve ``model`` (alias, .gguf path, HF folder) and load its config and tokenizer.
+    """Resolve ``model`` (and ``tokenizer``, default the model's own) and load config and tokenizer.
 
-    ``tokenizer`` optionally names a different tokenizer source (a .gguf file, a folder, or an
-    alias); by default the model's own is used. Weights are not read until
-    :meth:`ModelFiles.weights` is iterated. Never contacts a model hub.
-
-    Raises :class:`pagedllm.loader.ModelNotFoundError` (a FileNotFoundError and ValueError)
-    saying what to install or where to put files; ValueError for unsupported architectures or
-    malformed files.
+    Raises :class:`ModelNotFoundError` saying what to install; ValueError for a bad or unsupported file.
     """
     resolved = resolve_model(model)
     tokenizer_source = resolve_model(tokenizer) if tokenizer is not None else resolved
@@ -134,8 +104,7 @@ def _load_hf(resolved: ResolvedModel, tokenizer_source: ResolvedModel) -> ModelF
 
 
 def _with_chat_template(tokenizer: PreTrainedTokenizerFast, model_template: str | None) -> str | None:
-    """The tokenizer's chat template, else the model's own (set on the tokenizer so that
-    ``apply_chat_template`` works)."""
+    """The tokenizer's chat template, else the model's own (set on the tokenizer for ``apply_chat_template``)."""
     template = chat_template_of(tokenizer)
     if template is None and model_template:
         tokenizer.chat_template = template = model_template
@@ -143,13 +112,7 @@ def _with_chat_template(tokenizer: PreTrainedTokenizerFast, model_template: str 
 
 
 def max_model_len_of(config: PretrainedConfig) -> int:
-    """The context length a config allows, in tokens.
-
-    The smallest of the length fields vLLM reads (``max_position_embeddings``, ``n_positions``,
-    ...), multiplied by the rope scaling factor for ``linear``/``yarn`` scaling (yarn: from
-    ``original_max_position_embeddings``; ``dynamic`` stays at the trained length), following vLLM's
-    ``_get_and_verify_max_len``. Raises ValueError if the config names no length.
-    """
+    """Context length in tokens, as vLLM's ``_get_and_verify_max_len``. Raises ValueError if none is named."""
     config = getattr(config, "text_config", None) or config
     lengths = [getattr(config, k) for k in _MAX_LEN_KEYS if isinstance(getattr(config, k, None), int)]
     if not lengths:

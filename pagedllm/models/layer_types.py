@@ -1,11 +1,6 @@
-"""Per-layer attention type of a transformers config, without torch: the one place that says
-which layers use a sliding window (the KV-cache manager and the models both read it).
-
-transformers >= 5 configs of Gemma 2/3, Qwen 2/3 list ``layer_types``
-(``"sliding_attention"`` / ``"full_attention"``) with one ``sliding_window``; Mistral and
-Phi-3 configs have only ``sliding_window``, which then applies to every layer (their
-transformers models mask every layer with it).
-"""
+"""Which layers use a sliding window, from a transformers config, without torch (the KV-cache
+manager and the models read it): ``layer_types`` with one ``sliding_window``, or (Mistral,
+Phi-3) only ``sliding_window``, then on every layer."""
 
 from __future__ import annotations
 
@@ -16,10 +11,8 @@ FULL = "full_attention"
 
 
 def layer_types(config: Any) -> list[str]:
-    """``"sliding_attention"`` or ``"full_attention"`` per layer (length ``num_hidden_layers``).
-
-    Raises ValueError for a ``layer_types`` of the wrong length or with another attention type.
-    """
+    """``"sliding_attention"`` or ``"full_attention"`` per layer. Raises ValueError for a
+    ``layer_types`` of the wrong length or with another attention type."""
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)

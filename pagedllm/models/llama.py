@@ -1,52 +1,28 @@
 """The Llama family (Llama 2/3, SmolLM2, TinyLlama, ...) and the decoder every dense family builds on.
 
-Numerically the same model as transformers' ``LlamaForCausalLM`` (RMSNorm, neox-style
-rotary embeddings with the config's base and scaling, grouped-query attention, SwiGLU MLP,
-tied or untied output embedding), restructured for serving:
-
-- it takes a flat batch of T tokens (no padding, no batch axis) with their positions;
-  which request each token belongs to is in the step's ``AttentionMetadata``, read by the
-  attention layers from the forward context;
-- q/k/v and gate/up projections are fused into one matmul each; :meth:`load_weights` takes
-  Hugging Face names and fills the fused parameters;
-- the residual add is fused into the following RMSNorm call (nano-vllm's layout).
-
-Other families subclass :class:`LlamaForCausalLM` and override the few hooks where they
-differ (``_attention``, ``_mlp``, ``_decoder_layer``, ``_embedding_scale``,
-``_final_logit_soft_cap``, ``norm_class``); see qwen2.py, qwen3.py, gemma.py.
-"""
+transformers' ``LlamaForCausalLM`` restructured for serving: a flat batch of T tokens (no
+padding; the step's ``AttentionMetadata`` says which request each belongs to), q/k/v and
+gate/up fused into one matmul each, the residual add fused into the next RMSNorm (nano-vllm).
+Other families override the hooks (``_attention``, ``_mlp``, ``_decoder_layer``, ...)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.attention import AttentionBackend, TorchPagedAttention
 from pagedllm.models.layer_types import layer_types, sliding_windows
 from pagedllm.distributed.parallel_state import heads_per_rank
 from pagedllm.models.layers import (GatedMLP, MergedLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, SelfAttention,
                                     VocabParallelEmbedding, pack_linears_for_cpu, unpack_linears)
-from pagedllm.models.layers.linear import PACKED_LINEAR_ENV
 from pagedllm.models.layers.rotary import rope_parameters
 from pagedllm.loader.model_files import max_model_len_of
 
-# opt-in: "bf16" computes float32 models' packed linears in bfloat16 (Linear.bf16_math)
-_FP32_MATMUL_ENV = "PAGEDLLM_CPU_FP32_MATMUL"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints still carry
 DEFAULT_ROPE = "default"
-
-
-def _fp32_matmul_in_bf16() -> bool:
-    """Whether ``PAGEDLLM_CPU_FP32_MATMUL`` asks for bfloat16 math in float32 linears.
-
-    Raises ValueError for a value other than "fp32" (the default) or "bf16"."""
-    value = os.environ.get(_FP32_MATMUL_ENV, "fp32").strip().lower()
-    if value not in ("fp32", "bf16"):
-        raise ValueError(f"{_FP32_MATMUL_ENV} must be 'fp32' or 'bf16', got {value!r}")
-    return value == "bf16"
 
 
 def _rank_part(module: nn.Module | None, name: str, tensor: torch.Tensor, param_name: str,
@@ -62,11 +38,7 @@ def _rank_part(module: nn.Module | None, name: str, tensor: torch.Tensor, param_
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``+ mlp(norm(x))``.
-
-    ``mlp`` is any module mapping (T, hidden) -> (T, hidden): a dense gated MLP or a
-    mixture-of-experts block.
-    """
+    """Pre-norm block: ``x + attn(norm(x))``, then ``+ mlp(norm(x))``; ``mlp`` dense or mixture-of-experts."""
 
     def __init__(self, self_attn: SelfAttention, mlp: nn.Module, input_layernorm: nn.Module,
                  post_attention_layernorm: nn.Module) -> None:
@@ -78,11 +50,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 cos_sin: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden, residual: (T, hidden) (residual None for the first layer) -> (mlp_out, residual).
-
-        Sub-modules are called through ``forward``: nn.Module's ``__call__`` (hook dispatch, about a
-        microsecond each) would run hundreds of times per decode step, and no hooks are used.
-        """
+        """hidden, residual (T, hidden) (residual None at the first layer) -> (mlp_out, residual).
+        Sub-modules are called through ``forward``: no hook dispatch per layer."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm.forward(hidden)
         else:
@@ -119,27 +88,13 @@ class LlamaForCausalLM(nn.Module):
     """A Llama-architecture causal LM over the paged KV cache.
 
     Args:
-        config: a transformers config with the Llama fields (vocab_size, hidden_size,
-            intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
-            head_dim (optional), rms_norm_eps, max_position_embeddings, tie_word_embeddings,
-            rope_parameters or rope_theta/rope_scaling, attention_bias, mlp_bias, hidden_act,
-            sliding_window / layer_types (optional)).
-        dtype: parameter and activation dtype (float32, bfloat16, float16).
-        device: where parameters, the rope tables and activations live.
-        attn_backend: the paged-attention backend every layer calls (the model runner
-            chooses it for the device); default :class:`TorchPagedAttention`.
+        config: a transformers config with the Llama fields.
+        dtype: parameter and activation dtype; device: where they live.
+        attn_backend: the backend every layer binds (the runner's); default :class:`TorchPagedAttention`.
 
-    Parameters are allocated uninitialized: call :meth:`load_weights` before use. The rope
-    tables cover positions ``[0, max_position_embeddings)``.
-
-    Attributes the model runner and the KV-cache manager use: ``num_layers``, ``num_heads``,
-    ``num_kv_heads``, ``head_dim``, ``vocab_size``, ``max_positions``, ``dtype``, ``device``,
-    ``sliding_windows`` (per layer: W tokens, or None for full attention). With tensor
-    parallelism (:mod:`pagedllm.distributed`) ``num_heads``/``num_kv_heads`` are this rank's
-    (its KV pool's shape), ``total_num_heads``/``total_num_kv_heads`` the model's; every
-    rank builds only its shard and :meth:`load_weights` copies only its rows.
-    Raises ValueError for config values the model does not implement (rope type, activation).
-    """
+    Parameters are uninitialized until :meth:`load_weights`. With tensor parallelism
+    ``num_heads``/``num_kv_heads`` are this rank's, ``total_num_heads``/``total_num_kv_heads``
+    the model's. Raises ValueError for config values not implemented (rope type, activation)."""
 
     norm_class: type[nn.Module] = RMSNorm
     # HF projection -> (fused module, shard index): checkpoints store q/k/v and gate/up apart.
@@ -181,7 +136,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary_embs = nn.ModuleDict(rotary)
 
-    # -- family hooks ------------------------------------------------------------------------
 
     def _decoder_layer(self, config: Any, layer_idx: int, backend: AttentionBackend) -> nn.Module:
         norm = self.norm_class
@@ -218,21 +172,10 @@ class LlamaForCausalLM(nn.Module):
         rope_parameters(config)
         return [DEFAULT_ROPE] * self.num_layers
 
-    # -- forward -----------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Final hidden states of a flat batch.
-
-        Args:
-            input_ids: (T,) int64 token ids; positions: (T,) int64 positions within each
-                request, each < ``max_positions``.
-        Returns:
-            (T, hidden_size) in the model dtype.
-
-        The step's ``AttentionMetadata`` comes from ``set_forward_context``; with
-        ``attn_metadata=None`` the T tokens are treated as one causal sequence and no KV
-        cache is read or written (memory profiling, quick checks).
-        """
+        """input_ids, positions (T,) int64 -> (T, hidden_size) final hidden states. Without step
+        metadata (``set_forward_context(None)``) the tokens are one causal sequence, no cache touched."""
         return self.model(input_ids, self.rope_rows(positions))
 
     def rope_rows(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -244,10 +187,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """Give layer i the cache ``kv_caches[i]``, (2, num_blocks, block_size, num_kv_heads, head_dim).
-
-        An empty list unbinds every layer. Raises ValueError for a wrong count or layout.
-        """
+        """Layer i gets ``kv_caches[i]`` (2, num_blocks, block_size, num_kv_heads, head_dim); [] unbinds.
+        Raises ValueError for a wrong count or layout."""
         layers = self.model.layers
         if kv_caches and len(kv_caches) != len(layers):
             raise ValueError(f"kv_caches must have one tensor per layer ({len(layers)}), got {len(kv_caches)}")
@@ -259,23 +200,13 @@ class LlamaForCausalLM(nn.Module):
                                  f"{self.head_dim}], got {tuple(cache.shape)}")
             layer.self_attn.attn.kv_cache = cache
 
-    # -- weights -----------------------------------------------------------------------------
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the (fused) parameters, casting to the model dtype.
+        """Copy Hugging Face-named tensors into the (fused) parameters in the model dtype.
 
-        Names are the transformers checkpoint's (``model.embed_tokens.weight``,
-        ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight``, optional when
-        embeddings are tied). Projections stored apart (``packed_modules``) fill their rows of
-        the fused parameter; ones stored fused (Phi-3's ``qkv_proj``) load as they are.
-        ``*rotary_emb.inv_freq`` is ignored.
-
-        Raises:
-            ValueError: an unknown name, a shape mismatch (naming both shapes), or, after
-                the last tensor, the parameters that were never filled (named, with the
-                architecture).
-        """
+        Raises ValueError for an unknown name, a shape mismatch (both shapes named), or the
+        parameters never filled."""
         unpack_linears(self)
         params = dict(self.named_parameters(remove_duplicate=False))
         modules = dict(self.named_modules())
@@ -294,17 +225,11 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
             raise ValueError(f"weights missing from the checkpoint for {type(self).__name__}: {shown}")
-        if os.environ.get(PACKED_LINEAR_ENV, "1") != "0":
-            self.pack_linears_for_cpu(bf16_math=_fp32_matmul_in_bf16())
+        if envs.cpu_packed_linear():
+            self.pack_linears_for_cpu(bf16_math=envs.cpu_fp32_matmul_in_bf16())
 
     def pack_linears_for_cpu(self, batch_hint: int = 64, bf16_math: bool = False) -> int:
-        """Prepack every projection for oneDNN when the model is on CPU (see :class:`Linear`).
-
-        Called by :meth:`load_weights` (disable with ``PAGEDLLM_CPU_PACKED_LINEAR=0``; with
-        ``PAGEDLLM_CPU_FP32_MATMUL=bf16`` a float32 model's linears get ``bf16_math``, opt-in,
-        not float32's numerics). Costs one extra copy of the projection and lm_head weights in
-        memory. Returns how many were packed (0 on CUDA or without oneDNN).
-        """
+        """Prepack every projection on CPU (:class:`Linear`); returns how many were packed."""
         return pack_linears_for_cpu(self, batch_hint, bf16_math)
 
     def unpack_linears(self) -> None:

@@ -1,11 +1,6 @@
-"""Mixtral (``MixtralForCausalLM``): Mistral with a mixture-of-experts block in place of the MLP.
-
-Every layer's feed-forward is a :class:`~pagedllm.models.layers.moe.FusedMoE` of
-``num_local_experts`` SwiGLU experts of width ``intermediate_size``, ``num_experts_per_tok``
-per token, the top-k probabilities renormalised (transformers' ``MixtralTopKRouter``).
-Checkpoints name the block ``block_sparse_moe`` with experts ``w1`` (gate), ``w3`` (up),
-``w2`` (down); the optional ``sliding_window`` applies to every layer, as in Mistral.
-"""
+"""Mixtral: Mistral with a :class:`~pagedllm.models.layers.moe.FusedMoE` of ``num_local_experts``
+experts (``num_experts_per_tok`` per token, renormalised) in place of the MLP; checkpoints name it
+``block_sparse_moe`` with ``w1`` (gate), ``w3`` (up), ``w2`` (down)."""
 
 from __future__ import annotations
 

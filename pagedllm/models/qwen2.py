@@ -1,6 +1,4 @@
-"""Qwen 2 / 2.5 (``Qwen2ForCausalLM``): Llama with biases on the q/k/v projections (not on o_proj),
-and sliding-window attention on layers ``>= max_window_layers`` when ``use_sliding_window`` is
-set (the config's ``layer_types`` says which)."""
+"""Qwen 2 / 2.5: Llama with q/k/v biases and sliding windows where ``layer_types`` says."""
 
 from __future__ import annotations
 

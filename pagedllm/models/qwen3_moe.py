@@ -1,11 +1,6 @@
-"""Qwen3-MoE (``Qwen3MoeForCausalLM``): Qwen 3 attention with mixture-of-experts MLPs.
-
-Layer i's feed-forward is a :class:`~pagedllm.models.layers.moe.FusedMoE` of ``num_experts``
-experts of width ``moe_intermediate_size`` (``num_experts_per_tok`` per token, top-k
-probabilities renormalised when ``norm_topk_prob``) when i is not in ``mlp_only_layers`` and
-``(i + 1) % decoder_sparse_step == 0``, else a dense SwiGLU of width ``intermediate_size``
-(transformers' ``Qwen3MoeDecoderLayer``). No shared expert.
-"""
+"""Qwen3-MoE: Qwen 3 attention; layer i's MLP is a :class:`~pagedllm.models.layers.moe.FusedMoE`
+when i is not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``, else dense
+(transformers' ``Qwen3MoeDecoderLayer``)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Model registry: Hugging Face architecture name → pagedllm model class.
-
-Entries are ``"module:Class"`` strings imported on first use, so listing or checking the
-supported architectures imports no model code.
-"""
+"""Model registry: Hugging Face architecture name -> ``"module:Class"``, imported on first use."""
 
 from __future__ import annotations
 
@@ -37,13 +33,8 @@ def supported_architectures() -> list[str]:
 
 
 def get_model_class(hf_config: Any) -> type[nn.Module]:
-    """The model class for a transformers config.
-
-    Looks up ``hf_config.architectures[0]``; only a config without ``architectures`` falls
-    back to ``hf_config.model_type`` (a ``LlamaForSequenceClassification`` is not a causal LM
-    even though its model_type is ``llama``). Raises ValueError naming the config's
-    architecture and listing the supported ones.
-    """
+    """The model class for ``hf_config.architectures[0]`` (``model_type`` only for a config without
+    architectures). Raises ValueError naming the architecture and listing the supported ones."""
     architectures = list(getattr(hf_config, "architectures", None) or [])
     model_type = getattr(hf_config, "model_type", None)
     arch = architectures[0] if architectures else _MODEL_TYPES.get(model_type)

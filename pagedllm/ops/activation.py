@@ -1,9 +1,5 @@
-"""Fused gated activation on CPU: ``act(gate) * up`` over the (T, 2I) output of the fused
-gate/up projection, in one pass instead of chunk + activation + multiply.
-
-The torch code it replaces is :class:`~pagedllm.models.layers.mlp.GatedMLP`'s (activation
-from :mod:`pagedllm.models.layers.activation`; rounding points in ``cpu_ops.c``).
-"""
+"""Fused gated activation on CPU: ``act(gate) * up`` over the fused gate/up output in one pass,
+with :class:`~pagedllm.models.layers.mlp.GatedMLP`'s rounding points."""
 
 from __future__ import annotations
 
@@ -15,21 +11,13 @@ from pagedllm.ops.library import can_run, cpu_ops, num_threads_for
 
 __all__ = ["FUSED_ACTIVATIONS", "act_and_mul"]
 
-# transformers activation names -> the kernel's code (cpu_ops.c ACT_*); the tanh GELUs are the
-# names activation.py maps to ``F.gelu(approximate="tanh")``.
+# transformers activation names -> the kernel's ACT_* code (the tanh GELUs: ``F.gelu(approximate="tanh")``)
 FUSED_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu_fast": 1}
 
 
 def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor | None:
-    """``act(x[:, :I]) * x[:, I:]`` for x (T, 2I), as a new contiguous (T, I) tensor.
-
-    Args:
-        x: (T, 2I) float32 or bfloat16 on CPU with a unit last stride.
-        activation: a transformers activation name (see :data:`FUSED_ACTIVATIONS`).
-    Returns:
-        The product, or None when the kernel does not apply (switched off, another activation,
-        dtype, device or layout): the caller then runs the torch code.
-    """
+    """``act(x[:, :I]) * x[:, I:]`` for x (T, 2I) (unit last stride) as a new (T, I) tensor, or None when
+    the kernel does not apply (``activation`` not in :data:`FUSED_ACTIVATIONS`, dtype, device, layout)."""
     ops = cpu_ops()
     act = FUSED_ACTIVATIONS.get(activation)
     if ops is None or act is None or x.dtype not in ops.dtypes or x.dim() != 2 or x.stride(1) != 1 \
@@ -37,7 +25,7 @@ def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor | None:
         return None
     num_rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_rows, inter, dtype=x.dtype)
-    # one struct argument (pagedllm.ops.calls); exp / tanh: ~4x a plain pass per element
+    # threads weighted: exp / tanh cost several plain passes per element
     call, ref = prepared(ActAndMulCall, (num_rows, inter, x.stride(0), inter, act,
                                          num_threads_for(num_rows * inter * 4)))
     call.inp, call.out = x.data_ptr(), out.data_ptr()

@@ -1,12 +1,6 @@
-"""The fused CPU kernels' arguments as one struct each, reused while only the pointers change.
-
-A decode step calls RMSNorm, the rotary embedding and the gated activation once per layer with
-the same shapes, strides, eps and thread count; only the tensors differ. Passed one by one
-through ctypes, 8 to 16 arguments cost microseconds per call (each is converted on every call).
-``cpu_ops.c`` exports each kernel also as ``<name>_call(const struct <name>_call *)``; this
-module mirrors those structs and keeps one per kernel and thread, its scalar fields rewritten
-only when they differ from the previous call's (:func:`prepared`). Same kernels, same arguments:
-the results are bitwise those of the direct calls.
+"""The fused CPU kernels' arguments as one struct each (``native/cpu_ops.c``'s ``<name>_call``),
+one per kernel and thread, its scalars rewritten only when they change (:func:`prepared`): a
+decode step repeats the same shapes in every layer, and ctypes converts each loose argument per call.
 """
 
 from __future__ import annotations

@@ -1,37 +1,24 @@
-"""The shared library of the fused CPU kernels (``cpu_ops.c``) and the switch that turns them off.
-
-The library is built and loaded by :mod:`pagedllm.native` (OpenMP on torch's own thread team)
-on first use. :func:`cpu_ops` returns it, or None when the kernels must not run: switched off
-(``PAGEDLLM_CPU_FUSED_OPS=0`` in the environment when the first kernel call of the process
-reads it, or :func:`set_enabled`, which lets a benchmark alternate both paths in one process), a
-torch.compile trace (inductor fuses the torch code itself; a ctypes call would break the graph),
-or a failed build (one warning, then the torch code for the rest of the process).
+"""The fused CPU kernels' library (``native/cpu_ops.c``, built on first use) and the switch that turns
+them off: ``envs.CPU_FUSED_OPS`` (read at the first kernel call) or :func:`set_enabled`. Off during
+a torch.compile trace too: inductor fuses the torch code itself, and a ctypes call breaks the graph.
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 import threading
-from pathlib import Path
 
 import torch
 
-from pagedllm import native
+from pagedllm import envs, native
 from pagedllm.ops.calls import ActAndMulCall, RmsNormCall, RopeQkCall
 
-logger = logging.getLogger(__name__)
+__all__ = ["CpuOps", "can_run", "cpu_ops", "num_threads_for", "set_enabled"]
 
-__all__ = ["FUSED_OPS_ENV", "CpuOps", "can_run", "cpu_ops", "num_threads_for", "set_enabled"]
-
-FUSED_OPS_ENV = "PAGEDLLM_CPU_FUSED_OPS"
-_SOURCE = Path(__file__).with_name("cpu_ops.c")
+_SOURCE = native.SOURCE_DIR / "cpu_ops.c"
 _ABI_VERSION = 2
-# Elements per thread below which a kernel runs on the calling thread alone: a parallel region
-# must wake the sleeping OpenMP team (OMP_WAIT_POLICY=PASSIVE) and then waits for its slowest
-# thread, which on a busy machine can be descheduled for milliseconds; a decode step's rows
-# (tens of microseconds of work) never pay for that, a long prefill's do.
+# Elements per thread below which a kernel runs on the calling thread: waking the sleeping OpenMP
+# team and waiting for its slowest thread costs more than a decode step's rows.
 _ELEMENTS_PER_THREAD = 262144
 
 _p, _i, _ssize, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t, ctypes.c_float
@@ -81,8 +68,7 @@ class CpuOps:
 
 _load_lock = threading.Lock()
 _ops: list[CpuOps | None] = []  # [] until the first load, then [ops or None]
-_enabled: bool | None = None  # None: read FUSED_OPS_ENV at the next call (an environment lookup per
-# kernel call would cost more than some kernels on a decode step)
+_enabled: bool | None = None  # None: read the switch at the next call (not per call: it costs more than a kernel)
 
 
 def cpu_ops() -> CpuOps | None:
@@ -92,7 +78,7 @@ def cpu_ops() -> CpuOps | None:
     if torch.compiler.is_compiling():  # first: a traced read of _enabled would become a guard on its value
         return None
     if _enabled is None:
-        _enabled = os.environ.get(FUSED_OPS_ENV, "1") != "0"
+        _enabled = envs.cpu_fused_ops()
     if not _enabled:
         return None
     if not _ops:
@@ -104,20 +90,13 @@ def cpu_ops() -> CpuOps | None:
 
 def set_enabled(enabled: bool | None) -> None:
     """Switch the kernels on or off for this process (the layers then run their torch code);
-    None: follow ``PAGEDLLM_CPU_FUSED_OPS`` again (read at the next kernel call)."""
+    None: follow ``envs.CPU_FUSED_OPS`` again (read at the next kernel call)."""
     global _enabled
     _enabled = enabled
 
 
 def _load() -> CpuOps | None:
-    lib = native.load_library(_SOURCE, what="fused CPU kernels (pagedllm/ops)")
-    if lib is None:
-        return None
-    try:
-        return CpuOps(lib)
-    except (OSError, AttributeError) as e:
-        logger.warning("fused CPU kernels unavailable (%s); using the PyTorch code", e)
-        return None
+    return native.load_kernels(_SOURCE, CpuOps, "fused CPU kernels", "the PyTorch code")
 
 
 def num_threads_for(num_elements: int) -> int:

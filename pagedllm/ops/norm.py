@@ -1,8 +1,4 @@
-"""Fused RMSNorm on CPU, optionally after the residual add, in both weight conventions.
-
-The torch code it replaces is :mod:`pagedllm.models.layers.norm` (its rounding points are
-the kernel's; see ``cpu_ops.c``).
-"""
+"""Fused RMSNorm on CPU (:mod:`pagedllm.models.layers.norm`'s rounding), optionally after the residual add."""
 
 from __future__ import annotations
 
@@ -18,17 +14,9 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor | None:
-    """RMSNorm of x's rows into a new tensor, or None when the kernel does not apply.
-
-    Args:
-        x: (..., dim) float32 or bfloat16 on CPU, contiguous (or 2-D with a unit last stride).
-        weight: (dim,) of x's dtype, contiguous.
-        gemma: the ``(1 + w)`` convention (:class:`~pagedllm.models.layers.norm.GemmaRMSNorm`)
-            instead of ``w * cast(normalize(x))`` (:class:`~pagedllm.models.layers.norm.RMSNorm`).
-    Returns:
-        A new contiguous tensor shaped like x, or None (switched off, unsupported dtype, device
-        or layout): the caller then runs the torch code.
-    """
+    """RMSNorm of x's rows (x: (..., dim) float32/bfloat16 on CPU, contiguous or 2-D with a unit last
+    stride; weight: (dim,) of x's dtype) into a new tensor; ``gemma``: the ``(1 + w)`` convention.
+    None when the kernel does not apply."""
     ops = cpu_ops()
     rows = _rows(x) if ops is not None and _weight_fits(weight, x) else None
     if rows is None:
@@ -42,22 +30,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> 
 
 def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
                         gemma: bool, x_weight: torch.Tensor | None = None) -> bool:
-    """In place: ``residual += x`` (rounded to the dtype, as torch's add), then ``x = norm(residual)``.
-
-    Args:
-        x, residual: (T, dim) with unit last strides, or contiguous; the same shape and dtype
-            (float32 or bfloat16) on CPU.
-        weight: the norm after the add, as in :func:`rms_norm`; None: no norm (x is left as it was).
-        x_weight: a norm applied to x before the add (Gemma's post-attention and post-MLP norms:
-            ``residual += cast(norm(x))``), with the same eps and convention; None: x itself.
-    Returns:
-        True when done; False (nothing written) when the kernel does not apply.
-    """
+    """In place: ``residual += x`` (or ``cast(norm_{x_weight}(x))``: Gemma's post-norms), rounded as
+    torch's add, then ``x = norm_{weight}(residual)`` (None: x untouched). x, residual: (T, dim) of one
+    dtype with unit last strides. True when done; False (nothing written) when the kernel does not apply."""
     ops = cpu_ops()
     if ops is None or weight is None and x_weight is None:
         return False
-    # one flat chain of checks (no generator, no extra call per weight): this runs twice per
-    # layer and step
+    # one flat chain of checks: this runs twice per layer and step
     rows = _rows(x)
     if rows is None or residual.dtype != x.dtype or weight is not None and not _weight_fits(weight, x) \
             or x_weight is not None and not _weight_fits(x_weight, x):
@@ -77,8 +56,7 @@ def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int] | None:
-    """(num_rows, dim, row stride) of x as rows of its last axis, or None when a kernel cannot take it
-    (dtype, device, autograd, layout)."""
+    """(num_rows, dim, row stride) of x's last axis, or None when a kernel cannot take it."""
     if x.dtype not in _DTYPES or not x.is_cpu or (x.requires_grad and torch.is_grad_enabled()):
         return None
     shape = x.shape
@@ -92,6 +70,5 @@ def _rows(x: torch.Tensor) -> tuple[int, int, int] | None:
 
 
 def _weight_fits(weight: torch.Tensor, x: torch.Tensor) -> bool:
-    """weight is a contiguous CPU (dim,) vector of x's dtype, not tracked by autograd."""
     return (weight.dtype == x.dtype and weight.dim() == 1 and x.dim() > 0 and weight.shape[0] == x.shape[-1]
             and weight.is_contiguous() and weight.is_cpu and not (weight.requires_grad and torch.is_grad_enabled()))

@@ -1,19 +1,9 @@
-"""Recording a forward pass's kernel calls, so that a later pass can replay them without Python.
+"""Recording a forward pass's C kernel calls so a later pass replays them without the Python glue
+(the CUDA-graph idea applied to ctypes calls; :class:`pagedllm.worker.cpu_graph.CpuDecodeGraphs`).
 
-A CPU decode step is a few hundred C kernel calls (:mod:`pagedllm.ops`, the skinny GEMM, the
-paged-attention kernel), each preceded by the Python that checks its tensors, computes its
-strides and thread count and fills its arguments: in a decode step of a small model that glue
-is a tenth of the step or more. The kernels' arguments depend only on the batch size and on
-buffers that can be kept (the CUDA-graph idea, vLLM's ``CUDAGraphWrapper``, applied to ctypes
-calls): :class:`pagedllm.worker.cpu_graph.CpuDecodeGraphs` runs one pass with a
-:class:`Recording` active, each kernel wrapper reports its call here (function and exact
-arguments, structs copied), and later passes replay the list.
-
-Wrappers call :func:`call` / :func:`call_struct` instead of calling the kernel directly; with no
-recording active (every ordinary pass) these only add one thread-local lookup. A step that
-needs Python per pass (the attention's per-step plan) records a callable with
-:meth:`Recording.add_python`, and runs its own torch code inside :meth:`Recording.allowed`, so
-the capture's guard (any other torch op that computes fails the capture) lets it through.
+Kernel wrappers call :func:`call` / :func:`call_struct` (one thread-local lookup when nothing
+records); per-step Python (the attention's plan) is recorded with :meth:`Recording.add_python`
+and its torch code runs inside :meth:`Recording.allowed`, which the capture's guard lets through.
 """
 
 from __future__ import annotations

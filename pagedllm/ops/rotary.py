@@ -1,10 +1,6 @@
-"""Fused rotary embedding of the q and k heads on CPU, optionally after a per-head RMSNorm.
-
-One pass over the fused q/k/v projection output replaces the split, view, per-head q/k norms
-(Qwen 3, Gemma 3), concatenation, roll, multiply and addcmul of
-:class:`~pagedllm.models.layers.attention.SelfAttention` and
-:meth:`~pagedllm.models.layers.rotary.RotaryEmbedding.apply` (neox style, partial rotary
-included; rounding points in ``cpu_ops.c``).
+"""Fused neox rotary embedding (partial rotary included) of the q and k heads on CPU, optionally after
+the per-head q/k RMSNorm (Qwen 3, Gemma 3): one pass over the fused qkv output in place of
+:class:`~pagedllm.models.layers.attention.SelfAttention`'s torch ops, with their rounding points.
 """
 
 from __future__ import annotations
@@ -23,22 +19,11 @@ _NORM_NONE, _NORM_RMS, _NORM_GEMMA = 0, 1, 2
 def rope_qk(qkv: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
             q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0,
             gemma: bool = False) -> torch.Tensor | None:
-    """Rotate the q and k heads of the fused projection output; k in place, q into a new tensor.
-
-    Args:
-        qkv: (T, (num_heads + 2 * num_kv_heads) * head_dim) float32 or bfloat16 on CPU with a unit
-            last stride: q heads, k heads, v heads. Its k heads are overwritten with the rotated k;
-            q and v are left as they were.
-        cos_sin: (T, 2, rotary_dim) of qkv's dtype, contiguous rows:
-            :meth:`~pagedllm.models.layers.rotary.RotaryEmbedding.lookup`'s cos and (-sin, sin)
-            rows; rotary_dim even and <= head_dim (the rest of each head passes through).
-        q_weight, k_weight: (head_dim,) weights of a per-head RMSNorm applied to q and k before the
-            rotation (both or neither), with ``eps`` and the ``gemma`` (1 + w) convention.
-    Returns:
-        q rotated, a new contiguous (T, num_heads, head_dim) tensor; or None (nothing written) when
-        the kernel does not apply: switched off, dtype, device, shape or layout. The caller then
-        runs the torch code.
-    """
+    """Rotate the q and k heads of ``qkv`` ((T, (num_heads + 2 * num_kv_heads) * head_dim), unit last
+    stride): k in place, q returned as a new (T, num_heads, head_dim) tensor, v untouched.
+    ``cos_sin``: (T, 2, rotary_dim) rows of ``RotaryEmbedding.lookup`` (rotary_dim even, <= head_dim).
+    ``q_weight``/``k_weight``: both or neither, a per-head RMSNorm first (``eps``, ``gemma``).
+    None (nothing written) when the kernel does not apply."""
     ops = cpu_ops()
     if ops is None or qkv.dtype not in ops.dtypes or qkv.dim() != 2 or qkv.stride(1) != 1 \
             or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or not 0 < head_dim <= ops.max_head_dim \

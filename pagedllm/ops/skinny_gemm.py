@@ -1,65 +1,41 @@
-"""Skinny GEMM: the linear layers of a decode step (few rows) in the engine's own C kernels.
+"""Skinny GEMM: ``out = x @ weight.T + bias`` for a decode step's few rows (at most
+``SkinnyWeight.max_rows``) from a copy of the weight packed once (:func:`pack`) into column panels
+(``native/skinny_gemm.c`` has the layouts); larger inputs use torch's matmul. Kernels: float32 FMAs
+(:data:`MAX_ROWS`), bfloat16 on AMX tiles (:data:`MAX_ROWS_BF16`, K a multiple of 32; Linux grants
+the tile state on request, asked when the library loads) or AVX512-BF16 ``vdpbf16ps`` pairs
+(:data:`MAX_ROWS_BF16_DP`, K even). Each output element is summed over k in order (batch- and
+thread-invariant); bfloat16 accumulates in float32 and rounds once at the end, as torch does.
 
-``out = x @ weight.T + bias`` for ``x`` of at most ``SkinnyWeight.max_rows`` rows, from a copy of
-the weight packed once (:func:`pack`) into column panels that one thread streams front to back
-(``skinny_gemm.c`` explains the layouts and why). Above that (prefill chunks) the caller uses
-torch's matmul. Two kernels:
-
-- float32 (:data:`MAX_ROWS` rows): AVX-512 or AVX2 fused multiply-adds. Each output element is
-  summed over ``k`` in order, so a row's result does not depend on the batch it rides in or the
-  thread count (batch-invariant). It differs from oneDNN's/MKL's float32 result in the last bits
-  (their summation order depends on M), as those differ from each other.
-- bfloat16 (:data:`MAX_ROWS_BF16` rows, K a multiple of 32): AMX tiles, float32 accumulation, the
-  bias added in float32, one rounding to bfloat16 (torch's rounding) at the end; batch-invariant
-  too. Linux grants a process AMX's tile state only on request (``arch_prctl``): the library asks
-  when it loads, and the kernel is off where that fails or the CPU has no AMX.
-- bfloat16 without AMX (:data:`MAX_ROWS_BF16_DP` rows, K even): AVX512-BF16's ``vdpbf16ps``
-  (pairs of bfloat16 products into float32 lanes; AMD Zen 4/5, Intel Cooper Lake), the same
-  accumulation, bias and rounding contract as the AMX kernel, batch-invariant. Used where AMX is
-  not granted and the build has AVX512-BF16.
-
-Switch: ``PAGEDLLM_SKINNY_GEMM`` in the environment (read at the first :func:`pack`), or
-:func:`set_enabled`: ``0`` keeps the weights for oneDNN instead (``Linear.pack_for_cpu``); ``1``
-uses the float32 kernel on any CPU; unset uses it on CPUs with AVX2 or AVX-512 (torch's CPU
-capability), where it was measured faster than oneDNN at decode rows (benchmarks/skinny_gemm.py;
-on AVX2 it leads up to ~32 rows and is within ~12% of oneDNN at 64-128). The bfloat16 kernels run wherever AMX is granted or AVX512-BF16 is built unless the
-switch is ``0``. Both are
-skipped when the C library cannot be built (one warning).
+Switch: ``envs.SKINNY_GEMM`` (read at the first :func:`pack`) or :func:`set_enabled`: ``0`` leaves
+the weights to oneDNN, ``1`` uses the float32 kernel on any CPU, unset on CPUs with AVX2 or AVX-512;
+the bfloat16 kernels run wherever they build unless it is ``0``.
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from pagedllm import native
+from pagedllm import envs, native
 from pagedllm.ops import recording
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["MAX_ROWS", "MAX_ROWS_BF16", "MAX_ROWS_BF16_DP", "SKINNY_GEMM_ENV", "SkinnyGemmKernel", "SkinnyWeight",
+__all__ = ["MAX_ROWS", "MAX_ROWS_BF16", "MAX_ROWS_BF16_DP", "SkinnyGemmKernel", "SkinnyWeight",
            "enabled", "load_kernel", "pack", "pack_panels", "pack_panels_bf16", "pack_panels_bf16_pairs",
            "packed_nbytes", "packs", "set_enabled", "skinny_linear", "supports_float32_out"]
 
-SKINNY_GEMM_ENV = "PAGEDLLM_SKINNY_GEMM"
-# Rows up to which each kernel beats oneDNN's prepacked linear on SmolLM2's projections
-# with the weights coming from memory (benchmarks/skinny_gemm.py); above, torch's matmul is used.
+# Rows up to which each kernel beats oneDNN's prepacked linear (benchmarks/skinny_gemm.py).
 MAX_ROWS = 128
 MAX_ROWS_BF16 = 64
 MAX_ROWS_BF16_DP = 128
 _AMX_PANEL, _AMX_K_BLOCK, _AMX_ROW_BLOCK = 32, 32, 16  # skinny_gemm.c's SG_AMX_NR, SG_AMX_KB, tile rows
 _DP_PANEL = 48  # skinny_gemm.c's SG_DP_NR
-_SOURCE = Path(__file__).with_name("skinny_gemm.c")
+_SOURCE = native.SOURCE_DIR / "skinny_gemm.c"
 _ABI_VERSION = 4
-# The kernels run outside torch's operators: under torch's profiler each call is recorded as a range
-# of this name, so profiles count it as a matmul (benchmarks/step_profile.py, long_context.py).
+# Under torch's profiler each call is a range of this name, so profiles count it as a matmul.
 PROFILER_EVENT = "pagedllm::skinny_gemm"
 _profiling = torch._C._autograd._profiler_enabled
 _p, _i, _ssize = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t
@@ -69,18 +45,11 @@ _GEMM_ARGS = [_p, _ssize, _p, _p, _p, _ssize, _i, _i, _i, _i]
 
 @dataclass(frozen=True)
 class SkinnyWeight:
-    """A linear weight packed for :func:`skinny_linear`.
-
-    Attributes:
-        panels: float32 (ceil(N / W), K, W), W consecutive output columns per panel (W: the float32
-            kernel's panel width, 48 with AVX-512, 24 without); or bfloat16 (ceil(N / 32), K / 32, 2,
-            16, 16, 2), the AMX kernel's tiles; or bfloat16 (ceil(N / 48), K / 2, 48, 2), the
-            AVX512-BF16 kernel's pairs. Contiguous, zero past N.
-        bias: (panels * W,) float32 zero-padded, or None.
-        out_features: N. in_features: K.
-        max_rows: the most rows :class:`~pagedllm.models.layers.linear.Linear` sends it.
-        layout: ``"f32"``, ``"amx"`` or ``"bf16_pairs"``: which kernel reads ``panels``.
-    """
+    """A linear weight (N = out_features, K = in_features) packed for :func:`skinny_linear`, contiguous,
+    zero past N. ``layout`` says which kernel reads ``panels``: ``"f32"`` (ceil(N / W), K, W) with W the
+    kernel's panel width; ``"amx"`` bfloat16 (ceil(N / 32), K / 32, 2, 16, 16, 2) tiles; ``"bf16_pairs"``
+    bfloat16 (ceil(N / 48), K / 2, 48, 2). ``bias``: float32 zero-padded, or None. ``max_rows``: the
+    most rows :class:`~pagedllm.models.layers.linear.Linear` sends it."""
 
     panels: torch.Tensor
     bias: torch.Tensor | None
@@ -91,20 +60,17 @@ class SkinnyWeight:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype of x and of the result."""
         return self.panels.dtype
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (the packed weight is a copy next to the layer's own)."""
         return self.panels.nbytes + (self.bias.nbytes if self.bias is not None else 0)
 
 
 class SkinnyGemmKernel:
-    """The loaded C library: ``gemm_f32``, ``gemm_bf16_amx``, ``gemm_bf16_dp`` and
-    ``gemm_bf16_dp_f32out`` (the latter's sums as float32; ctypes, they release the GIL), the float32 kernel's ``panel_width`` (output columns per packed panel) and
-    ``vector_width`` (float32 lanes of the build), ``amx`` (whether the AMX tile state was granted:
-    the AMX bfloat16 kernel can run) and ``bf16_dp`` (whether the build has the AVX512-BF16 one)."""
+    """The loaded library: the ``gemm_*`` kernels (ctypes; ``gemm_bf16_dp_f32out`` leaves the sums in
+    float32), ``panel_width`` and ``vector_width`` of the float32 kernel, ``amx`` (the tile state was
+    granted) and ``bf16_dp`` (the build has the AVX512-BF16 kernel)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         lib.pagedllm_skinny_gemm_abi_version.restype = _i
@@ -129,24 +95,16 @@ class SkinnyGemmKernel:
 
 _load_lock = threading.Lock()
 _kernel: list[SkinnyGemmKernel | None] = []  # [] until the first load, then [kernel or None]
-_enabled: bool | None = None  # None: read SKINNY_GEMM_ENV at the next pack()
+_enabled: bool | None = None  # None: read envs.SKINNY_GEMM at the next pack()
 _forced = False  # the switch says 1: the float32 kernel on any CPU
-# CPUs the float32 kernel is on by default for: those with FMA vectors (torch's own dispatch level),
-# where it was measured against oneDNN (AVX-512: Xeon, EPYC Zen 5; AVX2: EPYC Zen 3)
+# CPUs the float32 kernel is on by default for: FMA vectors (torch's dispatch level), where it beats oneDNN
 _AUTO_CPU_CAPABILITIES = ("AVX2", "AVX512")
 
 
 def load_kernel(extra_flags: tuple[str, ...] = ()) -> SkinnyGemmKernel | None:
     """The kernels built with ``extra_flags`` after the native ones (e.g. ``("-march=haswell",)``
     for the AVX2 build), or None when they cannot be built or loaded (logged once)."""
-    lib = native.load_library(_SOURCE, extra_flags, what="skinny GEMM kernel (pagedllm/ops)")
-    if lib is None:
-        return None
-    try:
-        return SkinnyGemmKernel(lib)
-    except (OSError, AttributeError) as e:
-        logger.warning("skinny GEMM kernel unavailable (%s); using oneDNN", e)
-        return None
+    return native.load_kernels(_SOURCE, SkinnyGemmKernel, "skinny GEMM kernel", "oneDNN", extra_flags)
 
 
 def _get_kernel() -> SkinnyGemmKernel | None:
@@ -161,15 +119,12 @@ def enabled(dtype: torch.dtype = torch.float32) -> bool:
     """Whether :func:`pack` packs weights of ``dtype``: the switch (see the module docstring) and a
     kernel that builds, loads and (bfloat16) has AMX or AVX512-BF16.
 
-    Raises:
-        ValueError: ``PAGEDLLM_SKINNY_GEMM`` is set to something else than 0 or 1.
+    Raises ValueError (``envs.read``) when ``envs.SKINNY_GEMM`` is not 0, 1 or unset.
     """
     global _enabled, _forced
     if _enabled is None:
-        value = os.environ.get(SKINNY_GEMM_ENV, "").strip()
-        if value not in ("", "0", "1"):
-            raise ValueError(f"{SKINNY_GEMM_ENV} must be 0, 1 or unset, got {value!r}")
-        _enabled, _forced = value != "0", value == "1"
+        switch = envs.skinny_gemm()
+        _enabled, _forced = switch is not False, switch is True
     kernel = _get_kernel() if _enabled else None
     if kernel is None:
         return False
@@ -180,7 +135,7 @@ def enabled(dtype: torch.dtype = torch.float32) -> bool:
 
 def set_enabled(value: bool | None) -> None:
     """Switch packing on (True: the float32 kernel on any CPU too) or off for this process (layers
-    packed before keep their packing: pack them again); None: follow ``PAGEDLLM_SKINNY_GEMM`` again."""
+    packed before keep their packing: pack them again); None: follow ``envs.SKINNY_GEMM`` again."""
     global _enabled, _forced
     _enabled, _forced = value, bool(value)
 

@@ -1,12 +1,4 @@
-"""Weight formats kept at run time (int8, int4, GGUF blocks) and KV-cache dtypes.
-
-- :mod:`~pagedllm.quantization.base`: the quant-method seam (:class:`LinearMethod`,
-  :class:`QuantizationConfig`) and the tiled dequantize-then-matmul;
-- :mod:`~pagedllm.quantization.int8`, :mod:`~pagedllm.quantization.int4`,
-  :mod:`~pagedllm.quantization.gguf`: one module per weight format.
-
-:func:`get_quantization_config` maps the engine's ``quantization`` option to a config.
-"""
+"""Weight formats kept at run time (int8, int4, GGUF blocks; one module each) and KV-cache dtypes."""
 
 from __future__ import annotations
 
@@ -20,18 +12,7 @@ __all__ = ["LinearMethod", "QUANTIZATION_METHODS", "QuantizationConfig", "create
 
 def get_quantization_config(name: str, group_size: int = 128, gguf_tensor_types: dict | None = None,
                             fused_parts: dict[str, list[str]] | None = None) -> QuantizationConfig:
-    """The config for ``quantization=name``.
-
-    Args:
-        name: one of :data:`QUANTIZATION_METHODS`.
-        group_size: int4 group size (32, 64, 128, 256).
-        gguf_tensor_types: for ``"gguf"``, HF weight name -> GGUF type of the model file
-            (None when the model is not a GGUF file).
-        fused_parts: fused module leaf -> checkpoint leaves stored in it (``"gguf"`` only).
-    Raises:
-        ValueError naming ``quantization`` for an unknown name or ``"gguf"`` on a model that
-        is not a GGUF file; naming ``quantization_group_size`` for a bad int4 group.
-    """
+    """The config for ``quantization=name``. Raises ValueError naming the bad field."""
     if name == "int8":
         from pagedllm.quantization.int8 import Int8Config
         return Int8Config()

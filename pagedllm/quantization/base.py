@@ -1,22 +1,6 @@
-"""The quant-method seam: how a linear layer stores its weight and computes ``x @ W.T``.
+"""The quant-method seam (after vLLM's ``LinearMethodBase``): how a linear layer keeps W and computes ``x @ W.T``.
 
-Modelled on vLLM's ``QuantizeMethodBase`` / ``LinearMethodBase``: a
-:class:`QuantizationConfig` picks a :class:`LinearMethod` for each linear layer of a model
-(or none: the layer stays a plain float matmul); the method then owns the layer's weight
-for the rest of its life:
-
-1. :meth:`LinearMethod.create_weights` runs after the model is built and before weights
-   load. A method that receives its weight already quantized (GGUF blocks) replaces
-   ``layer.weight`` with the storage the loader fills; others leave the float weight.
-2. The model's ordinary ``load_weights`` copies checkpoint tensors in (fused q/k/v and
-   gate/up shards are rows of the weight, so row-wise storage shards the same way).
-3. :meth:`LinearMethod.process_weights_after_loading` turns what was loaded into the kept
-   format (quantizing a float weight, or converting GGUF blocks) and frees the original.
-4. ``Linear.forward`` calls :meth:`LinearMethod.apply` instead of ``F.linear``.
-
-Model files never branch on the format. Matmuls run through torch's own CPU kernels where
-they exist and are fast, else weights are dequantized one tile of output rows at a time
-(:func:`tiled_linear`): the float copy of the whole matrix never exists.
+A weight's life: ``create_weights``, ``load_weights``, ``process_weights_after_loading``, ``apply``.
 """
 
 from __future__ import annotations
@@ -34,17 +18,13 @@ _TILE_BYTES = 256 * 1024
 
 
 class LinearMethod:
-    """How one linear layer keeps and applies its weight. Subclasses override all four calls.
-
-    ``layer`` is an ``nn.Linear`` (``in_features``, ``out_features``, ``weight``
-    (out_features, in_features), ``bias`` (out_features,) or None).
-    """
+    """How one ``nn.Linear`` keeps and applies its weight (out_features, in_features)."""
 
     def create_weights(self, layer: nn.Module) -> None:
-        """Before loading: give ``layer`` the parameters the loader fills. Default: keep the float weight."""
+        """Before loading: give ``layer`` the parameters the loader fills (default: the float weight)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """After loading: convert the loaded weight into the kept format, free the original."""
+        """After loading: convert the weight into the kept format and free the original."""
         raise NotImplementedError
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -52,21 +32,16 @@ class LinearMethod:
         raise NotImplementedError
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        """The float32 weight (out_features, in_features) the kept format represents (tests, checks)."""
+        """The float32 weight (out_features, in_features) the kept format represents."""
         raise NotImplementedError
 
 
 class QuantizationConfig:
-    """Chooses a :class:`LinearMethod` per linear layer (None = keep it float).
-
-    ``name`` is the ``quantization`` value that selects it; ``packed_weight_names`` are the
-    checkpoint tensors the loader must hand over still quantized (GGUF only).
-    """
+    """Chooses a :class:`LinearMethod` per linear layer (None: keep it float)."""
 
     name: str = ""
 
     def get_linear_method(self, prefix: str, layer: nn.Module) -> LinearMethod | None:
-        """The method for the layer at ``prefix`` (module path, e.g. ``model.layers.0.mlp.down_proj``)."""
         raise NotImplementedError
 
     @property
@@ -75,8 +50,7 @@ class QuantizationConfig:
 
 
 def quantizable_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
-    """The model's projection layers a weight format may replace: every ``nn.Linear`` except a
-    LM head whose weight is the token embedding (tied: the embedding lookup needs float rows)."""
+    """Every ``nn.Linear`` but a head tied to the embedding (its lookup needs float rows)."""
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     tied_weight = getattr(embed, "weight", None)
     for name, module in model.named_modules():
@@ -85,10 +59,7 @@ def quantizable_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
 
 
 def create_quantized_weights(model: nn.Module, config: QuantizationConfig) -> int:
-    """Attach each layer's method (``layer.quant_method``) and let it create its weights.
-
-    Call after building the model, before ``load_weights``. Returns how many layers got a method.
-    """
+    """Set each ``layer.quant_method`` and create its weights (before ``load_weights``); returns the count."""
     count = 0
     for name, layer in list(quantizable_linears(model)):
         method = config.get_linear_method(name, layer)
@@ -101,7 +72,6 @@ def create_quantized_weights(model: nn.Module, config: QuantizationConfig) -> in
 
 
 def process_quantized_weights(model: nn.Module) -> None:
-    """Convert every quantized layer's loaded weight into its kept format (after ``load_weights``)."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
@@ -109,7 +79,6 @@ def process_quantized_weights(model: nn.Module) -> None:
 
 
 def replace_weight(layer: nn.Module, weight: torch.Tensor | None) -> None:
-    """Swap ``layer.weight`` for ``weight`` (a non-trainable parameter), or drop it when None."""
     if "weight" in layer._parameters:
         del layer._parameters["weight"]
     if weight is not None:
@@ -124,14 +93,7 @@ def tile_rows(in_features: int, dtype: torch.dtype) -> int:
 
 def tiled_linear(x: torch.Tensor, out_features: int, dequantize_rows: Callable[[int, int], torch.Tensor],
                  rows_per_tile: int) -> torch.Tensor:
-    """``x @ W.T`` with W built a tile of output rows at a time by ``dequantize_rows(start, end)``.
-
-    Args:
-        x: (T, in_features). dequantize_rows: returns rows ``[start, end)`` of W as
-            (end - start, in_features) in x's dtype. rows_per_tile: tile height.
-    Returns:
-        (T, out_features) in x's dtype, contiguous.
-    """
+    """``x @ W.T`` (T, out), W built a tile of rows at a time by ``dequantize_rows(start, end)``."""
     out_t = torch.empty(out_features, x.shape[0], dtype=x.dtype, device=x.device)  # (N, T): tiles are rows
     x_t = x.t()
     for start in range(0, out_features, rows_per_tile):
@@ -141,8 +103,7 @@ def tiled_linear(x: torch.Tensor, out_features: int, dequantize_rows: Callable[[
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights take: every parameter (shared ones once) plus, for layers kept
-    quantized, their stored buffers and any kernel-layout copy (``kernel_*`` attributes)."""
+    """Bytes of the weights: parameters (shared once), quantized layers' buffers and ``kernel_*`` copies."""
     seen, total = set(), 0
     tensors = list(model.parameters())
     for module in model.modules():

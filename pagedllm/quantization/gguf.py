@@ -1,21 +1,12 @@
-"""``quantization="gguf"``: GGUF weights kept quantized at run time instead of dequantized to float.
+"""``quantization="gguf"``: Q8_0 kept as int8 groups of 32, Q4_0/Q4_1/Q4_K as int4 groups of 32, without requantizing.
 
-Q8_0 becomes int8 with one scale per 32 weights (:mod:`~pagedllm.quantization.int8`);
-Q4_0, Q4_1 and Q4_K become 4-bit groups of 32 with a scale and a zero
-(:mod:`~pagedllm.quantization.int4`). Block layouts are ggml's (``ggml-quants.c``,
-``gguf.quants``); the conversions re-express each block's scale and min without requantizing:
-
+ggml's block layouts (``ggml-quants.c``):
 - Q8_0 (34 bytes / 32 weights): f16 ``d``, int8 ``q[32]``; ``w = d * q``.
-- Q4_0 (18 bytes): f16 ``d``, 16 bytes of nibbles (element j low, j + 16 high);
-  ``w = d * (q - 8)``.
+- Q4_0 (18 bytes): f16 ``d``, 16 bytes of nibbles (element j low, j + 16 high); ``w = d * (q - 8)``.
 - Q4_1 (20 bytes): f16 ``d``, f16 ``m``, nibbles as Q4_0; ``w = d * q + m``.
-- Q4_K (144 bytes / 256): f16 ``d``, f16 ``dmin``, 12 bytes of 6-bit scales/mins for 8
-  sub-blocks of 32, 128 bytes of nibbles (per 64 weights: 32 low, then 32 high);
-  ``w = d * sc * q - dmin * m``.
-
-Other types in a file (Q6_K, Q5_K, F16, ...) load dequantized to float as before, and so does
-a fused layer (q/k/v, gate/up) whose parts differ in type. Rows are independent, so the
-loader's Q/K row un-permutation and the fused shards work on the raw block bytes unchanged.
+- Q4_K (144 bytes / 256): f16 ``d``, f16 ``dmin``, 12 bytes of 6-bit scales/mins of 8 sub-blocks
+  of 32, 128 bytes of nibbles (per 64 weights: 32 low, then 32 high); ``w = d * sc * q - dmin * m``.
+Other types, and fused layers whose parts differ in type, load dequantized.
 """
 
 from __future__ import annotations
@@ -39,12 +30,10 @@ KEPT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K)
 
 
 def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
-    """The f16 field at byte ``offset`` of each block, as float32 (num_blocks,)."""
     return blocks[:, offset:offset + 2].copy().view(np.float16)[:, 0].astype(np.float32)
 
 
 def _nibbles_32(qs: np.ndarray) -> np.ndarray:
-    """Q4_0/Q4_1 nibbles (B, 16) -> (B, 32) in element order: low nibbles, then high ones."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
 
 
@@ -57,8 +46,7 @@ def convert_q8_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def convert_q4(raw: np.ndarray, kind: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """raw (N, row_bytes) uint8 of Q4_0/Q4_1/Q4_K rows -> q (N, K) uint8 in [0, 15],
-    scales and zeros (N, K / 32) float32 with ``w = (q - 8) * scale + zero``."""
+    """raw (N, row_bytes) uint8 → q (N, K) uint8, scales and zeros (N, K / 32) float32."""
     n = raw.shape[0]
     if kind == Q.Q4_0:
         blocks = raw.reshape(-1, 18)
@@ -71,7 +59,7 @@ def convert_q4(raw: np.ndarray, kind: GGMLQuantizationType) -> tuple[np.ndarray,
     elif kind == Q.Q4_K:
         blocks = raw.reshape(-1, 144)
         d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-        sc, mins = Q4_K.get_scale_min(blocks[:, 4:16])  # (B, 8) each, 6-bit integers
+        sc, mins = Q4_K.get_scale_min(blocks[:, 4:16])  # (B, 8) each
         scales = d[:, None] * sc.astype(np.float32)  # exact: 11-bit mantissa x 6-bit integer
         zeros = 8.0 * scales - dmin[:, None] * mins.astype(np.float32)
         qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
@@ -82,15 +70,12 @@ def convert_q4(raw: np.ndarray, kind: GGMLQuantizationType) -> tuple[np.ndarray,
 
 
 def row_bytes(in_features: int, kind: GGMLQuantizationType) -> int:
-    """Stored bytes of one row of ``in_features`` weights of GGUF type ``kind``."""
     block_size, type_size = GGML_QUANT_SIZES[kind]
     return in_features // block_size * type_size
 
 
 class GGUFLinearMethod(LinearMethod):
-    """One GGUF type kept packed: the loader fills ``layer.weight`` with raw block bytes
-    (N, row_bytes) uint8; after loading they are converted and the method behaves as the int8
-    (Q8_0) or int4 (Q4_*) method."""
+    """The loader fills ``layer.weight`` with (N, row_bytes) uint8 blocks; then it acts as int8 or int4."""
 
     def __init__(self, kind: GGMLQuantizationType) -> None:
         if kind not in KEPT_TYPES:
@@ -125,15 +110,7 @@ class GGUFLinearMethod(LinearMethod):
 
 
 class GGUFConfig(QuantizationConfig):
-    """Keeps a linear layer packed when every checkpoint tensor it is made of has the same
-    kept type (:data:`KEPT_TYPES`).
-
-    Args:
-        tensor_types: Hugging Face weight name -> GGUF type of the file's tensors.
-        fused_parts: fused module leaf name -> the checkpoint leaf names stored in it, e.g.
-            ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}`` (the model's ``packed_modules``
-            inverted).
-    """
+    """Keeps a layer packed when its checkpoint tensors (``fused_parts``: leaf → parts) share a kept type."""
 
     name = "gguf"
 

@@ -1,21 +1,7 @@
-"""Weight-only int4 with group scales: ``W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]``,
-``g = k // group_size``, q in [0, 15].
+"""Weight-only int4: ``W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]``, ``g = k // group_size``, q in [0, 15].
 
-This is the affine form of torch's int4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``,
-the tinygemm convention). It holds, exactly up to float32 rounding of ``zero``:
-
-- asymmetric round-to-nearest quantization of a float checkpoint (``quantization="int4"``,
-  group 32..256): per group ``scale = (max - min) / 15``, ``q = round((W - min) / scale)``,
-  ``zero = min + 8 * scale``;
-- GGUF's 4-bit blocks (group 32): Q4_0 ``(q - 8) * d`` (zero 0), Q4_1 ``q * d + m``
-  (zero ``m + 8d``), Q4_K ``d * sc * q - dmin * m`` (scale ``d * sc``, zero
-  ``8 * d * sc - dmin * m``) — see :mod:`pagedllm.quantization.gguf`.
-
-Storage: ``qweight`` (N, K / 2) uint8, element 2j in the low nibble and 2j+1 in the high
-one; ``scales`` and ``zeros`` (N, K / group) float32. Matmul: bfloat16/float16 activations
-with at most ``kernel_max_tokens`` rows use torch's kernel on a copy packed into its own
-(opaque) layout, made once for such models; everything else dequantizes a tile of output
-rows at a time.
+The form of torch's ``aten._weight_int4pack_mm_for_cpu`` (tinygemm); float checkpoints get
+``scale = (max - min) / 15``, ``zero = min + 8 * scale``. ``qweight`` (N, K / 2) uint8, element 2j low nibble.
 """
 
 from __future__ import annotations
@@ -28,13 +14,8 @@ from pagedllm.quantization.base import LinearMethod, QuantizationConfig, replace
 from pagedllm.quantization.int8 import KERNEL_DTYPES
 
 
-
 def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric int4 per group of ``group_size`` input features.
-
-    weight (N, K) float, K a multiple of group_size -> q (N, K) uint8 in [0, 15],
-    scales (N, K / group) float32, zeros (N, K / group) float32.
-    """
+    """weight (N, K) float → q (N, K) uint8 in [0, 15], scales and zeros (N, K / group) float32."""
     n, k = weight.shape
     w = weight.detach().float().view(n, k // group_size, group_size)
     lo, hi = w.amin(dim=2), w.amax(dim=2)
@@ -50,17 +31,11 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_nibbles`: (N, K / 2) uint8 -> (N, K) uint8."""
     return torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
 
 
 class Int4LinearMethod(LinearMethod):
-    """Keeps ``layer.qweight`` (N, K / 2) uint8, ``layer.scales`` / ``layer.zeros`` (N, K / group)
-    float32. Quantizes a loaded float weight unless :meth:`set_quantized` already filled it.
-
-    Raises ValueError (naming ``quantization_group_size``) when in_features is not a multiple
-    of the group size.
-    """
+    """Quantizes a loaded float weight unless :meth:`set_quantized` filled it. Raises ValueError naming the group."""
 
     kernel_max_tokens = 16
 
@@ -90,10 +65,7 @@ class Int4LinearMethod(LinearMethod):
 
     @staticmethod
     def set_quantized(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
-        """Store q (N, K) uint8 in [0, 15] packed, scales/zeros (N, K / group) float32; drop the float weight.
-
-        ``layer.weight_dtype`` keeps the float dtype the layer had (the model dtype).
-        """
+        """Store q (N, K) packed and scales/zeros; drop the float weight, keeping its dtype as ``weight_dtype``."""
         weight = layer._parameters.get("weight")
         device = weight.device if weight is not None else q.device
         layer.weight_dtype = weight.dtype if weight is not None and weight.is_floating_point() \
@@ -118,7 +90,6 @@ class Int4LinearMethod(LinearMethod):
 
     @staticmethod
     def _rows(layer: nn.Module, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rows [start, end) of W, (end - start, K) in ``dtype``."""
         q = unpack_nibbles(layer.qweight[start:end])  # (rows, K) uint8
         scales, zeros = layer.scales[start:end], layer.zeros[start:end]
         rows, k = q.shape
@@ -129,7 +100,7 @@ class Int4LinearMethod(LinearMethod):
 
 
 class Int4Config(QuantizationConfig):
-    """``quantization="int4"``: every projection (not a tied LM head) int4 with group scales."""
+    """``quantization="int4"``: every projection but a tied LM head."""
 
     name = "int4"
 

@@ -1,20 +1,7 @@
-"""KV-cache dtypes: what the paged cache stores per token and head, and how to get it back.
+"""KV-cache dtypes (vLLM's names): the cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
 
-``kv_cache_dtype`` (vLLM's names where they exist):
-
-- ``auto``: the model dtype (no conversion);
-- ``bfloat16``: K/V rounded to bfloat16 (half of float32's bytes);
-- ``fp8`` / ``fp8_e4m3``: float8 e4m3 (``torch.float8_e4m3fn``, max 448), ``fp8_e5m2``
-  (max 57344), with one per-tensor scale per layer for K and one for V. As in vLLM when the
-  checkpoint carries no ``k_scale``/``v_scale``, the scale is 1.0: values are rounded to the
-  nearest float8 and saturate at the format's maximum;
-- ``int8``: symmetric int8 with one float32 scale per token and KV head,
-  ``scale = max|x| / 127`` over head_dim, kept in a tensor beside the blocks
-  (``kv_scales[2, num_blocks, block_size, num_kv_heads]``, indexed by the same slots).
-
-The cache tensor is ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` in the storage
-dtype. Writing quantizes; every backend reads through :func:`dequantize_kv` (or its own
-kernel doing the same arithmetic), so attention itself runs in the model dtype.
+fp8: one scale for K and one for V per layer (1.0 without checkpoint scales), saturating. int8:
+``scale = max|x| / 127`` over head_dim, in ``kv_scales[2, num_blocks, block_size, num_kv_heads]`` float32.
 """
 
 from __future__ import annotations
@@ -29,14 +16,7 @@ _FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8
 
 @dataclass(frozen=True)
 class KVCacheDtype:
-    """The resolved storage of the KV cache.
-
-    Attributes:
-        name: the ``kv_cache_dtype`` option (``fp8`` resolved to ``fp8_e4m3``).
-        storage: dtype of the cache tensor.
-        has_token_scales: int8: a float32 scale per (token, KV head) beside the blocks.
-        tensor_scale: fp8's per-tensor scale (stored = value / scale); 1.0 otherwise.
-    """
+    """The resolved KV-cache storage; fp8 stores value / ``tensor_scale``."""
 
     name: str
     storage: torch.dtype
@@ -45,7 +25,6 @@ class KVCacheDtype:
 
     @property
     def is_quantized(self) -> bool:
-        """True when writing rounds to fewer bits than bfloat16 (fp8, int8)."""
         return self.storage in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
     def bytes_per_token_head(self, head_dim: int) -> int:
@@ -54,11 +33,7 @@ class KVCacheDtype:
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> KVCacheDtype:
-    """The storage for ``kv_cache_dtype=name`` with a model in ``model_dtype``.
-
-    Raises ValueError naming ``kv_cache_dtype`` for an unknown name, or for fp8 on a torch
-    build without float8 dtypes.
-    """
+    """The storage for ``kv_cache_dtype=name``. Raises ValueError (unknown name, fp8 without float8 torch)."""
     if name == "auto":
         return KVCacheDtype("auto", model_dtype)
     if name == "bfloat16":
@@ -76,12 +51,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> KVCacheDtype:
 
 def quantize_kv(x: torch.Tensor, storage: torch.dtype, tensor_scale: float = 1.0
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """New K or V rows for the cache.
-
-    x: (T, num_kv_heads, head_dim) float -> (values (T, num_kv_heads, head_dim) in ``storage``,
-    scales (T, num_kv_heads) float32 for int8, else None). fp8 rounds to nearest even and
-    saturates at the format's maximum (448 for e4m3fn, 57344 for e5m2); int8 rounds to nearest even.
-    """
+    """x (T, num_kv_heads, head_dim) → (values in ``storage``, int8's (T, num_kv_heads) float32 scales or None)."""
     if storage == torch.int8:
         xf = x.float()
         scales = xf.abs().amax(dim=-1) / 127.0  # (T, num_kv_heads)
@@ -91,7 +61,7 @@ def quantize_kv(x: torch.Tensor, storage: torch.dtype, tensor_scale: float = 1.0
     if tensor_scale != 1.0:
         x = x / tensor_scale
     if storage in (torch.float8_e4m3fn, torch.float8_e5m2):
-        # saturate (torch's e5m2 conversion overflows to inf; every backend's writer clamps alike)
+        # torch's e5m2 conversion overflows to inf; every backend's writer clamps alike
         limit = torch.finfo(storage).max
         x = x.clamp(-limit, limit)
     return x.to(storage), None
@@ -109,12 +79,10 @@ def dequantize_kv(values: torch.Tensor, scales: torch.Tensor | None, dtype: torc
 
 
 def round_trip_kv(x: torch.Tensor, storage: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
-    """x rounded as a cache of ``storage`` stores it, back in ``dtype`` (same shape)."""
     stored, scales = quantize_kv(x, storage)
     return dequantize_kv(stored, scales, dtype)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A same-shape uint8/int8 view for 1-byte dtypes whose CPU copy/gather ops are missing
-    (float8 has no ``index_copy_``/``index_select`` on CPU); other tensors unchanged."""
+    """float8 viewed as uint8 (no ``index_copy_``/``index_select`` on CPU); other tensors unchanged."""
     return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t

@@ -1,13 +1,6 @@
-"""The grammar backend on xgrammar: spec → grammar, compile against the tokenizer, matchers.
+"""The grammar backend on xgrammar (Dong et al. 2024): spec → grammar, compiles per tokenizer, matchers.
 
-xgrammar (Dong et al. 2024, "XGrammar: Flexible and Efficient Structured Generation
-Engine for Large Language Models") compiles a JSON schema, regex or EBNF grammar once per
-tokenizer into a pushdown automaton with precomputed token masks; a ``GrammarMatcher``
-then walks it token by token and fills the next-token bitmask (int32 words, bit j of
-word i = token 32*i + j allowed) in microseconds.
-
-Nothing here runs on the step loop except matcher calls: compiles run on the manager's
-worker thread (:mod:`pagedllm.structured_output.manager`).
+Bitmask: int32 words, bit j of word i allows token 32*i + j. Only matcher calls run on the step loop.
 """
 
 from __future__ import annotations
@@ -23,12 +16,7 @@ from pagedllm.sampling_params import StructuredOutputsParams
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """A constraint in canonical, hashable form: the compile cache's key (with the tokenizer).
-
-    ``kind`` is one of ``json``, ``regex``, ``grammar`` (EBNF; ``choice`` becomes one) or
-    ``json_object``; ``text`` the schema (JSON text), regex or EBNF; ``any_whitespace``
-    whether JSON may hold optional whitespace.
-    """
+    """A constraint in canonical, hashable form; ``kind``: json, regex, grammar (EBNF, also choice) or json_object."""
 
     kind: str
     text: str
@@ -57,19 +45,12 @@ def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
 
 
 def choice_as_ebnf(choices: list[str]) -> str:
-    """An EBNF grammar whose language is exactly ``choices`` (literal strings, any characters)."""
-    # JSON string escaping (\" \\ \n \uXXXX) is valid EBNF string-literal escaping in xgrammar.
+    """An EBNF grammar whose language is exactly ``choices``; JSON escaping is valid xgrammar EBNF."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 def validate_structured_outputs(params: StructuredOutputsParams) -> GrammarSpec:
-    """Check that the constraint compiles (grammar level, no tokenizer: milliseconds).
-
-    Returns its :class:`GrammarSpec`. Raises ValueError naming the field
-    (``structured_outputs.json`` / ``.regex`` / ``.grammar`` / ``.choice``) with xgrammar's
-    reason for an invalid JSON schema, a regex it cannot compile or a malformed grammar;
-    ImportError when xgrammar is not installed.
-    """
+    """The spec, once it compiles without a tokenizer. Raises ValueError naming the field; ImportError."""
     xgr = _import_xgrammar()
     spec = grammar_spec(params)
     field = f"structured_outputs.{params.kind}"
@@ -87,7 +68,6 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> GrammarSpec:
 
 
 def _check_json_schema(schema: Any) -> None:
-    """Reject schemas the JSON Schema meta-schema rejects (``jsonschema``, when installed)."""
     try:
         import jsonschema
     except ImportError:  # xgrammar's own checks still run
@@ -114,11 +94,7 @@ def _import_xgrammar():
 
 
 def tokenizer_fingerprint(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> str:
-    """sha256 of the vocabulary (id → token text), the model's vocab size and the stop ids.
-
-    Two engines with the same fingerprint produce the same compiled grammars, so it is the
-    tokenizer half of the compile-cache key.
-    """
+    """sha256 of the vocabulary, vocab size and stop ids: the tokenizer half of the compile-cache key."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     h = hashlib.sha256()
     h.update(json.dumps([vocab_size, sorted(stop_token_ids)]).encode())
@@ -128,26 +104,13 @@ def tokenizer_fingerprint(tokenizer, vocab_size: int, stop_token_ids: list[int])
 
 
 class XgrammarBackend:
-    """Compiles :class:`GrammarSpec`\\ s against one tokenizer and makes matchers for them.
-
-    Args:
-        tokenizer: a transformers tokenizer (fast); its vocabulary and byte encoding are
-            read by ``xgrammar.TokenizerInfo.from_huggingface``.
-        vocab_size: the model's logits width (may exceed the tokenizer's vocabulary; the
-            extra ids are never allowed).
-        stop_token_ids: the ids that end generation (EOS and the model's other end-of-turn
-            ids): allowed once the grammar is complete, and they terminate the matcher.
-        max_threads: xgrammar's compile threads.
-
-    ``compile`` is thread-safe (the manager calls it from its worker thread); matchers are
-    used from the engine thread only.
-    """
+    """Compiles specs for one tokenizer (``compile`` is thread-safe); ``vocab_size``: the logits width."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int = 2) -> None:
         xgr = _import_xgrammar()
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        # Our manager caches compiled grammars by spec; xgrammar's own cache would hold a second copy.
+        # the manager caches compiled grammars; xgrammar's cache would hold a second copy
         self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
         self.vocab_size = vocab_size
 
@@ -155,8 +118,7 @@ class XgrammarBackend:
         """The ``xgrammar.CompiledGrammar`` of ``spec``. Raises RuntimeError from xgrammar on failure."""
         c = self.compiler
         if spec.kind == "json":
-            # strict_mode (xgrammar's default, as in vLLM): objects get no properties beyond
-            # those listed unless the schema allows more (additionalProperties).
+            # strict_mode (as in vLLM): no properties beyond those listed unless additionalProperties
             return c.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace)
         if spec.kind == "json_object":
             return c.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace,
@@ -168,5 +130,4 @@ class XgrammarBackend:
         raise ValueError(f"unknown grammar kind {spec.kind!r}")
 
     def new_matcher(self, compiled):
-        """A fresh ``xgrammar.GrammarMatcher`` at the grammar's start (unbounded rollback)."""
         return self._xgr.GrammarMatcher(compiled)

@@ -9,17 +9,7 @@ from pagedllm.structured_output.manager import GrammarBitmask
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, sample_req_ids: list[str], grammar: GrammarBitmask) -> None:
-    """Set every token the grammar forbids to -inf, in place, in the rows of constrained requests.
-
-    Args:
-        logits: float [N, V], row i for ``sample_req_ids[i]`` (the runner's sampling order).
-        sample_req_ids: the requests sampling this step, in logits row order.
-        grammar: the manager's bitmask rows (any order; requests not sampling are skipped).
-
-    Unconstrained rows are not touched (xgrammar's kernel gets their indices only). When
-    the bitmask rows already line up with the logits rows it is applied without a copy;
-    otherwise it is scattered into an [N, ceil(V/32)] array first (all bits set elsewhere).
-    """
+    """Set forbidden tokens to -inf in place; logits float [N, V], row i for ``sample_req_ids[i]``."""
     import xgrammar
 
     pos = {rid: i for i, rid in enumerate(sample_req_ids)}
@@ -27,7 +17,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, sample_req_ids: list[str], gramm
     if not src:
         return
     dst = [pos[grammar.req_ids[j]] for j in src]
-    if dst == src:  # row j of the bitmask is row j of the logits
+    if dst == src:  # rows line up: no copy
         bitmask = torch.from_numpy(grammar.bitmask)
     else:
         full = np.full((logits.shape[0], grammar.bitmask.shape[1]), -1, dtype=np.int32)

@@ -1,24 +1,10 @@
 """StructuredOutputManager: compiled grammars, one matcher per request, the step's bitmask.
 
-The engine owns one manager; the scheduler never sees a grammar (it sees the request
-status WAITING_FOR_GRAMMAR and ``Scheduler.set_grammar_ready``), and the model runner
-gets the step's bitmask as a plain array (:class:`GrammarBitmask`).
-
-Life of a constrained request:
-
-1. ``add_request``: its spec is looked up in the compile cache, keyed by (tokenizer
-   fingerprint, spec); a miss submits the compile to the worker thread. Requests with
-   the same spec share one compile (a future), whether or not it has finished.
-2. ``update_ready`` (each step, before ``schedule()``): requests whose compile finished
-   get a matcher and become admissible; failed compiles are reported. A slow compile
-   delays only its own request; the batch goes on.
-3. ``grammar_bitmask`` (after ``schedule()``): fills one bitmask row per constrained
-   request that samples this step.
-4. ``accept_tokens`` (after ``update_from_output``): each matcher is synced to its
-   request's output: advanced by the new tokens, or rolled back if it is ahead (output
-   the engine took back). Requests whose grammar terminated are reported to be ended.
-
-Not thread-safe except the compiles: the engine thread calls every method.
+A constrained request: ``add_request`` (compile cache keyed by (tokenizer fingerprint, spec),
+one shared future per spec) → ``update_ready`` before ``schedule()`` (compiled: matcher, then
+``Scheduler.set_grammar_ready``) → ``grammar_bitmask`` after it → ``accept_tokens`` after
+``update_from_output`` (matcher advanced or rolled back to the output). The engine thread calls
+every method; only compiles run on the worker thread.
 """
 
 from __future__ import annotations
@@ -43,9 +29,7 @@ logger = logging.getLogger("pagedllm")
 
 @dataclass
 class GrammarBitmask:
-    """The step's grammar masks: row i of ``bitmask`` (int32 [R, ceil(V/32)]) is for
-    ``req_ids[i]``; bit j of word w set = token 32*w + j allowed. Only requests that are
-    constrained *and* sample this step have a row."""
+    """Row i of ``bitmask`` (int32 [R, ceil(V/32)]) is for ``req_ids[i]``, a constrained request sampling now."""
 
     req_ids: list[str]
     bitmask: np.ndarray
@@ -53,8 +37,7 @@ class GrammarBitmask:
 
 @dataclass
 class StepGrammarResult:
-    """What ``accept_tokens`` found: requests whose grammar terminated (to end as stop), and
-    requests whose token the grammar rejected (to fail: the mask was not applied)."""
+    """Requests whose grammar terminated (to end as stop) or rejected a token (to fail)."""
 
     terminated: list[str] = field(default_factory=list)
     rejected: dict[str, str] = field(default_factory=dict)
@@ -64,20 +47,12 @@ class StepGrammarResult:
 class _RequestGrammar:
     spec: GrammarSpec
     future: cf.Future
-    matcher: object | None = None  # xgrammar.GrammarMatcher once compiled
-    num_accepted: int = 0  # output tokens the matcher has consumed
+    matcher: object | None = None
+    num_accepted: int = 0
 
 
 class StructuredOutputManager:
-    """See the module docstring.
-
-    Args:
-        tokenizer, vocab_size, stop_token_ids: as :class:`XgrammarBackend` takes them
-            (the backend is built on the worker thread at the first compile: reading the
-            vocabulary takes most of a second).
-        max_num_seqs: bitmask rows preallocated (a step samples at most this many).
-        max_cache_entries: compiled grammars kept (least recently used dropped first).
-    """
+    """The backend is built on the worker thread at the first compile; the cache drops least recent first."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_num_seqs: int,
                  max_cache_entries: int = 256) -> None:
@@ -91,25 +66,21 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple[str, GrammarSpec], cf.Future] = OrderedDict()
         self._max_cache_entries = max_cache_entries
         self._requests: dict[str, _RequestGrammar] = {}
-        self._pending: dict[str, _RequestGrammar] = {}  # compiling
+        self._pending: dict[str, _RequestGrammar] = {}
         self._bitmask = np.empty((max_num_seqs, (vocab_size + 31) // 32), dtype=np.int32)
-        self.num_compiles = 0  # compiles started (cache misses)
-        self.compile_seconds: dict[GrammarSpec, float] = {}  # wall time of each compile
+        self.num_compiles = 0
+        self.compile_seconds: dict[GrammarSpec, float] = {}
 
-    # ------------------------------------------------------------------ requests
     @staticmethod
     def validate(request_params) -> GrammarSpec:
-        """Validate ``request_params.structured_outputs`` (see ``validate_structured_outputs``).
-
-        Raises ValueError naming the field, also when xgrammar is not installed.
-        """
+        """Raises ValueError naming the field, also when xgrammar is not installed."""
         try:
             return validate_structured_outputs(request_params.structured_outputs)
         except ImportError as e:
             raise ValueError(f"structured_outputs cannot be served: {e}") from None
 
     def add_request(self, request: Request, spec: GrammarSpec) -> None:
-        """Start (or share) the compile of ``spec`` for ``request`` (status WAITING_FOR_GRAMMAR)."""
+        """Start (or share) the compile of ``spec`` for a request WAITING_FOR_GRAMMAR."""
         key = (self._tokenizer_key(), spec)
         future = self._cache.get(key)
         if future is None:
@@ -123,7 +94,7 @@ class StructuredOutputManager:
         self._pending[request.request_id] = state
 
     def remove_requests(self, request_ids) -> None:
-        """Forget requests (finished or aborted); unknown ids are ignored."""
+        """Forget requests; unknown ids are ignored."""
         for rid in request_ids:
             self._requests.pop(rid, None)
             self._pending.pop(rid, None)
@@ -132,11 +103,9 @@ class StructuredOutputManager:
         return bool(self._pending)
 
     def update_ready(self, scheduler, block: bool = False, timeout: float = 0.25) -> dict[str, str]:
-        """Make requests whose grammar compiled admissible (``scheduler.set_grammar_ready``).
+        """Make compiled requests admissible; ``block`` waits up to ``timeout`` s when nothing else can run.
 
-        ``block``: wait up to ``timeout`` seconds for a compile when nothing else can run
-        (instead of spinning). Returns ``{request_id: error}`` for compiles that failed
-        (the caller ends those requests).
+        Returns ``{request_id: error}`` of failed compiles, for the caller to end.
         """
         if not self._pending:
             return {}
@@ -170,16 +139,9 @@ class StructuredOutputManager:
         matcher.fill_next_token_bitmask(self._bitmask, 0)
         return bool(self._bitmask[0].any())
 
-    # ------------------------------------------------------------------ per step
     def grammar_bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
                         ) -> GrammarBitmask | None:
-        """Bitmask rows for the constrained requests that sample this step, or None if none do.
-
-        A request samples when this step's tokens bring its KV to all its known tokens
-        (``num_computed_tokens + num_scheduled == num_tokens``, the contract of
-        ``pagedllm.core.outputs``). The array is a view of a reused buffer: valid until the
-        next call.
-        """
+        """Rows for constrained requests sampling this step, or None; a view valid until the next call."""
         if not self._requests:
             return None
         req_ids = []
@@ -196,10 +158,7 @@ class StructuredOutputManager:
         return GrammarBitmask(req_ids, self._bitmask[:len(req_ids)])
 
     def accept_tokens(self, updated: list[Request]) -> StepGrammarResult:
-        """Sync each updated request's matcher with its output; report terminated/rejected ones.
-
-        Finished requests are forgotten after their sync.
-        """
+        """Sync each matcher with its request's output; finished requests are then forgotten."""
         result = StepGrammarResult()
         for req in updated:
             state = self._requests.get(req.request_id)
@@ -216,20 +175,19 @@ class StructuredOutputManager:
 
     @staticmethod
     def _sync(state: _RequestGrammar, output_token_ids: list[int]) -> str | None:
-        """Advance (or roll back) the matcher to ``output_token_ids``; an error string if a token is rejected."""
+        """Advance or roll back the matcher to the output; an error string if a token is rejected."""
         matcher = state.matcher
         if state.num_accepted > len(output_token_ids):
             matcher.rollback(state.num_accepted - len(output_token_ids))
             state.num_accepted = len(output_token_ids)
         for tok in output_token_ids[state.num_accepted:]:
             if matcher.is_terminated():
-                break  # tokens after termination (the request is being ended) are not the grammar's
+                break  # the request is being ended
             if not matcher.accept_token(tok):
                 return f"token {tok} at output position {state.num_accepted} violates the grammar"
             state.num_accepted += 1
         return None
 
-    # ------------------------------------------------------------------ compiles
     def _tokenizer_key(self) -> str:
         if self._fingerprint is None:
             self._fingerprint = tokenizer_fingerprint(self._tokenizer, self.vocab_size, self._stop_token_ids)
@@ -237,7 +195,7 @@ class StructuredOutputManager:
 
     def _submit(self, spec: GrammarSpec) -> cf.Future:
         if self._executor is None:
-            # One thread: compiles are rare and the step loop needs the other core.
+            # compiles are rare; the step loop needs the cores
             self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-grammar")
         self.num_compiles += 1
         return self._executor.submit(self._compile, spec)
@@ -251,14 +209,13 @@ class StructuredOutputManager:
         return compiled
 
     def backend(self) -> XgrammarBackend:
-        """The xgrammar backend, built on first use (thread-safe)."""
         with self._backend_lock:
             if self._backend is None:
                 self._backend = XgrammarBackend(self._tokenizer, self.vocab_size, self._stop_token_ids)
             return self._backend
 
     def shutdown(self) -> None:
-        """Stop the compile thread (pending compiles are cancelled)."""
+        """Stop the compile thread, cancelling pending compiles."""
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None

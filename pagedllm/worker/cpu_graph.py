@@ -1,37 +1,6 @@
-"""CPU decode graphs: a decode step's layer stack recorded once per batch size, then replayed.
-
-On CPU every operation of a decode step's layers is one of the engine's own C kernels
-(RMSNorm, the skinny GEMM, rotary, paged attention, act-and-mul; :mod:`pagedllm.ops`), and
-the Python around them -- module calls, tensor checks, strides, thread counts, argument
-packing -- costs a tenth of a small model's step or more. Their arguments change with the
-batch size only, as long as every intermediate tensor stays where it was: the CUDA-graph
-idea (vLLM's ``CUDAGraphWrapper``; :mod:`pagedllm.worker.cuda_graph`) with ctypes calls in
-place of kernel launches:
-
-- **capture**: the second consecutive decode-only step with T rows (and the same thread
-  count) runs eagerly with a :class:`~pagedllm.ops.recording.Recording` active; every
-  kernel wrapper records its call (function, exact arguments, a copy of its argument
-  struct); the wrappers' outputs come from the graph's pool and every other tensor the pass
-  creates is kept, so the recorded pointers stay valid.
-  The embedding and the rotary rows are looked up outside (torch ops on the step's ids and
-  positions) and copied into the capture's input tensors.
-- **guard**: a torch dispatch mode watches the pass: any torch op that computes (anything
-  but allocation and views), outside what a wrapper explicitly replays itself, refuses the
-  capture for that size (a family with torch code in its layers, a linear too wide for the
-  skinny GEMM, a mixture of experts): that size stays eager. The captured pass itself ran
-  eagerly, so its output is right either way.
-- **replay**: copy the step's embeddings and rotary rows into the captured inputs and make
-  the recorded calls in order. Attention is recorded as a callable (it reads the step's
-  metadata: block tables, lengths, slots), re-run each replay for the current step.
-
-Replays make exactly the eager pass's kernel calls, so outputs are bitwise the same
-(``tests/test_cpu_graph.py``). Memory: the kernel wrappers' outputs come from a pool per graph that reuses a block once the
-captured pass has dropped its tensor (:class:`_ArenaPool`), so a graph keeps about one layer's
-activations, not every layer's, and replays touch the same cache-warm memory eager steps do; at
-most ``max_graphs`` sizes are kept, least recently used dropped.
-``enforce_eager=True`` turns them off; the torch profiler being on runs eagerly (profiles
-show every op).
-"""
+"""CPU decode graphs: a decode step's C-kernel calls recorded once per batch size, then replayed
+without the Python around them (the eager pass's exact calls: bitwise the same outputs).
+Capture, guard and replay: docs/engine.md, "CPU decode graphs"."""
 
 from __future__ import annotations
 
@@ -74,23 +43,15 @@ def _computes_nothing(func, args: tuple, out) -> bool:
 
 
 class _ArenaPool:
-    """The memory of the tensors a recorded pass allocates (``torch.empty`` in the kernel wrappers),
-    owned for as long as the graph lives and reused within the pass as eager reuses freed memory.
-
-    Eager, each layer's intermediates go back to malloc when the layer is done and the next layer
-    gets the same, cache-warm memory; keeping every tensor of the pass alive instead (so that the
-    recorded pointers stay valid) gives each of the 30 layers new memory, and a decode step at batch
-    32 lost as much time to the cache misses as it saved in Python. Here a tensor handed out is a
-    view of a block the pool owns; when the pass drops its last reference, the block goes back to
-    the free list (latest first, exact size) for the next allocation of that size. Replays make
-    the same calls in the same order, so a block is only overwritten after the calls that read its
-    previous contents, as in the captured pass.
-    """
+    """Memory for a recorded pass's allocations, owned while the graph lives and reused within the
+    pass as eager reuses freed memory (fresh memory per layer costs more in cache misses than the
+    replay saves). A dropped view returns its block to the free list; replays keep the call order,
+    so a block is overwritten only after the calls reading its previous contents."""
 
     ALIGN = 64  # bytes, as torch's CPU allocator
 
     def __init__(self) -> None:
-        self.blocks: list[np.ndarray] = []  # owned memory, 64-byte aligned views of their bases
+        self.blocks: list[np.ndarray] = []  # 64-byte aligned views of their bases
         self.free: dict[int, list[int]] = {}  # block bytes -> indices of free blocks, latest last
         self.owned: dict[int, int] = {}  # data pointer of a block -> its index
 
@@ -99,7 +60,6 @@ class _ArenaPool:
         return sum(b.nbytes for b in self.blocks)
 
     def empty(self, size: list[int], dtype: torch.dtype) -> torch.Tensor | None:
-        """An uninitialised contiguous tensor from the pool; None for an empty one."""
         nbytes = math.prod(size) * dtype.itemsize
         if nbytes == 0:
             return None
@@ -112,14 +72,13 @@ class _ArenaPool:
             offset = -base.ctypes.data % self.ALIGN
             self.blocks.append(base[offset:offset + rounded])
             index = self.owned[self.blocks[-1].ctypes.data] = len(self.blocks) - 1
-        view = self.blocks[index][:nbytes]  # a new view object: its finalizer returns the block
+        view = self.blocks[index][:nbytes]  # its finalizer returns the block
         weakref.finalize(view, self.free.setdefault(rounded, []).append, index)
         return torch.from_numpy(view).view(dtype).view(size)
 
     def alias(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` itself, or for a view of a pool block the same view that does not keep the block in
-        use: what a recorded callable holds to read at replay memory that later calls of the pass
-        may reuse (they run after it in every replay too)."""
+        """``t``, or for a view of a pool block the same view without keeping the block in use
+        (what a recorded callable holds: later calls that reuse the block run after it)."""
         storage = _storage(t)
         index = self.owned.get(storage[0]) if storage is not None else None
         if index is None:
@@ -129,9 +88,8 @@ class _ArenaPool:
 
 
 class _CaptureGuard(TorchDispatchMode):
-    """Serves the kernel wrappers' allocations from ``pool``, keeps every other tensor the recorded
-    pass makes (the recorded pointers point into them) and notes the first torch op that computes
-    outside :meth:`Recording.allowed`."""
+    """Serves the wrappers' allocations from ``pool``, keeps every other tensor of the pass (the
+    recorded pointers point into them), notes the first computing op outside a wrapper."""
 
     def __init__(self, rec: Recording, pool: _ArenaPool) -> None:
         super().__init__()
@@ -155,7 +113,7 @@ class _CaptureGuard(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 storage = _storage(t)
                 if storage is not None and storage[0] in self.pool.owned:
-                    continue  # a view of a pool block: the pool holds the memory, the pass its lifetime
+                    continue  # the pool holds the memory
                 self.rec.keep.append(t)
                 if storage is not None and storage not in inputs:  # new memory, not a view of a weight or the KV cache
                     self.storages[storage[0]] = storage[1]
@@ -163,7 +121,6 @@ class _CaptureGuard(TorchDispatchMode):
 
 
 def _is_plain_empty(kwargs: dict) -> bool:
-    """``torch.empty`` of a contiguous, strided CPU tensor (what the pool serves)."""
     device = kwargs.get("device")
     return (kwargs.get("layout") in (None, torch.strided) and (device is None or torch.device(device).type == "cpu")
             and kwargs.get("memory_format") in (None, torch.contiguous_format) and not kwargs.get("pin_memory"))
@@ -178,7 +135,6 @@ def _storage(t: torch.Tensor) -> tuple[int, int] | None:
 
 
 class _Graph:
-    """One recorded pass: its input tensors (embeddings, rotary rows), its calls and its output."""
 
     def __init__(self, rec: Recording, pool: _ArenaPool, hidden: torch.Tensor, cos_sin: dict[str, torch.Tensor],
                  out: torch.Tensor) -> None:
@@ -193,17 +149,9 @@ class _Graph:
 
 
 class CpuDecodeGraphs:
-    """Decode-only forward passes of ``model`` recorded and replayed per (rows, threads).
-
-    Args:
-        model: a :class:`~pagedllm.models.llama.LlamaForCausalLM` (or subclass): ``model.model``
-            has ``embed_tokens`` and ``forward_layers``, and ``model.rope_rows`` gives the
-            rotary rows (:meth:`supports`).
-        max_graphs: sizes kept at once (least recently used dropped first).
-
-    ``num_captured`` / ``num_replayed`` / ``refused`` (size -> the op that refused it) are
-    there for tests and logs.
-    """
+    """Decode-only forward passes of ``model`` (one :meth:`supports` accepts) recorded and
+    replayed per (rows, threads); at most ``max_graphs`` kept, least recently used dropped.
+    ``refused`` maps a size to the op that refused its capture."""
 
     def __init__(self, model: torch.nn.Module, max_graphs: int = DEFAULT_MAX_GRAPHS) -> None:
         if max_graphs < 1:
@@ -215,14 +163,13 @@ class CpuDecodeGraphs:
         self.num_captured = 0
         self.num_replayed = 0
         self._last_key: tuple[int, int] | None = None
-        self._generation = packing_generation()  # the linears' packing the graphs were recorded against
+        self._generation = packing_generation()
         self._eager = False  # a repacking left some decoder linear without its skinny weight
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
-        """Whether ``model`` has the split forward this needs (embeddings, rotary rows, layers) and
-        every linear layer of its decoder runs the skinny GEMM (a quantized, oneDNN-only or
-        ``F.linear`` projection is a torch op: each size's capture would be refused)."""
+        """Whether ``model`` has the split forward (embeddings, rotary rows, layers) and every
+        decoder linear runs the skinny GEMM (any other projection is a torch op: refused)."""
         from pagedllm.models.layers.linear import Linear
 
         inner = getattr(model, "model", None)
@@ -234,22 +181,20 @@ class CpuDecodeGraphs:
 
     @staticmethod
     def can_run(metas: list[AttentionMetadata | None]) -> bool:
-        """A decode-only step (one token per request in every KV-cache group), not profiled."""
+        """A decode-only step, not under the profiler."""
         return (bool(metas) and all(m is not None and m.num_decodes == m.num_reqs for m in metas)
                 and not _profiling())
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The model's final hidden states, (T, hidden), for a decode-only step (:meth:`can_run`),
-        called inside the step's ``set_forward_context``: replayed when this size was
-        captured, captured on its second consecutive step, else eager. After any linear was
-        packed again (``packing_generation`` changed) every graph is dropped first, and the
-        steps stay eager if the new packing is not one :meth:`supports`."""
-        if packing_generation() != self._generation:  # a replay would call the old packed copies
+        """Final hidden states (T, hidden) of a decode-only step, inside its ``set_forward_context``:
+        replayed if this size was captured, captured on its second consecutive step, else eager.
+        A repacked linear drops every graph first (and stays eager if :meth:`supports` fails)."""
+        if packing_generation() != self._generation:
             self.clear()
             self._generation = packing_generation()
             self._eager = not self.supports(self.model)
         key = (int(input_ids.shape[0]), torch.get_num_threads())
-        hidden = self.model.model.embed_tokens(input_ids)  # (T, hidden)
+        hidden = self.model.model.embed_tokens(input_ids)
         cos_sin = self.model.rope_rows(positions)
         if self._eager:
             return self.model.model.forward_layers(hidden, cos_sin)
@@ -264,7 +209,7 @@ class CpuDecodeGraphs:
         return self.model.model.forward_layers(hidden, cos_sin)
 
     def clear(self) -> None:
-        """Drop every graph (their memory) and forget refusals: after weights or caches change."""
+        """Drop every graph and refusal (after weights or caches change)."""
         self.graphs.clear()
         self.refused.clear()
         self._last_key = None

@@ -1,30 +1,5 @@
-"""CUDA graphs for decode steps: static buffers, capture sizes, padding, eager fallback.
-
-At small batch a GPU decode step is launch-bound: a few hundred small kernels whose launch
-overhead on the host exceeds their run time. A CUDA graph records the step's kernels once
-and replays them with one launch. A graph replays fixed addresses and fixed launch shapes,
-so (as in vLLM):
-
-- every input lives in a **static buffer** (token ids, positions, query_start_loc,
-  seq_lens, and per KV-cache group the slot mapping and block tables) sized for the largest
-  captured batch; a step copies its inputs into the buffers' first rows;
-- graphs are captured for a few **batch sizes** (1, 2, 4, 8, 16, 32, ... and
-  ``max_num_seqs``); a decode batch of n requests is **padded** to the smallest captured
-  size >= n. A padding row is a one-token request at position 0 whose K/V go to a reserved
-  *padding block* (one block past the scheduler's pool, never handed out) and that attends
-  to that block only: every backend handles it like any request, and it cannot touch a
-  real request's cache;
-- batches with a prefill, and decode batches larger than the largest size, run **eagerly**;
-  ``enforce_eager=True`` (vLLM's name) turns graphs off altogether.
-
-The same buffers and padding are used with graphs off (``mode="pad"``), which is how the
-padding logic is tested on CPU: the padded step must give the unpadded step's outputs.
-
-The metadata a graph was captured with carries host-side values the backend reads at
-capture time (request count, longest query 1, longest context = ``max_model_len`` so the
-Triton backend picks its split-KV layout for any context); only backends whose launches
-depend on nothing else (``supports_cuda_graphs``) are captured.
-"""
+"""CUDA graphs for decode steps: static buffers, capture sizes, padding to a reserved block,
+eager fallback (as vLLM; why: docs/engine.md). ``mode="pad"`` pads without graphs (CPU tests)."""
 
 from __future__ import annotations
 
@@ -64,18 +39,10 @@ class _Graph:
 
 
 class DecodeGraphRunner:
-    """Runs decode-only steps through static buffers, padded to a captured size (and replayed as CUDA graphs).
+    """Runs decode-only steps through static buffers, padded to a captured size (replayed as graphs).
 
-    Args:
-        model: ``forward(input_ids, positions) -> (T, hidden)`` reading the forward context.
-        sizes: capture sizes, ascending (:func:`capture_sizes`).
-        num_groups: KV-cache groups (one metadata per group, see ``set_forward_context``).
-        max_blocks_per_seq: block-table width.
-        block_size: tokens per block.
         padding_block: physical id of the reserved block padding rows write and read.
-        max_model_len: the longest context (the captured metadata's ``max_seq_len``).
-        device: where the buffers live.
-        use_graphs: capture and replay (CUDA); False = the same buffers and padding, run eagerly.
+        use_graphs: capture and replay (CUDA); False: the same buffers and padding, eager.
     """
 
     def __init__(self, model: Callable[..., torch.Tensor], sizes: list[int], max_blocks_per_seq: int,
@@ -91,27 +58,24 @@ class DecodeGraphRunner:
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.zeros(num_groups, n, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token per request
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(num_groups, n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[int, _Graph] = {}
 
     def padded_size(self, num_reqs: int) -> int | None:
-        """The smallest size >= ``num_reqs``, or None when the batch is larger than every size."""
+        """The smallest size >= ``num_reqs``, or None."""
         return next((s for s in self.sizes if s >= num_reqs), None)
 
     def can_run(self, metadata: AttentionMetadata) -> bool:
-        """A decode-only batch (one query token per request) no larger than the largest size."""
+        """A decode-only batch no larger than the largest size."""
         return (metadata.num_reqs > 0 and metadata.num_decodes == metadata.num_reqs
                 and self.padded_size(metadata.num_reqs) is not None)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             metadata: list[AttentionMetadata]) -> torch.Tensor:
-        """Hidden states (n, hidden) of the n decode tokens, computed on the padded batch.
-
-        ``metadata``: the step's metadata per KV-cache group. Call only when :meth:`can_run`;
-        the returned tensor is a view of a graph's output buffer, valid until the next call.
-        """
+        """Hidden states (n, hidden) of the n decode tokens, computed on the padded batch (metadata
+        per KV-cache group). Only when :meth:`can_run`; a view valid until the next call."""
         n = metadata[0].num_reqs
         size = self.padded_size(n)
         self._fill(input_ids, positions, metadata, size)
@@ -125,7 +89,6 @@ class DecodeGraphRunner:
 
     def _fill(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: list[AttentionMetadata],
               size: int) -> None:
-        """Copy a step's n rows into the buffers; rows n..size become padding rows."""
         n = metadata[0].num_reqs
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
@@ -146,8 +109,7 @@ class DecodeGraphRunner:
         self.block_tables[:, start:end, 0] = self.padding_block
 
     def _metadata(self, size: int, max_seq_len: int, seq_lens_cpu: list[int]) -> list[AttentionMetadata]:
-        """Per KV-cache group, metadata over the buffers' first ``size`` rows (views: a replay
-        reads the current contents)."""
+        """Per KV-cache group, metadata viewing the buffers' first ``size`` rows."""
         return [AttentionMetadata(
             slot_mapping=self.slot_mapping[g, :size], query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[g, :size],
@@ -157,11 +119,8 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> int:
-        """Capture one graph per size, largest first, sharing one memory pool (CUDA only).
-
-        Call after the KV cache is bound (graphs record its addresses). Returns the bytes of
-        device memory the graphs took (free memory before minus after).
-        """
+        """Capture one graph per size, largest first, in one memory pool (CUDA only), after the KV
+        cache is bound (graphs record its addresses). Returns the device bytes they took."""
         if not self.use_graphs:
             return 0
         free_before, _ = torch.cuda.mem_get_info()

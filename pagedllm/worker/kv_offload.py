@@ -1,25 +1,9 @@
 """The offload tiers' bytes: copies between the KV pool and host RAM / disk.
 
-The core decides which blocks to save, load and drop (:mod:`pagedllm.core.kv_offload`,
-as :class:`~pagedllm.core.outputs.KVTransferOps` in each ``SchedulerOutput``); this
-module owns the data and performs them, at the start of the step, before the forward
-pass. One block's data is the slice of every KV tensor at that block id, a tensor of
-shape ``(num_kv_tensors, 2, block_size, num_kv_heads, head_dim)`` in the KV dtype (float8
-moved as its bytes, uint8: CPU torch has no float8 gather), plus, for an int8 cache, its
-per token-and-head scales ``(num_kv_tensors, 2, block_size, num_kv_heads)`` float32: a
-block's scales travel with it everywhere its codes go (swap space, host tier, disk file).
-
-* :class:`HostKVTier`: a dict ``block hash → tensor`` in host RAM (pinned memory when
-  the pool is on a GPU).
-* :class:`DiskKVTier`: one safetensors file per block in ``kv_offload_dir``, named by the
-  block hash, with the block's parent hash and token ids (to verify a hit) and the
-  engine's identity — model, block size, KV dtype, block shape — in its metadata (an int8
-  cache's scales as a second tensor, ``kv_scales``). At
-  start-up the directory is scanned: files of another identity, unreadable or truncated
-  files are ignored with a warning; the valid ones (least recently modified first) seed
-  the core's disk index, so a restarted engine hits the blocks of the previous one.
-  Files are written to a temporary name and renamed, so a crash never leaves a
-  half-written file under a block's name.
+The core decides what to save, load and drop (:mod:`pagedllm.core.kv_offload`, as the step's
+:class:`~pagedllm.core.outputs.KVTransferOps`); this module holds the data and does the copies
+at the start of the step. A block travels as :data:`BlockData` (float8 as its bytes: CPU torch
+has no float8 gather), an int8 cache's scales always with their codes.
 """
 
 from __future__ import annotations
@@ -45,8 +29,7 @@ logger = logging.getLogger("pagedllm")
 DISK_FORMAT = "pagedllm-kv-block-v2"  # v2: a payload digest in the metadata
 _SUFFIX = ".safetensors"
 
-# One block's data: (K/V codes (num_kv_tensors, 2, block_size, num_kv_heads, head_dim),
-# an int8 cache's scales (num_kv_tensors, 2, block_size, num_kv_heads) float32, or None).
+# codes (num_kv_tensors, 2, block_size, num_kv_heads, head_dim), int8 scales (..., num_kv_heads) f32 or None
 BlockData = tuple[torch.Tensor, "torch.Tensor | None"]
 
 
@@ -79,16 +62,9 @@ class HostKVTier:
 
 
 class DiskKVTier:
-    """One safetensors file per block under ``directory``; see the module docstring.
-
-    Args:
-        directory: the folder (created if missing).
-        identity: what a file must match to be used (model, block size, KV dtype, block
-            shape), as strings; stored in every file's metadata.
-
-    Raises:
-        ValueError: naming ``kv_offload_dir`` when the folder cannot be created or written.
-    """
+    """One safetensors file per block hash, with its parent hash, token ids and ``identity`` in the
+    metadata; written under a temporary name and renamed, so a crash never leaves half a block.
+    Raises ValueError naming ``kv_offload_dir`` when the folder cannot be created or written."""
 
     def __init__(self, directory: str | os.PathLike, identity: dict[str, str]) -> None:
         self.dir = Path(directory)
@@ -108,8 +84,8 @@ class DiskKVTier:
         return self.dir / (key.hex() + _SUFFIX)
 
     def scan(self) -> list[tuple[bytes, bytes | None, tuple[int, ...]]]:
-        """Valid block files as ``(key, parent hash, token ids)``, least recently modified
-        first; other files are skipped with a warning (never deleted)."""
+        """Valid block files as ``(key, parent hash, token ids)``, oldest first; others are skipped
+        with a warning, never deleted."""
         found = []
         for path in self.dir.glob("*" + _SUFFIX):
             entry = self._read_header(path)
@@ -182,18 +158,10 @@ class DiskKVTier:
 
 
 class KVOffloader:
-    """Performs a step's :class:`KVTransferOps` on the runner's KV tensors.
-
-    Args:
-        kv_caches: the pool, ``num_kv_tensors`` tensors of shape
-            ``(2, num_blocks, block_size, num_kv_heads, head_dim)``.
-        host: the host tier, or None.
-        disk: the disk tier, or None.
-        num_swap_blocks: slots of the swap space (host memory, pinned for a GPU pool;
-            ``torch.empty``, so pages are committed only when first written).
-        kv_scales: an int8 pool's scales, one ``(2, num_blocks, block_size, num_kv_heads)``
-            float32 tensor per KV tensor (moved with their blocks); None (or Nones) otherwise.
-    """
+    """Performs a step's :class:`KVTransferOps` on the runner's KV tensors (``kv_caches``, each
+    ``(2, num_blocks, block_size, num_kv_heads, head_dim)``; an int8 pool's ``kv_scales`` each
+    ``(2, num_blocks, block_size, num_kv_heads)`` float32). The swap space is ``torch.empty`` host
+    memory (pinned for a GPU pool), so its pages are committed only when first written."""
 
     def __init__(self, kv_caches: list[torch.Tensor], host: HostKVTier | None, disk: DiskKVTier | None,
                  num_swap_blocks: int = 0, kv_scales: list[torch.Tensor | None] | None = None) -> None:
@@ -211,8 +179,7 @@ class KVOffloader:
                                            pin_memory=c.is_cuda)
 
     def apply(self, ops: KVTransferOps) -> None:
-        """Swap-outs, saves, loads, swap-ins, drops: every read of the pool before any
-        write (:class:`KVTransferOps`)."""
+        """Swap-outs, saves, loads, swap-ins, drops: every read of the pool before any write."""
         if ops.swap_out:
             slots = torch.tensor([s for _, s in ops.swap_out], dtype=torch.int64)
             kv, scales = self.gather([b for b, _ in ops.swap_out])
@@ -271,9 +238,7 @@ class KVOffloader:
         return True if result is None else result
 
     def gather(self, block_ids: list[int]) -> BlockData:
-        """Blocks ``block_ids`` of every KV tensor, on the host: codes
-        ``(len(block_ids), num_kv_tensors, 2, block_size, num_kv_heads, head_dim)`` and, for an
-        int8 pool, scales ``(len(block_ids), num_kv_tensors, 2, block_size, num_kv_heads)`` (else None)."""
+        """Blocks ``block_ids`` on the host, as :data:`BlockData` with a leading block dimension."""
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.kv_caches[0].device)
         # (num_kv_tensors, 2, n, bs, kvh, hd) -> (n, num_kv_tensors, 2, bs, kvh, hd)
         data = torch.stack([c.index_select(1, ids) for c in self.kv_caches]).permute(2, 0, 1, 3, 4, 5)
@@ -300,8 +265,7 @@ class KVOffloader:
 
 
     def measure_copy_bandwidth(self) -> float:
-        """Bytes per second of a block round trip pool → swap space → pool (timed on up to
-        32 blocks; 0.0 without a swap space). Leaves the pool unchanged."""
+        """Bytes per second of a pool → swap → pool round trip (0.0 without swap); pool unchanged."""
         n = min(32, len(self.swap), self.kv_caches[0].shape[1])
         if n == 0:
             return 0.0
@@ -323,14 +287,8 @@ class KVOffloader:
 def build_kv_offload(config, kv_caches: list[torch.Tensor], bytes_per_block: int, num_groups: int,
                      identity: dict[str, str], kv_scales: list[torch.Tensor | None] | None = None
                      ) -> tuple[KVOffloadSpec, KVOffloader | None]:
-    """The tiers ``config`` asks for (``kv_offload_memory``, ``kv_offload_dir``,
-    ``kv_offload_disk_space``) and the swap space (``swap_space`` unless
-    ``preemption_mode`` is recompute), sized in blocks of ``bytes_per_block`` bytes (an int8
-    pool's scales, ``kv_scales``, included: they move with their blocks).
-
-    Tiers need prefix caching and a single KV-cache group; otherwise they are off (with a
-    warning when asked for). Raises ValueError for an unwritable ``kv_offload_dir``.
-    """
+    """The tiers and swap space ``config`` asks for, in blocks of ``bytes_per_block``; tiers need
+    prefix caching and one KV-cache group. Raises ValueError for an unwritable ``kv_offload_dir``."""
     num_swap = config.swap_space_bytes // bytes_per_block if config.preemption_mode != "recompute" else 0
     wanted = config.kv_offload_memory is not None or config.kv_offload_dir is not None
     if wanted and (not config.enable_prefix_caching or num_groups != 1):

@@ -1,21 +1,8 @@
 """Sizing the KV cache from ``gpu_memory_utilization`` by measuring a profiling forward (CUDA).
 
-The engine may use ``utilization × total`` bytes of the device. Of that, the KV pool gets
-what is left after everything else the engine holds at its peak:
-
     KV pool = utilization × total − weights − peak activations − CUDA graphs − other
 
-- **weights**: bytes torch has allocated once the model is loaded (parameters, rope tables);
-- **peak activations**: the peak torch allocation (``torch.cuda.max_memory_allocated``)
-  during one forward at ``max_num_batched_tokens`` tokens — the largest step the scheduler
-  can send — plus logits for ``max_num_seqs`` rows, minus the weights;
-- **CUDA graphs**: device memory the decode graphs take, measured by capturing them once on
-  a temporary cache (0 with ``enforce_eager``);
-- **other**: memory in use on the device outside torch's allocator (CUDA context, library
-  workspaces, other processes), ``(total − free) − torch.cuda.memory_reserved()``.
-
-This is vLLM's scheme (``determine_available_memory``: profile run, peak stats, non-torch
-memory). Each term is logged at start-up (:meth:`MemoryProfile.describe`).
+vLLM's scheme (``determine_available_memory``); what each term measures: docs/engine.md.
 """
 
 from __future__ import annotations
@@ -64,17 +51,9 @@ class MemoryProfile:
 def profile_memory(device: torch.device, utilization: float, profile_tokens: int,
                    run_profile_forward: Callable[[], None],
                    measure_graphs: Callable[[], int] | None) -> MemoryProfile:
-    """Measure the terms of :class:`MemoryProfile` on a CUDA ``device``.
-
-    Args:
-        utilization: ``gpu_memory_utilization`` in (0, 1].
-        profile_tokens: tokens ``run_profile_forward`` runs (for the report).
-        run_profile_forward: one forward at the largest step (frees its temporaries).
-        measure_graphs: captures the decode graphs on a temporary cache, frees them and
-            returns the bytes they took; None with graphs off.
-    Call right after the model's weights are loaded, before the KV cache exists, in a process
-    holding nothing else on the device (everything torch has allocated counts as weights).
-    """
+    """Measure the terms of :class:`MemoryProfile` on a CUDA ``device``. Call after the weights
+    load, before the KV cache exists, in a process holding nothing else on the device (all torch
+    has allocated counts as weights)."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     weights = torch.cuda.memory_allocated(device)

@@ -1,26 +1,9 @@
 """ModelRunner: the only owner of device tensors (weights, KV cache, step inputs).
 
-Each step it turns a :class:`SchedulerOutput` into one flat ragged batch (no padding):
-``input_ids[T]``, ``positions[T]``, ``slot_mapping[T]``, ``query_start_loc[B+1]``,
-``seq_lens[B]``, ``block_tables[B, max_blocks]``, runs the model, computes logits only for
-the rows that need them (the last scheduled token of each request that samples this step,
-plus prompt positions of requests that asked for prompt logprobs), applies the grammar
-bitmask of structured-output requests to their rows (one batched call, before the
-sampler, so every sampling step and logprobs see the constrained distribution), samples,
-and returns a :class:`ModelRunnerOutput`.
-
-Per-request state persists between steps in host-side numpy buffers indexed by a row
-number per request (token ids ``[max_num_seqs, max_model_len]`` and block tables
-``[num_kv_cache_groups, max_num_seqs, max_blocks_per_seq]``), so building the inputs is a
-handful of vectorized gathers, never a Python loop per token.
-
-Hybrid KV cache (models with sliding-window layers, :mod:`pagedllm.core.kv_cache_groups`):
-the layers are grouped by attention type into KV-cache groups of equal size; the runner
-allocates one KV tensor per layer *position* in a group (``layers_per_block`` tensors of
-``num_blocks`` blocks) and layer ``j`` of every group uses tensor ``j``, so a block id
-means the same bytes whichever group holds it. Each group has its own block table per
-request, hence its own ``slot_mapping`` and ``block_tables``: the step carries one
-``AttentionMetadata`` per group and each attention layer reads its group's.
+Each step turns a :class:`SchedulerOutput` into one flat ragged batch (``input_ids[T]``,
+``positions[T]``, ``slot_mapping[T]``, ``query_start_loc[B+1]``, ``seq_lens[B]``,
+``block_tables[B, max_blocks]``), runs the model, and samples the rows that need logits.
+Per-request state stays in host numpy buffers by row, so inputs are vectorized gathers.
 """
 
 from __future__ import annotations
@@ -51,22 +34,13 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.sizing import KVCacheSpec, format_bytes, kv_bytes_per_block, num_blocks_for_budget
 from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.structured_output.manager import GrammarBitmask
-from pagedllm.utils import cdiv
+from pagedllm.utils import cdiv, resolve_device
 from pagedllm.worker.cpu_graph import CpuDecodeGraphs
 from pagedllm.worker.cuda_graph import DecodeGraphRunner, capture_sizes, cuda_graph_mode
 
 logger = logging.getLogger("pagedllm")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` → cuda when available, else cpu. Raises ValueError for cuda without a GPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is available; use device='cpu'")
-    return torch.device(name)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -77,9 +51,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def attention_layers(model: torch.nn.Module) -> list[Attention]:
-    """The model's :class:`~pagedllm.attention.Attention` modules in layer order (module
-    registration order), one per layer. Raises ValueError when the count is not
-    ``model.num_layers``."""
+    """The model's Attention modules in layer order; ValueError when not ``model.num_layers``."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if len(layers) != model.num_layers:
         raise ValueError(f"{type(model).__name__} has {len(layers)} Attention modules for {model.num_layers} layers")
@@ -87,8 +59,7 @@ def attention_layers(model: torch.nn.Module) -> list[Attention]:
 
 
 def layer_sliding_windows(model: torch.nn.Module) -> list[int | None]:
-    """Per layer, the sliding window (tokens) its attention honours, or None for full
-    attention: each Attention module's ``sliding_window`` attribute (None when absent)."""
+    """Per layer, its attention's sliding window in tokens, or None for full attention."""
     return [getattr(a, "sliding_window", None) for a in attention_layers(model)]
 
 
@@ -104,7 +75,7 @@ class CachedRequestState:
     num_blocks: int  # length of its block table (the same in every KV-cache group)
     num_computed_tokens: int
     generator: torch.Generator | None
-    num_prompt_logprob_positions_done: int = 0  # prompt positions already reported
+    num_prompt_logprob_positions_done: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -124,22 +95,10 @@ class _StepBatch:
 
 
 class ModelRunner:
-    """Owns the model, the KV cache and per-request device-side state.
-
-    It builds the model: resolves ``config.device`` and ``config.dtype``, seeds torch with
-    ``config.seed``, picks the model class for ``model_files.hf_config`` from the registry,
-    chooses the attention backend for the device
-    (:func:`~pagedllm.attention.get_attention_backend`) and hands it to the model, loads the
-    weights and puts the model in eval mode.
-
-    Args:
-        config: resolved EngineConfig (``max_model_len`` set).
-        model_files: the model's config, weights and end-of-sequence id
-            (:func:`pagedllm.loader.load_model_files`).
-
-    Raises ValueError for an unsupported architecture, a missing or misshapen weight, or a
-    device that is not available.
-    """
+    """Owns the model, the KV cache and per-request device-side state. Built from a resolved
+    config (``max_model_len`` set) and the model's files; :meth:`initialize_kv_cache` must run
+    before the first step. Raises ValueError for an unsupported architecture, a missing or
+    misshapen weight, or a device that is not available."""
 
     def __init__(self, config: EngineConfig, model_files: ModelFiles) -> None:
         from pagedllm.worker.sampler import Sampler
@@ -147,40 +106,60 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.attn_backend = get_attention_backend(self.device)
+        self.attn_backend = get_attention_backend(self.device, config.attention_backend)
         # decode steps: "graphs" (CUDA), "pad" (the same buffers, eager: tests), "off"
         self.graph_mode = cuda_graph_mode(config.enforce_eager, self.device, self.attn_backend)
         self.decode_graphs: DecodeGraphRunner | None = None
         self.memory_profile = None  # worker.memory_profiler.MemoryProfile after CUDA sizing
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        if self.kv_dtype.is_quantized and not getattr(self.attn_backend, "supports_quantized_kv", False):
+        self.kv_dtype = self._resolve_kv_dtype()
+        self.model = self._load_model(model_files)
+        self.compiled_model = self._compile_model()
+        self.cpu_graphs = self._new_cpu_graphs()
+        self._init_lengths(model_files)
+        self.sampler = Sampler()
+        self._init_request_buffers()
+        self._layout_kv_cache()
+        self._init_kv_cache_slots()
+        # test hook: called with each sampling request id; raising fails that request only
+        self.fault_injector: Callable[[str], None] | None = None
+
+    def _resolve_kv_dtype(self):
+        """The KV cache's element format; raises ValueError when the backend cannot store it."""
+        config = self.config
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        if kv_dtype.is_quantized and not getattr(self.attn_backend, "supports_quantized_kv", False):
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported by the "
                              f"{type(self.attn_backend).__name__} backend; use auto or bfloat16, or the torch, cpu or "
                              f"triton attention backend")
-        self.model = self._load_model(model_files)
-        self.compiled_model = self._compile_model()  # None: eager (the default)
-        self.cpu_graphs = (CpuDecodeGraphs(self.model) if self.device.type == "cpu" and not config.enforce_eager
-                           and self.compiled_model is None and CpuDecodeGraphs.supports(self.model) else None)
+        return kv_dtype
+
+    def _new_cpu_graphs(self) -> CpuDecodeGraphs | None:
+        config = self.config
+        return (CpuDecodeGraphs(self.model) if self.device.type == "cpu" and not config.enforce_eager
+                and self.compiled_model is None and CpuDecodeGraphs.supports(self.model) else None)
+
+    def _init_lengths(self, model_files: ModelFiles) -> None:
+        config = self.config
         self.vocab_size = int(model_files.hf_config.vocab_size)
         self.eos_token_id = model_files.eos_token_id
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
-        self.sampler = Sampler()
+
+    def _init_request_buffers(self) -> None:
+        """Per-request state, and the token buffer ``[max_num_seqs, max_model_len]`` int64 by row."""
+        config = self.config
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self.token_buf = np.zeros((config.max_num_seqs, self.max_model_len), dtype=np.int64)
-        self._layout_kv_cache()
+
+    def _init_kv_cache_slots(self) -> None:
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: list[torch.Tensor | None] = []
         self.kv_spec: KVCacheSpec | None = None
-        self.kv_offloader = None  # the offload tiers' copies (worker/kv_offload.py), when configured
-        # Test hook (test_failure_in_one_request_fails_only_it): called with each sampling request id;
-        # raising fails that request only.
-        self.fault_injector: Callable[[str], None] | None = None
+        self.kv_offloader = None
 
     def _load_model(self, model_files: ModelFiles) -> torch.nn.Module:
-        """The model for ``model_files`` on this runner's device and dtype, weights loaded, in eval mode."""
         from pagedllm.models.registry import get_model_class
 
         torch.manual_seed(self.config.seed)
@@ -200,9 +179,8 @@ class ModelRunner:
         return model.eval()
 
     def _compile_model(self):
-        """A :class:`~pagedllm.compilation.compiled_model.CompiledModel` when
-        ``compilation_config`` asks for one (compiled at :meth:`initialize_kv_cache`), else None.
-        Raises ValueError on a device or with tensor parallelism it does not support."""
+        """A CompiledModel when ``compilation_config`` asks (compiled at :meth:`initialize_kv_cache`),
+        else None. Raises ValueError on a device or with tensor parallelism it does not support."""
         compilation = self.config.compilation
         if not compilation.is_compiled:
             return None
@@ -216,8 +194,7 @@ class ModelRunner:
         return CompiledModel(self.model, compilation)
 
     def _warmup_metadata(self, num_tokens: int) -> list[AttentionMetadata]:
-        """``num_tokens`` one-token requests, each at position 0 of block 0 (compile warm-up, before
-        any request owns a block: it writes garbage K/V into block 0), per KV-cache group."""
+        """Compile warm-up metadata: one-token requests at block 0, before any request owns it."""
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=dev),
@@ -239,23 +216,16 @@ class ModelRunner:
         return get_quantization_config(name, self.config.quantization_group_size, model_files.gguf_tensor_types,
                                        fused_parts)
 
-    # ------------------------------------------------------------------ KV cache sizing
     def bytes_per_block(self) -> int:
-        """Bytes one block takes across all KV tensors: 2 (K, V) × layers_per_block (all
-        layers without sliding windows) × block_size × kv_heads × (head_dim × KV element
-        size, plus a float32 scale for int8) (:func:`pagedllm.sizing.kv_bytes_per_block`)."""
+        """Bytes one block takes across all KV tensors (:func:`pagedllm.sizing.kv_bytes_per_block`)."""
         kv = self.kv_dtype
         elem = torch.tensor([], dtype=kv.storage).element_size()
         return kv_bytes_per_block(self.model, self.block_size, elem, self.num_kv_tensors,
                                   scale_bytes=4 if kv.has_token_scales else 0)
 
     def determine_num_blocks(self) -> int:
-        """Number of KV blocks: ``num_kv_blocks`` if set; on CPU ``kv_cache_memory`` bytes;
-        on CUDA ``gpu_memory_utilization`` × device memory − weights − profiled peak activations
-        − CUDA-graph memory − memory outside torch (:mod:`pagedllm.worker.memory_profiler`).
-
-        Raises ValueError when the pool cannot hold one sequence of ``max_model_len`` tokens.
-        """
+        """KV blocks: ``num_kv_blocks``, else from ``kv_cache_memory`` (CPU) or the memory profile
+        (CUDA). Raises ValueError when the pool cannot hold one ``max_model_len`` sequence."""
         per_block = self.bytes_per_block()
         cfg = self.config
         if cfg.num_kv_blocks is not None:
@@ -270,7 +240,6 @@ class ModelRunner:
         return num_blocks
 
     def _profile_cuda_num_blocks(self, per_block: int) -> int:
-        """Measure weights, peak activations at the token budget and graph memory; size the pool from the rest."""
         from pagedllm.worker.memory_profiler import profile_memory
 
         num_tokens = min(self.config.token_budget, self.max_model_len)
@@ -282,8 +251,7 @@ class ModelRunner:
         return num_blocks_for_budget(profile.kv_cache_bytes, per_block)
 
     def _measure_graph_memory(self) -> int:
-        """Capture the decode graphs on a one-block temporary cache (capture runs padding rows only,
-        which read and write the padding block); return the bytes the graphs took."""
+        """Bytes the decode graphs take, captured on a one-block temporary cache."""
         caches = self._new_kv_caches(1)
         self._bind_kv_caches(caches, self._new_kv_scales(1))
         graphs = self._new_decode_graphs(padding_block=0)
@@ -319,18 +287,15 @@ class ModelRunner:
         del caches
 
     def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        """``layers_per_block`` tensors of (2, num_blocks, block_size, num_kv_heads, head_dim)
-        in the KV dtype's storage."""
+        """``layers_per_block`` tensors (2, num_blocks, block_size, num_kv_heads, head_dim)."""
         m = self.model
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        # zeros, not empty: padded block-table entries point at block 0, whose values are
-        # masked out but must not be NaN (0 × NaN would poison the weighted sum).
+        # zeros: padded block-table entries read block 0 masked out, and 0 × NaN would be NaN
         return [torch.zeros(shape, dtype=self.kv_dtype.storage, device=self.device)
                 for _ in range(self.num_kv_tensors)]
 
     def _new_kv_scales(self, num_blocks: int) -> list[torch.Tensor | None]:
-        """An int8 cache's per token-and-head scales, one (2, num_blocks, block_size,
-        num_kv_heads) float32 tensor beside each cache tensor; Nones for other dtypes."""
+        """An int8 cache's scales, (2, num_blocks, block_size, num_kv_heads) float32 per tensor; else Nones."""
         if not self.kv_dtype.has_token_scales:
             return [None] * self.num_kv_tensors
         shape = (2, num_blocks, self.block_size, self.model.num_kv_heads)
@@ -357,7 +322,6 @@ class ModelRunner:
         return str(self.dtype).removeprefix("torch.") if name == "auto" else name
 
     def _layout_kv_cache(self) -> None:
-        """KV-cache groups from the layers' sliding windows, and the block-table buffer per group."""
         self.kv_cache_groups = tuple(make_kv_cache_groups(layer_sliding_windows(self.model),
                                                           hybrid=not self.config.disable_hybrid_kv_cache_manager))
         self.num_kv_tensors = layers_per_block(self.kv_cache_groups)
@@ -369,14 +333,11 @@ class ModelRunner:
         return weight_bytes(self.model)
 
     def initialize_kv_cache(self) -> KVCacheSpec:
-        """Group the layers by attention type (their sliding windows as they are now), size
-        and allocate the KV cache, bind it to the model's attention layers. Logs the sizes.
-        Call before the first step."""
+        """Group the layers, size, allocate and bind the KV cache; call before the first step."""
         self._layout_kv_cache()
         from pagedllm.distributed.communication import all_reduce_min
 
-        # tensor parallelism: every rank sizes its own pool; all use the smallest count, since
-        # the one scheduler hands out block ids valid on every rank
+        # one scheduler hands out block ids for every rank: all use the smallest pool
         num_blocks = all_reduce_min(self.determine_num_blocks())
         padded = self.graph_mode != "off"  # one extra block, past the scheduler's pool, for padding rows
         self.kv_caches = self._new_kv_caches(num_blocks + int(padded))
@@ -399,9 +360,7 @@ class ModelRunner:
         return self.kv_spec
 
     def initialize_kv_offload(self) -> KVOffloadSpec:
-        """Build the prefix cache's offload tiers the config asks for (after
-        :meth:`initialize_kv_cache`); returns their sizes and the disk tier's surviving
-        blocks for the scheduler. Raises ValueError for an unwritable ``kv_offload_dir``."""
+        """Build the offload tiers (after :meth:`initialize_kv_cache`); ValueError for an unwritable dir."""
         from pagedllm.worker.kv_offload import build_kv_offload
 
         m = self.model
@@ -414,8 +373,7 @@ class ModelRunner:
         return spec
 
     def initialize_swap_space(self) -> SwapSpace:
-        """The swap space's index for the scheduler (after :meth:`initialize_kv_offload`):
-        its slots, the preemption mode, bytes per block and the measured copy bandwidth."""
+        """The swap space's index for the scheduler (after :meth:`initialize_kv_offload`)."""
         num_slots = len(self.kv_offloader.swap) if self.kv_offloader is not None else 0
         bandwidth = self.kv_offloader.measure_copy_bandwidth() if num_slots else 0.0
         if num_slots:
@@ -423,7 +381,6 @@ class ModelRunner:
                         format_bytes(num_slots * self.bytes_per_block()), bandwidth / 1e9)
         return SwapSpace(num_slots, self.config.preemption_mode, self.bytes_per_block(), bandwidth)
 
-    # ------------------------------------------------------------------ request state
     def reset_state(self) -> None:
         """Forget every request (after a failed step; the scheduler resends them in full)."""
         self.requests.clear()
@@ -463,16 +420,11 @@ class ModelRunner:
 
     @staticmethod
     def _reseed(state: CachedRequestState) -> None:
-        """Seed a seeded request's generator from (seed, output position).
-
-        The draw for output token i then depends only on the request's seed and i: the
-        same tokens whatever else is in the batch, its order, or a preemption and resume
-        in between (a running stream of draws would not survive a recompute).
-        """
+        """Seed from (seed, output position): output token i's draw depends on nothing else,
+        so batch order or a preemption and recompute cannot change it."""
         seed = state.sampling_params.seed
         state.generator.manual_seed((seed * 1_000_003 + len(state.output_token_ids)) % (2**63 - 1))
 
-    # ------------------------------------------------------------------ input preparation
     def _order_batch(self, so: SchedulerOutput) -> _StepBatch:
         """Batch order: decodes (1 query token) first, then prefills, as AttentionMetadata requires."""
         req_ids = list(so.num_scheduled_tokens)
@@ -490,8 +442,7 @@ class ModelRunner:
         return _StepBatch(req_ids, num_sched, num_computed, rows, sample_mask, plp)
 
     def _prepare_inputs(self, b: _StepBatch) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], np.ndarray]:
-        """Vectorized: flat token ids, positions, and per KV-cache group the slot mapping
-        and attention metadata (the groups differ only in those and ``block_tables``)."""
+        """Flat token ids, positions, and per KV-cache group the attention metadata."""
         total = int(b.num_scheduled.sum())
         cu = np.zeros(len(b.req_ids) + 1, dtype=np.int64)
         np.cumsum(b.num_scheduled, out=cu[1:])
@@ -505,7 +456,7 @@ class ModelRunner:
         num_decodes = int((b.num_scheduled == 1).sum())
         dev = self.device
         metas = []
-        for table_buf in self.block_table_buf:  # one per KV-cache group
+        for table_buf in self.block_table_buf:
             slot_mapping = table_buf[rows, block_idx] * self.block_size + offsets
             block_tables = torch.from_numpy(table_buf[b.rows, :max_blocks].astype(np.int32)).to(dev)
             if metas:
@@ -522,15 +473,9 @@ class ModelRunner:
                 query_start_loc_cpu=cu.tolist(), seq_lens_cpu=seq_lens.tolist()))
         return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metas, cu)
 
-    # ------------------------------------------------------------------ the step
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
-        """Run one step. Returns sampled ids (and logprobs) for requests that sample this step.
-
-        ``grammar_bitmask``: the structured-output masks of this step's constrained
-        requests (from the engine's StructuredOutputManager), applied to their logits
-        before sampling.
-        """
+        """Run one step; ``grammar_bitmask`` constrains its requests' logits before sampling."""
         self._update_states(so)
         if self.kv_offloader is not None and not so.kv_transfers.is_empty:
             self.kv_offloader.apply(so.kv_transfers)
@@ -548,9 +493,6 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  metas: list[AttentionMetadata]) -> torch.Tensor:
-        """The model's hidden states (metadata per KV-cache group): decode-only batches through
-        the (padded, captured) decode graphs on CUDA, the CPU decode graphs on CPU
-        (:mod:`pagedllm.worker.cpu_graph`); with ``compilation_config``, the compiled forward."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(metas[0]):
             return self.decode_graphs.run(input_ids, positions, metas)
         with set_forward_context(metas):
@@ -583,7 +525,7 @@ class ModelRunner:
                 self._reseed(s)
         logits_rows = torch.from_numpy(cu[idx + 1] - 1).to(self.device)
         logits = self.model.compute_logits(hidden.index_select(0, logits_rows))  # (N, vocab) float32
-        if grammar_bitmask is not None:  # structured outputs: forbidden tokens -> -inf, before any sampling step
+        if grammar_bitmask is not None:
             apply_grammar_bitmask(logits, [s.req_id for s in states], grammar_bitmask)
         md = SamplingMetadata.build(
             params=[s.sampling_params for s in states],
@@ -609,10 +551,7 @@ class ModelRunner:
 
     def _compute_prompt_logprobs(self, b: _StepBatch, hidden: torch.Tensor, cu: np.ndarray,
                                  out: ModelRunnerOutput) -> None:
-        """Logprobs of each prompt token given its prefix, for the prompt positions computed this step.
-
-        Entry j of a request's list is prompt token j (the first is None: nothing predicts it).
-        """
+        """Prompt logprobs of the positions computed this step; entry j is prompt token j (0: None)."""
         from pagedllm.worker.sampler import compute_prompt_logprobs
 
         for i in b.prompt_logprob_reqs:

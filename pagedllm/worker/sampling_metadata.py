@@ -1,26 +1,7 @@
-"""SamplingMetadata: the per-request sampling parameters of one step, as batched tensors.
+"""SamplingMetadata: one step's sampling parameters as tensors, one row per sampling request.
 
-The model runner builds one :class:`SamplingMetadata` per step with
-:meth:`SamplingMetadata.build`, one row per request that samples this step (the row order
-is the order of the logits handed to :class:`~pagedllm.worker.sampler.Sampler`). Every
-per-row parameter becomes a tensor on the logits' device, and batch-wide flags
-(``all_greedy``, ``no_top_p``, ...) let the sampler skip whole stages without looking at
-the tensors (no device sync).
-
-Row conventions (chosen so that one batched pass treats every row alike):
-
-- A *greedy* row (``temperature < SAMPLING_EPS`` or ``top_k == 1``) gets top-k off,
-  ``top_p = 1`` and ``min_p = 0`` (no truncation touches it) and, when its temperature
-  is below ``SAMPLING_EPS``, temperature 1 (so nothing overflows); the sampler takes the
-  argmax of its processed logits before any temperature division, which only shapes its
-  logprobs (a ``top_k=1, temperature=2`` row reports logprobs at temperature 2).
-- Top-k "off" (0, -1 or ``>= vocab_size``) is stored as ``vocab_size``.
-- Token-level masks, biases and penalties are stored sparsely as (row, token) index
-  pairs, so a step touches O(tokens seen) logits; the one dense tensor is the
-  ``allowed_token_ids`` mask, ``[A, V]`` for the A rows that set it.
-
-Building is host-side Python over the requests (not over the vocabulary): the number of
-Python operations is O(N + tokens of rows that use penalties + banned words).
+Rows follow the order of the logits handed to the sampler; batch-wide flags (``all_greedy``,
+``no_top_p``, ...) let it skip stages without a device sync. Row conventions: docs/engine.md.
 """
 
 from __future__ import annotations
@@ -35,40 +16,16 @@ from pagedllm.sampling_params import SAMPLING_EPS, SamplingParams
 
 @dataclass
 class SamplingMetadata:
-    """Batched sampling parameters for N rows over a vocabulary of V tokens.
+    """Sampling parameters of N rows over V tokens; tensors on the logits' device.
 
-    Tensors (all on the logits' device):
-        temperature: float32 [N] — divisor of the logits (after the greedy argmax): the
-            request's temperature, or 1.0 when it is below ``SAMPLING_EPS`` (greedy).
-        is_greedy: bool [N] — the row takes the argmax of its processed logits.
-        top_k: int64 [N] or None — tokens kept per row; ``V`` where off. None when no row uses top-k.
-        top_p: float32 [N] or None — nucleus mass in (0, 1]; 1.0 where off. None when unused.
-        min_p: float32 [N] or None — in [0, 1]; 0.0 where off. None when unused.
-        penalty_rows, penalty_token_ids: int64 [K] — each distinct (row, token) of the
-            prompt (rows with a repetition penalty) and output (rows with any penalty).
-        penalty_repetition: float32 [K] — the row's repetition penalty (1 = none).
-        penalty_offsets: float32 [K] — ``count_in_output * frequency_penalty +
-            (count_in_output > 0) * presence_penalty`` (0 for prompt-only tokens).
-            All four are None when ``no_penalties``.
-        logit_bias_rows, logit_bias_token_ids: int64 [B]; logit_bias_values: float32 [B]
-            — added to the logits (None when ``no_logit_bias``).
-        allowed_rows: int64 [A] and disallowed_mask: bool [A, V] — for the A rows that set
-            ``allowed_token_ids``, True marks a token to mask (None when no row sets it).
-        blocked_rows, blocked_token_ids: int64 [M] — (row, token) pairs masked to -inf:
-            bad-words completions and, while ``min_tokens`` is not reached, EOS and
-            ``stop_token_ids`` (None when nothing is blocked this step).
-
-    Host-side values:
-        generators: row index -> the request's ``torch.Generator`` (seeded rows only; must
-            live on the logits' device). Unseeded rows draw from torch's default generator.
-        max_num_logprobs: the largest ``logprobs`` requested in the batch, or None when no
-            row asked for logprobs.
-        top_k_rows, top_p_only_rows, untruncated_rows: the random (non-greedy) rows,
-            split by how the sampler truncates them: with a top-k bound (and maybe top-p),
-            with top-p but no top-k, and with neither (min-p may still apply). Host lists,
-            ascending; together they are exactly the random rows.
-        all_greedy, all_random, no_top_k, no_top_p, no_min_p, no_penalties, no_logit_bias:
-            batch-wide flags that let the sampler skip a stage.
+    ``temperature`` float32 [N] (1.0 for greedy rows), ``is_greedy`` bool [N]; ``top_k`` int64
+    [N] (V where off), ``top_p`` float32 [N] (1.0 off), ``min_p`` float32 [N] (0.0 off), each
+    None when no row uses it. Sparse (row, token) entries: ``penalty_*`` [K] (offsets =
+    count_in_output × frequency + (count > 0) × presence), ``logit_bias_*`` [B], ``blocked_*``
+    [M] (bad words; EOS and stop ids below min_tokens); ``disallowed_mask`` bool [A, V] for the
+    ``allowed_rows`` [A]; each None when unused. ``generators``: row -> seeded generator (on the
+    logits' device). ``top_k_rows``, ``top_p_only_rows``, ``untruncated_rows``: the random rows,
+    ascending, by how they are truncated.
     """
 
     temperature: torch.Tensor
@@ -116,7 +73,6 @@ class SamplingMetadata:
     def no_min_p(self) -> bool:
         return self.min_p is None
 
-    # ------------------------------------------------------------------------ build
     @classmethod
     def build(
         cls,
@@ -128,24 +84,8 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str,
     ) -> "SamplingMetadata":
-        """Batch the sampling parameters of the N requests that sample this step.
-
-        Args:
-            params: each row's SamplingParams.
-            prompt_token_ids: each row's prompt (repetition penalty scope, with the output).
-            output_token_ids: each row's output so far (penalties, bad words, min_tokens).
-            generators: each row's generator (seeded requests; the caller keeps it across
-                steps and seeds it from ``params.seed``), or None.
-            eos_token_ids: each row's EOS id (masked while ``min_tokens`` is not reached
-                unless ``ignore_eos``), or None.
-            vocab_size: V, the width of the logits.
-            device: where the logits live.
-
-        Raises:
-            ValueError: naming the argument, when the lists differ in length or a token id
-                (logit_bias, allowed_token_ids, stop_token_ids, bad words) is outside
-                ``[0, vocab_size)``.
-        """
+        """Batch the N sampling rows (generators kept across steps by the caller). Raises ValueError
+        naming the argument for lists of different lengths or a token id outside the vocabulary."""
         n = len(params)
         for name, lst in (("prompt_token_ids", prompt_token_ids), ("output_token_ids", output_token_ids),
                           ("generators", generators), ("eos_token_ids", eos_token_ids)):
@@ -218,10 +158,8 @@ def _check_ids(name: str, ids: list[int], vocab_size: int) -> None:
 
 def _row_token_index(rows_tokens: list[tuple[int, list[int]]], device: torch.device, name: str,
                      vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flatten [(row, [tok, ...]), ...] into (row_ids, token_ids) int64 tensors, without padding.
-
-    Raises ValueError naming ``name`` when a token id is outside ``[0, vocab_size)``.
-    """
+    """[(row, [tok, ...]), ...] as (rows, token_ids) int64 tensors; ValueError naming ``name``
+    for a token id outside ``[0, vocab_size)``."""
     lengths = [len(toks) for _, toks in rows_tokens]
     rows = torch.repeat_interleave(torch.tensor([r for r, _ in rows_tokens], dtype=torch.int64),
                                    torch.tensor(lengths, dtype=torch.int64))
@@ -234,11 +172,8 @@ def _row_token_index(rows_tokens: list[tuple[int, list[int]]], device: torch.dev
 
 
 def _build_penalties(params, prompt_token_ids, output_token_ids, V, device):
-    """Sparse penalties: (rows int64 [K], token ids int64 [K], repetition float32 [K], offsets float32 [K]) or None.
-
-    One entry per distinct (row, token) of the output (rows with any penalty) and of the
-    prompt (rows with a repetition penalty); presence/frequency see output counts only.
-    """
+    """(rows, token ids int64 [K], repetition, offsets float32 [K]) or None: one entry per distinct
+    (row, token) of the output and, with a repetition penalty, the prompt."""
     uses_freq = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
     uses_rep = [p.repetition_penalty != 1.0 for p in params]
     if not any(uses_freq) and not any(uses_rep):
@@ -296,11 +231,7 @@ def _build_allowed(params, V, device):
 
 
 def _banned_by_bad_words(bad_words_token_ids: list[list[int]], output: list[int]) -> list[int]:
-    """Last tokens of banned sequences whose preceding tokens equal the tail of ``output``.
-
-    A one-token bad word is always banned; a longer one only completes when its prefix has
-    just been generated (vLLM's ``bad_words`` semantics: output tokens only).
-    """
+    """Last tokens of bad words whose prefix ends ``output`` (one-token ones always; vLLM's rule)."""
     banned = []
     for seq in bad_words_token_ids:
         if not seq:

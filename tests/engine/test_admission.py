@@ -12,7 +12,11 @@ from pagedllm.engine.async_engine import AsyncLLMEngine, EngineOverloadedError
 from pagedllm.engine.data_parallel import DataParallelAsyncEngine
 from pagedllm.engine.router import make_router
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
-from tests.test_async_engine import FakeEngine, run
+from tests.fake_engine import FakeEngine
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
 
 
 def _slow_tokenizer(fake: FakeEngine) -> FakeEngine:

@@ -20,7 +20,7 @@ from pagedllm.engine.async_engine import AsyncLLMEngine  # noqa: E402
 from pagedllm.entrypoints.openai.api_server import build_app  # noqa: E402
 from pagedllm.metrics import EngineMetrics  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
-from test_server import ServerThread  # noqa: E402
+from server_utils import ServerThread  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

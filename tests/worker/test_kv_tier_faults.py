@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tests.test_kv_offload_tiers import PROMPT, _generate, _greedy, _make, _result, _session
+from tests.worker.test_kv_offload_tiers import PROMPT, _generate, _greedy, _make, _result, _session
 
 OTHER = [7 + (i * 31) % 40000 for i in range(40)]
 

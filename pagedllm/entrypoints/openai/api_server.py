@@ -1,13 +1,11 @@
 """The OpenAI-compatible HTTP server: ``pagedllm serve [MODEL] --host --port --api-key ...``.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /v1/models/{model}``,
-``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
-(Prometheus), ``GET /kv`` and ``GET /kv/state`` (the live KV-cache map; off with
-``--disable-kv-map``), ``GET /openapi.json``. Without a key stay open: probes, scrapers,
-the document and the ``/kv`` page (no data). The error contract, limits and shutdown are
-in ``docs/architecture.md`` ("The HTTP server"). Run it with :func:`run_server` or
-``python -m pagedllm.entrypoints.openai.api_server``.
+Endpoints: ``POST /v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (with ``GET``/``DELETE
+/v1/responses/{id}`` and ``POST .../cancel``), Anthropic's ``POST /v1/messages`` and ``/v1/messages/count_tokens``,
+``GET /v1/models[/{model}]``, ``/health``, ``/version``, ``POST /tokenize``, ``/detokenize``, ``GET /metrics``,
+``GET /kv`` and ``/kv/state`` (off with ``--disable-kv-map``), ``GET /openapi.json``. The routes are functions on
+:data:`router` reading ``request.app.state``; :func:`build_app` assembles. The error contract, limits and shutdown
+are in ``docs/architecture.md`` ("The HTTP server"), the Responses and Messages APIs in ``docs/api.md``.
 """
 
 from __future__ import annotations
@@ -17,30 +15,36 @@ import contextlib
 import errno
 import hmac
 import logging
-import os
-import re
 import socket
 import sys
 from typing import Any, Awaitable
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
+from pagedllm import envs
 from pagedllm.config import DEFAULT_MODEL
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineUnhealthyError
-from pagedllm.entrypoints.openai.errors import APIError, error_response, to_api_error
+from pagedllm.entrypoints.openai.errors import (
+    APIError, error_response, is_anthropic_path, to_api_error, validation_message)
 from pagedllm.entrypoints.openai.kv_map import KV_PAGE_PATH, add_kv_map_routes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
     DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionResponse)
+from pagedllm.entrypoints.openai.protocol_messages import (
+    AnthropicErrorResponse, CountTokensRequest, CountTokensResponse, MessagesRequest, MessagesResponse)
+from pagedllm.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from pagedllm.entrypoints.openai.openapi import errors, finish_document, json_or_sse
 from pagedllm.entrypoints.openai.lifecycle import DrainingServer, InFlight, InFlightMiddleware
+from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_COUNT, ResponseStore
 from pagedllm.entrypoints.openai.serving_base import ClientDisconnected, json_response, until_disconnected
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_messages import ServingMessages
+from pagedllm.entrypoints.openai.serving_responses import ServingResponses
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from pagedllm.metrics import CONTENT_TYPE_LATEST
 
@@ -53,230 +57,244 @@ DEFAULT_MAX_PROMPTS = 1024
 # the engine thread (benchmarks/results/serving_sweep_switch_interval_ms.json).
 DEFAULT_SWITCH_INTERVAL_MS = 1.0
 _REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+_API_ERRORS = (400, 401, 404)  # finish_document drops the 401 when the server has no key
+_ANTHROPIC_ERRORS = errors(*_API_ERRORS, 500, model=AnthropicErrorResponse)
 
 
 class APIKeyMiddleware:
-    """Pure-ASGI check of ``Authorization: Bearer <key>`` (streaming-safe, unlike BaseHTTPMiddleware).
-
-    Runs before the body is read, so a wrong key gets 401 whatever the body holds. The
-    scheme name is case-insensitive (RFC 9110 section 11.1); the key is compared in
-    constant time.
-    """
+    """Pure-ASGI check (streaming-safe) of ``Authorization: Bearer <key>`` or Anthropic's ``x-api-key``, before
+    the body is read; the scheme is case-insensitive (RFC 9110 11.1), the key compared in constant time."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
         self.expected = api_key.encode()
 
     def _is_authorized(self, scope: dict) -> bool:
-        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
+            return True
+        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.expected)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if (scope["type"] == "http" and scope["method"] != "OPTIONS" and not scope["path"].startswith(_OPEN_PATHS)
                 and scope["path"] not in _OPEN_PAGES and not self._is_authorized(scope)):
-            response = error_response(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'")
+            response = error_response(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'"
+                                      " or 'x-api-key: <key>'", anthropic=is_anthropic_path(scope["path"]))
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
 
-# Segments pydantic adds to an error's location for the member of a union or the validator that
-# failed ("constrained-str", "list[TextPart]", "function-after[...]", "str", "[key]"): not part
-# of the request's path, so a client never sees them.
-_UNION_TAG = re.compile(r"^(?:(?:constrained|function|lax|json|tagged|chain|nullable|default)-[\w-]+(?:\[.*\])?"
-                        r"|\w+\[.*\]|str|int|float|bool|\[key\])$")
+def _error_for(request: Request, err: APIError, headers: dict | None = None) -> JSONResponse:
+    return error_response(err.status, err.message, err.param, headers, anthropic=is_anthropic_path(request.url.path))
 
 
-def _request_path(error: dict) -> list[str]:
-    """The error's location in the request body: field names, list indices and dict keys."""
-    loc = [str(p) for p in error.get("loc", ())]
-    if loc and loc[0] in ("body", "query", "path", "header"):  # where it came from, not the field
-        loc = loc[1:]
-    return [p for p in loc if not _UNION_TAG.match(p)]
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return _error_for(request, exc)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """A one-line message (and the offending field) from pydantic's error list: the error
-    deepest in the body, the most specific one (a value that fits no member of a union fails
-    each member; the member that got furthest names what is wrong, and among equals one whose
-    type matched the value: ``[]`` for a string-or-list field is a list too short, not a
-    wrong type)."""
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    first = max(errors, key=lambda e: (len(_request_path(e)), not str(e.get("type", "")).endswith("_type")))
-    if first.get("type") == "json_invalid":
-        return "Malformed JSON in the request body: " + str(first.get("ctx", {}).get("error", first.get("msg"))), None
-    loc = _request_path(first)
-    field = loc[0] if loc else None
-    where = ".".join(loc) if loc else "body"
-    if first.get("type") == "missing":
-        return f"{where}: field required", field
-    value = first.get("input")
-    shown = "" if isinstance(value, (dict, list)) else f", got {value!r}"
-    return f"{where}: {first.get('msg', 'invalid value')}{shown}"[:500], field
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    message, field = validation_message(exc)
+    return _error_for(request, APIError(400, message, field))
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return _error_for(request, APIError(exc.status_code, str(exc.detail)), exc.headers)  # 405 keeps its Allow
+
+
+async def _any_error(request: Request, exc: Exception) -> JSONResponse:
+    err = to_api_error(exc, _REQUEST_FIELDS)
+    if err.status == 500:
+        logger.exception("unhandled error", exc_info=exc)
+    return _error_for(request, err)
+
+
+async def run_handler(coro: Awaitable[Response], raw_request: Request) -> Response:
+    """Run a handler until done or the client leaves; its exceptions become error responses in
+    the route's API shape (never a traceback)."""
+    try:
+        return await until_disconnected(coro, raw_request)
+    except ClientDisconnected:
+        logger.info("client disconnected; its request was aborted")
+        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+    except Exception as e:  # noqa: BLE001
+        err = to_api_error(e, _REQUEST_FIELDS)
+        if err.status == 500 and not isinstance(e, APIError):
+            logger.exception("request failed", exc_info=e)
+        return _error_for(raw_request, err)
+
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", responses={**json_or_sse(CompletionResponse), **errors(*_API_ERRORS, 500)})
+async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+    return await run_handler(raw_request.app.state.completions.create_completion(body), raw_request)
+
+
+@router.post("/v1/chat/completions", responses={**json_or_sse(ChatCompletionResponse), **errors(*_API_ERRORS, 500)})
+async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
+    return await run_handler(raw_request.app.state.chat.create_chat_completion(body), raw_request)
+
+
+@router.post("/v1/responses", responses={**json_or_sse(ResponseObject), **errors(*_API_ERRORS, 500)})
+async def create_response(body: ResponsesRequest, raw_request: Request) -> Response:
+    return await run_handler(raw_request.app.state.responses.create(body), raw_request)
+
+
+@router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=errors(*_API_ERRORS))
+async def retrieve_response(response_id: str, raw_request: Request) -> Response:
+    return json_response(raw_request.app.state.responses.retrieve(response_id))
+
+
+@router.delete("/v1/responses/{response_id}", responses={200: {"description": "deleted"}, **errors(*_API_ERRORS)})
+async def delete_response(response_id: str, raw_request: Request) -> Response:
+    return JSONResponse(raw_request.app.state.responses.delete(response_id))
+
+
+@router.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject, responses=errors(*_API_ERRORS))
+async def cancel_response(response_id: str, raw_request: Request) -> Response:
+    return json_response(await raw_request.app.state.responses.cancel(response_id))
+
+
+@router.post("/v1/messages", responses={**json_or_sse(MessagesResponse), **_ANTHROPIC_ERRORS})
+async def create_message(body: MessagesRequest, raw_request: Request) -> Response:
+    return await run_handler(raw_request.app.state.messages.create(body), raw_request)
+
+
+@router.post("/v1/messages/count_tokens", response_model=CountTokensResponse, responses=_ANTHROPIC_ERRORS)
+async def count_message_tokens(body: CountTokensRequest, raw_request: Request) -> Response:
+    return await run_handler(raw_request.app.state.messages.count_tokens(body), raw_request)
+
+
+def _model_card(request: Request, name: str) -> ModelCard:
+    config = request.app.state.engine.config
+    return ModelCard(id=name, root=config.model, max_model_len=config.max_model_len)
+
+
+@router.get("/v1/models", response_model=ModelList, responses=errors(401))
+async def list_models(raw_request: Request) -> Response:
+    names = raw_request.app.state.chat.served_model_names
+    return json_response(ModelList(data=[_model_card(raw_request, name) for name in names]))
+
+
+# OpenAI's "retrieve model" (the SDK's client.models.retrieve); `:path` as served names may hold '/'
+@router.get("/v1/models/{model:path}", response_model=ModelCard, responses=errors(401, 404))
+async def retrieve_model(model: str, raw_request: Request) -> Response:
+    raw_request.app.state.chat.check_model(model)
+    return json_response(_model_card(raw_request, model))
+
+
+@router.get("/health", response_class=Response,
+            responses={200: {"description": "Healthy (empty body)", "content": None}, **errors()})
+async def health(raw_request: Request) -> Response:
+    try:
+        await raw_request.app.state.engine.check_health()
+    except (EngineDeadError, EngineUnhealthyError) as e:
+        return error_response(503, str(e))
+    return Response(status_code=200)
+
+
+@router.get("/version", response_model=VersionResponse, responses=errors())
+async def version() -> Response:
+    return json_response(VersionResponse(version=pagedllm.__version__))
+
+
+@router.get("/metrics", response_class=PlainTextResponse, responses={
+    200: {"description": "Prometheus text exposition format", "content": {"text/plain": {
+        "schema": {"type": "string"}}}}, **errors(404)})
+async def metrics(raw_request: Request) -> Response:
+    engine_metrics = raw_request.app.state.engine.metrics
+    if engine_metrics is None:
+        return error_response(404, "metrics are disabled")
+    return Response(engine_metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _tokenize(state: Any, body: TokenizeRequest) -> Response:
+    state.completions.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of prompt or messages", "prompt")
+    body.check_template_flags()
+    if body.messages is not None:
+        ids = await state.chat.render([m.model_dump(exclude_none=True) for m in body.messages],
+                                      body.add_generation_prompt, body.continue_final_message)
+    else:
+        text, special = body.prompt, body.add_special_tokens
+        ids = await state.engine.call_front(lambda f: f.tokenizer.encode(text, add_special_tokens=special))
+    return json_response(TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.engine.config.max_model_len))
+
+
+async def _detokenize(state: Any, body: DetokenizeRequest) -> Response:
+    state.completions.check_model(body.model)
+    vocab_size = state.engine.vocab_size
+    bad = [t for t in body.tokens if t < 0 or t >= vocab_size]
+    if bad:
+        raise APIError(400, f"tokens contains token id {bad[0]}, outside the vocabulary (size {vocab_size})",
+                       "tokens")
+    return json_response(DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens,
+                                                                                 skip_special_tokens=False)))
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=errors(*_API_ERRORS))
+async def tokenize(body: TokenizeRequest, raw_request: Request) -> Response:
+    return await run_handler(_tokenize(raw_request.app.state, body), raw_request)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=errors(*_API_ERRORS))
+async def detokenize(body: DetokenizeRequest, raw_request: Request) -> Response:
+    return await run_handler(_detokenize(raw_request.app.state, body), raw_request)
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI):
+    app.state.engine.start()
+    yield
+    await app.state.engine.shutdown()
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    if app.openapi_schema is None:
+        config, state = app.state.engine.config, app.state
+        limits = {"n": state.chat.max_n, "logprobs": config.max_logprobs, "top_logprobs": config.max_logprobs,
+                  "prompt_logprobs": config.max_logprobs, "prompt": state.completions.max_prompts,
+                  "truncate_prompt_tokens": config.max_model_len}
+        app.openapi_schema = finish_document(FastAPI.openapi(app), limits, app.state.engine.vocab_size,
+                                             config.max_model_len, has_api_key=state.has_api_key)
+    return app.openapi_schema
 
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None, *, api_key: str | None = None,
               chat_template: str | None = None, max_n: int = 16, enable_kv_map: bool = True,
-              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS, tool_call_parser: str | None = None) -> FastAPI:
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS, tool_call_parser: str | None = None,
+              response_store: ResponseStore | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (started in the app's lifespan, stopped at its end).
 
-    Args:
-        engine: the AsyncLLMEngine (its thread starts with the app).
-        served_model_names: names accepted as ``model``; default the engine's model name.
-        api_key: require ``Authorization: Bearer <api_key>`` on the API routes.
-        chat_template: Jinja chat template overriding the model's.
-        max_n: largest ``n`` per request.
-        enable_kv_map: serve the live KV-cache map at ``/kv`` and ``/kv/state``.
-        max_prompts_per_request: most prompts in one completions request (400 beyond).
-        tool_call_parser: the tool-call parser for ``tool_choice: "auto"`` (e.g. ``hermes``);
-            default: the one the chat template teaches, if any.
-
-    ``app.state.in_flight`` counts requests in flight; :class:`DrainingServer` drains with it.
-    Raises ValueError for an unknown ``tool_call_parser``.
+    ``served_model_names``: names accepted as ``model`` (default the engine's); ``api_key``: required as
+    ``Authorization: Bearer`` or ``x-api-key``; ``chat_template``: overrides the model's; ``max_n``: largest ``n``;
+    ``max_prompts_per_request``: most prompts of one completions request; ``tool_call_parser``: for
+    ``tool_choice: "auto"`` (default: the one the chat template teaches); ``response_store``: where ``/v1/responses``
+    keeps stored responses (default :class:`ResponseStore`'s limits). Raises ValueError for an unknown parser.
     """
     if tool_call_parser is not None:
         get_tool_parser(tool_call_parser)
     names = list(served_model_names or [engine.model_name])
-    completions = OpenAIServingCompletion(engine, names, max_n=max_n, max_prompts=max_prompts_per_request)
-    chat = OpenAIServingChat(engine, names, max_n=max_n, chat_template=chat_template,
-                             tool_call_parser=tool_call_parser)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        engine.start()
-        yield
-        await engine.shutdown()
-
-    app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan)
-    app.state.engine = engine
+    app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=_lifespan)
+    state = app.state
+    state.engine, state.has_api_key, state.in_flight = engine, bool(api_key), InFlight()
+    state.completions = OpenAIServingCompletion(engine, names, max_n=max_n, max_prompts=max_prompts_per_request)
+    state.chat = OpenAIServingChat(engine, names, max_n=max_n, chat_template=chat_template,
+                                   tool_call_parser=tool_call_parser)
+    state.responses = ServingResponses(state.chat, ResponseStore() if response_store is None else response_store)
+    state.messages = ServingMessages(state.chat)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.state.in_flight = InFlight()
-    app.add_middleware(InFlightMiddleware, state=app.state.in_flight)  # outermost: 503 while draining
-
-    # ------------------------------------------------------------------ error handlers
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, field = _validation_message(exc)
-        return error_response(400, message, field)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)  # 405 keeps its Allow
-
-    @app.exception_handler(Exception)
-    async def _any_error(_: Request, exc: Exception) -> JSONResponse:
-        err = to_api_error(exc, _REQUEST_FIELDS)
-        if err.status == 500:
-            logger.exception("unhandled error", exc_info=exc)
-        return error_response(err.status, err.message, err.param)
-
-    async def handle(coro: Awaitable[Response], raw_request: Request | None = None) -> Response:
-        """Run a handler until done or the client leaves; map its exceptions to OpenAI error
-        responses (never a traceback)."""
-        try:
-            return await until_disconnected(coro, raw_request)
-        except ClientDisconnected:
-            logger.info("client disconnected; its request was aborted")
-            return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
-        except Exception as e:  # noqa: BLE001
-            err = to_api_error(e, _REQUEST_FIELDS)
-            if err.status == 500 and not isinstance(e, APIError):
-                logger.exception("request failed", exc_info=e)
-            return error_response(err.status, err.message, err.param)
-
-    # ------------------------------------------------------------------ routes
-    auth_errors = (401,) if api_key else ()
-    api_errors = (400, *auth_errors, 404)
-    limits = {"n": max_n, "logprobs": engine.config.max_logprobs, "top_logprobs": engine.config.max_logprobs,
-              "prompt_logprobs": engine.config.max_logprobs, "prompt": max_prompts_per_request,
-              "truncate_prompt_tokens": engine.config.max_model_len}
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            app.openapi_schema = finish_document(FastAPI.openapi(app), limits, engine.vocab_size,
-                                                 engine.config.max_model_len)
-        return app.openapi_schema
-
-    app.openapi = openapi
-    @app.post("/v1/completions", responses={**json_or_sse(CompletionResponse), **errors(*api_errors, 500)})
-    async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
-        return await handle(completions.create_completion(body), raw_request)
-
-    @app.post("/v1/chat/completions", responses={**json_or_sse(ChatCompletionResponse),
-                                                  **errors(*api_errors, 500)})
-    async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await handle(chat.create_chat_completion(body), raw_request)
-
-    def model_card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=engine.config.model, max_model_len=engine.config.max_model_len)
-
-    @app.get("/v1/models", response_model=ModelList, responses=errors(*auth_errors))
-    async def list_models() -> Response:
-        return json_response(ModelList(data=[model_card(name) for name in names]))
-
-    # OpenAI's "retrieve model" (the SDK's client.models.retrieve); `:path` as served names may hold '/'
-    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=errors(*auth_errors, 404))
-    async def retrieve_model(model: str) -> Response:
-        chat.check_model(model)
-        return json_response(model_card(model))
-
-    @app.get("/health", response_class=Response,
-             responses={200: {"description": "Healthy (empty body)", "content": None}, **errors()})
-    async def health() -> Response:
-        try:
-            await engine.check_health()
-        except (EngineDeadError, EngineUnhealthyError) as e:
-            return error_response(503, str(e))
-        return Response(status_code=200)
-
-    @app.get("/version", response_model=VersionResponse, responses=errors())
-    async def version() -> Response:
-        return json_response(VersionResponse(version=pagedllm.__version__))
-
-    @app.get("/metrics", response_class=PlainTextResponse, responses={
-        200: {"description": "Prometheus text exposition format", "content": {"text/plain": {
-            "schema": {"type": "string"}}}}, **errors(404)})
-    async def metrics() -> Response:
-        if engine.metrics is None:
-            return error_response(404, "metrics are disabled")
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=errors(*api_errors))
-    async def tokenize(body: TokenizeRequest) -> Response:
-        async def run() -> Response:
-            completions.check_model(body.model)
-            if (body.prompt is None) == (body.messages is None):
-                raise APIError(400, "give exactly one of prompt or messages", "prompt")
-            body.check_template_flags()
-            if body.messages is not None:
-                ids = await chat.render([m.model_dump(exclude_none=True) for m in body.messages],
-                                        body.add_generation_prompt, body.continue_final_message)
-            else:
-                text, special = body.prompt, body.add_special_tokens
-                ids = await engine.call_front(lambda f: f.tokenizer.encode(text, add_special_tokens=special))
-            return json_response(TokenizeResponse(tokens=ids, count=len(ids),
-                                                  max_model_len=engine.config.max_model_len))
-        return await handle(run())
-
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors(*api_errors))
-    async def detokenize(body: DetokenizeRequest) -> Response:
-        async def run() -> Response:
-            completions.check_model(body.model)
-            bad = [t for t in body.tokens if t < 0 or t >= engine.vocab_size]
-            if bad:
-                raise APIError(400, f"tokens contains token id {bad[0]}, outside the vocabulary "
-                                    f"(size {engine.vocab_size})", "tokens")
-            text = engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
-            return json_response(DetokenizeResponse(prompt=text))
-        return await handle(run())
-
+    app.add_middleware(InFlightMiddleware, state=state.in_flight)  # outermost: 503 while draining
+    for exc_class, handler in ((APIError, _api_error), (RequestValidationError, _validation_error),
+                               (StarletteHTTPException, _http_error), (Exception, _any_error)):
+        app.add_exception_handler(exc_class, handler)
+    app.include_router(router)
+    app.openapi = lambda: _openapi(app)
     if enable_kv_map:
         add_kv_map_routes(app, engine, names[0], requires_api_key=bool(api_key))
     return app
@@ -284,15 +302,9 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
 
 # ---------------------------------------------------------------------------- command line
 def add_server_args(parser: argparse.ArgumentParser, include_engine_args: bool = True) -> argparse.ArgumentParser:
-    """Add the ``serve`` flags to ``parser`` and return it.
-
-    Adds MODEL (positional, optional; skipped when the parser already has a ``model``
-    destination), --host, --port, --api-key, --served-model-name, --chat-template, --tool-call-parser,
-    --max-n, --disable-log-requests, --stats-log-interval; with ``include_engine_args``
-    also one flag per EngineConfig field (``pagedllm.entrypoints.args.add_engine_args``,
-    skipped when the parser already has them). ``--log-level`` is left to the caller
-    (``pagedllm --log-level``); :func:`run_server` reads ``args.log_level`` if present.
-    """
+    """Add the ``serve`` flags to ``parser`` (MODEL unless it has a ``model`` destination; with
+    ``include_engine_args`` one flag per EngineConfig field unless present) and return it. ``--log-level`` is the
+    caller's."""
     from pagedllm.entrypoints.args import add_engine_args
 
     if not any(a.dest == "model" for a in parser._actions):
@@ -305,7 +317,8 @@ def add_server_args(parser: argparse.ArgumentParser, include_engine_args: bool =
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     group.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
     group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' (default: $PAGEDLLM_API_KEY, else none)")
+                       help="require KEY as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+                            "(default: $PAGEDLLM_API_KEY, else none)")
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="model name(s) clients use in 'model' (default: the model argument)")
     group.add_argument("--chat-template", default=None, help="file with a Jinja chat template overriding the model's")
@@ -325,6 +338,12 @@ def add_server_args(parser: argparse.ArgumentParser, include_engine_args: bool =
                        help="seconds between engine status log lines, 0 = off (default: 10)")
     group.add_argument("--disable-kv-map", action="store_true",
                        help="do not serve the live KV-cache map (GET /kv, GET /kv/state)")
+    group.add_argument("--response-store-max-count", type=int, default=DEFAULT_MAX_COUNT,
+                       help=f"most /v1/responses kept for previous_response_id and GET (default: {DEFAULT_MAX_COUNT})")
+    group.add_argument("--response-store-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                       help=f"most bytes of JSON the response store keeps (default: {DEFAULT_MAX_BYTES})")
+    group.add_argument("--disable-response-store", action="store_true",
+                       help="keep no /v1/responses (store: true is then a no-op and previous_response_id a 400)")
     if include_engine_args and not any(a.dest == "block_size" for a in parser._actions):
         add_engine_args(parser)
     return parser
@@ -344,8 +363,9 @@ def build_app_from_args(args: argparse.Namespace) -> FastAPI:
     from pagedllm.entrypoints.args import engine_config_from_args
     from pagedllm.metrics import EngineMetrics
 
-    from pagedllm.worker.model_runner import resolve_device
+    from pagedllm.utils import resolve_device
 
+    store = response_store_from_args(args)  # bad flags fail before the model loads
     config = engine_config_from_args(args, model=resolve_model_arg(args))
     config = config.with_serving_defaults(resolve_device(config.device).type)
     chat_template = None  # read before the model loads: a wrong path fails at once, by name
@@ -367,17 +387,25 @@ def build_app_from_args(args: argparse.Namespace) -> FastAPI:
     return build_app(async_engine, names, api_key=resolve_api_key(args), chat_template=chat_template,
                      max_n=args.max_n, enable_kv_map=not args.disable_kv_map,
                      max_prompts_per_request=args.max_prompts_per_request,
-                     tool_call_parser=getattr(args, "tool_call_parser", None))
+                     tool_call_parser=getattr(args, "tool_call_parser", None), response_store=store)
+
+
+def response_store_from_args(args: argparse.Namespace) -> ResponseStore:
+    """The ``/v1/responses`` store the ``--response-store-*`` flags ask for (raises ValueError naming one)."""
+    if getattr(args, "disable_response_store", False):
+        return ResponseStore(0, 0)
+    count = getattr(args, "response_store_max_count", DEFAULT_MAX_COUNT)
+    num_bytes = getattr(args, "response_store_max_bytes", DEFAULT_MAX_BYTES)
+    if count < 1 or num_bytes < 1:
+        raise ValueError(f"--response-store-max-count and --response-store-max-bytes must be >= 1 "
+                         f"(--disable-response-store turns the store off), got {count} and {num_bytes}")
+    return ResponseStore(count, num_bytes)
 
 
 def set_switch_interval(interval_ms: float) -> None:
-    """Set the interpreter's thread switch interval (``sys.setswitchinterval``, in ms here).
-
-    The engine thread's Python work (scheduling, input preparation, detokenization) keeps
-    the GIL up to this long each time the event loop asks for it; a shorter interval lets
-    the loop answer ``/health`` and write stream chunks sooner, at the price of more
-    switches. Raises ValueError naming ``--switch-interval-ms`` unless 0 < interval_ms <= 1000.
-    """
+    """``sys.setswitchinterval`` in ms: how long the engine thread keeps the GIL when the event loop asks (shorter:
+    ``/health`` and stream chunks sooner, more switches). Raises ValueError naming ``--switch-interval-ms`` unless
+    0 < interval_ms <= 1000."""
     if not 0 < interval_ms <= 1000:
         raise ValueError(f"--switch-interval-ms must be in (0, 1000], got {interval_ms!r}")
     sys.setswitchinterval(interval_ms / 1000.0)
@@ -385,7 +413,7 @@ def set_switch_interval(interval_ms: float) -> None:
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:
     """``--api-key``, else ``$PAGEDLLM_API_KEY``, else None (no authentication)."""
-    return getattr(args, "api_key", None) or os.environ.get("PAGEDLLM_API_KEY") or None
+    return getattr(args, "api_key", None) or envs.api_key()
 
 
 def resolve_model_arg(args: argparse.Namespace) -> str:
@@ -415,14 +443,9 @@ def run_server(args: argparse.Namespace) -> None:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (port 0: a free one), for the server to listen on.
-
-    Bound before the model loads, so a port in use fails in a second rather than after minutes
-    of loading, and held until the server listens on this very socket (no other process can
-    take the port meanwhile; not listening yet, so clients are refused rather than left
-    waiting during the load). SO_REUSEADDR as uvicorn sets it: a port in TIME_WAIT is free.
-    Raises ValueError naming ``--host`` (unknown address) or ``--port`` (in use, no permission).
-    """
+    """A TCP socket bound to ``host:port`` (0: a free one) before the model loads, so a port in use fails at once,
+    and held (not listening: clients are refused during the load) until the server listens on it. SO_REUSEADDR as
+    uvicorn. Raises ValueError naming ``--host`` (unknown address) or ``--port`` (in use, no permission)."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]

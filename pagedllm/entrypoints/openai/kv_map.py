@@ -1,20 +1,8 @@
 """The live KV-cache map: ``GET /kv`` (an HTML page) and ``GET /kv/state`` (JSON).
 
-``/kv/state`` (``?engine=i``: data-parallel replica i, default 0) is
-:meth:`LLMEngine.kv_cache_snapshot` as JSON — every block's state
-(free, cached-evictable, in use, shared), every unfinished request's block table and
-token counts, cumulative prefix-cache / eviction / preemption counters and the last
-preemption and caching events — taken on the engine thread between two steps
-(``AsyncLLMEngine.call``), so it is consistent and costs the engine one O(blocks) pass
-per request for it. It sits behind the API key like every API route.
-
-``/kv`` is one self-contained page (inline CSS and JS, no build step, no CDN) that polls
-``/kv/state`` (default once a second, ``?interval=`` in seconds, at least 0.2) and draws
-one cell per block, the request rows, the counters over time and the event log. The page
-holds no data of its own, so it is served without the key; it sends the key it finds in
-the URL fragment (``/kv#key=...``, never sent to the server or its logs) or that the
-user types in, as ``Authorization: Bearer``. ``pagedllm serve --disable-kv-map`` leaves
-both routes out.
+``/kv/state?engine=i`` is :meth:`LLMEngine.kv_cache_snapshot` of replica i, taken on the engine thread between
+two steps, behind the API key. ``/kv`` is one self-contained page that polls it (``?interval=`` seconds); it holds
+no data, so it is served without the key and sends the one in its URL fragment (``/kv#key=...``) as a Bearer token.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Any
 import uvicorn
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.entrypoints.openai.errors import error_response
+from pagedllm.entrypoints.openai.errors import error_response, is_anthropic_path
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -41,7 +41,8 @@ class InFlightMiddleware:
             await self.app(scope, receive, send)
             return
         if self.state.is_draining and not scope["path"].startswith(_ALWAYS_OPEN):
-            await error_response(503, SHUTDOWN_MESSAGE)(scope, receive, send)
+            response = error_response(503, SHUTDOWN_MESSAGE, anthropic=is_anthropic_path(scope["path"]))
+            await response(scope, receive, send)
             return
         self.state.num_in_flight += 1
         try:

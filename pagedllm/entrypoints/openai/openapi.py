@@ -12,7 +12,7 @@ from pagedllm.entrypoints.openai.errors import RETRY_AFTER_S
 from pagedllm.entrypoints.openai.protocol import TOKEN_ID_MARK, ErrorResponse
 
 _ERROR_TEXT = {400: "Invalid request (the field is in error.param)", 401: "Missing or wrong API key",
-               404: "Unknown model", 500: "The request failed inside the engine",
+               404: "Unknown model (or response id)", 500: "The request failed inside the engine",
                503: "Overloaded, shutting down, or the engine is down"}
 # Before OpenAPI 3.2 (`itemSchema`), an event stream's `schema` describes one event.
 _SSE = {"text/event-stream": {"schema": {
@@ -22,11 +22,12 @@ _SSE = {"text/event-stream": {"schema": {
                    "retry": {"type": "integer"}}}}}
 
 
-def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """``responses=`` entries for OpenAI error bodies (503 with Retry-After, 401 with WWW-Authenticate)."""
+def errors(*statuses: int, model: type[BaseModel] = ErrorResponse) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` entries for error bodies (OpenAI's unless ``model`` says otherwise; 503 with Retry-After,
+    401 with WWW-Authenticate)."""
     out: dict[int | str, dict[str, Any]] = {}
     for status in (*statuses, 503):
-        entry: dict[str, Any] = {"model": ErrorResponse, "description": _ERROR_TEXT[status]}
+        entry: dict[str, Any] = {"model": model, "description": _ERROR_TEXT[status]}
         if status == 503:
             entry["headers"] = {"Retry-After": {"description": f"seconds ({RETRY_AFTER_S})",
                                                 "schema": {"type": "integer"}}}
@@ -43,14 +44,17 @@ def json_or_sse(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
 
 
 def finish_document(doc: dict[str, Any], limits: dict[str, int], vocab_size: int,
-                    max_model_len: int | None = None) -> dict[str, Any]:
-    """Drop FastAPI's 422 (validation errors are 400 here), state ``limits`` (field name →
+                    max_model_len: int | None = None, has_api_key: bool = True) -> dict[str, Any]:
+    """Drop FastAPI's 422 (validation errors are 400 here) and, without ``has_api_key``, the 401s; state
+    ``limits`` (field name →
     maximum, from server options) on every request schema that has such a field,
     ``vocab_size - 1`` as the maximum of every token id, and the server's ``vocab_size`` and
     ``max_model_len`` where field descriptions name them (``{vocab_size}``, ``{max_model_len}``)."""
     for path in doc.get("paths", {}).values():
         for op in path.values():
             op.get("responses", {}).pop("422", None)
+            if not has_api_key:
+                op.get("responses", {}).pop("401", None)
     schemas = doc.get("components", {}).get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)

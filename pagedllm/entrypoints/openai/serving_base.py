@@ -14,7 +14,7 @@ from fastapi.responses import Response
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineInput
 from pagedllm.engine.detokenizer import token_bytes, token_text
-from pagedllm.engine.errors import ContextLengthError
+from pagedllm.errors import ContextLengthError
 from pagedllm.core.step_failure import InputError
 from pagedllm.engine.request_stream import RequestStream, merge_streams
 from pagedllm.entrypoints.openai.errors import APIError, to_api_error
@@ -31,13 +31,8 @@ class ClientDisconnected(Exception):
 
 
 class OpenAIServing:
-    """Base of the endpoint handlers.
-
-    Args:
-        engine: the running AsyncLLMEngine.
-        served_model_names: names clients may pass as ``model`` (the first is reported).
-        max_n: largest ``n`` a request may ask for (requests beyond it get a 400).
-    """
+    """Base of the endpoint handlers: ``served_model_names`` are accepted as ``model`` (the first is reported),
+    ``n`` beyond ``max_n`` is a 400."""
 
     # The request field holding the prompt, which a context-length 400 names (as OpenAI does).
     prompt_field = "prompt"
@@ -94,9 +89,8 @@ class OpenAIServing:
 
     async def add_requests(self, label: str, prompts: list[EngineInput], params: SamplingParams,
                            priority: int = 0) -> list[RequestStream]:
-        """Add one engine request per prompt, all admitted together (or none). A prompt that
-        leaves no room for the output in ``max_model_len`` is an APIError(400) naming
-        ``prompt_field``."""
+        """Add one engine request per prompt, all admitted together or none (a prompt too long for
+        ``max_model_len`` is an APIError(400) naming ``prompt_field``)."""
         try:
             return await self.engine.add_requests(label, prompts, params, priority=priority)
         except ContextLengthError as e:
@@ -104,10 +98,8 @@ class OpenAIServing:
 
     @staticmethod
     async def collect_final(streams: list[RequestStream]) -> list[RequestOutput]:
-        """Wait for the final output of every stream (all are aborted if this is cancelled).
-
-        Raises EngineDeadError, or APIError(500) when a request failed inside the engine.
-        """
+        """The final output of every stream (all aborted if cancelled). Raises EngineDeadError, or
+        APIError(500) when a request failed inside the engine."""
         finals: list[RequestOutput | None] = [None] * len(streams)
         async for i, out in merge_streams(streams):
             finals[i] = out
@@ -118,12 +110,8 @@ class OpenAIServing:
 
 
 async def until_disconnected(coro: Awaitable[Response], raw_request: Request | None) -> Response:
-    """Await ``coro``, cancelling it when the HTTP client goes away (checked every 0.5 s).
-
-    Cancellation reaches every stage of a request: prompts queued for the engine are
-    aborted behind their add, accepted ones are aborted when their streams close.
-    Raises ClientDisconnected in that case.
-    """
+    """Await ``coro``, cancelling it (and so aborting its engine requests) when the HTTP client goes away,
+    checked every 0.5 s; raises ClientDisconnected then."""
     task = asyncio.ensure_future(coro)
     try:
         while True:
@@ -159,28 +147,42 @@ def raise_if_failed(out: Any) -> None:
         raise APIError(status, f"the request failed inside the engine: {out.error}")
 
 
-async def guarded_sse(events: Any, streams: list) -> Any:
-    """Yield the SSE ``events``; a failure after the headers went out is reported in-band,
-    every engine stream is aborted on any exit (client gone included), and the stream
-    always ends with ``data: [DONE]``."""
+async def guarded_sse(events: Any, streams: list, error_events: Any = None, done: str | None = None) -> Any:
+    """Yield the SSE ``events``; a failure after the headers went out is reported in-band
+    (``error_events(exc)``: the events that say so, default OpenAI's error event), every engine
+    stream is aborted on any exit (client gone included), and the stream ends with ``done``
+    (default ``data: [DONE]``; "" for none)."""
     try:
         async for event in events:
             yield event
     except Exception as e:  # noqa: BLE001 - reported in-band: the headers are gone
-        yield stream_error_event(e)
+        for event in (error_events or _error_events)(e):
+            yield event
     finally:
         for s in streams:
             s.abort()
-    yield SSE_DONE
+    end = SSE_DONE if done is None else done
+    if end:
+        yield end
+
+
+def _error_events(exc: BaseException) -> list[str]:
+    return [stream_error_event(exc)]
+
+
+def log_stream_error(exc: BaseException) -> APIError:
+    """The APIError of a failure after a stream started, logged by its severity."""
+    err = to_api_error(exc)
+    if err.status == 500:
+        logger.error("stream failed: %s", exc, exc_info=exc)
+    elif err.status > 500:
+        logger.warning("stream ended: %s", err.message)
+    return err
 
 
 def stream_error_event(exc: BaseException) -> str:
     """The SSE error event for a failure after the stream started."""
     from pagedllm.entrypoints.openai.errors import sse_error
 
-    err = to_api_error(exc)
-    if err.status == 500:
-        logger.error("stream failed: %s", exc, exc_info=exc)
-    elif err.status > 500:
-        logger.warning("stream ended: %s", err.message)
+    err = log_stream_error(exc)
     return sse_error(err.status, err.message, err.param)

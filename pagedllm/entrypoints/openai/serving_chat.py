@@ -1,27 +1,19 @@
 """``POST /v1/chat/completions`` with the model's chat template (or ``--chat-template FILE``).
 
-The conversation is rendered and tokenized on the front-end thread, never the engine's
-(``apply_chat_template``:
-roles checked, text parts joined, tokenized without adding special tokens again, so
-there is exactly one BOS/``<|im_start|>``). ``max_completion_tokens`` wins over
-``max_tokens``; both absent means "up to the context length".
-
-Streaming follows OpenAI's delta protocol: for each choice a first chunk with
-``delta = {"role": "assistant", "content": ""}`` is sent as soon as the request has been
-accepted, then content deltas; each choice gets exactly one chunk with a non-null
-``finish_reason``; with ``stream_options.include_usage`` a last chunk with empty
-``choices`` carries the usage; the stream ends with ``data: [DONE]``.
-
-Logprobs: ``logprobs: true`` reports the chosen token's logprob per position, and
-``top_logprobs: k`` the k most likely tokens, most likely first (the chosen token is not
-added to that list when outside it; its own value is in ``logprob``). ``bytes`` are the
-token's raw bytes (part of a multi-byte character for some tokens).
+The conversation is rendered and tokenized on the front-end thread, without adding special tokens again.
+``max_completion_tokens`` wins over ``max_tokens``. Streaming follows OpenAI's delta protocol: a first chunk with
+the role per choice, content deltas, one chunk with ``finish_reason`` per choice, the usage chunk with
+``stream_options.include_usage``, then ``data: [DONE]``. :meth:`OpenAIServingChat.start` is the one door to the
+engine for chat, Responses and Messages requests.
 """
 
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from pydantic import ValidationError
 
 from fastapi.responses import Response, StreamingResponse
 
@@ -32,9 +24,10 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_base import (
     OpenAIServing, guarded_sse, json_response, raise_if_failed, sse)
 from pagedllm.engine.async_engine import EngineInput
-from pagedllm.engine.request_stream import merge_streams
-from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.tools import ToolPlan, ToolStream, apply_tool_plan, message_parts, plan_tools
+from pagedllm.engine.request_stream import RequestStream, merge_streams
+from pagedllm.entrypoints.openai.errors import APIError, to_api_error, validation_message
+from pagedllm.entrypoints.openai.tools import (
+    ToolCallItem, ToolPlan, ToolStream, apply_tool_plan, message_parts, plan_tools)
 from pagedllm.loader.tokenizer import chat_template_of
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
@@ -84,23 +77,42 @@ class OpenAIServingChat(OpenAIServing):
         apply_tool_plan(plan, params)
         return plan
 
-    async def create_chat_completion(self, req: ChatCompletionRequest) -> Response:
-        """Validate, submit and answer one chat request (JSON or SSE). Raises APIError."""
+    async def start(self, req: ChatCompletionRequest, request_id: str) -> ChatRun:
+        """Validate ``req``, render its conversation and add it to the engine (raises APIError).
+        The chat, Responses and Messages APIs all run through here."""
         self.check_model(req.model)
         self.check_n(req.n)
         params = req.to_sampling_params()
         plan = self.plan_tools(req, params)
         prompt_ids = await self.render(req.conversation(), req.add_generation_prompt, req.continue_final_message,
                                        req.chat_template, plan.tools if plan else None)
-        request_id = self.new_id("chatcmpl", req.request_id)
         streams = await self.add_requests(self.label(request_id, req.user), [EngineInput(prompt_ids)], params,
                                           req.priority)
+        return ChatRun(streams, plan, len(prompt_ids))
+
+    async def start_translated(self, build: Callable[[], ChatCompletionRequest], request_id: str,
+                               params: dict[str, str]) -> ChatRun:
+        """:meth:`start` for another API: ``build()`` makes its chat request; a 400 names the other
+        API's field (``params``: chat field -> its name there)."""
+        try:
+            return await self.start(build(), request_id)
+        except ValidationError as e:
+            message, field = validation_message(e)
+            raise APIError(400, message, params.get(field, field)) from None
+        except (APIError, ValueError) as e:
+            err = e if isinstance(e, APIError) else to_api_error(e, set(ChatCompletionRequest.model_fields))
+            raise APIError(err.status, err.message, params.get(err.param, err.param)) from None
+
+    async def create_chat_completion(self, req: ChatCompletionRequest) -> Response:
+        """Validate, submit and answer one chat request (JSON or SSE). Raises APIError."""
+        request_id = self.new_id("chatcmpl", req.request_id)
+        run = await self.start(req, request_id)
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(guarded_sse(self._events(req, request_id, created, streams, plan), streams),
+            return StreamingResponse(guarded_sse(self._events(req, request_id, created, run), run.streams),
                                      media_type="text/event-stream")
-        (final,) = await self.collect_final(streams)
-        return json_response(self._response(req, request_id, created, final, plan))
+        (final,) = await self.collect_final(run.streams)
+        return json_response(self._response(req, request_id, created, final, run.plan))
 
     def _response(self, req: ChatCompletionRequest, request_id: str, created: int, out: RequestOutput,
                   plan: ToolPlan | None = None) -> ChatCompletionResponse:
@@ -136,24 +148,21 @@ class OpenAIServingChat(OpenAIServing):
                               for t, l in top]))
         return ChatChoiceLogprobs(content=content)
 
-    async def _events(self, req: ChatCompletionRequest, request_id: str, created: int, streams: list,
-                      plan: ToolPlan | None = None) -> AsyncIterator[str]:
+    async def _events(self, req: ChatCompletionRequest, request_id: str, created: int, run: ChatRun
+                      ) -> AsyncIterator[str]:
         def chunk(choices: list[ChatStreamChoice], usage=None) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                     choices=choices, usage=usage).model_dump_json())
 
-        num_prompt = num_cached = num_completion = 0
+        num_completion = 0
         last = None
-        tool_stream = ToolStream(plan)
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(req.n)])
-        async for _, out in merge_streams(streams):
-            raise_if_failed(out)
-            num_prompt, num_cached, last = len(out.prompt_token_ids), out.num_cached_tokens, out
+        async for out, deltas in run.deltas():
+            last = out
             choices = []
-            for c in out.outputs:
+            for c, (content, tool_calls, finish_reason) in zip(out.outputs, deltas):
                 num_completion += len(c.token_ids)
-                content, tool_calls, finish_reason = tool_stream.delta(c.index, c.text, c.finish_reason)
                 if content is None and not tool_calls and finish_reason is None and not req.logprobs:
                     continue  # the tool-call parser holds this text back: nothing to send (as vLLM)
                 choices.append(ChatStreamChoice(
@@ -163,4 +172,31 @@ class OpenAIServingChat(OpenAIServing):
             if choices:
                 yield chunk(choices)
         if req.include_usage_in_stream:
+            num_prompt, num_cached = (len(last.prompt_token_ids), last.num_cached_tokens) if last else (0, 0)
             yield chunk([], make_usage(num_prompt, num_completion, self.cached_tokens(num_cached), self.story(last)))
+
+
+@dataclass
+class ChatRun:
+    """A chat request in the engine: its streams (one per prompt), its tool plan and prompt length."""
+
+    streams: list[RequestStream]
+    plan: ToolPlan | None
+    num_prompt_tokens: int
+
+    async def final(self) -> RequestOutput | None:
+        """The finished output, None when aborted (raises APIError(500) when the engine failed it)."""
+        finals = await OpenAIServing.collect_final(self.streams)
+        return finals[0] if finals else None
+
+    def parts(self, c: CompletionOutput) -> tuple[str | None, list[ToolCallItem], str | None]:
+        """``(content, tool_calls, finish_reason)`` of a finished choice."""
+        return message_parts(self.plan, c.text, c.finish_reason)
+
+    async def deltas(self) -> AsyncIterator[tuple[RequestOutput, list[tuple]]]:
+        """Each engine output with, per choice, ``(content, delta tool calls, finish_reason)``
+        (raises APIError(500) when the engine failed the request)."""
+        tool_stream = ToolStream(self.plan)
+        async for _, out in merge_streams(self.streams):
+            raise_if_failed(out)
+            yield out, [tool_stream.delta(c.index, c.text, c.finish_reason) for c in out.outputs]

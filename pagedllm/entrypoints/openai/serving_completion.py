@@ -1,17 +1,9 @@
 """``POST /v1/completions``: prompts as text, texts, token ids or lists of token ids.
 
-Everything that can be wrong with a request (model, parameters, prompt length, token
-ids) is checked, and the requests are accepted by the engine, before the first byte of a
-streamed response: a bad streamed request gets a plain 400, never an SSE error.
-
-Choices are numbered ``prompt_index * n + sample_index``. With ``echo`` the prompt text
-leads the first choice text of each sample, and with ``echo`` + ``logprobs`` the
-logprobs cover prompt tokens too (``token_logprobs[0]`` is null: the first token has no
-context). ``top_logprobs`` maps token text → logprob, most likely first, and also holds
-the chosen token when it falls outside the top ``logprobs``. ``text_offset`` is the
-character offset of each token in the returned text, from the concatenated per-token
-texts (as vLLM and OpenAI do). Logprobs are those the engine reports (see
-``SamplingParams``); non-finite values are clamped to ``LOGPROB_FLOOR``.
+Every check (model, parameters, prompt length, token ids) and the engine's admission happen before the first
+streamed byte, so a bad streamed request is a plain 400. Choices are numbered ``prompt_index * n + sample_index``;
+``echo`` leads each choice with the prompt (and its logprobs, ``token_logprobs[0]`` null); ``text_offset`` comes
+from the concatenated token texts (as vLLM and OpenAI).
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
-"""Request fields that constrain the output, and their translation to StructuredOutputsParams.
+"""Request fields that constrain the output, translated to StructuredOutputsParams.
 
-Accepted on ``/v1/completions`` and ``/v1/chat/completions``:
-
-- OpenAI's ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type":
-  "json_object"}`` (any JSON object), ``{"type": "json_schema", "json_schema": {"name":
-  ..., "schema": {...}, "strict": ...}}`` (JSON valid against the schema; objects get no
-  properties the schema does not list, whether or not ``strict`` is set).
-- vLLM's ``structured_outputs`` object (``{"json": ..., "regex": ..., "choice": [...],
-  "grammar": ..., "json_object": true, "disable_any_whitespace": ...}``) and its older
-  ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` fields
-  (other ``guided_*`` fields such as ``guided_decoding_backend`` are logged and ignored).
-
-At most one of them per request. Every problem is an HTTP 400 naming the field, decided
-before the request reaches the engine: the constraint is compiled at grammar level
-(milliseconds) here, and against the tokenizer in the engine, off its step loop.
+OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``), vLLM's ``structured_outputs`` object
+and its older ``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar``: at most one per request. Each
+problem is a 400 naming the field, found before the engine: compiled at grammar level here (milliseconds), against
+the tokenizer in the engine, off its step loop.
 """
 
 from __future__ import annotations

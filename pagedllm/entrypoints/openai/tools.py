@@ -1,23 +1,10 @@
-"""Tool calling on ``/v1/chat/completions``: ``tools``, ``tool_choice``, ``message.tool_calls``.
+"""Tool calling on the chat path: ``tools``, ``tool_choice``, ``message.tool_calls``.
 
-``tools`` (OpenAI function tools) are validated and handed to the chat template. What
-the output may be depends on ``tool_choice`` (default ``"auto"`` with tools, as OpenAI):
-
-- ``"none"``: plain text; no parsing.
-- ``"auto"``: unconstrained; a tool-call parser for the model's format (``--tool-call-parser
-  NAME``, else the one the chat template teaches, e.g. Hermes ``<tool_call>`` for Qwen)
-  turns calls in the text into ``message.tool_calls`` with ``finish_reason: "tool_calls"``;
-  without a parser the request is refused (400), as vLLM does.
-- ``"required"``: the output is constrained to a JSON array of one or more
-  ``{"name": <a tool>, "parameters": <its schema>}`` objects (one at most with
-  ``parallel_tool_calls: false``); ``finish_reason: "tool_calls"``.
-- ``{"type": "function", "function": {"name": N}}``: the output is constrained to N's
-  parameters schema and is returned as one call of N (``finish_reason`` stays ``"stop"``,
-  as OpenAI reports a forced function).
-
-Streaming sends ``delta.tool_calls`` pieces: a call's first piece has ``index``, ``id``,
-``type`` and ``function.name``; its ``function.arguments`` fragments concatenate to the
-arguments of the non-streamed call.
+``tool_choice`` (default ``"auto"`` with tools, as OpenAI): ``"none"`` plain text; ``"auto"`` unconstrained, the
+model's tool-call parser (``--tool-call-parser``, else the chat template's) finds the calls, 400 without one (as
+vLLM); ``"required"`` the output is constrained to a JSON array of ``{"name", "parameters"}`` calls (one with
+``parallel_tool_calls: false``); a named function: constrained to its parameters (``finish_reason`` stays
+``"stop"``, as OpenAI). Streamed calls: the first piece has ``id`` and ``name``, argument pieces concatenate.
 """
 
 from __future__ import annotations

@@ -33,12 +33,8 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """``act(gate) * up`` for ``gate_up`` (T, 2I) = [gate | up] -> (T, I), act named ``activation``.
-
-    On CPU (float32, bfloat16; SiLU and the tanh GELUs) one fused kernel
-    (:mod:`pagedllm.ops.activation`); elsewhere chunk + activation + multiply in torch.
-    Raises ValueError for an unknown activation name.
-    """
+    """``act(gate) * up`` for ``gate_up`` (T, 2I) = [gate | up] -> (T, I); on CPU one fused kernel
+    (:mod:`pagedllm.ops.activation`). Raises ValueError for an unknown activation name."""
     out = act_and_mul(gate_up, activation)  # None: the fused kernel does not apply
     if out is not None:
         return out

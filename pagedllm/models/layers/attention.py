@@ -1,14 +1,6 @@
 """The self-attention block of a decoder layer: fused q/k/v projection, optional per-head q/k
-norm, rotary embedding, paged attention, output projection.
-
-Family differences are arguments, not subclasses: biases (Qwen 2: q/k/v only; Llama:
-``attention_bias`` on all four), per-head RMSNorm on q and k before the rotation (Qwen 3,
-Gemma 3), the softmax scale (Gemma: ``query_pre_attn_scalar ** -0.5``), a sliding window
-and attention-logit soft-capping, both passed through to the attention backend.
-
-On CPU the q/k norms and the rotation run as one fused kernel over the projection output
-(:mod:`pagedllm.ops.rotary`): k rotated in place, q into a new contiguous tensor.
-"""
+norm (Qwen 3, Gemma 3), rotary embedding, paged attention, output projection. Family
+differences are arguments; on CPU q/k norm and rotation are one fused kernel (:mod:`pagedllm.ops.rotary`)."""
 
 from __future__ import annotations
 
@@ -28,21 +20,12 @@ class SelfAttention(nn.Module):
     """Grouped-query self-attention over the paged KV cache.
 
     Args:
-        hidden_size, num_heads, num_kv_heads, head_dim: the model's shapes (num_heads a multiple
-            of num_kv_heads). With tensor parallelism this rank runs its share of the heads
-            (:class:`~pagedllm.models.layers.tensor_parallel.QKVParallelLinear`) and ``o_proj``
-            sums the ranks' partial outputs; ``num_heads``/``num_kv_heads`` are then this rank's.
-        backend: the attention backend the model runner chose.
-        scale: softmax scale; default ``head_dim ** -0.5``.
-        qkv_bias / o_bias: biases on the q/k/v and the output projections.
-        qk_norm: a norm class (``cls(head_dim, eps)``) applied to each head of q and k before
-            the rotation, or None; qk_norm_eps its epsilon.
-        sliding_window, logit_soft_cap: see :class:`~pagedllm.attention.Attention`.
-        rope_key: which of the model's rotary tables this layer uses (Gemma 3: per layer type).
-
-    Parameters (HF names after the loader fuses q/k/v): ``qkv_proj``, ``o_proj``,
-    ``q_norm``/``k_norm`` when qk_norm is set.
-    """
+        hidden_size, num_heads, num_kv_heads, head_dim: the model's shapes (this rank's heads under
+            tensor parallelism; ``o_proj`` sums the ranks' outputs).
+        backend: the runner's attention backend; scale: default ``head_dim ** -0.5``.
+        qk_norm: ``cls(head_dim, eps)`` applied per head of q and k before the rotation, or None.
+        sliding_window, logit_soft_cap: see :class:`~pagedllm.attention.backend.AttentionImpl`.
+        rope_key: which of the model's rotary tables this layer uses (Gemma 3: per layer type)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  backend: AttentionBackend, *, scale: float | None = None, qkv_bias: bool = False,
@@ -63,11 +46,7 @@ class SelfAttention(nn.Module):
                               sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
 
     def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        """hidden: (T, hidden), cos_sin: (T, 2, rotary_dim) -> (T, hidden).
-
-        Sub-modules are called through ``forward`` (no nn.Module hook dispatch, which would run
-        for every layer of every step); no hooks are used.
-        """
+        """hidden (T, hidden), cos_sin (T, 2, rotary_dim) -> (T, hidden)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj.forward(hidden)  # (T, q_size + 2 * kv_size)
         q, k, v = self._rotated_q_k_v(qkv, cos_sin)

@@ -26,17 +26,10 @@ class VocabEmbedding(nn.Embedding):
 
 
 class LMHead(Linear):
-    """hidden (N, hidden) -> logits (N, vocab) float32.
+    """hidden (N, hidden) -> logits (N, vocab) float32 (a bfloat16 head on the skinny GEMM returns its
+    float32 sums). With ``soft_cap`` c: ``c * tanh(logits / c)`` in the model dtype (Gemma 2)."""
 
-    A bfloat16 head on the AVX512-BF16 skinny GEMM returns the kernel's float32 sums (no rounding
-    to bfloat16 in between; other paths compute in the model dtype and widen, as vLLM does).
-
-    With ``soft_cap`` c the logits become ``c * tanh(logits / c)`` (Gemma 2's final-logit
-    soft-capping, Gemma Team 2024), computed in the model dtype as transformers does.
-    """
-
-    # its rows are the sampled ones (at most max_num_seqs: the skinny GEMM's range by default), more
-    # only with prompt logprobs: no oneDNN copy of the (vocab x hidden) weight for those
+    # its rows are the sampled ones: no oneDNN copy of the (vocab x hidden) weight
     onednn_for_many_rows = False
 
     def __init__(self, hidden_size: int, vocab_size: int, soft_cap: float | None = None) -> None:
@@ -46,8 +39,7 @@ class LMHead(Linear):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         skinny = self.skinny_for(hidden) if self.soft_cap is None else None
         if skinny is not None and skinny_gemm.supports_float32_out(skinny):
-            # a bfloat16 model's logits as the kernel's float32 sums: rounded to bfloat16 first, two
-            # tokens whose logits differ by less than 1/128 of their size would tie
+            # float32 sums: rounded to bfloat16, logits within 1/128 of each other would tie
             return skinny_gemm.skinny_linear(hidden, skinny, float32_out=True)
         logits = super().forward(hidden)
         if self.soft_cap is not None:

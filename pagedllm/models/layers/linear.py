@@ -1,23 +1,17 @@
-"""Linear projections: plain, and several projections of one input fused into one matmul.
-
-:class:`Linear` can run from a oneDNN-prepacked copy of its weight on CPU. :class:`MergedLinear`
-stacks projections that read the same input (q/k/v, gate/up) on the output axis; checkpoints
-store them apart, so it tells the loader which rows each one fills (:meth:`MergedLinear.shard`).
-A mixture-of-experts block slots in where a dense MLP is: it only needs
-``forward(x: (T, hidden)) -> (T, hidden)`` and parameters named as its checkpoint names them.
-"""
+"""Linear projections: plain, and several projections of one input fused into one matmul
+(:class:`MergedLinear`, whose rows the loader fills per checkpoint tensor via :meth:`~MergedLinear.shard`)."""
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.ops import skinny_gemm
 
 logger = logging.getLogger("pagedllm")
@@ -26,31 +20,12 @@ logger = logging.getLogger("pagedllm")
 class Linear(nn.Linear):
     """``nn.Linear`` that can run from a packed copy of its weight on CPU.
 
-    :meth:`pack_for_cpu` packs the weight once for the engine's skinny GEMM
-    (:mod:`pagedllm.ops.skinny_gemm`; float32, and bfloat16 on AMX or AVX512-BF16), which runs
-    inputs of up to ``skinny_weight.max_rows`` rows (decode steps). Larger inputs (prefill
-    chunks) run in float32 ``F.linear`` on Intel CPUs (as fast there as a prepacked oneDNN
-    weight) and elsewhere oneDNN from a second copy (:func:`fp32_rows_use_onednn`), and, in
-    bfloat16, oneDNN from a second copy reordered into its blocked layout (the same prepacking
-    torch.compile's CPU freezing pass does; forward calls the oneDNN linear directly instead of
-    re-packing the weight inside every matmul). Without the skinny kernel (off, or ``bf16_math``
-    asked for) only the oneDNN copy is made (:func:`cpu_packing` is the rule). Measurements in
-    ``benchmarks/results/``.
-
-    The packed copy lives on the CPU: pack after the model reaches its device (as
-    ``load_weights`` does), not before a ``.to("cuda")``.
-
-    A weight format kept at run time (:mod:`pagedllm.quantization`) sets ``quant_method``:
-    the method then owns the weight and computes the matmul (vLLM's ``LinearMethod`` seam).
-
-    Opt-in, float32 only: with ``bf16_math`` set by :meth:`pack_for_cpu`, a packed float32
-    linear of at least :data:`BF16_MATH_MIN_ROWS` rows lets oneDNN round x and the weight to
-    bfloat16 and multiply on AMX, accumulating and returning float32 (on CPUs without AMX
-    oneDNN takes the hint for some shapes only, with other rounding, so there the opt-in is
-    refused with a warning and the linears stay float32) (what
-    ``torch.set_float32_matmul_precision("medium")`` selects for every oneDNN matmul, here only
-    for these linears). Not float32's numerics: greedy outputs can change.
-    """
+    :meth:`pack_for_cpu` packs it for the skinny GEMM (:mod:`pagedllm.ops.skinny_gemm`; inputs of up
+    to ``max_rows`` rows, decode steps) and/or oneDNN (more rows; :func:`cpu_packing` is the rule).
+    The copy lives on the CPU: pack after the model reaches its device. A run-time weight format
+    (:mod:`pagedllm.quantization`) sets ``quant_method``, which then owns the weight and the matmul
+    (vLLM's ``LinearMethod``). ``bf16_math`` (opt-in, float32, AMX only): oneDNN multiplies in
+    bfloat16 and accumulates in float32 for at least :data:`BF16_MATH_MIN_ROWS` rows; greedy outputs can change."""
 
     packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout
     skinny_weight: skinny_gemm.SkinnyWeight | None = None
@@ -76,9 +51,8 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def skinny_for(self, x: torch.Tensor) -> skinny_gemm.SkinnyWeight | None:
-        """The skinny GEMM weight that runs ``x`` (at most its ``max_rows`` rows, its dtype, 2-D with
-        contiguous rows, not grad-tracked: the packed copy has no autograd link), or None: oneDNN or
-        ``F.linear`` does."""
+        """The skinny GEMM weight that runs ``x`` (2-D, contiguous rows, at most ``max_rows``, its dtype,
+        no grad), or None (oneDNN or ``F.linear`` does)."""
         skinny = self.skinny_weight
         if skinny is not None and x.shape[0] <= skinny.max_rows and x.dtype == skinny.dtype \
                 and x.dim() == 2 and x.stride(1) == 1 and not (x.requires_grad and torch.is_grad_enabled()):
@@ -86,17 +60,11 @@ class Linear(nn.Linear):
         return None
 
     def pack_for_cpu(self, batch_hint: int, bf16_math: bool = False) -> bool:
-        """Pack the weight for the skinny GEMM or oneDNN (CPU, float32/bfloat16 only); returns
-        whether it did.
+        """Pack the weight for the skinny GEMM or oneDNN (CPU, float32/bfloat16); returns whether it did.
 
-        The packed copies are extra memory (one more copy of the weight; two for bfloat16 with
-        a skinny kernel, and for float32 where prefill rows run oneDNN); ``self.weight`` stays
-        valid, but they do not follow later in-place edits of it: call this again
-        (``load_weights`` does) after changing weights (CPU decode graphs recorded before are
-        then dropped: :func:`packing_generation`). ``bf16_math``: float32 matmuls of many rows
-        computed in bfloat16 (see the class docstring; opt-in).
-        ``batch_hint``: the row count oneDNN's layout is chosen for.
-        """
+        The copies are extra memory and do not follow later edits of ``self.weight``: pack again
+        after changing weights (recorded CPU decode graphs are dropped, :func:`packing_generation`).
+        ``batch_hint``: the row count oneDNN's layout is chosen for."""
         self.unpack()  # (counts as a packing change: see packing_generation)
         w = getattr(self, "weight", None)
         if w is None or self.quant_method is not None or w.device.type != "cpu":
@@ -137,12 +105,8 @@ class CpuPacking:
 
 def cpu_packing(dtype: torch.dtype, in_features: int, bf16_math: bool = False,
                 onednn_for_many_rows: bool = True) -> CpuPacking:
-    """Which packed copies :meth:`Linear.pack_for_cpu` makes on this host for a weight of
-    ``dtype`` with ``in_features`` columns: the one rule both the packing and the capacity plan
-    (:func:`cpu_packed_copy_bytes`) follow. float32 with the skinny GEMM keeps no oneDNN copy
-    unless its prefill rows go to oneDNN (:func:`fp32_rows_use_onednn`, ``onednn_for_many_rows``);
-    bfloat16 keeps both (oneDNN for rows above the skinny kernel's); ``bf16_math`` (float32,
-    where supported) only oneDNN's. Other dtypes: none."""
+    """Which packed copies :meth:`Linear.pack_for_cpu` makes here for a weight of ``dtype``: the one
+    rule the packing and the capacity plan (:func:`cpu_packed_copy_bytes`) share."""
     if dtype not in (torch.float32, torch.bfloat16):
         return CpuPacking(False, False, False)
     bf16_math = bf16_math and dtype == torch.float32 and bf16_math_supported()  # refused: float32 as usual
@@ -155,9 +119,7 @@ def cpu_packing(dtype: torch.dtype, in_features: int, bf16_math: bool = False,
 
 @functools.cache
 def onednn_packs(dtype: torch.dtype) -> bool:
-    """Whether oneDNN's packed linear runs ``dtype`` on this CPU: float32 wherever torch has
-    oneDNN; bfloat16 only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT (oneDNN refuses to reorder a
-    bfloat16 weight elsewhere, e.g. on AVX2-only hosts, where such weights stay on ``F.linear``)."""
+    """Whether oneDNN's packed linear runs ``dtype`` here (bfloat16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
     if not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16:
@@ -167,9 +129,8 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 def cpu_packed_copy_bytes(out_features: int, in_features: int, dtype: torch.dtype, bias: bool = False,
                           onednn_for_many_rows: bool = True) -> int:
-    """Bytes :meth:`Linear.pack_for_cpu` would add on this host next to a ``(out_features,
-    in_features)`` weight of ``dtype`` (what :func:`packed_copy_bytes` counts once it has run),
-    without making the copies: for ``pagedllm plan``."""
+    """Bytes :meth:`Linear.pack_for_cpu` would add here next to an ``(out_features, in_features)``
+    weight of ``dtype``, without packing (``pagedllm plan``)."""
     plan = cpu_packing(dtype, in_features, onednn_for_many_rows=onednn_for_many_rows)
     elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 0
     total = out_features * in_features * elem if plan.onednn else 0  # oneDNN's blocked layout: no padding
@@ -182,31 +143,21 @@ _packing_generation = 0  # bumped by every Linear.unpack (so by every pack_for_c
 
 
 def packing_generation() -> int:
-    """A counter that changes whenever any :class:`Linear` is packed or unpacked: what was recorded
-    against the packed copies (CPU decode graphs, :mod:`pagedllm.worker.cpu_graph`) is stale once
-    it differs from the value seen at recording."""
+    """Changes whenever any :class:`Linear` is packed or unpacked: what was recorded against the
+    packed copies (:mod:`pagedllm.worker.cpu_graph`) is stale once it differs."""
     return _packing_generation
 
 
-FP32_ROWS_ENV = "PAGEDLLM_CPU_FP32_PREFILL_LINEAR"
-PACKED_LINEAR_ENV = "PAGEDLLM_CPU_PACKED_LINEAR"  # "0": the CPU loader packs no linear (llama.load_weights)
+PACKED_LINEAR_ENV = envs.CPU_PACKED_LINEAR.name  # planner.py reads it
 
 
 @functools.lru_cache(maxsize=None)
 def fp32_rows_use_onednn() -> bool:
-    """Whether float32 linears of more rows than the skinny GEMM takes (prefill chunks) run from a
-    oneDNN packed copy of the weight instead of ``F.linear`` (torch's BLAS, MKL in its CPU wheels).
-
-    MKL takes AVX2 code paths on CPUs other than Intel's: on an AMD EPYC with AVX-512, oneDNN's
-    packed linear ran SmolLM2's projections in 0.51x ``F.linear``'s time at 256 and 2,048 rows,
-    while on an Intel Xeon the two were within 3% (``benchmarks/linear_kernels.py``, results in
-    ``benchmarks/results/``). ``PAGEDLLM_CPU_FP32_PREFILL_LINEAR``: ``auto`` (default) keeps the
-    oneDNN copy (one more copy of each weight) on CPUs that are not Intel's, ``onednn`` everywhere,
-    ``blas`` nowhere. Read once per process. Raises ValueError for another value.
-    """
-    value = os.environ.get(FP32_ROWS_ENV, "auto").strip().lower()
-    if value not in ("auto", "onednn", "blas"):
-        raise ValueError(f"{FP32_ROWS_ENV} must be 'auto', 'onednn' or 'blas', got {value!r}")
+    """Whether float32 linears of more rows than the skinny GEMM takes run from a oneDNN packed copy
+    instead of ``F.linear`` (MKL takes AVX2 paths on non-Intel CPUs; ``benchmarks/linear_kernels.py``).
+    ``PAGEDLLM_CPU_FP32_PREFILL_LINEAR``: auto (non-Intel CPUs), onednn, blas. Read once per process;
+    raises ValueError for another value."""
+    value = envs.cpu_fp32_prefill_linear()
     if value != "auto":
         return value == "onednn"
     return cpu_vendor() != "GenuineIntel"
@@ -237,9 +188,7 @@ def bf16_math_supported() -> bool:
     return is_amx
 
 
-# Below this many rows bfloat16 math is slower than float32 for SmolLM2's shapes (a decode
-# batch of a few requests streams the float32 weight either way and the conversion costs more
-# than it saves); from 16 rows up it is faster (benchmarks/linear_kernels.py).
+# fewer rows stream the float32 weight anyway: the conversion costs more than it saves
 BF16_MATH_MIN_ROWS = 16
 
 
@@ -256,16 +205,8 @@ def _packed_linear_bf16_math(x: torch.Tensor, packed: torch.Tensor, bias: torch.
 
 
 class MergedLinear(Linear):
-    """Projections of the same input stacked on the output axis: one matmul instead of several.
-
-    Args:
-        in_features: input size.
-        output_sizes: rows of each projection, in order (e.g. ``[q, kv, kv]`` or
-            ``[intermediate, intermediate]``).
-        bias: whether every projection has a bias.
-
-    ``forward`` returns (T, sum(output_sizes)); split it with ``output_sizes``.
-    """
+    """Projections of one input stacked on the output axis (``output_sizes`` rows each, in order):
+    ``forward`` returns (T, sum(output_sizes))."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
         super().__init__(in_features, sum(output_sizes), bias=bias)

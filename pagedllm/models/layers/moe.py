@@ -1,30 +1,11 @@
 """Mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE): a router and gated experts.
 
-Each token goes to its ``top_k`` experts (Shazeer et al., 2017, "Outrageously Large Neural
-Networks"; Jiang et al., 2024, "Mixtral of Experts"): the router's logits are
-softmax-normalised over all experts in float32, the ``top_k`` largest probabilities are
-kept and — with ``renormalize`` (Mixtral always; Qwen3-MoE when ``norm_topk_prob``) —
-divided by their sum, which equals a softmax over the top-k logits. The block's output is
-the weighted sum of the chosen experts' SwiGLU outputs.
-
-Experts run only on their routed tokens: the (token, expert) pairs are sorted by expert
-once, each expert with at least one token does two matmuls on its contiguous slice, and
-the weighted results are added back to their tokens with one ``index_add_``. The loop is
-over experts, never over tokens; an expert no token chose costs nothing.
-
-Parameters follow transformers' fused layout (``experts.gate_up_proj``: (E, 2I, H) with the
-gate rows first, ``experts.down_proj``: (E, H, I); ``gate.weight``: (E, H)), and
-:meth:`MoEExperts.expert_weight` maps the per-expert names checkpoints store
-(``experts.{e}.w1/w3/w2`` in Mixtral, ``experts.{e}.gate_proj/up_proj/down_proj`` in
-Qwen3-MoE) onto their rows.
-
-Tensor parallelism shards every expert the way a dense MLP is sharded (vLLM's TP for
-``FusedMoE``; Megatron-LM's MLP split): each of the N ranks holds rows ``[r I/N, (r+1) I/N)``
-of every expert's gate and up projections and the same columns of its down projection, so
-``I`` divides over the ranks, every expert's compute and memory splits N ways, and one
-all-reduce after the experts sums the partial outputs. The router is small and replicated;
-every rank routes the same tokens to the same experts.
-"""
+Top-k routing (Shazeer et al., 2017; Jiang et al., 2024): softmax over all experts in float32,
+the ``top_k`` largest kept and, with ``renormalize``, divided by their sum. Experts run only
+on their routed tokens, sorted by expert once (a loop over experts, never tokens). Parameters in
+transformers' fused layout: ``experts.gate_up_proj`` (E, 2I, H), gate rows first,
+``experts.down_proj`` (E, H, I), ``gate.weight`` (E, H). Tensor parallelism splits every
+expert's I over the ranks (vLLM's ``FusedMoE``) and all-reduces the output; the router is replicated."""
 
 from __future__ import annotations
 
@@ -46,15 +27,8 @@ _EXPERT_PARTS = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0),
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing.
-
-    Args:
-        router_logits: (T, num_experts), any float dtype.
-        top_k: experts per token (1 <= top_k <= num_experts).
-        renormalize: divide the kept probabilities by their sum.
-    Returns:
-        weights (T, top_k) float32 and expert ids (T, top_k) int64, in descending weight.
-    """
+    """router_logits (T, num_experts) -> weights (T, top_k) float32 and expert ids (T, top_k) int64,
+    in descending weight."""
     probs = torch.softmax(router_logits.float(), dim=-1)  # (T, E)
     weights, ids = torch.topk(probs, top_k, dim=-1)  # (T, k)
     if renormalize:
@@ -63,12 +37,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 
 
 class MoEExperts(nn.Module):
-    """``num_experts`` SwiGLU experts stored as stacked tensors, run on their routed tokens.
-
-    With N tensor-parallel ranks each holds ``intermediate_size / N`` of every expert's width
-    (see the module docstring) and :meth:`forward` returns its partial sum; ValueError naming
-    ``tensor_parallel_size`` when N does not divide ``intermediate_size``.
-    """
+    """``num_experts`` SwiGLU experts as stacked tensors, this rank's ``intermediate_size / N`` of each.
+    ValueError naming ``tensor_parallel_size`` when N does not divide ``intermediate_size``."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str) -> None:
         super().__init__()
@@ -83,10 +53,8 @@ class MoEExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
 
     def expert_weight(self, expert: int, part: str) -> torch.Tensor:
-        """The rows of expert ``expert``'s ``part`` (``w1``/``gate_proj``, ``w3``/``up_proj``,
-        ``w2``/``down_proj``) inside the fused parameters, a view to copy a checkpoint
-        tensor into (this rank's part of it: :meth:`expert_slice`). Raises ValueError for an
-        unknown part or expert index."""
+        """The view of expert ``expert``'s ``part`` (w1/gate_proj, w3/up_proj, w2/down_proj) to copy a
+        checkpoint tensor into. Raises ValueError for an unknown part or expert."""
         if part not in _EXPERT_PARTS or not 0 <= expert < self.num_experts:
             raise ValueError(f"no expert weight {part!r} for expert {expert} (experts 0..{self.num_experts - 1}; "
                              f"parts {', '.join(_EXPERT_PARTS)})")
@@ -121,10 +89,8 @@ class MoEExperts(nn.Module):
         return torch.cat([gate.narrow(1, rank * n, n), up.narrow(1, rank * n, n)], dim=1)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        """x: (T, hidden); weights: (T, k) float32; expert_ids: (T, k) int64 -> (T, hidden).
-
-        Output row t is ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``.
-        """
+        """x (T, hidden), weights (T, k) float32, expert_ids (T, k) int64 -> (T, hidden):
+        row t is ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``."""
         top_k = expert_ids.shape[1]
         flat_ids = expert_ids.reshape(-1)  # (T*k,) pair p = token p // k, its (p % k)-th expert
         order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
@@ -145,16 +111,8 @@ class MoEExperts(nn.Module):
 
 
 class FusedMoE(nn.Module):
-    """Router (``gate``) + experts: x (T, hidden) -> (T, hidden).
-
-    Args:
-        hidden_size: model width; intermediate_size: each expert's SwiGLU width.
-        num_experts: experts; top_k: experts per token.
-        activation: the experts' gate activation (``silu``).
-        renormalize: whether the top-k probabilities are divided by their sum.
-
-    Raises ValueError for ``top_k`` outside ``1..num_experts`` or an unknown activation.
-    """
+    """Router (``gate``) + experts: x (T, hidden) -> (T, hidden). Raises ValueError for ``top_k``
+    outside ``1..num_experts`` or an unknown activation."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, activation: str,
                  renormalize: bool) -> None:
@@ -175,14 +133,9 @@ _EXPERT_WEIGHT = re.compile(r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<par
 
 
 class MoEWeightsMixin:
-    """Weight loading for a :class:`~pagedllm.models.llama.LlamaForCausalLM` family whose MLPs
-    are (some or all) :class:`FusedMoE` blocks: put it first among the bases.
-
-    Accepts each expert's matrices under the checkpoint's per-expert names
-    (``{experts}.{e}.{part}.weight`` with the family's ``expert_parts``), or transformers'
-    fused ``{experts}.gate_up_proj`` / ``{experts}.down_proj``. ``module_aliases`` renames a
-    checkpoint's module (Mixtral's ``block_sparse_moe`` is this engine's ``mlp``).
-    """
+    """Weight loading for a family whose MLPs are :class:`FusedMoE` (first among the bases): per-expert
+    ``{experts}.{e}.{part}.weight`` or fused ``gate_up_proj``/``down_proj``; ``module_aliases`` renames
+    a checkpoint's module (Mixtral's ``block_sparse_moe``)."""
 
     module_aliases: dict[str, str] = {}
     expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down

@@ -1,20 +1,9 @@
 """RMSNorm (Zhang & Sennrich, 2019) in its two conventions, optionally fused with the residual add.
 
-- :class:`RMSNorm` (Llama, Qwen, Mistral, Phi-3): ``w * normalize(x)``, the normalized value
-  cast back to the model dtype before the weight multiplies it (transformers' LlamaRMSNorm).
-- :class:`GemmaRMSNorm` (Gemma 2/3): ``normalize(x) * (1 + w)`` computed in float32 and cast
-  at the end; the stored weight is the offset from 1 (transformers' Gemma3RMSNorm).
-
-``forward(x)`` returns the normed x, (T, ..., dim) -> same shape. ``forward(x, residual)``
-first adds ``residual`` (in the model dtype, as transformers does) and returns
-``(normed, x + residual)``, the new residual stream (nano-vllm's fused layout).
-
-On CPU (float32, bfloat16) both run as one fused kernel (:mod:`pagedllm.ops.norm`, same
-rounding points); ``forward(x, residual)`` then works in place, like vLLM's
-``fused_add_rms_norm``: the sum is written into ``residual`` and the normed value into ``x``,
-and those two tensors are returned. Elsewhere, and with ``PAGEDLLM_CPU_FUSED_OPS=0``, the torch
-code below runs and returns new tensors.
-"""
+:class:`RMSNorm` (Llama, Qwen, ...): ``w * normalize(x)``, cast to the model dtype before the
+weight (transformers' LlamaRMSNorm). :class:`GemmaRMSNorm`: ``normalize(x) * (1 + w)`` in float32.
+``forward(x, residual)`` returns ``(normed, x + residual)`` (nano-vllm's layout); on CPU one fused
+kernel (:mod:`pagedllm.ops.norm`) that writes the sum into ``residual`` and the norm into ``x``."""
 
 from __future__ import annotations
 
@@ -46,13 +35,8 @@ class RMSNorm(nn.Module):
 
     def add_normed(self, x: torch.Tensor, residual: torch.Tensor,
                    next_norm: "RMSNorm | None" = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """``residual + self(x)`` (the residual add after a post-norm, Gemma's layout), and
-        ``next_norm`` of that sum: returns ``(next_norm(sum) or None, sum)``, x and residual (T, dim).
-
-        On CPU one fused kernel, in place like :meth:`forward` with a residual: the sum is written
-        into ``residual`` and ``next_norm``'s output into ``x`` (next_norm must share this norm's
-        convention and eps; otherwise the torch code runs).
-        """
+        """``(next_norm(residual + self(x)) or None, residual + self(x))``, x and residual (T, dim): the
+        residual add after a post-norm (Gemma). On CPU in place like :meth:`forward`."""
         same = next_norm is None or (next_norm.gemma_convention == self.gemma_convention and next_norm.eps == self.eps)
         if same and fused_add_rms_norm_(x, residual, None if next_norm is None else next_norm.weight, self.eps,
                                         self.gemma_convention, x_weight=self.weight):

@@ -1,17 +1,9 @@
 """Rotary position embeddings (Su et al., 2021, "RoFormer"), neox style, with the scaling variants.
 
-Frequencies: ``default`` is ``1 / theta ** (2i / rotary_dim)``; the scaled types ``linear``,
-``dynamic`` (NTK), ``yarn`` and ``llama3`` call transformers' own init functions
-(``ROPE_INIT_FUNCTIONS``) so they match the reference exactly. ``dynamic`` is evaluated at
-the trained length, i.e. unscaled: transformers rescales only past
-``max_position_embeddings``, which a served sequence never reaches (``max_model_len`` is
-capped by it). ``longrope`` switches frequencies with the length of the whole batch in
-transformers, which a continuous-batching engine cannot reproduce per request, so it is
-refused.
-
-Per-layer-type parameters (Gemma 3: a local base for sliding layers, a global base and
-scaling for full ones) come from ``config.rope_parameters[layer_type]``.
-"""
+``default``: ``1 / theta ** (2i / rotary_dim)``; ``linear``, ``dynamic``, ``yarn`` and ``llama3``
+use transformers' ``ROPE_INIT_FUNCTIONS``. ``dynamic`` is evaluated unscaled (a served sequence
+never passes ``max_position_embeddings``); ``longrope`` depends on the whole batch's length, so it
+is refused. Gemma 3's per-layer-type parameters come from ``config.rope_parameters[layer_type]``."""
 
 from __future__ import annotations
 
@@ -24,13 +16,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
 def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
-    """The rotary parameters of ``config`` (for ``layer_type`` when they are given per layer type)
-    as one dict with ``rope_type`` and ``rope_theta``.
-
-    transformers >= 5 keeps them in ``config.rope_parameters`` (nested by layer type for
-    Gemma 3); 4.x in ``config.rope_theta`` and ``config.rope_scaling`` (whose type key may be
-    ``type``). Raises ValueError for a rope type not in :data:`SUPPORTED_ROPE_TYPES`.
-    """
+    """``config``'s rotary parameters (for ``layer_type``) as one dict with ``rope_type`` and
+    ``rope_theta`` (transformers 5's ``rope_parameters`` or 4.x's ``rope_theta``/``rope_scaling``).
+    Raises ValueError for a rope type not in :data:`SUPPORTED_ROPE_TYPES`."""
     params = getattr(config, "rope_parameters", None)
     if params and layer_type is not None and isinstance(params.get(layer_type), dict):
         params = params[layer_type]
@@ -46,10 +34,7 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any
 
 
 def rope_inv_freq(config: Any, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (rotary_dim // 2,) float32 and the cos/sin scale ("attention factor").
-
-    ``rotary_dim`` is ``head_dim * partial_rotary_factor`` (1 unless the config says otherwise).
-    """
+    """Inverse frequencies (rotary_dim // 2,) float32 and the cos/sin scale (attention factor)."""
     params = rope_parameters(config, layer_type)
     partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
     rotary_dim = int(head_dim * partial)
@@ -66,14 +51,10 @@ def rope_inv_freq(config: Any, head_dim: int, layer_type: str | None = None) -> 
 
 
 class RotaryEmbedding(nn.Module):
-    """A precomputed cos/sin table and the rotation.
-
-    The table ``cos_sin`` is (max_positions, 2, rotary_dim) in the model dtype: row p holds
-    ``cat(cos, cos)`` and ``cat(-sin, sin)`` of ``p * inv_freq`` (times the attention factor),
-    so rotating is ``x * cos + roll(x, rotary_dim / 2) * sin``, equal to transformers'
-    ``x * cos + rotate_half(x) * sin``. With ``rotary_dim < head_dim`` (partial rotary) only
-    the first ``rotary_dim`` features of each head rotate.
-    """
+    """The cos/sin table ``cos_sin`` (max_positions, 2, rotary_dim) in the model dtype, row p
+    ``cat(cos, cos)`` and ``cat(-sin, sin)`` of ``p * inv_freq``: rotating is
+    ``x * cos + roll(x, rotary_dim / 2) * sin`` (transformers' ``rotate_half``) on the first
+    ``rotary_dim`` features of each head."""
 
     def __init__(self, inv_freq: torch.Tensor, attention_factor: float, max_positions: int,
                  dtype: torch.dtype, device: torch.device) -> None:

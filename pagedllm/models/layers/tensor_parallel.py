@@ -1,25 +1,10 @@
-"""Tensor-parallel variants of the linear and embedding layers (Megatron-LM: Shoeybi et al.,
-2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism").
+"""Tensor-parallel linear and embedding layers (Megatron-LM, Shoeybi et al., 2019); the plain layer when N == 1.
 
-With ``N`` ranks (:func:`~pagedllm.distributed.get_tensor_parallel_size`):
-
-- :class:`QKVParallelLinear`, :class:`MergedColumnParallelLinear` — column-parallel: each
-  rank holds its rows of every fused projection (its attention heads of q, its KV heads
-  of k and v; its slice of gate and up), so the following attention / activation runs on
-  local data with no communication. KV heads are replicated when there are fewer than N
-  (ranks ``r`` with the same ``r // (N / num_kv_heads)`` share one).
-- :class:`RowParallelLinear` — row-parallel: each rank holds its columns (the input slice
-  the column-parallel layer before it produced), multiplies, and one all-reduce sums the
-  partial products. The bias is added once (rank 0 holds it; the others hold zeros).
-- :class:`VocabParallelEmbedding` — each rank holds ``ceil(vocab / N)`` rows; a token's
-  row lives on one rank, the others contribute zeros, one all-reduce.
-- :class:`ParallelLMHead` — the same vocabulary split for the output projection; the
-  logits of the rows being sampled are all-gathered and the padding columns dropped.
-
-Every layer is the plain layer when N == 1. Each rank allocates only its shard, and the
-loader asks the layer for its rows of each checkpoint tensor (``checkpoint_slice``), so
-no rank ever holds the whole model.
-"""
+Column-parallel (:class:`QKVParallelLinear`, :class:`MergedColumnParallelLinear`): each rank
+holds its rows (its heads; KV heads replicated when fewer than N), no communication.
+Row-parallel (:class:`RowParallelLinear`): its input columns, one all-reduce, the bias on rank 0.
+:class:`VocabParallelEmbedding` / :class:`ParallelLMHead`: ``ceil(vocab / N)`` rows per rank.
+The loader asks each layer for its rows of a checkpoint tensor (``checkpoint_slice``)."""
 
 from __future__ import annotations
 
@@ -54,9 +39,8 @@ class _MergedColumnParallel(MergedLinear):
     ranges: list[tuple[int, int]]
 
     def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
-        """This rank's rows of a checkpoint tensor: projection ``shard`` alone (``q_proj``, ...)
-        or, with ``shard=None``, the fused tensor (Phi-3's ``qkv_proj``) split and re-stacked.
-        Raises ValueError when the tensor is not the full projection's shape."""
+        """This rank's rows of projection ``shard`` (``q_proj``, ...), or with ``shard=None`` of the fused
+        tensor (Phi-3's ``qkv_proj``). Raises ValueError for a tensor not of the projection's shape."""
         param = getattr(self, param_name)
         _check_shape(tensor, param, 0, sum(self.full_sizes) if shard is None else self.full_sizes[shard])
         if shard is not None:
@@ -67,11 +51,8 @@ class _MergedColumnParallel(MergedLinear):
 
 
 class MergedColumnParallelLinear(_MergedColumnParallel):
-    """Projections of one input stacked on the output axis (gate/up), each split by rows.
-
-    x: (T, in_features) -> (T, sum(output_sizes) / N). Raises ValueError when N does not
-    divide an output size.
-    """
+    """gate/up stacked, each split by rows: x (T, in_features) -> (T, sum(output_sizes) / N).
+    Raises ValueError when N does not divide an output size."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
         local = [_split(size, "output features of a column-parallel projection") for size in output_sizes]
@@ -82,11 +63,8 @@ class MergedColumnParallelLinear(_MergedColumnParallel):
 
 
 class QKVParallelLinear(_MergedColumnParallel):
-    """Fused q/k/v projection holding this rank's attention heads and KV heads.
-
-    x: (T, hidden) -> (T, (heads_per_rank + 2 * kv_heads_per_rank) * head_dim).
-    Raises ValueError as :func:`heads_per_rank`.
-    """
+    """Fused q/k/v of this rank's heads: x (T, hidden) -> (T, (heads + 2 * kv_heads) * head_dim).
+    Raises ValueError as :func:`heads_per_rank`."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  bias: bool = False) -> None:
@@ -102,11 +80,8 @@ class QKVParallelLinear(_MergedColumnParallel):
 
 
 class RowParallelLinear(Linear):
-    """A projection whose input features are split across ranks, then summed (one all-reduce).
-
-    x: (T, in_features / N) -> (T, out_features). The bias lives on rank 0 only (zeros
-    elsewhere), so the sum adds it once. Raises ValueError when N does not divide in_features.
-    """
+    """x (T, in_features / N) -> (T, out_features), summed over the ranks (bias on rank 0 only).
+    Raises ValueError when N does not divide in_features."""
 
     # a weight format whose scale spans a whole output row (per-channel int8) reads it across the ranks
     input_is_parallel = True
@@ -172,9 +147,8 @@ class VocabParallelEmbedding(VocabEmbedding):
 
 
 class ParallelLMHead(LMHead):
-    """hidden (N_rows, hidden) -> logits (N_rows, vocab) float32: each rank computes its
-    vocabulary columns, one all-gather joins them (only the rows passed in: the ones being
-    sampled), the padding columns are dropped, then the optional soft-cap."""
+    """hidden (R, hidden) -> logits (R, vocab) float32 for the rows passed in (the sampled ones):
+    vocabulary columns all-gathered, padding dropped, then the optional soft cap."""
 
     def __init__(self, hidden_size: int, vocab_size: int, soft_cap: float | None = None) -> None:
         self.vocab_shard = _VocabShard(vocab_size)

@@ -1,11 +1,6 @@
-"""Tool-call parsers: the model's text → OpenAI ``tool_calls`` (whole and streamed).
-
-One parser per model output format, chosen with ``--tool-call-parser NAME`` (vLLM's
-names) or from the chat template. Each parser turns a completed output into
-``(content, tool_calls)`` and, fed the output's text deltas one by one, yields the
-streaming deltas (content fragments and ``delta.tool_calls`` entries) whose
-concatenation is the same call.
-"""
+"""Tool-call parsers, one per model output format (``--tool-call-parser NAME``, vLLM's names, or from the chat
+template): a completed output → ``(content, tool_calls)``, and its text deltas → streaming deltas that concatenate
+to the same calls."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""Hermes-style tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
-
-The format of NousResearch's Hermes 2 Pro function-calling models, taught by the Qwen 2.5
-and Qwen 3 chat templates (vLLM's ``hermes`` parser). Text outside the tags is content;
-several calls may follow one another. A call left open when the output ends (``max_tokens``
-or EOS right after the JSON) still counts if its JSON is complete.
-
-Streaming re-parses the text so far with the same function as the whole-output path and
-sends only what is new, so the streamed pieces always concatenate to the non-streamed
-call: a call's first piece (id, name) once its name is complete, then its arguments text
-as it grows (the raw JSON the model wrote; an unfinished arguments object is everything
-after ``"arguments":``, since nothing of the outer object can follow it yet). Content
-holding a possible start of ``<tool_call>`` is held back until it is decided.
+"""Hermes-style tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (NousResearch's Hermes 2
+Pro format, taught by the Qwen 2.5 and 3 templates; vLLM's ``hermes``). Text outside the tags is content; a call
+left open at the end counts if its JSON is complete. Streaming re-parses the text so far with the whole-output
+function and sends only what is new (the name once complete, then the raw arguments text as it grows), so the
+pieces concatenate to the non-streamed call; a possible start of ``<tool_call>`` is held back until decided.
 """
 
 from __future__ import annotations
