@@ -21,13 +21,8 @@ from typing import Any
 from pagedllm import envs
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-# `serve` on CPU: prompt tokens a step may carry while requests decode. On CPU a step's time
-# grows with its tokens, so every decoding stream waits for the prompt tokens riding in its
-# step; but each step also streams all the weights, so a small cap spends the CPU on many
-# small weight-bound steps. 256 served with the CPU time per output token of a 2,048-token
-# cap (vLLM's budget) and a tail a fraction of its; 64 cost more CPU per token and lost half
-# the throughput (README result 2, benchmarks/results/serving_*_2026-12-01.json). Offline
-# (LLM.generate) nobody waits between tokens: no cap, like vLLM's larger offline budget.
+# `serve` on CPU: prompt tokens a step may carry while requests decode (each decoding stream waits for
+# them; too small a cap spends the CPU on many weight-bound steps; figures: benchmarks/README.md). Offline: no cap.
 SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING = 256
 # `serve` on CPU with the time-aware budget on: the step's first prompt chunk may always take
 # this many tokens (the floor that keeps every prompt progressing; the former fixed cap).
@@ -148,6 +143,10 @@ class EngineConfig:
     data_parallel_size: int = _f(1, "`serve`: engine replicas, each a process with its own KV cache, behind one front end")
     data_parallel_router: str = _f("prefix", "`serve` with replicas: how a request picks one: prefix, least_loaded or round_robin")
     distributed_executor_backend: str = _f("mp", "tensor parallelism: mp (processes on this machine) or ray (Ray actors, the `ray` extra)")
+    runner: str = _f("auto", "generate, pooling (embeddings, scores; no KV cache), or auto: pooling for encoder-only "
+                             "checkpoints and sentence-transformers folders")
+    pooler_config: str | dict | None = _f(None, "pooling runner: JSON like '{\"pooling_type\": \"MEAN\", \"normalize\": true}' "
+                                                "(MEAN, CLS, LAST) (default: sentence-transformers' files, else CLS, normalized)")
     disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers instead of freeing those outside the window")
 
     def __post_init__(self) -> None:
@@ -219,6 +218,8 @@ class EngineConfig:
             raise ValueError(f"worker_timeout_s must be a positive number of seconds, got {self.worker_timeout_s!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:

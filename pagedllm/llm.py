@@ -19,12 +19,12 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs) -> None:
-        from pagedllm.engine.llm_engine import LLMEngine
+        from pagedllm.engine.pooling_engine import make_engine
 
         unknown = sorted(set(kwargs) - set(engine_arg_names()))
         if unknown:
             raise TypeError(f"LLM() got unknown options {unknown}; valid options: {', '.join(engine_arg_names())}")
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.llm_engine = make_engine(EngineConfig(model=model, **kwargs))
         self._next_id = 0
 
     def get_tokenizer(self):
@@ -43,6 +43,7 @@ class LLM:
 
         Raises ValueError, before anything runs, for an invalid prompt or parameter.
         """
+        self._require_runner("generate")
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         if priority is not None and not (isinstance(priority, (list, tuple))
@@ -62,6 +63,7 @@ class LLM:
 
         Raises ValueError for an empty conversation or an unknown role.
         """
+        self._require_runner("generate")
         if not isinstance(messages, (list, tuple)):
             raise ValueError(f"messages must be a list of message dicts, or a list of such lists; "
                              f"got {type(messages).__name__}")
@@ -75,6 +77,33 @@ class LLM:
                                              tools=tools)
             prompts.append({"prompt_token_ids": ids, "prompt": engine.tokenizer.decode(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(self, prompts, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False):
+        """One ``EmbeddingRequestOutput`` per prompt (``.outputs.embedding``: list of floats), in order."""
+        from pagedllm.engine import pooling_tasks
+
+        return pooling_tasks.embed(self._require_runner("pooling"), prompts, truncate_prompt_tokens)
+
+    def classify(self, prompts, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False):
+        """One ``ClassificationRequestOutput`` (``.outputs.probs``) per prompt, for a classifier model."""
+        from pagedllm.engine import pooling_tasks
+
+        return pooling_tasks.classify(self._require_runner("pooling"), prompts, truncate_prompt_tokens)
+
+    def score(self, text_1, text_2, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False):
+        """One ``ScoringRequestOutput`` (``.outputs.score``) per (text_1, text_2) pair: 1 x 1, 1 x N or
+        N x N; a cross-encoder's score, or the cosine similarity of an embedding model's vectors."""
+        from pagedllm.engine import pooling_tasks
+
+        return pooling_tasks.score(self._require_runner("pooling"), text_1, text_2, truncate_prompt_tokens)
+
+    def _require_runner(self, runner: str):
+        """The engine, if it is ``runner``'s; else ValueError naming both runners."""
+        actual = getattr(self.llm_engine, "runner_type", "generate")
+        if actual != runner:
+            raise ValueError(f"this model runs with runner={actual!r}; this call needs runner={runner!r} "
+                             f"(pass runner= to LLM, or use a model of that kind)")
+        return self.llm_engine
 
     @staticmethod
     def _as_prompt_list(prompts) -> list[PromptInput]:

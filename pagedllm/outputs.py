@@ -1,4 +1,5 @@
-"""User-facing outputs: RequestOutput, CompletionOutput, Logprob (vLLM-compatible)."""
+"""User-facing outputs (vLLM-compatible): RequestOutput, CompletionOutput, Logprob; the pooling runner's
+PoolingRequestOutput and its embedding, classification and scoring forms."""
 
 from __future__ import annotations
 
@@ -83,3 +84,68 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the request failed inside the engine
+
+
+@dataclass
+class PoolingOutput:
+    """``data``: the pooled vector (hidden_size,) or class scores (num_labels,), float32 on CPU."""
+
+    data: object  # torch.Tensor; typed loosely so this module does not import torch
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The output of one pooling request (vLLM's name); ``error`` is set when it failed in the engine."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    error: str | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # softmax over the labels
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float  # a cross-encoder's sigmoid output, or the cosine similarity of two embeddings
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

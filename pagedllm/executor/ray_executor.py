@@ -3,7 +3,7 @@ group, so a tensor-parallel group can span the machines of a Ray cluster (as vLL
 rank, bundle 0 pinned to this node (rank 0 is the engine process), strategy ``PACK``; the rendezvous
 is ``tcp://<this node's IP>:<free port>``. Replies are awaited with ``ray.wait`` bounded by
 ``worker_timeout_s``; an actor that dies fails the engine naming its rank and node. The cluster is
-the user's (``ray.init()`` joins it, or a placement group it is already in is used; README, "Across
+the user's (``ray.init()`` joins it, or a placement group it is already in is used; docs/parallelism.md, "Across
 machines with Ray").
 """
 

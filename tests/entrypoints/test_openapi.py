@@ -37,8 +37,8 @@ def test_every_operation_conforms_to_the_document(server):
     api = schemathesis.openapi.from_url(server.url + "/openapi.json")
     operations = [op.ok() for op in api.get_all_operations()]
     # completions, chat, responses (create, get, delete, cancel), messages (create, count tokens), models, a model,
-    # health, version, metrics, (de)tokenize, kv state
-    assert len(operations) == 16
+    # health, version, metrics, (de)tokenize, kv state, embeddings, rerank x2, score
+    assert len(operations) == 20
     for op in operations:
         @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE)
                | op.as_strategy(generation_mode=GenerationMode.NEGATIVE))
@@ -205,7 +205,8 @@ def test_401_is_documented_exactly_where_the_key_is_checked(api_key):
     if api_key:
         assert answered == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
                             "/tokenize", "/detokenize", "/kv/state", "/v1/responses", "/v1/responses/{response_id}",
-                            "/v1/responses/{response_id}/cancel", "/v1/messages", "/v1/messages/count_tokens"}
+                            "/v1/responses/{response_id}/cancel", "/v1/messages", "/v1/messages/count_tokens",
+                            "/v1/embeddings", "/v1/rerank", "/rerank", "/score"}
     else:
         assert answered == set()
 

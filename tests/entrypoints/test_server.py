@@ -579,6 +579,7 @@ _SERVE_FAKE = """
 import sys
 sys.path.insert(0, {tests!r})
 from fake_engine import FakeEngine
+from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.api_server import build_app, serve_app
 engine = AsyncLLMEngine(FakeEngine(step_s=0.01, max_model_len=4096), stats_log_interval_s=0)
 serve_app(build_app(engine, ["fake-model"]), "127.0.0.1", {port}, "info", drain_timeout_s=0.3)

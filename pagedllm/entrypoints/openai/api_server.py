@@ -45,6 +45,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_messages import ServingMessages
 from pagedllm.entrypoints.openai.serving_responses import ServingResponses
+from pagedllm.entrypoints.openai.serving_pooling import pooling_router
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from pagedllm.metrics import CONTENT_TYPE_LATEST
 
@@ -297,6 +298,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     app.openapi = lambda: _openapi(app)
     if enable_kv_map:
         add_kv_map_routes(app, engine, names[0], requires_api_key=bool(api_key))
+    app.include_router(pooling_router(engine, names, errors(*_API_ERRORS, 500)))  # embeddings, rerank, score
     return app
 
 
@@ -359,7 +361,8 @@ def _port(text: str) -> int:
 
 def build_app_from_args(args: argparse.Namespace) -> FastAPI:
     """Load the engine named by ``args`` (blocking) and build the app."""
-    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.engine.async_pooling_engine import make_async_engine
+    from pagedllm.engine.pooling_engine import make_engine
     from pagedllm.entrypoints.args import engine_config_from_args
     from pagedllm.metrics import EngineMetrics
 
@@ -383,7 +386,7 @@ def build_app_from_args(args: argparse.Namespace) -> FastAPI:
 
         async_engine = DataParallelAsyncEngine.from_config(config, **options)
     else:
-        async_engine = AsyncLLMEngine(LLMEngine(config), **options)
+        async_engine = make_async_engine(make_engine(config), **options)
     return build_app(async_engine, names, api_key=resolve_api_key(args), chat_template=chat_template,
                      max_n=args.max_n, enable_kv_map=not args.disable_kv_map,
                      max_prompts_per_request=args.max_prompts_per_request,
