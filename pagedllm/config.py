@@ -148,6 +148,9 @@ class EngineConfig:
     pooler_config: str | dict | None = _f(None, "pooling runner: JSON like '{\"pooling_type\": \"MEAN\", \"normalize\": true}' "
                                                 "(MEAN, CLS, LAST) (default: sentence-transformers' files, else CLS, normalized)")
     disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers instead of freeing those outside the window")
+    reasoning_parser: str | None = _f(None, "`serve`: deepseek_r1 or qwen3, how the text marks its reasoning (default: from the chat template)")
+    default_chat_template_kwargs: str | dict | None = _f(None, "`serve`: JSON object of chat-template variables for every request, like '{\"enable_thinking\": false}'")
+    generation_config: str = _f("auto", "`serve`: defaults for omitted sampling fields: auto (generation_config.json), vllm (none) or a folder")
 
     def __post_init__(self) -> None:
         validate_block_size(self.block_size)

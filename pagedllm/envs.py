@@ -19,36 +19,32 @@ class EnvVar:
     help: str
 
 
-ATTENTION_BACKEND = EnvVar(
-    "PAGEDLLM_ATTENTION_BACKEND", "auto", ("auto", "torch", "cpu", "triton", "flashinfer"),
-    "default of EngineConfig.attention_backend (the --attention-backend flag wins).")
-CACHE_DIR = EnvVar(
-    "PAGEDLLM_CACHE_DIR", "", None,
-    "where compiled C kernels and extracted model packages are cached (default ~/.cache/pagedllm).")
-CPU_FUSED_OPS = EnvVar(
-    "PAGEDLLM_CPU_FUSED_OPS", "1", ("0", "1"),
-    "0: the fused residual+RMSNorm, rotary and gated-activation C kernels are off (torch code runs).")
-SKINNY_GEMM = EnvVar(
-    "PAGEDLLM_SKINNY_GEMM", "", ("", "0", "1"),
-    "decode-row linears in the skinny GEMM kernel: unset = where measured faster, 1 = always, 0 = never.")
-CPU_FP32_MATMUL = EnvVar(
-    "PAGEDLLM_CPU_FP32_MATMUL", "fp32", ("fp32", "bf16"),
-    "bf16: float32 models run their CPU linears with bfloat16 math (oneDNN).")
-CPU_FP32_PREFILL_LINEAR = EnvVar(
-    "PAGEDLLM_CPU_FP32_PREFILL_LINEAR", "auto", ("auto", "onednn", "blas"),
-    "float32 linears of many rows: oneDNN's packed copy (auto: on non-Intel CPUs) or F.linear (BLAS).")
-CPU_PACKED_LINEAR = EnvVar(
-    "PAGEDLLM_CPU_PACKED_LINEAR", "1", ("0", "1"),
-    "0: the CPU loader packs no linear for oneDNN or the skinny GEMM.")
-ENGINE_CORES = EnvVar(
-    "PAGEDLLM_ENGINE_CORES", "", None,
-    "CPU cores the engine's ranks share (default: all); set by the data-parallel launcher per replica.")
-API_KEY = EnvVar(
-    "PAGEDLLM_API_KEY", "", None,
-    "the server's API key when --api-key is not given (clients send it as a Bearer token).")
+# name (after PAGEDLLM_) | default | choices ("*": free text; "-" stands for the empty value) | help
+_TABLE = """
+ATTENTION_BACKEND       | auto | auto torch cpu triton flashinfer | default of EngineConfig.attention_backend (the --attention-backend flag wins)
+CACHE_DIR               |      | *               | where compiled C kernels and extracted model packages are cached (default ~/.cache/pagedllm)
+CPU_FUSED_OPS           | 1    | 0 1             | 0: the fused residual+RMSNorm, rotary and gated-activation C kernels are off (torch code runs)
+SKINNY_GEMM             |      | - 0 1           | decode-row linears in the skinny GEMM kernel: unset = where measured faster, 1 = always, 0 = never
+CPU_FP32_MATMUL         | fp32 | fp32 bf16       | bf16: float32 models run their CPU linears with bfloat16 math (oneDNN)
+CPU_FP32_PREFILL_LINEAR | auto | auto onednn blas | float32 linears of many rows: oneDNN's packed copy (auto: on non-Intel CPUs) or F.linear (BLAS)
+CPU_PACKED_LINEAR       | 1    | 0 1             | 0: the CPU loader packs no linear for oneDNN or the skinny GEMM
+ENGINE_CORES            |      | *               | CPU cores the engine's ranks share (default: all); set by the data-parallel launcher per replica
+API_KEY                 |      | *               | the server's API key when --api-key is not given (clients send it as a Bearer token or x-api-key)
+"""
 
-ALL: tuple[EnvVar, ...] = (ATTENTION_BACKEND, CACHE_DIR, CPU_FUSED_OPS, SKINNY_GEMM, CPU_FP32_MATMUL,
-                           CPU_FP32_PREFILL_LINEAR, CPU_PACKED_LINEAR, ENGINE_CORES, API_KEY)
+
+def _parse(table: str) -> tuple[EnvVar, ...]:
+    variables = []
+    for line in table.strip().splitlines():
+        name, default, choices, help_text = (cell.strip() for cell in line.split("|"))
+        parsed = None if choices == "*" else tuple("" if c == "-" else c for c in choices.split())
+        variables.append(EnvVar("PAGEDLLM_" + name, default, parsed, help_text + "."))
+    return tuple(variables)
+
+
+ALL: tuple[EnvVar, ...] = _parse(_TABLE)
+(ATTENTION_BACKEND, CACHE_DIR, CPU_FUSED_OPS, SKINNY_GEMM, CPU_FP32_MATMUL, CPU_FP32_PREFILL_LINEAR,
+ CPU_PACKED_LINEAR, ENGINE_CORES, API_KEY) = ALL
 
 
 def read(var: EnvVar) -> str:

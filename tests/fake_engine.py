@@ -134,9 +134,9 @@ class FakeEngine:
         return self.input_processor.tokenize(prompt, add_special_tokens)
 
     def apply_chat_template(self, conversation, add_generation_prompt=True, chat_template=None,
-                            continue_final_message=False, tools=None) -> list[int]:
+                            continue_final_message=False, tools=None, template_kwargs=None) -> list[int]:
         return self.input_processor.render_chat(conversation, add_generation_prompt, chat_template,
-                                                continue_final_message, tools)
+                                                continue_final_message, tools, template_kwargs)
 
     @property
     def last_chat_template(self) -> str | None:

@@ -30,10 +30,10 @@ class FrontEnd:
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, continue_final_message: bool = False,
-                            tools: list[dict] | None = None) -> list[int]:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """Prompt token ids of a conversation, the template receiving ``tools``. Raises ValueError."""
         return self.input_processor.render_chat(conversation, add_generation_prompt, chat_template,
-                                                continue_final_message, tools)
+                                                continue_final_message, tools, template_kwargs)
 
 
 class FrontEndThread:

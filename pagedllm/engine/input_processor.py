@@ -65,8 +65,8 @@ class InputProcessor:
 
     def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
                     chat_template: str | None = None, continue_final_message: bool = False,
-                    tools: list[dict] | None = None) -> list[int]:
-        """Render a conversation with the chat template (``tools`` passed in) and tokenize it without
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        """Render a conversation with the chat template (``tools``, ``template_kwargs`` given) and tokenize it without
         added special tokens (the template has them). Raises ValueError for an empty conversation,
         an unknown role, non-text content, no template, or a failed render: naming ``chat_template``
         for one passed in, else ``messages`` (vLLM answers 400 for either)."""
@@ -80,7 +80,8 @@ class InputProcessor:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, tokenize=False, chat_template=template,
                 continue_final_message=continue_final_message,
-                add_generation_prompt=add_generation_prompt and not continue_final_message)
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                **(template_kwargs or {}))
         except (jinja2.TemplateError, TypeError) as e:
             where = ("chat_template could not render the conversation" if chat_template
                      else "messages: the model's chat template refused the conversation")

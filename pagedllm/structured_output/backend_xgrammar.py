@@ -13,6 +13,14 @@ from typing import Any
 
 from pagedllm.sampling_params import StructuredOutputsParams
 
+# Longest whitespace run allowed between JSON tokens (room for a newline and indentation), so a
+# model that favours whitespace is forced on to the next token instead of looping until max_tokens.
+MAX_JSON_WHITESPACE = 12
+
+
+def _whitespace_kwargs(any_whitespace: bool) -> dict[str, Any]:
+    return {"any_whitespace": any_whitespace, "max_whitespace_cnt": MAX_JSON_WHITESPACE if any_whitespace else None}
+
 
 @dataclass(frozen=True)
 class GrammarSpec:
@@ -57,7 +65,7 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> GrammarSpec:
     try:
         if spec.kind == "json":
             _check_json_schema(json.loads(spec.text))
-            xgr.Grammar.from_json_schema(spec.text, any_whitespace=spec.any_whitespace)
+            xgr.Grammar.from_json_schema(spec.text, **_whitespace_kwargs(spec.any_whitespace))
         elif spec.kind == "regex":
             xgr.Grammar.from_regex(spec.text)
         elif spec.kind == "grammar":
@@ -119,10 +127,10 @@ class XgrammarBackend:
         c = self.compiler
         if spec.kind == "json":
             # strict_mode (as in vLLM): no properties beyond those listed unless additionalProperties
-            return c.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace)
+            return c.compile_json_schema(spec.text, **_whitespace_kwargs(spec.any_whitespace))
         if spec.kind == "json_object":
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace,
-                                         strict_mode=False)
+            return c.compile_json_schema('{"type": "object"}', strict_mode=False,
+                                         **_whitespace_kwargs(spec.any_whitespace))
         if spec.kind == "regex":
             return c.compile_regex(spec.text)
         if spec.kind == "grammar":

@@ -219,7 +219,8 @@ async def _tokenize(state: Any, body: TokenizeRequest) -> Response:
     body.check_template_flags()
     if body.messages is not None:
         ids = await state.chat.render([m.model_dump(exclude_none=True) for m in body.messages],
-                                      body.add_generation_prompt, body.continue_final_message)
+                                      body.add_generation_prompt, body.continue_final_message,
+                                      template_kwargs=state.chat.template_kwargs(body))
     else:
         text, special = body.prompt, body.add_special_tokens
         ids = await state.engine.call_front(lambda f: f.tokenizer.encode(text, add_special_tokens=special))

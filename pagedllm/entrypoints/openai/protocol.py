@@ -216,9 +216,14 @@ class _Request(_RequestBase):
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def include_usage_in_every_chunk(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class StreamOptions(OpenAIBase):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # usage in every chunk (vLLM's)
 
 
 # The cross-field rules of to_sampling_params (and /tokenize) that JSON Schema can state.
@@ -230,6 +235,10 @@ _CONTINUE_WITHOUT_GENERATION_PROMPT = {  # only_with for a boolean: "given" is "
     "then": {"properties": {"add_generation_prompt": {"const": False}}, "required": ["add_generation_prompt"]}}
 
 
+_RENDER_ARGUMENTS = {"messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                     "continue_final_message", "tokenize", "return_dict"}
+
+
 class _ChatTemplateFlags(BaseModel):
     """How a conversation is rendered (chat and ``/tokenize``): ``continue_final_message`` leaves
     the last (assistant) message open for the model to continue, so no generation prompt may
@@ -237,6 +246,20 @@ class _ChatTemplateFlags(BaseModel):
 
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+
+    def template_kwargs(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The template's extra variables: ``defaults`` (the server's), then ``chat_template_kwargs``,
+        then ``reasoning_effort``. Raises ValueError naming ``chat_template_kwargs`` for a key the
+        server sets itself."""
+        kwargs = {**(defaults or {}), **(self.chat_template_kwargs or {})}
+        reserved = sorted(set(kwargs) & _RENDER_ARGUMENTS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}: the request's own fields do")
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        return kwargs
 
     def check_template_flags(self) -> None:
         """Raise ValueError naming ``continue_final_message`` when both flags are true."""
@@ -352,12 +375,24 @@ class UsageMetrics(OpenAIBase):
     decode_time: float | None = None
 
 
+class CompletionTokensDetails(OpenAIBase):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(OpenAIBase):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
     metrics: UsageMetrics | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_details(self, handler):
+        data = handler(self)
+        if data.get("completion_tokens_details") is None:
+            data.pop("completion_tokens_details", None)
+        return data
 
 
 def _longest(values: list[float | None]) -> float | None:
@@ -450,13 +485,14 @@ class ChatCompletionRequest(_Request, _ChatTemplateFlags):
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
+    use_beam_search: StrictBool | None = None
+    best_of: int | None = None
+    length_penalty: float | None = None
 
     _REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "echo": (False,), "store": (False,), "audio": (), "modalities": (["text"],), "prediction": (),
-        "reasoning_effort": (), "chat_template_kwargs": ({},), "documents": ([],)}
+        "documents": ([],), "use_beam_search": (False,), "best_of": (1,), "length_penalty": (1.0,)}
     _RULES: ClassVar[tuple[dict[str, Any], ...]] = (_STREAM_OPTIONS_NEED_STREAM, _PROMPT_LOGPROBS_NOT_STREAMED,
                                                     _TOP_LOGPROBS_NEED_LOGPROBS, _CONTINUE_WITHOUT_GENERATION_PROMPT)
 
@@ -494,19 +530,25 @@ class ChatChoiceLogprobs(OpenAIBase):
 
 
 class _OmitsNoToolCalls(OpenAIBase):
-    """A message whose ``tool_calls`` key is left out when there are none (OpenAI's shape)."""
+    """A message whose ``tool_calls`` key is left out when there are none (OpenAI's shape), and its
+    reasoning keys when it has no reasoning."""
 
     @model_serializer(mode="wrap")
     def _drop_empty_tool_calls(self, handler):
         data = handler(self)
         if not data.get("tool_calls"):
             data.pop("tool_calls", None)
+        for key in ("reasoning_content", "reasoning"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
 class ChatResponseMessage(_OmitsNoToolCalls):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # the model's reasoning (a reasoning parser's split); also as `reasoning`
+    reasoning: str | None = None
     tool_calls: list[ToolCallItem] = Field(default_factory=list)
 
 
@@ -531,6 +573,8 @@ class ChatCompletionResponse(OpenAIBase):
 class DeltaMessage(_OmitsNoToolCalls):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCallItem] | None = None
 
 

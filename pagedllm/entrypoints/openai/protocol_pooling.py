@@ -34,13 +34,17 @@ class EmbeddingData(OpenAIBase):
     embedding: list[float] | str  # str: base64 of little-endian float32
 
 
-class EmbeddingResponse(OpenAIBase):
-    id: str = Field(default_factory=lambda: f"embd-{uuid.uuid4().hex}")
+class _PoolingList(OpenAIBase):
+    """The envelope of the embedding and score responses: ``data`` holds one entry per input."""
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    data: list[EmbeddingData]
     usage: PoolingUsage
+
+
+class EmbeddingResponse(_PoolingList):
+    id: str = Field(default_factory=lambda: f"embd-{uuid.uuid4().hex}")
+    data: list[EmbeddingData]
 
 
 class RerankRequest(OpenAIBase):
@@ -82,10 +86,6 @@ class ScoreData(OpenAIBase):
     score: float
 
 
-class ScoreResponse(OpenAIBase):
+class ScoreResponse(_PoolingList):
     id: str = Field(default_factory=lambda: f"score-{uuid.uuid4().hex}")
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     data: list[ScoreData]
-    usage: PoolingUsage

@@ -17,6 +17,7 @@ from pagedllm.engine.detokenizer import token_bytes, token_text
 from pagedllm.errors import ContextLengthError
 from pagedllm.core.step_failure import InputError
 from pagedllm.engine.request_stream import RequestStream, merge_streams
+from pagedllm.entrypoints.openai.generation_defaults import generation_defaults
 from pagedllm.entrypoints.openai.errors import APIError, to_api_error
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -41,6 +42,8 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_n = max_n
+        config = engine.config
+        self.sampling_defaults = generation_defaults(config.model, getattr(config, "generation_config", "vllm"))
 
     def story(self, *outputs) -> list | None:
         """The outputs' RequestMetrics for ``usage.metrics``, or None when ``usage_metrics`` is off."""

@@ -9,6 +9,7 @@ engine for chat, Responses and Messages requests.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -20,12 +21,15 @@ from fastapi.responses import Response, StreamingResponse
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionStreamResponse, ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob,
-    DeltaMessage, finite_logprob, make_prompt_logprobs, make_usage)
+    CompletionTokensDetails, DeltaMessage, UsageInfo, finite_logprob, make_prompt_logprobs, make_usage)
 from pagedllm.entrypoints.openai.serving_base import (
     OpenAIServing, guarded_sse, json_response, raise_if_failed, sse)
 from pagedllm.engine.async_engine import EngineInput
 from pagedllm.engine.request_stream import RequestStream, merge_streams
 from pagedllm.entrypoints.openai.errors import APIError, to_api_error, validation_message
+from pagedllm.entrypoints.openai.generation_defaults import apply_generation_defaults
+from pagedllm.entrypoints.openai.reasoning import (
+    ReasoningPlan, ReasoningStream, plan_reasoning, resolve_reasoning_parser, split_reasoning)
 from pagedllm.entrypoints.openai.tools import (
     ToolCallItem, ToolPlan, ToolStream, apply_tool_plan, message_parts, plan_tools)
 from pagedllm.loader.tokenizer import chat_template_of
@@ -46,15 +50,19 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = getattr(self.engine.config, "reasoning_parser", None)
+        resolve_reasoning_parser(self.reasoning_parser, None)  # an unknown name fails at start-up
+        self.default_template_kwargs = template_kwargs_of(
+            getattr(self.engine.config, "default_chat_template_kwargs", None))
 
     async def render(self, messages: list[dict], add_generation_prompt: bool = True,
                      continue_final_message: bool = False, chat_template: str | None = None,
-                     tools: list[dict] | None = None) -> list[int]:
+                     tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """Prompt token ids of a conversation (raises APIError 400 naming ``messages``, or
         ``chat_template`` when the request's own template fails to render).
 
         ``chat_template``: a request's own template, over the server's and the model's;
-        ``tools``: passed to the template.
+        ``tools``, ``template_kwargs``: passed to the template.
         """
         if chat_template is not None and not self.engine.config.trust_request_chat_template:
             raise APIError(400, "chat_template in a request is refused: the server runs it as code "
@@ -63,6 +71,8 @@ class OpenAIServingChat(OpenAIServing):
         kwargs = {"continue_final_message": True} if continue_final_message else {}
         if tools:
             kwargs["tools"] = tools
+        if template_kwargs:
+            kwargs["template_kwargs"] = template_kwargs
         try:
             return await self.engine.call_front(lambda f: f.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, chat_template=template, **kwargs))
@@ -70,10 +80,26 @@ class OpenAIServingChat(OpenAIServing):
             own_template = chat_template is not None and str(e).startswith("chat_template")
             raise APIError(400, str(e), "chat_template" if own_template else "messages") from None
 
+    def template(self, req: ChatCompletionRequest) -> str | None:
+        return req.chat_template or self.chat_template or chat_template_of(self.engine.tokenizer)
+
+    def template_kwargs(self, req) -> dict:
+        """The request's template variables over the server's (APIError 400 naming ``chat_template_kwargs``)."""
+        try:
+            return req.template_kwargs(self.default_template_kwargs)
+        except ValueError as e:
+            raise APIError(400, str(e), "chat_template_kwargs") from None
+
+    def plan_reasoning(self, req: ChatCompletionRequest, prompt_ids: list[int], params,
+                       template_kwargs: dict) -> ReasoningPlan | None:
+        parser_cls = resolve_reasoning_parser(self.reasoning_parser, self.template(req))
+        return plan_reasoning(parser_cls, self.engine.tokenizer, prompt_ids, params.structured_outputs is not None,
+                              template_kwargs)
+
     def plan_tools(self, req: ChatCompletionRequest, params) -> ToolPlan | None:
         """Validate tools/tool_choice (APIError 400) and put their constraint on ``params``."""
-        template = req.chat_template or self.chat_template or chat_template_of(self.engine.tokenizer)
-        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser, template)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser,
+                          self.template(req))
         apply_tool_plan(plan, params)
         return plan
 
@@ -82,13 +108,16 @@ class OpenAIServingChat(OpenAIServing):
         The chat, Responses and Messages APIs all run through here."""
         self.check_model(req.model)
         self.check_n(req.n)
+        apply_generation_defaults(req, self.sampling_defaults)
         params = req.to_sampling_params()
         plan = self.plan_tools(req, params)
+        template_kwargs = self.template_kwargs(req)
         prompt_ids = await self.render(req.conversation(), req.add_generation_prompt, req.continue_final_message,
-                                       req.chat_template, plan.tools if plan else None)
+                                       req.chat_template, plan.tools if plan else None, template_kwargs)
+        reasoning = self.plan_reasoning(req, prompt_ids, params, template_kwargs)
         streams = await self.add_requests(self.label(request_id, req.user), [EngineInput(prompt_ids)], params,
                                           req.priority)
-        return ChatRun(streams, plan, len(prompt_ids))
+        return ChatRun(streams, plan, len(prompt_ids), reasoning)
 
     async def start_translated(self, build: Callable[[], ChatCompletionRequest], request_id: str,
                                params: dict[str, str]) -> ChatRun:
@@ -112,21 +141,35 @@ class OpenAIServingChat(OpenAIServing):
             return StreamingResponse(guarded_sse(self._events(req, request_id, created, run), run.streams),
                                      media_type="text/event-stream")
         (final,) = await self.collect_final(run.streams)
-        return json_response(self._response(req, request_id, created, final, run.plan))
+        return json_response(self._response(req, request_id, created, final, run))
+
+    def _encode(self, text: str) -> list[int]:
+        return self.engine.tokenizer.encode(text, add_special_tokens=False)
+
+    def _with_reasoning_tokens(self, usage: UsageInfo, num_reasoning: int | None) -> UsageInfo:
+        if num_reasoning is not None:
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=num_reasoning)
+        return usage
 
     def _response(self, req: ChatCompletionRequest, request_id: str, created: int, out: RequestOutput,
-                  plan: ToolPlan | None = None) -> ChatCompletionResponse:
+                  run: ChatRun) -> ChatCompletionResponse:
         choices = []
         for c in out.outputs:
-            content, tool_calls, finish_reason = message_parts(plan, c.text, c.finish_reason)
+            reasoning = run.reasoning_of(c)
+            content, tool_calls, finish_reason = run.parts(c)
+            message = ChatResponseMessage(content=content, tool_calls=tool_calls, reasoning_content=reasoning,
+                                          reasoning=reasoning)
             choices.append(ChatCompletionChoice(
-                index=c.index, message=ChatResponseMessage(content=content, tool_calls=tool_calls),
+                index=c.index, message=message,
                 logprobs=self._logprobs(req, c) if req.logprobs else None,
                 finish_reason=finish_reason, stop_reason=c.stop_reason))
         num_completion = sum(len(c.token_ids) for c in out.outputs)
+        num_reasoning = None if run.reasoning is None else sum(
+            run.reasoning.num_tokens(c.token_ids, c.text, self._encode) for c in out.outputs)
+        usage = make_usage(len(out.prompt_token_ids), num_completion, self.cached_tokens(out.num_cached_tokens),
+                           self.story(out))
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
-                                      usage=make_usage(len(out.prompt_token_ids), num_completion,
-                                                       self.cached_tokens(out.num_cached_tokens), self.story(out)),
+                                      usage=self._with_reasoning_tokens(usage, num_reasoning),
                                       prompt_logprobs=make_prompt_logprobs(out.prompt_logprobs, self.token_text))
 
     def _logprobs(self, req: ChatCompletionRequest, c: CompletionOutput) -> ChatChoiceLogprobs:
@@ -156,47 +199,85 @@ class OpenAIServingChat(OpenAIServing):
 
         num_completion = 0
         last = None
+        reasoning_stream = ReasoningStream(run.reasoning)
+
+        def usage(metrics=None) -> UsageInfo:
+            num_prompt, num_cached = (len(last.prompt_token_ids), last.num_cached_tokens) if last else (0, 0)
+            num_reasoning = None if run.reasoning is None else reasoning_stream.num_tokens(self._encode)
+            counts = make_usage(num_prompt, num_completion, self.cached_tokens(num_cached), metrics)
+            return self._with_reasoning_tokens(counts, num_reasoning)
+
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(req.n)])
-        async for out, deltas in run.deltas():
+        async for out, deltas in run.deltas(reasoning_stream):
             last = out
             choices = []
-            for c, (content, tool_calls, finish_reason) in zip(out.outputs, deltas):
+            for c, (reasoning, content, tool_calls, finish_reason) in zip(out.outputs, deltas):
                 num_completion += len(c.token_ids)
-                if content is None and not tool_calls and finish_reason is None and not req.logprobs:
-                    continue  # the tool-call parser holds this text back: nothing to send (as vLLM)
+                if (content is None and reasoning is None and not tool_calls and finish_reason is None
+                        and not req.logprobs):
+                    continue  # a parser holds this text back: nothing to send (as vLLM)
+                delta = DeltaMessage(content=content, tool_calls=tool_calls, reasoning_content=reasoning,
+                                     reasoning=reasoning)
                 choices.append(ChatStreamChoice(
-                    index=c.index, delta=DeltaMessage(content=content, tool_calls=tool_calls),
+                    index=c.index, delta=delta,
                     logprobs=self._logprobs(req, c) if req.logprobs else None,
                     finish_reason=finish_reason, stop_reason=c.stop_reason))
             if choices:
-                yield chunk(choices)
+                yield chunk(choices, usage() if req.include_usage_in_every_chunk else None)
         if req.include_usage_in_stream:
-            num_prompt, num_cached = (len(last.prompt_token_ids), last.num_cached_tokens) if last else (0, 0)
-            yield chunk([], make_usage(num_prompt, num_completion, self.cached_tokens(num_cached), self.story(last)))
+            yield chunk([], usage(self.story(last)))
 
 
 @dataclass
 class ChatRun:
-    """A chat request in the engine: its streams (one per prompt), its tool plan and prompt length."""
+    """A chat request in the engine: its streams (one per prompt), its tool plan, prompt length and
+    reasoning split (tool parsing and every API's content see only the answer)."""
 
     streams: list[RequestStream]
     plan: ToolPlan | None
     num_prompt_tokens: int
+    reasoning: ReasoningPlan | None = None
 
     async def final(self) -> RequestOutput | None:
         """The finished output, None when aborted (raises APIError(500) when the engine failed it)."""
         finals = await OpenAIServing.collect_final(self.streams)
         return finals[0] if finals else None
 
-    def parts(self, c: CompletionOutput) -> tuple[str | None, list[ToolCallItem], str | None]:
-        """``(content, tool_calls, finish_reason)`` of a finished choice."""
-        return message_parts(self.plan, c.text, c.finish_reason)
+    def reasoning_of(self, c: CompletionOutput) -> str | None:
+        return split_reasoning(self.reasoning, c.text)[0]
 
-    async def deltas(self) -> AsyncIterator[tuple[RequestOutput, list[tuple]]]:
-        """Each engine output with, per choice, ``(content, delta tool calls, finish_reason)``
-        (raises APIError(500) when the engine failed the request)."""
+    def parts(self, c: CompletionOutput) -> tuple[str | None, list[ToolCallItem], str | None]:
+        """``(content, tool_calls, finish_reason)`` of a finished choice's answer."""
+        return message_parts(self.plan, split_reasoning(self.reasoning, c.text)[1], c.finish_reason)
+
+    async def deltas(self, reasoning_stream: ReasoningStream | None = None
+                     ) -> AsyncIterator[tuple[RequestOutput, list[tuple]]]:
+        """Each engine output with, per choice, ``(content, delta tool calls, finish_reason)`` of the
+        answer; with ``reasoning_stream`` (of this run's plan) ``(reasoning, content, ...)``. Raises
+        APIError(500) when the engine failed the request."""
         tool_stream = ToolStream(self.plan)
+        reasoning = reasoning_stream or ReasoningStream(self.reasoning)
         async for _, out in merge_streams(self.streams):
             raise_if_failed(out)
-            yield out, [tool_stream.delta(c.index, c.text, c.finish_reason) for c in out.outputs]
+            deltas = []
+            for c in out.outputs:
+                thought, answer = reasoning.delta(c.index, c.text, c.token_ids, c.finish_reason)
+                content, tool_calls, finish_reason = tool_stream.delta(c.index, answer, c.finish_reason)
+                content = (content or None) if self.reasoning is not None else content
+                deltas.append((thought, content, tool_calls, finish_reason) if reasoning_stream else
+                              (content, tool_calls, finish_reason))
+            yield out, deltas
+
+
+def template_kwargs_of(value: str | dict | None) -> dict:
+    """``--default-chat-template-kwargs`` as a dict (a JSON object). Raises ValueError naming the flag."""
+    if value is None or isinstance(value, dict):
+        return dict(value or {})
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"default_chat_template_kwargs is not valid JSON: {e}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"default_chat_template_kwargs must be a JSON object, got {value!r}")
+    return parsed

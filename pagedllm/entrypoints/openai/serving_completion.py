@@ -16,6 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 from pagedllm.engine.async_engine import EngineInput
 from pagedllm.engine.request_stream import merge_streams
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.generation_defaults import apply_generation_defaults
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, CompletionStreamResponse,
     finite_logprob, make_prompt_logprobs, make_usage)
@@ -42,6 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         self.check_model(req.model)
         self.check_n(req.n)
+        apply_generation_defaults(req, self.sampling_defaults)
         params = req.to_sampling_params()
         prompts = await self._engine_prompts(req)
         request_id = self.new_id("cmpl", req.request_id)
@@ -169,8 +171,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 num_completion += len(c.token_ids)
                 choices.append(self._stream_choice(req, out, c, index, prompts[i].prompt_text, started, offsets))
             if choices:
+                usage = (make_usage(sum(num_prompt), num_completion, self.cached_tokens(sum(num_cached)))
+                         if req.include_usage_in_every_chunk else None)
                 chunk = CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
-                                                 choices=choices)
+                                                 choices=choices, usage=usage)
                 yield sse(chunk.model_dump_json())
         if req.include_usage_in_stream:
             chunk = CompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[],

@@ -9,7 +9,6 @@ vLLM); ``"required"`` the output is constrained to a JSON array of ``{"name", "p
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,11 +19,11 @@ from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.structured_outputs import check_constraint
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, detect_tool_parser, get_tool_parser
 from pagedllm.entrypoints.openai.tool_parsers.base import (
-    ExtractedToolCalls, StreamDelta, ToolCall, ToolCallDelta, ToolParser, new_tool_call_id)
+    ExtractedToolCalls, ParsedOutput, ReparsingToolParser, StreamDelta, ToolCall, ToolCallDelta, ToolParser,
+    json_call_array, new_tool_call_id, skip_ws)
 from pagedllm.sampling_params import StructuredOutputsParams
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_DECODER = json.JSONDecoder()
 
 
 # ---------------------------------------------------------------------------- protocol models
@@ -88,7 +87,7 @@ class ToolPlan:
             return NamedToolCall(self.function)
         if self.mode == "required":
             return RequiredToolCalls()
-        return self.parser_cls()
+        return self.parser_cls(self.tools)
 
     def finish_reason(self, finish_reason: str | None, has_calls: bool) -> str | None:
         """OpenAI's finish_reason: ``tool_calls`` when auto/required produced calls and the output ended normally."""
@@ -189,51 +188,19 @@ class NamedToolCall(ToolParser):
         return StreamDelta(tool_calls=[ToolCallDelta(0, arguments=delta_text)] if delta_text else [])
 
 
-class RequiredToolCalls(ToolParser):
+class RequiredToolCalls(ReparsingToolParser):
     """The output is a JSON array of ``{"name", "parameters"}`` (constrained); each element is
-    one call. Streaming sends each call whole as soon as its element is complete."""
+    one call, streamed as it is generated (the raw parameters text). A cut output keeps every
+    call whose name is complete, its arguments as far as they got."""
 
-    def __init__(self) -> None:
-        self._text = ""
-        self._pos = 0  # text consumed: "[" and the elements already sent
-        self._num_sent = 0
+    def parse(self, text: str, is_final: bool) -> ParsedOutput:
+        start = skip_ws(text, 0)
+        return ParsedOutput("", json_call_array(text, start)[0] if text.startswith("[", start) else [])
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError:  # cut off by max_tokens: what was complete still counts
-            parser = RequiredToolCalls()
-            pieces = parser.extract_streaming(text).tool_calls
-            return ExtractedToolCalls(None, [ToolCall(p.id, p.name, p.arguments) for p in pieces])
-        return ExtractedToolCalls(None, [ToolCall(new_tool_call_id(), it["name"], _dump(it["parameters"]))
-                                         for it in items])
-
-    def extract_streaming(self, delta_text: str, is_final: bool = False) -> StreamDelta:
-        self._text += delta_text
-        out = StreamDelta()
-        while True:
-            pos = self._skip(self._pos)
-            try:
-                item, end = _DECODER.raw_decode(self._text, pos)
-            except json.JSONDecodeError:
-                return out
-            if not isinstance(item, dict):
-                return out
-            out.tool_calls.append(ToolCallDelta(self._num_sent, new_tool_call_id(), item.get("name"),
-                                                _dump(item.get("parameters"))))
-            self._num_sent += 1
-            self._pos = end
-
-    def _skip(self, pos: int) -> int:
-        """Past whitespace and the array's ``[`` / ``,`` separators."""
-        text = self._text
-        while pos < len(text) and (text[pos].isspace() or text[pos] in "[,"):
-            pos += 1
-        return pos
-
-
-def _dump(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
+        calls = self.parse(text, True).calls
+        return ExtractedToolCalls(None, [ToolCall(new_tool_call_id(), c.name, c.arguments or "")
+                                         for c in calls if c.name is not None])
 
 
 # ---------------------------------------------------------------------------- serving helpers

@@ -6,8 +6,15 @@ from __future__ import annotations
 
 from pagedllm.entrypoints.openai.tool_parsers.base import ExtractedToolCalls, ToolCallDelta, ToolParser
 from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from pagedllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from pagedllm.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from pagedllm.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
+from pagedllm.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
+# Detection tries them in this order: Qwen3-Coder's templates also mention <tool_call>.
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "qwen3_coder": Qwen3CoderToolParser, "hermes": HermesToolParser, "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser, "llama3_json": Llama3JsonToolParser}
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
