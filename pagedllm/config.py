@@ -125,13 +125,19 @@ class EngineConfig:
     batching: str = _f("continuous", "continuous, or static (admit a batch, wait for all of it; benchmarks only)")
     max_logprobs: int = _f(20, "largest logprobs / prompt_logprobs a request may ask for")
     max_waiting_requests: int | None = _f(None, "reject new requests (HTTP 503) beyond this many waiting")
+    max_connections: int | None = _f(None, "`serve`: most concurrent connections and requests; beyond, HTTP 503 (default: no limit)")
+    max_header_bytes: int = _f(16384, "`serve`: largest request head (path, query, headers) in bytes; beyond, HTTP 431")
+    keep_alive_timeout_s: int = _f(5, "`serve`: seconds an idle keep-alive connection stays open")
+    request_head_timeout_s: int = _f(10, "`serve`: seconds a client may take to send a request head; then it is disconnected")
     debug_integrity_checks: bool = _f(False, "check block pool and scheduler invariants after every step (slow)")
     kv_offload_memory: int | str | None = _f(None, "host-RAM tier of the prefix cache, in bytes or like '4GiB' (default: off)")
     kv_offload_dir: str | None = _f(None, "folder of the prefix cache's disk tier, which survives restarts (default: off)")
-    kv_offload_disk_space: int | str = _f("8GiB", "most bytes the disk tier keeps (least recently used blocks go first)")
+    kv_offload_disk_space: int | str | None = _f(None, "most bytes the disk tier keeps (default: the smaller of 8 GiB and half the folder's free space)")
     preemption_mode: str = _f("recompute", "when blocks run out: recompute, swap (to swap_space) or auto (whichever costs less)")
     swap_space: int | str = _f("4GiB", "swap space for preemption_mode swap/auto, in bytes or like '4GiB' (host memory)")
     usage_metrics: bool = _f(True, "add usage.metrics to responses: cached tokens by tier, preemptions, queue / prefill / decode time")
+    usage_cached_tokens: bool = _f(True, "report cached-token counts in usage (a side channel across tenants: docs/robustness.md)")
+    trust_request_chat_template: bool = _f(False, "render a chat_template sent in a request (else 400): a template is code the server runs")
     tensor_parallel_size: int = _f(1, "ranks (processes; GPUs on CUDA) the weights and KV heads are split across; divides the heads")
     worker_timeout_s: float = _f(300.0, "tensor parallelism: seconds a call may wait on a worker before the engine fails naming it")
     data_parallel_size: int = _f(1, "`serve`: engine replicas, each a process with its own KV cache, behind one front end")
@@ -175,7 +181,8 @@ class EngineConfig:
             parse_bytes(self.kv_cache_memory)
         if self.kv_offload_memory is not None:
             parse_bytes(self.kv_offload_memory, "kv_offload_memory")
-        parse_bytes(self.kv_offload_disk_space, "kv_offload_disk_space")
+        if self.kv_offload_disk_space is not None:
+            parse_bytes(self.kv_offload_disk_space, "kv_offload_disk_space")
         parse_bytes(self.swap_space, "swap_space")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
@@ -189,6 +196,8 @@ class EngineConfig:
         self._check_step_time_targets()
         self._positive("min_prefill_tokens_while_decoding", allow_none=True)
         self._positive("max_waiting_requests", allow_none=True)
+        for name in ("max_connections", "max_header_bytes", "keep_alive_timeout_s", "request_head_timeout_s"):
+            self._positive(name, allow_none=name == "max_connections")
         self._check_partial_prefills()
         self._positive("tensor_parallel_size")
         self._positive("data_parallel_size")
@@ -284,7 +293,11 @@ class EngineConfig:
 
     @property
     def kv_offload_disk_space_bytes(self) -> int:
-        """The disk tier's bound in bytes."""
+        """The disk tier's bound in bytes (the default needs ``kv_offload_dir`` to exist)."""
+        if self.kv_offload_disk_space is None:
+            import shutil
+
+            return min(8 << 30, shutil.disk_usage(self.kv_offload_dir).free // 2)
         return parse_bytes(self.kv_offload_disk_space, "kv_offload_disk_space")
 
     @property

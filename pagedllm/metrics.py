@@ -51,6 +51,8 @@ class _Families:
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.kv_offload_io_errors = counter("kv_offload_io_errors", "KV offload tier reads and writes that failed "
+                                            "(each a cache miss: the block is recomputed or not stored).")
         self.request_success = Counter("pagedllm:request_success", "Finished requests by finish reason.",
                                        [*lbl, "finished_reason"], registry=r)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token (s).", _TTFT_BUCKETS)
@@ -71,7 +73,7 @@ class _Families:
 _PER_ENGINE = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_kv_blocks_used",
                "num_kv_blocks_total", "engine_healthy", "prefix_cache_queries", "prefix_cache_hits",
                "num_preemptions", "prompt_tokens", "generation_tokens", "ttft", "itl", "tpot", "e2e", "queue_time",
-               "request_prompt_tokens", "request_generation_tokens")
+               "request_prompt_tokens", "request_generation_tokens", "kv_offload_io_errors")
 
 
 class EngineMetrics:
@@ -107,8 +109,9 @@ class EngineMetrics:
                                  ("prefix_cache_hits", self.prefix_cache_hits),
                                  ("num_preemptions_total", self.num_preemptions),
                                  ("prompt_tokens_total", self.prompt_tokens),
-                                 ("generation_tokens_total", self.generation_tokens)):
-                total = int(getattr(stats, name))
+                                 ("generation_tokens_total", self.generation_tokens),
+                                 ("kv_offload_io_errors_total", self.kv_offload_io_errors)):
+                total = int(getattr(stats, name, 0))
                 increase = total - self._last_totals.get(name, 0)
                 if increase > 0:
                     metric.inc(increase)

@@ -16,6 +16,13 @@ _MAX_SEED = 2**63 - 1
 SAMPLING_EPS = 1e-5
 
 
+# Bounds on what one request may ask for (docs/robustness.md): each scales its memory or CPU.
+MAX_N = 128
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 100_000  # all stop strings together
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_PROMPTS = 1024  # prompts in one completions request
+
 def _f(default: Any, help: str) -> Any:
     """A user-facing sampling field; its help text becomes the command-line flag's help."""
     return field(default=default, metadata={"help": help})
@@ -109,6 +116,7 @@ class SamplingParams:
                                                   "max_model_len with max_tokens)")
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    cache_salt: str | None = _f(None, "prefix-cache namespace: requests share cached blocks only with the same salt")
     # Filled in by the engine (tokenizer-dependent), not by users.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -130,7 +138,11 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _int("n", self.n, lo=1)
+        _int("n", self.n, lo=1, hi=MAX_N)
+        if len(self.stop) > MAX_STOP_STRINGS or sum(len(s) for s in self.stop if isinstance(s, str)) > MAX_STOP_CHARS:
+            raise ValueError(f"stop allows at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all")
+        if self.logit_bias is not None and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias allows at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         _num("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _num("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         _num("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
@@ -175,6 +187,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams)):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 

@@ -88,6 +88,7 @@ class KVOffloadManager:
         self.num_saved = dict.fromkeys(self.tiers, 0)
         self.num_loaded = dict.fromkeys(self.tiers, 0)
         self.num_dropped = dict.fromkeys(self.tiers, 0)
+        self.num_errors = dict.fromkeys(self.tiers, 0)
         disk = self.tiers.get(TIER_DISK)
         for key, parent, tokens in spec.disk_entries if disk is not None else ():
             for victim in disk.add(key, TierEntry(parent, tuple(tokens))):
@@ -117,6 +118,13 @@ class KVOffloadManager:
         self.tiers[tier].touch(key)
         self._ops.loads.append((tier, key, block_id))
         self.num_loaded[tier] += 1
+
+    def forget(self, keys: Iterable[tuple[str, bytes]]) -> None:
+        """Blocks a tier could not store or read: out of its index (each an I/O error, counted)."""
+        for name, key in keys:
+            if name in self.tiers:
+                self.tiers[name].remove(key)
+                self.num_errors[name] += 1
 
     def take_ops(self) -> KVTransferOps:
         """The copies decided since the last call; resets them."""

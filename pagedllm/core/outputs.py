@@ -86,10 +86,14 @@ class SampleLogprobs:
 @dataclass
 class ModelRunnerOutput:
     """The requests that sampled (batch order), their tokens and logprobs, this step's prompt
-    logprobs (None for the first prompt token), and ``failed``: request id → error."""
+    logprobs (None for the first prompt token), ``failed``: request id → error, ``retried``: scheduled
+    requests the step did not run (scheduled again as they were), ``failed_tier_keys``: ``(tier, key)``
+    blocks a tier could not store (the index forgets them)."""
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[SampleLogprobs | None]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    retried: set[str] = field(default_factory=set)
+    failed_tier_keys: list[tuple[str, bytes]] = field(default_factory=list)

@@ -56,6 +56,7 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
+        self.cache_salt = sampling_params.cache_salt  # enters the first block's hash
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority

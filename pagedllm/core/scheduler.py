@@ -201,8 +201,8 @@ class Scheduler:
         any_finished = False
         for rid, num_tokens in scheduler_output.num_scheduled_tokens.items():
             req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted or finished between schedule() and now
+            if req is None or req.status != RequestStatus.RUNNING or rid in model_runner_output.retried:
+                continue  # aborted or finished between schedule() and now, or run again next step
             num_computed = req.num_computed_tokens = req.num_computed_tokens + num_tokens
             if rid in failed:
                 self._finish(req, RequestStatus.FINISHED_ERROR, in_running=True)
@@ -230,6 +230,8 @@ class Scheduler:
                     any_finished = True
                     break
             changed.append(req)
+        if model_runner_output.failed_tier_keys and kv.offload is not None:
+            kv.offload.forget(model_runner_output.failed_tier_keys)
         for rid in failed:
             req = self.requests.get(rid)
             if req is not None and rid not in scheduler_output.num_scheduled_tokens:
@@ -271,6 +273,20 @@ class Scheduler:
 
     def has_finished_requests(self) -> bool:
         return bool(self._finished_req_ids)
+
+    def recompute_failed_loads(self, failed_loads: list[tuple[str, bytes, int]]) -> list[str]:
+        """Tier reads into ``(tier, key, block_id)`` failed: the tiers forget the keys and the
+        running requests holding those blocks are preempted to recompute. Returns their ids."""
+        kv = self.kv_cache_manager
+        if kv.offload is not None:
+            kv.offload.forget([(tier, key) for tier, key, _ in failed_loads])
+        block_ids = {b for _, _, b in failed_loads}
+        victims = [r for r in self.running if block_ids.intersection(kv.get_block_ids(r))]
+        for req in victims:
+            self._preempt(req, mode="recompute")
+            if req.num_cached_tokens >= 0 and not req.output_token_ids:  # report the hit it really gets
+                req.num_cached_tokens, req.cached_tokens_by_tier = -1, None
+        return [r.request_id for r in victims]
 
     def reset_runner_state(self) -> None:
         """The runner lost its per-request state: send every request in full from now on."""
@@ -385,12 +401,12 @@ class Scheduler:
             return max(self.running, key=self._priority_key)
         return max(self.running, key=lambda r: (r.arrival_time, self._arrival_seq[r.request_id]))
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, mode: str | None = None) -> None:
         """Free ``req``'s blocks (swapped out first when the mode picks swap) and queue it at the head."""
         kv = self.kv_cache_manager
         self.kv_events.record(EVENT_PREEMPTED, req.request_id, kv.num_held_blocks(req), req.num_computed_tokens)
-        mode, num_blocks = "recompute", cdiv(req.num_computed_tokens, self.block_size)
-        if kv.num_groups == 1:  # freed sliding-window blocks cannot be swapped back
+        forced, mode, num_blocks = mode, mode or "recompute", cdiv(req.num_computed_tokens, self.block_size)
+        if kv.num_groups == 1 and forced is None:  # freed sliding-window blocks cannot be swapped back
             mode = self.swap_space.choose_mode(req.num_computed_tokens, num_blocks)
         if mode == PREEMPT_SWAP:
             slots = self.swap_space.swap_out(req.request_id, num_blocks, req.num_computed_tokens)

@@ -258,6 +258,14 @@ class AsyncLLMEngine:
             raise EngineOverloadedError(
                 f"the server is overloaded: {self.num_waiting_estimate()} requests are waiting "
                 f"(max_waiting_requests={self.max_waiting_requests}); retry later")
+        self._num_pending_adds += len(inputs)  # counted from arrival, through tokenization
+        try:
+            return await self._tokenize_and_add(label, inputs, params, arrival_time, priority)
+        finally:
+            self._num_pending_adds -= len(inputs)
+
+    async def _tokenize_and_add(self, label: str, inputs: list[EngineInput], params: SamplingParams,
+                                arrival_time: float | None, priority: int) -> list[RequestStream]:
         if self._front_thread is not None and any(needs_tokenizing(item.prompt) for item in inputs):
             inputs = await self.call_front(lambda front: tokenize_inputs(front, inputs))
         user_kind = params.output_kind
@@ -269,7 +277,6 @@ class AsyncLLMEngine:
         future = self._loop.create_future()
         arrival = time.time() if arrival_time is None else arrival_time
         self._streams.update(zip(ids, streams))
-        self._num_pending_adds += len(inputs)
         try:
             self._submit(_AddCommand(ids, labels, inputs, params, arrival, priority, future))
             await future
@@ -281,8 +288,6 @@ class AsyncLLMEngine:
             for rid in ids:
                 self._streams.pop(rid, None)
             raise
-        finally:
-            self._num_pending_adds -= len(inputs)
         return streams
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, *,
@@ -431,6 +436,7 @@ class AsyncLLMEngine:
             added.append(rid)
         for rid, label in zip(added, cmd.labels):
             self._tracker.start(rid, label, cmd.arrival_time)
+        self.stats = self.engine.get_stats()  # counts them before their pending add is released
         self._reply(cmd.future)
 
     def _apply_call(self, cmd: _CallCommand) -> None:

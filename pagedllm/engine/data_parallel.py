@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import itertools
 import os
 import time
 from typing import Any, Callable
@@ -41,6 +42,8 @@ class DataParallelAsyncEngine:
         self.metrics = metrics
         self._front_thread = FrontEndThread(front)
         self._in_flight: list[dict[str, int]] = [{} for _ in replicas]  # request id -> tokens, per replica
+        self._routed: list[dict[int, tuple[int, int]]] = [{} for _ in replicas]  # routed, not yet accepted
+        self._route_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._is_stopped = False
 
@@ -201,9 +204,14 @@ class DataParallelAsyncEngine:
         arrival = time.time() if arrival_time is None else arrival_time
         tokenized = await self.call(lambda front: tokenize_inputs(front, inputs))
         index = self.router.route(tokenized[0].prompt["prompt_token_ids"], self._loads())
-        streams = await self.replicas[index].add_requests(label, tokenized, params, arrival_time=arrival,
-                                                          priority=priority)
         tokens = sum(len(t.prompt["prompt_token_ids"]) for t in tokenized) + params.n * (params.max_tokens or 0)
+        route_id = next(self._route_ids)  # the replica's load counts it from now, not once it accepts
+        self._routed[index][route_id] = (len(tokenized), tokens)
+        try:
+            streams = await self.replicas[index].add_requests(label, tokenized, params, arrival_time=arrival,
+                                                              priority=priority)
+        finally:
+            del self._routed[index][route_id]
         for stream in streams:
             self._in_flight[index][stream.request_id] = tokens // len(streams)
         return streams
@@ -222,7 +230,9 @@ class DataParallelAsyncEngine:
             live = self._in_flight[i]
             for rid in [rid for rid in live if not replica.is_active(rid)]:
                 del live[rid]
-            loads.append(ReplicaLoad(len(live), sum(live.values())))
+            routed = self._routed[i].values()
+            loads.append(ReplicaLoad(len(live) + sum(n for n, _ in routed),
+                                     sum(live.values()) + sum(t for _, t in routed)))
         if all(load is None for load in loads):
             raise EngineDeadError("no data-parallel engine can serve: " + "; ".join(self._down_reasons()))
         return loads

@@ -14,6 +14,7 @@ import weakref
 from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.engine.stop_matcher import StopMatcher
 
 _REPLACEMENT_CHAR = "\ufffd"
 # Past this many ids the decode window restarts at a character boundary (cost, not text).
@@ -73,9 +74,7 @@ class IncrementalDetokenizer:
         self._window_emitted = 0
         self._num_emitted_chars = 0  # chars handed out by get_next_output_text
         self._stop: list[str] = list(params.stop or [])
-        self._max_stop_len = max((len(s) for s in self._stop), default=0)
-        self._stop_prefixes = {s[:k] for s in self._stop for k in range(1, len(s))}
-        self._stop_first_chars = {s[0] for s in self._stop}
+        self._stop_matcher = StopMatcher(self._stop) if self._stop else None
         self._hold_back = bool(self._stop) and not params.include_stop_str_in_output
 
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
@@ -93,9 +92,8 @@ class IncrementalDetokenizer:
             self._num_text_tokens += 1
             num_chars_before = len(self._text)
             self._decode_next()
-            if (self._stop and self._num_text_tokens > self.params.min_tokens
-                    and len(self._text) > num_chars_before):
-                stop = self._check_stop_strings(num_chars_before)
+            if self._stop and len(self._text) > num_chars_before:
+                stop = self._check_stop_strings(num_chars_before, self._num_text_tokens > self.params.min_tokens)
                 if stop is not None:
                     return stop
         if stop_terminated:
@@ -152,35 +150,22 @@ class IncrementalDetokenizer:
                 self._window_emitted = len(context_text)
         self._last_clean_offset = end
 
-    def _check_stop_strings(self, num_chars_before: int) -> str | None:
-        """Find the earliest stop string ending in text appended after ``num_chars_before``."""
-        # A match ending in the new text starts at most max_stop_len - 1 chars before it.
-        region_start = max(0, num_chars_before - self._max_stop_len + 1)
-        region = self._text.tail(len(self._text) - region_start)
-        best: tuple[int, int, str] | None = None  # (end, -len, stop), offsets in region
-        for stop in self._stop:
-            index = region.find(stop, max(0, num_chars_before - len(stop) + 1) - region_start)
-            if index != -1:
-                key = (index + len(stop), -len(stop), stop)
-                best = key if best is None or key < best else best
-        if best is None:
+    def _check_stop_strings(self, num_chars_before: int, report: bool) -> str | None:
+        """Find the earliest stop string (the longest of those ending there) ending in text appended
+        after ``num_chars_before``; with ``report`` False the matcher only reads the text."""
+        found = self._stop_matcher.feed(self._text.tail(len(self._text) - num_chars_before), report)
+        if found is None:
             return None
-        end, neg_len, stop = best
-        keep = end if self.params.include_stop_str_in_output else end + neg_len
-        self._text.truncate(region_start + keep)
+        end, stop = found
+        end += num_chars_before
+        self._text.truncate(end if self.params.include_stop_str_in_output else end - len(stop))
         self.stop_reason = stop
         self.is_finished = True
         return stop
 
     def _num_held_chars(self) -> int:
-        """Length of the longest text suffix that is a proper prefix of a stop string."""
-        if not self._hold_back:
-            return 0
-        text = self._text.tail(self._max_stop_len - 1)
-        for start, char in enumerate(text):
-            if char in self._stop_first_chars and text[start:] in self._stop_prefixes:
-                return len(text) - start
-        return 0
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        return self._stop_matcher.num_held() if self._hold_back else 0
 
 
 class _TextBuffer:

@@ -3,13 +3,14 @@ and its SamplingParams against the model (vocabulary, ``max_model_len``, ``max_l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Union
 
 import jinja2
 
 from pagedllm.engine.chat import normalize_conversation
 from pagedllm.errors import ContextLengthError
+from pagedllm.engine.special_text import encode_rendered, mask_special_texts, special_texts
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict]
@@ -37,6 +38,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self.extra_stop_token_ids = extra_stop_token_ids
+        self._special_texts = special_texts(tokenizer)  # typed in a message, they stay text
 
     def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text, a token-id list, ``{"prompt_token_ids": [...]}`` or ``{"prompt": str}``.
@@ -68,7 +70,7 @@ class InputProcessor:
         added special tokens (the template has them). Raises ValueError for an empty conversation,
         an unknown role, non-text content, no template, or a failed render: naming ``chat_template``
         for one passed in, else ``messages`` (vLLM answers 400 for either)."""
-        messages = normalize_conversation(conversation)
+        messages, replaced = mask_special_texts(normalize_conversation(conversation), self._special_texts)
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise ValueError("this model has no chat template; pass chat_template= or use a plain prompt")
@@ -84,12 +86,14 @@ class InputProcessor:
             where = ("chat_template could not render the conversation" if chat_template
                      else "messages: the model's chat template refused the conversation")
             raise ValueError(f"{where}: {e}") from e
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return encode_rendered(self.tokenizer.encode, text, replaced)
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         """Tokenize and check ``prompt`` with ``params``; the params returned carry the tokenized
         ``bad_words`` and extra stop ids. Raises ValueError naming what is wrong."""
         full = self.tokenize(prompt)
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:  # vLLM's prompt-level salt
+            params = replace(params, cache_salt=prompt["cache_salt"])
         params.validate_for_model(self.vocab_size, self.max_logprobs)
         ids = self._truncate(full, params)
         max_tokens = self._resolve_max_tokens(len(ids), params)

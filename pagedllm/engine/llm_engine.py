@@ -18,9 +18,11 @@ from pagedllm.core.kv_snapshot import KVCacheSnapshot
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.step_failure import StepFailure, positions_beyond
 from pagedllm.engine.front_end import FrontEnd
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.step_failure import retry_output, without_requests
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -50,6 +52,7 @@ class EngineStats:
     prompt_tokens_total: int  # prompt tokens computed (excludes prefix-cache hits)
     generation_tokens_total: int
     num_steps: int
+    kv_offload_io_errors_total: int = 0  # tier reads and writes that failed (each a miss)
 
 
 class LLMEngine:
@@ -217,22 +220,35 @@ class LLMEngine:
         freed) and TensorParallelWorkerError propagates to the caller."""
         from pagedllm.errors import TensorParallelWorkerError
 
+        num_computed = {r: self.scheduler.requests[r].num_computed_tokens for r in so.num_scheduled_tokens}
+        culprits = positions_beyond(num_computed, so.num_scheduled_tokens, self.runner.model.max_positions)
         try:
-            return self.executor.execute_model(so, grammar_bitmask)
+            ro = self.executor.execute_model(without_requests(so, culprits) if culprits else so, grammar_bitmask)
         except TensorParallelWorkerError:
             self._abort_all()
             raise
+        except StepFailure as f:
+            logger.warning("%s; the other requests of the step run again", f)
+            self._reset_runner()
+            ro = retry_output(so, f.failed, self.scheduler.recompute_failed_loads(f.failed_loads))
         except Exception as e:  # noqa: BLE001
             logger.exception("step failed; failing its %d requests", len(so.num_scheduled_tokens))
             # runner state may be half-updated: drop it, the scheduler resends every request in full
-            try:
-                self.executor.reset_state()
-            except TensorParallelWorkerError:
-                self._abort_all()
-                raise
-            self.scheduler.reset_runner_state()
+            self._reset_runner()
             msg = f"{type(e).__name__}: {e}"
             return ModelRunnerOutput(failed={rid: msg for rid in so.num_scheduled_tokens})
+        ro.failed.update(culprits)
+        return ro
+
+    def _reset_runner(self) -> None:
+        from pagedllm.errors import TensorParallelWorkerError
+
+        try:
+            self.executor.reset_state()
+        except TensorParallelWorkerError:
+            self._abort_all()
+            raise
+        self.scheduler.reset_runner_state()
 
     def _observe_prefill(self, so: SchedulerOutput, ro: ModelRunnerOutput, seconds: float) -> None:
         """Feed the auto preemption mode the cost per token of prefill-heavy steps (>= 32 prompt
@@ -269,4 +285,9 @@ class LLMEngine:
             num_total_blocks=self.kv_cache_spec.num_blocks,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions_total=s.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total, num_steps=self.num_steps)
+            generation_tokens_total=self.generation_tokens_total, num_steps=self.num_steps,
+            kv_offload_io_errors_total=self._kv_offload_io_errors())
+
+    def _kv_offload_io_errors(self) -> int:
+        offload = self.scheduler.kv_cache_manager.offload
+        return sum(offload.num_errors.values()) if offload is not None else 0

@@ -120,7 +120,7 @@ def max_model_len_of(config: PretrainedConfig) -> int:
     length = min(lengths)
     rope = _rope_params(config)
     factor = rope.get("factor")
-    if rope.get("rope_type") in ("linear", "dynamic", "yarn") and factor:
+    if rope.get("rope_type") in ("linear", "yarn") and factor:
         if rope.get("rope_type") == "yarn":
             length = rope.get("original_max_position_embeddings", length)
         length = int(length * factor)

@@ -19,6 +19,7 @@ from pagedllm.distributed.parallel_state import heads_per_rank
 from pagedllm.models.layers import (GatedMLP, MergedLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, SelfAttention,
                                     VocabParallelEmbedding, pack_linears_for_cpu, unpack_linears)
 from pagedllm.models.layers.rotary import rope_parameters
+from pagedllm.loader.model_files import max_model_len_of
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints still carry
 DEFAULT_ROPE = "default"
@@ -114,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_heads, self.num_kv_heads = heads_per_rank(self.total_num_heads, self.total_num_kv_heads)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.total_num_heads
         self.vocab_size = config.vocab_size
-        self.max_positions = config.max_position_embeddings
+        self.max_positions = max(config.max_position_embeddings, max_model_len_of(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.sliding_windows = sliding_windows(config)
         self.rope_keys = self._rope_keys(config)

@@ -20,6 +20,7 @@ import numpy as np
 
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.outputs import SchedulerOutput
+from pagedllm.core.step_failure import InputError
 from pagedllm.structured_output.backend_xgrammar import (GrammarSpec, XgrammarBackend, tokenizer_fingerprint,
                                                           validate_structured_outputs)
 
@@ -121,12 +122,22 @@ class StructuredOutputManager:
                 continue
             error = state.future.exception()
             if error is not None:
-                failed[rid] = f"grammar compile failed: {error}"
+                failed[rid] = InputError(f"grammar compile failed: {error}")
                 self._requests.pop(rid, None)
                 continue
             state.matcher = self._backend.new_matcher(state.future.result())
+            if not self._can_start(state.matcher):
+                failed[rid] = InputError(f"structured_outputs.{state.spec.kind} admits no output "
+                                         "(its language is empty)")
+                self._requests.pop(rid, None)
+                continue
             scheduler.set_grammar_ready(rid)
         return failed
+
+    def _can_start(self, matcher) -> bool:
+        """Whether the grammar allows any first token (a stop token when it accepts the empty string)."""
+        matcher.fill_next_token_bitmask(self._bitmask, 0)
+        return bool(self._bitmask[0].any())
 
     def grammar_bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
                         ) -> GrammarBitmask | None:

@@ -8,9 +8,11 @@ has no float8 gather), an int8 cache's scales always with their codes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -19,15 +21,26 @@ import torch
 
 from pagedllm.core.kv_offload import TIER_DISK, TIER_HOST, KVOffloadSpec
 from pagedllm.core.outputs import KVTransferOps
+from pagedllm.core.step_failure import StepFailure
 from pagedllm.quantization.kv_cache import as_bytes
 
 logger = logging.getLogger("pagedllm")
 
-DISK_FORMAT = "pagedllm-kv-block-v1"
+DISK_FORMAT = "pagedllm-kv-block-v2"  # v2: a payload digest in the metadata
 _SUFFIX = ".safetensors"
 
 # codes (num_kv_tensors, 2, block_size, num_kv_heads, head_dim), int8 scales (..., num_kv_heads) f32 or None
 BlockData = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+def payload_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """BLAKE2b-128 (hex) over each tensor's name, shape and bytes, in name order."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{list(t.shape)}:{t.dtype};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 class HostKVTier:
@@ -62,6 +75,10 @@ class DiskKVTier:
                 pass
         except OSError as e:
             raise ValueError(f"kv_offload_dir {str(directory)!r} is not a writable directory: {e}") from e
+        others = [p.name for p in self.dir.iterdir() if not p.is_file() or p.is_symlink()]
+        if others:
+            raise ValueError(f"kv_offload_dir {str(directory)!r} holds entries that are not regular files "
+                             f"({', '.join(sorted(others)[:5])}); give the disk tier a folder of its own")
 
     def path(self, key: bytes) -> Path:
         return self.dir / (key.hex() + _SUFFIX)
@@ -104,10 +121,11 @@ class DiskKVTier:
     def save(self, key: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...], data: BlockData) -> None:
         from safetensors.torch import save_file
 
-        meta = {**self.identity, "parent_hash": parent_hash.hex() if parent_hash else "",
-                "token_ids": json.dumps(list(token_ids))}
         kv, scales = data
         tensors = {"kv": kv.contiguous()} | ({"kv_scales": scales.contiguous()} if scales is not None else {})
+        meta = {**self.identity, "parent_hash": parent_hash.hex() if parent_hash else "",
+                "token_ids": json.dumps(list(token_ids)), "block_hash": key.hex(),
+                "digest": payload_digest(tensors)}
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=_SUFFIX)
         os.close(fd)
         try:
@@ -118,10 +136,21 @@ class DiskKVTier:
             raise
 
     def load(self, key: bytes) -> BlockData:
-        """The block's data. Raises OSError / safetensors errors for a missing or damaged file."""
-        from safetensors.torch import load_file
+        """The block's data. Raises OSError / safetensors errors for a missing or damaged file,
+        ValueError when its payload does not match the digest stored with it or its header
+        names another block or engine setup."""
+        from safetensors import safe_open
 
-        tensors = load_file(str(self.path(key)))
+        path = self.path(key)
+        if not stat.S_ISREG(path.lstat().st_mode):
+            raise ValueError(f"{path.name} is not a regular file")
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        if any(meta.get(k) != v for k, v in self.identity.items()) or meta.get("block_hash") != key.hex():
+            raise ValueError("the file was written for another block or engine setup")
+        if meta.get("digest") != payload_digest(tensors):
+            raise ValueError("the block's payload does not match its digest")
         return tensors["kv"], tensors.get("kv_scales")
 
     def drop(self, key: bytes) -> None:
@@ -139,6 +168,7 @@ class KVOffloader:
         self.kv_caches = [as_bytes(c) for c in kv_caches]  # float8 moved as bytes
         self.kv_scales = list(kv_scales) if kv_scales is not None and kv_scales[0] is not None else None
         self.tiers = {name: t for name, t in ((TIER_HOST, host), (TIER_DISK, disk)) if t is not None}
+        self.failed_saves: list[tuple[str, bytes]] = []
         c = self.kv_caches[0]
         # (slots, num_kv_tensors, 2, block_size, num_kv_heads, head_dim): one slot = one block
         self.swap = torch.empty((num_swap_blocks, len(kv_caches), 2, *c.shape[2:]), dtype=c.dtype,
@@ -159,21 +189,53 @@ class KVOffloader:
         if ops.saves:
             kv, scales = self.gather([s.block_id for s in ops.saves])
             for i, s in enumerate(ops.saves):
-                block = (kv[i], None if scales is None else scales[i])
-                if s.tier == TIER_DISK:
-                    self.tiers[TIER_DISK].save(s.key, s.parent_hash, s.token_ids, block)
-                else:
-                    self.tiers[s.tier].save(s.key, tuple(t if t is None else t.clone() for t in block))
+                self._save(s, (kv[i], None if scales is None else scales[i]))
+        failed_loads = []
         if ops.loads:
-            blocks = [self.tiers[t].load(k) for t, k, _ in ops.loads]
-            self.scatter([b for _, _, b in ops.loads], torch.stack([kv for kv, _ in blocks]),
-                         None if self.kv_scales is None else torch.stack([s for _, s in blocks]))
+            blocks = {(t, k, b): self._load(t, k) for t, k, b in ops.loads}
+            failed_loads = [load for load, data in blocks.items() if data is None]
+            loaded = [(load[2], data) for load, data in blocks.items() if data is not None]
+            if loaded:
+                self.scatter([b for b, _ in loaded], torch.stack([kv for _, (kv, _) in loaded]),
+                             None if self.kv_scales is None else torch.stack([s for _, (_, s) in loaded]))
         if ops.swap_in:
             slots = torch.tensor([s for s, _ in ops.swap_in], dtype=torch.int64)
             self.scatter([b for _, b in ops.swap_in], self.swap[slots],
                          None if self.swap_scales is None else self.swap_scales[slots])
         for tier, key in ops.drops:
-            self.tiers[tier].drop(key)
+            self._io(tier, key, "drop", self.tiers[tier].drop, key)
+        if failed_loads:
+            raise StepFailure(failed_loads=failed_loads)
+
+    def take_failed_saves(self) -> list[tuple[str, bytes]]:
+        """``(tier, key)`` of the blocks whose save failed since the last call (not stored)."""
+        failed, self.failed_saves = self.failed_saves, []
+        return failed
+
+    def _save(self, s, block: BlockData) -> None:
+        if s.tier == TIER_DISK:
+            ok = self._io(s.tier, s.key, "save", self.tiers[TIER_DISK].save, s.key, s.parent_hash, s.token_ids, block)
+        else:
+            ok = self._io(s.tier, s.key, "save", self.tiers[s.tier].save, s.key,
+                          tuple(t if t is None else t.clone() for t in block))
+        if not ok:
+            self.failed_saves.append((s.tier, s.key))
+
+    def _load(self, tier: str, key: bytes) -> BlockData | None:
+        data = self._io(tier, key, "load", self.tiers[tier].load, key)
+        return None if data is False else data
+
+    @staticmethod
+    def _io(tier: str, key: bytes, what: str, fn, *args):
+        """``fn(*args)``; a tier is a cache, so any error is a logged miss: returns False then
+        (True for a call that returns None)."""
+        try:
+            result = fn(*args)
+        except Exception as e:  # noqa: BLE001 — files can be missing, damaged, foreign, or unwritable
+            logger.warning("KV offload %s tier: %s of block %s failed (%s: %s); treated as a miss", tier, what,
+                           key.hex()[:16], type(e).__name__, e)
+            return False
+        return True if result is None else result
 
     def gather(self, block_ids: list[int]) -> BlockData:
         """Blocks ``block_ids`` on the host, as :data:`BlockData` with a leading block dimension."""

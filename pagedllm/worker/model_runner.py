@@ -487,6 +487,8 @@ class ModelRunner:
         out = ModelRunnerOutput()
         self._compute_prompt_logprobs(b, hidden, cu, out)
         self._sample(b, hidden, cu, out, grammar_bitmask)
+        if self.kv_offloader is not None:
+            out.failed_tier_keys = self.kv_offloader.take_failed_saves()
         return out
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

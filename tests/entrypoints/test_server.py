@@ -751,8 +751,15 @@ def test_token_ids_as_logprob_tokens_special_tokens_and_request_chat_template(se
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 0,
                                              "return_tokens_as_token_ids": True, "add_special_tokens": False})
     assert r.json()["choices"][0]["logprobs"]["tokens"] == ["token_id:97", "token_id:98"]
-    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": _USER, "max_tokens": 1,
-                                                  "chat_template": "{{ custom }}"})
+    body = {"model": MODEL, "messages": _USER, "max_tokens": 1, "chat_template": "{{ custom }}"}
+    refused = client.post("/v1/chat/completions", json=body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+    config = server.fake.config
+    server.fake.config = config.replace(trust_request_chat_template=True)
+    try:
+        r = client.post("/v1/chat/completions", json=body)
+    finally:
+        server.fake.config = config
     assert r.status_code == 200 and server.fake.last_chat_template == "{{ custom }}"
 
 

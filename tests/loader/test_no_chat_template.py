@@ -96,9 +96,12 @@ def test_a_template_that_fails_to_render_is_bad_input_not_a_crash(llm, template)
         llm.chat([{"role": "user", "content": "Hi"}], params, chat_template=template, use_tqdm=False)
     engine = AsyncLLMEngine(llm.llm_engine, stats_log_interval_s=0)
     body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    config = llm.llm_engine.config
+    llm.llm_engine.config = config.replace(trust_request_chat_template=True)  # the operator allows request templates
     with ServerThread(build_app(engine, ["m"], chat_template=TEMPLATE)) as srv:
         r = httpx.post(srv.url + "/v1/chat/completions", json=dict(body, chat_template=template), timeout=60)
         error = assert_error(r, 400)
         assert error["param"] == "chat_template" and "could not render" in error["message"]
         r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)  # the server goes on
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    llm.llm_engine.config = config

@@ -473,7 +473,12 @@ def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info", drain
     (from :func:`bind_socket`) when given, else uvicorn binds ``host:port``."""
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    from pagedllm.entrypoints.openai.connection_limits import RequestHeadLimit, raise_fd_limit, uvicorn_limits
+
+    raise_fd_limit()
+    limits = app.state.engine.config
+    config = uvicorn.Config(RequestHeadLimit(app, limits.max_header_bytes), host=host, port=port,
+                            log_level=log_level, timeout_graceful_shutdown=5, **uvicorn_limits(limits))
     DrainingServer(config, app.state.engine, app.state.in_flight, drain_timeout_s).run(
         sockets=None if sock is None else [sock])
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_serializer,
 
 from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_of
 from pagedllm.entrypoints.openai.tools import DeltaToolCallItem, ToolCallItem
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams, sampling_field_names
+from pagedllm.sampling_params import MAX_PROMPTS, RequestOutputKind, SamplingParams, sampling_field_names
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -153,6 +153,7 @@ class _Request(_RequestBase):
     temperature: float | None = Field(None, ge=0, strict=True)
     top_p: float | None = Field(None, gt=0, le=1, strict=True)
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    cache_salt: NonEmptyStr | None = None
     stream: StrictBool = False
     stream_options: "StreamOptions | None" = None
     seed: int | None = Field(None, ge=-(2**63 - 1), le=2**63 - 1, strict=True)
@@ -271,9 +272,10 @@ class _ChatTemplateFlags(BaseModel):
 class CompletionRequest(_Request):
     """``POST /v1/completions``. ``prompt``: a string, strings, token ids, or lists of token ids."""
 
-    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)]
              | Annotated[list[TokenId], Field(min_length=1)]
-             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]) = Field(
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
         description=_CONTEXT_RULE.replace("{field}", "prompt") + " With several prompts, each must fit.")
     max_tokens: int | None = Field(16, ge=0, strict=True,
                                    description=_MAX_TOKENS_RULE.replace("{field}", "prompt")
@@ -411,13 +413,17 @@ def usage_metrics(metrics: list) -> UsageMetrics:
                         decode_time=_longest([m.decode_time for m in metrics]))
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, metrics: list | None = None
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None, metrics: list | None = None
                ) -> UsageInfo:
-    """OpenAI's usage; ``metrics`` (the requests' ``RequestMetrics``) adds ``usage.metrics``."""
+    """OpenAI's usage; ``metrics`` (the requests' ``RequestMetrics``) adds ``usage.metrics``.
+    ``cached_tokens`` None leaves every cached-token count out (``prompt_tokens_details``, by tier)."""
+    story = usage_metrics(metrics) if metrics else None
+    if story is not None and cached_tokens is None:
+        story.cached_tokens_by_tier = {}
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-                     metrics=usage_metrics(metrics) if metrics else None)
+                     metrics=story, prompt_tokens_details=None if cached_tokens is None
+                     else PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class _Envelope(OpenAIBase):

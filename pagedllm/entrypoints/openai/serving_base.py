@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineInput
 from pagedllm.engine.detokenizer import token_bytes, token_text
 from pagedllm.errors import ContextLengthError
+from pagedllm.core.step_failure import InputError
 from pagedllm.engine.request_stream import RequestStream, merge_streams
 from pagedllm.entrypoints.openai.generation_defaults import generation_defaults
 from pagedllm.entrypoints.openai.errors import APIError, to_api_error
@@ -49,6 +50,10 @@ class OpenAIServing:
         if not self.engine.config.usage_metrics:
             return None
         return [o.metrics for o in outputs if o is not None and o.metrics is not None]
+
+    def cached_tokens(self, num_cached: int) -> int | None:
+        """``num_cached`` for ``usage``, or None when ``usage_cached_tokens`` is off."""
+        return num_cached if self.engine.config.usage_cached_tokens else None
 
     @property
     def model_name(self) -> str:
@@ -139,9 +144,10 @@ def json_response(model: Any, status_code: int = 200) -> Response:
 
 
 def raise_if_failed(out: Any) -> None:
-    """Raise APIError(500) when a RequestOutput reports a failure inside the engine."""
+    """Raise APIError when a RequestOutput reports a failure inside the engine: 400 for an InputError, else 500."""
     if out.error is not None:
-        raise APIError(500, f"the request failed inside the engine: {out.error}")
+        status = 400 if isinstance(out.error, InputError) else 500
+        raise APIError(status, f"the request failed inside the engine: {out.error}")
 
 
 async def guarded_sse(events: Any, streams: list, error_events: Any = None, done: str | None = None) -> Any:

@@ -64,6 +64,9 @@ class OpenAIServingChat(OpenAIServing):
         ``chat_template``: a request's own template, over the server's and the model's;
         ``tools``, ``template_kwargs``: passed to the template.
         """
+        if chat_template is not None and not self.engine.config.trust_request_chat_template:
+            raise APIError(400, "chat_template in a request is refused: the server runs it as code "
+                           "(start it with --trust-request-chat-template to allow it)", "chat_template")
         template = chat_template or self.chat_template
         kwargs = {"continue_final_message": True} if continue_final_message else {}
         if tools:
@@ -165,7 +168,8 @@ class OpenAIServingChat(OpenAIServing):
         num_completion = sum(len(c.token_ids) for c in out.outputs)
         num_reasoning = None if run.reasoning is None else sum(
             run.reasoning.num_tokens(c.token_ids, c.text, self._encode) for c in out.outputs)
-        usage = make_usage(len(out.prompt_token_ids), num_completion, out.num_cached_tokens, self.story(out))
+        usage = make_usage(len(out.prompt_token_ids), num_completion, self.cached_tokens(out.num_cached_tokens),
+                           self.story(out))
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                       usage=self._with_reasoning_tokens(usage, num_reasoning),
                                       prompt_logprobs=make_prompt_logprobs(out.prompt_logprobs, self.token_text))
@@ -202,8 +206,8 @@ class OpenAIServingChat(OpenAIServing):
         def usage(metrics=None) -> UsageInfo:
             num_prompt, num_cached = (len(last.prompt_token_ids), last.num_cached_tokens) if last else (0, 0)
             num_reasoning = None if run.reasoning is None else reasoning_stream.num_tokens(self._encode)
-            return self._with_reasoning_tokens(make_usage(num_prompt, num_completion, num_cached, metrics),
-                                               num_reasoning)
+            counts = make_usage(num_prompt, num_completion, self.cached_tokens(num_cached), metrics)
+            return self._with_reasoning_tokens(counts, num_reasoning)
 
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(req.n)])

@@ -99,7 +99,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                                 prompt_logprobs=prompt_logprobs))
         choices.sort(key=lambda ch: ch.index)
         return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
-                                  usage=make_usage(num_prompt, num_completion, num_cached, self.story(*finals)))
+                                  usage=make_usage(num_prompt, num_completion, self.cached_tokens(num_cached),
+                                                   self.story(*finals)))
 
     @staticmethod
     def _visible(req: CompletionRequest, outputs: list[CompletionOutput]) -> list[CompletionOutput]:
@@ -170,15 +171,15 @@ class OpenAIServingCompletion(OpenAIServing):
                 num_completion += len(c.token_ids)
                 choices.append(self._stream_choice(req, out, c, index, prompts[i].prompt_text, started, offsets))
             if choices:
-                usage = (make_usage(sum(num_prompt), num_completion, sum(num_cached))
+                usage = (make_usage(sum(num_prompt), num_completion, self.cached_tokens(sum(num_cached)))
                          if req.include_usage_in_every_chunk else None)
                 chunk = CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                  choices=choices, usage=usage)
                 yield sse(chunk.model_dump_json())
         if req.include_usage_in_stream:
             chunk = CompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[],
-                                             usage=make_usage(sum(num_prompt), num_completion, sum(num_cached),
-                                                              self.story(*last)))
+                                             usage=make_usage(sum(num_prompt), num_completion,
+                                                              self.cached_tokens(sum(num_cached)), self.story(*last)))
             yield sse(chunk.model_dump_json())
 
     def _stream_choice(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, index: int,
