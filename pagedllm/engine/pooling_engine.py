@@ -281,8 +281,9 @@ def _token_ids(prompt, vocab_size: int) -> list[int]:
 
 
 def make_engine(config: EngineConfig):
-    """The engine ``config`` asks for: a :class:`PoolingEngine` or an ``LLMEngine``."""
-    if select_runner(config) == "pooling":
+    """The engine ``config`` asks for: a :class:`PoolingEngine` or an ``LLMEngine`` (which refuses
+    ``data_parallel_size > 1`` before the model is looked up: one engine is one replica)."""
+    if config.data_parallel_size == 1 and select_runner(config) == "pooling":
         return PoolingEngine(config)
     from pagedllm.engine.llm_engine import LLMEngine
 
