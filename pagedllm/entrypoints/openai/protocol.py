@@ -554,12 +554,16 @@ class ChatResponseMessage(_OmitsNoToolCalls):
     tool_calls: list[ToolCallItem] = Field(default_factory=list)
 
 
-class ChatCompletionChoice(OpenAIBase):
+class _ChatChoiceBase(OpenAIBase):
+    """What a chat choice and a streamed chat choice share (``message`` or ``delta`` comes in the subclass)."""
     index: int
-    message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class ChatCompletionChoice(_ChatChoiceBase):
+    message: ChatResponseMessage
 
 
 class ChatCompletionResponse(_Envelope):
@@ -577,12 +581,8 @@ class DeltaMessage(_OmitsNoToolCalls):
     tool_calls: list[DeltaToolCallItem] | None = None
 
 
-class ChatStreamChoice(OpenAIBase):
-    index: int
+class ChatStreamChoice(_ChatChoiceBase):
     delta: DeltaMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 class ChatCompletionStreamResponse(_Envelope):
