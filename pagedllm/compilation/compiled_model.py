@@ -19,7 +19,7 @@ logger = logging.getLogger("pagedllm")
 
 # dynamic: T == 1 specialises; other T traced at 64, the batch hint freezing prepacks the weights for
 _DYNAMIC_WARMUP_SIZES = (1, 64)
-_LM_HEAD_BATCH_HINT = 64  # pack_linears_for_cpu's default
+_LM_HEAD_BATCH_HINT = 64
 
 
 class CompiledModel:
@@ -50,14 +50,13 @@ class CompiledModel:
         return self.config.compile_sizes
 
     def runs_compiled(self, num_tokens: int) -> bool:
-        """Whether a step of ``num_tokens`` tokens runs the compiled graph (else eagerly)."""
         return self.config.dynamic or num_tokens in self.config.compile_sizes
 
     def warm_up(self, make_metadata: Callable[[int], Sequence[AttentionMetadata]], device: torch.device) -> float:
         """Compile every graph now, one forward per :attr:`warmup_sizes` with ``make_metadata(num_tokens)``
         as the step's metadata. Returns the seconds."""
         t0 = time.perf_counter()
-        # one graph per size with dynamic=False: more than dynamo's default limit of 8 may be asked for
+        # one graph per size with dynamic=False: more than dynamo's default limit of 8
         limit = max(torch._dynamo.config.recompile_limit, len(self.warmup_sizes) + 1)
         for num_tokens in self.warmup_sizes:
             # inference tensors, as the runner's step inputs are: guards check the dispatch keys
@@ -77,7 +76,7 @@ class CompiledModel:
         """Same contract as ``model.forward``."""
         if not self.runs_compiled(input_ids.shape[0]):
             return self.model(input_ids, positions)
-        if not self.is_warm:  # never compile lazily in the middle of serving
+        if not self.is_warm:
             self.num_eager_fallbacks += 1
             return self.model(input_ids, positions)
         try:
@@ -137,7 +136,6 @@ def _patch_inductor_linear_bias_check() -> None:
 
 
 class _NoMetaNode:
-    """A transposed-weight node whose ``args[0].meta`` has no ``val``: "not a bias add"."""
 
     class _Arg:
         meta: dict = {}

@@ -89,8 +89,7 @@ _AUTO_CPU_CAPABILITIES = ("AVX2", "AVX512")
 
 
 def load_kernel(extra_flags: tuple[str, ...] = ()) -> SkinnyGemmKernel | None:
-    """The kernels built with ``extra_flags`` after the native ones, or None when they cannot be built
-    or loaded (logged once)."""
+    """The kernels built with ``extra_flags``, or None when they cannot be built or loaded (logged once)."""
     return native.load_kernels(_SOURCE, SkinnyGemmKernel, "skinny GEMM kernel", "oneDNN", extra_flags)
 
 
@@ -125,8 +124,7 @@ def set_enabled(value: bool | None) -> None:
 
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> SkinnyWeight | None:
-    """``weight`` (N, K) and ``bias`` (N,) packed for :func:`skinny_linear` (no autograd link), or None
-    when no kernel applies (not 2-D CPU float32/bfloat16, disabled, or a bfloat16 K it cannot take)."""
+    """``weight`` (N, K) and ``bias`` (N,) packed for :func:`skinny_linear`, or None when no kernel applies."""
     if weight.dim() != 2 or weight.device.type != "cpu" or not packs(weight.dtype, weight.shape[1]):
         return None
     if weight.dtype == torch.bfloat16:
@@ -135,7 +133,6 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> SkinnyWeight
 
 
 def packs(dtype: torch.dtype, in_features: int) -> bool:
-    """Whether :func:`pack` packs a CPU weight of ``dtype`` with ``in_features`` columns."""
     if not enabled(dtype):
         return False
     if dtype == torch.bfloat16:
@@ -164,7 +161,6 @@ def _padded_bias(bias: torch.Tensor | None, length: int) -> torch.Tensor | None:
 
 
 def pack_panels(weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> SkinnyWeight:
-    """float32 ``weight`` (N, K) and ``bias`` (N,) in panels of ``width`` columns."""
     n, k = weight.shape
     panels = -(-n // width)
     with torch.no_grad():
@@ -200,17 +196,15 @@ def pack_panels_bf16_pairs(weight: torch.Tensor, bias: torch.Tensor | None) -> S
 
 
 def supports_float32_out(weight: SkinnyWeight) -> bool:
-    """Whether :func:`skinny_linear` can return float32 sums for ``weight`` (its AVX512-BF16 layout)."""
+    """Whether :func:`skinny_linear` can return float32 sums for ``weight``."""
     return weight.layout == "bf16_pairs"
 
 
 def skinny_linear(x: torch.Tensor, weight: SkinnyWeight, kernel: SkinnyGemmKernel | None = None,
                   float32_out: bool = False) -> torch.Tensor:
-    """``x @ W.T + b``: x (M, K) of ``weight.dtype`` on the CPU, last dim contiguous -> (M, N) of the same
-    dtype; ``float32_out`` (bf16_pairs only): the unrounded float32 sums (the LM head's logits).
-
-    Raises ValueError when x is not 2-D of the weight's dtype with ``in_features`` unit-stride columns,
-    ``kernel`` lacks the weight's bfloat16 kernel, or ``float32_out`` is given for another layout.
+    """``x @ W.T + b``: x (M, K) of ``weight.dtype`` on the CPU, last dim contiguous -> (M, N); ``float32_out``
+    (bf16_pairs only): the unrounded float32 sums. Raises ValueError for an x that does not fit, a missing
+    bfloat16 kernel, or ``float32_out`` for another layout.
     """
     if x.dim() != 2 or x.dtype != weight.dtype or x.shape[1] != weight.in_features or x.stride(1) != 1 \
             or not x.is_cpu:
