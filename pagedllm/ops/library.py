@@ -28,8 +28,8 @@ _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 class CpuOps:
-    """The loaded kernels, one ctypes function per dtype: ``rms_norm``, ``act_and_mul``, ``rope_qk`` (they
-    release the GIL and trust their arguments), and the ``*_call`` forms taking one struct (:mod:`pagedllm.ops.calls`)."""
+    """The loaded kernels, one ctypes function per dtype (they release the GIL and trust their arguments),
+    and the ``*_call`` forms taking one struct."""
 
     dtypes = tuple(_SUFFIXES)
 
@@ -58,7 +58,7 @@ class CpuOps:
 
 
 _load_lock = threading.Lock()
-_ops: list[CpuOps | None] = []  # [] until the first load
+_ops: list[CpuOps | None] = []
 _enabled: bool | None = None  # None: read the switch at the next call
 
 

@@ -48,12 +48,11 @@ class Recording:
         self.calls.append((fn, (ctypes.byref(copy),)))
 
     def add_python(self, fn: Callable[[], Any]) -> None:
-        """Record a callable run with no arguments at its place in the replay."""
         self.calls.append((fn, ()))
 
     @contextlib.contextmanager
     def allowed(self) -> Iterator[None]:
-        """Torch ops inside are the wrapper's own business (see the class docstring)."""
+        """Torch ops inside are the wrapper's own business."""
         self.allowed_depth += 1
         try:
             yield
@@ -66,7 +65,6 @@ class Recording:
 
 
 def current() -> Recording | None:
-    """The recording active on this thread, or None."""
     return getattr(_state, "recording", None)
 
 

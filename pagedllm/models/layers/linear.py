@@ -30,7 +30,6 @@ class Linear(nn.Linear):
     onednn_for_many_rows = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (T, in_features) -> (T, out_features)."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
         if x.requires_grad and torch.is_grad_enabled():
@@ -53,8 +52,7 @@ class Linear(nn.Linear):
         return None
 
     def pack_for_cpu(self, batch_hint: int, bf16_math: bool = False) -> bool:
-        """Pack the weight for the skinny GEMM or oneDNN (CPU, float32/bfloat16); returns whether it did.
-        The copies do not follow later edits of ``self.weight``: pack again after changing weights."""
+        """Pack the weight for the skinny GEMM or oneDNN (CPU); returns whether it did. Pack again after changing weights."""
         self.unpack()  # counts as a packing change (packing_generation)
         w = getattr(self, "weight", None)
         if w is None or self.quant_method is not None or w.device.type != "cpu":
@@ -92,8 +90,7 @@ class CpuPacking:
 
 def cpu_packing(dtype: torch.dtype, in_features: int, bf16_math: bool = False,
                 onednn_for_many_rows: bool = True) -> CpuPacking:
-    """Which packed copies :meth:`Linear.pack_for_cpu` makes for a weight of ``dtype`` (shared with the
-    capacity plan)."""
+    """Which packed copies :meth:`Linear.pack_for_cpu` makes for a weight of ``dtype``."""
     if dtype not in (torch.float32, torch.bfloat16):
         return CpuPacking(False, False, False)
     bf16_math = bf16_math and dtype == torch.float32 and bf16_math_supported()
@@ -119,7 +116,7 @@ def cpu_packed_copy_bytes(out_features: int, in_features: int, dtype: torch.dtyp
     """Bytes :meth:`Linear.pack_for_cpu` would add for an ``(out_features, in_features)`` weight of ``dtype``."""
     plan = cpu_packing(dtype, in_features, onednn_for_many_rows=onednn_for_many_rows)
     elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 0
-    total = out_features * in_features * elem if plan.onednn else 0  # no padding
+    total = out_features * in_features * elem if plan.onednn else 0
     if plan.skinny:
         total += skinny_gemm.packed_nbytes(out_features, in_features, dtype, bias)
     return total
@@ -187,8 +184,7 @@ def _packed_linear_bf16_math(x: torch.Tensor, packed: torch.Tensor, bias: torch.
 
 
 class MergedLinear(Linear):
-    """Projections of one input stacked on the output axis (``output_sizes`` rows each):
-    ``forward`` returns (T, sum(output_sizes))."""
+    """Projections of one input stacked on the output axis: ``forward`` returns (T, sum(output_sizes))."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
         super().__init__(in_features, sum(output_sizes), bias=bias)

@@ -16,7 +16,6 @@ from pagedllm.distributed.parallel_state import get_tensor_parallel_rank, get_te
 from pagedllm.models.layers.activation import gated_activation, get_activation
 from pagedllm.models.layers.linear import Linear
 
-# per-expert checkpoint names -> (fused parameter, which half of gate_up_proj or None)
 _EXPERT_PARTS = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0),
                  "w3": ("gate_up_proj", 1), "up_proj": ("gate_up_proj", 1),
                  "w2": ("down_proj", None), "down_proj": ("down_proj", None)}
@@ -48,8 +47,7 @@ class MoEExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
 
     def expert_weight(self, expert: int, part: str) -> torch.Tensor:
-        """The view of expert ``expert``'s ``part`` to copy a checkpoint tensor into. Raises ValueError
-        for an unknown part or expert."""
+        """The view of expert ``expert``'s ``part``. Raises ValueError for an unknown part or expert."""
         if part not in _EXPERT_PARTS or not 0 <= expert < self.num_experts:
             raise ValueError(f"no expert weight {part!r} for expert {expert} (experts 0..{self.num_experts - 1}; "
                              f"parts {', '.join(_EXPERT_PARTS)})")
@@ -58,8 +56,7 @@ class MoEExperts(nn.Module):
         return param if half is None else param.narrow(0, half * self.intermediate_size, self.intermediate_size)
 
     def expert_slice(self, tensor: torch.Tensor, part: str) -> torch.Tensor:
-        """This rank's part of one expert's matrix: gate/up (I, H) -> (I/N, H), down (H, I) -> (H, I/N).
-        Raises ValueError for another shape."""
+        """This rank's part of one expert's matrix: gate/up (I, H) -> (I/N, H), down (H, I) -> (H, I/N); ValueError otherwise."""
         down = _EXPERT_PARTS[part][1] is None
         hidden = self.down_proj.shape[1]
         full = (hidden, self.full_intermediate_size) if down else (self.full_intermediate_size, hidden)
@@ -104,8 +101,7 @@ class MoEExperts(nn.Module):
 
 
 class FusedMoE(nn.Module):
-    """Router (``gate``) + experts: x (T, hidden) -> (T, hidden). Raises ValueError for ``top_k``
-    outside ``1..num_experts`` or an unknown activation."""
+    """Router (``gate``) + experts: x (T, hidden) -> (T, hidden). Raises ValueError for a bad ``top_k`` or activation."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, activation: str,
                  renormalize: bool) -> None:
@@ -121,7 +117,6 @@ class FusedMoE(nn.Module):
         return all_reduce(self.experts(x, weights, ids))
 
 
-# (...experts).{e}.{part}.weight: one expert's matrix as checkpoints store it
 _EXPERT_WEIGHT = re.compile(r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.weight")
 
 
@@ -163,7 +158,7 @@ class MoEWeightsMixin:
                 # an expert's matrix counts as given under any of its names (GGUF gives gate_proj...)
                 missing += [f"{path}.{e}.{part}.weight" for e in range(module.num_experts) for part in parts
                             if not any(f"{path}.{e}.{alias}.weight" in loaded for alias in _aliases(part))]
-                loaded.add(f"{path}.{fused}")  # reported per expert, not as the fused parameter
+                loaded.add(f"{path}.{fused}")
         return sorted(super()._missing_weights(modules, loaded) + missing)
 
 

@@ -34,8 +34,7 @@ class _MergedColumnParallel(MergedLinear):
     ranges: list[tuple[int, int]]
 
     def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
-        """This rank's rows of projection ``shard`` (``None``: the fused tensor, Phi-3's ``qkv_proj``).
-        Raises ValueError for a tensor not of the projection's shape."""
+        """This rank's rows of projection ``shard`` (``None``: the fused tensor). Raises ValueError for another shape."""
         param = getattr(self, param_name)
         _check_shape(tensor, param, 0, sum(self.full_sizes) if shard is None else self.full_sizes[shard])
         if shard is not None:
@@ -46,8 +45,7 @@ class _MergedColumnParallel(MergedLinear):
 
 
 class MergedColumnParallelLinear(_MergedColumnParallel):
-    """gate/up stacked, each split by rows: x (T, in_features) -> (T, sum(output_sizes) / N).
-    Raises ValueError when N does not divide an output size."""
+    """gate/up stacked, each split by rows: x (T, in) -> (T, sum(output_sizes) / N); ValueError when N does not divide."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
         local = [_split(size, "output features of a column-parallel projection") for size in output_sizes]
@@ -58,8 +56,7 @@ class MergedColumnParallelLinear(_MergedColumnParallel):
 
 
 class QKVParallelLinear(_MergedColumnParallel):
-    """Fused q/k/v of this rank's heads: x (T, hidden) -> (T, (heads + 2 * kv_heads) * head_dim).
-    Raises ValueError as :func:`heads_per_rank`."""
+    """Fused q/k/v of this rank's heads: x (T, hidden) -> (T, (heads + 2 * kv_heads) * head_dim)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  bias: bool = False) -> None:
@@ -75,8 +72,7 @@ class QKVParallelLinear(_MergedColumnParallel):
 
 
 class RowParallelLinear(Linear):
-    """x (T, in_features / N) -> (T, out_features), summed over the ranks (bias on rank 0 only).
-    Raises ValueError when N does not divide in_features."""
+    """x (T, in_features / N) -> (T, out_features), summed over the ranks; ValueError when N does not divide in_features."""
 
     # a scale spanning a whole output row (per-channel int8) reads it across the ranks
     input_is_parallel = True
@@ -88,8 +84,7 @@ class RowParallelLinear(Linear):
         return all_reduce(super().forward(x))
 
     def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
-        """weight (out, in) -> this rank's columns (out, in / N); bias -> itself on rank 0, zeros elsewhere.
-        Raises ValueError for a tensor of another shape."""
+        """weight (out, in) -> this rank's columns (out, in / N); bias on rank 0, zeros elsewhere; ValueError otherwise."""
         param = getattr(self, param_name)
         _check_shape(tensor, param, -1, param.shape[-1] * (get_tensor_parallel_size() if param.dim() == 2 else 1))
         if param_name == "bias":
