@@ -57,7 +57,6 @@ class TorchPagedAttentionImpl(AttentionImpl):
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 out: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
-        """query, out: (D, num_heads, head_dim)."""
         num_decodes = query.shape[0]
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         backend = self.backend
@@ -156,8 +155,7 @@ def _default_workspace_bytes(device: torch.device) -> int:
 def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   mask: torch.Tensor, scale: float, workspace: torch.Tensor,
                   logit_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """query (D, num_heads, head_dim), block_tables (D, nb) int32, mask (D, 1, 1, nb * block_size) bool
-    -> (D, num_heads, head_dim)."""
+    """query (D, num_heads, head_dim), block_tables (D, nb) int32, mask (D, 1, 1, nb * block_size) bool."""
     num_reqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     nb = block_tables.shape[1]
@@ -192,7 +190,7 @@ def _prefill_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
         k, v = key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale,
                                              enable_gqa=True)
-        return out[0].transpose(0, 1)  # (Q, num_heads, head_dim)
+        return out[0].transpose(0, 1)
     if query.device.type == "cpu" and _cpu_flash_attention is not None:
         prefix_keys, prefix_values = gather_kv(kv_cache, block_table, num_context, kv_scales, query.dtype)
         return _prefix_chunk_attention(q, prefix_keys, prefix_values, key, value, scale)
@@ -204,7 +202,7 @@ def _prefill_one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
     out = F.scaled_dot_product_attention(q, keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
                                          values.transpose(0, 1).unsqueeze(0).to(q.dtype),
                                          attn_mask=mask, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)  # (Q, num_heads, head_dim)
+    return out[0].transpose(0, 1)
 
 
 # SDPA's CPU flash kernel, called directly for the per-row log-sum-exp the merge needs
@@ -244,4 +242,4 @@ def _prefill_one_masked(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                           torch.arange(first_key, seq_len, device=query.device), sliding_window)  # (Q, S)
     out = masked_attention(q, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), mask, scale,
                            logit_soft_cap)
-    return out[0].transpose(0, 1)  # (Q, num_heads, head_dim)
+    return out[0].transpose(0, 1)

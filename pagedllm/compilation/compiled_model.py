@@ -53,8 +53,7 @@ class CompiledModel:
         return self.config.dynamic or num_tokens in self.config.compile_sizes
 
     def warm_up(self, make_metadata: Callable[[int], Sequence[AttentionMetadata]], device: torch.device) -> float:
-        """Compile every graph now, one forward per :attr:`warmup_sizes` with ``make_metadata(num_tokens)``
-        as the step's metadata. Returns the seconds."""
+        """Compile every graph now, one forward per :attr:`warmup_sizes`; returns the seconds."""
         t0 = time.perf_counter()
         # one graph per size with dynamic=False: more than dynamo's default limit of 8
         limit = max(torch._dynamo.config.recompile_limit, len(self.warmup_sizes) + 1)
@@ -73,7 +72,6 @@ class CompiledModel:
         return self.compile_seconds
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Same contract as ``model.forward``."""
         if not self.runs_compiled(input_ids.shape[0]):
             return self.model(input_ids, positions)
         if not self.is_warm:
