@@ -57,8 +57,7 @@ class SkinnyWeight:
 
 
 class SkinnyGemmKernel:
-    """The loaded library: the ``gemm_*`` kernels, the float32 kernel's ``panel_width`` and
-    ``vector_width``, ``amx`` (tile state granted) and ``bf16_dp`` (AVX512-BF16 kernel built)."""
+    """The loaded library: the ``gemm_*`` kernels, ``panel_width``, ``vector_width``, ``amx`` and ``bf16_dp``."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         lib.pagedllm_skinny_gemm_abi_version.restype = _i
@@ -102,8 +101,7 @@ def _get_kernel() -> SkinnyGemmKernel | None:
 
 
 def enabled(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether :func:`pack` packs weights of ``dtype``: the switch and a kernel that loads (bfloat16:
-    with AMX or AVX512-BF16). Raises ValueError when ``envs.SKINNY_GEMM`` is not 0, 1 or unset."""
+    """Whether :func:`pack` packs weights of ``dtype``. Raises ValueError when ``envs.SKINNY_GEMM`` is not 0, 1 or unset."""
     global _enabled, _forced
     if _enabled is None:
         switch = envs.skinny_gemm()
@@ -117,8 +115,7 @@ def enabled(dtype: torch.dtype = torch.float32) -> bool:
 
 
 def set_enabled(value: bool | None) -> None:
-    """Switch packing on (True: the float32 kernel on any CPU too) or off for this process (packed
-    layers keep their packing); None: follow ``envs.SKINNY_GEMM`` again."""
+    """Switch packing on (True: the float32 kernel on any CPU too) or off; None: follow ``envs.SKINNY_GEMM``."""
     global _enabled, _forced
     _enabled, _forced = value, bool(value)
 
@@ -147,8 +144,7 @@ def _panel_width(dtype: torch.dtype) -> int:
 
 
 def packed_nbytes(out_features: int, in_features: int, dtype: torch.dtype, bias: bool = False) -> int:
-    """Bytes of :func:`pack`'s copy of an ``(out_features, in_features)`` weight on this host (0 where
-    :func:`packs` is false): N padded to the panel width, the bias in float32."""
+    """Bytes of :func:`pack`'s copy of an ``(out_features, in_features)`` weight here (0 where :func:`packs` is false)."""
     if not packs(dtype, in_features):
         return 0
     width = _panel_width(dtype)
@@ -196,7 +192,6 @@ def pack_panels_bf16_pairs(weight: torch.Tensor, bias: torch.Tensor | None) -> S
 
 
 def supports_float32_out(weight: SkinnyWeight) -> bool:
-    """Whether :func:`skinny_linear` can return float32 sums for ``weight``."""
     return weight.layout == "bf16_pairs"
 
 
