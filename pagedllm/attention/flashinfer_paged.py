@@ -59,7 +59,8 @@ class FlashInferPagedAttentionImpl(AttentionImpl):
 
 
 class FlashInferPagedAttention(AttentionBackend):
-    """FlashInfer's paged wrappers, re-planned per forward pass or layer option. Raises ImportError without flashinfer."""
+    """FlashInfer's paged wrappers, re-planned per forward pass or layer option. Raises ImportError without
+    flashinfer."""
 
     impl_cls = FlashInferPagedAttentionImpl
 

@@ -118,7 +118,8 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions, token_type_ids: (T,) int64 (types default to 0); ``seq_lens`` sum to T -> (T, hidden_size)."""
+        """input_ids, positions, token_type_ids: (T,) int64 (types default to 0); ``seq_lens`` sum to T -> (T,
+        hidden_size)."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         x = self.embeddings(input_ids, positions, token_type_ids)

@@ -547,7 +547,8 @@ static void pf_scores_tile(const float *const *k, const float *qt, float *s, int
     }
 }
 
-/* O^T[d0 + i][c ..] = alpha[c ..] O^T[d0 + i][c ..] + sum_j v_j[d0 + i] P^T[j][c ..] (pt: [keys][ld], ot: [head_dim][ld]). */
+/* O^T[d0 + i][c ..] = alpha[c ..] O^T[d0 + i][c ..] + sum_j v_j[d0 + i] P^T[j][c ..] (pt: [keys][ld], ot:
+ * [head_dim][ld]). */
 static inline __attribute__((always_inline)) void pf_accumulate(const float *restrict pt, const float *const *restrict v,
                                                                 float *restrict ot, const float *restrict alpha, int ld,
                                                                 int d0, int n, int nv) {

@@ -88,7 +88,8 @@ def call(fn: Callable[..., Any], *args: Any, keep: tuple = ()) -> Any:
 
 
 def call_struct(fn: Callable[..., Any], struct: ctypes.Structure, ref: Any, keep: tuple = ()) -> Any:
-    """``fn(ref)`` with ``ref`` a pointer to ``struct``, recorded with a copy of the struct; ``keep`` as in :func:`call`."""
+    """``fn(ref)`` with ``ref`` a pointer to ``struct``, recorded with a copy of the struct; ``keep`` as in
+    :func:`call`."""
     rec = getattr(_state, "recording", None)
     if rec is not None:
         rec.add_struct(fn, struct)

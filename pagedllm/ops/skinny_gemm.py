@@ -101,7 +101,8 @@ def _get_kernel() -> SkinnyGemmKernel | None:
 
 
 def enabled(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether :func:`pack` packs weights of ``dtype``. Raises ValueError when ``envs.SKINNY_GEMM`` is not 0, 1 or unset."""
+    """Whether :func:`pack` packs weights of ``dtype``. Raises ValueError when ``envs.SKINNY_GEMM`` is not 0, 1 or
+    unset."""
     global _enabled, _forced
     if _enabled is None:
         switch = envs.skinny_gemm()
@@ -144,7 +145,8 @@ def _panel_width(dtype: torch.dtype) -> int:
 
 
 def packed_nbytes(out_features: int, in_features: int, dtype: torch.dtype, bias: bool = False) -> int:
-    """Bytes of :func:`pack`'s copy of an ``(out_features, in_features)`` weight here (0 where :func:`packs` is false)."""
+    """Bytes of :func:`pack`'s copy of an ``(out_features, in_features)`` weight here (0 where :func:`packs` is
+    false)."""
     if not packs(dtype, in_features):
         return 0
     width = _panel_width(dtype)

@@ -12,7 +12,8 @@ from pagedllm import envs
 
 
 def threads_per_rank(world_size: int) -> int:
-    """CPU threads per rank: the engine's cores (``envs.ENGINE_CORES``, default all) split among ``world_size`` ranks, at least 1."""
+    """CPU threads per rank: the engine's cores (``envs.ENGINE_CORES``, default all) split among ``world_size``
+    ranks, at least 1."""
     cores = envs.engine_cores() or os.cpu_count() or 1
     return max(1, cores // world_size)
 
@@ -31,7 +32,8 @@ class TensorParallelWorker:
         self.runner = None
 
     def start(self, init_method: str, backend: str, config, timeout_s: float, cuda_device: int | None = None):
-        """Join the group, then build the runner over this rank's shard (``cuda_device`` with ``nccl``). Returns a reply."""
+        """Join the group, then build the runner over this rank's shard (``cuda_device`` with ``nccl``). Returns a
+        reply."""
         try:
             import torch
 
@@ -52,7 +54,8 @@ class TensorParallelWorker:
 
     def call(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
              return_result: bool = False):
-        """Run one call on the runner; reply ``("ok", result or None)`` or ``("error", text)`` (results only with ``return_result``)."""
+        """Run one call on the runner; reply ``("ok", result or None)`` or ``("error", text)`` (results only with
+        ``return_result``)."""
         try:
             result = run_on_runner(self.runner, method, args, kwargs)
             return "ok", (result if return_result else None)

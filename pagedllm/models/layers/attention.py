@@ -1,5 +1,6 @@
 """The self-attention block of a decoder layer: fused q/k/v projection, optional per-head q/k norm, rotary
-embedding, paged attention, output projection (on CPU q/k norm and rotation are one kernel, :mod:`pagedllm.ops.rotary`)."""
+embedding, paged attention, output projection (on CPU q/k norm and rotation are one kernel,
+:mod:`pagedllm.ops.rotary`)."""
 
 from __future__ import annotations
 

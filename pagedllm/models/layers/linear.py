@@ -52,7 +52,8 @@ class Linear(nn.Linear):
         return None
 
     def pack_for_cpu(self, batch_hint: int, bf16_math: bool = False) -> bool:
-        """Pack the weight for the skinny GEMM or oneDNN (CPU); returns whether it did. Pack again after changing weights."""
+        """Pack the weight for the skinny GEMM or oneDNN (CPU); returns whether it did. Pack again after changing
+        weights."""
         self.unpack()  # counts as a packing change (packing_generation)
         w = getattr(self, "weight", None)
         if w is None or self.quant_method is not None or w.device.type != "cpu":

@@ -32,7 +32,8 @@ class RMSNorm(nn.Module):
 
     def add_normed(self, x: torch.Tensor, residual: torch.Tensor,
                    next_norm: "RMSNorm | None" = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """``(next_norm(residual + self(x)) or None, residual + self(x))``, x and residual (T, dim): Gemma's post-norm."""
+        """``(next_norm(residual + self(x)) or None, residual + self(x))``, x and residual (T, dim): Gemma's
+        post-norm."""
         same = next_norm is None or (next_norm.gemma_convention == self.gemma_convention and next_norm.eps == self.eps)
         if same and fused_add_rms_norm_(x, residual, None if next_norm is None else next_norm.weight, self.eps,
                                         self.gemma_convention, x_weight=self.weight):

@@ -34,7 +34,8 @@ class _MergedColumnParallel(MergedLinear):
     ranges: list[tuple[int, int]]
 
     def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
-        """This rank's rows of projection ``shard`` (``None``: the fused tensor). Raises ValueError for another shape."""
+        """This rank's rows of projection ``shard`` (``None``: the fused tensor). Raises ValueError for another
+        shape."""
         param = getattr(self, param_name)
         _check_shape(tensor, param, 0, sum(self.full_sizes) if shard is None else self.full_sizes[shard])
         if shard is not None:
@@ -45,7 +46,8 @@ class _MergedColumnParallel(MergedLinear):
 
 
 class MergedColumnParallelLinear(_MergedColumnParallel):
-    """gate/up stacked, each split by rows: x (T, in) -> (T, sum(output_sizes) / N); ValueError when N does not divide."""
+    """gate/up stacked, each split by rows: x (T, in) -> (T, sum(output_sizes) / N); ValueError when N does not
+    divide."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
         local = [_split(size, "output features of a column-parallel projection") for size in output_sizes]
@@ -72,7 +74,8 @@ class QKVParallelLinear(_MergedColumnParallel):
 
 
 class RowParallelLinear(Linear):
-    """x (T, in_features / N) -> (T, out_features), summed over the ranks; ValueError when N does not divide in_features."""
+    """x (T, in_features / N) -> (T, out_features), summed over the ranks; ValueError when N does not divide
+    in_features."""
 
     # a scale spanning a whole output row (per-channel int8) reads it across the ranks
     input_is_parallel = True
@@ -84,7 +87,8 @@ class RowParallelLinear(Linear):
         return all_reduce(super().forward(x))
 
     def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
-        """weight (out, in) -> this rank's columns (out, in / N); bias on rank 0, zeros elsewhere; ValueError otherwise."""
+        """weight (out, in) -> this rank's columns (out, in / N); bias on rank 0, zeros elsewhere; ValueError
+        otherwise."""
         param = getattr(self, param_name)
         _check_shape(tensor, param, -1, param.shape[-1] * (get_tensor_parallel_size() if param.dim() == 2 else 1))
         if param_name == "bias":
