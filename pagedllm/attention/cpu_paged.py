@@ -174,6 +174,7 @@ def load_kernel() -> CpuPagedKernel | None:
 
 
 def _build(compiler: str, extra_flags: tuple[str, ...] = (), openmp: bool = True) -> Path:
+    """Raises OSError or subprocess.SubprocessError when the build fails."""
     return native.build_library(_SOURCE, extra_flags, openmp=openmp, compiler=compiler)
 
 

@@ -225,7 +225,8 @@ def checked_launch(query: torch.Tensor, key_cache: torch.Tensor, sliding_window:
 
 
 def scale_pointers(key_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's key and value scale tensors (the key cache as a never-read placeholder otherwise)."""
+    """The kernel's key and value scale tensors (the key cache as a never-read placeholder
+    otherwise). Raises ValueError when ``kv_scales`` does not fit."""
     check_kv_scales(key_cache.unsqueeze(0).expand(2, *key_cache.shape), kv_scales)
     if kv_scales is None:
         return key_cache, key_cache

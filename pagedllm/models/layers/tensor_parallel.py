@@ -58,7 +58,8 @@ class MergedColumnParallelLinear(_MergedColumnParallel):
 
 
 class QKVParallelLinear(_MergedColumnParallel):
-    """Fused q/k/v of this rank's heads: x (T, hidden) -> (T, (heads + 2 * kv_heads) * head_dim)."""
+    """Fused q/k/v of this rank's heads: x (T, hidden) -> (T, (heads + 2 * kv_heads) * head_dim).
+    Raises ValueError as :func:`heads_per_rank`."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  bias: bool = False) -> None:
