@@ -102,8 +102,7 @@ class BertEncoder(nn.Module):
 
 
 class BertModel(nn.Module):
-    """The encoder; :meth:`forward` returns the last hidden states (T, H). ``with_pooler``: keep HF's
-    ``pooler`` (dense + tanh on the first token)."""
+    """The encoder -> last hidden states (T, H); ``with_pooler`` keeps HF's ``pooler`` (dense + tanh, first token)."""
 
     is_encoder_only = True
 
@@ -118,8 +117,7 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions, token_type_ids: (T,) int64 (types default to 0); ``seq_lens`` sum to T -> (T,
-        hidden_size)."""
+        """input_ids, positions, token_type_ids: (T,) int64 (types default 0); ``seq_lens`` sum to T -> (T, hidden)."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         x = self.embeddings(input_ids, positions, token_type_ids)

@@ -1,7 +1,6 @@
 """Recording a forward pass's C kernel calls so a later pass replays them without the Python glue
 (:class:`pagedllm.worker.cpu_graph.CpuDecodeGraphs`). Wrappers call :func:`call` / :func:`call_struct`;
-per-step Python is recorded with :meth:`Recording.add_python`, its torch code inside :meth:`Recording.allowed`.
-"""
+per-step Python is recorded with :meth:`Recording.add_python`, its torch code inside :meth:`Recording.allowed`."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ _state = threading.local()
 
 class Recording:
     """The calls of one pass, in order: ``(fn, args)``, replayed as ``fn(*args)``. ``keep`` holds what the
-    recorded pointers point into. ``allowed_depth`` > 0 while a wrapper runs torch code the replay need not see.
-    """
+    recorded pointers point into. ``allowed_depth`` > 0 while a wrapper runs torch code the replay need not see."""
 
     def __init__(self, empty: Callable[[list[int], torch.dtype], torch.Tensor | None] | None = None,
                  alias: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:

@@ -32,8 +32,7 @@ class TensorParallelWorker:
         self.runner = None
 
     def start(self, init_method: str, backend: str, config, timeout_s: float, cuda_device: int | None = None):
-        """Join the group, then build the runner over this rank's shard (``cuda_device`` with ``nccl``). Returns a
-        reply."""
+        """Join the group, then build the runner over this rank's shard. Returns a reply."""
         try:
             import torch
 

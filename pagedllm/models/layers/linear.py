@@ -52,8 +52,7 @@ class Linear(nn.Linear):
         return None
 
     def pack_for_cpu(self, batch_hint: int, bf16_math: bool = False) -> bool:
-        """Pack the weight for the skinny GEMM or oneDNN (CPU); returns whether it did. Pack again after changing
-        weights."""
+        """Pack the weight for the skinny GEMM or oneDNN (CPU); returns whether it did (again after edits)."""
         self.unpack()  # counts as a packing change (packing_generation)
         w = getattr(self, "weight", None)
         if w is None or self.quant_method is not None or w.device.type != "cpu":
@@ -136,9 +135,8 @@ PACKED_LINEAR_ENV = envs.CPU_PACKED_LINEAR.name
 
 @functools.lru_cache(maxsize=None)
 def fp32_rows_use_onednn() -> bool:
-    """Whether float32 linears above the skinny GEMM's rows run from a oneDNN copy instead of ``F.linear``
-    (MKL takes AVX2 paths on non-Intel CPUs). ``PAGEDLLM_CPU_FP32_PREFILL_LINEAR``: auto, onednn, blas;
-    raises ValueError for another value."""
+    """Whether float32 linears above the skinny GEMM's rows run from a oneDNN copy (MKL takes AVX2 paths on
+    non-Intel CPUs). ``PAGEDLLM_CPU_FP32_PREFILL_LINEAR``: auto, onednn, blas; ValueError for another value."""
     value = envs.cpu_fp32_prefill_linear()
     if value != "auto":
         return value == "onednn"

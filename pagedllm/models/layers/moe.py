@@ -56,8 +56,7 @@ class MoEExperts(nn.Module):
         return param if half is None else param.narrow(0, half * self.intermediate_size, self.intermediate_size)
 
     def expert_slice(self, tensor: torch.Tensor, part: str) -> torch.Tensor:
-        """This rank's part of one expert's matrix: gate/up (I, H) -> (I/N, H), down (H, I) -> (H, I/N); ValueError
-        otherwise."""
+        """This rank's part of one expert's matrix (gate/up: rows, down: columns); ValueError for another shape."""
         down = _EXPERT_PARTS[part][1] is None
         hidden = self.down_proj.shape[1]
         full = (hidden, self.full_intermediate_size) if down else (self.full_intermediate_size, hidden)
@@ -102,8 +101,7 @@ class MoEExperts(nn.Module):
 
 
 class FusedMoE(nn.Module):
-    """Router (``gate``) + experts: x (T, hidden) -> (T, hidden). Raises ValueError for a bad ``top_k`` or
-    activation."""
+    """Router + experts: x (T, hidden) -> (T, hidden). Raises ValueError for a bad ``top_k`` or activation."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, activation: str,
                  renormalize: bool) -> None:
