@@ -1,7 +1,4 @@
-"""Paged attention: the backends, :func:`get_attention_backend`, and the :class:`Attention` layer.
-
-A backend is shared by a model's layers; each layer binds its constants once (``make_impl``)
-and reads the step's :class:`~pagedllm.attention.backend.AttentionMetadata` from the forward context."""
+"""Paged attention: the backends, :func:`get_attention_backend`, and the :class:`Attention` layer."""
 
 from __future__ import annotations
 
@@ -26,10 +23,8 @@ BACKENDS = envs.ATTENTION_BACKEND.choices
 
 def get_attention_backend(device: torch.device | str, choice: str = "auto") -> AttentionBackend:
     """The backend ``choice`` (``EngineConfig.attention_backend``) names for ``device``: ``auto`` is the C
-    kernels on CPU when they build (else torch), FlashInfer, else Triton, else torch on CUDA.
-    ``cpu`` falls back to torch if the kernel does not build; ``triton`` runs on CPU only under
-    ``TRITON_INTERPRET=1``. Raises ValueError naming ``attention_backend`` for an unknown name, a
-    missing package or a device the backend does not run on, and for a device other than cpu/cuda."""
+    kernels on CPU when they build, else torch; FlashInfer, else Triton, else torch on CUDA. Raises
+    ValueError naming ``attention_backend`` for an unknown name, a missing package or an unsupported device."""
     device = torch.device(device)
     if choice not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {choice!r}")
@@ -64,12 +59,10 @@ def _importable(name: str) -> bool:
 
 
 class Attention(nn.Module):
-    """Causal self-attention over one layer's paged KV cache (no weights).
-
-    ``num_heads`` a multiple of ``num_kv_heads`` (ValueError otherwise); ``scale``, ``sliding_window``
-    and ``logit_soft_cap`` are bound into the layer's :class:`AttentionImpl` once. The runner binds
-    ``kv_cache`` (2, num_blocks, block_size, num_kv_heads, head_dim), an int8 cache's ``kv_scales``
-    (2, num_blocks, block_size, num_kv_heads) float32, and ``kv_cache_group`` (whose block tables it reads)."""
+    """Causal self-attention over one layer's paged KV cache (no weights); ``num_heads`` a multiple of
+    ``num_kv_heads`` (ValueError otherwise). The runner binds ``kv_cache`` (2, num_blocks, block_size,
+    num_kv_heads, head_dim), an int8 cache's ``kv_scales`` (2, num_blocks, block_size, num_kv_heads) float32
+    and ``kv_cache_group``."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  backend: AttentionBackend, sliding_window: int | None = None,
@@ -104,9 +97,7 @@ class Attention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query (T, num_heads, head_dim), key/value (T, num_kv_heads, head_dim) -> (T, num_heads, head_dim).
-
-        Under torch.compile one opaque op (:mod:`pagedllm.compilation.attention_op`); while a pass is
-        recorded (:mod:`pagedllm.ops.recording`) one recorded call, rerun per replay for its own step."""
+        An opaque op under torch.compile; one recorded call while a pass is recorded."""
         if self.compiled_op_name is not None and torch.compiler.is_compiling():
             return torch.ops.pagedllm.paged_attention(query, key, value, self.compiled_op_name)
         rec = recording.current()
@@ -119,7 +110,7 @@ class Attention(nn.Module):
         """:meth:`forward_eager`, recorded as a callable writing each replay's result into this pass's output."""
         with rec.allowed():
             result = self.forward_eager(query, key, value)
-            out = rec.buffer_like(result)  # pool memory, reused once the pass is done with it
+            out = rec.buffer_like(result)
             out.copy_(result)
         q, k, v, o = (rec.alias(t) for t in (query, key, value, out))
 
@@ -130,9 +121,8 @@ class Attention(nn.Module):
         return out
 
     def forward_eager(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """The attention itself. Without step metadata (profiling) the T tokens are one causal
-        sequence and no cache is touched. Raises RuntimeError when metadata comes without a bound
-        cache, or outside :func:`set_forward_context`."""
+        """The attention itself; without step metadata (profiling) the T tokens are one causal sequence.
+        Raises RuntimeError when metadata comes without a bound cache, or outside :func:`set_forward_context`."""
         metadata = get_forward_context().metadata_for(self.kv_cache_group)
         impl = self.impl
         if metadata is None:

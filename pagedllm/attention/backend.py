@@ -1,8 +1,6 @@
-"""The attention backend interface, the per-step metadata and the forward context.
-
-KV-cache layout per layer: ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K,
-1 = V). The token at position p of a request lives in slot
-``block_table[p // block_size] * block_size + p % block_size``, the one definition of "slot"."""
+"""The attention backend interface, the per-step metadata and the forward context. KV-cache layout per layer:
+``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V); position p of a request is
+slot ``block_table[p // block_size] * block_size + p % block_size``."""
 
 from __future__ import annotations
 
@@ -19,14 +17,9 @@ from pagedllm.quantization.kv_cache import as_bytes, dequantize_kv, quantize_kv
 
 @dataclass
 class AttentionMetadata:
-    """The flat ragged batch of one step: decodes (query length 1) first, then prefills.
-
-        slot_mapping:    [T] int64  cache slot of each new token's K/V
-        query_start_loc: [B+1] int32  request b's tokens are rows qsl[b]:qsl[b+1]
-        seq_lens:        [B] int32  context length after this step (cached + new)
-        block_tables:    [B, max_num_blocks] int32, padded with 0
-        num_decodes == num_decode_tokens: the leading requests with one query token
-        query_start_loc_cpu, seq_lens_cpu: host lists (no device sync)"""
+    """The flat ragged batch of one step, decodes (query length 1) first. slot_mapping [T] int64;
+    query_start_loc [B+1] int32; seq_lens [B] int32 (cached + new); block_tables [B, max_num_blocks]
+    int32, padded with 0; query_start_loc_cpu, seq_lens_cpu: host lists (no device sync)."""
 
     slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor
@@ -46,14 +39,10 @@ class AttentionMetadata:
 
 class AttentionImpl:
     """One layer's attention on a backend, its constants bound once (vLLM's ``AttentionImpl``).
-
-    ``sliding_window`` W: position p attends to keys p - W < k <= p (blocks before are never read);
-    ``logit_soft_cap`` c: scores ``c * tanh(s / c)`` before mask and softmax (Gemma 2; 0 = None).
-    ``forward`` writes the step's K/V at ``metadata.slot_mapping`` (an int8 cache's scales into
-    ``kv_scales``) and returns causal attention per request: query (T, num_heads, head_dim),
-    key/value (T, num_kv_heads, head_dim) -> (T, num_heads, head_dim) in query's dtype; query head h
-    reads KV head h // (num_heads // num_kv_heads). Raises ValueError for a window < 1 or a layout
-    that does not match."""
+    ``sliding_window`` W: position p attends to keys p - W < k <= p; ``logit_soft_cap`` c: scores
+    ``c * tanh(s / c)`` (Gemma 2). ``forward`` writes the step's K/V at ``metadata.slot_mapping`` and returns
+    causal attention: query (T, num_heads, head_dim), key/value (T, num_kv_heads, head_dim) -> (T, num_heads,
+    head_dim) in query's dtype. Raises ValueError for a window < 1 or a layout that does not match."""
 
     def __init__(self, backend: AttentionBackend, scale: float, sliding_window: int | None = None,
                  logit_soft_cap: float | None = None) -> None:
@@ -63,7 +52,7 @@ class AttentionImpl:
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_soft_cap = logit_soft_cap or None
-        self.options = (scale, sliding_window, self.logit_soft_cap)  # what per-pass plans are keyed by
+        self.options = (scale, sliding_window, self.logit_soft_cap)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,14 +66,11 @@ class AttentionImpl:
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, kv_scales: torch.Tensor | None) -> torch.Tensor:
-        """The attention, the step's K/V already in the cache."""
         raise NotImplementedError
 
 
 class AttentionBackend:
-    """What a model's layers share: buffers and the current pass's plans (not thread-safe). ``make_impl``
-    binds a layer's constants; ``supports_quantized_kv``: fp8/int8 caches; ``supports_cuda_graphs``:
-    sync-free, launch shapes from host sizes."""
+    """What a model's layers share: buffers and the current pass's plans (not thread-safe)."""
 
     impl_cls: type[AttentionImpl] = AttentionImpl
     supports_quantized_kv = False
@@ -97,8 +83,7 @@ class AttentionBackend:
 
 @dataclass
 class ForwardContext:
-    """What every attention layer needs during one forward pass: ``group_metadata[g]`` is KV-cache
-    group g's (:mod:`pagedllm.core.kv_cache_groups`); ``attn_metadata`` group 0's, or None."""
+    """What every attention layer needs during one forward pass: ``group_metadata[g]`` is KV-cache group g's."""
 
     attn_metadata: AttentionMetadata | None
     group_metadata: tuple[AttentionMetadata, ...] = ()
@@ -118,7 +103,6 @@ _local = threading.local()
 @contextlib.contextmanager
 def set_forward_context(attn_metadata: AttentionMetadata | Sequence[AttentionMetadata] | None
                         ) -> Iterator[ForwardContext]:
-    """The step's metadata (one, one per KV-cache group, or None) for one forward pass."""
     prev = getattr(_local, "ctx", None)
     if isinstance(attn_metadata, (list, tuple)):
         ctx = ForwardContext(attn_metadata[0], tuple(attn_metadata))
@@ -141,16 +125,15 @@ def get_forward_context() -> ForwardContext:
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
-    """key, value (T, num_kv_heads, head_dim) into ``kv_cache`` (contiguous) at ``slot_mapping`` (T,)
-    int64 (no negative slots), in the cache's storage dtype (:func:`~pagedllm.quantization.kv_cache.quantize_kv`;
-    int8 writes its scales into ``kv_scales`` at the same slots). Raises ValueError for an int8 cache
-    without ``kv_scales`` or another with them."""
+    """key, value (T, num_kv_heads, head_dim) into ``kv_cache`` at ``slot_mapping`` (T,) int64, in the cache's
+    storage dtype (int8: scales into ``kv_scales``). Raises ValueError for an int8 cache without ``kv_scales``
+    or another with them."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     if (kv_cache.dtype == torch.int8) != (kv_scales is not None):
         raise ValueError("an int8 KV cache needs kv_scales (and only an int8 one has them)")
     for i, new in enumerate((key, value)):
         stored, scales = quantize_kv(new, kv_cache.dtype)
-        cache = as_bytes(kv_cache[i]).view(-1, num_kv_heads, head_dim)  # (num_slots, num_kv_heads, head_dim)
+        cache = as_bytes(kv_cache[i]).view(-1, num_kv_heads, head_dim)
         cache.index_copy_(0, slot_mapping, as_bytes(stored))
         if scales is not None:
             kv_scales[i].view(-1, num_kv_heads).index_copy_(0, slot_mapping, scales)
@@ -158,8 +141,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
 
 def read_kv_blocks(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, block_ids: torch.Tensor,
                    dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """K and V of blocks ``block_ids`` (n,) in ``dtype``: (2, n, block_size, num_kv_heads, head_dim).
-    ``out``: a buffer of the cache's dtype to gather into (returned itself when no dequantizing is needed)."""
+    """K and V of blocks ``block_ids`` (n,) in ``dtype``: (2, n, block_size, num_kv_heads, head_dim)."""
     raw = torch.index_select(as_bytes(kv_cache), 1, block_ids, out=None if out is None else as_bytes(out))
     raw = raw.view(kv_cache.dtype)
     scales = None if kv_scales is None else kv_scales.index_select(1, block_ids)
@@ -170,7 +152,7 @@ def read_kv_blocks(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, block
 
 def check_shapes(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor) -> None:
     """Cheap host-side layout checks (no device sync). Raises ValueError naming the mismatch."""
-    cache_shape, key_shape, query_shape = kv_cache.shape, key.shape, query.shape  # each read once: called per layer
+    cache_shape, key_shape, query_shape = kv_cache.shape, key.shape, query.shape
     if len(cache_shape) != 5 or cache_shape[0] != 2:
         raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
                          f"got shape {tuple(cache_shape)}")
@@ -183,8 +165,7 @@ def check_shapes(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor)
 
 
 def current_context(metadata: AttentionMetadata) -> ForwardContext | None:
-    """The active forward context if ``metadata`` is its group-0 metadata, else None: per-pass plans
-    are keyed by it, so another KV-cache group (other block tables) never gets group 0's plan."""
+    """The active forward context if ``metadata`` is its group-0 metadata, else None (keys per-pass plans)."""
     try:
         ctx = get_forward_context()
     except RuntimeError:
@@ -203,11 +184,8 @@ def attention_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_windo
 
 def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                      scale: float, logit_soft_cap: float | None = None) -> torch.Tensor:
-    """softmax(cap(scale * q k^T) masked) v, the reference every backend must equal.
-
-    query (..., Hq, Q, D); key, value (..., Hk, S, D), Hq a multiple of Hk; mask bool broadcastable
-    to (..., Hq, Q, S), True = attend, every row seeing a key (None: causal, Q == S). Returns
-    (..., Hq, Q, D) in query's dtype."""
+    """softmax(cap(scale * q k^T) masked) v, the reference every backend must equal. query (..., Hq, Q, D);
+    key, value (..., Hk, S, D); mask bool, True = attend (None: causal) -> (..., Hq, Q, D) in query's dtype."""
     key, value = key.to(query.dtype), value.to(query.dtype)
     if logit_soft_cap is None:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,

@@ -1,9 +1,5 @@
-"""The CPU paged-attention backend: fused C kernels (``cpu_paged.c``) behind the torch backend.
-
-Decode: an online softmax (Milakov & Gimelshein 2018) reading each K/V row once through the block
-table, the step's K/V write in the same call; prefill: FlashAttention-2's loop order, the cached
-prefix and the chunk read in place. Built on first use (:mod:`pagedllm.native`), loaded with ctypes;
-what the kernels take: ``docs/attention.md``. Anything else, or no compiler, runs the torch code."""
+"""The CPU paged-attention backend: the fused C kernels of ``cpu_paged.c`` (``docs/attention.md``) behind
+the torch backend, which runs whatever they do not take or when they do not build."""
 
 from __future__ import annotations
 
@@ -35,30 +31,23 @@ _SOURCE = native.SOURCE_DIR / "cpu_paged.c"
 _ABI_VERSION = 7
 
 _c_int, _c_ll, _c_float, _c_void_p = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p
-# paged_decode_<format>(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, out, req_begin, req_end,
-#   num_heads, num_kv_heads, head_dim, block_size, block_table_stride, kv_block_stride, kv_token_stride, scale,
-#   k_scale, v_scale, window, soft_cap, io_bf16, num_threads, key, value, key_stride, value_stride, slots,
-#   num_tokens) -> int
+# argument order: paged_decode_f32 in cpu_paged.c
 _ARGTYPES = ([_c_void_p] * 8 + [_c_int] * 6 + [_c_ll] * 3 + [_c_float] * 3 + [_c_int, _c_float, _c_int, _c_int]
              + [_c_void_p] * 2 + [_c_ll] * 2 + [_c_void_p, _c_int])
 _WRITE_DTYPES = (torch.float32, torch.bfloat16)  # caches (and new K/V dtypes) the kernel writes itself
-# the kernel's function per KV-cache storage dtype
 _KERNEL_NAMES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16",
                  torch.float8_e4m3fn: "paged_decode_fp8_e4m3", torch.float8_e5m2: "paged_decode_fp8_e5m2",
                  torch.int8: "paged_decode_int8"}
-# paged_prefill_{f32,bf16}(q, k_cache, v_cache, block_table, out, num_queries, num_context, num_heads,
-#   num_kv_heads, head_dim, block_size, kv_block_stride, kv_token_stride, scale, item_begin, item_end, io_bf16,
-#   num_threads, window, soft_cap) -> int
+# argument order: paged_prefill_f32 in cpu_paged.c
 _PREFILL_ARGTYPES = [_c_void_p] * 5 + [_c_int] * 6 + [_c_ll] * 2 + [_c_float] + [_c_int] * 5 + [_c_float]
 _IO_DTYPES = (torch.float32, torch.bfloat16)  # query/output dtypes the kernels read and write directly
 _PREFILL_KERNEL_NAMES = {torch.float32: "paged_prefill_f32", torch.bfloat16: "paged_prefill_bf16"}
-_NO_TABLES = torch.zeros((1, 1), dtype=torch.int32)  # the block tables of a write-only call (never read)
+_NO_TABLES = torch.zeros((1, 1), dtype=torch.int32)  # a write-only call's block tables (never read)
 
 
 class CpuPagedKernel:
     """The loaded library (:func:`load_kernel`); its calls release the GIL. ``has_openmp``: one call
-    splits its work over ``num_threads`` (else the caller splits it). ``call_fns[dtype]``: the decode
-    kernel taking one :class:`~pagedllm.attention.decode_plan.DecodeCall`."""
+    splits its work over ``num_threads``. ``call_fns[dtype]``: the decode kernel taking a DecodeCall."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
@@ -81,17 +70,16 @@ class CpuPagedKernel:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = _ARGTYPES, _c_int
             self._fns[dtype] = fn
-            call = getattr(lib, f"{name}_call")  # the same kernel taking one DecodeCall struct (decode_plan.py)
+            call = getattr(lib, f"{name}_call")
             call.argtypes, call.restype = [ctypes.POINTER(DecodeCall)], _c_int
             self.call_fns[dtype] = call
         for dtype, name in _PREFILL_KERNEL_NAMES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = _PREFILL_ARGTYPES, _c_int
             self._prefill_fns[dtype] = fn
-        self._lib = lib  # keep the library loaded
+        self._lib = lib
 
     def supports(self, dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
-        """Whether :meth:`decode` takes a cache of ``dtype`` with these shapes."""
         return (dtype in self._fns and 1 <= num_heads <= self.max_heads and head_dim % 16 == 0
                 and 0 < head_dim <= self.max_head_dim)
 
@@ -100,10 +88,9 @@ class CpuPagedKernel:
                sliding_window: int | None = None, logit_soft_cap: float | None = None,
                kv_scales: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                num_threads: int = 1, write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Decode attention of requests ``[req_begin, req_end)`` into ``out`` after the K/V ``write`` if given;
-        unchecked (the caller validates tables, seq_lens and slots). query, out (D, num_heads, head_dim)
-        both float32 or both bfloat16, contiguous; block_tables (>= D, max_blocks) int32, unit last
-        stride; seq_lens (>= D,) int32 >= 1. Raises MemoryError when the scratch cannot be allocated."""
+        """Decode attention of requests ``[req_begin, req_end)`` into ``out`` after the K/V ``write``;
+        unchecked. query, out (D, num_heads, head_dim) both float32 or both bfloat16, contiguous;
+        block_tables int32, unit last stride; seq_lens int32 >= 1. Raises MemoryError on scratch failure."""
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         kv_block_stride = block_size * num_kv_heads * head_dim
         k_scales = v_scales = 0
@@ -129,16 +116,14 @@ class CpuPagedKernel:
             raise MemoryError("CPU paged-attention decode kernel: scratch allocation failed")
 
     def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor) -> None:
-        """Only :meth:`decode`'s ``write`` (float32/bfloat16, slots unchecked), on the calling thread."""
+        """Only :meth:`decode`'s ``write``, on the calling thread."""
         self.decode(key, kv_cache, _NO_TABLES, slots, key, 0, 0, 1.0, write=(key, value, slots))
 
     def supports_prefill(self, dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
-        """Whether :meth:`prefill` takes a cache of ``dtype`` with these shapes."""
         return dtype in self._prefill_fns and num_heads >= 1 and head_dim % 64 == 0 and 0 < head_dim <= self.max_head_dim
 
     def prefill_preferred(self, logit_soft_cap: float | None) -> bool:
-        """Whether :meth:`prefill` beats the torch code for such a layer: always on AVX-512; elsewhere only
-        soft-capped layers, where torch has no flash path (benchmarks/prefill_attention.py)."""
+        """Always on AVX-512; elsewhere only soft-capped layers, where torch has no flash path."""
         return self.prefill_all_layers or bool(logit_soft_cap)
 
     def prefill_work_items(self, num_queries: int, num_context: int, num_heads: int, num_kv_heads: int,
@@ -157,8 +142,7 @@ class CpuPagedKernel:
     def prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
                 num_context: int, scale: float, item_begin: int, item_end: int, num_threads: int = 1,
                 sliding_window: int | None = None, logit_soft_cap: float | None = None) -> None:
-        """Causal attention of one request's Q new tokens over its cached keys, read in place through
-        ``block_table`` (int32, K/V already written), for items ``[item_begin, item_end)``; unchecked.
+        """Causal attention of one request's Q new tokens, items ``[item_begin, item_end)``; unchecked.
         query, out (Q, num_heads, head_dim) both float32 or both bfloat16. Raises MemoryError on scratch failure."""
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         kv_block_stride = block_size * num_kv_heads * head_dim
@@ -177,8 +161,7 @@ _loaded: dict[str, CpuPagedKernel | None] = {}
 
 
 def load_kernel() -> CpuPagedKernel | None:
-    """The kernel built by ``$CC`` (default ``cc``) and cached by :mod:`pagedllm.native`, memoised per
-    compiler; None, after one warning, when the build or load fails."""
+    """The kernel for ``$CC`` (memoised per compiler); None, after one warning, when it fails to build or load."""
     compiler = os.environ.get("CC", "cc")
     with _load_lock:
         if compiler not in _loaded:
@@ -191,7 +174,7 @@ def load_kernel() -> CpuPagedKernel | None:
 
 
 def _build(compiler: str, extra_flags: tuple[str, ...] = (), openmp: bool = True) -> Path:
-    """The built library's path (:func:`pagedllm.native.build_library`). Raises OSError/SubprocessError."""
+    """Raises OSError or subprocess.SubprocessError when the build fails."""
     return native.build_library(_SOURCE, extra_flags, openmp=openmp, compiler=compiler)
 
 
@@ -206,25 +189,23 @@ def _get_pool(num_workers: int) -> ThreadPoolExecutor:
         if _pool is None or _pool_size < num_workers:
             old, _pool, _pool_size = _pool, ThreadPoolExecutor(num_workers, "pagedllm-attn"), num_workers
             if old is not None:
-                old.shutdown(wait=False)  # lets its in-flight calls finish
+                old.shutdown(wait=False)
         return _pool
 
 
 @dataclass
 class _PrefillPlan:
-    """The prefills' block tables, validated once per forward pass."""
 
     owner: ForwardContext | None
     num_blocks: int  # the cache's num_blocks the block ids were checked against
-    block_tables: torch.Tensor  # (P, max_blocks) int32 contiguous: the prefill requests' rows
+    block_tables: torch.Tensor  # (P, max_blocks) int32 contiguous
 
 
 @dataclass
 class _KernelPlan:
-    """The decodes' and the K/V write's inputs, validated once per forward pass."""
 
     owner: ForwardContext | None
-    num_blocks: int  # the cache's num_blocks the block ids and slots were checked against
+    num_blocks: int
     block_tables: torch.Tensor  # (D, max_blocks) int32, unit last stride
     seq_lens: torch.Tensor  # (D,) int32 contiguous
     num_threads: int  # threads for the decodes (fewer when the step's context is short)
@@ -233,16 +214,14 @@ class _KernelPlan:
 
 
 class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
-    """One layer on :class:`CpuPagedAttention`: the torch impl with the decodes, prefills and float32/bfloat16
-    K/V write in C where the kernel takes the cache. Also raises ValueError for a block table naming
-    a block outside the cache or too short for its seq_len."""
+    """One layer on :class:`CpuPagedAttention`. Also raises ValueError for a block table naming a block
+    outside the cache or too short for its seq_len."""
 
     backend: CpuPagedAttention
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-        """In a decode-only step the first layer on the one-call path (write + decode) plans it for the
-        others (:class:`DecodePlan`): a later matching layer only supplies its pointers."""
+        """In a decode-only step the first layer plans the call for the others (:class:`DecodePlan`)."""
         backend = self.backend
         decode_plan = backend.planned_decode
         if (decode_plan is not None and kv_scales is None and decode_plan.owner is current_context(metadata)
@@ -271,8 +250,7 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
     def _plan_decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                      metadata: AttentionMetadata, plan: _KernelPlan, kv_scales: torch.Tensor | None
                      ) -> DecodePlan | None:
-        """The step's :class:`DecodePlan`, kept for the next layers, when it makes this call exactly as
-        :meth:`forward` would; else None."""
+        """The step's :class:`DecodePlan` when it makes this call exactly as :meth:`forward` would; else None."""
         backend = self.backend
         kernel = backend.kernel
         owner = current_context(metadata)
@@ -292,8 +270,7 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 out: torch.Tensor, kv_scales: torch.Tensor | None = None,
                 write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-        """The decodes into ``out`` (D, num_heads, head_dim) after the K/V ``write``: one OpenMP call, or
-        request ranges of about equal context on the thread pool."""
+        """The decodes into ``out`` (D, num_heads, head_dim) after the K/V ``write``."""
         kernel = self.backend.kernel
         if not (kernel is not None and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
                 and kernel.supports(kv_cache.dtype, query.shape[1], kv_cache.shape[-1])
@@ -319,8 +296,7 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  metadata: AttentionMetadata, output: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
-        """The prefills' rows of ``output`` in the C kernel, each request's prefix and chunk read in place;
-        the torch code where the kernel does not take the cache or is slower (``prefill_preferred``)."""
+        """The prefills' rows of ``output``; the torch code where the kernel does not take the cache or is slower."""
         backend = self.backend
         kernel = backend.kernel
         num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
@@ -335,7 +311,7 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
         for b in range(num_decodes, metadata.num_reqs):
             start, end = qsl[b], qsl[b + 1]
             rows = output[start:end]
-            q, result = _io_tensors(query[start:end], rows)  # (Q, num_heads, head_dim)
+            q, result = _io_tensors(query[start:end], rows)
             num_context = seq_lens[b] - (end - start)
             costs = kernel.prefill_work_items(end - start, num_context, num_heads, num_kv_heads, window)
             num_threads = backend.threads_for(sum(costs))
@@ -351,13 +327,8 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
 
 class CpuPagedAttention(TorchPagedAttention):
     """Paged attention on CPU with the fused C kernels; exactly the torch backend when they do not build.
-
-    Args:
-        num_threads: kernel threads; default ``torch.get_num_threads()`` read at each step.
-        kernel: a loaded :class:`CpuPagedKernel`; default :func:`load_kernel`.
-        min_tokens_per_thread: work each thread must get before the work is split.
-        plan_decodes: plan a decode-only step's call once for all layers (:class:`DecodePlan`).
-    Raises ValueError for ``num_threads`` or ``min_tokens_per_thread`` < 1."""
+    ``num_threads`` defaults to ``torch.get_num_threads()`` at each step; ``plan_decodes`` plans a
+    decode-only step once for all layers. Raises ValueError for ``num_threads`` or ``min_tokens_per_thread`` < 1."""
 
     impl_cls = CpuPagedAttentionImpl
 
@@ -374,19 +345,17 @@ class CpuPagedAttention(TorchPagedAttention):
         self._kernel_plan_cache: _KernelPlan | None = None
         self._prefill_plan_cache: _PrefillPlan | None = None
         self.plan_decodes = plan_decodes
-        self.planned_decode: DecodePlan | None = None  # the current decode-only step's prepared call
+        self.planned_decode: DecodePlan | None = None
 
     @property
     def is_kernel_available(self) -> bool:
-        """False when the C kernel could not be built: every call then runs the torch code."""
+        """False when the C kernel could not be built."""
         return self.kernel is not None
 
     def threads_for(self, num_tokens: int) -> int:
-        """Threads for ``num_tokens`` of work: ``num_threads``, fewer so each gets ``min_tokens_per_thread``."""
         return max(1, min(self.num_threads or torch.get_num_threads(), num_tokens // self.min_tokens_per_thread))
 
     def prefill_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _PrefillPlan:
-        """The prefills' int32 block tables, validated once per forward pass."""
         num_blocks, block_size, owner, plan = self._cached_plan(metadata, kv_cache, self._prefill_plan_cache)
         if plan is not None:
             return plan
@@ -398,7 +367,6 @@ class CpuPagedAttention(TorchPagedAttention):
         return plan
 
     def kernel_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _KernelPlan:
-        """The decodes' validated tables, seq_lens and threads, and the write's slots, once per pass."""
         num_blocks, block_size, owner, plan = self._cached_plan(metadata, kv_cache, self._kernel_plan_cache)
         if plan is not None:
             return plan
@@ -420,7 +388,6 @@ class CpuPagedAttention(TorchPagedAttention):
 
     @staticmethod
     def _cached_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor, plan: _PrefillPlan | _KernelPlan | None):
-        """(num_blocks, block_size, the pass's context, ``plan`` if made for this pass and cache else None)."""
         owner = current_context(metadata)
         num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
         if not (owner is not None and plan is not None and plan.owner is owner and plan.num_blocks == num_blocks):
@@ -430,7 +397,7 @@ class CpuPagedAttention(TorchPagedAttention):
 
 def _io_tensors(query: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``query`` and ``out`` themselves when contiguous and of one :data:`_IO_DTYPES` dtype, else a float32
-    copy and buffer (the caller copies the result into ``out``)."""
+    copy and buffer."""
     if query.dtype in _IO_DTYPES and out.dtype == query.dtype and query.is_contiguous() and out.is_contiguous():
         return query, out
     q = query.to(torch.float32).contiguous()
@@ -438,14 +405,12 @@ def _io_tensors(query: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def _rows_fit(new: torch.Tensor) -> bool:
-    """Whether K or V rows (T, num_kv_heads, head_dim) are contiguous within a row, on the CPU."""
     strides = new.stride()
     return len(strides) == 3 and strides[2] == 1 and strides[1] == new.shape[2] and new.is_cpu
 
 
 def _checked_slots(slot_mapping: torch.Tensor, num_slots: int) -> torch.Tensor | None:
-    """The slot mapping as (T,) int64 contiguous CPU when every slot is in the cache, else None
-    (the torch write then raises its own error)."""
+    """The slot mapping as (T,) int64 contiguous CPU when every slot is in the cache, else None."""
     slots = slot_mapping.to(device="cpu", dtype=torch.int64).contiguous()
     if slots.dim() != 1 or (slots.numel() and not (int(slots.min()) >= 0 and int(slots.max()) < num_slots)):
         return None
@@ -453,13 +418,12 @@ def _checked_slots(slot_mapping: torch.Tensor, num_slots: int) -> torch.Tensor |
 
 
 def _scales_fit(kv_scales: torch.Tensor | None, kv_cache: torch.Tensor) -> bool:
-    """Whether an int8 cache's scales are the contiguous float32 tensor of its shape the kernel indexes."""
     return (kv_scales is not None and kv_scales.dtype == torch.float32 and kv_scales.is_contiguous()
             and tuple(kv_scales.shape) == tuple(kv_cache.shape[:4]) and kv_scales.device == kv_cache.device)
 
 
 def _run_split(fn, ranges: list[tuple[int, int]], *args) -> None:
-    """``fn(*args, begin, end)`` per range, the first on this thread, the others on the pool (GIL released)."""
+    """``fn(*args, begin, end)`` per range, the first on this thread, the others on the pool."""
     first, *rest = ranges
     pool = _get_pool(len(rest)) if rest else None
     futures = [pool.submit(fn, *args, *r) for r in rest] if pool else []
@@ -470,8 +434,7 @@ def _run_split(fn, ranges: list[tuple[int, int]], *args) -> None:
 
 def _validate_tables(tables: torch.Tensor, lens: list[int], num_blocks: int, block_size: int,
                      kind: str = "decode", first_row: int = 0) -> None:
-    """Check once per step that every read stays in the cache (the kernel trusts its inputs); ``kind``
-    and ``first_row`` name the request in the error. Raises ValueError."""
+    """Check that every read stays in the cache (the kernel trusts its inputs). Raises ValueError."""
     max_blocks = tables.shape[1]
     if min(lens) < 1 or max(lens) > max_blocks * block_size:
         raise ValueError(f"{kind} seq_lens must be in [1, {max_blocks * block_size}] (block_tables width "
@@ -488,8 +451,7 @@ def _validate_tables(tables: torch.Tensor, lens: list[int], num_blocks: int, blo
 
 
 def _balanced_ranges(lens: list[int], num_parts: int) -> list[tuple[int, int]]:
-    """Requests split into at most ``num_parts`` contiguous non-empty ranges of about equal total
-    context (the kernel's cost is linear in it)."""
+    """Requests in at most ``num_parts`` contiguous non-empty ranges of about equal total context."""
     num_reqs = len(lens)
     num_parts = max(1, min(num_parts, num_reqs))
     cumulative = list(itertools.accumulate(lens))

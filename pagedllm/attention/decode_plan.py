@@ -1,8 +1,5 @@
-"""A decode-only step's call of the C decode kernel (``cpu_paged.c``), prepared once for all layers.
-
-Every layer of such a step passes the same arguments but its KV cache, query, new K/V and output:
-the plan fills ``struct paged_decode_call`` once, and each later layer whose tensors match writes
-five pointers and makes a one-argument call (the same kernel and arguments: bitwise the same)."""
+"""A decode-only step's call of the C decode kernel (``cpu_paged.c``), prepared once for all layers: the
+plan fills ``struct paged_decode_call`` once, and each later matching layer writes five pointers."""
 
 from __future__ import annotations
 
@@ -18,8 +15,7 @@ _p, _i, _ll, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_flo
 
 
 class DecodeCall(ctypes.Structure):
-    """``struct paged_decode_call`` of ``cpu_paged.c``: the arguments of ``paged_decode_<format>``,
-    field for field in order (see :meth:`~pagedllm.attention.cpu_paged.CpuPagedKernel.decode`)."""
+    """``struct paged_decode_call`` of ``cpu_paged.c``: the arguments of ``paged_decode_<format>`` in order."""
 
     _fields_ = [("q", _p), ("k_cache", _p), ("v_cache", _p), ("k_scales", _p), ("v_scales", _p),
                 ("block_tables", _p), ("seq_lens", _p), ("out", _p),
@@ -31,11 +27,9 @@ class DecodeCall(ctypes.Structure):
 
 
 class DecodePlan:
-    """The K/V write and decode of a decode-only step (float32/bfloat16 cache, query and K/V of one
-    such dtype, OpenMP build), planned from the first layer's ``impl`` and tensors (whose shapes,
-    dtypes and strides later layers must match) and the validated ``block_tables`` (D, max_blocks)
-    int32, ``seq_lens`` (D,) int32 and ``slots`` (D,) int64 it keeps alive; valid while ``owner`` is
-    the current forward context."""
+    """The K/V write and decode of a decode-only step, planned from the first layer's ``impl`` and tensors
+    (whose shapes, dtypes and strides later layers must match) and the validated ``block_tables`` (D,
+    max_blocks) int32, ``seq_lens`` (D,) int32 and ``slots`` (D,) int64; valid while ``owner`` is current."""
 
     def __init__(self, owner: ForwardContext, fn, impl: AttentionImpl, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -63,8 +57,7 @@ class DecodePlan:
 
     def matches(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 options: tuple) -> bool:
-        """Whether a layer's call (its impl's ``options``) is this plan's with other tensors of the same
-        shapes, dtypes and strides (the caller checks that :attr:`owner` is still current)."""
+        """Whether a layer's call is this plan's with other tensors of the same shapes, dtypes and strides."""
         dtype = self._dtype
         return (kv_cache.shape == self._cache_shape and kv_cache.dtype is self._cache_dtype and kv_cache.is_cpu
                 and kv_cache.is_contiguous() and query.shape == self._query_shape and query.dtype is dtype
@@ -74,8 +67,8 @@ class DecodePlan:
                 and options == self._options)
 
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Write the layer's K/V rows and return its decode attention, (D, num_heads, head_dim) in
-        query's dtype (tensors as :meth:`matches`). Raises MemoryError when the kernel's scratch fails."""
+        """Write the layer's K/V rows and return its decode attention, (D, num_heads, head_dim) in query's
+        dtype. Raises MemoryError when the kernel's scratch fails."""
         out = torch.empty(self._query_shape, dtype=self._dtype)
         call, cache = self._call, kv_cache.data_ptr()
         call.q, call.k_cache, call.v_cache, call.out = query.data_ptr(), cache, cache + self._v_offset, out.data_ptr()

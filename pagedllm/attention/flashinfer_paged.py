@@ -1,11 +1,6 @@
-"""FlashInfer attention backend (optional: ``pip install pagedllm[flashinfer]``, CUDA only).
-
-FlashInfer (Ye et al., 2025) reads a paged cache through a CSR page table; the engine's
-``(2, num_blocks, block_size, num_kv_heads, head_dim)`` cache is its ``"NHD"`` layout, a block a
-page, so nothing is copied. Per forward pass, KV-cache group and layer options the block tables
-become CSR once and a decode and a prefill wrapper (``causal=True``, bottom-right aligned) are
-planned, shared by the layers with the same options. ``window_left = sliding_window - 1``.
-Float caches only (no int8 with per token-and-head scales); no CUDA graphs (its plan runs on the host)."""
+"""FlashInfer attention backend (optional, CUDA only; Ye et al., 2025). The engine's cache is its ``"NHD"``
+layout, a block a page; per forward pass, KV-cache group and layer options the block tables become CSR
+once and a decode and a prefill wrapper are planned. Float caches only; no CUDA graphs (plans run on the host)."""
 
 from __future__ import annotations
 
@@ -27,13 +22,12 @@ class PagedCSR:
 
     indptr: torch.Tensor  # (n + 1,) pages of request b are indices[indptr[b]:indptr[b+1]]
     indices: torch.Tensor  # (total pages,) physical block ids
-    last_page_len: torch.Tensor  # (n,) tokens in each request's last block, 1..block_size
+    last_page_len: torch.Tensor  # (n,) 1..block_size
 
 
 def block_tables_to_csr(block_tables: torch.Tensor, seq_lens: list[int], block_size: int) -> PagedCSR:
-    """The CSR page table of block tables (n, max_blocks) int32 for ``seq_lens`` (n host ints >= 1),
-    without a device sync: indptr and last_page_len on the host (``plan`` reads them there), indices
-    on the tables' device."""
+    """The CSR page table of block tables (n, max_blocks) int32 for ``seq_lens`` (n host ints >= 1), without
+    a device sync: indptr and last_page_len on the host, indices on the tables' device."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     num_pages = cdiv(lens, block_size)
     indptr = np.zeros(len(lens) + 1, dtype=np.int64)
@@ -55,7 +49,7 @@ class FlashInferPagedAttentionImpl(AttentionImpl):
                 metadata: AttentionMetadata, kv_scales: torch.Tensor | None) -> torch.Tensor:
         out = torch.empty_like(query)
         decode, prefill = self.backend.planned(self, metadata, kv_cache, query.shape[1], query.dtype)
-        caches = (kv_cache[0], kv_cache[1])  # each (num_blocks, block_size, num_kv_heads, head_dim): NHD
+        caches = (kv_cache[0], kv_cache[1])
         nd = metadata.num_decode_tokens
         if nd:
             out[:nd] = decode.run(query[:nd], caches)
@@ -65,8 +59,8 @@ class FlashInferPagedAttentionImpl(AttentionImpl):
 
 
 class FlashInferPagedAttention(AttentionBackend):
-    """FlashInfer's paged wrappers, re-planned for each new forward pass or layer option.
-    Raises ImportError at construction without flashinfer."""
+    """FlashInfer's paged wrappers, re-planned per forward pass or layer option. Raises ImportError without
+    flashinfer."""
 
     impl_cls = FlashInferPagedAttentionImpl
 
@@ -77,12 +71,11 @@ class FlashInferPagedAttention(AttentionBackend):
         self._workspace_bytes = workspace_bytes
         self._workspace: torch.Tensor | None = None
         self._wrappers: list[tuple] = []  # (decode, prefill) pairs, reused from pass to pass
-        self._pass: ForwardContext | None = None  # the forward pass the plans below belong to
+        self._pass: ForwardContext | None = None
         self._plans: dict[tuple, int] = {}  # (id(metadata), layer options) -> index into _wrappers
 
     def planned(self, impl: AttentionImpl, metadata: AttentionMetadata, kv_cache: torch.Tensor, num_heads: int,
                 q_dtype: torch.dtype) -> tuple:
-        """A (decode, prefill) wrapper pair planned for this metadata and ``impl``'s options, once per pass."""
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         owner = _pass_of(metadata)
         if owner is None or owner is not self._pass:
@@ -111,7 +104,7 @@ class FlashInferPagedAttention(AttentionBackend):
         return decode, prefill
 
     def _wrapper_pair(self, index: int, device: torch.device) -> tuple:
-        """The index-th (decode, prefill) wrapper pair (created on first use; all share one workspace)."""
+        """The index-th (decode, prefill) wrapper pair (all share one workspace)."""
         if self._workspace is None or self._workspace.device != device:
             self._workspace = torch.zeros(self._workspace_bytes, dtype=torch.uint8, device=device)
             self._wrappers = []

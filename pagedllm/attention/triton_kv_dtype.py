@@ -1,11 +1,7 @@
-"""float8 and int8 KV codes in the Triton kernels, bit for bit :mod:`pagedllm.quantization.kv_cache`'s.
-
-float8 e4m3fn/e5m2 with vLLM's per-tensor ``k_scale``/``v_scale``, saturating, round to nearest
-even; int8 with one float32 scale per token and KV head (``max|x| / 127``) in
-``kv_scales[2, num_blocks, block_size, num_kv_heads]``. float8 is encoded with integer arithmetic
-on uint8 views (Giesen's float-to-half rounding): Triton's float8 types convert natively only on
-compute capability 8.9+ and the interpreter flushes subnormals. Divisions are ``div_rn``. Reads
-fold the scales into the score columns (K) and the softmax weights (V)."""
+"""float8 and int8 KV codes in the Triton kernels, bit for bit :mod:`pagedllm.quantization.kv_cache`'s:
+float8 e4m3fn/e5m2 (per-tensor scales, saturating, nearest even) encoded with integer arithmetic on uint8
+views (Giesen's float-to-half rounding; native float8 needs compute capability 8.9+); int8 with a float32
+scale per token and KV head in ``kv_scales[2, num_blocks, block_size, num_kv_heads]``."""
 
 from __future__ import annotations
 
@@ -25,20 +21,19 @@ def kv_format(dtype: torch.dtype) -> int:
 
 
 def native_fp8(cache: torch.Tensor) -> bool:
-    """Whether kernels decode ``cache``'s float8 codes with the GPU's conversion instructions
-    (CUDA compute capability 8.9+, not under the interpreter)."""
+    """Whether kernels decode float8 with the GPU's conversion (compute capability 8.9+, no interpreter)."""
     return (cache.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
             and torch.cuda.get_device_capability(cache.device) >= (8, 9))
 
 
 def kernel_view(cache: torch.Tensor) -> torch.Tensor:
-    """The tensor a kernel gets for ``cache``: a uint8 view of a float8 one (codes handled as integers)."""
+    """The tensor a kernel gets for ``cache``: a uint8 view of a float8 one."""
     return cache.view(torch.uint8) if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else cache
 
 
 def check_kv_scales(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
-    """An int8 cache needs its (2, num_blocks, block_size, num_kv_heads) float32 contiguous scales,
-    and only an int8 cache has scales. Raises ValueError naming ``kv_scales``."""
+    """Raises ValueError naming ``kv_scales`` unless an int8 cache has its (2, num_blocks, block_size,
+    num_kv_heads) float32 contiguous scales and no other cache has any."""
     if (kv_cache.dtype == torch.int8) != (kv_scales is not None):
         raise ValueError("an int8 KV cache needs kv_scales (and only an int8 one has them)")
     if kv_scales is not None and (kv_scales.dtype != torch.float32 or not kv_scales.is_contiguous()
@@ -49,8 +44,7 @@ def check_kv_scales(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> N
 
 @triton.jit
 def encode_fp8(x, KV_FORMAT: tl.constexpr):
-    """float32 values -> uint8 float8 codes (e4m3fn for KV_FORMAT 1, e5m2 for 2), round to nearest
-    even, saturating. Same shape as ``x``."""
+    """float32 values -> uint8 float8 codes (e4m3fn for KV_FORMAT 1, e5m2 for 2), nearest even, saturating."""
     # per format: mantissa shift 23 - M, exponent rebias (127 - B) << M, the largest finite value,
     # the smallest normal 2^(1 - B), and the subnormal magic 2^(24 - B - M) (float32 bits too)
     if KV_FORMAT == 1:  # e4m3fn: M = 3, B = 7
@@ -85,8 +79,8 @@ def decode_fp8(code, KV_FORMAT: tl.constexpr):
 
 @triton.jit
 def quantize_int8_rows(x):
-    """x (H, D) float32 -> (int8 codes (H, D), scales (H,) float32): ``scale = max|x| / 127`` per
-    row (1 for an all-zero row), codes ``round(x / scale)`` to nearest even."""
+    """x (H, D) float32 -> (int8 codes (H, D), scales (H,) float32): ``scale = max|x| / 127`` per row (1 for
+    an all-zero row), codes ``round(x / scale)`` to nearest even."""
     scales = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
     scales = tl.where(scales > 0, scales, 1.0)
     y = tl.math.div_rn(x, scales[:, None])
@@ -98,8 +92,7 @@ def quantize_int8_rows(x):
 
 @triton.jit
 def kv_codes(raw, dtype, KV_FORMAT: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    """Cached K or V codes as ``dtype`` values, still to be multiplied by their scales: float
-    caches as they are, int8 codes as integers (exact in bfloat16 too), float8 codes decoded."""
+    """Cached K or V codes as ``dtype`` values, still to be multiplied by their scales."""
     if KV_FORMAT == 0 or KV_FORMAT == 3:
         return raw.to(dtype)
     elif NATIVE_FP8:

@@ -1,6 +1,5 @@
-"""The KV write (vLLM's ``reshape_and_cache``) as one Triton launch: one program per token writes
-its keys and values (strided views of the fused QKV are fine) to its slot, cast or quantized
-(:mod:`~pagedllm.attention.triton_kv_dtype`). A negative slot (CUDA-graph padding) writes nothing."""
+"""The KV write (vLLM's ``reshape_and_cache``) as one Triton launch, one program per token, cast or
+quantized. A negative slot (CUDA-graph padding) writes nothing."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ def _kv_write_kernel(
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     KV_FORMAT: tl.constexpr,
 ):
-    """Program t: key[t], value[t] (NUM_KV_HEADS, HEAD_DIM) -> cache slot slot_mapping[t] (and an
-    int8 cache's scales at [slot, head])."""
+    """Program t: key[t], value[t] (NUM_KV_HEADS, HEAD_DIM) -> slot slot_mapping[t] (int8 scales at [slot, head])."""
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot < 0:
@@ -55,9 +53,8 @@ def _kv_write_kernel(
 def write_kv_cache_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None,
                           k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """key, value (T, num_kv_heads, head_dim), last dim contiguous, into ``kv_cache`` (contiguous, any
-    KV dtype) at ``slot_mapping`` (T,) (negative: skipped), int8 scales into ``kv_scales``, fp8 codes
-    ``value / k_scale``. Raises ValueError for mismatched shapes, a strided last dim, or ``kv_scales``
+    """key, value (T, num_kv_heads, head_dim), last dim contiguous, into ``kv_cache`` at ``slot_mapping`` (T,),
+    fp8 codes ``value / k_scale``. Raises ValueError for mismatched shapes, a strided last dim, or ``kv_scales``
     on the wrong cache."""
     num_tokens = key.shape[0]
     if key.shape != value.shape or tuple(key.shape[1:]) != tuple(kv_cache.shape[3:]):

@@ -1,9 +1,6 @@
-"""The Triton attention backend: the CUDA default (also runs on CPU under ``TRITON_INTERPRET=1``).
-
-Per layer and step: the KV write (:mod:`~pagedllm.attention.triton_kv_write`), then the unified
-varlen kernel for the whole mixed batch (:mod:`~pagedllm.attention.triton_unified`), or, for a
-small decode-only batch with long contexts, split-KV decoding (:mod:`~pagedllm.attention.triton_split_kv`).
-Every choice reads host-side sizes only, so a step is sync-free and CUDA-graph capturable."""
+"""The Triton attention backend (the CUDA default; on CPU under ``TRITON_INTERPRET=1``): the KV write,
+then the unified varlen kernel, or split-KV decoding for a small decode-only batch with long contexts.
+Every choice reads host-side sizes only, so a step is CUDA-graph capturable."""
 
 from __future__ import annotations
 
@@ -16,8 +13,7 @@ from pagedllm.attention.triton_unified import unified_attention
 
 
 class TritonPagedAttentionImpl(AttentionImpl):
-    """One layer on :class:`TritonPagedAttention`; any ``kv_cache_dtype`` (fp8 per-tensor codes,
-    int8 with ``kv_scales``, ValueError without them)."""
+    """One layer on :class:`TritonPagedAttention`; any ``kv_cache_dtype`` (int8 needs ``kv_scales``: ValueError)."""
 
     backend: TritonPagedAttention
 
@@ -44,12 +40,8 @@ class TritonPagedAttentionImpl(AttentionImpl):
 
 
 class TritonPagedAttention(AttentionBackend):
-    """Paged attention as Triton kernels.
-
-    Args:
-        split_kv_max_programs: split-KV for a decode-only batch when requests x KV heads is below
-            this (about a large GPU's SM count);
-        split_kv_min_seq_len: ... and its longest context has at least this many tokens."""
+    """Paged attention as Triton kernels; split-KV for a decode-only batch when requests x KV heads is below
+    ``split_kv_max_programs`` and its longest context has at least ``split_kv_min_seq_len`` tokens."""
 
     impl_cls = TritonPagedAttentionImpl
     supports_cuda_graphs = True

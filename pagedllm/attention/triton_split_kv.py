@@ -1,9 +1,6 @@
-"""Split-KV (flash-decoding; Dao, Haziza, Massa, Sizov, 2023) paged decode: partials + a reduction.
-
-Each request's keys split into ``num_splits`` ranges run in parallel, each writing its acc_s, m_s,
-l_s; the reduction is exact: ``M = max_s m_s``, ``out = Σ exp(m_s − M) acc_s / Σ exp(m_s − M) l_s``.
-Ranges are computed in the kernel from ``seq_len``, so the launch shape depends only on the batch
-size (CUDA graphs); an empty split writes m = -inf, l = 0. One query token per request."""
+"""Split-KV paged decode (flash-decoding; Dao, Haziza, Massa, Sizov, 2023): ``num_splits`` key ranges per
+request write partials, reduced exactly as ``out = Σ exp(m_s − M) acc_s / Σ exp(m_s − M) l_s``. The launch
+shape depends only on the batch size (CUDA graphs). One query token per request."""
 
 from __future__ import annotations
 
@@ -32,7 +29,7 @@ def _split_kv_partial_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    row = tl.load(query_start_loc_ptr + seq).to(tl.int64)  # the request's one query token
+    row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
 
     m = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
@@ -41,7 +38,7 @@ def _split_kv_partial_kernel(
     heads = kv_head * GROUP + m
     q_pos = tl.zeros((BLOCK_M,), dtype=tl.int32) + seq_len - 1
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -94,8 +91,8 @@ def _split_kv_reduce_kernel(
 
 def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, block_size: int,
                       target_programs: int = 256, max_splits: int = 32) -> int:
-    """Splits per request so that decodes × KV heads × splits reaches about ``target_programs``
-    (a few waves of a large GPU's SMs), a power of two, at most one per key tile of the longest context."""
+    """Splits per request so that decodes × KV heads × splits reaches about ``target_programs``, a power of
+    two, at most one per key tile of the longest context."""
     tiles = -(-max_seq_len // key_tile(block_size))
     want = -(-target_programs // max(1, num_decodes * num_kv_heads))
     return max(1, min(triton.next_power_of_2(want), max_splits, triton.next_power_of_2(tiles)))
@@ -106,11 +103,9 @@ def split_kv_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     query_start_loc: torch.Tensor, num_splits: int, scale: float,
                     sliding_window: int | None = None, logit_soft_cap: float | None = None,
                     kv_scales: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Decode attention with the keys split ``num_splits`` ways into ``out``'s rows of the B requests.
-
-    Arguments as :func:`~pagedllm.attention.triton_unified.unified_attention` (request b's query row is
-    ``query_start_loc[b]``); scratch: B x num_heads x num_splits x (head_dim + 2) float32.
-    Raises ValueError for a bad head grouping, ``num_splits < 1``, a bad option or ``kv_scales``."""
+    """Decode attention with the keys split ``num_splits`` ways, arguments as
+    :func:`~pagedllm.attention.triton_unified.unified_attention`; scratch B x num_heads x num_splits x
+    (head_dim + 2) float32. Raises ValueError for a bad head grouping, ``num_splits < 1``, option or ``kv_scales``."""
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if num_splits < 1:

@@ -1,12 +1,7 @@
-"""Unified varlen paged attention with query tiles: one Triton launch for a whole ragged batch.
-
-FlashAttention-2's tiling and online softmax (Dao, 2023, Algorithm 1) over a paged cache, in the
-layout of vLLM's ``kernel_unified_attention_2d``: a program owns ``BLOCK_Q`` query tokens of one
-request x one KV head (``BLOCK_M = BLOCK_Q x group`` rows, GQA), walks that request's keys in
-``TILE_N`` tiles through the block table, and keeps m, l, acc in float32. The grid
-``(num_tokens // BLOCK_Q + num_reqs, num_kv_heads)`` depends only on host sizes (CUDA graphs);
-a program finds its request by binary search over ``query_start_loc``. fp8/int8 tiles are
-dequantized as they load (:mod:`~pagedllm.attention.triton_kv_dtype`)."""
+"""Unified varlen paged attention: one Triton launch for a whole ragged batch. FlashAttention-2's tiling and
+online softmax (Dao, 2023) in the layout of vLLM's ``kernel_unified_attention_2d``: a program owns
+``BLOCK_Q`` query tokens of one request x one KV head, walks its keys in ``TILE_N`` tiles through the block
+table, m, l, acc in float32. The grid depends only on host sizes (CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -49,19 +44,16 @@ def attend_key_tile(q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_le
                     TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, KV_FORMAT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                     NATIVE_FP8: tl.constexpr):
-    """One online-softmax step of request ``seq`` over key tile j: q (BLOCK_M, BLOCK_D) at positions
-    q_pos; m_i, l_i (BLOCK_M,), acc (BLOCK_M, BLOCK_D) float32 -> updated (m_i, l_i, acc). Keys before
-    ``first_key`` are never read (stale table entries). A quantized cache's scales multiply the
-    score columns (K) and the softmax weights (V)."""
+    """One online-softmax step of request ``seq`` over key tile j: q (BLOCK_M, BLOCK_D); m_i, l_i (BLOCK_M,),
+    acc (BLOCK_M, BLOCK_D) float32 -> updated (m_i, l_i, acc). Keys before ``first_key`` are never read."""
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    key_pos = j * TILE_N + tl.arange(0, TILE_N)  # (TILE_N,) positions of this tile's keys
+    key_pos = j * TILE_N + tl.arange(0, TILE_N)
     key_mask = (key_pos < seq_len) & (key_pos >= first_key)
-    # each key's physical block (a tile may span several blocks, or part of one)
     blocks = tl.load(block_tables_ptr + seq * stride_bt + key_pos // BLOCK_SIZE, mask=key_mask,
                      other=0).to(tl.int64)
     kv_offs = blocks * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-    # keys past seq_len are masked on load too: their slots may hold anything (0 x NaN is NaN)
+    # keys past seq_len are masked on load too: their slots may hold NaN (0 x NaN is NaN)
     k = tl.load(k_cache_ptr + kv_offs[None, :] + d[:, None],
                 mask=key_mask[None, :] & d_mask[:, None], other=0)  # (BLOCK_D, TILE_N)
     v = tl.load(v_cache_ptr + kv_offs[:, None] + d[None, :],
@@ -69,10 +61,10 @@ def attend_key_tile(q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_le
     k = kv_codes(k, q.dtype, KV_FORMAT, NATIVE_FP8)
     v = kv_codes(v, q.dtype, KV_FORMAT, NATIVE_FP8)
     scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # (BLOCK_M, TILE_N) float32
-    if KV_FORMAT == 3:  # int8: q . (s k) = s (q . k), each key's own scale s
+    if KV_FORMAT == 3:
         scale_offs = (blocks * BLOCK_SIZE + key_pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
         scores = scores * tl.load(k_scales_ptr + scale_offs, mask=key_mask, other=0.0)[None, :]
-        v_scales = tl.load(v_scales_ptr + scale_offs, mask=key_mask, other=0.0)  # (TILE_N,)
+        v_scales = tl.load(v_scales_ptr + scale_offs, mask=key_mask, other=0.0)
     elif KV_FORMAT != 0:
         scores = scores * k_scale
     if USE_SOFTCAP:
@@ -87,7 +79,7 @@ def attend_key_tile(q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_le
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(scores - m_safe[:, None])  # (BLOCK_M, TILE_N)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if KV_FORMAT == 3:  # p (s v) = (p s) v: each value's scale on its weight, after the normalizer
+    if KV_FORMAT == 3:
         p = p * v_scales[None, :]
     elif KV_FORMAT != 0:
         p = p * v_scale
@@ -103,10 +95,9 @@ def attend_key_tiles(q, q_pos, row_mask, lo, hi, first_key, seq, seq_len, kv_hea
                      TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, KV_FORMAT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                      NATIVE_FP8: tl.constexpr):
-    """:func:`attend_key_tile` over key tiles ``[lo, hi)`` from an empty state: (m_i, l_i, acc) float32."""
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # running row max of the scores
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # running softmax denominator
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # running unnormalized output
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for j in range(lo, hi):
         m_i, l_i, acc = attend_key_tile(
             q, q_pos, row_mask, m_i, l_i, acc, j, first_key, seq, seq_len, kv_head, k_cache_ptr,
@@ -135,21 +126,21 @@ def _unified_attention_kernel(
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     tile_in_seq = tile - (q_start // BLOCK_Q + seq)
     if tile_in_seq * BLOCK_Q >= query_len:
-        return  # a spare program of the upper-bound grid
+        return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - query_len
 
     m = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    q_idx = tile_in_seq * BLOCK_Q + m // GROUP  # query token within the request, per row
+    q_idx = tile_in_seq * BLOCK_Q + m // GROUP
     heads = kv_head * GROUP + m % GROUP
     row_mask = (m // GROUP < BLOCK_Q) & (q_idx < query_len)
     q_pos = context_len + q_idx  # (BLOCK_M,) position of each row's token in its request
     rows = (q_start + q_idx).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
-    if UPCAST:  # K/V follow q's dtype in attend_key_tile
+    if UPCAST:
         q = q.to(tl.float32)
 
     last_pos = context_len + tl.minimum((tile_in_seq + 1) * BLOCK_Q, query_len) - 1  # the tile's last query
@@ -170,8 +161,7 @@ def _unified_attention_kernel(
 
 
 def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_Q): rows per program (>= 16, the smallest ``tl.dot``) and query tokens per tile:
-    one token per tile for decode-only batches, 64-row tiles with prefills."""
+    """(BLOCK_M, BLOCK_Q): rows per program (>= 16) and query tokens per tile: one for decode-only batches."""
     rows = max(16, triton.next_power_of_2(group))
     if max_query_len > 1:
         rows = max(64, rows)
@@ -179,19 +169,17 @@ def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
 
 
 def key_tile(block_size: int) -> int:
-    """Keys per inner-loop step: 32 whatever the block size (vLLM's unified kernel uses the same) —
-    a tile may cover several small blocks or part of a large one; each key finds its block."""
+    """Keys per inner-loop step (vLLM's unified kernel uses 32 too); each key finds its block."""
     return 32
 
 
 def upcast_for_interpreter(dtype: torch.dtype) -> bool:
-    """Whether to run ``tl.dot`` in float32: only for bfloat16 under ``TRITON_INTERPRET=1``,
-    whose numpy ``tl.dot`` reads bfloat16 bits as integers (float16 and the GPU are fine)."""
+    """``tl.dot`` in float32 only for bfloat16 under ``TRITON_INTERPRET=1`` (numpy reads bfloat16 as integers)."""
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """float32 inputs multiply in full precision (``ieee``), not TF32: the reference tolerance is 1e-4."""
+    """float32 inputs multiply in full precision (``ieee``), not TF32."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
@@ -200,14 +188,10 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
                       query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                       sliding_window: int | None = None, logit_soft_cap: float | None = None,
                       kv_scales: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Causal paged attention of a flat ragged batch into ``out`` (one launch).
-
-    query, out (T, num_heads, head_dim), last dim contiguous; key_cache, value_cache (num_blocks,
-    block_size, num_kv_heads, head_dim) already holding this step's tokens; block_tables (B, max_blocks)
-    int32, seq_lens (B,) int32, query_start_loc (B + 1,) int32; max_query_len a host int;
-    kv_scales an int8 cache's (2, num_blocks, block_size, num_kv_heads) float32; k_scale, v_scale
-    fp8's per-tensor scales. Raises ValueError for a bad head grouping, a non-positive window or
-    cap, or ``kv_scales`` that do not fit."""
+    """Causal paged attention of a flat ragged batch into ``out`` (one launch): query, out (T, num_heads,
+    head_dim), last dim contiguous; caches (num_blocks, block_size, num_kv_heads, head_dim) already holding
+    this step's tokens; kv_scales: an int8 cache's (2, num_blocks, block_size, num_kv_heads) float32.
+    Raises ValueError for a bad head grouping, a non-positive window or cap, or ``kv_scales`` that do not fit."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group, k_scales, v_scales = checked_launch(query, key_cache, sliding_window, logit_soft_cap, kv_scales)
@@ -232,8 +216,7 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
 def checked_launch(query: torch.Tensor, key_cache: torch.Tensor, sliding_window: int | None,
                    logit_soft_cap: float | None, kv_scales: torch.Tensor | None
                    ) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(query heads per KV head, key scales, value scales) of a launch. Raises ValueError for a bad
-    head grouping, a non-positive window or cap, or ``kv_scales`` that do not fit."""
+    """(query heads per KV head, key scales, value scales) of a launch; raises as :func:`unified_attention`."""
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -242,8 +225,8 @@ def checked_launch(query: torch.Tensor, key_cache: torch.Tensor, sliding_window:
 
 
 def scale_pointers(key_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's key and value scale tensors (``kv_scales[0]``, ``[1]``; the key cache as a never-read
-    placeholder otherwise). Raises ValueError when ``kv_scales`` does not fit."""
+    """The kernel's key and value scale tensors (the key cache as a never-read placeholder
+    otherwise). Raises ValueError when ``kv_scales`` does not fit."""
     check_kv_scales(key_cache.unsqueeze(0).expand(2, *key_cache.shape), kv_scales)
     if kv_scales is None:
         return key_cache, key_cache

@@ -1,2 +1,1 @@
-"""Opt-in torch.compile of the model around the paged-attention op (vLLM's ``compilation_config``,
-parsed torch-free by :class:`pagedllm.config.CompilationConfig`)."""
+"""Opt-in torch.compile of the model around the paged-attention op (vLLM's ``compilation_config``)."""

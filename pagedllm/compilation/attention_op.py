@@ -1,7 +1,6 @@
-"""The paged attention as one opaque op of the compiled graph, ``torch.ops.pagedllm.paged_attention``
-(vLLM's ``unified_attention``): ``(query, key, value, layer_name) -> out`` runs the named layer's
-eager path. The KV-cache write is a side effect the graph does not see; nothing in it reads a
-cache and each op depends on the previous layer's output, so the calls keep their order."""
+"""The paged attention as one opaque op of the compiled graph, ``torch.ops.pagedllm.paged_attention`` (vLLM's
+``unified_attention``). The KV-cache write is a side effect the graph does not see; each op depends on the
+previous layer's output, so the calls keep their order."""
 
 from __future__ import annotations
 
@@ -29,8 +28,8 @@ def _paged_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 
 def register_attention_layers(model: nn.Module) -> list[str]:
-    """Give every :class:`Attention` of ``model`` a process-unique name and route its
-    forward through the op while torch.compile traces it; returns the names in layer order."""
+    """Give every :class:`Attention` of ``model`` a process-unique name routed through the op while
+    torch.compile traces; returns the names in layer order."""
     names = []
     for i, layer in enumerate(m for m in model.modules() if isinstance(m, Attention)):
         name = f"{id(model):x}.{i}"

@@ -1,10 +1,6 @@
-"""The model's forward compiled once at start-up with torch.compile (inductor), never per step.
-
-``model.forward(input_ids, positions)`` is one graph, each layer's paged attention an opaque op
-(:mod:`~pagedllm.compilation.attention_op`); inductor fuses the element-wise work and, with
-``freezing``, folds and prepacks the weights. Fused float32 rounds differently from eager: opt-in.
-After :meth:`CompiledModel.warm_up` every call runs under ``fail_on_recompile``: a step no graph
-fits runs eagerly. ``compute_logits`` and sampling stay eager."""
+"""The model's forward compiled once at start-up with torch.compile (inductor), each layer's paged attention
+an opaque op (:mod:`~pagedllm.compilation.attention_op`). Fused float32 rounds differently from eager: opt-in.
+After :meth:`CompiledModel.warm_up` a step no graph fits runs eagerly; ``compute_logits`` and sampling stay eager."""
 
 from __future__ import annotations
 
@@ -23,12 +19,11 @@ logger = logging.getLogger("pagedllm")
 
 # dynamic: T == 1 specialises; other T traced at 64, the batch hint freezing prepacks the weights for
 _DYNAMIC_WARMUP_SIZES = (1, 64)
-_LM_HEAD_BATCH_HINT = 64  # pack_linears_for_cpu's default
+_LM_HEAD_BATCH_HINT = 64
 
 
 class CompiledModel:
-    """``model.forward`` compiled (``config.mode`` 3), the eager model as fallback; the linears but the
-    lm_head are unpacked (freezing packs its own copy). Raises ValueError naming
+    """``model.forward`` compiled (``config.mode`` 3), the eager model as fallback. Raises ValueError naming
     ``compilation_config.inductor_compile_config`` for an option inductor does not know."""
 
     def __init__(self, model: nn.Module, config: CompilationConfig) -> None:
@@ -50,20 +45,17 @@ class CompiledModel:
 
     @property
     def warmup_sizes(self) -> tuple[int, ...]:
-        """Token counts :meth:`warm_up` compiles."""
         if self.config.dynamic:
             return tuple(sorted(set(_DYNAMIC_WARMUP_SIZES) | set(self.config.compile_sizes)))
         return self.config.compile_sizes
 
     def runs_compiled(self, num_tokens: int) -> bool:
-        """Whether a step of ``num_tokens`` tokens runs the compiled graph (else eagerly)."""
         return self.config.dynamic or num_tokens in self.config.compile_sizes
 
     def warm_up(self, make_metadata: Callable[[int], Sequence[AttentionMetadata]], device: torch.device) -> float:
-        """Compile every graph now, one forward per :attr:`warmup_sizes` with ``make_metadata(num_tokens)``
-        (per KV-cache group, a valid batch on the bound caches) as the step's metadata. Returns the seconds."""
+        """Compile every graph now, one forward per :attr:`warmup_sizes`; returns the seconds."""
         t0 = time.perf_counter()
-        # one graph per size with dynamic=False: more than dynamo's default limit of 8 may be asked for
+        # one graph per size with dynamic=False: more than dynamo's default limit of 8
         limit = max(torch._dynamo.config.recompile_limit, len(self.warmup_sizes) + 1)
         for num_tokens in self.warmup_sizes:
             # inference tensors, as the runner's step inputs are: guards check the dispatch keys
@@ -80,10 +72,9 @@ class CompiledModel:
         return self.compile_seconds
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Same contract as ``model.forward`` (inside the step's ``set_forward_context``)."""
         if not self.runs_compiled(input_ids.shape[0]):
             return self.model(input_ids, positions)
-        if not self.is_warm:  # never compile lazily in the middle of serving
+        if not self.is_warm:
             self.num_eager_fallbacks += 1
             return self.model(input_ids, positions)
         try:
@@ -100,8 +91,7 @@ class CompiledModel:
 
 
 def _unpack_compiled_linears(model: nn.Module) -> None:
-    """Plain weights for the linears the graph traces (a oneDNN-packed weight is opaque to it); the
-    lm_head stays packed (``compute_logits`` is eager)."""
+    """Plain weights for the linears the graph traces (a oneDNN-packed weight is opaque to it); not lm_head."""
     if not hasattr(model, "unpack_linears"):
         return
     head = getattr(model, "lm_head", None)
@@ -144,7 +134,6 @@ def _patch_inductor_linear_bias_check() -> None:
 
 
 class _NoMetaNode:
-    """A transposed-weight node whose ``args[0].meta`` has no ``val``: "not a bias add"."""
 
     class _Arg:
         meta: dict = {}

@@ -1,12 +1,5 @@
-"""Collectives over the tensor-parallel group; with one rank each returns its input.
-
-Megatron-LM's pattern (Shoeybi et al., 2019): a row-parallel projection ends with
-:func:`all_reduce` (sum of partial products), the vocabulary-parallel embedding with
-:func:`all_reduce` (each token's row lives on one rank), the vocabulary-parallel LM head
-with :func:`all_gather` of the logits of the rows being sampled.
-
-Every collective on more than one rank is counted in :data:`COLLECTIVE_STATS` (calls, payload
-bytes, seconds inside the call, waiting for slower ranks included).
+"""Collectives over the tensor-parallel group (Megatron-LM, Shoeybi et al., 2019); with one rank each
+returns its input. Every collective on more than one rank is counted in :data:`COLLECTIVE_STATS`.
 """
 
 from __future__ import annotations
@@ -43,7 +36,6 @@ def collective_stats() -> dict[str, dict]:
 
 
 def reset_collective_stats() -> None:
-    """Zero this rank's counters."""
     for name in COLLECTIVE_STATS:
         COLLECTIVE_STATS[name] = CollectiveStats()
 
@@ -67,10 +59,7 @@ def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Concatenate every rank's ``x`` (same shape on each) along ``dim``, in rank order.
-
-    x: (..., n, ...) -> (..., world_size * n, ...) along ``dim``.
-    """
+    """Concatenate every rank's ``x`` along ``dim`` in rank order: (..., n, ...) -> (..., world_size * n, ...)."""
     size = get_tensor_parallel_size()
     if size == 1:
         return x

@@ -1,6 +1,4 @@
-"""This process's tensor-parallel group (the engine process is rank 0). Unsharded (before
-:func:`init_tensor_parallel`, or with one rank) the rank is 0 and the size 1, so model code reads
-the same functions either way."""
+"""This process's tensor-parallel group (the engine process is rank 0); unsharded, rank 0 of size 1."""
 
 from __future__ import annotations
 
@@ -37,9 +35,8 @@ def get_tensor_parallel_backend() -> str:
 
 
 def heads_per_rank(num_heads: int, num_kv_heads: int, tensor_parallel_size: int | None = None) -> tuple[int, int]:
-    """(attention heads, KV heads) per rank with ``tensor_parallel_size`` ranks (default: this group's);
-    KV heads are replicated when fewer than the ranks. Raises ValueError naming ``tensor_parallel_size``
-    when it does not divide the heads, or neither divides nor is a multiple of the KV heads."""
+    """(attention heads, KV heads) per rank, KV heads replicated when fewer than the ranks. Raises ValueError
+    naming ``tensor_parallel_size`` when it does not divide the heads, nor divides or is a multiple of the KV heads."""
     tp = get_tensor_parallel_size() if tensor_parallel_size is None else tensor_parallel_size
     if num_heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide the model's {num_heads} attention heads")
@@ -50,7 +47,7 @@ def heads_per_rank(num_heads: int, num_kv_heads: int, tensor_parallel_size: int 
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A free TCP port on ``host``'s interface (``""``: every interface) for the group's rendezvous."""
+    """A free TCP port on ``host``'s interface (``""``: every interface)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -58,10 +55,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str,
                          timeout_s: float = 300.0) -> None:
-    """Join the group (blocks until all ``world_size`` ranks have) at ``init_method``
-    (``tcp://host:port``) over ``gloo`` (CPU) or ``nccl`` (CUDA); a collective waiting longer than
-    ``timeout_s`` raises instead of hanging. Raises ValueError for a rank outside the group,
-    RuntimeError when this process is already in one."""
+    """Join the group at ``init_method`` (``tcp://host:port``) over ``gloo`` or ``nccl``; a collective waiting
+    longer than ``timeout_s`` raises. Raises ValueError for a rank outside the group, RuntimeError when
+    this process is already in one."""
     global _STATE
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")

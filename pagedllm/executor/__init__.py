@@ -1,8 +1,5 @@
-"""Executors: who runs the model runner, on how many ranks (:mod:`.abstract` is the interface).
-
-:func:`make_executor` picks one: :mod:`.uniproc_executor` (one rank, in the engine process),
-:mod:`.multiproc_executor` (``mp``: worker processes on this machine) or :mod:`.ray_executor`
-(``ray``: Ray actors, ranks across machines; an optional extra).
+"""Executors: who runs the model runner, on how many ranks (:mod:`.abstract` is the interface); ``uniproc``,
+``mp`` (worker processes on this machine) or ``ray`` (ranks across machines).
 """
 
 from __future__ import annotations

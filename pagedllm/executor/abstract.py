@@ -1,10 +1,6 @@
-"""The executor interface: who runs the model runner, on how many ranks.
-
-Every executor answers the same calls; the engine uses the *driver*'s (rank 0's) results.
-With several ranks every call runs on all of them in lock step (the model's collectives need
-every rank), and a failure on any rank is fatal, as in vLLM: every later call raises
-:class:`~pagedllm.errors.TensorParallelWorkerError` naming the rank and the cause.
-"""
+"""The executor interface: who runs the model runner, on how many ranks. With several ranks every call
+runs on all in lock step and a failure on any rank is fatal (vLLM's rule): every later call raises
+:class:`~pagedllm.errors.TensorParallelWorkerError` naming the rank and the cause."""
 
 from __future__ import annotations
 
@@ -38,8 +34,7 @@ class Executor:
         raise NotImplementedError
 
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list:
-        """``runner.method(*args, **kwargs)`` (or ``method(runner, ...)`` for a callable) on every
-        rank; the results in rank order."""
+        """``runner.method(*args, **kwargs)`` (or ``method(runner, ...)``) on every rank, results in rank order."""
         raise NotImplementedError
 
     def reset_state(self) -> None:
@@ -51,23 +46,19 @@ class Executor:
 
 
 class DistributedExecutor(Executor):
-    """Rank 0 (the driver) in this process plus workers elsewhere; subclasses move the calls.
-
-    A subclass sets ``world_size``, ``timeout_s`` and ``driver`` and implements
-    :meth:`_send` (the call to every worker) and :meth:`_gather` (every worker's reply).
-    """
+    """Rank 0 (the driver) in this process plus workers elsewhere; a subclass sets ``world_size``,
+    ``timeout_s`` and ``driver`` and implements :meth:`_send` and :meth:`_gather`."""
 
     world_size: int
     timeout_s: float
     driver: Any
     _error: str | None = None
 
-    # -------------------------------------------------------------- calls on every rank
     def initialize_kv_cache(self):
         return self._run_everywhere("initialize_kv_cache")
 
     def initialize_kv_offload(self):
-        return self._run_everywhere("initialize_kv_offload")  # each rank its own host tier / swap of its shard
+        return self._run_everywhere("initialize_kv_offload")
 
     def initialize_swap_space(self):
         return self._run_everywhere("initialize_swap_space")
@@ -75,18 +66,16 @@ class DistributedExecutor(Executor):
     def execute_model(self, scheduler_output, grammar_bitmask=None):
         if grammar_bitmask is None:
             return self._run_everywhere("execute_model", (scheduler_output,))
-        return self._run_everywhere("execute_model", (scheduler_output, grammar_bitmask))  # every rank masks alike
+        return self._run_everywhere("execute_model", (scheduler_output, grammar_bitmask))
 
     def reset_state(self) -> None:
         self._run_everywhere("reset_state")
 
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list:
-        """As :meth:`Executor.collective_rpc`; a callable must pickle by reference for ``mp``."""
         return self._run_everywhere(method, args, kwargs, return_results=True)
 
     def _run_everywhere(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
                         return_results: bool = False):
-        """Send the call to every worker, run it on the driver, wait for every worker's reply."""
         if self._error is not None:
             raise TensorParallelWorkerError(self._error)
         self._send(method, args, kwargs, return_results)
@@ -107,8 +96,7 @@ class DistributedExecutor(Executor):
         return results
 
     def _driver_failed(self, method, error: Exception) -> None:
-        """Rank 0 raised: leave the group (the workers' collectives fail now) and raise with the
-        causes first, then the symptoms (collectives that lost their peer)."""
+        """Rank 0 raised: leave the group and raise with the causes first, then the symptoms."""
         from pagedllm.distributed.parallel_state import destroy_tensor_parallel
 
         destroy_tensor_parallel()
@@ -118,7 +106,7 @@ class DistributedExecutor(Executor):
         self._fail("; ".join(sorted(reports, key=is_lost_peer)), error)
 
     def _start_failed(self, error: BaseException) -> None:
-        """Rank 0 failed while the ranks started: raise with the workers' errors first (they usually explain it)."""
+        """Rank 0 failed while the ranks started: raise with the workers' errors first."""
         from pagedllm.distributed.parallel_state import destroy_tensor_parallel
 
         destroy_tensor_parallel()
@@ -142,13 +130,11 @@ class DistributedExecutor(Executor):
             self._error = "the engine has been shut down"
         destroy_tensor_parallel()
 
-    # -------------------------------------------------------------- the transport
     def _send(self, method, args: tuple, kwargs: dict | None, return_result: bool) -> None:
         raise NotImplementedError
 
     def _gather(self, timeout_s: float | None = None) -> list[tuple[int, bool, Any]]:
-        """(rank, True, result) or (rank, False, what went wrong) for every worker, waiting at
-        most ``timeout_s`` (default ``worker_timeout_s``) for each."""
+        """(rank, True, result) or (rank, False, what went wrong) for every worker, at most ``timeout_s`` each."""
         raise NotImplementedError
 
     def _stop_workers(self) -> None:

@@ -1,10 +1,6 @@
 """The Ray executor (``distributed_executor_backend="ray"``): ranks 1..N-1 as Ray actors in a placement
-group, so a tensor-parallel group can span the machines of a Ray cluster (as vLLM's): one bundle per
-rank, bundle 0 pinned to this node (rank 0 is the engine process), strategy ``PACK``; the rendezvous
-is ``tcp://<this node's IP>:<free port>``. Replies are awaited with ``ray.wait`` bounded by
-``worker_timeout_s``; an actor that dies fails the engine naming its rank and node. The cluster is
-the user's (``ray.init()`` joins it, or a placement group it is already in is used; docs/parallelism.md, "Across
-machines with Ray").
+group (one bundle per rank, bundle 0 pinned to this node, strategy ``PACK``), so a tensor-parallel group
+can span a Ray cluster as vLLM's does. The cluster is the user's (docs/parallelism.md, "Across machines with Ray").
 """
 
 from __future__ import annotations
@@ -37,17 +33,12 @@ def import_ray():
 
 
 class RayExecutor(DistributedExecutor):
-    """Rank 0 in this process plus ``tensor_parallel_size - 1`` Ray actors.
+    """Rank 0 in this process plus ``tensor_parallel_size - 1`` Ray actors; ``worker_timeout_s`` bounds
+    placing the group, every wait on an actor and every collective. Actors load the model from
+    ``config.model``, a path every node must have.
 
-    Args:
-        config: the resolved EngineConfig; ``worker_timeout_s`` bounds placing the group,
-            every wait on an actor and every collective.
-        model_files: the driver's model files (actors load their own from ``config.model``,
-            a path every node must have).
-
-    Raises TensorParallelWorkerError when the cluster cannot place the ranks within
-    ``worker_timeout_s`` (naming the resources asked and available), an actor fails to
-    start (its traceback in the message) or dies; ValueError without Ray.
+    Raises TensorParallelWorkerError when the cluster cannot place the ranks in time (naming the resources
+    asked and available), an actor fails to start or dies; ValueError without Ray.
     """
 
     def __init__(self, config: EngineConfig, model_files) -> None:
@@ -77,7 +68,7 @@ class RayExecutor(DistributedExecutor):
         self._own_group = get_current_placement_group() is None
         if self._own_group:
             bundles = [{resource: 1.0} for _ in range(self.world_size)]
-            bundles[0][f"node:{ip}"] = 0.001  # rank 0 runs here, in the engine process
+            bundles[0][f"node:{ip}"] = 0.001
             self.placement_group = placement_group(bundles, strategy=PLACEMENT_STRATEGY,
                                                    name=f"pagedllm-tp-{id(self):x}")
         else:
@@ -153,8 +144,7 @@ class RayExecutor(DistributedExecutor):
 
 
 class RayTensorParallelWorker(TensorParallelWorker):
-    """The worker as a Ray actor: after a failed call it replies, then its process exits (a
-    second later, so the reply gets out), as a failed ``mp`` worker does."""
+    """The worker as a Ray actor: after a failed call it replies, then its process exits a second later."""
 
     def call(self, method, args: tuple = (), kwargs: dict | None = None, return_result: bool = False):
         reply = super().call(method, args, kwargs, return_result)
@@ -176,7 +166,7 @@ def _gpu_ids() -> list:
 
 
 def _stop_actors(ray, actors: list, group, own_group: bool) -> None:
-    """Kill the actors and release the placement group we made (not Ray itself: the cluster is the user's)."""
+    """Kill the actors and release the placement group we made (the cluster is the user's)."""
     if not ray.is_initialized():
         return
     for _, actor in actors:

@@ -1,11 +1,6 @@
 """BERT encoders: :class:`BertModel` (sentence embeddings) and :class:`BertForSequenceClassification`
-(cross-encoder rerankers), numerically transformers' ``BertModel`` / ``BertForSequenceClassification``
-(absolute positions, token types, post-layer LayerNorms, bidirectional attention).
-
-Input is a flat batch of T tokens of several sequences packed without padding, each sequence's
-positions starting at 0; ``seq_lens`` says where each ends. Attention runs per sequence (no
-padding, no cross-sequence mask), and no KV cache is kept: an encoder sees the whole prompt at once.
-Query/key/value are one fused projection; :meth:`load_weights` takes Hugging Face names.
+(cross-encoder rerankers), numerically transformers' classes. Input is a flat batch of T tokens of several
+sequences packed without padding (``seq_lens``, positions from 0); attention runs per sequence, no KV cache.
 """
 
 from __future__ import annotations
@@ -46,8 +41,7 @@ class BertSelfAttention(nn.Module):
         self.qkv = Linear(hidden_size, 3 * hidden_size)
 
     def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        """x: (T, H) -> (T, H)."""
-        qkv = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # (3, nh, T, hd)
+        qkv = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
         out = torch.empty(self.num_heads, x.shape[0], self.head_dim, dtype=x.dtype, device=x.device)
         start = 0
         for n in seq_lens:  # 4-D (1, nh, n, hd): torch's fused CPU kernel takes only 4-D inputs
@@ -58,7 +52,7 @@ class BertSelfAttention(nn.Module):
 
 
 class BertDense(nn.Module):
-    """``LayerNorm(dense(x) + residual)``: the post-norm output block, HF's ``BertSelfOutput`` / ``BertOutput``."""
+    """``LayerNorm(dense(x) + residual)``: HF's ``BertSelfOutput`` / ``BertOutput``."""
 
     def __init__(self, in_features: int, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -108,8 +102,7 @@ class BertEncoder(nn.Module):
 
 
 class BertModel(nn.Module):
-    """The encoder; :meth:`forward` returns the last hidden states (T, H). ``with_pooler``: keep
-    HF's ``pooler`` (dense + tanh on the first token), which the classifier reads."""
+    """The encoder -> last hidden states (T, H); ``with_pooler`` keeps HF's ``pooler`` (dense + tanh, first token)."""
 
     is_encoder_only = True
 
@@ -124,8 +117,7 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions, token_type_ids: (T,) int64 (token types default to 0);
-        ``seq_lens`` sum to T. Returns (T, hidden_size)."""
+        """input_ids, positions, token_type_ids: (T,) int64 (types default 0); ``seq_lens`` sum to T -> (T, hidden)."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         x = self.embeddings(input_ids, positions, token_type_ids)
@@ -134,8 +126,8 @@ class BertModel(nn.Module):
         return x
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named weights in (query/key/value into the fused ``qkv``), then pack the linears
-        for CPU. Raises ValueError for an unknown name, a shape mismatch, or weights never given."""
+        """Copy HF-named weights in (query/key/value into ``qkv``), then pack the linears for CPU. Raises
+        ValueError for an unknown name, a shape mismatch, or weights never given."""
         load_hf_weights(self, weights, skip_prefix="pooler." if self.pooler is None else None)
 
 
@@ -149,8 +141,7 @@ class _BertPooler(nn.Module):
 
 
 class BertForSequenceClassification(nn.Module):
-    """A cross-encoder: :meth:`forward` returns the hidden states, :meth:`classify` the logits
-    (N, num_labels) of each sequence from its first ([CLS]) token, as transformers computes them."""
+    """A cross-encoder: :meth:`classify` returns the logits (N, num_labels) of each sequence from its [CLS] token."""
 
     is_encoder_only = True
 
@@ -174,8 +165,8 @@ class BertForSequenceClassification(nn.Module):
 
 def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                     skip_prefix: str | None = None) -> None:
-    """Fill ``model``'s parameters from HF names; a ``bert.`` prefix is accepted on a bare
-    :class:`BertModel`. Raises ValueError naming the weight (unknown, wrong shape) or the missing ones."""
+    """Fill ``model``'s parameters from HF names (``bert.`` prefix accepted on a bare :class:`BertModel`).
+    Raises ValueError naming the weight (unknown, wrong shape) or the missing ones."""
     unpack_linears(model)
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
@@ -197,7 +188,6 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
 
 
 def _target(name: str, params: dict[str, nn.Parameter]) -> tuple[torch.Tensor, str]:
-    """(the tensor ``name`` fills, the parameter it belongs to)."""
     if name in params:
         return params[name], name
     match = _QKV.match(name)

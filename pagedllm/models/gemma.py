@@ -1,8 +1,6 @@
-"""Gemma 2 and Gemma 3 text: Llama with (Gemma Team 2024, 2025; transformers' modeling files)
-
-embeddings times ``sqrt(hidden_size)``; four ``(1 + w)`` float32 RMSNorms per layer (no residual
-fusion); GeGLU; scale ``query_pre_attn_scalar ** -0.5``; interleaved sliding-window layers;
-Gemma 2: attention- and final-logit soft caps; Gemma 3: q/k norms and per-layer-type rotary tables."""
+"""Gemma 2 and Gemma 3 text: Llama with scaled embeddings, four ``(1 + w)`` float32 RMSNorms per layer, GeGLU,
+scale ``query_pre_attn_scalar ** -0.5``, interleaved sliding-window layers; Gemma 2: soft caps; Gemma 3:
+q/k norms and per-layer-type rotary tables (transformers' modeling files)."""
 
 from __future__ import annotations
 
@@ -30,12 +28,10 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: None, cos_sin: dict[str, torch.Tensor]
                 ) -> tuple[torch.Tensor, None]:
-        """hidden: (T, hidden) -> (T, hidden); no residual is carried between layers. On CPU ``hidden``
-        is updated in place (:meth:`~pagedllm.models.layers.norm.RMSNorm.add_normed`)."""
+        """hidden: (T, hidden) -> (T, hidden), updated in place on CPU; no residual is carried between layers."""
         attn = self.self_attn(self.input_layernorm(hidden), cos_sin[self.self_attn.rope_key])
-        # hidden += post_attention_norm(attn); mlp input = pre_feedforward_norm(hidden)
         mlp_in, hidden = self.post_attention_layernorm.add_normed(attn, hidden, self.pre_feedforward_layernorm)
-        _, hidden = self.post_feedforward_layernorm.add_normed(self.mlp(mlp_in), hidden)  # hidden += norm(mlp out)
+        _, hidden = self.post_feedforward_layernorm.add_normed(self.mlp(mlp_in), hidden)
         return hidden, None
 
 
@@ -63,7 +59,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    """Same contract as :class:`~pagedllm.models.llama.LlamaForCausalLM` for a ``Gemma3TextConfig``
-    (the text model; the multimodal ``Gemma3ForConditionalGeneration`` is not supported)."""
+    """Same contract as :class:`~pagedllm.models.llama.LlamaForCausalLM` for a ``Gemma3TextConfig`` (text only)."""
 
     has_qk_norm = True

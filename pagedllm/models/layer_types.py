@@ -1,6 +1,5 @@
-"""Which layers use a sliding window, from a transformers config, without torch (the KV-cache
-manager and the models read it): ``layer_types`` with one ``sliding_window``, or (Mistral,
-Phi-3) only ``sliding_window``, then on every layer."""
+"""Which layers use a sliding window, from a transformers config, without torch: ``layer_types``, or
+(Mistral, Phi-3) ``sliding_window`` alone on every layer."""
 
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ def layer_types(config: Any) -> list[str]:
 
 
 def sliding_windows(config: Any) -> list[int | None]:
-    """Per layer: its sliding window W in tokens (the token at position p sees keys p - W < k <= p),
-    or None for full attention."""
+    """Per layer: its sliding window W in tokens, or None for full attention."""
     window = getattr(config, "sliding_window", None)
     return [int(window) if t == SLIDING else None for t in layer_types(config)]

@@ -1,6 +1,5 @@
-"""Mixtral: Mistral with a :class:`~pagedllm.models.layers.moe.FusedMoE` of ``num_local_experts``
-experts (``num_experts_per_tok`` per token, renormalised) in place of the MLP; checkpoints name it
-``block_sparse_moe`` with ``w1`` (gate), ``w3`` (up), ``w2`` (down)."""
+"""Mixtral: Mistral with a :class:`~pagedllm.models.layers.moe.FusedMoE` in place of the MLP (checkpoints:
+``block_sparse_moe``, ``w1`` gate, ``w3`` up, ``w2`` down)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Qwen3-MoE: Qwen 3 attention; layer i's MLP is a :class:`~pagedllm.models.layers.moe.FusedMoE`
-when i is not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``, else dense
-(transformers' ``Qwen3MoeDecoderLayer``)."""
+"""Qwen3-MoE: layer i's MLP is a FusedMoE when i is not in ``mlp_only_layers`` and ``(i + 1) %
+decoder_sparse_step == 0``, else dense (transformers' ``Qwen3MoeDecoderLayer``)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ from typing import Any
 
 from torch import nn
 
-# config.architectures[0] -> "module:Class"
 _ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "pagedllm.models.mistral:MistralForCausalLM",
@@ -31,13 +30,12 @@ _MODEL_TYPES: dict[str, str] = {
 
 
 def supported_architectures() -> list[str]:
-    """Architecture names :func:`get_model_class` accepts, sorted."""
     return sorted(_ARCHITECTURES)
 
 
 def get_model_class(hf_config: Any) -> type[nn.Module]:
-    """The model class for ``hf_config.architectures[0]`` (``model_type`` only for a config without
-    architectures). Raises ValueError naming the architecture and listing the supported ones."""
+    """The model class for ``hf_config.architectures[0]`` (else ``model_type``). Raises ValueError naming the
+    architecture and listing the supported ones."""
     architectures = list(getattr(hf_config, "architectures", None) or [])
     model_type = getattr(hf_config, "model_type", None)
     arch = architectures[0] if architectures else _MODEL_TYPES.get(model_type)

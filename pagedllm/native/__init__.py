@@ -1,15 +1,6 @@
-"""The engine's C kernels (plain C11, no torch headers): the sources and the shared SIMD header
-live in this folder; this module compiles, caches and loads them.
-
-A kernel is compiled on first use with ``$CC`` (default ``cc``; may carry words: ``"ccache gcc"``),
-:data:`BASE_CFLAGS` (no ``-ffast-math``) and ``-I`` this folder, into ``envs.cache_dir()`` under a
-name keyed by the source, every header here, the flags, the compiler and the host CPU (a
-``-march=native`` library must not load on another CPU), written atomically, loaded with ctypes
-(which releases the GIL). With ``openmp=True`` it links the very libgomp torch loaded, by file name
-and rpath, so its ``#pragma omp`` regions run on torch's own thread team instead of a second
-runtime's; callers pass the thread count explicitly. Without a torch libgomp it is built without
-``-fopenmp`` and :func:`openmp_available` tells the caller to split the work itself.
-"""
+"""Compiles, caches and loads the engine's C kernels (this folder) with ctypes. The cache key covers the
+source, every header, the flags, the compiler and the host CPU (``-march=native``); with ``openmp=True``
+a library links torch's own libgomp so its regions run on torch's thread team."""
 
 from __future__ import annotations
 
@@ -34,9 +25,9 @@ __all__ = ["BASE_CFLAGS", "INCLUDE_DIR", "SOURCE_DIR", "build_library", "cache_d
            "openmp_available", "openmp_link_flags"]
 
 BASE_CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
-SOURCE_DIR = Path(__file__).parent  # every kernel source
-INCLUDE_DIR = SOURCE_DIR  # the headers shared by the kernels (native_simd.h)
-_BUILD_TIMEOUT_S = 600  # catches a hung compiler, never a slow one on a busy host
+SOURCE_DIR = Path(__file__).parent
+INCLUDE_DIR = SOURCE_DIR
+_BUILD_TIMEOUT_S = 600  # catches a hung compiler, never a slow one
 T = TypeVar("T")
 
 
@@ -47,11 +38,9 @@ def cache_dir() -> Path:
 
 def build_library(source: Path, extra_flags: tuple[str, ...] = (), openmp: bool = True,
                   compiler: str | None = None) -> Path:
-    """``<cache_dir()>/<source stem>_<key>.so``, built if not cached yet. ``extra_flags`` go after
-    :data:`BASE_CFLAGS` (a later ``-march=`` wins); ``compiler`` defaults to ``$CC`` or ``cc``.
+    """``<cache_dir()>/<source stem>_<key>.so``, built if not cached yet (``compiler``: ``$CC`` or ``cc``).
 
-    Raises OSError when the compiler is missing or fails (its stderr tail in the message),
-    subprocess.SubprocessError when the build runs over ``_BUILD_TIMEOUT_S``.
+    Raises OSError when the compiler is missing or fails, subprocess.SubprocessError on timeout.
     """
     compiler = compiler or os.environ.get("CC", "cc")
     link = openmp_link_flags() if openmp else None
@@ -74,7 +63,7 @@ def build_library(source: Path, extra_flags: tuple[str, ...] = (), openmp: bool 
                                 timeout=_BUILD_TIMEOUT_S)
         if result.returncode != 0:
             raise OSError(f"{compiler} exited with {result.returncode}: {result.stderr.strip()[-2000:]}")
-        os.chmod(tmp, 0o755)  # mkstemp made it 0600
+        os.chmod(tmp, 0o755)
         os.replace(tmp, target)  # atomic: concurrent builders never see a partial file
     finally:
         if os.path.exists(tmp):
@@ -117,7 +106,7 @@ def load_kernels(source: Path, wrap: Callable[[ctypes.CDLL], T], what: str, fall
 
 
 def openmp_available() -> bool:
-    """Whether libraries built with ``openmp=True`` get OpenMP (torch runs on a libgomp we can link)."""
+    """Whether libraries built with ``openmp=True`` get OpenMP."""
     return openmp_link_flags() is not None
 
 
@@ -133,8 +122,8 @@ def openmp_link_flags() -> tuple[str, ...] | None:
 
 
 def _torch_libgomp() -> Path | None:
-    """The libgomp mapped into this process after importing torch (a wheel may ship it under a hashed
-    name), else ``torch/lib/libgomp.so.1``; None when torch runs on another OpenMP runtime."""
+    """The libgomp mapped into this process by torch, else ``torch/lib/libgomp.so.1``; None when torch
+    runs on another OpenMP runtime."""
     import torch
 
     mapped = set()

@@ -1,32 +1,11 @@
-/* Fused elementwise kernels of a decoder layer for CPUs (plain C11 + OpenMP, no torch headers).
- *
- * Each kernel replaces a chain of small torch ops by one pass over the data, threaded over tokens
- * on torch's own OpenMP team (pagedllm.native):
- *
- *   rms_norm_*        [residual += x or norm'(x);] out = norm(residual or x), per row, in place
- *                     allowed (norm' before the add: Gemma's post-attention/post-MLP norms)
- *   act_and_mul_*     out = act(gate) * up over the fused (T, 2I) gate_up output
- *   rope_qk_*         optional per-head q/k RMSNorm, then the neox rotary rotation of the q and
- *                     k heads of the fused qkv output: k in place, q to q_out (may be in place)
- *
- * Numerics: every kernel rounds where the torch code it replaces (pagedllm/models/layers) rounds:
- *   - bfloat16 tensors are widened to float32, every op computed in float32 and rounded to
- *     bfloat16 (round to nearest even) after each torch op that produced a bfloat16 tensor;
- *   - RMSNorm: sum of squares in float32 (16 lanes, then halving; torch's order differs), 1 /
- *     sqrt(mean + eps) correctly rounded like torch.rsqrt; Llama w * cast(x * rs), Gemma
- *     cast(x * rs * (1 + w));
- *   - SiLU x / (1 + exp(-x)) and GELU-tanh 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), torch's
- *     formulas, with Cephes-style exp and tanh;
- *   - rotary: x * cos rounded, then fma(roll(x), sin, .) as torch.addcmul computes it (an FMA in
- *     float32; in bfloat16 the product of two bfloat16 values is exact in float32, rounded
- *     twice: to float32 by the add, then to bfloat16), so the rotation is bit-exact.
- * Built without -ffast-math: the order of operations above is the one executed.
- *
- * Vectorization: 16-float chunks (native_simd.h) with scalar tails, so any row length works; the
- * rotation is a scalar loop over fmaf that the compiler vectorizes (no portable vector FMA).
- *
- * The Python callers (pagedllm/ops/) check devices, dtypes, shapes and strides; the kernels trust
- * their arguments. Strides and sizes are in elements.
+/* Fused elementwise kernels of a decoder layer for CPUs (plain C11 + OpenMP), threaded over tokens:
+ *   rms_norm_*      [residual += x or norm'(x);] out = norm(residual or x), per row (norm': Gemma's post-norms)
+ *   act_and_mul_*   out = act(gate) * up over the fused (T, 2I) gate_up output
+ *   rope_qk_*       optional per-head q/k RMSNorm, then neox rotary of q (to q_out) and k (in place)
+ * Numerics: every kernel rounds where the torch code it replaces (pagedllm/models/layers) rounds: float32
+ * compute, bfloat16 rounded to nearest even after each op that produced a bfloat16 tensor; rsqrt correctly
+ * rounded; SiLU and GELU-tanh by torch's formulas; rotary as torch.addcmul (one float32 FMA), bit-exact.
+ * No -ffast-math. The callers (pagedllm/ops/) validate arguments; strides and sizes are in elements.
  */
 #include <math.h>
 #include <stddef.h>
@@ -39,10 +18,9 @@
 
 int pagedllm_cpu_ops_abi_version(void) { return 2; }
 int pagedllm_cpu_ops_max_head_dim(void) { return MAX_HEAD_DIM; }
-/* 1 when bfloat16 rounding uses AVX512-BF16's vcvtneps2bf16 (with the exact fix-up), see native_simd.h. */
+/* 1 when bfloat16 rounding uses AVX512-BF16's vcvtneps2bf16 (with the exact fix-up). */
 int pagedllm_cpu_ops_avx512bf16(void) { return native_simd_avx512bf16(); }
 
-/* Element i of a float32 or bfloat16 array (bf16 a compile-time constant at every call). */
 static inline float load1(const void *p, ptrdiff_t i, const int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
@@ -68,16 +46,13 @@ static inline v16f round_store16(void *p, ptrdiff_t i, v16f x, const int bf16) {
     return x;
 }
 
-/* x rounded to the storage dtype (the value a torch op would have written). */
 static inline v16f to_dtype(v16f x, const int bf16) { return bf16 ? round_bf16(x) : x; }
 static inline float scalar_to_dtype(float x, const int bf16) { return bf16 ? round_bf16_1(x) : x; }
 
-/* -- exp and tanh ------------------------------------------------------------------------- */
 
 static inline v16f splat(float a) { return (v16f){0} + a; }
 
-/* exp(x) over the whole float range (0 below -104, inf above 88.8): 2^n applied as
- * 2^(n/2) 2^(n - n/2) so that results near the overflow and subnormal ends are right. */
+/* exp(x) over the whole float range: 2^n applied as 2^(n/2) 2^(n - n/2) so both ends are right. */
 static inline v16f exp_v(v16f x) {
     x = select_f(x < -104.0f, splat(-104.0f), x);
     x = select_f(x > 88.8f, splat(88.8f), x);
@@ -88,8 +63,7 @@ static inline v16f exp_v(v16f x) {
     return y * (v16f)((n1 + 127) << 23) * (v16f)((n2 + 127) << 23);
 }
 
-/* tanh(x), Cephes tanhf: an odd polynomial for |x| < 0.625, else 1 - 2 / (exp(2|x|) + 1) with
- * the sign of x. */
+/* tanh(x), Cephes tanhf: an odd polynomial for |x| < 0.625, else 1 - 2 / (exp(2|x|) + 1), signed. */
 static inline v16f tanh_v(v16f x) {
     const v16i32 sign = (v16i32)x & INT32_MIN;
     const v16f ax = (v16f)((v16i32)x & INT32_MAX);
@@ -104,10 +78,8 @@ static inline v16f tanh_v(v16f x) {
     return select_f(ax < 0.625f, small, big);
 }
 
-/* -- RMSNorm, optionally after the residual add -------------------------------------------- */
 
-/* 1 / sqrt(mean(x^2) + eps) of one row, as torch.rsqrt(x.pow(2).mean(-1) + eps) (summed in
- * another order: see the top of the file). */
+/* 1 / sqrt(mean(x^2) + eps) of one row, as torch.rsqrt (the sum in 16 lanes, another order). */
 static inline __attribute__((always_inline)) float inv_rms(const void *x, int dim, float eps, const int bf16) {
     v16f acc = {0};
     int i = 0;
@@ -123,9 +95,8 @@ static inline __attribute__((always_inline)) float inv_rms(const void *x, int di
     return 1.0f / sqrtf(sum / (float)dim + eps);
 }
 
-/* The normed value of n = x * inv_rms with weight w, cast to the dtype: RMSNorm casts n before
- * the weight multiplies it, GemmaRMSNorm computes n * (1 + w) in float32 and casts at the end. */
-/* normed_v before its final cast (store16 rounds it). */
+/* n = x * inv_rms with weight w, cast to the dtype: RMSNorm casts n before the weight multiplies it,
+ * GemmaRMSNorm casts n * (1 + w) at the end. */
 static inline v16f normed_unrounded_v(v16f n, v16f w, int gemma, const int bf16) {
     return gemma ? n * (1.0f + w) : to_dtype(n, bf16) * w;
 }
@@ -138,9 +109,8 @@ static inline float normed_1(float n, float w, int gemma, const int bf16) {
     return scalar_to_dtype(gemma ? n * (1.0f + w) : scalar_to_dtype(n, bf16) * w, bf16);
 }
 
-/* One row of dim elements: h = x, or norm_{x_w}(x) when x_w is given; with residual,
- * residual = cast(residual + h) and h = that; then out = norm_w(h) when w is given. out may alias
- * x (x is read before out is written). gemma: the (1 + w) convention of both norms. */
+/* One row: h = x, or norm_{x_w}(x); with residual, residual = cast(residual + h) and h = that; then
+ * out = norm_w(h) when w is given. out may alias x. */
 static inline __attribute__((always_inline)) void rms_norm_row(
     const void *x, const void *x_w, void *residual, const void *w, void *out, int dim, float eps, int gemma,
     const int bf16) {
@@ -173,10 +143,8 @@ static inline __attribute__((always_inline)) void rms_norm_row(
     for (; i < dim; i++) store1(out, i, normed_1(load1(src, i, bf16) * rs, load1(w, i, bf16), gemma, bf16), bf16);
 }
 
-/* The row loop of every kernel: `BODY` for t in [0, num_rows), split over OpenMP threads when
- * num_threads > 1, else a plain loop that never enters libgomp (an `if (false)` region still sets
- * up a team per call). Each exported function has its own loop so that the dtype and the
- * activation are constants in the outlined parallel body. */
+/* The row loop of every kernel: `BODY` for t in [0, num_rows), over OpenMP threads when num_threads > 1,
+ * else a plain loop (an `if (false)` region still sets up a team per call). */
 #define FOR_ROWS(num_rows, BODY)                                                                \
     do {                                                                                        \
         if (num_threads > 1) {                                                                  \
@@ -189,8 +157,7 @@ static inline __attribute__((always_inline)) void rms_norm_row(
 
 #define ROW(base, stride, elem) ((char *)(base) + (ptrdiff_t)t * (stride) * (elem))
 
-/* x, out: (num_rows, dim) rows at x_stride / out_stride; residual: same or NULL; x_w, w: (dim,) or
- * NULL (see rms_norm_row; out is not touched without w). */
+/* x, out: (num_rows, dim) rows at x_stride / out_stride; residual: same or NULL; x_w, w: (dim,) or NULL. */
 void rms_norm_f32(const void *x, const void *x_w, void *residual, const void *w, void *out, int num_rows, int dim,
                   ptrdiff_t x_stride, ptrdiff_t residual_stride, ptrdiff_t out_stride, float eps, int gemma,
                   int num_threads) {
@@ -203,7 +170,6 @@ void rms_norm_bf16(const void *x, const void *x_w, void *residual, const void *w
     FOR_ROWS(num_rows, rms_norm_row(ROW(x, x_stride, 2), x_w, residual ? ROW(residual, residual_stride, 2) : NULL, w, ROW(out, out_stride, 2), dim, eps, gemma, 1));
 }
 
-/* -- gated activations ---------------------------------------------------------------------- */
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
@@ -232,7 +198,6 @@ static inline __attribute__((always_inline)) void act_and_mul_row(const char *ga
 }
 
 /* in: (num_rows, 2 * inter) rows at in_stride, gate then up; out: (num_rows, inter) rows at out_stride. */
-/* The activation a compile-time constant of each row loop, so the row function is specialised. */
 #define ACT_AND_MUL_ROWS(elem_size, bf16)                                                                    \
     if (act == ACT_SILU) {                                                                                   \
         FOR_ROWS(num_rows, act_and_mul_row(ROW(in, in_stride, elem_size), ROW(out, out_stride, elem_size),   \
@@ -252,19 +217,18 @@ void act_and_mul_bf16(const void *in, void *out, int num_rows, int inter, ptrdif
     ACT_AND_MUL_ROWS(2, 1)
 }
 
-/* -- q/k norm and rotary ---------------------------------------------------------------------- */
 
 enum { QK_NORM_NONE = 0, QK_NORM_RMS = 1, QK_NORM_GEMMA = 2 };
 
-/* buf (head_dim floats, values of the storage dtype) := the per-head norm of itself. */
+/* buf (head_dim floats, values of the storage dtype) := its per-head norm. */
 static inline __attribute__((always_inline)) void head_norm(float *buf, const void *w, int head_dim, float eps,
                                                             int kind, const int bf16) {
-    const float rs = inv_rms(buf, head_dim, eps, 0); /* buf holds float32 values */
+    const float rs = inv_rms(buf, head_dim, eps, 0);
     for (int i = 0; i < head_dim; i++) buf[i] = normed_1(buf[i] * rs, load1(w, i, bf16), kind == QK_NORM_GEMMA, bf16);
 }
 
-/* dst[i] = x[i] * cos[i] + x[(i + half) % rotary_dim] * sin[i] for i < rotary_dim (the table's
- * sin row holds -sin in its first half), rounded as torch's mul + addcmul; dst[i] = x[i] after. */
+/* dst[i] = x[i] * cos[i] + x[(i + half) % rotary_dim] * sin[i] for i < rotary_dim (sin's first half
+ * holds -sin), rounded as torch's mul + addcmul; dst[i] = x[i] after. */
 static inline __attribute__((always_inline)) void rotate_head(const float *restrict x, void *dst,
                                                               const void *cos, const void *sin, int head_dim,
                                                               int rotary_dim, const int bf16) {
@@ -282,7 +246,6 @@ static inline __attribute__((always_inline)) void rotate_head(const float *restr
     for (; i < head_dim; i++) store1(dst, i, out[i], bf16);
 }
 
-/* One token: its q heads to q_dst, its k heads in place. */
 static inline __attribute__((always_inline)) void rope_qk_token(
     char *src, char *q_dst, const char *cos, int num_heads, int num_kv_heads, int head_dim, int rotary_dim,
     const void *q_weight, const void *k_weight, float eps, int norm_kind, const int bf16) {
@@ -301,10 +264,9 @@ static inline __attribute__((always_inline)) void rope_qk_token(
     }
 }
 
-/* qkv: (num_tokens, >= (num_heads + num_kv_heads) * head_dim) rows at qkv_stride, q heads then k
- * heads; q_out: (num_tokens, num_heads * head_dim) rows at q_out_stride (may be qkv itself);
- * cos_sin: (num_tokens, 2, rotary_dim) rows at cos_sin_stride; q_weight/k_weight: (head_dim,)
- * (read when norm_kind != QK_NORM_NONE). rotary_dim even, <= head_dim <= MAX_HEAD_DIM. */
+/* qkv: (num_tokens, >= (num_heads + num_kv_heads) * head_dim) rows, q heads then k heads; q_out:
+ * (num_tokens, num_heads * head_dim) (may be qkv); cos_sin: (num_tokens, 2, rotary_dim); q_weight,
+ * k_weight: (head_dim,). rotary_dim even, <= head_dim <= MAX_HEAD_DIM. */
 void rope_qk_f32(void *qkv, ptrdiff_t qkv_stride, void *q_out, ptrdiff_t q_out_stride, const void *cos_sin,
                  ptrdiff_t cos_sin_stride, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
                  int rotary_dim, const void *q_weight, const void *k_weight, float eps, int norm_kind,
@@ -319,9 +281,7 @@ void rope_qk_bf16(void *qkv, ptrdiff_t qkv_stride, void *q_out, ptrdiff_t q_out_
     FOR_ROWS(num_tokens, rope_qk_token(ROW(qkv, qkv_stride, 2), ROW(q_out, q_out_stride, 2), ROW(cos_sin, cos_sin_stride, 2), num_heads, num_kv_heads, head_dim, rotary_dim, q_weight, k_weight, eps, norm_kind, 1));
 }
 
-/* The arguments of rms_norm_<dtype>, act_and_mul_<dtype> and rope_qk_<dtype> as structs, field for
- * field in the order of their parameters, and the same functions taking one: a decode step makes
- * each call once per layer with only its pointers changed (pagedllm/ops/calls.py). */
+/* The same functions taking their arguments as one struct, field for field (pagedllm/ops/calls.py). */
 struct rms_norm_call {
     const void *x, *x_w;
     void *residual;

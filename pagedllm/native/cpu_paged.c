@@ -1,50 +1,18 @@
-/* Fused paged-attention decode kernel for CPUs (plain C11, no dependencies).
+/* Fused paged-attention decode and prefill kernels for CPUs (plain C11), reading K/V in place
+ * through the block table. Online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao 2022).
  *
- * Decode attention (one query token per request) read straight through the block table:
- * every K and V row of a request's context is loaded exactly once, for all query heads
- * together, with no gather copy. The softmax is computed online (Milakov & Gimelshein 2018,
- * "Online normalizer calculation for softmax"; the tiled form of FlashAttention, Dao et al.
- * 2022): the context is processed in tiles of up to TILE tokens; per tile and query head the
- * running maximum m, the running denominator l and the unnormalised output acc are rescaled
- * once by exp(m_old - m_new), so a single pass over K/V suffices.
- *
- * Layout (the one of pagedllm.attention.backend):
- *   q, out:        [num_reqs, num_heads, head_dim] float32 or bfloat16 (io_bf16), contiguous, not
- *                  aliased (a float32 out doubles as the accumulator; bfloat16 ones go through
- *                  per-thread float32 scratch, the output rounded to nearest even as torch does)
- *   k/v cache:     [num_blocks, block_size, num_kv_heads, head_dim] in one of the KV formats below,
- *                  addressed as block * kv_block_stride + offset * kv_token_stride + kv_head * head_dim
- *   k/v scales:    int8 caches only: [num_blocks, block_size, num_kv_heads] float32, one scale per
- *                  token and KV head (stored value = round(x / scale)), indexed by the element offset
- *                  of the row divided by head_dim
- *   block_tables:  [*, block_table_stride] int32; row r holds request r's physical block ids
- *   seq_lens:      [*] int32; request r attends to its tokens 0 .. seq_lens[r] - 1, or with a
- *                  sliding window W > 0 to its last W tokens only (earlier blocks are not read)
- * Attention-logit soft-capping (Gemma 2): with soft_cap c > 0 each score s becomes c * tanh(s / c).
- * Query head h reads KV head h / (num_heads / num_kv_heads) (grouped-query attention).
- *
- * KV formats (pagedllm.quantization.kv_cache): float32; bfloat16 (raw uint16 bits); float8 e4m3fn
- * and e5m2 (raw bytes; with vLLM's per-tensor k_scale / v_scale: x = code * scale); int8 with per
- * token-and-head scales. Dequantization is folded into the arithmetic: a token's K scale multiplies
- * its score (q . (s k) = s (q . k)), its V scale the softmax weight p (p (s v) = (p s) v), and the
- * per-tensor fp8 scales multiply the softmax scale and the final output, so only the 8-bit to
- * float conversion runs per element. The float8 decode is integer arithmetic on 32-bit lanes
- * (exact for every finite code, subnormals included; the writers saturate, so no NaN/inf codes are
- * stored), so no F16C/AVX-512 instruction is needed.
- *
- * Vectorization: 16-float chunks of head_dim (native_simd.h), so head_dim is a multiple of 16;
- * head_dim 64 and 128 get copies with the chunk loops unrolled (accumulators in registers). The
- * next tile's K rows and the current tile's V rows are prefetched while the scores are computed:
- * blocks are scattered, so the hardware prefetcher alone cannot follow.
- *
- * Numerics: IEEE float32 (no -ffast-math; -ffp-contract=fast allows FMA). Dot products sum 16
- * lanes then halve in a fixed order; exp is native_simd.h's polynomial (~2 ulp for x <= 0). Each
- * request (prefill: work item) is computed by one thread in one order, so results do not depend
- * on the thread count. Threads: an OpenMP team on torch's own libgomp (pagedllm.native); built
- * without OpenMP, the caller splits the work itself.
- *
- * The caller (pagedllm/attention/cpu_paged.py) validates shapes, block ids and limits;
- * the kernel trusts its arguments.
+ * Layout (pagedllm.attention.backend):
+ *   q, out:       [num_reqs, num_heads, head_dim] float32 or bfloat16 (io_bf16), contiguous, not aliased;
+ *                 bfloat16 output rounded to nearest even as torch does
+ *   k/v cache:    [num_blocks, block_size, num_kv_heads, head_dim], addressed as
+ *                 block * kv_block_stride + offset * kv_token_stride + kv_head * head_dim
+ *   k/v scales:   int8 only: [num_blocks, block_size, num_kv_heads] float32 (stored = round(x / scale))
+ *   block_tables: [*, block_table_stride] int32; seq_lens: [*] int32 (sliding window W > 0: last W tokens)
+ * Soft cap c > 0 (Gemma 2): s -> c * tanh(s / c). Query head h reads KV head h / (num_heads / num_kv_heads).
+ * KV formats (pagedllm.quantization.kv_cache): float32, bfloat16 (uint16 bits), fp8 e4m3fn/e5m2 (x = code *
+ * per-tensor scale), int8 (per token-and-head scale); scales fold into scores, p and the output.
+ * head_dim is a multiple of 16. IEEE float32 (no -ffast-math); each request is computed by one thread
+ * in a fixed order, so results do not depend on the thread count. The caller validates all arguments.
  */
 #include <math.h>
 #include <stdint.h>
@@ -56,8 +24,7 @@
 #define TILE 32         /* tokens per online-softmax tile (K and V of a tile stay in L1/L2) */
 #define MAX_HEADS 256   /* decode's scores are [MAX_HEADS][TILE] floats on the stack */
 #define MAX_CHUNKS 16   /* head_dim <= 16 * MAX_CHUNKS */
-/* Prefetch hint for the rows of the next tile: 2 = prefetcht1 (into L2); into L1 (3) would evict
- * the tile being computed. */
+/* 2 = prefetcht1 (L2): into L1 would evict the tile being computed. */
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 2
 #endif
@@ -71,7 +38,7 @@
 
 int pagedllm_cpu_paged_abi_version(void) { return 7; }
 
-/* 1 when built with OpenMP (the kernels split their work over a team), else 0 (the caller splits it). */
+/* 1 when built with OpenMP, else 0 (the caller splits the work). */
 int pagedllm_cpu_paged_openmp(void) {
 #ifdef _OPENMP
     return 1;
@@ -80,8 +47,7 @@ int pagedllm_cpu_paged_openmp(void) {
 #endif
 }
 
-/* The size of the OpenMP team a `num_threads(n)` region gets here (1 without OpenMP): tests check
- * that it runs on torch's libgomp thread pool. */
+/* The team size a `num_threads(n)` region gets (1 without OpenMP). */
 int pagedllm_cpu_paged_team_size(int n) {
     int size = 1;
 #ifdef _OPENMP
@@ -97,13 +63,11 @@ int pagedllm_cpu_paged_team_size(int n) {
 int pagedllm_cpu_paged_max_heads(void) { return MAX_HEADS; }
 int pagedllm_cpu_paged_max_head_dim(void) { return 16 * MAX_CHUNKS; }
 
-/* Ask for the cache lines of one token's K or V row (all KV heads). */
 static inline void prefetch_row(const char *p, long long num_bytes) {
     for (long long b = 0; b < num_bytes; b += PREFETCH_STRIDE) __builtin_prefetch(p + b, 0, PREFETCH_LOCALITY);
 }
 
-/* 8-bit loads widen through a plain loop: GCC vectorizes it (vpmovsxbd/vpmovzxbd), while it
- * scalarizes __builtin_convertvector from 8-bit lanes. */
+/* A plain loop: GCC vectorizes it, while it scalarizes __builtin_convertvector from 8-bit lanes. */
 static inline v16f load_i8(const int8_t *p) {
     int32_t t[16];
     for (int j = 0; j < 16; j++) t[j] = p[j];
@@ -120,10 +84,8 @@ static inline v16u32 load_u8(const uint8_t *p) {
     return x;
 }
 
-/* 16 float8 codes with MANT mantissa bits and exponent bias BIAS (e4m3fn: 3, 7; e5m2: 2, 15) to
- * float32. Normal codes: the 7 magnitude bits shifted so the exponent and mantissa fields line up
- * with float32's, the exponent rebiased by an integer add. Subnormal codes (exponent field 0):
- * mantissa * 2^(1 - BIAS - MANT), an exact integer-to-float conversion and multiply. */
+/* 16 float8 codes (e4m3fn: MANT 3, BIAS 7; e5m2: 2, 15) to float32: normal codes by shifting the fields
+ * and rebiasing the exponent, subnormals as mantissa * 2^(1 - BIAS - MANT) (exact). */
 static inline v16f load_fp8(const uint8_t *p, const int mant, const int bias) {
     const v16u32 code = load_u8(p);
     const v16u32 mag = code & 0x7f;
@@ -140,8 +102,7 @@ static inline v16f load_fp8(const uint8_t *p, const int mant, const int bias) {
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8_E4M3 = 2, KV_FP8_E5M2 = 3, KV_INT8 = 4 };
 
-/* Elements [off, off + 16) of a cache in format fmt (a compile-time constant at every call), as
- * float32 codes: still to be multiplied by the tensor scale (fp8) or the token's scale (int8). */
+/* Elements [off, off + 16) of a cache in format fmt as float32 codes, still to be scaled (fp8, int8). */
 static inline __attribute__((always_inline)) v16f load_kv(const void *cache, long long off, const int fmt) {
     switch (fmt) {
     case KV_BF16: return load_bf16((const uint16_t *)cache + off);
@@ -152,8 +113,7 @@ static inline __attribute__((always_inline)) v16f load_kv(const void *cache, lon
     }
 }
 
-/* exp(x) for x <= 0: x clamped at -87.3 (exp(-87.3) ~ 1e-38 stays normal, harmless next to a
- * softmax denominator >= 1), 2^n built in the exponent bits. */
+/* exp(x) for x <= 0, x clamped at -87.3 (result stays normal). */
 static inline v16f exp_nonpos_v16(v16f x) {
     const v16f lim = (v16f){0} - 87.3f;
     const v16i32 low = x < lim;
@@ -164,11 +124,10 @@ static inline v16f exp_nonpos_v16(v16f x) {
     return y * (v16f)bits;
 }
 
-/* hsum(x[j]) for j = 0 .. 15 as the lanes of one vector: a butterfly doing exactly hsum's additions
- * on the same operands, so each lane is bitwise equal to hsum of its vector. */
+/* hsum of each of 16 vectors as the lanes of one: the same additions, so each lane equals hsum bitwise. */
 static inline v16f hsum16(const v16f *x) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
-    /* AVX2 (GCC lowers 16-lane shuffles through the stack): the same additions on 8-lane halves. */
+/* AVX2 (GCC lowers 16-lane shuffles through the stack): the same additions on 8-lane halves. */
     __m256 s8[16];
     for (int j = 0; j < 16; j++) {
         __m256 lo, hi;
@@ -212,9 +171,7 @@ static inline v16f hsum16(const v16f *x) {
 #endif
 }
 
-/* The P V loop's register block: QB query heads x CB chunks of head_dim kept in registers. AVX-512:
- * 24 of the 32 registers. AVX2 (16 registers, two per vector): 6 vectors, the heads of a KV group
- * first (each V row loaded once serves them all). */
+/* The P V loop's register block: QB query heads x CB chunks of head_dim (AVX-512: 24 of 32 registers). */
 #if defined(__AVX512F__)
 #define QB_PV(NUM_CHUNKS, GROUP) ((NUM_CHUNKS) >= 24 ? 1 : 24 / (NUM_CHUNKS))
 #define CB_PV(NUM_CHUNKS, QB) (NUM_CHUNKS)
@@ -224,17 +181,11 @@ static inline v16f hsum16(const v16f *x) {
 #define CB_PV(NUM_CHUNKS, QB) ((NUM_CHUNKS) * (QB) <= PV_REGS ? (NUM_CHUNKS) : (PV_REGS / (QB) > 0 ? PV_REGS / (QB) : 1))
 #endif
 #define QB_MAX 24
-/* Floats of a decode thread's dots scratch: 16 vectors of 16 floats per query head. */
 #define DOTS_FLOATS(NUM_HEADS) ((size_t)(NUM_HEADS) * 256)
 
-/* One request: out[h, :] = softmax(scale * q[h] . K^T) V over its first seq_len tokens. fmt (KV_*)
- * is a compile-time constant at every call site. k_scales/v_scales: int8's per token-and-head
- * scales (NULL otherwise); k_scale/v_scale: the per-tensor scales.
- *
- * Per tile: each K row is loaded (and widened) once for the query heads that share it, 16 tokens'
- * products reduced together (hsum16); then each V row once into a register block of its query
- * heads (QB_PV). Scores are head-major (tokens in lanes), so max and exp run on 16 tokens per
- * vector. Every sum is taken in the order of a plain per-head loop with hsum. */
+/* One request: out[h, :] = softmax(scale * q[h] . K^T) V over its first seq_len tokens. k_scales/v_scales:
+ * int8's per token-and-head scales (NULL otherwise); k_scale/v_scale: per-tensor. Every sum is taken in the
+ * order of a plain per-head loop with hsum. */
 static inline __attribute__((always_inline)) void decode_one(
     const float *restrict q, const void *k_cache, const void *v_cache, const float *k_scales,
     const float *v_scales, const int32_t *restrict block_table, int seq_len, float *restrict out,
@@ -244,7 +195,7 @@ static inline __attribute__((always_inline)) void decode_one(
     const int group = num_heads / num_kv_heads;
     const int num_chunks = head_dim / 16; /* a constant in the specialised copies (64, 128) */
     const int qb_pv = QB_PV(num_chunks, group), cb_pv = CB_PV(num_chunks, qb_pv);
-    /* scores[h][i]: head h, token t0 + i of the tile (head-major: 16 tokens per vector). */
+/* scores[h][i]: head h, token t0 + i of the tile. */
     float scores[MAX_HEADS][TILE] __attribute__((aligned(64)));
     float row_max[MAX_HEADS], row_sum[MAX_HEADS];
     long long offsets[TILE];
@@ -261,13 +212,11 @@ static inline __attribute__((always_inline)) void decode_one(
     const int first = window > 0 && seq_len > window ? seq_len - window : 0;
     for (int t0 = first; t0 < seq_len; t0 += TILE) {
         const int n = seq_len - t0 < TILE ? seq_len - t0 : TILE;
-        /* Element offset of each token's row (KV head 0) in the cache, through the block table. */
         for (int i = 0; i < n; i++) {
             const int t = t0 + i;
             offsets[i] = (long long)block_table[t / block_size] * kv_block_stride
                          + (long long)(t % block_size) * kv_token_stride;
         }
-        /* Scores, token after token (a row holds all KV heads: reads run along memory). */
         for (int j0 = 0; j0 < n; j0 += 16) {
             const int nj = n - j0 < 16 ? n - j0 : 16;
             for (int j = 0; j < 16; j++) {
@@ -276,7 +225,6 @@ static inline __attribute__((always_inline)) void decode_one(
                     continue;
                 }
                 const int i = j0 + j;
-                /* this token's V row (read after the scores) and the next tile's K row */
                 prefetch_row((const char *)v_cache + offsets[i] * elem_size, row_bytes);
                 const int t_next = t0 + TILE + i;
                 if (t_next < seq_len)
@@ -314,8 +262,7 @@ static inline __attribute__((always_inline)) void decode_one(
                 }
             }
         }
-        /* Online softmax per head: the new running max m over the tile, the running state rescaled
-         * by alpha = exp(m_old - m), the tile's scores replaced by p = exp(s - m). */
+/* Online softmax: alpha = exp(m_old - m), p = exp(s - m). */
         float alpha[MAX_HEADS];
         const v16f neg_inf = (v16f){0} - INFINITY;
         for (int h = 0; h < num_heads; h++) {
@@ -334,8 +281,6 @@ static inline __attribute__((always_inline)) void decode_one(
             for (int i = 0; i < n; i++) sum += scores[h][i];
             row_sum[h] = row_sum[h] * alpha[h] + sum;
         }
-        /* acc = alpha * acc + sum_i p_i V_i per head, a register block of heads at a time, each V row
-         * loaded (and widened) once for the block. */
         for (int kvh = 0; kvh < num_kv_heads; kvh++) {
             const long long head_off = (long long)kvh * head_dim;
             for (int g0 = 0; g0 < group; g0 += qb_pv) {
@@ -371,7 +316,6 @@ static inline __attribute__((always_inline)) void decode_one(
     }
 }
 
-/* The arguments of one decode call (see paged_decode_f32 and the layout at the top). */
 struct decode_args {
     const void *q, *k_cache, *v_cache;
     const float *k_scales, *v_scales;
@@ -382,8 +326,8 @@ struct decode_args {
     float scale, k_scale, v_scale, soft_cap;
 };
 
-/* Request r of a decode call with its thread's scratch (DOTS_FLOATS(num_heads) floats, plus 2 rows
- * of num_heads * head_dim with io_bf16: q widened into it, out rounded from it). */
+/* Request r with its thread's scratch (DOTS_FLOATS(num_heads) floats, plus 2 rows of num_heads * head_dim
+ * with io_bf16). */
 static inline __attribute__((always_inline)) void decode_request(const struct decode_args *a, int r, float *scratch,
                                                                  const int fmt) {
     const size_t row_elems = (size_t)a->num_heads * a->head_dim, row = (size_t)r * row_elems;
@@ -396,7 +340,6 @@ static inline __attribute__((always_inline)) void decode_request(const struct de
         q = qf;
     }
     const int32_t *table = a->block_tables + (long long)r * a->block_table_stride;
-    /* Request r + 1's first K rows are prefetched during r's last tile: no cold start. */
     const int32_t *next_table = table + a->block_table_stride;
     int next_first = 0, next_len = 0;
     if (r + 1 < a->req_end) {
@@ -408,7 +351,6 @@ static inline __attribute__((always_inline)) void decode_request(const struct de
     decode_one(q, a->k_cache, a->v_cache, a->k_scales, a->v_scales, table, a->seq_lens[r], acc, (v16f *)scratch, \
                a->num_heads, a->num_kv_heads, (HEAD_DIM), a->block_size, a->kv_block_stride, a->kv_token_stride, \
                a->scale, a->k_scale, a->v_scale, a->window, a->soft_cap, next_table, next_first, next_len, fmt)
-    /* head_dim 64 and 128 get copies with the chunk loops fully unrolled (accumulators in registers). */
     if (a->head_dim == 64)
         DECODE_ONE(64);
     else if (a->head_dim == 128)
@@ -420,8 +362,7 @@ static inline __attribute__((always_inline)) void decode_request(const struct de
         for (size_t e = 0; e < row_elems; e += 16) store_bf16((uint16_t *)a->out + row + e, load_f32(acc + e));
 }
 
-/* One non-inlined function per KV format: GCC outlines an OpenMP region before it inlines, so the
- * region below calls these through a pointer to keep each format's code specialised. */
+/* One non-inlined function per KV format: GCC outlines an OpenMP region before it inlines. */
 typedef void (*decode_request_fn)(const struct decode_args *, int, float *);
 static void decode_request_f32(const struct decode_args *a, int r, float *s) { decode_request(a, r, s, KV_F32); }
 static void decode_request_bf16(const struct decode_args *a, int r, float *s) { decode_request(a, r, s, KV_BF16); }
@@ -429,14 +370,13 @@ static void decode_request_e4m3(const struct decode_args *a, int r, float *s) { 
 static void decode_request_e5m2(const struct decode_args *a, int r, float *s) { decode_request(a, r, s, KV_FP8_E5M2); }
 static void decode_request_int8(const struct decode_args *a, int r, float *s) { decode_request(a, r, s, KV_INT8); }
 
-/* Requests [req_begin, req_end) over an OpenMP team, one request per iteration of a dynamic schedule.
- * Returns 0, or -1 when a thread's scratch allocation failed (its requests are not written). */
+/* Requests [req_begin, req_end) over an OpenMP team. Returns 0, or -1 when a scratch allocation failed. */
 static int decode_requests(const struct decode_args *a, int req_begin, int req_end, int num_threads,
                            decode_request_fn fn) {
     const size_t floats = DOTS_FLOATS(a->num_heads) + (a->io_bf16 ? 2 * (size_t)a->num_heads * a->head_dim : 0);
     int failed = 0;
-    if (req_begin >= req_end) return 0; /* a write-only call: no team woken */
-    (void)num_threads; /* without OpenMP the pragmas are ignored: one thread */
+    if (req_begin >= req_end) return 0;
+    (void)num_threads;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(| : failed)
     {
         float *scratch = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
@@ -449,11 +389,9 @@ static int decode_requests(const struct decode_args *a, int req_begin, int req_e
     return failed ? -1 : 0;
 }
 
-/* The K/V cache write of a step (the slot mapping; pagedllm.attention.backend.write_kv_cache):
- * token t's key row key[t * key_stride ..] (num_kv_heads * head_dim = row_elems values, float32, or
- * bfloat16 with in_bf16) goes to k_cache at element slots[t] * row_elems, likewise value to v_cache,
- * converted to the cache's format fmt (KV_F32 or KV_BF16; float32 to bfloat16 rounds to nearest even
- * as torch does). Runs on the calling thread (one row per request). The caller checked every slot. */
+/* The K/V cache write of a step: token t's row key[t * key_stride ..] (row_elems values, float32 or
+ * bfloat16 with in_bf16) goes to k_cache at element slots[t] * row_elems in format fmt (KV_F32 or KV_BF16,
+ * rounded to nearest even); likewise value. The caller checked every slot. */
 static void write_kv(const void *key, const void *value, long long key_stride, long long value_stride, int in_bf16,
                      void *k_cache, void *v_cache, int fmt, const int64_t *slots, int num_tokens, long long row_elems) {
     for (int i = 0; i < 2; i++) {
@@ -494,18 +432,16 @@ static void write_kv(const void *key, const void *value, long long key_stride, l
                                   v_scale, soft_cap};                                                       \
     return decode_requests(&a, req_begin, req_end, num_threads, FN);
 
-/* Decode attention of requests [req_begin, req_end), one function per KV format; q and out float32
- * or (io_bf16) bfloat16. k_scale/v_scale: 1 for an unscaled cache. With key != NULL (float32 and
- * bfloat16 caches) the step's new K/V rows are first written (write_kv): one call per layer. */
+/* Decode attention of requests [req_begin, req_end), one function per KV format. k_scale/v_scale: 1 when
+ * unscaled. With key != NULL (float32/bfloat16 caches) the step's K/V rows are written first. */
 int paged_decode_f32(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_f32, KV_F32) }
 int paged_decode_bf16(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_bf16, KV_BF16) }
 int paged_decode_fp8_e4m3(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_e4m3, KV_FP8_E4M3) }
 int paged_decode_fp8_e5m2(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_e5m2, KV_FP8_E5M2) }
 int paged_decode_int8(PAGED_DECODE_ARGS) { PAGED_DECODE_BODY(decode_request_int8, KV_INT8) }
 
-/* The arguments of one paged_decode_<format> call as one struct, field for field in the order of
- * PAGED_DECODE_ARGS: a caller making the same call in every layer of a step fills it once and
- * changes only the per-layer pointers (pagedllm/attention/decode_plan.py): one ctypes argument. */
+/* The arguments of one paged_decode_<format> call, field for field in the order of PAGED_DECODE_ARGS
+ * (filled once per step, pagedllm/attention/decode_plan.py). */
 struct paged_decode_call {
     const void *q;
     void *k_cache, *v_cache;
@@ -539,29 +475,13 @@ PAGED_DECODE_CALL(paged_decode_fp8_e5m2)
 PAGED_DECODE_CALL(paged_decode_int8)
 #undef PAGED_DECODE_CALL
 
-/* ---------------------------------------------------------------------------------------------
- * Prefill attention (chunked prefill, prefix-cache hits): the Q new tokens of one request, at
- * positions num_context .. num_context + Q - 1, attend causally to the request's keys
- * 0 .. num_context + Q - 1, all read in place through the block table (the chunk's own K/V are
- * written to the cache before the call). Nothing of size Q x keys is built.
- *
- * FlashAttention-2's loop order (Dao 2023, "FlashAttention-2: Faster Attention with Better
- * Parallelism and Work Partitioning", Algorithm 1): one work item = one tile of queries x one
- * KV head, the group's query heads folded into the tile's rows (row r = query r / group, head
- * kvh * group + r % group), so each K/V row is read once for the whole group (grouped-query
- * attention without repeated K/V). Rows are kept transposed (Q^T: head_dim x rows, pre-scaled), so
- * both products vectorize and take K/V rows straight from the cache (bf16 rows widened per key
- * tile). Per key tile of PF_BK tokens: S^T = K Q^T (micro-kernel PF_RK keys x up to 6 row vectors),
- * the online softmax update, then O^T += V^T P^T (PF_RD dims x up to 6 row vectors). Tiles past the
- * item's last query are never touched; tiles crossing the diagonal are masked.
- *
- * Sliding window W > 0: the query at position p sees keys p - W < k <= p; an item starts at key
- * first_pos - W + 1 (earlier keys never read) and masks the tiles crossing either edge. Soft cap
- * c > 0 (Gemma 2): each score s becomes c * tanh(s / c) before the softmax (pf_tanh).
- *
- * q, out: [num_queries, num_heads, head_dim] float32 or bfloat16 contiguous (computed in float32).
- * head_dim is a multiple of 64 (<= 16 * MAX_CHUNKS). Items are numbered tile * num_kv_heads + kvh;
- * a call computes items [item_begin, item_end). Returns 0, or -1 when a scratch allocation fails.
+/* Prefill attention: the Q new tokens of one request (positions num_context ..) attend causally to its
+ * keys 0 .. num_context + Q - 1, read in place (the chunk's K/V written first). FlashAttention-2 loop order
+ * (Dao 2023, Algorithm 1): a work item is a tile of queries x one KV head, the group's query heads folded
+ * into the rows (row r = query r / group, head kvh * group + r % group); rows kept transposed (Q^T,
+ * pre-scaled). Window W > 0: query at p sees keys p - W < k <= p.
+ * q, out: [num_queries, num_heads, head_dim] float32 or bfloat16 contiguous; head_dim a multiple of 64.
+ * Items are numbered tile * num_kv_heads + kvh. Returns 0, or -1 when a scratch allocation fails.
  */
 
 #define PF_BK 64   /* keys per tile */
@@ -579,7 +499,7 @@ PAGED_DECODE_CALL(paged_decode_int8)
 int pagedllm_cpu_paged_prefill_block_queries(int group) { return group >= PF_ROWS ? 1 : PF_ROWS / group; }
 
 
-/* s[j][r0 ..] = sum_d k_j[d] qt[d][r0 ..] for NK keys and NV row vectors (qt: [head_dim][ld], s: [keys][ld]). */
+/* s[j][r0 ..] = sum_d k_j[d] qt[d][r0 ..] for NK keys x NV row vectors (qt: [head_dim][ld], s: [keys][ld]). */
 static inline __attribute__((always_inline)) void pf_scores(const float *const *restrict k, const float *restrict qt,
                                                             float *restrict s, int ld, int head_dim, int nk, int nv) {
     v16f acc[PF_RK][PF_NV];
@@ -597,7 +517,6 @@ static inline __attribute__((always_inline)) void pf_scores(const float *const *
         for (int c = 0; c < nv; c++) store_f32(s + (size_t)j * ld + 16 * c, acc[j][c]);
 }
 
-/* Dispatch on the number of row vectors NV (1..6) so every micro-kernel call is specialised. */
 #define PF_BY_NV(CALL)                                                                                    \
     switch (nv) {                                                                                          \
     case 6: CALL(6); break;                                                                                \
@@ -608,8 +527,7 @@ static inline __attribute__((always_inline)) void pf_scores(const float *const *
     default: CALL(1); break;                                                                               \
     }
 
-/* S^T over keys 0 .. n - 1 and row vectors 0 .. nvec - 1: blocks of 6 row vectors outermost, so a
- * block of Q^T stays in L1 while every key of the tile passes. */
+/* S^T over keys 0 .. n - 1: blocks of 6 row vectors outermost, so a block of Q^T stays in L1. */
 static void pf_scores_tile(const float *const *k, const float *qt, float *s, int ld, int head_dim, int n, int nvec) {
     for (int c = 0; c < nvec; c += PF_NV) {
         const int nv = nvec - c < PF_NV ? nvec - c : PF_NV;
@@ -629,8 +547,8 @@ static void pf_scores_tile(const float *const *k, const float *qt, float *s, int
     }
 }
 
-/* O^T[d0 + i][c ..] = alpha[c ..] O^T[d0 + i][c ..] + sum_j v_j[d0 + i] P^T[j][c ..] for PF_RD dims
- * x NV row vectors (pt: [keys][ld], ot: [head_dim][ld]). */
+/* O^T[d0 + i][c ..] = alpha[c ..] O^T[d0 + i][c ..] + sum_j v_j[d0 + i] P^T[j][c ..] (pt: [keys][ld], ot:
+ * [head_dim][ld]). */
 static inline __attribute__((always_inline)) void pf_accumulate(const float *restrict pt, const float *const *restrict v,
                                                                 float *restrict ot, const float *restrict alpha, int ld,
                                                                 int d0, int n, int nv) {
@@ -661,8 +579,7 @@ static void pf_accumulate_tile(const float *pt, const float *const *v, float *ot
     }
 }
 
-/* tanh(x) on 16 lanes (Cephes tanhf): x + x^3 P(x^2) for |x| < 0.625, else (1 - e) / (1 + e) with
- * e = exp(-2|x|) (no cancellation there: e < 0.29), the sign put back; |x| large gives +-1. */
+/* tanh(x) on 16 lanes (Cephes tanhf): x + x^3 P(x^2) for |x| < 0.625, else (1 - e) / (1 + e), e = exp(-2|x|). */
 static inline v16f pf_tanh(v16f x) {
     const v16i32 sign = (v16i32)x & ((v16i32){0} + INT32_MIN);
     const v16f z = (v16f)((v16i32)x & ~sign); /* |x| */
@@ -678,11 +595,8 @@ static inline v16f pf_tanh(v16f x) {
     return (v16f)((v16i32)select_f(z < 0.625f, small, big) | sign);
 }
 
-/* Online-softmax update for one key tile (keys k0 .. k0 + n - 1), 16 rows per vector: row r sees
- * key k iff row_lo[r] <= k <= row_pos[r]. With soft_cap c > 0 each score first becomes
- * c * tanh(s / c). s[j][r] becomes p = exp(s - m_new) (0 where masked); alpha[r] =
- * exp(m_old - m_new); l[r] = alpha l + sum_j p. Masks are applied only when `masked`; a row that
- * has seen no key yet keeps m = -inf, l = 0 and a zero accumulator (alpha 0). */
+/* Online-softmax update for keys k0 .. k0 + n - 1: row r sees key k iff row_lo[r] <= k <= row_pos[r].
+ * s[j][r] becomes p = exp(s - m_new) (0 where masked); a row that has seen no key keeps m = -inf, l = 0. */
 static void pf_softmax(float *restrict s, float *restrict m, float *restrict l, float *restrict alpha,
                        const int32_t *restrict row_pos, const int32_t *restrict row_lo, int ld, int nvec, int k0,
                        int n, int masked, float soft_cap) {
@@ -704,8 +618,7 @@ static void pf_softmax(float *restrict s, float *restrict m, float *restrict l, 
         }
         const v16f m_old = load_f32(m + 16 * c);
         const v16f m_new = select_f(mx > m_old, mx, m_old);
-        /* A row that has seen no key yet (m_old = -inf) has nothing to rescale; one that still sees
-         * none (m_new = -inf, only under a window) subtracts 0 instead, its p all masked to 0. */
+        /* m_old = -inf: nothing to rescale; m_new = -inf (only under a window): subtract 0, p masked to 0. */
         const v16f a = select_f(m_old > neg_inf, exp_nonpos_v16(m_old - m_new), (v16f){0});
         const v16f m_sub = select_f(m_new > neg_inf, m_new, (v16f){0});
         v16f sum = (v16f){0};
@@ -722,7 +635,6 @@ static void pf_softmax(float *restrict s, float *restrict m, float *restrict l, 
     }
 }
 
-/* The arguments of one prefill call (see paged_prefill_f32). */
 struct prefill_args {
     const void *q, *k_cache, *v_cache;
     const int32_t *block_table;
@@ -734,8 +646,7 @@ struct prefill_args {
     float soft_cap; /* attention-logit soft cap c (0: none) */
 };
 
-/* One work item (a tile of queries x KV head kvh) of a prefill call, with its thread's scratch.
- * head_dim and is_bf16 are compile-time constants in each specialised copy. */
+/* One work item (a tile of queries x KV head kvh) of a prefill call, with its thread's scratch. */
 static inline __attribute__((always_inline)) void prefill_item(const struct prefill_args *a, int item, float *scratch,
                                                                int32_t *row_pos, const int head_dim, const int is_bf16) {
     const void *q = a->q, *k_cache = a->k_cache, *v_cache = a->v_cache;
@@ -764,7 +675,7 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
             qt[c * ld + r] = r < rows ? (io_bf16 ? bf16_to_f32(((const uint16_t *)q)[src + c])
                                                  : ((const float *)q)[src + c]) * scale
                                       : 0.0f;
-        /* Padding rows (zero queries) see every key: their scores stay finite and are never written out. */
+        /* Padding rows see every key: their scores stay finite and are never written out. */
         row_pos[r] = r < rows ? num_context + q0 + r / group : INT32_MAX;
         row_lo[r] = r < rows && window > 0 ? row_pos[r] - window + 1 : INT32_MIN;
         m[r] = -INFINITY;
@@ -772,8 +683,7 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
     }
     memset(o, 0, sizeof(float) * d * ld);
     const int first_pos = num_context + q0, num_keys = first_pos + nq; /* keys this item sees */
-    /* Under a window the first row sees keys from first_pos - W + 1, the last row from
-     * last_pos - W + 1: tiles starting before the latter are masked. */
+    /* Under a window tiles starting before last_pos - W + 1 are masked. */
     const int first_key = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
     const int last_lo = window > 0 ? num_keys - window : INT32_MIN;
     for (int k0 = first_key; k0 < num_keys; k0 += PF_BK) {
@@ -795,7 +705,6 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
                 v_rows[j] = (const float *)v_cache + off;
             }
         }
-        /* the next tile's K/V rows (scattered blocks: the hardware prefetcher misses them) */
         const int k1 = k0 + PF_BK, n1 = num_keys - k1 < PF_BK ? num_keys - k1 : PF_BK;
         for (int j = 0; j < n1; j++) {
             const int t = k1 + j;
@@ -819,25 +728,23 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
     }
 }
 
-/* The specialised copies (head_dim 64 gets its own: the head_dim loops unrolled), called through a
- * pointer from the OpenMP region (GCC outlines a region before it inlines). */
+/* Specialised copies (head_dim 64 unrolled), called through a pointer from the OpenMP region. */
 typedef void (*prefill_item_fn)(const struct prefill_args *, int, float *, int32_t *);
 static void prefill_item_f32_64(const struct prefill_args *a, int i, float *s, int32_t *p) { prefill_item(a, i, s, p, 64, 0); }
 static void prefill_item_f32(const struct prefill_args *a, int i, float *s, int32_t *p) { prefill_item(a, i, s, p, a->head_dim, 0); }
 static void prefill_item_bf16_64(const struct prefill_args *a, int i, float *s, int32_t *p) { prefill_item(a, i, s, p, 64, 1); }
 static void prefill_item_bf16(const struct prefill_args *a, int i, float *s, int32_t *p) { prefill_item(a, i, s, p, a->head_dim, 1); }
 
-/* Items [item_begin, item_end) over an OpenMP team, one per iteration of a dynamic schedule, the
- * costliest (last) first. Returns 0, or -1 when a thread's scratch allocation failed. */
+/* Items [item_begin, item_end) over an OpenMP team, the costliest (last) first. Returns 0, or -1 when a
+ * scratch allocation failed. */
 static int prefill_items(const struct prefill_args *a, int item_begin, int item_end, int num_threads, int is_bf16,
                          prefill_item_fn fn) {
     const int group = a->num_heads / a->num_kv_heads;
     const int ld = (pagedllm_cpu_paged_prefill_block_queries(group) * group + 15) / 16 * 16;
     const size_t d = (size_t)a->head_dim;
-    /* Scratch: Q^T (d x ld), O^T (d x ld), S^T (PF_BK x ld), m, l, alpha (ld each), widened bf16 K/V rows. */
     const size_t floats = 2 * d * ld + (size_t)PF_BK * ld + 3 * (size_t)ld + (is_bf16 ? 2 * (size_t)PF_BK * d : 0);
     int failed = 0;
-    (void)num_threads; /* without OpenMP the pragmas are ignored: one thread */
+    (void)num_threads;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(| : failed)
     {
         float *scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
@@ -864,8 +771,7 @@ static int prefill_items(const struct prefill_args *a, int item_begin, int item_
                                    kv_token_stride, scale, window, soft_cap};                               \
     return prefill_items(&a, item_begin, item_end, num_threads, IS_BF16, head_dim == 64 ? FN64 : FN);
 
-/* Prefill attention of items [item_begin, item_end) of one request, float32 K/V cache; q and out
- * are float32 or (io_bf16) bfloat16. */
+/* Prefill attention of items [item_begin, item_end) of one request, float32 K/V cache. */
 int paged_prefill_f32(PAGED_PREFILL_ARGS) { PAGED_PREFILL_BODY(0, prefill_item_f32_64, prefill_item_f32) }
 
 /* Same, bf16 K/V cache (raw uint16 bit patterns). */

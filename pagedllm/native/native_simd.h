@@ -1,13 +1,7 @@
 /* Vector helpers shared by the engine's C kernels (pagedllm.native hashes this header into every
- * library's cache key: an edit rebuilds them all).
- *
- * Vectors are GCC/Clang vector extensions over 16 lanes (one AVX-512 register, two AVX2 ones).
- * Builds are -march=native, so the instruction-set branches are compile-time: AVX512-BF16 hosts
- * get the one-instruction bfloat16 conversion, others the exact integer one (forced by
- * PAGEDLLM_NO_AVX512BF16; the tests build both).
- *
- * bfloat16 rounding is c10::BFloat16's (torch's Tensor.to(torch.bfloat16)): round to nearest,
- * ties to even, subnormals rounded like any other value, every NaN to the quiet NaN 0x7fc0.
+ * library's cache key). 16-lane GCC/Clang vector extensions, -march=native; AVX512-BF16 hosts get the
+ * one-instruction bfloat16 conversion, others the exact integer one (forced by PAGEDLLM_NO_AVX512BF16).
+ * bfloat16 rounding is c10::BFloat16's: nearest, ties to even, subnormals too, every NaN to 0x7fc0.
  */
 #ifndef PAGEDLLM_NATIVE_SIMD_H
 #define PAGEDLLM_NATIVE_SIMD_H
@@ -42,11 +36,10 @@ static inline v16f load_f32(const float *p) {
 
 static inline void store_f32(float *p, v16f x) { memcpy(p, &x, sizeof x); }
 
-/* 16 bfloat16 values (raw bits) widened to float32 (exact: the bits shifted into the high half). */
+/* 16 bfloat16 values (raw bits) widened to float32 (exact). */
 static inline v16f load_bf16(const uint16_t *p) {
 #if defined(__AVX512F__)
-    /* One vpmovzxwd from memory: GCC splits the vector-extension form below into 256-bit halves
-     * (vextracti128 / vinserti64x4) under -march=native's 256-bit preference. */
+    /* One vpmovzxwd: GCC splits the vector-extension form into 256-bit halves under -march=native. */
     return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 #endif
     v16u16 h;
@@ -54,8 +47,7 @@ static inline v16f load_bf16(const uint16_t *p) {
     return (v16f)(__builtin_convertvector(h, v16u32) << 16);
 }
 
-/* x in all 16 lanes, one broadcast per register: GCC lowers `(v16f){0} + x` lane by lane where 16
- * floats are not one register (AVX2). */
+/* x in all 16 lanes: GCC lowers `(v16f){0} + x` lane by lane on AVX2. */
 static inline v16f splat16(float x) {
 #if defined(__AVX512F__)
     return (v16f)_mm512_set1_ps(x);
@@ -75,8 +67,7 @@ static inline v16f select_f(v16i32 keep, v16f a, v16f b) { return (v16f)(((v16i3
 /* Sum of the 16 lanes, in a fixed order: lanes i + (i + 8), then + 4, then (0 + 2) + (1 + 3). */
 static inline float hsum(v16f x) {
 #if defined(__clang__) || __GNUC__ >= 12
-    /* Register shuffles: halves taken through memory stall on store forwarding (a 64-byte store
-     * read back as two 32-byte loads). */
+    /* Register shuffles: halves through memory stall on store forwarding. */
     const v8f s8 = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
                    + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
     const v4f s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
@@ -93,7 +84,6 @@ static inline float hsum(v16f x) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-/* -- bfloat16 ------------------------------------------------------------------------------- */
 
 static inline float bf16_to_f32(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
@@ -102,7 +92,7 @@ static inline float bf16_to_f32(uint16_t h) {
     return x;
 }
 
-/* float32 to bfloat16 bits, one value (the rule at the top). */
+/* float32 to bfloat16 bits, one value. */
 static inline uint16_t f32_to_bf16(float x) {
     uint32_t u;
     memcpy(&u, &x, sizeof u);
@@ -110,7 +100,7 @@ static inline uint16_t f32_to_bf16(float x) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* x rounded to bfloat16 and widened back: the float32 value with the low 16 bits zero. */
+/* x rounded to bfloat16 and widened back (low 16 bits zero). */
 static inline float round_bf16_1(float x) {
     const uint32_t u = (uint32_t)f32_to_bf16(x) << 16;
     float r;
@@ -118,8 +108,7 @@ static inline float round_bf16_1(float x) {
     return r;
 }
 
-/* The exact rounding on 16 lanes with integer arithmetic (any host): the result's float32 bits,
- * low 16 bits zero. */
+/* The exact rounding on 16 lanes with integer arithmetic: float32 bits, low 16 bits zero. */
 static inline v16u32 bf16_bits_exact(v16f x) {
     const v16u32 u = (v16u32)x;
     const v16u32 rounded = u + 0x7fffu + ((u >> 16) & 1u);
@@ -128,9 +117,8 @@ static inline v16u32 bf16_bits_exact(v16f x) {
 }
 
 #if PAGEDLLM_AVX512BF16
-/* vcvtneps2bf16 rounds to nearest even in one instruction but flushes subnormal inputs to zero
- * and keeps a NaN's payload; the lanes where it may differ from the rule (NaN or subnormal, found
- * by vfpclassps, which reads the bits and ignores MXCSR) send the whole vector to the exact path. */
+/* vcvtneps2bf16 flushes subnormal inputs and keeps NaN payloads: vectors with such lanes (vfpclassps)
+ * take the exact path. */
 #define BF16_FIXUP_CLASSES 0xa1 /* QNaN 0x01 | subnormal 0x20 | SNaN 0x80 */
 
 static inline __m256i bf16_pack_fast(v16f x) { return (__m256i)_mm512_cvtneps_pbh((__m512)x); }
@@ -138,7 +126,6 @@ static inline __m256i bf16_pack_fast(v16f x) { return (__m256i)_mm512_cvtneps_pb
 static inline int bf16_needs_exact(v16f x) { return _mm512_fpclass_ps_mask((__m512)x, BF16_FIXUP_CLASSES) != 0; }
 #endif
 
-/* x rounded to bfloat16 (float32 lanes, low 16 bits zero). */
 static inline v16f round_bf16(v16f x) {
 #if PAGEDLLM_AVX512BF16
     if (__builtin_expect(!bf16_needs_exact(x), 1))
@@ -147,7 +134,6 @@ static inline v16f round_bf16(v16f x) {
     return (v16f)bf16_bits_exact(x);
 }
 
-/* Store x rounded to bfloat16 at p (16 values). */
 static inline void store_bf16(uint16_t *p, v16f x) {
 #if PAGEDLLM_AVX512BF16
     if (__builtin_expect(!bf16_needs_exact(x), 1)) {
@@ -159,8 +145,7 @@ static inline void store_bf16(uint16_t *p, v16f x) {
     memcpy(p, &h, sizeof h);
 }
 
-/* x rounded to bfloat16, stored at p (16 values) and returned as float32 lanes: round_bf16 then
- * store_bf16_rounded, with one conversion where the host has AVX512-BF16. */
+/* x rounded to bfloat16, stored at p (16 values) and returned as float32 lanes. */
 static inline v16f round_store_bf16(uint16_t *p, v16f x) {
 #if PAGEDLLM_AVX512BF16
     if (__builtin_expect(!bf16_needs_exact(x), 1)) {
@@ -175,8 +160,7 @@ static inline v16f round_store_bf16(uint16_t *p, v16f x) {
     return (v16f)b;
 }
 
-/* Store x, already a bfloat16 value (low 16 bits zero, e.g. round_bf16's result), at p: only the
- * high halves are kept (rounding again would give the same bits, slower). */
+/* Store x, already a bfloat16 value (low 16 bits zero), at p: only the high halves are kept. */
 static inline void store_bf16_rounded(uint16_t *p, v16f x) {
 #if defined(__AVX512F__)
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32((__m512i)x, 16)));
@@ -186,9 +170,8 @@ static inline void store_bf16_rounded(uint16_t *p, v16f x) {
     memcpy(p, &h, sizeof h);
 }
 
-/* Cephes expf without its range handling: x = n ln2 + r (n = x / ln2 rounded to nearest, ln2 in two
- * parts so r is exact, |r| <= ln2 / 2), exp(r) by a degree-7 polynomial. Returns exp(r) and sets *n;
- * the caller clamps x first and multiplies by 2^n as its range needs. */
+/* Cephes expf without range handling: x = n ln2 + r (ln2 in two parts so r is exact), exp(r) by a
+ * degree-7 polynomial; sets *n, the caller clamps x and multiplies by 2^n. */
 static inline __attribute__((always_inline)) v16f exp_reduced_v16(v16f x, v16f *n_out) {
     const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     v16f r = x - n * 0.693359375f;

@@ -1,21 +1,11 @@
-/* Skinny GEMM: out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), float32, for the few rows of a decode
- * step (M up to about a hundred; N and K the model's projections).
+/* Skinny GEMM: out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), float32, for the few rows of a decode step:
+ * the weight stream, not the FMAs, bounds it, which kernels tuned for large M do not serve.
  *
- * Why our own: at a decode step's row counts every weight element feeds only M multiply-adds, so
- * the step is bound by the weight stream and the FMA units together; kernels tuned for large M
- * leave the memory idle while they compute.
- *
- * Layout: the weight is packed once (pagedllm/ops/skinny_gemm.py) into panels of SG_NR output
- * columns, each panel K rows of SG_NR contiguous floats (zero-padded past N), so one thread streams
- * one panel front to back and the hardware prefetcher sees a single sequential stream. The kernel
- * walks a panel once per tile of SG_MR rows of x: the first walk reads it from memory (with software
- * prefetch SG_PREFETCH_ROWS rows ahead, which runs on into the next panel), the later ones from L2
- * (on AVX-512 builds while they pull the next panel into L2: prefetch, no loads, nothing waits on it).
- *
- * Numerics: every output element is bias + sum over k = 0..K-1, in that order, of x[m, k] * w[n, k],
- * each step one float32 FMA: independent of M, the batch's other rows and the thread count
- * (batch-invariant). Vectors: 16 lanes with AVX-512F, else 8 (AVX2), the tile sized to the
- * register file.
+ * Layout: the weight is packed once (pagedllm/ops/skinny_gemm.py) into panels of SG_NR output columns,
+ * each K rows of SG_NR contiguous floats (zero-padded past N); a panel is walked once per tile of SG_MR
+ * rows of x, the first walk from memory, the later ones from L2.
+ * Numerics: each output is bias + sum over k = 0..K-1, in that order, of float32 FMAs: independent of M,
+ * the other rows and the thread count (batch-invariant).
  */
 #define _GNU_SOURCE /* syscall() under -std=c11 */
 #include <stddef.h>
@@ -49,8 +39,7 @@
 #endif
 #define SG_NB 3                /* vectors of output columns per tile */
 #define SG_NR (SG_W * SG_NB)   /* output columns per panel */
-/* Whether the later walks pull the next panel into L2. Off on AVX2 builds: with 16 registers the
- * per-k pull loop costs more issue slots than it saves. */
+/* Off on AVX2: with 16 registers the per-k pull loop costs more issue slots than it saves. */
 #ifndef SG_PULL_NEXT
 #if defined(__AVX512F__)
 #define SG_PULL_NEXT 1
@@ -70,29 +59,25 @@ static inline sg_vec sg_load(const float *p) {
     return v;
 }
 
-/* x in every lane: one vbroadcastss (GCC turns a lane-by-lane fill into one masked insert per lane). */
+/* x in every lane as one vbroadcastss (GCC turns a lane-by-lane fill into one insert per lane). */
 static inline sg_vec sg_splat(float x) {
 #if defined(__AVX512F__)
     return (sg_vec)_mm512_set1_ps(x);
 #elif defined(__AVX__)
     return (sg_vec)_mm256_set1_ps(x);
 #else
-    return x - (sg_vec){0}; /* the scalar is splatted; x - 0 is x for every x, -0 included */
+    return x - (sg_vec){0};
 #endif
 }
 
 int pagedllm_skinny_gemm_abi_version(void) { return SKINNY_GEMM_ABI_VERSION; }
 
-/* Float32 lanes per vector of this build (16: AVX-512F, 8 otherwise). */
 int pagedllm_skinny_gemm_vector_width(void) { return SG_W; }
 
-/* Output columns per packed panel (the packing in skinny_gemm.py asks for it). */
 int pagedllm_skinny_gemm_panel_width(void) { return SG_NR; }
 
-/* The prefetch schedule both kernels share. The walks over a panel after the first read it from L2
- * and meanwhile pull the next panel (the same thread's, the split being contiguous) into L2, its
- * panel_lines cache lines spread evenly over those walks' k steps (steps per walk): the next first
- * walk then finds it there instead of waiting on memory. sg_next_lines: lines per k step. */
+/* The prefetch schedule of both kernels: the walks after the first pull the next panel into L2,
+ * sg_next_lines cache lines per k step. */
 static inline int sg_next_lines(ptrdiff_t panel_lines, int tiles, int steps) {
 #if SG_PULL_NEXT == 0
     (void)panel_lines, (void)tiles, (void)steps;
@@ -102,13 +87,11 @@ static inline int sg_next_lines(ptrdiff_t panel_lines, int tiles, int steps) {
                      : 0;
 }
 
-/* Where walk number `walk` (0: the first, which prefetches its own panel instead) starts pulling
- * the next panel; NULL for the first walk or when there is no next panel. */
+/* Where walk `walk` starts pulling the next panel; NULL for the first walk or without a next panel. */
 static inline const char *sg_next_start(const char *next_panel, int walk, int steps, int next_lines) {
     return walk == 0 || !next_panel ? NULL : next_panel + (ptrdiff_t)(walk - 1) * steps * next_lines * 64;
 }
 
-/* Step k of a later walk: its next_lines lines of the next panel, none past next_end, into L2. */
 static inline __attribute__((always_inline)) void sg_pull_next(const char *next, const char *next_end, int k,
                                                                int next_lines) {
     for (int l = 0; l < next_lines; l++) {
@@ -118,10 +101,8 @@ static inline __attribute__((always_inline)) void sg_pull_next(const char *next,
     }
 }
 
-/* One tile: rows [0, rows) of x times one panel, into out's columns [0, cols). rows and prefetch are
- * compile-time constants at every call site (the switch below), so acc stays in registers.
- * prefetch: this walk reads the panel from memory and prefetches it SG_PREFETCH_ROWS rows ahead.
- * Otherwise, when next is not NULL, each k pulls next_lines cache lines of [next, next_end) into L2. */
+/* One tile: rows [0, rows) of x times one panel, into out's columns [0, cols); rows and prefetch are
+ * compile-time constants so acc stays in registers. prefetch: this walk reads from memory. */
 static inline __attribute__((always_inline)) void sg_tile(const float *x, ptrdiff_t x_stride, const float *panel,
                                                           int K, const float *bias, float *out,
                                                           ptrdiff_t out_stride, const int rows, int cols,
@@ -167,9 +148,8 @@ static inline __attribute__((always_inline)) void sg_tile(const float *x, ptrdif
         if (m0 == 0) SG_TILE(R, 1); else SG_TILE(R, 0); /* the first walk reads from memory: it prefetches */      \
         break;
 
-/* Panels per grab of the dynamic schedule: about SG_GRABS grabs per thread, so a preempted thread
- * leaves its remaining panels to the others instead of holding the team at the barrier; a grab of
- * consecutive panels keeps one sequential stream. Which thread computes a panel changes no bits. */
+/* Panels per grab of the dynamic schedule (about SG_GRABS per thread, so a preempted thread does not
+ * hold the team); which thread computes a panel changes no bits. */
 #ifndef SG_GRABS
 #define SG_GRABS 8
 #endif
@@ -178,8 +158,7 @@ static inline int sg_chunk(int panels, int num_threads) {
     return chunk > 0 ? chunk : 1;
 }
 
-/* A walk over a packed weight: N columns in panels of nr, each panel_bytes long and walked in
- * `steps` k steps per tile of mr rows. */
+/* A walk over a packed weight: N columns in panels of nr, `steps` k steps per tile of mr rows. */
 struct sg_walk {
     int panels, next_lines, chunk;
     ptrdiff_t panel_bytes, panel_lines;
@@ -192,13 +171,12 @@ static inline __attribute__((always_inline)) struct sg_walk sg_walk(int M, int N
     w.panels = (N + nr - 1) / nr;
     w.panel_bytes = panel_bytes;
     w.panel_lines = (panel_bytes + 63) / 64;
-    w.next_lines = sg_next_lines(w.panel_lines, (M + mr - 1) / mr, steps); /* later walks pull the next panel */
+    w.next_lines = sg_next_lines(w.panel_lines, (M + mr - 1) / mr, steps);
     w.chunk = sg_chunk(w.panels, num_threads);
     return w;
 }
 
-/* Panel p's bias (NULL without), its columns (the last panel may be partial) and the next panel's
- * bytes [next, next_end) to prefetch (NULL after the last panel). */
+/* Panel p's bias (NULL without), its columns and the next panel's bytes [next, next_end) (NULL after the last). */
 struct sg_panel {
     const float *bias;
     int cols;
@@ -215,12 +193,8 @@ static inline __attribute__((always_inline)) struct sg_panel sg_panel(const void
     return pp;
 }
 
-/* out[m, n] = bias[n] + sum_k x[m, k] * w[n, k] for m < M, n < N.
- *   x: M rows of K floats, row stride x_stride (floats); out: M rows, stride out_stride (floats).
- *   packed: ceil(N / SG_NR) panels, each K rows of SG_NR floats (see the header comment).
- *   bias: NULL, or ceil(N / SG_NR) * SG_NR floats (zero-padded).
- *   num_threads: OpenMP threads; they take runs of sg_chunk() consecutive panels as they finish.
- * The caller checks shapes, strides and dtypes (skinny_gemm.py); nothing here is validated. */
+/* out[m, n] = bias[n] + sum_k x[m, k] * w[n, k]. x, out: row strides in floats; packed: ceil(N / SG_NR)
+ * panels; bias: NULL or ceil(N / SG_NR) * SG_NR floats (zero-padded). The caller validates everything. */
 void skinny_gemm_f32(const float *x, ptrdiff_t x_stride, const float *packed, const float *bias, float *out,
                      ptrdiff_t out_stride, int M, int N, int K, int num_threads) {
     const struct sg_walk walk = sg_walk(M, N, SG_NR, SG_MR, (ptrdiff_t)K * SG_NR * (ptrdiff_t)sizeof(float), K,
@@ -242,24 +216,16 @@ void skinny_gemm_f32(const float *x, ptrdiff_t x_stride, const float *packed, co
     }
 }
 
-/* ---- bfloat16 on AMX --------------------------------------------------------------------------
- *
- * out[M, N] (bfloat16) = x[M, K] (bfloat16) @ w[N, K]^T (+ bias[N], float32), float32 accumulation
- * in AMX tiles (tdpbf16ps), rounded once to bfloat16 at the end (torch's rounding, native_simd.h).
- * K must be a multiple of 32 and x must have a multiple of 16 rows (the caller pads).
- *
- * Packed weight: panels of 32 output columns; for each block of 32 k, the two B tiles of the panel
- * (columns 0-15 and 16-31), each 16 rows of 64 bytes in AMX's pair layout: row r holds, for
- * column c = 0..15, w[c, 2r] and w[c, 2r + 1] of that k block. A panel is contiguous, so one
- * thread streams it front to back; up to 32 rows of x (two A tiles, four C tiles) go in one walk,
- * so the weight is read from memory once per step.
- *
- * Linux gives a process the AMX tile state only after it asks (arch_prctl ARCH_REQ_XCOMP_PERM);
- * without that the first tile instruction faults with SIGILL. skinny_gemm_amx_init asks. */
+/* ---- bfloat16 on AMX: out (bfloat16) = x (bfloat16) @ w^T (+ bias, float32), float32 accumulation in
+ * tiles (tdpbf16ps), rounded once to bfloat16 (torch's rounding). K a multiple of 32, x rows a multiple
+ * of 16 (the caller pads). Packed weight: panels of 32 columns; per block of 32 k two B tiles (columns
+ * 0-15, 16-31) of 16 rows of 64 bytes, row r holding w[c, 2r], w[c, 2r + 1] for c = 0..15.
+ * Linux grants the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, else SIGILL):
+ * skinny_gemm_amx_init asks. */
 #define SG_AMX_NR 32
 #define SG_AMX_KB 32
 
-/* 1: the tile state is granted and the bfloat16 kernel can run; 0: not on this build or host. */
+/* 1: the tile state is granted; 0: not on this build or host. */
 int pagedllm_skinny_gemm_amx_init(void) {
 #if SG_AMX
     const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
@@ -288,8 +254,7 @@ static void sg_amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* acc: 32 x 32 float32 (C tiles as stored) -> bias added, rounded to bfloat16, rows [0, rows) and
- * columns [0, cols) written to out. */
+/* acc: 32 x 32 float32 -> bias added, rounded to bfloat16, rows [0, rows) x columns [0, cols) to out. */
 static void sg_amx_store(const float *acc, const float *bias, uint16_t *out, ptrdiff_t out_stride, int rows,
                          int cols) {
     for (int r = 0; r < rows; r++) {
@@ -310,7 +275,6 @@ static void sg_amx_store(const float *acc, const float *bias, uint16_t *out, ptr
 
 #define SG_AMX_PREFETCH_BYTES 8192 /* B stream read ahead (4 k blocks) */
 
-/* One walk over a panel for row blocks [m0, m0 + 32): both A tiles when two, one otherwise. */
 static inline __attribute__((always_inline)) void sg_amx_walk(const uint16_t *x, ptrdiff_t x_stride,
                                                               const uint16_t *panel, int K, int two) {
     _tile_zero(0);
@@ -338,10 +302,9 @@ static inline __attribute__((always_inline)) void sg_amx_walk(const uint16_t *x,
 }
 #endif
 
-/* out[m, n] = round_bf16(bias[n] + sum_k x[m, k] * w[n, k]) for m < M, n < N (see above).
- *   x: ceil(M / 16) * 16 rows of K bfloat16, row stride x_stride (elements); out: M rows, stride
- *   out_stride. packed: ceil(N / 32) panels of K / 32 blocks of two 16 x 32 bfloat16 tiles.
- *   bias: NULL or ceil(N / 32) * 32 float32. Returns 0, or -1 when this build has no AMX (nothing written). */
+/* out[m, n] = round_bf16(bias[n] + sum_k x[m, k] * w[n, k]). x: ceil(M / 16) * 16 rows, stride in
+ * elements; packed: ceil(N / 32) panels; bias: NULL or ceil(N / 32) * 32 float32. Returns 0, or -1
+ * when this build has no AMX (nothing written). */
 int skinny_gemm_bf16_amx(const uint16_t *x, ptrdiff_t x_stride, const uint16_t *packed, const float *bias,
                          uint16_t *out, ptrdiff_t out_stride, int M, int N, int K, int num_threads) {
 #if SG_AMX
@@ -380,22 +343,10 @@ int skinny_gemm_bf16_amx(const uint16_t *x, ptrdiff_t x_stride, const uint16_t *
 }
 
 
-/* ---- bfloat16 on AVX512-BF16 (no AMX) ---------------------------------------------------------
- *
- * out[M, N] (bfloat16) = x[M, K] (bfloat16) @ w[N, K]^T (+ bias[N], float32), for CPUs with
- * AVX512-BF16 and without AMX. vdpbf16ps multiplies 16 pairs of
- * bfloat16 and adds both products to 16 float32 accumulators: one instruction does two k steps of
- * the float32 kernel's FMA on half the weight bytes. K must be even.
- *
- * Packed weight: the float32 kernel's panels of SG_NR = 48 output columns, each K / 2 rows of
- * 48 (k, k + 1) pairs: row k2 holds w[c, 2 k2] and w[c, 2 k2 + 1] for c = 0..47, so a row is
- * 192 bytes like a float32 panel row and the same walk and prefetch schedule apply (MR = 8 rows
- * of x per walk, 3 vectors of columns: 24 accumulators + 3 weights + 1 broadcast registers).
- *
- * Numerics: each output element is bias + the float32 sum over k2 = 0..K/2-1, in that order, of
- * the pair products, rounded once to bfloat16 at the end (torch's rounding, native_simd.h):
- * batch-invariant like the float32 kernel. vdpbf16ps treats subnormal inputs as zero and flushes
- * subnormal results (Intel SDM), far below bfloat16's resolution of a sum. */
+/* ---- bfloat16 on AVX512-BF16 (no AMX): vdpbf16ps does two k steps per instruction. K must be even.
+ * Packed weight: panels of SG_NR = 48 columns, K / 2 rows of 48 (k, k + 1) pairs (row k2: w[c, 2 k2],
+ * w[c, 2 k2 + 1]). Each output is bias + the float32 sum over k2 in order, rounded once to bfloat16:
+ * batch-invariant. vdpbf16ps flushes subnormals (Intel SDM), far below bfloat16's resolution. */
 #if SG_DP
 #define SG_DP_NB 3
 #define SG_DP_NR (16 * SG_DP_NB) /* = SG_NR of the AVX-512 build: the walks share its prefetch schedule */
@@ -459,12 +410,11 @@ static inline __attribute__((always_inline)) void sg_dp_tile(const uint16_t *x, 
         break;
 #endif
 
-/* 1: this build has the AVX512-BF16 kernel (skinny_gemm_bf16_dp runs); 0: it returns -1. */
+/* 1: this build has the AVX512-BF16 kernel; 0: skinny_gemm_bf16_dp returns -1. */
 int pagedllm_skinny_gemm_bf16_dp_available(void) { return SG_DP; }
 
 #if SG_DP
-/* The driver of both entry points below; out_f32 only chooses the store at the end of each tile
- * (GCC outlines the OpenMP region before inlining, so it is a run-time flag there). */
+/* The driver of both entry points below; out_f32 is a run-time flag (GCC outlines OpenMP regions first). */
 static inline __attribute__((always_inline)) void sg_dp_gemm(const uint16_t *x, ptrdiff_t x_stride,
                                                              const uint16_t *packed, const float *bias, void *out,
                                                              ptrdiff_t out_stride, int M, int N, int K,
@@ -500,18 +450,14 @@ static inline __attribute__((always_inline)) void sg_dp_gemm(const uint16_t *x, 
     return -1;
 #endif
 
-/* out[m, n] = round_bf16(bias[n] + sum_k x[m, k] * w[n, k]) for m < M, n < N (see above).
- *   x: M rows of K bfloat16 (K even), row stride x_stride (elements); out: M rows, stride out_stride.
- *   packed: ceil(N / 48) panels of K / 2 rows of 48 bfloat16 pairs. bias: NULL or ceil(N / 48) * 48
- *   float32. Returns 0, or -1 when this build has no AVX512-BF16 (nothing written). */
+/* out[m, n] = round_bf16(bias[n] + sum_k x[m, k] * w[n, k]). packed: ceil(N / 48) panels; bias: NULL or
+ * ceil(N / 48) * 48 float32. Returns 0, or -1 when this build has no AVX512-BF16 (nothing written). */
 int skinny_gemm_bf16_dp(const uint16_t *x, ptrdiff_t x_stride, const uint16_t *packed, const float *bias,
                         uint16_t *out, ptrdiff_t out_stride, int M, int N, int K, int num_threads) {
     SG_DP_BODY(0)
 }
 
-/* The same sums written as float32, not rounded to bfloat16 (out: M rows of float32, stride
- * out_stride): logits of a bfloat16 model, where bfloat16's 8-bit mantissa would tie tokens whose
- * logits differ by less than 1/128 of their magnitude. */
+/* The same sums as float32, unrounded: bfloat16 logits would tie tokens closer than 1/128 relative. */
 int skinny_gemm_bf16_dp_f32out(const uint16_t *x, ptrdiff_t x_stride, const uint16_t *packed, const float *bias,
                                float *out, ptrdiff_t out_stride, int M, int N, int K, int num_threads) {
     SG_DP_BODY(1)

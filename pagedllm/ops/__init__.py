@@ -1,8 +1,5 @@
-"""Fused CPU kernels for the elementwise work of a decoder layer (``native/cpu_ops.c``), with the
-rounding points of the torch code they replace: RMSNorm (:mod:`.norm`), gated activations
-(:mod:`.activation`), q/k norm + rotary (:mod:`.rotary`); loading and the switch in :mod:`.library`.
-Every function returns None/False when it does not apply (not CPU, float16, odd layouts, switched
-off, a torch.compile trace, no C compiler): the layers then run their torch code.
+"""Fused CPU kernels for the elementwise work of a decoder layer (``native/cpu_ops.c``). Every function
+returns None/False when it does not apply: the layers then run their torch code.
 """
 
 from pagedllm.ops.activation import act_and_mul

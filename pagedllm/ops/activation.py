@@ -1,5 +1,4 @@
-"""Fused gated activation on CPU: ``act(gate) * up`` over the fused gate/up output in one pass,
-with :class:`~pagedllm.models.layers.mlp.GatedMLP`'s rounding points."""
+"""Fused gated activation on CPU: ``act(gate) * up`` in one pass, with GatedMLP's rounding points."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ FUSED_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 
 
 def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor | None:
     """``act(x[:, :I]) * x[:, I:]`` for x (T, 2I) (unit last stride) as a new (T, I) tensor, or None when
-    the kernel does not apply (``activation`` not in :data:`FUSED_ACTIVATIONS`, dtype, device, layout)."""
+    the kernel does not apply."""
     ops = cpu_ops()
     act = FUSED_ACTIVATIONS.get(activation)
     if ops is None or act is None or x.dtype not in ops.dtypes or x.dim() != 2 or x.stride(1) != 1 \

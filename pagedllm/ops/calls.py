@@ -1,6 +1,5 @@
-"""The fused CPU kernels' arguments as one struct each (``native/cpu_ops.c``'s ``<name>_call``),
-one per kernel and thread, its scalars rewritten only when they change (:func:`prepared`): a
-decode step repeats the same shapes in every layer, and ctypes converts each loose argument per call.
+"""The fused CPU kernels' arguments as one struct each (``native/cpu_ops.c``'s ``<name>_call``), per kernel
+and thread, its scalars rewritten only when they change: ctypes converts each loose argument per call.
 """
 
 from __future__ import annotations
@@ -52,10 +51,8 @@ _calls = _Calls()
 
 
 def prepared(struct_type: type, scalars: tuple) -> tuple[ctypes.Structure, object]:
-    """This thread's struct of ``struct_type`` with its ``struct_type.scalars`` fields equal to
-    ``scalars`` (rewritten only when they differ from the previous call's), and a pointer to pass
-    to the kernel. The caller sets the pointer fields, then calls the kernel before making
-    another call of the same type on this thread."""
+    """This thread's struct of ``struct_type`` with its scalar fields equal to ``scalars``, and a pointer to
+    pass; the caller sets the pointer fields and calls the kernel before another call of the same type."""
     slot = _calls.slots.get(struct_type)
     if slot is None or slot[0] != scalars:
         struct = struct_type(**dict(zip(struct_type.scalars, scalars)))

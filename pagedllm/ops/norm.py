@@ -14,9 +14,8 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor | None:
-    """RMSNorm of x's rows (x: (..., dim) float32/bfloat16 on CPU, contiguous or 2-D with a unit last
-    stride; weight: (dim,) of x's dtype) into a new tensor; ``gemma``: the ``(1 + w)`` convention.
-    None when the kernel does not apply."""
+    """RMSNorm of x's rows (x: (..., dim) float32/bfloat16 on CPU, unit last stride; weight: (dim,)) into a
+    new tensor; ``gemma``: the ``(1 + w)`` convention. None when the kernel does not apply."""
     ops = cpu_ops()
     rows = _rows(x) if ops is not None and _weight_fits(weight, x) else None
     if rows is None:
@@ -30,13 +29,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> 
 
 def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
                         gemma: bool, x_weight: torch.Tensor | None = None) -> bool:
-    """In place: ``residual += x`` (or ``cast(norm_{x_weight}(x))``: Gemma's post-norms), rounded as
-    torch's add, then ``x = norm_{weight}(residual)`` (None: x untouched). x, residual: (T, dim) of one
-    dtype with unit last strides. True when done; False (nothing written) when the kernel does not apply."""
+    """In place: ``residual += x`` (or ``cast(norm_{x_weight}(x))``), then ``x = norm_{weight}(residual)``.
+    x, residual: (T, dim) of one dtype, unit last strides. False (nothing written) when the kernel does not apply."""
     ops = cpu_ops()
     if ops is None or weight is None and x_weight is None:
         return False
-    # one flat chain of checks: this runs twice per layer and step
     rows = _rows(x)
     if rows is None or residual.dtype != x.dtype or weight is not None and not _weight_fits(weight, x) \
             or x_weight is not None and not _weight_fits(x_weight, x):
@@ -45,7 +42,6 @@ def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     if residual_rows is None or residual_rows[:2] != rows[:2]:
         return False
     num_rows, dim, stride = rows
-    # one struct argument (pagedllm.ops.calls): the scalars repeat in every layer of a step
     call, ref = prepared(RmsNormCall, (num_rows, dim, stride, residual_rows[2], stride, eps, gemma,
                                        num_threads_for(num_rows * dim)))
     call.x = call.out = x.data_ptr()

@@ -1,6 +1,5 @@
-"""Fused neox rotary embedding (partial rotary included) of the q and k heads on CPU, optionally after
-the per-head q/k RMSNorm (Qwen 3, Gemma 3): one pass over the fused qkv output in place of
-:class:`~pagedllm.models.layers.attention.SelfAttention`'s torch ops, with their rounding points.
+"""Fused neox rotary embedding of the q and k heads on CPU, optionally after the per-head q/k RMSNorm, with
+:class:`~pagedllm.models.layers.attention.SelfAttention`'s rounding points.
 """
 
 from __future__ import annotations
@@ -19,11 +18,9 @@ _NORM_NONE, _NORM_RMS, _NORM_GEMMA = 0, 1, 2
 def rope_qk(qkv: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
             q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0,
             gemma: bool = False) -> torch.Tensor | None:
-    """Rotate the q and k heads of ``qkv`` ((T, (num_heads + 2 * num_kv_heads) * head_dim), unit last
-    stride): k in place, q returned as a new (T, num_heads, head_dim) tensor, v untouched.
-    ``cos_sin``: (T, 2, rotary_dim) rows of ``RotaryEmbedding.lookup`` (rotary_dim even, <= head_dim).
-    ``q_weight``/``k_weight``: both or neither, a per-head RMSNorm first (``eps``, ``gemma``).
-    None (nothing written) when the kernel does not apply."""
+    """Rotate the q and k heads of ``qkv`` ((T, (num_heads + 2 * num_kv_heads) * head_dim), unit last stride):
+    k in place, q returned as a new (T, num_heads, head_dim) tensor. ``cos_sin``: (T, 2, rotary_dim).
+    ``q_weight``/``k_weight``: both or neither, a per-head RMSNorm first. None when the kernel does not apply."""
     ops = cpu_ops()
     if ops is None or qkv.dtype not in ops.dtypes or qkv.dim() != 2 or qkv.stride(1) != 1 \
             or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or not 0 < head_dim <= ops.max_head_dim \
@@ -37,7 +34,6 @@ def rope_qk(qkv: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, num_kv_hea
         norm_kind = _NORM_GEMMA if gemma else _NORM_RMS
     num_tokens = qkv.shape[0]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)
-    # one struct argument (pagedllm.ops.calls): the scalars repeat in every layer of a step
     call, ref = prepared(RopeQkCall, (qkv.stride(0), num_heads * head_dim, cos_sin.stride(0), num_tokens, num_heads,
                                       num_kv_heads, head_dim, cos_sin.shape[2], eps, norm_kind,
                                       num_threads_for(num_tokens * (num_heads + num_kv_heads) * head_dim * 2)))
@@ -49,7 +45,6 @@ def rope_qk(qkv: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, num_kv_hea
 
 
 def _table_fits(cos_sin: torch.Tensor, qkv: torch.Tensor, head_dim: int) -> bool:
-    """cos_sin is (T, 2, rotary_dim) of qkv's dtype with the kernel's row layout."""
     return (cos_sin.dtype == qkv.dtype and cos_sin.dim() == 3 and cos_sin.shape[0] == qkv.shape[0]
             and cos_sin.shape[1] == 2 and cos_sin.shape[2] % 2 == 0 and 0 < cos_sin.shape[2] <= head_dim
             and cos_sin.stride(2) == 1 and cos_sin.stride(1) == cos_sin.shape[2])

@@ -1,6 +1,5 @@
-"""CPU decode graphs: a decode step's C-kernel calls recorded once per batch size, then replayed
-without the Python around them (the eager pass's exact calls: bitwise the same outputs).
-Capture, guard and replay: docs/engine.md, "CPU decode graphs"."""
+"""CPU decode graphs: a decode step's C-kernel calls recorded once per batch size, then replayed without
+the Python around them (bitwise the eager outputs). docs/engine.md, "CPU decode graphs"."""
 
 from __future__ import annotations
 
@@ -34,7 +33,6 @@ _profiling = torch._C._autograd._profiler_enabled
 
 
 def _computes_nothing(func, args: tuple, out) -> bool:
-    """An allocation or a view; ``reshape`` only when it returned a view of its input (else it copied)."""
     packet = func.overloadpacket
     if packet in _NO_COMPUTE_OPS:
         return True
@@ -43,17 +41,16 @@ def _computes_nothing(func, args: tuple, out) -> bool:
 
 
 class _ArenaPool:
-    """Memory for a recorded pass's allocations, owned while the graph lives and reused within the
-    pass as eager reuses freed memory (fresh memory per layer costs more in cache misses than the
-    replay saves). A dropped view returns its block to the free list; replays keep the call order,
-    so a block is overwritten only after the calls reading its previous contents."""
+    """Memory for a recorded pass's allocations, owned while the graph lives and reused within the pass
+    as eager reuses freed memory; replays keep the call order, so a block is overwritten only after the
+    calls reading its previous contents."""
 
-    ALIGN = 64  # bytes, as torch's CPU allocator
+    ALIGN = 64
 
     def __init__(self) -> None:
-        self.blocks: list[np.ndarray] = []  # 64-byte aligned views of their bases
+        self.blocks: list[np.ndarray] = []
         self.free: dict[int, list[int]] = {}  # block bytes -> indices of free blocks, latest last
-        self.owned: dict[int, int] = {}  # data pointer of a block -> its index
+        self.owned: dict[int, int] = {}
 
     @property
     def nbytes(self) -> int:
@@ -72,30 +69,28 @@ class _ArenaPool:
             offset = -base.ctypes.data % self.ALIGN
             self.blocks.append(base[offset:offset + rounded])
             index = self.owned[self.blocks[-1].ctypes.data] = len(self.blocks) - 1
-        view = self.blocks[index][:nbytes]  # its finalizer returns the block
+        view = self.blocks[index][:nbytes]
         weakref.finalize(view, self.free.setdefault(rounded, []).append, index)
         return torch.from_numpy(view).view(dtype).view(size)
 
     def alias(self, t: torch.Tensor) -> torch.Tensor:
-        """``t``, or for a view of a pool block the same view without keeping the block in use
-        (what a recorded callable holds: later calls that reuse the block run after it)."""
+        """``t``, or for a view of a pool block the same view without keeping the block in use."""
         storage = _storage(t)
         index = self.owned.get(storage[0]) if storage is not None else None
         if index is None:
             return t
-        flat = torch.from_numpy(self.blocks[index][:storage[1]]).view(t.dtype)  # no finalizer on this view
+        flat = torch.from_numpy(self.blocks[index][:storage[1]]).view(t.dtype)
         return flat.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 class _CaptureGuard(TorchDispatchMode):
-    """Serves the wrappers' allocations from ``pool``, keeps every other tensor of the pass (the
-    recorded pointers point into them), notes the first computing op outside a wrapper."""
+    """Serves the wrappers' allocations from ``pool`` and keeps every other tensor of the pass."""
 
     def __init__(self, rec: Recording, pool: _ArenaPool) -> None:
         super().__init__()
         self.rec, self.pool = rec, pool
         self.refused_by: str | None = None
-        self.storages: dict[int, int] = {}  # data pointer -> bytes of the other storages the pass allocated
+        self.storages: dict[int, int] = {}  # data pointer -> bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -107,15 +102,15 @@ class _CaptureGuard(TorchDispatchMode):
         if self.rec.allowed_depth == 0 and self.refused_by is None and not _computes_nothing(func, args, out):
             self.refused_by = str(func)
         if self.rec.allowed_depth > 0:
-            return out  # a wrapper's own torch code: what its recorded callable needs, it holds itself
+            return out
         inputs = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 storage = _storage(t)
                 if storage is not None and storage[0] in self.pool.owned:
-                    continue  # the pool holds the memory
+                    continue
                 self.rec.keep.append(t)
-                if storage is not None and storage not in inputs:  # new memory, not a view of a weight or the KV cache
+                if storage is not None and storage not in inputs:
                     self.storages[storage[0]] = storage[1]
         return out
 
@@ -149,9 +144,8 @@ class _Graph:
 
 
 class CpuDecodeGraphs:
-    """Decode-only forward passes of ``model`` (one :meth:`supports` accepts) recorded and
-    replayed per (rows, threads); at most ``max_graphs`` kept, least recently used dropped.
-    ``refused`` maps a size to the op that refused its capture."""
+    """Decode-only forward passes of ``model`` recorded and replayed per (rows, threads), at most
+    ``max_graphs`` (LRU). ``refused`` maps a size to the op that refused its capture."""
 
     def __init__(self, model: torch.nn.Module, max_graphs: int = DEFAULT_MAX_GRAPHS) -> None:
         if max_graphs < 1:
@@ -168,8 +162,7 @@ class CpuDecodeGraphs:
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
-        """Whether ``model`` has the split forward (embeddings, rotary rows, layers) and every
-        decoder linear runs the skinny GEMM (any other projection is a torch op: refused)."""
+        """Whether ``model`` has the split forward and every decoder linear runs the skinny GEMM."""
         from pagedllm.models.layers.linear import Linear
 
         inner = getattr(model, "model", None)
@@ -181,14 +174,12 @@ class CpuDecodeGraphs:
 
     @staticmethod
     def can_run(metas: list[AttentionMetadata | None]) -> bool:
-        """A decode-only step, not under the profiler."""
         return (bool(metas) and all(m is not None and m.num_decodes == m.num_reqs for m in metas)
                 and not _profiling())
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Final hidden states (T, hidden) of a decode-only step, inside its ``set_forward_context``:
-        replayed if this size was captured, captured on its second consecutive step, else eager.
-        A repacked linear drops every graph first (and stays eager if :meth:`supports` fails)."""
+        """Final hidden states (T, hidden) of a decode-only step: replayed if this size was captured,
+        captured on its second consecutive step, else eager. A repacked linear drops every graph first."""
         if packing_generation() != self._generation:
             self.clear()
             self._generation = packing_generation()
@@ -215,7 +206,7 @@ class CpuDecodeGraphs:
         self._last_key = None
 
     def _capture(self, key: tuple[int, int], hidden: torch.Tensor, cos_sin: dict[str, torch.Tensor]) -> torch.Tensor:
-        cos_sin = {k: v.clone() for k, v in cos_sin.items()}  # own buffers: a lookup may be a view of its table
+        cos_sin = {k: v.clone() for k, v in cos_sin.items()}  # a lookup may be a view of its table
         pool = _ArenaPool()
         rec = Recording(empty=pool.empty, alias=pool.alias)
         guard = _CaptureGuard(rec, pool)
@@ -224,7 +215,7 @@ class CpuDecodeGraphs:
         if guard.refused_by is not None:
             self.refused[key] = guard.refused_by
             logger.debug("CPU decode graph for %d rows, %d threads: stays eager (%s)", *key, guard.refused_by)
-            return out  # its view of a pool block keeps that memory
+            return out
         self.graphs[key] = _Graph(rec, pool, hidden, cos_sin, out)
         self.num_captured += 1
         logger.debug("CPU decode graph for %d rows, %d threads: %d calls, %.1f MiB of activations kept", *key,

@@ -39,11 +39,8 @@ class _Graph:
 
 
 class DecodeGraphRunner:
-    """Runs decode-only steps through static buffers, padded to a captured size (replayed as graphs).
-
-        padding_block: physical id of the reserved block padding rows write and read.
-        use_graphs: capture and replay (CUDA); False: the same buffers and padding, eager.
-    """
+    """Runs decode-only steps through static buffers, padded to a captured size (replayed as graphs when
+    ``use_graphs``); ``padding_block``: the reserved block padding rows write and read."""
 
     def __init__(self, model: Callable[..., torch.Tensor], sizes: list[int], max_blocks_per_seq: int,
                  block_size: int, padding_block: int, max_model_len: int, device: torch.device,
@@ -64,7 +61,6 @@ class DecodeGraphRunner:
         self.graphs: dict[int, _Graph] = {}
 
     def padded_size(self, num_reqs: int) -> int | None:
-        """The smallest size >= ``num_reqs``, or None."""
         return next((s for s in self.sizes if s >= num_reqs), None)
 
     def can_run(self, metadata: AttentionMetadata) -> bool:
@@ -74,8 +70,8 @@ class DecodeGraphRunner:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             metadata: list[AttentionMetadata]) -> torch.Tensor:
-        """Hidden states (n, hidden) of the n decode tokens, computed on the padded batch (metadata
-        per KV-cache group). Only when :meth:`can_run`; a view valid until the next call."""
+        """Hidden states (n, hidden) of the n decode tokens, computed on the padded batch; only when
+        :meth:`can_run`; a view valid until the next call."""
         n = metadata[0].num_reqs
         size = self.padded_size(n)
         self._fill(input_ids, positions, metadata, size)
@@ -109,7 +105,6 @@ class DecodeGraphRunner:
         self.block_tables[:, start:end, 0] = self.padding_block
 
     def _metadata(self, size: int, max_seq_len: int, seq_lens_cpu: list[int]) -> list[AttentionMetadata]:
-        """Per KV-cache group, metadata viewing the buffers' first ``size`` rows."""
         return [AttentionMetadata(
             slot_mapping=self.slot_mapping[g, :size], query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[g, :size],
@@ -119,8 +114,8 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> int:
-        """Capture one graph per size, largest first, in one memory pool (CUDA only), after the KV
-        cache is bound (graphs record its addresses). Returns the device bytes they took."""
+        """Capture one graph per size, largest first, in one memory pool, after the KV cache is bound.
+        Returns the device bytes they took."""
         if not self.use_graphs:
             return 0
         free_before, _ = torch.cuda.mem_get_info()

@@ -1,7 +1,6 @@
-"""One tensor-parallel rank outside the engine process (wrapped by an ``mp`` worker process or a Ray
-actor). Replies are ``("ok", result)`` or ``("error", traceback text)``. After a failed call the
-process exits: a peer may wait in a collective this rank never reaches, and only closing the gloo
-connections wakes it at once (leaving the process group does not)."""
+"""One tensor-parallel rank outside the engine process (an ``mp`` worker or a Ray actor); replies are
+``("ok", result)`` or ``("error", traceback text)``. After a failed call the process exits: only closing the
+gloo connections wakes a peer waiting in a collective this rank never reaches."""
 
 from __future__ import annotations
 
@@ -13,15 +12,14 @@ from pagedllm import envs
 
 
 def threads_per_rank(world_size: int) -> int:
-    """CPU threads each rank's torch uses: the engine's cores (``envs.ENGINE_CORES``, default all of
-    this machine's; a data-parallel replica sets its share) split among ``world_size`` ranks, at least 1."""
+    """CPU threads per rank: the engine's cores (``envs.ENGINE_CORES``, default all) split among ``world_size``
+    ranks, at least 1."""
     cores = envs.engine_cores() or os.cpu_count() or 1
     return max(1, cores // world_size)
 
 
 def run_on_runner(runner, method: str | Callable, args: tuple, kwargs: dict | None = None) -> Any:
-    """``runner.method(*args, **kwargs)``, or ``method(runner, *args, **kwargs)`` for a callable
-    (vLLM's ``collective_rpc`` convention)."""
+    """``runner.method(*args, **kwargs)``, or ``method(runner, ...)`` for a callable (vLLM's ``collective_rpc``)."""
     fn = getattr(runner, method) if isinstance(method, str) else (lambda *a, **k: method(runner, *a, **k))
     return fn(*args, **(kwargs or {}))
 
@@ -34,8 +32,7 @@ class TensorParallelWorker:
         self.runner = None
 
     def start(self, init_method: str, backend: str, config, timeout_s: float, cuda_device: int | None = None):
-        """Join the group (blocks until every rank has), then build the runner over this rank's
-        shard. ``cuda_device``: the GPU index with ``nccl``. Returns a reply."""
+        """Join the group, then build the runner over this rank's shard. Returns a reply."""
         try:
             import torch
 
@@ -56,8 +53,8 @@ class TensorParallelWorker:
 
     def call(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
              return_result: bool = False):
-        """Run one call on the runner; reply ``("ok", result or None)`` or ``("error", text)``.
-        Only ``return_result`` calls (``collective_rpc``) ship a result back: the engine uses rank 0's."""
+        """Run one call on the runner; reply ``("ok", result or None)`` or ``("error", text)`` (results only with
+        ``return_result``)."""
         try:
             result = run_on_runner(self.runner, method, args, kwargs)
             return "ok", (result if return_result else None)

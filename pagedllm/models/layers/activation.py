@@ -1,5 +1,4 @@
-"""Activation functions by their transformers config name (``hidden_act`` / ``hidden_activation``),
-and the gated form ``act(gate) * up`` the MLPs apply to their fused gate/up projection output."""
+"""Activation functions by their transformers config name, and the gated form ``act(gate) * up``."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import torch.nn.functional as F
 
 from pagedllm.ops.activation import act_and_mul
 
-# transformers' ACT2FN names -> the same function in plain torch.
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
@@ -33,10 +31,9 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """``act(gate) * up`` for ``gate_up`` (T, 2I) = [gate | up] -> (T, I); on CPU one fused kernel
-    (:mod:`pagedllm.ops.activation`). Raises ValueError for an unknown activation name."""
+    """``act(gate) * up`` for ``gate_up`` (T, 2I) = [gate | up] -> (T, I). Raises ValueError for an unknown name."""
     out = act_and_mul(gate_up, activation)  # None: the fused kernel does not apply
     if out is not None:
         return out
-    gate, up = gate_up.chunk(2, dim=-1)  # each (T, I)
+    gate, up = gate_up.chunk(2, dim=-1)
     return get_activation(activation)(gate) * up

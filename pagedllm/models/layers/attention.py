@@ -1,6 +1,6 @@
-"""The self-attention block of a decoder layer: fused q/k/v projection, optional per-head q/k
-norm (Qwen 3, Gemma 3), rotary embedding, paged attention, output projection. Family
-differences are arguments; on CPU q/k norm and rotation are one fused kernel (:mod:`pagedllm.ops.rotary`)."""
+"""The self-attention block of a decoder layer: fused q/k/v projection, optional per-head q/k norm, rotary
+embedding, paged attention, output projection (on CPU q/k norm and rotation are one kernel,
+:mod:`pagedllm.ops.rotary`)."""
 
 from __future__ import annotations
 
@@ -17,15 +17,9 @@ from pagedllm.ops.rotary import rope_qk
 
 
 class SelfAttention(nn.Module):
-    """Grouped-query self-attention over the paged KV cache.
-
-    Args:
-        hidden_size, num_heads, num_kv_heads, head_dim: the model's shapes (this rank's heads under
-            tensor parallelism; ``o_proj`` sums the ranks' outputs).
-        backend: the runner's attention backend; scale: default ``head_dim ** -0.5``.
-        qk_norm: ``cls(head_dim, eps)`` applied per head of q and k before the rotation, or None.
-        sliding_window, logit_soft_cap: see :class:`~pagedllm.attention.backend.AttentionImpl`.
-        rope_key: which of the model's rotary tables this layer uses (Gemma 3: per layer type)."""
+    """Grouped-query self-attention over the paged KV cache; shapes are this rank's heads under tensor
+    parallelism. ``qk_norm``: ``cls(head_dim, eps)`` per head of q and k before the rotation, or None;
+    ``rope_key``: which of the model's rotary tables this layer uses (Gemma 3: per layer type)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  backend: AttentionBackend, *, scale: float | None = None, qkv_bias: bool = False,
@@ -35,7 +29,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(hidden_size, num_heads, num_kv_heads, head_dim, bias=qkv_bias)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=o_bias)
-        num_heads, num_kv_heads = heads_per_rank(num_heads, num_kv_heads)  # this rank's
+        num_heads, num_kv_heads = heads_per_rank(num_heads, num_kv_heads)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
@@ -48,21 +42,20 @@ class SelfAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         """hidden (T, hidden), cos_sin (T, 2, rotary_dim) -> (T, hidden)."""
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj.forward(hidden)  # (T, q_size + 2 * kv_size)
+        qkv = self.qkv_proj.forward(hidden)
         q, k, v = self._rotated_q_k_v(qkv, cos_sin)
-        out = self.attn.forward(q, k, v)  # (T, heads, head_dim)
-        return self.o_proj.forward(out.reshape(num_tokens, self.q_size))  # (T, hidden)
+        out = self.attn.forward(q, k, v)
+        return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
 
     def _rotated_q_k_v(self, qkv: torch.Tensor, cos_sin: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (T, heads, head_dim), k and v (T, kv_heads, head_dim) of the projection output, q and k
-        normed (when the family has q/k norms) and rotated."""
+        """q (T, heads, head_dim), k and v (T, kv_heads, head_dim), q and k normed and rotated."""
         num_tokens = qkv.shape[0]
         norm = self.q_norm
         q = rope_qk(qkv, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim,
                     None if norm is None else norm.weight, None if norm is None else self.k_norm.weight,
                     0.0 if norm is None else norm.eps, norm is not None and norm.gemma_convention)
-        heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)  # (T, all heads, hd)
+        heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         if q is not None:  # the fused kernel rotated k in place in qkv
             _, k, v = heads.split_with_sizes([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
             return q, k, v
@@ -70,14 +63,13 @@ class SelfAttention(nn.Module):
         return q, k, heads[:, self.num_heads + self.num_kv_heads:]  # v: (T, kv_heads, hd)
 
     def _rotated_q_k_torch(self, qkv: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The torch code of the fused kernel: q (T, heads, head_dim) and k (T, kv_heads, head_dim),
-        normed and rotated, as new tensors (qkv unchanged)."""
+        """The torch code of the fused kernel: q and k normed and rotated, new tensors (qkv unchanged)."""
         num_tokens = qkv.shape[0]
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
-                                                        self.head_dim)  # (T, heads + kv_heads, hd)
+                                                        self.head_dim)
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)  # per-head norm over head_dim
-        qk = RotaryEmbedding.apply(qk, cos_sin)  # q and k rotated in one pass
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        qk = RotaryEmbedding.apply(qk, cos_sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, heads, hd), (T, kv_heads, hd)
         return q, k

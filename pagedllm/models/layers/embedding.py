@@ -11,8 +11,8 @@ from pagedllm.ops import skinny_gemm
 
 
 class VocabEmbedding(nn.Embedding):
-    """ids (T,) int64 -> (T, hidden). With ``scale``, rows are multiplied by it in the model
-    dtype (Gemma multiplies by sqrt(hidden_size) rounded to the dtype, as transformers does)."""
+    """ids (T,) int64 -> (T, hidden); with ``scale`` (Gemma: sqrt(hidden_size) rounded to the dtype, as
+    transformers does) rows are multiplied by it in the model dtype."""
 
     def __init__(self, vocab_size: int, hidden_size: int, scale: float | None = None) -> None:
         super().__init__(vocab_size, hidden_size)
@@ -26,8 +26,7 @@ class VocabEmbedding(nn.Embedding):
 
 
 class LMHead(Linear):
-    """hidden (N, hidden) -> logits (N, vocab) float32 (a bfloat16 head on the skinny GEMM returns its
-    float32 sums). With ``soft_cap`` c: ``c * tanh(logits / c)`` in the model dtype (Gemma 2)."""
+    """hidden (N, hidden) -> logits (N, vocab) float32. ``soft_cap`` c: ``c * tanh(logits / c)`` in the model dtype."""
 
     # its rows are the sampled ones: no oneDNN copy of the (vocab x hidden) weight
     onednn_for_many_rows = False

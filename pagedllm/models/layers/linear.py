@@ -1,5 +1,4 @@
-"""Linear projections: plain, and several projections of one input fused into one matmul
-(:class:`MergedLinear`, whose rows the loader fills per checkpoint tensor via :meth:`~MergedLinear.shard`)."""
+"""Linear projections: plain, and several projections of one input fused into one matmul (:class:`MergedLinear`)."""
 
 from __future__ import annotations
 
@@ -18,25 +17,19 @@ logger = logging.getLogger("pagedllm")
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that can run from a packed copy of its weight on CPU.
-
-    :meth:`pack_for_cpu` packs it for the skinny GEMM (:mod:`pagedllm.ops.skinny_gemm`; inputs of up
-    to ``max_rows`` rows, decode steps) and/or oneDNN (more rows; :func:`cpu_packing` is the rule).
-    The copy lives on the CPU: pack after the model reaches its device. A run-time weight format
-    (:mod:`pagedllm.quantization`) sets ``quant_method``, which then owns the weight and the matmul
-    (vLLM's ``LinearMethod``). ``bf16_math`` (opt-in, float32, AMX only): oneDNN multiplies in
-    bfloat16 and accumulates in float32 for at least :data:`BF16_MATH_MIN_ROWS` rows; greedy outputs can change."""
+    """``nn.Linear`` that can run from a packed copy of its weight on CPU (:meth:`pack_for_cpu`: the skinny
+    GEMM for up to ``max_rows`` rows, oneDNN above). A run-time weight format sets ``quant_method``, which
+    then owns the weight and the matmul (vLLM's ``LinearMethod``). ``bf16_math`` (opt-in, float32, AMX):
+    oneDNN multiplies in bfloat16 and accumulates in float32; greedy outputs can change."""
 
     packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout
     skinny_weight: skinny_gemm.SkinnyWeight | None = None
     quant_method = None  # a pagedllm.quantization.LinearMethod, or None for a float weight
-    bf16_math = False  # see pack_for_cpu
-    # float32 rows above the skinny GEMM's MAX_ROWS from a oneDNN copy where fp32_rows_use_onednn();
-    # False for layers that rarely see that many rows (the LM head: its rows are the sampled ones)
+    bf16_math = False
+    # False for layers that rarely see more rows than MAX_ROWS (the LM head: its rows are the sampled ones)
     onednn_for_many_rows = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (T, in_features) -> (T, out_features)."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
         if x.requires_grad and torch.is_grad_enabled():
@@ -51,8 +44,7 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def skinny_for(self, x: torch.Tensor) -> skinny_gemm.SkinnyWeight | None:
-        """The skinny GEMM weight that runs ``x`` (2-D, contiguous rows, at most ``max_rows``, its dtype,
-        no grad), or None (oneDNN or ``F.linear`` does)."""
+        """The skinny GEMM weight that runs ``x``, or None (oneDNN or ``F.linear`` does)."""
         skinny = self.skinny_weight
         if skinny is not None and x.shape[0] <= skinny.max_rows and x.dtype == skinny.dtype \
                 and x.dim() == 2 and x.stride(1) == 1 and not (x.requires_grad and torch.is_grad_enabled()):
@@ -60,12 +52,8 @@ class Linear(nn.Linear):
         return None
 
     def pack_for_cpu(self, batch_hint: int, bf16_math: bool = False) -> bool:
-        """Pack the weight for the skinny GEMM or oneDNN (CPU, float32/bfloat16); returns whether it did.
-
-        The copies are extra memory and do not follow later edits of ``self.weight``: pack again
-        after changing weights (recorded CPU decode graphs are dropped, :func:`packing_generation`).
-        ``batch_hint``: the row count oneDNN's layout is chosen for."""
-        self.unpack()  # (counts as a packing change: see packing_generation)
+        """Pack the weight for the skinny GEMM or oneDNN (CPU); returns whether it did (again after edits)."""
+        self.unpack()  # counts as a packing change (packing_generation)
         w = getattr(self, "weight", None)
         if w is None or self.quant_method is not None or w.device.type != "cpu":
             return False
@@ -75,18 +63,16 @@ class Linear(nn.Linear):
         if plan.onednn:
             try:
                 self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
-            except (RuntimeError, AttributeError):  # a torch build without this private op: stay plain
+            except (RuntimeError, AttributeError):  # a torch build without this private op
                 self.packed_weight = None
         self.bf16_math = plan.bf16_math and self.packed_weight is not None
         return self.is_packed
 
     @property
     def is_packed(self) -> bool:
-        """Whether forward runs from a packed copy (:meth:`pack_for_cpu`)."""
         return self.packed_weight is not None or self.skinny_weight is not None
 
     def unpack(self) -> None:
-        """Back to the plain ``F.linear`` path."""
         global _packing_generation
         _packing_generation += 1
         self.packed_weight = None
@@ -96,22 +82,20 @@ class Linear(nn.Linear):
 
 @dataclass(frozen=True)
 class CpuPacking:
-    """The copies :meth:`Linear.pack_for_cpu` keeps of one CPU weight (see :func:`cpu_packing`)."""
 
-    skinny: bool  # a skinny GEMM copy for decode rows
-    onednn: bool  # oneDNN's blocked copy (prefill rows, bf16_math, or everything without the skinny GEMM)
-    bf16_math: bool  # the opt-in float32-as-bfloat16 matmuls (oneDNN copy only)
+    skinny: bool
+    onednn: bool
+    bf16_math: bool
 
 
 def cpu_packing(dtype: torch.dtype, in_features: int, bf16_math: bool = False,
                 onednn_for_many_rows: bool = True) -> CpuPacking:
-    """Which packed copies :meth:`Linear.pack_for_cpu` makes here for a weight of ``dtype``: the one
-    rule the packing and the capacity plan (:func:`cpu_packed_copy_bytes`) share."""
+    """Which packed copies :meth:`Linear.pack_for_cpu` makes for a weight of ``dtype``."""
     if dtype not in (torch.float32, torch.bfloat16):
         return CpuPacking(False, False, False)
-    bf16_math = bf16_math and dtype == torch.float32 and bf16_math_supported()  # refused: float32 as usual
+    bf16_math = bf16_math and dtype == torch.float32 and bf16_math_supported()
     skinny = not bf16_math and skinny_gemm.packs(dtype, in_features)
-    # float32 without oneDNN's copy: F.linear takes the rows above MAX_ROWS (as fast as oneDNN here, or rare)
+    # float32 without oneDNN's copy: F.linear takes the rows above MAX_ROWS
     skinny_alone = skinny and dtype == torch.float32 and not (onednn_for_many_rows and fp32_rows_use_onednn())
     onednn = onednn_packs(dtype) and not skinny_alone
     return CpuPacking(skinny, onednn, bf16_math and onednn)
@@ -129,34 +113,30 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 def cpu_packed_copy_bytes(out_features: int, in_features: int, dtype: torch.dtype, bias: bool = False,
                           onednn_for_many_rows: bool = True) -> int:
-    """Bytes :meth:`Linear.pack_for_cpu` would add here next to an ``(out_features, in_features)``
-    weight of ``dtype``, without packing (``pagedllm plan``)."""
+    """Bytes :meth:`Linear.pack_for_cpu` would add for an ``(out_features, in_features)`` weight of ``dtype``."""
     plan = cpu_packing(dtype, in_features, onednn_for_many_rows=onednn_for_many_rows)
     elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 0
-    total = out_features * in_features * elem if plan.onednn else 0  # oneDNN's blocked layout: no padding
+    total = out_features * in_features * elem if plan.onednn else 0
     if plan.skinny:
         total += skinny_gemm.packed_nbytes(out_features, in_features, dtype, bias)
     return total
 
 
-_packing_generation = 0  # bumped by every Linear.unpack (so by every pack_for_cpu too)
+_packing_generation = 0  # bumped by every Linear.unpack
 
 
 def packing_generation() -> int:
-    """Changes whenever any :class:`Linear` is packed or unpacked: what was recorded against the
-    packed copies (:mod:`pagedllm.worker.cpu_graph`) is stale once it differs."""
+    """Changes whenever any :class:`Linear` is packed or unpacked (recorded CPU graphs are then stale)."""
     return _packing_generation
 
 
-PACKED_LINEAR_ENV = envs.CPU_PACKED_LINEAR.name  # planner.py reads it
+PACKED_LINEAR_ENV = envs.CPU_PACKED_LINEAR.name
 
 
 @functools.lru_cache(maxsize=None)
 def fp32_rows_use_onednn() -> bool:
-    """Whether float32 linears of more rows than the skinny GEMM takes run from a oneDNN packed copy
-    instead of ``F.linear`` (MKL takes AVX2 paths on non-Intel CPUs; ``benchmarks/linear_kernels.py``).
-    ``PAGEDLLM_CPU_FP32_PREFILL_LINEAR``: auto (non-Intel CPUs), onednn, blas. Read once per process;
-    raises ValueError for another value."""
+    """Whether float32 linears above the skinny GEMM's rows run from a oneDNN copy (MKL takes AVX2 paths on
+    non-Intel CPUs). ``PAGEDLLM_CPU_FP32_PREFILL_LINEAR``: auto, onednn, blas; ValueError for another value."""
     value = envs.cpu_fp32_prefill_linear()
     if value != "auto":
         return value == "onednn"
@@ -164,7 +144,7 @@ def fp32_rows_use_onednn() -> bool:
 
 
 def cpu_vendor() -> str:
-    """The CPU vendor string (``GenuineIntel``, ``AuthenticAMD``, ...) from /proc/cpuinfo, or ``""``."""
+    """The CPU vendor string (``GenuineIntel``, ...) from /proc/cpuinfo, or ``""``."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -179,8 +159,7 @@ _warned_no_amx: list[bool] = []
 
 
 def bf16_math_supported() -> bool:
-    """Whether this CPU has AMX tiles, where oneDNN's bfloat16 math for float32 linears rounds x and
-    the weight to bfloat16 and sums in float32 (``Linear.bf16_math``). Warns once where it does not."""
+    """Whether this CPU has AMX tiles (``Linear.bf16_math``). Warns once where it does not."""
     is_amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     if not is_amx and not _warned_no_amx:
         _warned_no_amx.append(True)
@@ -193,8 +172,7 @@ BF16_MATH_MIN_ROWS = 16
 
 
 def _packed_linear_bf16_math(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's packed float32 linear with bfloat16 math allowed for this call only (the
-    setting is process-wide in torch; the previous value is restored)."""
+    """oneDNN's packed float32 linear with bfloat16 math for this call only (torch's setting is process-wide)."""
     knob = torch.backends.mkldnn.matmul
     previous = knob.fp32_precision
     knob.fp32_precision = "bf16"
@@ -205,28 +183,25 @@ def _packed_linear_bf16_math(x: torch.Tensor, packed: torch.Tensor, bias: torch.
 
 
 class MergedLinear(Linear):
-    """Projections of one input stacked on the output axis (``output_sizes`` rows each, in order):
-    ``forward`` returns (T, sum(output_sizes))."""
+    """Projections of one input stacked on the output axis: ``forward`` returns (T, sum(output_sizes))."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
         super().__init__(in_features, sum(output_sizes), bias=bias)
         self.output_sizes = list(output_sizes)
 
     def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
-        """The rows of projection ``index`` inside ``param`` (this module's weight or bias), a view."""
+        """The rows of projection ``index`` inside ``param`` (weight or bias), a view."""
         offset = sum(self.output_sizes[:index])
         return param.narrow(0, offset, self.output_sizes[index])
 
 
 def pack_linears_for_cpu(module: nn.Module, batch_hint: int = 64, bf16_math: bool = False) -> int:
-    """Prepack every :class:`Linear` under ``module`` for oneDNN; returns how many were packed.
-    ``bf16_math``: see :meth:`Linear.pack_for_cpu`."""
+    """Prepack every :class:`Linear` under ``module`` for oneDNN; returns how many were packed."""
     return sum(m.pack_for_cpu(batch_hint, bf16_math) for m in module.modules() if isinstance(m, Linear))
 
 
 def packed_copy_bytes(module: nn.Module) -> int:
-    """Bytes of the packed weight copies (skinny GEMM and oneDNN) every :class:`Linear` under
-    ``module`` holds next to its parameters (memory the parameters' count leaves out)."""
+    """Bytes of the packed weight copies every :class:`Linear` under ``module`` holds next to its parameters."""
     total = 0
     for m in module.modules():
         if isinstance(m, Linear):
@@ -238,7 +213,6 @@ def packed_copy_bytes(module: nn.Module) -> int:
 
 
 def unpack_linears(module: nn.Module) -> None:
-    """Undo :func:`pack_linears_for_cpu`."""
     for m in module.modules():
         if isinstance(m, Linear):
             m.unpack()

@@ -15,11 +15,11 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False) -> None:
         super().__init__()
-        self.act = get_activation(activation)  # validates the name
+        self.act = get_activation(activation)
         self.activation = activation
         self.intermediate_size = intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(gated_activation(self.gate_up_proj.forward(x), self.activation))  # via (T, I)
+        return self.down_proj.forward(gated_activation(self.gate_up_proj.forward(x), self.activation))

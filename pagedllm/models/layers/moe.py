@@ -1,11 +1,7 @@
-"""Mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE): a router and gated experts.
-
-Top-k routing (Shazeer et al., 2017; Jiang et al., 2024): softmax over all experts in float32,
-the ``top_k`` largest kept and, with ``renormalize``, divided by their sum. Experts run only
-on their routed tokens, sorted by expert once (a loop over experts, never tokens). Parameters in
-transformers' fused layout: ``experts.gate_up_proj`` (E, 2I, H), gate rows first,
-``experts.down_proj`` (E, H, I), ``gate.weight`` (E, H). Tensor parallelism splits every
-expert's I over the ranks (vLLM's ``FusedMoE``) and all-reduces the output; the router is replicated."""
+"""Mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE): top-k routing (Shazeer et al., 2017), softmax
+in float32, optionally renormalized; experts run on their routed tokens, sorted by expert once. Parameters
+in transformers' fused layout: ``experts.gate_up_proj`` (E, 2I, H), gate rows first, ``experts.down_proj``
+(E, H, I). Tensor parallelism splits every expert's I (vLLM's ``FusedMoE``); the router is replicated."""
 
 from __future__ import annotations
 
@@ -20,17 +16,15 @@ from pagedllm.distributed.parallel_state import get_tensor_parallel_rank, get_te
 from pagedllm.models.layers.activation import gated_activation, get_activation
 from pagedllm.models.layers.linear import Linear
 
-# per-expert checkpoint names -> (fused parameter, which half of gate_up_proj or None)
 _EXPERT_PARTS = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0),
                  "w3": ("gate_up_proj", 1), "up_proj": ("gate_up_proj", 1),
                  "w2": ("down_proj", None), "down_proj": ("down_proj", None)}
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits (T, num_experts) -> weights (T, top_k) float32 and expert ids (T, top_k) int64,
-    in descending weight."""
+    """router_logits (T, num_experts) -> weights (T, top_k) float32, expert ids (T, top_k) int64."""
     probs = torch.softmax(router_logits.float(), dim=-1)  # (T, E)
-    weights, ids = torch.topk(probs, top_k, dim=-1)  # (T, k)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
@@ -46,15 +40,14 @@ class MoEExperts(nn.Module):
         if intermediate_size % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide the experts' intermediate size {intermediate_size}")
         self.num_experts, self.full_intermediate_size = num_experts, intermediate_size
-        self.intermediate_size = intermediate_size // tp  # this rank's width of every expert
+        self.intermediate_size = intermediate_size // tp
         self.act = get_activation(activation)  # validates the name
         self.activation = activation
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
 
     def expert_weight(self, expert: int, part: str) -> torch.Tensor:
-        """The view of expert ``expert``'s ``part`` (w1/gate_proj, w3/up_proj, w2/down_proj) to copy a
-        checkpoint tensor into. Raises ValueError for an unknown part or expert."""
+        """The view of expert ``expert``'s ``part``. Raises ValueError for an unknown part or expert."""
         if part not in _EXPERT_PARTS or not 0 <= expert < self.num_experts:
             raise ValueError(f"no expert weight {part!r} for expert {expert} (experts 0..{self.num_experts - 1}; "
                              f"parts {', '.join(_EXPERT_PARTS)})")
@@ -63,8 +56,7 @@ class MoEExperts(nn.Module):
         return param if half is None else param.narrow(0, half * self.intermediate_size, self.intermediate_size)
 
     def expert_slice(self, tensor: torch.Tensor, part: str) -> torch.Tensor:
-        """This rank's part of one expert's checkpoint matrix: gate/up (I, H) -> its rows
-        (I/N, H), down (H, I) -> its columns (H, I/N). Raises ValueError for another shape."""
+        """This rank's part of one expert's matrix (gate/up: rows, down: columns); ValueError for another shape."""
         down = _EXPERT_PARTS[part][1] is None
         hidden = self.down_proj.shape[1]
         full = (hidden, self.full_intermediate_size) if down else (self.full_intermediate_size, hidden)
@@ -74,8 +66,7 @@ class MoEExperts(nn.Module):
                              self.intermediate_size)
 
     def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
-        """This rank's part of transformers' fused ``gate_up_proj`` (E, 2I, H) — its rows of
-        the gate half and of the up half — or ``down_proj`` (E, H, I) — its columns."""
+        """This rank's part of the fused ``gate_up_proj`` (E, 2I, H) or ``down_proj`` (E, H, I)."""
         hidden, n, rank = self.down_proj.shape[1], self.intermediate_size, get_tensor_parallel_rank()
         if param_name == "down_proj":
             expected = (self.num_experts, hidden, self.full_intermediate_size)
@@ -89,30 +80,28 @@ class MoEExperts(nn.Module):
         return torch.cat([gate.narrow(1, rank * n, n), up.narrow(1, rank * n, n)], dim=1)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        """x (T, hidden), weights (T, k) float32, expert_ids (T, k) int64 -> (T, hidden):
-        row t is ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``."""
+        """x (T, hidden), weights (T, k) float32, expert_ids (T, k) int64 -> (T, hidden)."""
         top_k = expert_ids.shape[1]
         flat_ids = expert_ids.reshape(-1)  # (T*k,) pair p = token p // k, its (p % k)-th expert
-        order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
-        # host copy of the group sizes: the expert loop needs them (one sync per layer)
+        order = torch.argsort(flat_ids, stable=True)
+        # host copy of the group sizes: one sync per layer
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         tokens = order // top_k  # (T*k,) token of each sorted pair
-        hidden = x.index_select(0, tokens)  # (T*k, hidden): each token once per chosen expert
+        hidden = x.index_select(0, tokens)  # (T*k, hidden)
         out = torch.empty_like(hidden)
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             gate_up = F.linear(hidden[start:start + n], self.gate_up_proj[e])  # (n, 2I)
-            out[start:start + n] = F.linear(gated_activation(gate_up, self.activation), self.down_proj[e])  # (n, hidden)
+            out[start:start + n] = F.linear(gated_activation(gate_up, self.activation), self.down_proj[e])
             start += n
         out = (out.float() * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)  # (T*k, hidden)
-        return torch.zeros_like(x).index_add_(0, tokens, out)  # (T, hidden)
+        return torch.zeros_like(x).index_add_(0, tokens, out)
 
 
 class FusedMoE(nn.Module):
-    """Router (``gate``) + experts: x (T, hidden) -> (T, hidden). Raises ValueError for ``top_k``
-    outside ``1..num_experts`` or an unknown activation."""
+    """Router + experts: x (T, hidden) -> (T, hidden). Raises ValueError for a bad ``top_k`` or activation."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, activation: str,
                  renormalize: bool) -> None:
@@ -120,25 +109,23 @@ class FusedMoE(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..{num_experts} (num_experts), got {top_k}")
         self.top_k, self.renormalize = top_k, renormalize
-        self.gate = Linear(hidden_size, num_experts, bias=False)  # the router
+        self.gate = Linear(hidden_size, num_experts, bias=False)
         self.experts = MoEExperts(num_experts, hidden_size, intermediate_size, activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)  # (T, k) each
-        return all_reduce(self.experts(x, weights, ids))  # tensor parallel: the ranks' partial sums
+        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        return all_reduce(self.experts(x, weights, ids))
 
 
-# (...experts).{e}.{part}.weight: one expert's matrix as checkpoints store it
 _EXPERT_WEIGHT = re.compile(r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.weight")
 
 
 class MoEWeightsMixin:
-    """Weight loading for a family whose MLPs are :class:`FusedMoE` (first among the bases): per-expert
-    ``{experts}.{e}.{part}.weight`` or fused ``gate_up_proj``/``down_proj``; ``module_aliases`` renames
-    a checkpoint's module (Mixtral's ``block_sparse_moe``)."""
+    """Weight loading for a family whose MLPs are :class:`FusedMoE` (first among the bases); ``module_aliases``
+    renames a checkpoint's module (Mixtral's ``block_sparse_moe``)."""
 
     module_aliases: dict[str, str] = {}
-    expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
     def _canonical_name(self, name: str) -> str:
         for old, new in self.module_aliases.items():
@@ -171,7 +158,7 @@ class MoEWeightsMixin:
                 # an expert's matrix counts as given under any of its names (GGUF gives gate_proj...)
                 missing += [f"{path}.{e}.{part}.weight" for e in range(module.num_experts) for part in parts
                             if not any(f"{path}.{e}.{alias}.weight" in loaded for alias in _aliases(part))]
-                loaded.add(f"{path}.{fused}")  # reported per expert, not as the fused parameter
+                loaded.add(f"{path}.{fused}")
         return sorted(super()._missing_weights(modules, loaded) + missing)
 
 

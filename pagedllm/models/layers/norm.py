@@ -1,9 +1,6 @@
-"""RMSNorm (Zhang & Sennrich, 2019) in its two conventions, optionally fused with the residual add.
-
-:class:`RMSNorm` (Llama, Qwen, ...): ``w * normalize(x)``, cast to the model dtype before the
-weight (transformers' LlamaRMSNorm). :class:`GemmaRMSNorm`: ``normalize(x) * (1 + w)`` in float32.
-``forward(x, residual)`` returns ``(normed, x + residual)`` (nano-vllm's layout); on CPU one fused
-kernel (:mod:`pagedllm.ops.norm`) that writes the sum into ``residual`` and the norm into ``x``."""
+"""RMSNorm (Zhang & Sennrich, 2019): :class:`RMSNorm` casts to the model dtype before the weight
+(transformers' LlamaRMSNorm), :class:`GemmaRMSNorm` computes ``normalize(x) * (1 + w)`` in float32.
+``forward(x, residual)`` returns ``(normed, x + residual)``; on CPU one fused kernel, in place."""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ from pagedllm.ops.norm import fused_add_rms_norm_, rms_norm
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x**2) + eps)`` over the last axis, statistics in float32."""
 
-    gemma_convention = False  # the fused kernel's switch between the two conventions
+    gemma_convention = False
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -35,8 +32,8 @@ class RMSNorm(nn.Module):
 
     def add_normed(self, x: torch.Tensor, residual: torch.Tensor,
                    next_norm: "RMSNorm | None" = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """``(next_norm(residual + self(x)) or None, residual + self(x))``, x and residual (T, dim): the
-        residual add after a post-norm (Gemma). On CPU in place like :meth:`forward`."""
+        """``(next_norm(residual + self(x)) or None, residual + self(x))``, x and residual (T, dim): Gemma's
+        post-norm."""
         same = next_norm is None or (next_norm.gemma_convention == self.gemma_convention and next_norm.eps == self.eps)
         if same and fused_add_rms_norm_(x, residual, None if next_norm is None else next_norm.weight, self.eps,
                                         self.gemma_convention, x_weight=self.weight):

@@ -1,9 +1,6 @@
-"""Rotary position embeddings (Su et al., 2021, "RoFormer"), neox style, with the scaling variants.
-
-``default``: ``1 / theta ** (2i / rotary_dim)``; ``linear``, ``dynamic``, ``yarn`` and ``llama3``
-use transformers' ``ROPE_INIT_FUNCTIONS``. ``dynamic`` is evaluated unscaled (a served sequence
-never passes ``max_position_embeddings``); ``longrope`` depends on the whole batch's length, so it
-is refused. Gemma 3's per-layer-type parameters come from ``config.rope_parameters[layer_type]``."""
+"""Rotary position embeddings (Su et al., 2021, "RoFormer"), neox style. ``default``: ``1 / theta **
+(2i / rotary_dim)``; the scaled types use transformers' ``ROPE_INIT_FUNCTIONS`` (``dynamic`` unscaled: a
+served sequence never passes ``max_position_embeddings``); ``longrope`` is refused."""
 
 from __future__ import annotations
 
@@ -16,8 +13,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
 def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
-    """``config``'s rotary parameters (for ``layer_type``) as one dict with ``rope_type`` and
-    ``rope_theta`` (transformers 5's ``rope_parameters`` or 4.x's ``rope_theta``/``rope_scaling``).
+    """``config``'s rotary parameters (for ``layer_type``) as one dict with ``rope_type`` and ``rope_theta``.
     Raises ValueError for a rope type not in :data:`SUPPORTED_ROPE_TYPES`."""
     params = getattr(config, "rope_parameters", None)
     if params and layer_type is not None and isinstance(params.get(layer_type), dict):
@@ -51,10 +47,8 @@ def rope_inv_freq(config: Any, head_dim: int, layer_type: str | None = None) -> 
 
 
 class RotaryEmbedding(nn.Module):
-    """The cos/sin table ``cos_sin`` (max_positions, 2, rotary_dim) in the model dtype, row p
-    ``cat(cos, cos)`` and ``cat(-sin, sin)`` of ``p * inv_freq``: rotating is
-    ``x * cos + roll(x, rotary_dim / 2) * sin`` (transformers' ``rotate_half``) on the first
-    ``rotary_dim`` features of each head."""
+    """The cos/sin table ``cos_sin`` (max_positions, 2, rotary_dim) in the model dtype, row p ``cat(cos, cos)``
+    and ``cat(-sin, sin)`` of ``p * inv_freq`` (transformers' ``rotate_half`` on the first ``rotary_dim`` features)."""
 
     def __init__(self, inv_freq: torch.Tensor, attention_factor: float, max_positions: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -69,7 +63,6 @@ class RotaryEmbedding(nn.Module):
     @classmethod
     def from_config(cls, config: Any, head_dim: int, max_positions: int, dtype: torch.dtype, device: torch.device,
                     layer_type: str | None = None) -> "RotaryEmbedding":
-        """The table for ``config`` (and ``layer_type``); see :func:`rope_inv_freq`."""
         inv_freq, attention_factor = rope_inv_freq(config, head_dim, layer_type)
         return cls(inv_freq, attention_factor, max_positions, dtype, device)
 
@@ -85,5 +78,5 @@ class RotaryEmbedding(nn.Module):
             rot, rest = x.split([rotary_dim, x.shape[-1] - rotary_dim], dim=-1)
             return torch.cat([RotaryEmbedding.apply(rot, cos_sin), rest], dim=-1)
         cos, sin = cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)  # (T, 1, rotary_dim)
-        rotated = torch.roll(x, rotary_dim // 2, dims=-1)  # (T, num_heads, head_dim): cat(x2, x1)
+        rotated = torch.roll(x, rotary_dim // 2, dims=-1)  # cat(x2, x1)
         return torch.addcmul(x * cos, rotated, sin)

@@ -1,10 +1,6 @@
-"""Tensor-parallel linear and embedding layers (Megatron-LM, Shoeybi et al., 2019); the plain layer when N == 1.
-
-Column-parallel (:class:`QKVParallelLinear`, :class:`MergedColumnParallelLinear`): each rank
-holds its rows (its heads; KV heads replicated when fewer than N), no communication.
-Row-parallel (:class:`RowParallelLinear`): its input columns, one all-reduce, the bias on rank 0.
-:class:`VocabParallelEmbedding` / :class:`ParallelLMHead`: ``ceil(vocab / N)`` rows per rank.
-The loader asks each layer for its rows of a checkpoint tensor (``checkpoint_slice``)."""
+"""Tensor-parallel linear and embedding layers (Megatron-LM, Shoeybi et al., 2019); the plain layer when
+N == 1. Column-parallel layers hold their rows (KV heads replicated when fewer than N); row-parallel ones
+their input columns, one all-reduce, the bias on rank 0; vocabulary layers ``ceil(vocab / N)`` rows."""
 
 from __future__ import annotations
 
@@ -33,14 +29,13 @@ def _split(size: int, what: str) -> int:
 
 
 class _MergedColumnParallel(MergedLinear):
-    """Shared loading logic: ``ranges[i]`` is (first row, rows) of this rank's part of projection i."""
 
     full_sizes: list[int]
     ranges: list[tuple[int, int]]
 
     def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
-        """This rank's rows of projection ``shard`` (``q_proj``, ...), or with ``shard=None`` of the fused
-        tensor (Phi-3's ``qkv_proj``). Raises ValueError for a tensor not of the projection's shape."""
+        """This rank's rows of projection ``shard`` (``None``: the fused tensor). Raises ValueError for another
+        shape."""
         param = getattr(self, param_name)
         _check_shape(tensor, param, 0, sum(self.full_sizes) if shard is None else self.full_sizes[shard])
         if shard is not None:
@@ -51,8 +46,8 @@ class _MergedColumnParallel(MergedLinear):
 
 
 class MergedColumnParallelLinear(_MergedColumnParallel):
-    """gate/up stacked, each split by rows: x (T, in_features) -> (T, sum(output_sizes) / N).
-    Raises ValueError when N does not divide an output size."""
+    """gate/up stacked, each split by rows: x (T, in) -> (T, sum(output_sizes) / N); ValueError when N does not
+    divide."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
         local = [_split(size, "output features of a column-parallel projection") for size in output_sizes]
@@ -80,10 +75,10 @@ class QKVParallelLinear(_MergedColumnParallel):
 
 
 class RowParallelLinear(Linear):
-    """x (T, in_features / N) -> (T, out_features), summed over the ranks (bias on rank 0 only).
-    Raises ValueError when N does not divide in_features."""
+    """x (T, in_features / N) -> (T, out_features), summed over the ranks; ValueError when N does not divide
+    in_features."""
 
-    # a weight format whose scale spans a whole output row (per-channel int8) reads it across the ranks
+    # a scale spanning a whole output row (per-channel int8) reads it across the ranks
     input_is_parallel = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -93,13 +88,13 @@ class RowParallelLinear(Linear):
         return all_reduce(super().forward(x))
 
     def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
-        """weight (out, in) -> this rank's columns (out, in / N); bias -> itself on rank 0, zeros elsewhere.
-        Raises ValueError for a tensor of another shape."""
+        """weight (out, in) -> this rank's columns (out, in / N); bias on rank 0, zeros elsewhere; ValueError
+        otherwise."""
         param = getattr(self, param_name)
         _check_shape(tensor, param, -1, param.shape[-1] * (get_tensor_parallel_size() if param.dim() == 2 else 1))
         if param_name == "bias":
             return tensor if get_tensor_parallel_rank() == 0 else torch.zeros_like(tensor)
-        cols = param.shape[-1]  # this rank's stored width: in / N, or packed bytes of a kept-quantized weight
+        cols = param.shape[-1]  # in / N, or packed bytes of a kept-quantized weight
         return tensor.narrow(1, get_tensor_parallel_rank() * cols, cols)
 
 
@@ -114,8 +109,7 @@ class _VocabShard:
         self.end = min(self.start + self.padded_rows, vocab_size)
 
     def slice(self, tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        """Rows ``[start, end)`` of a (vocab, hidden) checkpoint tensor, zero-padded to ``padded_rows``.
-        Raises ValueError for another shape."""
+        """Rows ``[start, end)`` of a (vocab, hidden) tensor, zero-padded. Raises ValueError for another shape."""
         _check_shape(tensor, param, 0, self.vocab_size)
         rows = tensor.narrow(0, self.start, self.end - self.start)
         if rows.shape[0] == self.padded_rows:
@@ -124,8 +118,7 @@ class _VocabShard:
 
 
 class VocabParallelEmbedding(VocabEmbedding):
-    """ids (T,) int64 -> (T, hidden); this rank holds rows ``[start, end)`` of the vocabulary
-    (``ceil(vocab / N)`` rows, zero-padded on the last rank)."""
+    """ids (T,) int64 -> (T, hidden); this rank holds rows ``[start, end)`` of the vocabulary."""
 
     def __init__(self, vocab_size: int, hidden_size: int, scale: float | None = None) -> None:
         self.vocab_shard = _VocabShard(vocab_size)
@@ -134,7 +127,7 @@ class VocabParallelEmbedding(VocabEmbedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if get_tensor_parallel_size() == 1:
             return super().forward(input_ids)
-        mine = (input_ids >= self.vocab_shard.start) & (input_ids < self.vocab_shard.end)  # (T,) bool
+        mine = (input_ids >= self.vocab_shard.start) & (input_ids < self.vocab_shard.end)
         local = torch.where(mine, input_ids - self.vocab_shard.start, 0)
         out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)  # other ranks' rows: 0
         out = all_reduce(out)
@@ -147,8 +140,7 @@ class VocabParallelEmbedding(VocabEmbedding):
 
 
 class ParallelLMHead(LMHead):
-    """hidden (R, hidden) -> logits (R, vocab) float32 for the rows passed in (the sampled ones):
-    vocabulary columns all-gathered, padding dropped, then the optional soft cap."""
+    """hidden (R, hidden) -> logits (R, vocab) float32: columns all-gathered, padding dropped, then the soft cap."""
 
     def __init__(self, hidden_size: int, vocab_size: int, soft_cap: float | None = None) -> None:
         self.vocab_shard = _VocabShard(vocab_size)
