@@ -3,6 +3,7 @@ server around it, for the Responses and Messages protocol tests."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -77,10 +78,13 @@ class ScriptedEngine(FakeEngine):
             self._texts.pop(out.request_id, None)
 
 
-def scripted_server(**kwargs):
-    """A server thread on a fresh ScriptedEngine (``kwargs`` go to FakeEngine, ``app_*`` to build_app)."""
+def scripted_server(reasoning_parser: str | None = None, **kwargs):
+    """A server thread on a fresh ScriptedEngine (``kwargs`` go to FakeEngine, ``app_*`` to build_app) with
+    ``--reasoning-parser`` ``reasoning_parser``."""
     app_kwargs = {k[4:]: kwargs.pop(k) for k in list(kwargs) if k.startswith("app_")}
-    return make_server(ScriptedEngine(**{"max_model_len": 512, **kwargs}), **app_kwargs)
+    fake = ScriptedEngine(**{"max_model_len": 512, **kwargs})
+    fake.config = dataclasses.replace(fake.config, reasoning_parser=reasoning_parser)
+    return make_server(fake, **app_kwargs)
 
 
 def sse_typed_events(text: str) -> list[tuple[str, dict]]:

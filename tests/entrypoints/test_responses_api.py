@@ -195,7 +195,6 @@ def test_store_off_refuses_previous_response_id():
     ({}, "input"),
     ({"input": ""}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
     ({"input": [{"type": "function_call", "call_id": "c"}]}, "input"),
     ({"input": [{"role": "wizard", "content": "hi"}]}, "input"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
@@ -331,3 +330,71 @@ def test_cancel_a_blocking_response_answers_cancelled():
         t.join(5)
         assert result["r"].json()["status"] == "cancelled"
         wait_until_free(fake, c)
+
+
+THOUGHT = "<think>why</think>answer"
+
+
+@pytest.fixture(scope="module")
+def reasoning_served():
+    srv, fake = scripted_server(reasoning_parser="qwen3")
+    with srv:
+        srv.fake = fake
+        yield srv
+
+
+def test_reasoning_item_before_the_message_with_its_tokens(reasoning_served):
+    with httpx.Client(base_url=reasoning_served.url, timeout=10) as c:
+        body = create(c, reasoning_served.fake, THOUGHT, input="hi")
+        rid = body["id"][5:]
+        assert body["output"] == [
+            {"type": "reasoning", "id": f"rs_{rid}_0", "summary": [], "status": "completed",
+             "content": [{"type": "reasoning_text", "text": "why"}]},
+            {"type": "message", "id": f"msg_{rid}_1", "status": "completed", "role": "assistant",
+             "content": [{"type": "output_text", "text": "answer", "annotations": [], "logprobs": []}]}]
+        assert body["usage"]["output_tokens"] == len(THOUGHT)
+        assert body["usage"]["output_tokens_details"] == {"reasoning_tokens": len("why")}
+        # the reasoning item sent back is skipped; the continuation sees the answer only
+        create(c, reasoning_served.fake, "ok", previous_response_id=body["id"],
+               input=[body["output"][0], {"role": "user", "content": "more"}])
+        assert reasoning_served.fake.conversations[-1] == [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "answer"},
+            {"role": "user", "content": "more"}]
+
+
+def test_stream_reasoning_events_then_text_events(reasoning_served):
+    reasoning_served.fake.script = [THOUGHT]
+    with httpx.Client(base_url=reasoning_served.url, timeout=10) as c:
+        events = sse_typed_events(c.post("/v1/responses", json={"input": "hi", "stream": True}).text)
+    assert [n for n, _ in events] == (
+        ["response.created", "response.in_progress", "response.output_item.added",
+         *["response.reasoning_text.delta"] * 3, "response.reasoning_text.done", "response.output_item.done"]
+        + TEXT_EVENTS[2:4] + ["response.output_text.delta"] * 6 + TEXT_EVENTS[-4:])
+    rs_id = events[2][1]["item"]["id"]
+    assert events[2][1]["item"] == {"type": "reasoning", "id": rs_id, "summary": [], "content": [],
+                                    "status": "in_progress"}
+    assert [d["delta"] for n, d in events if n == "response.reasoning_text.delta"] == ["w", "h", "y"]
+    assert all((d["item_id"], d["output_index"], d["content_index"]) == (rs_id, 0, 0) for _, d in events[3:7])
+    assert events[6][1]["text"] == "why" and events[7][1]["output_index"] == 0
+    assert events[7][1]["item"]["content"] == [{"type": "reasoning_text", "text": "why"}]
+    assert events[7][1]["item"]["status"] == "completed" and events[8][1]["output_index"] == 1
+    assert "".join(d["delta"] for n, d in events if n == "response.output_text.delta") == "answer"
+    final = events[-1][1]["response"]
+    assert [o["type"] for o in final["output"]] == ["reasoning", "message"]
+    assert final["output"][0]["id"] == rs_id and final["usage"]["output_tokens_details"]["reasoning_tokens"] == 3
+
+
+def test_openai_sdk_parses_the_reasoning_item(reasoning_served):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{reasoning_served.url}/v1", api_key="x")
+    reasoning_served.fake.script = [THOUGHT]
+    resp = client.responses.create(model=MODEL, input="hi")
+    assert [type(o).__name__ for o in resp.output] == ["ResponseReasoningItem", "ResponseOutputMessage"]
+    assert resp.output[0].content[0].text == "why" and resp.output_text == "answer"
+    assert resp.usage.output_tokens_details.reasoning_tokens == 3
+    reasoning_served.fake.script = [THOUGHT]
+    with client.responses.stream(model=MODEL, input="hi") as stream:
+        kinds = [type(e).__name__ for e in stream]
+        final = stream.get_final_response()
+    assert kinds.count("ResponseReasoningTextDeltaEvent") == 3 and "ResponseReasoningTextDoneEvent" in kinds
+    assert [o.type for o in final.output] == ["reasoning", "message"]

@@ -1,8 +1,8 @@
-"""A chat output as ordered parts (its text, then each tool call), finished or streamed.
+"""A chat output as ordered parts (its reasoning, its text, then each tool call), finished or streamed.
 
 The Responses and Messages APIs both present an answer as a list of parts (output items, content blocks);
-this is the one place that turns the chat path's ``(content, tool_calls)`` into them. A stream yields
-``open`` / ``delta`` / ``close`` events per part, in order, one part open at a time.
+this is the one place that turns the chat path's ``(reasoning, content, tool_calls)`` into them. A stream
+yields ``open`` / ``delta`` / ``close`` events per part, in order, one part open at a time.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pagedllm.entrypoints.openai.tools import DeltaToolCallItem, ToolCallItem
 
 @dataclass
 class Part:
-    kind: str  # "text" or "call"
-    text: str = ""  # the text, or a call's JSON arguments
+    kind: str  # "reasoning", "text" or "call"
+    text: str = ""  # the reasoning or text, or a call's JSON arguments
     call_id: str | None = None
     name: str | None = None
 
@@ -29,9 +29,9 @@ class PartEvent:
     delta: str = ""
 
 
-def parts_of(content: str | None, tool_calls: Iterable[ToolCallItem]) -> list[Part]:
+def parts_of(content: str | None, tool_calls: Iterable[ToolCallItem], reasoning: str | None = None) -> list[Part]:
     """The parts of a finished choice."""
-    parts = [Part("text", content)] if content else []
+    parts = ([Part("reasoning", reasoning)] if reasoning else []) + ([Part("text", content)] if content else [])
     return parts + [Part("call", c.function.arguments, c.id, c.function.name) for c in tool_calls]
 
 
@@ -42,18 +42,21 @@ class PartStream:
         self.parts: list[Part] = []
         self._is_open = False
 
-    def feed(self, content: str | None, tool_calls: list[DeltaToolCallItem] | None) -> list[PartEvent]:
-        events: list[PartEvent] = []
-        if content:
-            if not self._is_open or self.parts[-1].kind != "text":
-                events += self._open(Part("text"))
-            events.append(self._extend(content))
+    def feed(self, content: str | None, tool_calls: list[DeltaToolCallItem] | None,
+             reasoning: str | None = None) -> list[PartEvent]:
+        events = self._feed_text("reasoning", reasoning) + self._feed_text("text", content)
         for piece in tool_calls or ():
             if piece.id is not None:
                 events += self._open(Part("call", call_id=piece.id, name=piece.function.name))
             if piece.function.arguments and self._is_open:
                 events.append(self._extend(piece.function.arguments))
         return events
+
+    def _feed_text(self, kind: str, text: str | None) -> list[PartEvent]:
+        if not text:
+            return []
+        events = [] if self._is_open and self.parts[-1].kind == kind else self._open(Part(kind))
+        return events + [self._extend(text)]
 
     def finish(self) -> list[PartEvent]:
         """Close the open part (at the end of the output)."""

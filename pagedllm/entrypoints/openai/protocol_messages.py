@@ -21,7 +21,7 @@ class _Conversation(_RequestBase):
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None  # accepted: the model does not think (no thinking blocks)
+    thinking: dict[str, Any] | None = None  # enabled or adaptive: the reasoning comes back as a thinking block
 
 
 class CountTokensRequest(_Conversation):
@@ -51,6 +51,12 @@ class TextBlock(OpenAIBase):
     text: str
 
 
+class ThinkingBlock(OpenAIBase):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""  # nothing signs a local model's reasoning
+
+
 class ToolUseBlock(OpenAIBase):
     type: Literal["tool_use"] = "tool_use"
     id: str
@@ -70,7 +76,7 @@ class MessagesResponse(OpenAIBase):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextBlock | ToolUseBlock]
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock]
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None = None
     stop_sequence: str | None = None
     usage: AnthropicUsage

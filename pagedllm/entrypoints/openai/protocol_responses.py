@@ -17,7 +17,7 @@ class ResponsesRequest(_RequestBase):
     model: str | None = None
     input: NonEmptyStr | Annotated[list[dict[str, Any]], Field(min_length=1)] | None = Field(
         None, description="A user message, or a list of items: messages (text parts), function_call, "
-                          "function_call_output. Needed unless previous_response_id is given.")
+                          "function_call_output, reasoning (skipped). Needed unless previous_response_id is given.")
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, strict=True)
@@ -35,7 +35,7 @@ class ResponsesRequest(_RequestBase):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None  # prefix caching needs no key
-    reasoning: dict[str, Any] | None = None  # accepted: the model does not reason (no reasoning items)
+    reasoning: dict[str, Any] | None = None  # accepted: effort and summary have no effect
     include: list[str] | None = None
     truncation: Literal["disabled", "auto"] | None = None
     background: StrictBool | None = None
@@ -75,6 +75,19 @@ class FunctionCallItem(OpenAIBase):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
+class ReasoningText(OpenAIBase):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(OpenAIBase):
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
 class InputTokensDetails(OpenAIBase):
     cached_tokens: int = 0
 
@@ -106,7 +119,7 @@ class ResponseObject(OpenAIBase):
     created_at: float = Field(default_factory=time.time)
     model: str
     status: Literal["completed", "failed", "in_progress", "cancelled", "queued", "incomplete"]
-    output: list[OutputMessage | FunctionCallItem] = Field(default_factory=list)
+    output: list[ReasoningItem | OutputMessage | FunctionCallItem] = Field(default_factory=list)
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None

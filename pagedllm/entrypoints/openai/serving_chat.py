@@ -143,7 +143,7 @@ class OpenAIServingChat(OpenAIServing):
         (final,) = await self.collect_final(run.streams)
         return json_response(self._response(req, request_id, created, final, run))
 
-    def _encode(self, text: str) -> list[int]:
+    def encode_text(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text, add_special_tokens=False)
 
     def _with_reasoning_tokens(self, usage: UsageInfo, num_reasoning: int | None) -> UsageInfo:
@@ -167,7 +167,7 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(ChatCompletionChoice(message=message, **self._choice_fields(req, c, finish_reason)))
         num_completion = sum(len(c.token_ids) for c in out.outputs)
         num_reasoning = None if run.reasoning is None else sum(
-            run.reasoning.num_tokens(c.token_ids, c.text, self._encode) for c in out.outputs)
+            run.reasoning.num_tokens(c.token_ids, c.text, self.encode_text) for c in out.outputs)
         usage = make_usage(len(out.prompt_token_ids), num_completion, self.cached_tokens(out.num_cached_tokens),
                            self.story(out))
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
@@ -205,7 +205,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def usage(metrics=None) -> UsageInfo:
             num_prompt, num_cached = (len(last.prompt_token_ids), last.num_cached_tokens) if last else (0, 0)
-            num_reasoning = None if run.reasoning is None else reasoning_stream.num_tokens(self._encode)
+            num_reasoning = None if run.reasoning is None else reasoning_stream.num_tokens(self.encode_text)
             counts = make_usage(num_prompt, num_completion, self.cached_tokens(num_cached), metrics)
             return self._with_reasoning_tokens(counts, num_reasoning)
 

@@ -16,7 +16,9 @@ from pagedllm.entrypoints.openai.errors import APIError, anthropic_error_body
 from pagedllm.entrypoints.openai.output_parts import Part, PartEvent, PartStream, parts_of
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_messages import (
-    AnthropicUsage, CountTokensRequest, CountTokensResponse, MessagesRequest, MessagesResponse, TextBlock, ToolUseBlock)
+    AnthropicUsage, CountTokensRequest, CountTokensResponse, MessagesRequest, MessagesResponse, TextBlock,
+    ThinkingBlock, ToolUseBlock)
+from pagedllm.entrypoints.openai.reasoning import ReasoningStream
 from pagedllm.entrypoints.openai.serving_base import guarded_sse, json_response, log_stream_error
 from pagedllm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 
@@ -24,6 +26,9 @@ from pagedllm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 _PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "output_config",
            "user": "metadata"}
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+_DELTAS = {"reasoning": lambda d: {"type": "thinking_delta", "thinking": d},
+           "text": lambda d: {"type": "text_delta", "text": d},
+           "call": lambda d: {"type": "input_json_delta", "partial_json": d}}
 
 
 def _text(block: dict[str, Any], where: str) -> str:
@@ -115,6 +120,11 @@ def check_thinking(thinking: dict[str, Any] | None) -> None:
         raise APIError(400, "thinking.type must be 'enabled', 'disabled' or 'adaptive'", "thinking")
 
 
+def shows_thinking(req: MessagesRequest) -> bool:
+    """Whether the reasoning comes back as a thinking block (``thinking`` enabled or adaptive)."""
+    return (req.thinking or {}).get("type") in ("enabled", "adaptive")
+
+
 def to_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
     check_thinking(req.thinking)
     messages = _system(req.system) + [m for i, turn in enumerate(req.messages) for m in _turn(i, turn.role,
@@ -138,7 +148,9 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def content_block(part: Part) -> TextBlock | ToolUseBlock:
+def content_block(part: Part) -> ThinkingBlock | TextBlock | ToolUseBlock:
+    if part.kind == "reasoning":
+        return ThinkingBlock(thinking=part.text)
     if part.kind == "text":
         return TextBlock(text=part.text)
     return ToolUseBlock(id=part.call_id, name=part.name, input=_tool_input(part.text))
@@ -170,13 +182,13 @@ class ServingMessages:
         message_id = f"msg_{uuid.uuid4().hex}"
         run = await self.chat.start_translated(lambda: to_chat_request(req), message_id, _PARAMS)
         if req.stream:
-            events = MessageEvents(self.chat.model_name, message_id, run)
+            events = MessageEvents(self.chat.model_name, message_id, run, shows_thinking(req))
             return StreamingResponse(guarded_sse(events.stream(), run.streams, events.failed, done=""),
                                      media_type="text/event-stream")
         out = await run.final()
         c = out.outputs[0]
         content, tool_calls, finish_reason = run.parts(c)
-        parts = parts_of(content, tool_calls)
+        parts = parts_of(content, tool_calls, run.reasoning_of(c) if shows_thinking(req) else None)
         reason, sequence = stop_reason(parts, finish_reason, c.stop_reason)
         return json_response(MessagesResponse(
             id=message_id, model=self.chat.model_name, content=[content_block(p) for p in parts], stop_reason=reason,
@@ -193,8 +205,8 @@ class ServingMessages:
 class MessageEvents:
     """Anthropic's SSE events of one streamed message."""
 
-    def __init__(self, model: str, message_id: str, run: ChatRun) -> None:
-        self.model, self.message_id, self.run = model, message_id, run
+    def __init__(self, model: str, message_id: str, run: ChatRun, shows_thinking: bool) -> None:
+        self.model, self.message_id, self.run, self.shows_thinking = model, message_id, run, shows_thinking
 
     @staticmethod
     def event(kind: str, **fields: Any) -> str:
@@ -206,11 +218,11 @@ class MessageEvents:
         yield self.event("message_start", message=start.model_dump())
         yield self.event("ping")
         parts, finish_reason, stop, counts = PartStream(), None, None, [self.run.num_prompt_tokens, 0, 0]
-        async for out, deltas in self.run.deltas():
-            content, tool_calls, finish_reason = deltas[0]
+        async for out, deltas in self.run.deltas(ReasoningStream(self.run.reasoning)):
+            reasoning, content, tool_calls, finish_reason = deltas[0]
             stop = out.outputs[0].stop_reason if out.outputs else stop
             counts = [len(out.prompt_token_ids), out.num_cached_tokens, counts[2] + len(out.outputs[0].token_ids)]
-            for ev in parts.feed(content, tool_calls):
+            for ev in parts.feed(content, tool_calls, reasoning if self.shows_thinking else None):
                 yield self.block_event(ev)
         for ev in parts.finish():
             yield self.block_event(ev)
@@ -224,8 +236,7 @@ class MessageEvents:
             block = content_block(Part(ev.part.kind, "", ev.part.call_id, ev.part.name)).model_dump()
             return self.event("content_block_start", index=ev.index, content_block=block)
         if ev.kind == "delta":
-            delta = ({"type": "text_delta", "text": ev.delta} if ev.part.kind == "text"
-                     else {"type": "input_json_delta", "partial_json": ev.delta})
+            delta = _DELTAS[ev.part.kind](ev.delta)
             return self.event("content_block_delta", index=ev.index, delta=delta)
         return self.event("content_block_stop", index=ev.index)
 

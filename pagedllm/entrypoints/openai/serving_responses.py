@@ -18,8 +18,9 @@ from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.output_parts import Part, PartEvent, PartStream, parts_of
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_responses import (
-    FunctionCallItem, IncompleteDetails, InputTokensDetails, OutputMessage, OutputText, ResponseError, ResponseObject,
-    ResponsesRequest, ResponseUsage)
+    FunctionCallItem, IncompleteDetails, InputTokensDetails, OutputMessage, OutputText, OutputTokensDetails,
+    ReasoningItem, ReasoningText, ResponseError, ResponseObject, ResponsesRequest, ResponseUsage)
+from pagedllm.entrypoints.openai.reasoning import ReasoningStream
 from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.entrypoints.openai.serving_base import guarded_sse, json_response, log_stream_error
 from pagedllm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
@@ -30,6 +31,7 @@ _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "m
 _TEXT_PART_TYPES = ("input_text", "output_text", "text")
 _ROLES = ("user", "assistant", "system", "developer")
 _REFUSED_INCLUDES = ("message.output_text.logprobs",)
+_ITEM_PREFIXES = {"reasoning": "rs", "text": "msg", "call": "fc"}
 
 
 class ResponseCancelled(Exception):
@@ -77,6 +79,8 @@ def input_messages(items: str | list[dict[str, Any]] | None) -> list[dict[str, A
                 out[-1]["tool_calls"].append(_call(item, where))
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [_call(item, where)]})
+        elif kind == "reasoning":
+            continue  # an earlier turn's reasoning: templates leave it out of the history (as vLLM skips it)
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or not isinstance(output, (str, list)):
@@ -84,7 +88,7 @@ def input_messages(items: str | list[dict[str, Any]] | None) -> list[dict[str, A
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _content(output, where)})
         else:
             raise APIError(400, f"{where}.type {kind!r} is not supported (message, function_call, "
-                                "function_call_output)", "input")
+                                "function_call_output, reasoning)", "input")
     return out
 
 
@@ -179,9 +183,11 @@ class ServingResponses:
             self._running.pop(response.id, None)
         c = out.outputs[0]
         content, tool_calls, finish_reason = run.parts(c)
-        parts = parts_of(content, tool_calls)
+        parts = parts_of(content, tool_calls, run.reasoning_of(c))
+        num_reasoning = run.reasoning.num_tokens(c.token_ids, c.text, self.chat.encode_text) if run.reasoning else 0
         return json_response(self.finish(req, response, conversation, parts, finish_reason,
-                                         (len(out.prompt_token_ids), out.num_cached_tokens, len(c.token_ids))))
+                                         (len(out.prompt_token_ids), out.num_cached_tokens, len(c.token_ids),
+                                          num_reasoning)))
 
     def _skeleton(self, req: ResponsesRequest) -> ResponseObject:
         return ResponseObject(
@@ -203,17 +209,18 @@ class ServingResponses:
         return list(entry.conversation)
 
     def finish(self, req: ResponsesRequest, response: ResponseObject, conversation: list[dict[str, Any]],
-               parts: list[Part], finish_reason: str | None, counts: tuple[int, int, int]) -> ResponseObject:
+               parts: list[Part], finish_reason: str | None, counts: tuple[int, int, int, int]) -> ResponseObject:
         """The finished response (stored when asked): items of ``parts``, status and usage.
-        ``counts``: prompt, cached and output tokens."""
+        ``counts``: prompt, cached, output and reasoning tokens."""
         is_cut = finish_reason == "length"
         status = "incomplete" if is_cut else "completed"
-        num_prompt, num_cached, num_output = counts
+        num_prompt, num_cached, num_output, num_reasoning = counts
         done = response.model_copy(update=dict(
             status=status, output=[output_item(response.id, i, p, status) for i, p in enumerate(parts)],
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if is_cut else None,
             usage=ResponseUsage(input_tokens=num_prompt, input_tokens_details=InputTokensDetails(
-                cached_tokens=num_cached), output_tokens=num_output, total_tokens=num_prompt + num_output)))
+                cached_tokens=num_cached), output_tokens=num_output, total_tokens=num_prompt + num_output,
+                output_tokens_details=OutputTokensDetails(reasoning_tokens=num_reasoning))))
         if done.store:
             kept = conversation + [assistant_message(parts)]
             self.store.put(done, kept, len(done.model_dump_json()) + len(json.dumps(kept)))
@@ -244,8 +251,11 @@ class ServingResponses:
         return ResponseObject(id=response_id, model=self.chat.model_name, status="cancelled")
 
 
-def output_item(response_id: str, index: int, part: Part, status: str) -> OutputMessage | FunctionCallItem:
-    item_id = f"{'msg' if part.kind == 'text' else 'fc'}_{response_id[5:]}_{index}"
+def output_item(response_id: str, index: int, part: Part, status: str
+                ) -> ReasoningItem | OutputMessage | FunctionCallItem:
+    item_id = f"{_ITEM_PREFIXES[part.kind]}_{response_id[5:]}_{index}"
+    if part.kind == "reasoning":
+        return ReasoningItem(id=item_id, status=status, content=[ReasoningText(text=part.text)])
     if part.kind == "text":
         return OutputMessage(id=item_id, status=status, content=[OutputText(text=part.text)])
     return FunctionCallItem(id=item_id, call_id=part.call_id, name=part.name, arguments=part.text, status=status)
@@ -268,28 +278,32 @@ class ResponseEvents:
         yield self.event("response.created", response=self.response.model_dump())
         yield self.event("response.in_progress", response=self.response.model_dump())
         parts, finish_reason, counts = PartStream(), None, [0, 0, 0]
+        reasoning_stream = ReasoningStream(self.run.reasoning)
         try:
-            async for out, deltas in self.run.deltas():
-                content, tool_calls, finish_reason = deltas[0]
+            async for out, deltas in self.run.deltas(reasoning_stream):
+                reasoning, content, tool_calls, finish_reason = deltas[0]
                 counts = [len(out.prompt_token_ids), out.num_cached_tokens, counts[2] + len(out.outputs[0].token_ids)]
-                for ev in parts.feed(content, tool_calls):
-                    for text in self.part_events(ev, "in_progress"):
+                for ev in parts.feed(content, tool_calls, reasoning):
+                    for text in self.part_events(ev):
                         yield text
         except ResponseCancelled:
             return
         finally:
             self.serving._running.pop(rid, None)
         for ev in parts.finish():
-            for text in self.part_events(ev, "completed"):
+            for text in self.part_events(ev):
                 yield text
         done = self.serving.finish(self.req, self.response, self.conversation, parts.parts, finish_reason,
-                                   tuple(counts))
+                                   (*counts, reasoning_stream.num_tokens(self.serving.chat.encode_text)))
         kind = "response.incomplete" if done.status == "incomplete" else "response.completed"
         yield self.event(kind, response=done.model_dump())
 
-    def part_events(self, ev: PartEvent, status: str) -> list[str]:
+    def part_events(self, ev: PartEvent) -> list[str]:
+        status = "completed" if ev.kind == "close" else "in_progress"
         item = output_item(self.response.id, ev.index, ev.part, status).model_dump()
         at = {"item_id": item["id"], "output_index": ev.index}
+        if ev.part.kind == "reasoning":
+            return self.reasoning_events(ev, item, {**at, "content_index": 0})
         if ev.part.kind == "text":
             text_at = {**at, "content_index": 0}
             part = {"type": "output_text", "text": ev.part.text, "annotations": []}
@@ -306,6 +320,14 @@ class ResponseEvents:
         if ev.kind == "delta":
             return [self.event("response.function_call_arguments.delta", **at, delta=ev.delta)]
         return [self.event("response.function_call_arguments.done", **at, name=ev.part.name, arguments=ev.part.text),
+                self.event("response.output_item.done", output_index=ev.index, item=item)]
+
+    def reasoning_events(self, ev: PartEvent, item: dict[str, Any], text_at: dict[str, Any]) -> list[str]:
+        if ev.kind == "open":
+            return [self.event("response.output_item.added", output_index=ev.index, item={**item, "content": []})]
+        if ev.kind == "delta":
+            return [self.event("response.reasoning_text.delta", **text_at, delta=ev.delta)]
+        return [self.event("response.reasoning_text.done", **text_at, text=ev.part.text),
                 self.event("response.output_item.done", output_index=ev.index, item=item)]
 
     def failed(self, exc: BaseException) -> list[str]:
