@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
 import pytest
 
@@ -121,7 +122,7 @@ def test_output_config_format_and_thinking(served, client):
     body = create(client, served.fake, '{"n": 1}', output_config={"format": {"type": "json_schema", "schema": schema}},
                   thinking={"type": "enabled", "budget_tokens": 1024})
     assert served.fake.last_params.structured_outputs.json == schema
-    assert [b["type"] for b in body["content"]] == ["text"]  # the model does not think: no thinking blocks
+    assert [b["type"] for b in body["content"]] == ["text"]  # no reasoning parser: no thinking blocks
     create(client, served.fake, "x", thinking={"type": "disabled"})
 
 
@@ -237,3 +238,65 @@ def test_disconnect_aborts_and_frees_blocks():
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/messages", json={**body, "stream": False}, timeout=0.3)
         wait_until_free(fake, c)
+
+
+THOUGHT = "<think>why</think>answer"
+
+
+@pytest.fixture(scope="module")
+def reasoning_client():
+    srv, fake = scripted_server(reasoning_parser="qwen3")
+    with srv, httpx.Client(base_url=srv.url, timeout=10, headers={"anthropic-version": "2023-06-01"}) as c:
+        c.fake, c.url = fake, srv.url
+        yield c
+
+
+@pytest.mark.parametrize("thinking", [{"type": "enabled", "budget_tokens": 1024}, {"type": "adaptive"}])
+def test_thinking_block_before_the_text(reasoning_client, thinking):
+    body = create(reasoning_client, reasoning_client.fake, THOUGHT, thinking=thinking)
+    assert body["content"] == [{"type": "thinking", "thinking": "why", "signature": ""},
+                               {"type": "text", "text": "answer"}]
+    assert body["stop_reason"] == "end_turn" and body["usage"]["output_tokens"] == len(THOUGHT)
+
+
+@pytest.mark.parametrize("thinking", [None, {"type": "disabled"}])
+def test_reasoning_is_left_out_unless_thinking_is_on(reasoning_client, thinking):
+    body = create(reasoning_client, reasoning_client.fake, THOUGHT, **({"thinking": thinking} if thinking else {}))
+    assert body["content"] == [{"type": "text", "text": "answer"}]
+    reasoning_client.fake.script = [THOUGHT]
+    r = reasoning_client.post("/v1/messages", json={"model": MODEL, "max_tokens": 64, "messages": HI, "stream": True,
+                                                    **({"thinking": thinking} if thinking else {})})
+    starts = [d["content_block"] for n, d in sse_typed_events(r.text) if n == "content_block_start"]
+    assert starts == [{"type": "text", "text": ""}]
+
+
+def test_stream_thinking_events_then_text_events(reasoning_client):
+    reasoning_client.fake.script = [THOUGHT]
+    r = reasoning_client.post("/v1/messages", json={"model": MODEL, "max_tokens": 64, "messages": HI, "stream": True,
+                                                    "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    events = sse_typed_events(r.text)
+    assert [n for n, _ in events] == ["message_start", "ping", "content_block_start", *["content_block_delta"] * 3,
+                                      "content_block_stop", "content_block_start", *["content_block_delta"] * 6,
+                                      "content_block_stop", "message_delta", "message_stop"]
+    assert events[2][1] == {"type": "content_block_start", "index": 0,
+                            "content_block": {"type": "thinking", "thinking": "", "signature": ""}}
+    assert [d["delta"] for d in (e[1] for e in events[3:6])] == [
+        {"type": "thinking_delta", "thinking": c} for c in "why"]
+    assert events[6][1] == {"type": "content_block_stop", "index": 0}
+    assert events[7][1]["content_block"] == {"type": "text", "text": ""} and events[7][1]["index"] == 1
+    assert "".join(d["delta"]["text"] for _, d in events[8:14]) == "answer"
+    assert events[-2][1]["delta"]["stop_reason"] == "end_turn"
+
+
+def test_anthropic_sdk_parses_the_thinking_block(reasoning_client):
+    client = anthropic.Anthropic(base_url=reasoning_client.url, api_key="x")
+    reasoning_client.fake.script = [THOUGHT]
+    msg = client.messages.create(model=MODEL, max_tokens=64, messages=HI,
+                                 thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [type(b).__name__ for b in msg.content] == ["ThinkingBlock", "TextBlock"]
+    assert (msg.content[0].thinking, msg.content[1].text) == ("why", "answer")
+    reasoning_client.fake.script = [THOUGHT]
+    with client.messages.stream(model=MODEL, max_tokens=64, messages=HI,
+                                thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"] and final.content[0].thinking == "why"

@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 
 from api_fakes import MODEL, scripted_server, sse_typed_events, wait_until_free
@@ -385,7 +386,6 @@ def test_stream_reasoning_events_then_text_events(reasoning_served):
 
 
 def test_openai_sdk_parses_the_reasoning_item(reasoning_served):
-    openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{reasoning_served.url}/v1", api_key="x")
     reasoning_served.fake.script = [THOUGHT]
     resp = client.responses.create(model=MODEL, input="hi")
