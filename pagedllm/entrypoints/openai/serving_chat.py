@@ -250,22 +250,19 @@ class ChatRun:
         """``(content, tool_calls, finish_reason)`` of a finished choice's answer."""
         return message_parts(self.plan, split_reasoning(self.reasoning, c.text)[1], c.finish_reason)
 
-    async def deltas(self, reasoning_stream: ReasoningStream | None = None
-                     ) -> AsyncIterator[tuple[RequestOutput, list[tuple]]]:
-        """Each engine output with, per choice, ``(content, delta tool calls, finish_reason)`` of the
-        answer; with ``reasoning_stream`` (of this run's plan) ``(reasoning, content, ...)``. Raises
-        APIError(500) when the engine failed the request."""
+    async def deltas(self, reasoning_stream: ReasoningStream) -> AsyncIterator[tuple[RequestOutput, list[tuple]]]:
+        """Each engine output with, per choice, ``(reasoning, content, delta tool calls, finish_reason)``;
+        ``reasoning_stream`` (of this run's plan) counts the reasoning tokens. Raises APIError(500) when the
+        engine failed the request."""
         tool_stream = ToolStream(self.plan)
-        reasoning = reasoning_stream or ReasoningStream(self.reasoning)
         async for _, out in merge_streams(self.streams):
             raise_if_failed(out)
             deltas = []
             for c in out.outputs:
-                thought, answer = reasoning.delta(c.index, c.text, c.token_ids, c.finish_reason)
+                thought, answer = reasoning_stream.delta(c.index, c.text, c.token_ids, c.finish_reason)
                 content, tool_calls, finish_reason = tool_stream.delta(c.index, answer, c.finish_reason)
                 content = (content or None) if self.reasoning is not None else content
-                deltas.append((thought, content, tool_calls, finish_reason) if reasoning_stream else
-                              (content, tool_calls, finish_reason))
+                deltas.append((thought, content, tool_calls, finish_reason))
             yield out, deltas
 
 
