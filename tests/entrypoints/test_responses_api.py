@@ -363,6 +363,15 @@ def test_reasoning_item_before_the_message_with_its_tokens(reasoning_served):
             {"role": "user", "content": "more"}]
 
 
+def test_a_length_cut_inside_reasoning_is_an_incomplete_reasoning_item(reasoning_served):
+    with httpx.Client(base_url=reasoning_served.url, timeout=10) as c:
+        body = create(c, reasoning_served.fake, THOUGHT, input="hi", max_output_tokens=9)
+    assert body["status"] == "incomplete" and [o["type"] for o in body["output"]] == ["reasoning"]
+    assert body["output"][0]["content"] == [{"type": "reasoning_text", "text": "wh"}]
+    assert body["output"][0]["status"] == "incomplete"
+    assert body["usage"]["output_tokens"] == body["usage"]["output_tokens_details"]["reasoning_tokens"] == 9
+
+
 def test_stream_reasoning_events_then_text_events(reasoning_served):
     reasoning_served.fake.script = [THOUGHT]
     with httpx.Client(base_url=reasoning_served.url, timeout=10) as c:
