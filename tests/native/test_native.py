@@ -110,11 +110,13 @@ def _mapped_openmp_runtimes() -> set[str]:
 
 @pytest.mark.skipif(not native.openmp_available(), reason="torch does not run on libgomp here")
 def test_openmp_runs_on_torch_libgomp_thread_pool(source):
-    """The kernel's parallel regions use the libgomp torch loaded (one runtime mapped) and the
-    worker threads torch's own parallel ops already started (no new thread appears)."""
+    """The kernel's parallel regions use the libgomp torch loaded (loading it maps no other runtime) and
+    the worker threads torch's own parallel ops already started (no new thread appears). Other packages a
+    test imported (scikit-learn, under sentence-transformers) may have mapped their own copy beforehand."""
     before = _mapped_openmp_runtimes()
     lib = ctypes.CDLL(str(native.build_library(source, ("-DANSWER=0",), openmp=True)))
-    assert _mapped_openmp_runtimes() == before and len(before) == 1
+    assert _mapped_openmp_runtimes() == before
+    assert [path for path in before if "/torch/lib/" in path], before
     n = torch.get_num_threads()
     torch.ones(1 << 20).exp_().sum()  # a torch parallel op: its thread team exists now
     threads = len(os.listdir("/proc/self/task"))
