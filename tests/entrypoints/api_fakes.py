@@ -3,6 +3,7 @@ server around it, for the Responses and Messages protocol tests."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -13,7 +14,7 @@ from pagedllm.outputs import CompletionOutput, RequestOutput
 from fake_engine import BLOCK_SIZE, FakeEngine
 from server_utils import MODEL, make_server
 
-__all__ = ["MODEL", "ScriptedEngine", "scripted_server", "sse_typed_events", "wait_until_free"]
+__all__ = ["MODEL", "ScriptedEngine", "scripted_server", "scripted_serving", "sse_typed_events", "wait_until_free"]
 
 
 class ScriptedEngine(FakeEngine):
@@ -85,6 +86,15 @@ def scripted_server(reasoning_parser: str | None = None, **kwargs):
     fake = ScriptedEngine(**{"max_model_len": 512, **kwargs})
     fake.config = dataclasses.replace(fake.config, reasoning_parser=reasoning_parser)
     return make_server(fake, **app_kwargs)
+
+
+@contextlib.contextmanager
+def scripted_serving(**kwargs):
+    """:func:`scripted_server` started, with its engine as ``.fake`` (for module fixtures)."""
+    srv, fake = scripted_server(**kwargs)
+    with srv:
+        srv.fake = fake
+        yield srv
 
 
 def sse_typed_events(text: str) -> list[tuple[str, dict]]:

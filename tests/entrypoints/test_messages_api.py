@@ -10,7 +10,7 @@ import anthropic
 import httpx
 import pytest
 
-from api_fakes import MODEL, scripted_server, sse_typed_events, wait_until_free
+from api_fakes import MODEL, scripted_server, scripted_serving, sse_typed_events, wait_until_free
 
 TOOLS = [{"name": "get_weather", "description": "weather of a city",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
@@ -19,9 +19,7 @@ HI = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def served():
-    srv, fake = scripted_server()
-    with srv:
-        srv.fake = fake
+    with scripted_serving() as srv:
         yield srv
 
 

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from api_fakes import MODEL, scripted_server, sse_typed_events, wait_until_free
+from api_fakes import MODEL, scripted_server, scripted_serving, sse_typed_events, wait_until_free
 from pagedllm.entrypoints.openai.api_server import add_server_args, response_store_from_args
 from pagedllm.entrypoints.openai.response_store import ResponseStore
 from server_utils import assert_error
@@ -24,9 +24,7 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "weather of 
 
 @pytest.fixture(scope="module")
 def served():
-    srv, fake = scripted_server()
-    with srv:
-        srv.fake = fake
+    with scripted_serving() as srv:
         yield srv
 
 
