@@ -7,31 +7,24 @@ and the conversation goes on without that turn. Ctrl-C or Ctrl-D at the prompt e
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
+from pagedllm.loader.generation_config import SAMPLING_FIELDS, read_sampling_defaults
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 # vLLM's fallback when a model has no generation_config.json: its SamplingParams defaults.
-FALLBACK_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
-MODEL_SAMPLING_KEYS = tuple(FALLBACK_SAMPLING)
+FALLBACK_SAMPLING = dict(zip(SAMPLING_FIELDS, (1.0, 1.0, 0, 0.0, 1.0)))
 
 
 def model_sampling_defaults(source: str, fmt: str) -> dict:
-    """The sampling keys of an HF folder's ``generation_config.json`` (vLLM's
-    ``get_diff_sampling_param``), over :data:`FALLBACK_SAMPLING`. GGUF files carry none."""
-    defaults = dict(FALLBACK_SAMPLING)
-    path = Path(source) / "generation_config.json"
-    if fmt == "hf" and path.is_file():
-        config = json.loads(path.read_text(encoding="utf-8"))
-        if config.get("do_sample") is False:
-            config.setdefault("temperature", 0.0)
-        defaults.update({k: config[k] for k in MODEL_SAMPLING_KEYS if config.get(k) is not None})
-    return defaults
+    """The sampling keys of an HF folder's ``generation_config.json`` over
+    :data:`FALLBACK_SAMPLING`. GGUF files carry none."""
+    model_defaults = read_sampling_defaults(source) if fmt == "hf" else {}
+    return {**FALLBACK_SAMPLING, **model_defaults}
 
 
 class ChatSession:

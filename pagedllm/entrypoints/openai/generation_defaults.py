@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger("pagedllm.server")
+from pagedllm.loader.generation_config import FILE_NAME, has_generation_config, read_sampling_defaults
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+logger = logging.getLogger("pagedllm.server")
 
 
 @functools.lru_cache(maxsize=8)
@@ -27,19 +26,17 @@ def generation_defaults(model: str, mode: str) -> dict[str, Any]:
             path = resolve_model(model).path
         except ValueError:  # not a model on disk (an engine built in memory)
             return {}
-        if not path.is_dir() or not (path / "generation_config.json").is_file():
+        if not path.is_dir() or not has_generation_config(path):
             return {}
     else:
         path = Path(mode)
-        if not (path / "generation_config.json").is_file():
+        if not has_generation_config(path):
             raise ValueError(f"generation_config must be auto, vllm or a folder with generation_config.json, "
                              f"got {mode!r}")
-    with open(path / "generation_config.json", encoding="utf-8") as f:
-        config = json.load(f)
-    defaults = {k: config[k] for k in SAMPLING_FIELDS if isinstance(config.get(k), (int, float))}
+    defaults = read_sampling_defaults(path)
     if defaults:
         logger.info("sampling defaults from %s: %s (a request's own fields win; --generation-config vllm turns "
-                    "them off)", path / "generation_config.json", defaults)
+                    "them off)", path / FILE_NAME, defaults)
     return defaults
 
 
