@@ -68,6 +68,7 @@ class LLMEngine:
                              "replicas are served by `pagedllm serve --data-parallel-size N`")
         t0 = time.perf_counter()
         files = load_model_files(config.model, config.tokenizer)
+        _check_generate_runner(config, files.hf_config)
         config = self._resolve_max_model_len(config, files.max_model_len)
         self.config = config
         self.model_files = files
@@ -291,3 +292,18 @@ class LLMEngine:
     def _kv_offload_io_errors(self) -> int:
         offload = self.scheduler.kv_cache_manager.offload
         return sum(offload.num_errors.values()) if offload is not None else 0
+
+
+def _check_generate_runner(config: EngineConfig, hf_config) -> None:
+    """An LLMEngine generates; an encoder-only model or ``runner='pooling'`` is a ValueError naming the
+    runner (``make_engine`` / ``LLM`` / ``pagedllm serve`` build the pooling engine instead)."""
+    from pagedllm.engine.pooling_engine import ENCODER_ARCHITECTURES
+
+    arch = (getattr(hf_config, "architectures", None) or [None])[0]
+    if arch in ENCODER_ARCHITECTURES:
+        raise ValueError(f"runner: {config.model!r} is {arch}, an encoder-only architecture that cannot generate "
+                         "text; an LLMEngine is runner='generate'. Use LLM(...) or make_engine(config), which pick "
+                         "runner='pooling' for it, or PoolingEngine(config)")
+    if config.runner == "pooling":
+        raise ValueError("runner='pooling' is served by the pooling engine, not an LLMEngine: use LLM(...) or "
+                         "make_engine(config)")
