@@ -143,10 +143,11 @@ class EngineConfig:
     data_parallel_size: int = _f(1, "`serve`: engine replicas, each a process with its own KV cache, behind one front end")
     data_parallel_router: str = _f("prefix", "`serve` with replicas: how a request picks one: prefix, least_loaded or round_robin")
     distributed_executor_backend: str = _f("mp", "tensor parallelism: mp (processes on this machine) or ray (Ray actors, the `ray` extra)")
-    runner: str = _f("auto", "generate, pooling (embeddings, scores; no KV cache), or auto: pooling for encoder-only "
-                             "checkpoints and sentence-transformers folders")
+    runner: str = _f("auto", "generate, pooling (embeddings, scores: encoders without a KV cache, a decoder's last "
+                             "token), or auto: pooling for encoder-only checkpoints and sentence-transformers folders")
     pooler_config: str | dict | None = _f(None, "pooling runner: JSON like '{\"pooling_type\": \"MEAN\", \"normalize\": true}' "
-                                                "(MEAN, CLS, LAST) (default: sentence-transformers' files, else CLS, normalized)")
+                                                "(MEAN, CLS, LAST) (default: sentence-transformers' files, else CLS "
+                                                "(encoders) or LAST (decoders), normalized)")
     disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers instead of freeing those outside the window")
     reasoning_parser: str | None = _f(None, "`serve`: deepseek_r1 or qwen3, how the text marks its reasoning (default: from the chat template)")
     default_chat_template_kwargs: str | dict | None = _f(None, "`serve`: JSON object of chat-template variables for every request, like '{\"enable_thinking\": false}'")

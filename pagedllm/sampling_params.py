@@ -146,6 +146,8 @@ class SamplingParams:
     cache_salt: str | None = _f(None, "prefix-cache namespace: requests share cached blocks only with the same salt")
     # Filled in by the engine (tokenizer-dependent), not by users.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # the pooling runner over a decoder: the runner returns the last prompt token's final hidden state
+    return_hidden_states: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:

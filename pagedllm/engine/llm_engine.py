@@ -94,6 +94,8 @@ class LLMEngine:
                                    kv_cache_groups=self.kv_cache_spec.kv_cache_groups,
                                    kv_offload=self.kv_offload_spec, swap_space=self.executor.initialize_swap_space())
         self.output_processor = OutputProcessor(self.tokenizer)
+        # scheduler request id -> the last prompt token's hidden state (return_hidden_states), until taken
+        self.hidden_states: dict[str, list[float]] = {}
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.vocab_size, [t for t in [self.eos_token_id] if t is not None]
             + self.extra_stop_token_ids, config.max_num_seqs)
@@ -178,6 +180,7 @@ class LLMEngine:
         bitmask = self.structured_output.grammar_bitmask(scheduler_output, self.scheduler.requests)
         t0 = time.perf_counter()
         runner_output = self._execute(scheduler_output, bitmask)
+        self.hidden_states.update(runner_output.hidden_states)
         self._observe_prefill(scheduler_output, runner_output, time.perf_counter() - t0)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         updated += self._advance_grammars(updated, runner_output, grammar_failed)
