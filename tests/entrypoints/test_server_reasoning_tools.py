@@ -206,6 +206,10 @@ def test_required_streams_arguments_as_generated_and_a_cut_call_is_kept(client):
     ((cut_name, cut_args),) = _calls(cut.choices[0].message)
     assert cut.choices[0].finish_reason == "length" and cut_name == name and args.startswith(cut_args)
     assert _stream(client, **{**kw, "max_tokens": 14})["calls"] == [(cut_name, cut_args)]
+    named = {**kw, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "max_tokens": 5}
+    cut = client.chat.completions.create(**named).choices[0]
+    ((cut_name, cut_args),) = _calls(cut.message)
+    assert cut.finish_reason == "length" and cut_name == "get_weather" and cut_args.startswith("{")
 
 
 def test_continuous_usage_stats_put_usage_in_every_chunk(client, served):
