@@ -1,9 +1,11 @@
 """Decoders as embedders (runner='pooling' on a causal LM, Qwen3-Embedding style): the last prompt
 token's final hidden state, normalized, against transformers' ``last_hidden_state`` on tiny random
-Qwen3 and Llama folders (SmolLM2 vocabulary); batched and alone, the prefix cache, over HTTP."""
+Qwen3 and Llama folders (SmolLM2 vocabulary) and (slow) sentence-transformers on the same folder;
+batched and alone, the prefix cache, over HTTP."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import httpx
@@ -25,7 +27,9 @@ def qwen3_embedder(tmp_path_factory, smollm2_tokenizer):
     model = make_hf_model(family_config("qwen3", vocab_size=len(smollm2_tokenizer), max_position_embeddings=512))
     folder = tmp_path_factory.mktemp("qwen3_embedding")
     model.save_pretrained(folder, safe_serialization=True)
-    smollm2_tokenizer.save_pretrained(folder)
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.pad_token = tokenizer.eos_token  # sentence-transformers pads its batches
+    tokenizer.save_pretrained(folder)
     (folder / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -66,6 +70,16 @@ def test_a_qwen3_embedding_folder_matches_transformers_batched_and_alone(qwen3_e
     assert score == pytest.approx(float(reference[0] @ reference[1]), abs=1e-5)
     with pytest.raises(ValueError, match="runner='pooling'"):
         llm.generate("Hello")
+
+
+@pytest.mark.slow
+def test_a_qwen3_embedding_folder_matches_sentence_transformers(qwen3_embedder):
+    from sentence_transformers import SentenceTransformer
+
+    reference = torch.from_numpy(SentenceTransformer(str(qwen3_embedder[1]), device="cpu").encode(TEXTS))
+    got = _embed(LLM(str(qwen3_embedder[1]), kv_cache_memory="64MiB"), TEXTS)
+    torch.testing.assert_close(got, reference, atol=1e-5, rtol=0)
+    assert F.cosine_similarity(got, reference).min() >= 0.99999
 
 
 def test_a_llama_with_runner_pooling_and_the_prefix_cache(tiny_model_dir, smollm2_tokenizer):
