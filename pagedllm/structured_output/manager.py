@@ -207,15 +207,16 @@ class StructuredOutputManager:
         if begin is not None and state.gate is not None and len(output_token_ids) < begin:
             begin = None  # rolled back into the reasoning: the gate searches again
             state.gate.reset()
-        held = output_token_ids[begin or 0:] if begin is not None else []
-        if state.num_accepted > len(held):
-            matcher.rollback(state.num_accepted - len(held))
-            state.num_accepted = len(held)
+        num_held = len(output_token_ids) - begin if begin is not None else 0
+        if state.num_accepted > num_held:
+            matcher.rollback(state.num_accepted - num_held)
+            state.num_accepted = num_held
         if begin is None:
             begin = state.gate.grammar_start(output_token_ids)
-            held = output_token_ids[begin:] if begin is not None else []
         state.grammar_start = begin
-        for tok in held[state.num_accepted:]:
+        if begin is None:
+            return None  # still reasoning
+        for tok in output_token_ids[begin + state.num_accepted:]:
             if matcher.is_terminated():
                 break  # the request is being ended
             if not matcher.accept_token(tok):
