@@ -143,18 +143,23 @@ class EngineConfig:
     data_parallel_size: int = _f(1, "`serve`: engine replicas, each a process with its own KV cache, behind one front end")
     data_parallel_router: str = _f("prefix", "`serve` with replicas: how a request picks one: prefix, least_loaded or round_robin")
     distributed_executor_backend: str = _f("mp", "tensor parallelism: mp (processes on this machine) or ray (Ray actors, the `ray` extra)")
-    runner: str = _f("auto", "generate, pooling (embeddings, scores; no KV cache), or auto: pooling for encoder-only "
-                             "checkpoints and sentence-transformers folders")
+    runner: str = _f("auto", "generate, pooling (embeddings, scores: encoders without a KV cache, a decoder's last "
+                             "token), or auto: pooling for encoder-only checkpoints and sentence-transformers folders")
     pooler_config: str | dict | None = _f(None, "pooling runner: JSON like '{\"pooling_type\": \"MEAN\", \"normalize\": true}' "
-                                                "(MEAN, CLS, LAST) (default: sentence-transformers' files, else CLS, normalized)")
+                                                "(MEAN, CLS, LAST) (default: sentence-transformers' files, else CLS "
+                                                "(encoders) or LAST (decoders), normalized)")
     disable_hybrid_kv_cache_manager: bool = _f(False, "keep every KV block of sliding-window layers instead of freeing those outside the window")
     reasoning_parser: str | None = _f(None, "`serve`: deepseek_r1 or qwen3, how the text marks its reasoning (default: from the chat template)")
     default_chat_template_kwargs: str | dict | None = _f(None, "`serve`: JSON object of chat-template variables for every request, like '{\"enable_thinking\": false}'")
+    structured_outputs_config: str | dict | None = _f(
+        None, "JSON like '{\"enable_in_reasoning\": true}': with a reasoning parser the grammar then covers the "
+              "reasoning too (default: it starts after the reasoning's end tag)")
     generation_config: str = _f("auto", "`serve`: defaults for omitted sampling fields: auto (generation_config.json), vllm (none) or a folder")
 
     def __post_init__(self) -> None:
         validate_block_size(self.block_size)
         CompilationConfig.parse(self.compilation_config)
+        StructuredOutputsConfig.parse(self.structured_outputs_config)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -282,6 +287,11 @@ class EngineConfig:
         return dataclasses.replace(parsed, mode=0) if self.enforce_eager and parsed.is_compiled else parsed
 
     @property
+    def structured_outputs(self) -> StructuredOutputsConfig:
+        """``structured_outputs_config`` parsed."""
+        return StructuredOutputsConfig.parse(self.structured_outputs_config)
+
+    @property
     def kv_cache_memory_bytes(self) -> int:
         """The CPU KV pool budget in bytes (default 1 GiB)."""
         return parse_bytes(self.kv_cache_memory) if self.kv_cache_memory is not None else 1024**3
@@ -349,6 +359,51 @@ class EngineConfig:
 def engine_arg_names() -> list[str]:
     """Names of every EngineConfig field: the keyword arguments ``LLM`` accepts."""
     return [f.name for f in dataclasses.fields(EngineConfig)]
+
+
+# ---------------------------------------------------------------- structured_outputs_config
+_STRUCTURED_FIELD = "structured_outputs_config"
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's ``--structured-outputs-config`` (the keys this engine implements).
+
+    Attributes:
+        enable_in_reasoning: with a reasoning parser, the grammar covers the reasoning block too;
+            False (vLLM's default): the grammar starts after the block's end tag, reasoning is free.
+        backend: ``auto`` or ``xgrammar`` (the one backend).
+
+    Raises ValueError naming the field (``structured_outputs_config.<name>``) for a bad value.
+    """
+
+    enable_in_reasoning: bool = False
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_in_reasoning, bool):
+            raise ValueError(f"{_STRUCTURED_FIELD}.enable_in_reasoning must be true or false, "
+                             f"got {self.enable_in_reasoning!r}")
+        if self.backend not in ("auto", "xgrammar"):
+            raise ValueError(f"{_STRUCTURED_FIELD}.backend must be auto or xgrammar, got {self.backend!r}")
+
+    @classmethod
+    def parse(cls, value: "StructuredOutputsConfig | dict | str | None") -> "StructuredOutputsConfig":
+        """The config for None, a dict, a JSON object string or a config; ValueError naming the field."""
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{_STRUCTURED_FIELD} must be a JSON object, got {value!r} ({e.msg})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{_STRUCTURED_FIELD} must be a JSON object, got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"{_STRUCTURED_FIELD} has unknown keys {unknown}; known: {', '.join(sorted(known))}")
+        return cls(**value)
 
 
 # ---------------------------------------------------------------- compilation_config

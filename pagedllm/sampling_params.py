@@ -28,12 +28,35 @@ def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+@dataclass(frozen=True)
+class ReasoningBoundary:
+    """Where a constrained output's reasoning block ends, as token ids (vLLM's
+    ``enable_in_reasoning: false``): the grammar starts after ``end_token_ids`` and the reasoning
+    before it is free. ``start_token_ids`` empty: the output starts inside the block; else the
+    output may open the block with them (a begun tag is finished), and an output that does not
+    is all answer. ValueError naming the field for an empty end or a non-id."""
+
+    end_token_ids: tuple[int, ...]
+    start_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("end_token_ids", "start_token_ids"):
+            ids = tuple(getattr(self, name))
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+                raise ValueError(f"structured_outputs.reasoning_boundary.{name} must hold token ids, got {ids!r}")
+            object.__setattr__(self, name, ids)
+        if not self.end_token_ids:
+            raise ValueError("structured_outputs.reasoning_boundary.end_token_ids must not be empty")
+
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint on the output (vLLM's ``StructuredOutputsParams``): exactly one of a JSON
     schema (dict or text), a whole-output regex, a choice of strings, an EBNF grammar (start rule
     ``root``) or any JSON object; ``whitespace_pattern`` must be None. ValueError naming the field
-    for no kind, several or a wrong type; compiling is checked at admission."""
+    for no kind, several or a wrong type; compiling is checked at admission.
+    ``reasoning_boundary``: the grammar starts after the reasoning (set by the server's reasoning
+    parser; None: it covers the whole output)."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -43,8 +66,12 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    reasoning_boundary: ReasoningBoundary | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning_boundary is not None and not isinstance(self.reasoning_boundary, ReasoningBoundary):
+            raise ValueError("structured_outputs.reasoning_boundary must be a ReasoningBoundary, "
+                             f"got {self.reasoning_boundary!r}")
         if self.choice is not None:
             self.choice = _as_list("structured_outputs.choice", self.choice)
         kinds = self.kinds()
@@ -119,6 +146,8 @@ class SamplingParams:
     cache_salt: str | None = _f(None, "prefix-cache namespace: requests share cached blocks only with the same salt")
     # Filled in by the engine (tokenizer-dependent), not by users.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # the pooling runner over a decoder: the runner returns the last prompt token's final hidden state
+    return_hidden_states: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:

@@ -8,6 +8,7 @@ itself, which CI runs (`.ci/run` runs `make test`).
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -130,3 +131,22 @@ def test_serve_line_serves(server_port):
 def test_python_snippet_runs(code, request):
     port = request.getfixturevalue("server_port") if "127.0.0.1:8000" in code else None
     _run([sys.executable, "-c", _as_here(code, port)])
+
+
+STRUCTURED_PAGE = REPO / "docs" / "structured-outputs.md"
+
+
+@pytest.mark.slow
+def test_the_structured_outputs_examples_run_as_written(server_port):
+    """cases-3 C56: the page's examples (offline, then ``response_format`` json_schema and a required tool
+    call against the README's server, no ``max_tokens``) run as written, in order as one session, within
+    the snippet bound; each printed object is the schema's, not a whitespace run to the token limit."""
+    page = STRUCTURED_PAGE.read_text(encoding="utf-8")
+    code = "\n".join(re.findall(r"```python\n(.*?)```", page, flags=re.S))
+    out = _run([sys.executable, "-c", _as_here(code, server_port)]).stdout
+    decoder, i = json.JSONDecoder(), 0
+    for _ in range(2):  # the two objects, printed as generated (maybe over several lines)
+        value, i = decoder.raw_decode(out, out.index("{", i))
+        assert set(value) == {"name", "age"} and isinstance(value["age"], int), out
+    name, arguments = out[i:].strip().split(" ", 1)
+    assert name == "get_weather" and isinstance(json.loads(arguments)["city"], str), out

@@ -88,7 +88,8 @@ class ModelRunnerOutput:
     """The requests that sampled (batch order), their tokens and logprobs, this step's prompt
     logprobs (None for the first prompt token), ``failed``: request id → error, ``retried``: scheduled
     requests the step did not run (scheduled again as they were), ``failed_tier_keys``: ``(tier, key)``
-    blocks a tier could not store (the index forgets them)."""
+    blocks a tier could not store (the index forgets them); ``hidden_states``: the final hidden state
+    of the last prompt token of each request whose params ask for it, at its first sample."""
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
@@ -97,3 +98,4 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     retried: set[str] = field(default_factory=set)
     failed_tier_keys: list[tuple[str, bytes]] = field(default_factory=list)
+    hidden_states: dict[str, list[float]] = field(default_factory=dict)

@@ -54,6 +54,8 @@ class DataParallelAsyncEngine:
         """Start the replica processes and wait for their engines (blocking). Raises ValueError
         for too few GPUs, ReplicaDeadError when a replica fails to start (the others stopped)."""
         n = config.data_parallel_size
+        if engine_factory is None:
+            _check_generate_replicas(config)
         replica_config = config.replace(data_parallel_size=1)
         devices = _cuda_device_slices(config)
         threads = threads_per_replica(n, config.tensor_parallel_size)
@@ -276,3 +278,14 @@ def _cuda_device_slices(config: EngineConfig) -> list[str | None]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(count)]
     return [",".join(ids[i * tp:(i + 1) * tp]) for i in range(n)]
+
+
+def _check_generate_replicas(config: EngineConfig) -> None:
+    """Replicas are generation engines: a pooling model is a ValueError naming data_parallel_size and the
+    runner, before any process starts."""
+    from pagedllm.engine.pooling_engine import select_runner
+
+    if select_runner(config) == "pooling":
+        raise ValueError(f"data_parallel_size={config.data_parallel_size}: {config.model!r} runs with runner='pooling', "
+                         "which serves one replica; leave data_parallel_size at 1 (larger batches: max_num_batched_tokens, "
+                         "max_num_seqs)")

@@ -68,6 +68,7 @@ class LLMEngine:
                              "replicas are served by `pagedllm serve --data-parallel-size N`")
         t0 = time.perf_counter()
         files = load_model_files(config.model, config.tokenizer)
+        _check_generate_runner(config, files.hf_config)
         config = self._resolve_max_model_len(config, files.max_model_len)
         self.config = config
         self.model_files = files
@@ -93,6 +94,8 @@ class LLMEngine:
                                    kv_cache_groups=self.kv_cache_spec.kv_cache_groups,
                                    kv_offload=self.kv_offload_spec, swap_space=self.executor.initialize_swap_space())
         self.output_processor = OutputProcessor(self.tokenizer)
+        # scheduler request id -> the last prompt token's hidden state (return_hidden_states), until taken
+        self.hidden_states: dict[str, list[float]] = {}
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.vocab_size, [t for t in [self.eos_token_id] if t is not None]
             + self.extra_stop_token_ids, config.max_num_seqs)
@@ -177,6 +180,7 @@ class LLMEngine:
         bitmask = self.structured_output.grammar_bitmask(scheduler_output, self.scheduler.requests)
         t0 = time.perf_counter()
         runner_output = self._execute(scheduler_output, bitmask)
+        self.hidden_states.update(runner_output.hidden_states)
         self._observe_prefill(scheduler_output, runner_output, time.perf_counter() - t0)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         updated += self._advance_grammars(updated, runner_output, grammar_failed)
@@ -291,3 +295,18 @@ class LLMEngine:
     def _kv_offload_io_errors(self) -> int:
         offload = self.scheduler.kv_cache_manager.offload
         return sum(offload.num_errors.values()) if offload is not None else 0
+
+
+def _check_generate_runner(config: EngineConfig, hf_config) -> None:
+    """An LLMEngine generates; an encoder-only model or ``runner='pooling'`` is a ValueError naming the
+    runner (``make_engine`` / ``LLM`` / ``pagedllm serve`` build the pooling engine instead)."""
+    from pagedllm.engine.pooling_engine import ENCODER_ARCHITECTURES
+
+    arch = (getattr(hf_config, "architectures", None) or [None])[0]
+    if arch in ENCODER_ARCHITECTURES:
+        raise ValueError(f"runner: {config.model!r} is {arch}, an encoder-only architecture that cannot generate "
+                         "text; an LLMEngine is runner='generate'. Use LLM(...) or make_engine(config), which pick "
+                         "runner='pooling' for it, or PoolingEngine(config)")
+    if config.runner == "pooling":
+        raise ValueError("runner='pooling' is served by the pooling engine, not an LLMEngine: use LLM(...) or "
+                         "make_engine(config)")

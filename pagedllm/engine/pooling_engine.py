@@ -45,10 +45,15 @@ def select_runner(config: EngineConfig) -> str:
     if config.runner == "generate" and is_encoder:
         raise ValueError(f"runner='generate': {arch} is an encoder-only architecture and cannot generate text; "
                          f"use runner='pooling'")
-    if config.runner == "pooling" and not is_encoder:
-        raise ValueError(f"runner='pooling' supports the encoder architectures {', '.join(ENCODER_ARCHITECTURES)}; "
-                         f"{config.model!r} is {arch or 'a GGUF decoder'}")
-    return config.runner
+    return config.runner  # pooling on a decoder: its last token's hidden state (DecoderPoolingEngine)
+
+
+def is_encoder_model(config: EngineConfig) -> bool:
+    """Whether ``config.model`` is an encoder-only architecture (the pooling engine runs it whole)."""
+    from pagedllm.loader import resolve_model
+
+    resolved = resolve_model(config.model)
+    return resolved.format == "hf" and _architecture(resolved.path) in ENCODER_ARCHITECTURES
 
 
 def _architecture(folder: Path) -> str | None:
@@ -109,11 +114,13 @@ class PoolingEngine:
                     time.perf_counter() - t0)
 
     @staticmethod
-    def _pooler(folder: Path, pooler_config: str | dict | None) -> tuple[Pooler, int | None]:
+    def _pooler(folder: Path, pooler_config: str | dict | None, default: str = "CLS") -> tuple[Pooler, int | None]:
+        """The pooling of sentence-transformers' files, overridden by ``pooler_config``; else ``default``
+        normalized (vLLM's defaults: CLS for BERT embedders, LAST for decoders)."""
         from pagedllm.loader.sentence_transformers_config import (is_sentence_transformers_folder,
                                                                   read_sentence_transformers_config)
 
-        pooling_type, normalize, max_len = "CLS", True, None  # vLLM's default for BERT embedders
+        pooling_type, normalize, max_len = default, True, None
         if folder.is_dir() and is_sentence_transformers_folder(folder):
             st = read_sentence_transformers_config(folder)
             pooling_type, normalize, max_len = st.pooling_type, st.normalize, st.max_seq_length
@@ -281,10 +288,15 @@ def _token_ids(prompt, vocab_size: int) -> list[int]:
 
 
 def make_engine(config: EngineConfig):
-    """The engine ``config`` asks for: a :class:`PoolingEngine` or an ``LLMEngine`` (which refuses
-    ``data_parallel_size > 1`` before the model is looked up: one engine is one replica)."""
+    """The engine ``config`` asks for: a :class:`PoolingEngine` (encoders), a ``DecoderPoolingEngine``
+    (a decoder with runner='pooling') or an ``LLMEngine`` (which refuses ``data_parallel_size > 1``
+    before the model is looked up: one engine is one replica)."""
     if config.data_parallel_size == 1 and select_runner(config) == "pooling":
-        return PoolingEngine(config)
+        if is_encoder_model(config):
+            return PoolingEngine(config)
+        from pagedllm.engine.decoder_pooling import DecoderPoolingEngine
+
+        return DecoderPoolingEngine(config)
     from pagedllm.engine.llm_engine import LLMEngine
 
     return LLMEngine(config)

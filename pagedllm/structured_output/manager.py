@@ -4,7 +4,9 @@ A constrained request: ``add_request`` (compile cache keyed by (tokenizer finger
 one shared future per spec) → ``update_ready`` before ``schedule()`` (compiled: matcher, then
 ``Scheduler.set_grammar_ready``) → ``grammar_bitmask`` after it → ``accept_tokens`` after
 ``update_from_output`` (matcher advanced or rolled back to the output). The engine thread calls
-every method; only compiles run on the worker thread.
+every method; only compiles run on the worker thread. A request with a ``reasoning_boundary``
+samples freely (no bitmask row, no matcher advance) until its reasoning gate opens; the matcher
+then sees the output from the gate's ``grammar_start`` on.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.core.step_failure import InputError
 from pagedllm.structured_output.backend_xgrammar import (GrammarSpec, XgrammarBackend, tokenizer_fingerprint,
                                                           validate_structured_outputs)
+from pagedllm.structured_output.reasoning_gate import ReasoningGate
 
 logger = logging.getLogger("pagedllm")
 
@@ -48,7 +51,9 @@ class _RequestGrammar:
     spec: GrammarSpec
     future: cf.Future
     matcher: object | None = None
-    num_accepted: int = 0
+    num_accepted: int = 0  # output tokens the matcher holds, from grammar_start on
+    gate: ReasoningGate | None = None
+    grammar_start: int | None = 0  # output index where the grammar begins; None: not yet known
 
 
 class StructuredOutputManager:
@@ -89,7 +94,10 @@ class StructuredOutputManager:
             while len(self._cache) > self._max_cache_entries:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
+        boundary = request.sampling_params.structured_outputs.reasoning_boundary
         state = _RequestGrammar(spec, future)
+        if boundary is not None:
+            state.gate, state.grammar_start = ReasoningGate(boundary), None
         self._requests[request.request_id] = state
         self._pending[request.request_id] = state
 
@@ -150,12 +158,30 @@ class StructuredOutputManager:
             if state is None or state.matcher is None:
                 continue
             req = requests[rid]
-            if req.num_computed_tokens + num >= req.num_tokens and not state.matcher.is_terminated():
-                state.matcher.fill_next_token_bitmask(self._bitmask, len(req_ids))
+            if req.num_computed_tokens + num >= req.num_tokens and self._fill_row(state, req, len(req_ids)):
                 req_ids.append(rid)
         if not req_ids:
             return None
         return GrammarBitmask(req_ids, self._bitmask[:len(req_ids)])
+
+    def _fill_row(self, state: _RequestGrammar, req: Request, row: int) -> bool:
+        """Fill bitmask row ``row`` for the request's next token; False: it samples unconstrained."""
+        if state.grammar_start is not None:
+            if state.matcher.is_terminated():
+                return False
+            state.matcher.fill_next_token_bitmask(self._bitmask, row)
+            return True
+        tokens, with_grammar = state.gate.allowed_tokens(req.output_token_ids)
+        if not tokens:
+            return False  # inside the reasoning: free
+        if with_grammar:
+            state.matcher.fill_next_token_bitmask(self._bitmask, row)
+        else:
+            self._bitmask[row] = 0
+        words = self._bitmask.view(np.uint32)
+        for t in tokens:
+            words[row, t // 32] |= np.uint32(1 << (t % 32))
+        return True
 
     def accept_tokens(self, updated: list[Request]) -> StepGrammarResult:
         """Sync each matcher with its request's output; finished requests are then forgotten."""
@@ -177,14 +203,24 @@ class StructuredOutputManager:
     def _sync(state: _RequestGrammar, output_token_ids: list[int]) -> str | None:
         """Advance or roll back the matcher to the output; an error string if a token is rejected."""
         matcher = state.matcher
-        if state.num_accepted > len(output_token_ids):
-            matcher.rollback(state.num_accepted - len(output_token_ids))
-            state.num_accepted = len(output_token_ids)
-        for tok in output_token_ids[state.num_accepted:]:
+        begin = state.grammar_start
+        if begin is not None and state.gate is not None and len(output_token_ids) < begin:
+            begin = None  # rolled back into the reasoning: the gate searches again
+            state.gate.reset()
+        num_held = len(output_token_ids) - begin if begin is not None else 0
+        if state.num_accepted > num_held:
+            matcher.rollback(state.num_accepted - num_held)
+            state.num_accepted = num_held
+        if begin is None:
+            begin = state.gate.grammar_start(output_token_ids)
+        state.grammar_start = begin
+        if begin is None:
+            return None  # still reasoning
+        for tok in output_token_ids[begin + state.num_accepted:]:
             if matcher.is_terminated():
                 break  # the request is being ended
             if not matcher.accept_token(tok):
-                return f"token {tok} at output position {state.num_accepted} violates the grammar"
+                return f"token {tok} at output position {begin + state.num_accepted} violates the grammar"
             state.num_accepted += 1
         return None
 

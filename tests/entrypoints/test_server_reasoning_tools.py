@@ -9,7 +9,9 @@ The server's chat template is Qwen3-shaped: ``<think>`` closed in the prompt whe
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import httpx
 import openai
@@ -62,6 +64,7 @@ def llm(smollm2_path, tmp_path_factory):
     (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "eos_token_id": 2}))
     return LLM(model=str(smollm2_path), max_model_len=768, kv_cache_memory="128MiB", seed=0,
                reasoning_parser="qwen3", generation_config=str(folder),
+               structured_outputs_config='{"enable_in_reasoning": true}',  # the grammars below write the block
                default_chat_template_kwargs='{"greeting": "Bonjour"}')
 
 
@@ -126,6 +129,27 @@ def test_a_length_cut_inside_reasoning_returns_it_with_an_empty_answer(client):
     assert streamed["reasoning"] == choice.message.model_dump()["reasoning_content"] and streamed["content"] == ""
 
 
+def test_by_default_the_grammar_starts_after_the_reasoning(llm, monkeypatch):
+    """vLLM's default (enable_in_reasoning false): a prompt left inside ``<think>`` reasons freely, the
+    constrained output equals the unconstrained one; thinking switched off, the grammar holds at once."""
+    config = llm.llm_engine.config
+    monkeypatch.setattr(llm.llm_engine, "config", dataclasses.replace(config, structured_outputs_config=None))
+    with _serve(llm) as srv:
+        monkeypatch.setattr(llm.llm_engine, "config", config)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        thinking = ASK + [{"role": "assistant", "content": "<think>\n"}]
+        kw = dict(model=MODEL, messages=thinking, max_tokens=12, extra_body={"continue_final_message": True,
+                                                                            "add_generation_prompt": False})
+        free = client.chat.completions.create(**kw).choices[0]
+        regex = {"structured_outputs": {"regex": r"Answer: [A-Z][a-z]{2,8}\."}}
+        constrained = client.chat.completions.create(**{**kw, "extra_body": {**kw["extra_body"], **regex}}).choices[0]
+        assert constrained.message.model_dump()["reasoning_content"] == free.message.model_dump()["reasoning_content"]
+        assert constrained.message.content == "" and constrained.finish_reason == "length"
+        off = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, extra_body={
+            **regex, "chat_template_kwargs": {"enable_thinking": False}}).choices[0]
+        assert re.fullmatch(r"Answer: [A-Z][a-z]{2,8}\.", off.message.content) and off.finish_reason == "stop"
+
+
 def test_template_kwargs_reach_the_template_in_chat_and_tokenize(served, client):
     def rendered(body):
         r = httpx.post(served.url + "/tokenize", json={"model": MODEL, "messages": ASK, **body}, timeout=60)
@@ -182,6 +206,10 @@ def test_required_streams_arguments_as_generated_and_a_cut_call_is_kept(client):
     ((cut_name, cut_args),) = _calls(cut.choices[0].message)
     assert cut.choices[0].finish_reason == "length" and cut_name == name and args.startswith(cut_args)
     assert _stream(client, **{**kw, "max_tokens": 14})["calls"] == [(cut_name, cut_args)]
+    named = {**kw, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "max_tokens": 5}
+    cut = client.chat.completions.create(**named).choices[0]
+    ((cut_name, cut_args),) = _calls(cut.message)
+    assert cut.finish_reason == "length" and cut_name == "get_weather" and cut_args.startswith("{")
 
 
 def test_continuous_usage_stats_put_usage_in_every_chunk(client, served):

@@ -18,7 +18,7 @@ pytest.importorskip("xgrammar")
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.core.request import RequestStatus  # noqa: E402
-from pagedllm.sampling_params import StructuredOutputsParams as SO  # noqa: E402
+from pagedllm.sampling_params import ReasoningBoundary, StructuredOutputsParams as SO  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "id": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -181,3 +181,18 @@ def test_bad_specs_name_the_field_and_leave_the_engine_usable(llm, so, field):
     assert llm.llm_engine.get_stats().num_waiting == 0
     out = llm.generate(PROMPTS[:1], _greedy(SO(choice=["yes", "no"])), use_tqdm=False)[0].outputs[0]
     assert out.text in ("yes", "no")
+
+
+def test_the_grammar_starts_after_the_reasoning_end_tag(llm):
+    """vLLM's enable_in_reasoning false: the output before the end tag is the unconstrained greedy
+    output, token for token; after it the grammar holds. The random model's own 4th greedy token
+    stands in for the end tag."""
+    prompt = PROMPTS[0]
+    free = llm.generate([prompt], _greedy(None, ignore_eos=True))[0].outputs[0].token_ids
+    end = free[3]
+    k = free.index(end) + 1
+    so = SO(regex=PHONE, reasoning_boundary=ReasoningBoundary((end,)))
+    out = llm.generate([prompt], _greedy(so))[0].outputs[0]
+    assert list(out.token_ids[:k]) == list(free[:k]) and out.finish_reason == "stop"
+    answer = llm.get_tokenizer().decode(out.token_ids[k:], skip_special_tokens=True)
+    assert re.fullmatch(PHONE, answer), answer

@@ -19,7 +19,7 @@ pytest.importorskip("xgrammar")
 
 from pagedllm.core.outputs import SchedulerOutput  # noqa: E402
 from pagedllm.core.request import Request, RequestStatus  # noqa: E402
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+from pagedllm.sampling_params import ReasoningBoundary, SamplingParams, StructuredOutputsParams  # noqa: E402
 from pagedllm.structured_output.backend_xgrammar import XgrammarBackend, grammar_spec  # noqa: E402
 from pagedllm.structured_output.bitmask import apply_grammar_bitmask  # noqa: E402
 from pagedllm.structured_output.manager import GrammarBitmask, StructuredOutputManager  # noqa: E402
@@ -175,3 +175,81 @@ def test_bitmask_applied_to_constrained_rows_only_in_any_order():
         for t in range(MODEL_VOCAB):
             assert logits[row, t] == (ref[row, t] if t in keep else float("-inf"))
     assert torch.equal(logits[[1, 3]], ref[[1, 3]])  # unconstrained rows untouched
+
+
+def _sampling(so: SchedulerOutput, m: StructuredOutputManager, sched: _Scheduler) -> dict[str, set[int]]:
+    """The allowed-token set of each request with a bitmask row this step (prompt done: it samples)."""
+    for rid in so.num_scheduled_tokens:
+        sched.requests[rid].num_computed_tokens = sched.requests[rid].num_tokens - 1
+    gb = m.grammar_bitmask(so, sched.requests)
+    return {} if gb is None else {rid: _allowed(gb.bitmask[i]) for i, rid in enumerate(gb.req_ids)}
+
+
+def test_grammar_starts_after_the_reasoning_end_tag(tokenizer):
+    """Output starting inside the block ("-" its end tag): free reasoning, no matcher advance on it."""
+    pattern = r"(ab|c)+"
+    r1 = _request("r1", StructuredOutputsParams(regex=pattern, reasoning_boundary=ReasoningBoundary((11,))))
+    m, sched = _manager(tokenizer, r1)
+    so = SchedulerOutput(num_scheduled_tokens={"r1": 1})
+    assert _sampling(so, m, sched) == {}
+    r1.append_output_token_ids([1, 2, 9, 7])  # "a" "b" "2" "x": outside the grammar, and not rejected
+    assert m.accept_tokens([r1]).rejected == {} and _sampling(so, m, sched) == {}
+    r1.append_output_token_ids([11])  # the end tag
+    assert m.accept_tokens([r1]).rejected == {}
+    assert _sampling(so, m, sched) == {"r1": _reference(pattern, "")}
+    r1.append_output_token_ids([4])
+    m.accept_tokens([r1])
+    assert _sampling(so, m, sched) == {"r1": _reference(pattern, "ab")}
+    # rolled back into the reasoning: free again, and the grammar restarts at the next end tag
+    for _ in range(2):
+        r1.output_token_ids.pop()
+        r1.all_token_ids.pop()
+    m.accept_tokens([r1])
+    assert _sampling(so, m, sched) == {}
+    r1.append_output_token_ids([11, 3, EOS])
+    result = m.accept_tokens([r1])
+    assert result.rejected == {} and result.terminated == ["r1"]
+
+
+def test_an_output_may_open_the_block_or_be_all_answer(tokenizer):
+    """Opening tag "x" "a" (two tokens): allowed first beside the grammar, then finished; without it the
+    grammar holds from the first token."""
+    pattern = r"(ab|c)+"
+    boundary = ReasoningBoundary((11,), (7, 1))
+    opens = _request("opens", StructuredOutputsParams(regex=pattern, reasoning_boundary=boundary))
+    answers = _request("answers", StructuredOutputsParams(regex=pattern, reasoning_boundary=boundary))
+    m, sched = _manager(tokenizer, opens, answers)
+    so = SchedulerOutput(num_scheduled_tokens={"opens": 1, "answers": 1})
+    assert _sampling(so, m, sched) == {"opens": _reference(pattern, "") | {7}, "answers": _reference(pattern, "") | {7}}
+    opens.append_output_token_ids([7])
+    answers.append_output_token_ids([4])
+    assert m.accept_tokens([opens, answers]).rejected == {}
+    assert _sampling(so, m, sched) == {"opens": {1}, "answers": _reference(pattern, "ab")}
+    opens.append_output_token_ids([1, 9, 2])  # the tag's end, then free reasoning
+    answers.append_output_token_ids([2])  # "b" after "ab": outside the grammar
+    result = m.accept_tokens([opens, answers])
+    assert result.rejected.keys() == {"answers"} and _sampling(
+        SchedulerOutput(num_scheduled_tokens={"opens": 1}), m, sched) == {}
+    opens.append_output_token_ids([11, 3])
+    assert m.accept_tokens([opens]).rejected == {}
+    assert _sampling(SchedulerOutput(num_scheduled_tokens={"opens": 1}), m, sched) == {"opens": _reference(pattern, "c")}
+
+
+def test_reasoning_boundary_is_validated():
+    with pytest.raises(ValueError, match="end_token_ids"):
+        ReasoningBoundary(())
+    with pytest.raises(ValueError, match="start_token_ids"):
+        ReasoningBoundary((1,), (-1,))
+    with pytest.raises(ValueError, match="reasoning_boundary"):
+        StructuredOutputsParams(regex="a", reasoning_boundary={"end_token_ids": [1]})
+
+
+def test_structured_outputs_config_is_parsed_and_errors_name_the_field():
+    from pagedllm.config import EngineConfig, StructuredOutputsConfig
+
+    assert StructuredOutputsConfig.parse(None).enable_in_reasoning is False
+    assert StructuredOutputsConfig.parse('{"enable_in_reasoning": true}').enable_in_reasoning is True
+    for bad, field in (('{"enable_in_reasoning": 1}', "enable_in_reasoning"), ('{"backend": "outlines"}', "backend"),
+                       ('{"nope": 1}', "unknown keys"), ("[1]", "JSON object"), ("{", "JSON object")):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(model="m", structured_outputs_config=bad)

@@ -170,8 +170,18 @@ async def count_message_tokens(body: CountTokensRequest, raw_request: Request) -
 
 
 def _model_card(request: Request, name: str) -> ModelCard:
-    config = request.app.state.engine.config
-    return ModelCard(id=name, root=config.model, max_model_len=config.max_model_len)
+    engine = request.app.state.engine
+    config = engine.config
+    return ModelCard(id=name, root=config.model, max_model_len=config.max_model_len, tasks=served_tasks(engine))
+
+
+def served_tasks(engine) -> list[str]:
+    """The tasks of ``/v1/models``: ``generate`` for a generation engine; a pooling engine's tasks, with
+    ``score`` (and so rerank) for an embedder too (cosine of the embeddings)."""
+    if getattr(engine, "runner_type", "generate") != "pooling":
+        return ["generate"]
+    tasks = list(engine.tasks)
+    return tasks + ["score"] if "score" not in tasks else tasks
 
 
 @router.get("/v1/models", response_model=ModelList, responses=errors(401))

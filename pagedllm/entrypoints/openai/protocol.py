@@ -599,6 +599,7 @@ class ModelCard(OpenAIBase):
     owned_by: str = "pagedllm"
     root: str | None = None
     max_model_len: int | None = None
+    tasks: list[str] | None = None  # what the model serves: generate, or embed / classify with score
 
 
 class ModelList(OpenAIBase):

@@ -1,7 +1,8 @@
 """Reasoning on the chat path: the ``<think>`` block as ``reasoning_content`` / ``reasoning``, whole and
 streamed, and ``usage.completion_tokens_details.reasoning_tokens``. Where the output starts is read from
-the prompt's end; under an output constraint the grammar covers the whole output (vLLM's
-``enable_in_reasoning``), so only an opening tag in the output starts a block.
+the prompt's end. Under an output constraint the grammar starts after the reasoning block
+(``plan.boundary``, vLLM's default); with ``enable_in_reasoning`` it covers the whole output, so only an
+opening tag the grammar writes starts a block.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any, Callable
 
 from pagedllm.entrypoints.openai.reasoning_parsers import (
     ReasoningParser, detect_reasoning_parser, get_reasoning_parser, prompt_reasoning_state)
+from pagedllm.sampling_params import ReasoningBoundary
 
 _PROMPT_TAIL_TOKENS = 16
 
@@ -18,11 +20,13 @@ _PROMPT_TAIL_TOKENS = 16
 @dataclass
 class ReasoningPlan:
     """A request's reasoning split: ``starts_in_reasoning`` as the parsers take it; ``end_token_id``
-    the id of the end tag when it is one token (counts reasoning tokens exactly)."""
+    the id of the end tag when it is one token (counts reasoning tokens exactly); ``boundary``: where
+    an output constraint starts (None: it covers the whole output)."""
 
     parser_cls: type[ReasoningParser]
     starts_in_reasoning: bool | None
     end_token_id: int | None
+    boundary: ReasoningBoundary | None = None
 
     def new_parser(self) -> ReasoningParser:
         return self.parser_cls(self.starts_in_reasoning)
@@ -43,16 +47,25 @@ def resolve_reasoning_parser(name: str | None, chat_template: str | None) -> typ
 
 
 def plan_reasoning(parser_cls: type[ReasoningParser] | None, tokenizer: Any, prompt_ids: list[int],
-                   is_constrained: bool, template_kwargs: dict[str, Any]) -> ReasoningPlan | None:
+                   is_constrained: bool, template_kwargs: dict[str, Any],
+                   enable_in_reasoning: bool = False) -> ReasoningPlan | None:
+    """The request's split. ``is_constrained``: it has an output constraint, which covers the reasoning
+    with ``enable_in_reasoning`` (no block unless the grammar writes one), else starts after it."""
     if parser_cls is None:
         return None
-    if is_constrained or template_kwargs.get("enable_thinking") is False or template_kwargs.get("thinking") is False:
+    if (is_constrained and enable_in_reasoning) or template_kwargs.get("enable_thinking") is False \
+            or template_kwargs.get("thinking") is False:
         starts = False
     else:
         starts = prompt_reasoning_state(tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False),
                                         parser_cls.start, parser_cls.end)
     end_ids = tokenizer.encode(parser_cls.end, add_special_tokens=False)
-    return ReasoningPlan(parser_cls, starts, end_ids[0] if len(end_ids) == 1 else None)
+    boundary = None
+    if is_constrained and starts is not False:
+        inside = parser_cls.default_starts_in_reasoning if starts is None else starts
+        start_ids = () if inside else tuple(tokenizer.encode(parser_cls.start, add_special_tokens=False))
+        boundary = ReasoningBoundary(tuple(end_ids), start_ids)
+    return ReasoningPlan(parser_cls, starts, end_ids[0] if len(end_ids) == 1 else None, boundary)
 
 
 def split_reasoning(plan: ReasoningPlan | None, text: str) -> tuple[str | None, str]:

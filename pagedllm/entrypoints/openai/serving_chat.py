@@ -9,6 +9,7 @@ engine for chat, Responses and Messages requests.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = getattr(self.engine.config, "reasoning_parser", None)
         resolve_reasoning_parser(self.reasoning_parser, None)  # an unknown name fails at start-up
+        structured = getattr(self.engine.config, "structured_outputs", None)
+        self.enable_in_reasoning = bool(structured and structured.enable_in_reasoning)
         self.default_template_kwargs = template_kwargs_of(
             getattr(self.engine.config, "default_chat_template_kwargs", None))
 
@@ -92,9 +95,13 @@ class OpenAIServingChat(OpenAIServing):
 
     def plan_reasoning(self, req: ChatCompletionRequest, prompt_ids: list[int], params,
                        template_kwargs: dict) -> ReasoningPlan | None:
+        """The reasoning split; under a constraint that starts after the reasoning, its boundary goes on ``params``."""
         parser_cls = resolve_reasoning_parser(self.reasoning_parser, self.template(req))
-        return plan_reasoning(parser_cls, self.engine.tokenizer, prompt_ids, params.structured_outputs is not None,
-                              template_kwargs)
+        plan = plan_reasoning(parser_cls, self.engine.tokenizer, prompt_ids, params.structured_outputs is not None,
+                              template_kwargs, self.enable_in_reasoning)
+        if plan is not None and plan.boundary is not None:
+            params.structured_outputs = dataclasses.replace(params.structured_outputs, reasoning_boundary=plan.boundary)
+        return plan
 
     def plan_tools(self, req: ChatCompletionRequest, params) -> ToolPlan | None:
         """Validate tools/tool_choice (APIError 400) and put their constraint on ``params``."""

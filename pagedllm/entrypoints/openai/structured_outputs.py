@@ -59,6 +59,9 @@ def _requested(req: Any) -> list[tuple[str, StructuredOutputsParams | None]]:
 
 
 def _build(field: str, **kwargs: Any) -> StructuredOutputsParams:
+    if "reasoning_boundary" in kwargs:
+        raise APIError(400, f"{field}.reasoning_boundary is set by the server's reasoning parser "
+                       "(--structured-outputs-config)", field)
     try:
         return StructuredOutputsParams(**kwargs)
     except TypeError as e:  # an unknown key in the structured_outputs object
