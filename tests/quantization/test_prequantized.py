@@ -1,0 +1,183 @@
+"""Pre-quantized Hugging Face checkpoints: compressed-tensors folders written by the library, GPTQ and AWQ
+folders packed as their libraries pack. Each kept projection dequantizes to exactly the format's own
+dequantization, and the model's logits equal a float64 transformers model on those weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pagedllm import LLM
+from pagedllm.attention.backend import set_forward_context
+from tests.conftest import build_tiny_llama_dir
+from tests.quantization.checkpoint_writers import (compressed_tensors_dequantized, write_compressed_tensors_folder,
+                                                   write_packed_folder)
+
+pytest.importorskip("compressed_tensors")
+
+FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+@pytest.fixture(scope="module")
+def untied_dir(tmp_path_factory, smollm2_tokenizer):
+    """The tiny Llama with its own LM head (so ``ignore: [lm_head]`` means something)."""
+    return build_tiny_llama_dir(tmp_path_factory.mktemp("untied"), smollm2_tokenizer, seed=3,
+                                tie_word_embeddings=False)
+
+
+def _model(folder, **kw):
+    llm = LLM(model=str(folder), max_model_len=128, num_kv_blocks=32, **kw)
+    return llm.llm_engine.runner.model
+
+
+def _logits(model, ids):
+    with torch.inference_mode(), set_forward_context(None):
+        return model.compute_logits(model(ids, torch.arange(ids.shape[0])))
+
+
+def _reference_logits(src, weights: dict[str, torch.Tensor], ids) -> torch.Tensor:
+    """A float64 transformers model of ``src`` whose projections carry the dequantized ``weights``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float64).eval()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, w in weights.items():
+            params[name].copy_(w)
+        return model(ids.unsqueeze(0)).logits[0]
+
+
+def _kept_rows(model, hf_name: str) -> torch.Tensor:
+    """The dequantized rows pagedllm keeps for HF projection ``hf_name`` (part of a fused layer or not)."""
+    module, _, _ = hf_name.rpartition(".")
+    parent, _, leaf = module.rpartition(".")
+    modules = dict(model.named_modules())
+    if leaf in FUSED:
+        fused, index = FUSED[leaf]
+        layer = modules[f"{parent}.{fused}"]
+        return layer.shard(layer.quant_method.dequantize(layer), index)
+    layer = modules[module]
+    return layer.quant_method.dequantize(layer)
+
+
+def _check(model, src, reference: dict[str, torch.Tensor], num_kept: int):
+    kept = [n for n, m in model.named_modules() if getattr(m, "quant_method", None) is not None]
+    assert len(kept) == num_kept
+    original = load_file(str(src / "model.safetensors"))
+    for name, w in reference.items():
+        got = _kept_rows(model, name).double()
+        assert got.shape == w.shape
+        assert (got - w).abs().max() <= 1e-6 * w.abs().max(), name
+        # and the format's values are the float weight's, rounded (a wrong layout gives ~1.4)
+        assert (w - original[name].double()).norm() <= 0.2 * original[name].double().norm(), name
+    ids = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(0))
+    ref = _reference_logits(src, reference, ids)
+    assert (_logits(model, ids).double() - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+@pytest.mark.parametrize("preset, group_size", [("W4A16", 32), ("W4A16_ASYM", 32), ("W4A16_ASYM", 64),
+                                                ("W8A8", None), ("W8A16", 32)])
+def test_compressed_tensors_checkpoint_equals_its_own_dequantization(untied_dir, tmp_path, preset, group_size):
+    """compressed-tensors' int-quantized (W8A8: per-channel int8 on the int8 method until the W8A8
+    kernel takes it) and pack-quantized (W4A16 symmetric / with zero points, W8A16) folders; the
+    LM head is in ``ignore`` and stays float."""
+    folder = write_compressed_tensors_folder(untied_dir, tmp_path / "ct", preset, group_size)
+    model = _model(folder)
+    assert model.lm_head.quant_method is None
+    _check(model, untied_dir, compressed_tensors_dequantized(folder), num_kept=2 * 4)
+
+
+def test_compressed_tensors_ignore_list_keeps_those_layers_float(untied_dir, tmp_path):
+    folder = write_compressed_tensors_folder(untied_dir, tmp_path / "ct", "W4A16", 32,
+                                             ignore=("lm_head", "re:.*down_proj$"))
+    model = _model(folder)
+    assert all(layer.mlp.down_proj.quant_method is None for layer in model.model.layers)
+    _check(model, untied_dir, compressed_tensors_dequantized(folder), num_kept=2 * 3)
+
+
+@pytest.mark.parametrize("method, group_size, symmetric, bits, checkpoint_format", [
+    ("gptq", 32, True, 4, "gptq"), ("gptq", 64, False, 4, "gptq"), ("gptq", 32, False, 4, "gptq_v2"),
+    ("gptq", 32, True, 8, "gptq"), ("awq", 32, False, 4, "gptq"), ("awq", 64, False, 4, "gptq")])
+def test_gptq_and_awq_checkpoints_equal_their_own_dequantization(untied_dir, tmp_path, method, group_size,
+                                                                   symmetric, bits, checkpoint_format):
+    folder, reference = write_packed_folder(untied_dir, tmp_path / method, method, group_size, symmetric, bits,
+                                            checkpoint_format)
+    _check(_model(folder), untied_dir, reference, num_kept=2 * 4)
+
+
+def test_per_channel_gptq_is_split_into_kernel_groups(untied_dir, tmp_path):
+    """``group_size: -1`` (one scale per output row) is kept as equal groups of the int4 kernel's sizes."""
+    folder, reference = write_packed_folder(untied_dir, tmp_path / "gptq", "gptq", None, symmetric=False)
+    model = _model(folder)
+    assert model.model.layers[0].mlp.down_proj.scales.shape == (64, 1)  # in_features 128: one group of 128
+    assert model.model.layers[0].self_attn.qkv_proj.scales.shape == (128, 1)  # in_features 64: one of 64
+    _check(model, untied_dir, reference, num_kept=2 * 4)
+
+
+def test_bfloat16_model_runs_the_int4_kernel_on_a_gptq_checkpoint(untied_dir, tmp_path):
+    folder, reference = write_packed_folder(untied_dir, tmp_path / "gptq", "gptq", 32, symmetric=False)
+    model = _model(folder, dtype="bfloat16")
+    layer = model.model.layers[0].self_attn.qkv_proj
+    assert getattr(layer, "kernel_qweight", None) is not None
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    ref = x.double() @ layer.quant_method.dequantize(layer).double().t()
+    assert (layer(x).double() - ref).abs().max() <= 3e-2 * ref.abs().max()
+
+
+# -- refusals ----------------------------------------------------------------------------------
+
+def _with_quantization_config(src, dst, quantization_config: dict):
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("quantization_config, match", [
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"quantization_config\.quant_method 'bitsandbytes'"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, r"quantization_config\.quant_method 'fp8'.*gptq"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, r"quantization_config\.version"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {"g": {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8}}}},
+     r"config_groups\.g\.format 'float-quantized'"),
+])
+def test_unsupported_quantization_config_is_refused_naming_the_field(untied_dir, tmp_path, quantization_config,
+                                                                     match):
+    folder = _with_quantization_config(untied_dir, tmp_path / "m", quantization_config)
+    with pytest.raises(ValueError, match=match):
+        _model(folder)
+
+
+def test_act_order_gptq_is_refused(untied_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = write_packed_folder(untied_dir, tmp_path / "gptq", "gptq", 32, symmetric=False)
+    state = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.g_idx"
+    state[name] = state[name].flip(0).contiguous()
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="act-order.*desc_act"):
+        _model(folder)
+
+
+def test_quantization_option_on_a_prequantized_checkpoint_is_refused(untied_dir, tmp_path):
+    folder, _ = write_packed_folder(untied_dir, tmp_path / "awq", "awq", 32)
+    with pytest.raises(ValueError, match="quantization='int8'.*already quantized.*awq"):
+        _model(folder, quantization="int8")
+
+
+def test_missing_tensors_of_a_quantized_projection_are_named(untied_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = write_packed_folder(untied_dir, tmp_path / "awq", "awq", 32)
+    state = load_file(str(folder / "model.safetensors"))
+    del state["model.layers.1.self_attn.o_proj.qzeros"]
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"lacks tensors.*model\.layers\.1\.self_attn\.o_proj\.qzeros"):
+        _model(folder)
