@@ -222,3 +222,22 @@ def write_packed_folder(src: Path, dst: Path, method: str, group_size: int | Non
     else:
         config = {"quant_method": "awq", "bits": 4, "group_size": group_size or -1, "zero_point": True, "version": "gemm"}
     return _save(model, state, dst, config, src), reference
+
+
+def write_hf_folder_from_gguf(gguf_path: Path, dst: Path) -> Path:
+    """A float32 Hugging Face folder of a GGUF model (its weights dequantized as pagedllm loads them,
+    its config and tokenizer), for the quantizing libraries, which read Hugging Face models."""
+    from pagedllm.loader import load_model_files
+
+    files = load_model_files(str(gguf_path))
+    dst.mkdir(parents=True, exist_ok=True)
+    state = dict(files.weights(torch.float32))
+    if files.hf_config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(dst / "model.safetensors"))
+    files.hf_config.architectures = files.hf_config.architectures or ["LlamaForCausalLM"]
+    files.hf_config.save_pretrained(str(dst))
+    files.tokenizer.save_pretrained(str(dst))
+    if files.chat_template and not (dst / "chat_template.jinja").is_file():
+        (dst / "chat_template.jinja").write_text(files.chat_template)
+    return dst
