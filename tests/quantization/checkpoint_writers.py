@@ -55,9 +55,10 @@ def _save(model, state: dict[str, torch.Tensor], dst: Path, quantization_config:
 # -- compressed-tensors ------------------------------------------------------------------------
 
 def write_compressed_tensors_folder(src: Path, dst: Path, preset: str, group_size: int | None = None,
-                                    ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+                                    ignore: tuple[str, ...] = ("lm_head",), fmt: str | None = None) -> Path:
     """``src`` (a float HF folder) quantized with compressed-tensors' preset scheme (``W8A8``,
-    ``W4A16``, ``W4A16_ASYM``, ``W8A16``), ``group_size`` replacing the preset's for group schemes."""
+    ``W4A16``, ``W4A16_ASYM``, ``W8A16``), ``group_size`` replacing the preset's for group schemes,
+    in the library's format for it or ``fmt`` (e.g. ``naive-quantized``)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationConfig, apply_quantization_config,
                                                  preset_name_to_scheme)
@@ -80,7 +81,7 @@ def write_compressed_tensors_folder(src: Path, dst: Path, preset: str, group_siz
                 module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
                 if hasattr(module, "weight_zero_point"):
                     module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     folder = _save(model, dict(model.state_dict()), dst, None, src)
     compressor.update_config(str(folder))

@@ -80,13 +80,16 @@ def _check(model, src, reference: dict[str, torch.Tensor], num_kept: int):
     assert (_logits(model, ids).double() - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
-@pytest.mark.parametrize("preset, group_size", [("W4A16", 32), ("W4A16_ASYM", 32), ("W4A16_ASYM", 64),
-                                                ("W8A8", None), ("W8A16", 32)])
-def test_compressed_tensors_checkpoint_equals_its_own_dequantization(untied_dir, tmp_path, preset, group_size):
+@pytest.mark.parametrize("preset, group_size, fmt", [
+    ("W4A16", 32, None), ("W4A16_ASYM", 32, None), ("W4A16_ASYM", 64, None), ("W8A8", None, None),
+    ("W8A16", 32, None), ("W4A16_ASYM", 32, "naive-quantized")])
+def test_compressed_tensors_checkpoint_equals_its_own_dequantization(untied_dir, tmp_path, preset, group_size, fmt):
     """compressed-tensors' int-quantized (W8A8: per-channel int8 on the int8 method until the W8A8
-    kernel takes it) and pack-quantized (W4A16 symmetric / with zero points, W8A16) folders; the
-    LM head is in ``ignore`` and stays float."""
-    folder = write_compressed_tensors_folder(untied_dir, tmp_path / "ct", preset, group_size)
+    kernel takes it), pack-quantized (W4A16 symmetric / with zero points, W8A16) and naive-quantized
+    folders; the LM head is in ``ignore`` and stays float."""
+    folder = write_compressed_tensors_folder(untied_dir, tmp_path / "ct", preset, group_size, fmt=fmt)
+    assert json.loads((folder / "config.json").read_text())["quantization_config"]["format"] == \
+        (fmt or ("int-quantized" if preset == "W8A8" else "pack-quantized"))
     model = _model(folder)
     assert model.lm_head.quant_method is None
     _check(model, untied_dir, compressed_tensors_dequantized(folder), num_kept=2 * 4)
