@@ -1,8 +1,8 @@
 """A Hugging Face folder's ``quantization_config`` (config.json), parsed and validated (no torch).
 
 Read: compressed-tensors (``int-quantized`` W8A8 / W8A16, ``pack-quantized`` and ``naive-quantized``
-W4A16 / W8A16, symmetric or with zero points), GPTQ (4 or 8 bits, ``gptq`` / ``gptq_v2`` zeros) and
-AWQ (GEMM packing). Anything else raises ValueError naming the field and the supported values:
+W4A16 / W8A16, symmetric or with zero points), GPTQ (4 or 8 bits, ``gptq`` / ``gptq_v2`` zeros,
+act-order) and AWQ (GEMM packing). Anything else raises ValueError naming the field and the supported values:
 packed tensors are never loaded as float weights.
 """
 
@@ -24,7 +24,8 @@ class WeightScheme:
     ``group_size`` None: one scale per output channel (a per-tensor scale is spread over the
     channels). ``dynamic_int8_activations``: W8A8, activations quantized per token at run time.
     ``format``: compressed-tensors' format, ``gptq`` / ``gptq_v2`` (stored zeros minus one or not),
-    or ``gemm`` (AWQ).
+    or ``gemm`` (AWQ). ``has_act_order``: the inputs' groups are given by a ``g_idx`` tensor (GPTQ
+    ``desc_act``, compressed-tensors ``actorder: group``), not by ``input // group_size``.
     """
 
     bits: int
@@ -145,7 +146,7 @@ def _ct_scheme(group: dict, fmt: str | None, field: str) -> WeightScheme:
         raise _refuse(f"{field}.weights.group_size", group_size, "a positive integer with strategy 'group'")
     return WeightScheme(bits=bits, group_size=group_size, symmetric=symmetric, format=fmt, strategy=strategy,
                         dynamic_int8_activations=_ct_activations(group.get("input_activations"), field),
-                        has_act_order=weights.get("actorder") not in (None, False))
+                        has_act_order=weights.get("actorder") == "group")
 
 
 def _ct_activations(acts: dict | None, field: str) -> bool:

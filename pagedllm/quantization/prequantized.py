@@ -9,7 +9,10 @@ converted exactly (no requantization) into pagedllm's forms, yielded under the p
   (:mod:`pagedllm.quantization.int8`); symmetric only.
 The loader fills them into parameters of the same names (fused layers by rows), then
 ``process_weights_after_loading`` hands them to the int8 / int4 method. Groups torch's int4 kernel
-does not take (per channel, 512, ...) are split into equal sub-groups, which is exact.
+does not take (per channel, 512, ...) are split into equal sub-groups, which is exact. Act-order
+checkpoints (``g_idx``) keep their columns permuted so that groups are contiguous, with the
+permutation kept as the layer's ``input_perm`` (K,) buffer: ``x @ W.T == x[:, input_perm] @ W_kept.T``;
+the parts of a fused layer share their input, so they must share it (GPTQ gives them the same one).
 """
 
 from __future__ import annotations
@@ -49,14 +52,21 @@ def kept_group_size(group_size: int | None, in_features: int) -> int:
 class PrequantizedLinearMethod(LinearMethod):
     """Holds the converted checkpoint values as parameters until loaded, then runs on ``inner``."""
 
-    def __init__(self, scheme: WeightScheme, prefix: str) -> None:
+    def __init__(self, scheme: WeightScheme, prefix: str, input_perms: dict[str, torch.Tensor]) -> None:
         self.scheme = scheme
         self.prefix = prefix
+        self.input_perms = input_perms  # act-order: layer name -> permutation, filled by the conversion
         self.inner: LinearMethod | None = None
 
     def create_weights(self, layer: nn.Module) -> None:
         weight = layer.weight
         n, k = layer.out_features, layer.in_features
+        if self.scheme.has_act_order:
+            from pagedllm.distributed.parallel_state import get_tensor_parallel_size
+
+            if get_tensor_parallel_size() > 1:
+                raise ValueError(f"{self.prefix}: act-order checkpoints (quantization_config desc_act / actorder) "
+                                 f"are not supported with tensor_parallel_size > 1")
         if self.scheme.bits == 4:
             group = kept_group_size(self.scheme.group_size, k)
             self.inner = Int4LinearMethod(group)
@@ -84,13 +94,22 @@ class PrequantizedLinearMethod(LinearMethod):
             self.inner.set_quantized(layer, unpack_nibbles(values["qweight"]), values["scales"], values["zeros"])
         else:
             self.inner.set_quantized(layer, values["qweight"], values["scales"])
+        if self.scheme.has_act_order:
+            layer.register_buffer("input_perm", self.input_perms[self.prefix].to(values["qweight"].device))
         self.inner.process_weights_after_loading(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return self.inner.apply(layer, x)
+        perm = getattr(layer, "input_perm", None)
+        return self.inner.apply(layer, x if perm is None else x.index_select(1, perm))
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        return self.inner.dequantize(layer)
+        kept = self.inner.dequantize(layer)
+        perm = getattr(layer, "input_perm", None)
+        if perm is None:
+            return kept
+        weight = torch.empty_like(kept)
+        weight[:, perm] = kept  # column perm[j] of the weight is kept column j
+        return weight
 
 
 class PrequantizedConfig(QuantizationConfig):
@@ -102,6 +121,8 @@ class PrequantizedConfig(QuantizationConfig):
         self.fused_parts = fused_parts
         self.name = quantization.describe()
         self._schemes: dict[str, WeightScheme] = {}  # Hugging Face module name -> its scheme
+        self._layer_of: dict[str, str] = {}  # Hugging Face module name -> pagedllm layer (fused or not)
+        self._perms: dict[str, torch.Tensor] = {}  # act-order: pagedllm layer -> input permutation
 
     def get_linear_method(self, prefix: str, layer: nn.Module) -> LinearMethod | None:
         parent, _, leaf = prefix.rpartition(".")
@@ -113,7 +134,8 @@ class PrequantizedConfig(QuantizationConfig):
             raise ValueError(f"quantization_config gives the parts of {prefix} ({', '.join(parts)}) different "
                              f"schemes; pagedllm runs them as one fused projection and needs one scheme")
         self._schemes.update((p, schemes[0]) for p in parts)
-        return PrequantizedLinearMethod(schemes[0], prefix)
+        self._layer_of.update((p, prefix) for p in parts)
+        return PrequantizedLinearMethod(schemes[0], prefix, self._perms)
 
     @property
     def packed_weight_names(self) -> frozenset[str]:
@@ -128,10 +150,15 @@ class PrequantizedConfig(QuantizationConfig):
     def _required(self, scheme: WeightScheme) -> tuple[str, ...]:
         method = self.quantization.quant_method
         if method == "compressed-tensors":
-            return compressed_tensors.required_suffixes(scheme)
-        if method == "gptq":
-            return gptq.REQUIRED_SUFFIXES
-        return awq.required_suffixes(not scheme.symmetric)
+            required = compressed_tensors.required_suffixes(scheme)
+        elif method == "gptq":
+            required = gptq.REQUIRED_SUFFIXES
+        else:
+            required = awq.required_suffixes(not scheme.symmetric)
+        return required + ((self._g_idx_suffix(),) if scheme.has_act_order else ())
+
+    def _g_idx_suffix(self) -> str:
+        return "weight_g_idx" if self.quantization.quant_method == "compressed-tensors" else "g_idx"
 
     def convert_checkpoint(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The weight stream with each quantized projection's tensors replaced by pagedllm's
@@ -145,7 +172,7 @@ class PrequantizedConfig(QuantizationConfig):
             if scheme is None or suffix not in suffixes:
                 yield name, tensor
                 continue
-            if suffix in optional:
+            if suffix in optional and suffix not in self._required(scheme):
                 self._check_optional(name, tensor, scheme)
                 continue
             parts = pending.setdefault(module, {})
@@ -175,10 +202,22 @@ class PrequantizedConfig(QuantizationConfig):
             q, zeros, scales = gptq.values_zeros_scales(tensors, scheme)
         else:
             q, zeros, scales = awq.values_zeros_scales(tensors)
+        if scheme.has_act_order:
+            perm = gptq.act_order_permutation(tensors[self._g_idx_suffix()], scheme.group_size, module)
+            q = q[:, perm]
+            self._keep_input_perm(module, perm)
         if scheme.bits == 4:
             yield from _as_int4(module, q, zeros, scales)
         else:
             yield from _as_int8(module, q, zeros, scales, scheme)
+
+    def _keep_input_perm(self, module: str, perm: torch.Tensor) -> None:
+        """Record the layer's input permutation; the parts of a fused layer must agree."""
+        layer = self._layer_of[module]
+        seen = self._perms.setdefault(layer, perm)
+        if not torch.equal(seen, perm):
+            raise ValueError(f"{module}: its act-order g_idx differs from the other parts of {layer}, which "
+                             f"pagedllm runs as one projection on one input order")
 
 
 def _as_int4(module: str, q: torch.Tensor, zeros: torch.Tensor | None, scales: torch.Tensor

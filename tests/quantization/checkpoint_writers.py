@@ -123,18 +123,23 @@ def _minmax_groups(w: torch.Tensor, group_size: int, symmetric: bool) -> tuple[t
     return scale.half().t().contiguous(), zero.t().contiguous()
 
 
-def gptq_pack(weight: torch.Tensor, group_size: int, symmetric: bool, bits: int = 4
-              ) -> dict[str, torch.Tensor]:
-    """AutoGPTQ's ``QuantLinear.pack`` (v1 format: stored zeros are ``z - 1``), 4 or 8 bits."""
+def gptq_pack(weight: torch.Tensor, group_size: int, symmetric: bool, bits: int = 4,
+              act_order: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """AutoGPTQ's ``QuantLinear.pack`` (v1 format: stored zeros are ``z - 1``; the g_idx-aware pack of its
+    qlinear_exllama / qlinear_cuda), 4 or 8 bits. ``act_order``: the order (K,) in which inputs were
+    quantized (desc_act): group i holds inputs ``act_order[i * group_size:(i + 1) * group_size]``."""
     n, k = weight.shape
     maxq = 2 ** bits - 1
+    order = torch.arange(k) if act_order is None else act_order
+    grouped = weight[:, order]
     if bits == 4:
-        scales, zeros = _minmax_groups(weight, group_size, symmetric)
+        scales, zeros = _minmax_groups(grouped, group_size, symmetric)
     else:  # symmetric 8-bit
-        g = weight.view(n, -1, group_size)
+        g = grouped.reshape(n, -1, group_size)
         scales = (g.abs().amax(dim=2) / 127.5).clamp_min(1e-8).half().t().contiguous()
         zeros = torch.full(scales.shape, 128.0)
-    g_idx = torch.arange(k, dtype=torch.int32) // group_size
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[order] = (torch.arange(k) // group_size).to(torch.int32)
     scale_zeros = zeros * scales.float()
     intweight = torch.round((weight + scale_zeros[g_idx.long()].t()) / scales.float()[g_idx.long()].t())
     intweight = intweight.clamp(0, maxq).to(torch.int64).t().contiguous()  # (K, N)
@@ -191,34 +196,43 @@ def awq_dequantize(tensors: dict[str, torch.Tensor], group_size: int) -> torch.T
 
 
 def write_packed_folder(src: Path, dst: Path, method: str, group_size: int | None, symmetric: bool = False,
-                        bits: int = 4, checkpoint_format: str = "gptq") -> tuple[Path, dict[str, torch.Tensor]]:
+                        bits: int = 4, checkpoint_format: str = "gptq", act_order: bool = False
+                        ) -> tuple[Path, dict[str, torch.Tensor]]:
     """``src`` with every decoder projection packed as GPTQ (``method="gptq"``) or AWQ (``group_size``
     None: one group per row, ``-1`` in the config); returns the folder and each projection's reference
-    dequantized weight (HF name → float64 (N, K))."""
+    dequantized weight (HF name → float64 (N, K)). ``act_order`` (GPTQ): each layer's inputs quantized in
+    a seeded random order (desc_act), the same order for the projections of one input."""
     model = _hf_model(src)
     state = dict(model.state_dict())
     reference = {}
+    orders: dict[tuple[str, int], torch.Tensor] = {}  # (layer, in_features) -> input order
     for name in list(state):
         module, _, leaf = name.rpartition(".")
         if leaf != "weight" or module.rpartition(".")[2] not in GPTQ_ORDER_OF_PROJECTIONS:
             continue
         weight = state.pop(name)
         group = group_size or weight.shape[1]
+        order = None
+        if act_order:
+            key = (module.rpartition(".")[0] + module.rpartition(".")[2].replace("k_proj", "q_proj").replace(
+                "v_proj", "q_proj").replace("up_proj", "gate_proj"), weight.shape[1])
+            order = orders.setdefault(key, torch.randperm(weight.shape[1], generator=torch.Generator().manual_seed(
+                len(orders))))
         if method == "gptq":
-            tensors = gptq_pack(weight, group, symmetric, bits)
+            tensors = gptq_pack(weight, group, symmetric, bits, order)
             if checkpoint_format == "gptq_v2":  # stored zeros are z itself
                 z = torch.bitwise_and(tensors["qzeros"].unsqueeze(2) >> torch.arange(0, 32, bits).int(), 2 ** bits - 1)
                 z = z + 1
                 shifts = torch.arange(0, 32, bits, dtype=torch.int64)
                 packed = ((z.to(torch.int64) & (2 ** bits - 1)) << shifts).sum(dim=2)
                 tensors["qzeros"] = ((packed + 2 ** 31) % 2 ** 32 - 2 ** 31).to(torch.int32)
-            reference[name] = gptq_dequantize(gptq_pack(weight, group, symmetric, bits), bits)
+            reference[name] = gptq_dequantize(gptq_pack(weight, group, symmetric, bits, order), bits)
         else:
             tensors = awq_pack(weight, group)
             reference[name] = awq_dequantize(tensors, group)
         state.update({f"{module}.{k}": v for k, v in tensors.items()})
     if method == "gptq":
-        config = {"quant_method": "gptq", "bits": bits, "group_size": group_size or -1, "desc_act": False,
+        config = {"quant_method": "gptq", "bits": bits, "group_size": group_size or -1, "desc_act": act_order,
                   "sym": symmetric, "checkpoint_format": checkpoint_format}
     else:
         config = {"quant_method": "awq", "bits": 4, "group_size": group_size or -1, "zero_point": True, "version": "gemm"}

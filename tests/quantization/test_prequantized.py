@@ -103,14 +103,23 @@ def test_compressed_tensors_ignore_list_keeps_those_layers_float(untied_dir, tmp
     _check(model, untied_dir, compressed_tensors_dequantized(folder), num_kept=2 * 3)
 
 
-@pytest.mark.parametrize("method, group_size, symmetric, bits, checkpoint_format", [
-    ("gptq", 32, True, 4, "gptq"), ("gptq", 64, False, 4, "gptq"), ("gptq", 32, False, 4, "gptq_v2"),
-    ("gptq", 32, True, 8, "gptq"), ("awq", 32, False, 4, "gptq"), ("awq", 64, False, 4, "gptq")])
+@pytest.mark.parametrize("method, group_size, symmetric, bits, checkpoint_format, act_order", [
+    ("gptq", 32, True, 4, "gptq", False), ("gptq", 64, False, 4, "gptq", False),
+    ("gptq", 32, False, 4, "gptq_v2", False), ("gptq", 32, True, 8, "gptq", False),
+    ("gptq", 32, False, 4, "gptq", True), ("gptq", 32, True, 8, "gptq", True),
+    ("awq", 32, False, 4, "gptq", False), ("awq", 64, False, 4, "gptq", False)])
 def test_gptq_and_awq_checkpoints_equal_their_own_dequantization(untied_dir, tmp_path, method, group_size,
-                                                                   symmetric, bits, checkpoint_format):
+                                                                   symmetric, bits, checkpoint_format, act_order):
+    """Act-order (desc_act) GPTQ: the kept columns are permuted so that groups are contiguous, the
+    layer permutes its input alike (``input_perm``), and dequantization puts the columns back."""
     folder, reference = write_packed_folder(untied_dir, tmp_path / method, method, group_size, symmetric, bits,
-                                            checkpoint_format)
-    _check(_model(folder), untied_dir, reference, num_kept=2 * 4)
+                                            checkpoint_format, act_order)
+    model = _model(folder)
+    layer = model.model.layers[0].mlp.down_proj
+    assert (getattr(layer, "input_perm", None) is not None) == act_order
+    if act_order:
+        assert not torch.equal(layer.input_perm, torch.arange(128))
+    _check(model, untied_dir, reference, num_kept=2 * 4)
 
 
 def test_per_channel_gptq_is_split_into_kernel_groups(untied_dir, tmp_path):
@@ -157,15 +166,27 @@ def test_unsupported_quantization_config_is_refused_naming_the_field(untied_dir,
         _model(folder)
 
 
-def test_act_order_gptq_is_refused(untied_dir, tmp_path):
-    from safetensors.torch import load_file, save_file
+def test_act_order_g_idx_without_desc_act_is_refused(untied_dir, tmp_path):
+    from safetensors.torch import save_file
 
     folder, _ = write_packed_folder(untied_dir, tmp_path / "gptq", "gptq", 32, symmetric=False)
     state = load_file(str(folder / "model.safetensors"))
     name = "model.layers.0.mlp.down_proj.g_idx"
     state[name] = state[name].flip(0).contiguous()
     save_file(state, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match="act-order.*desc_act"):
+    with pytest.raises(ValueError, match="act-order.*desc_act false"):
+        _model(folder)
+
+
+def test_act_order_parts_of_a_fused_layer_must_share_their_input_order(untied_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    folder, _ = write_packed_folder(untied_dir, tmp_path / "gptq", "gptq", 32, act_order=True)
+    state = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.1.self_attn.v_proj.g_idx"
+    state[name] = (torch.arange(64, dtype=torch.int32) // 32).contiguous()
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="v_proj: its act-order g_idx differs.*qkv_proj"):
         _model(folder)
 
 
