@@ -81,7 +81,7 @@ def _check(model, src, reference: dict[str, torch.Tensor], num_kept: int):
 
 
 @pytest.mark.parametrize("preset, group_size, fmt", [
-    ("W4A16", 32, None), ("W4A16_ASYM", 32, None), ("W4A16_ASYM", 64, None), ("W8A8", None, None),
+    ("W4A16", 32, None), ("W4A16_ASYM", 64, None), ("W8A8", None, None),
     ("W8A16", 32, None), ("W4A16_ASYM", 32, "naive-quantized")])
 def test_compressed_tensors_checkpoint_equals_its_own_dequantization(untied_dir, tmp_path, preset, group_size, fmt):
     """compressed-tensors' int-quantized (W8A8: per-channel int8 on the int8 method until the W8A8
@@ -107,7 +107,7 @@ def test_compressed_tensors_ignore_list_keeps_those_layers_float(untied_dir, tmp
     ("gptq", 32, True, 4, "gptq", False), ("gptq", 64, False, 4, "gptq", False),
     ("gptq", 32, False, 4, "gptq_v2", False), ("gptq", 32, True, 8, "gptq", False),
     ("gptq", 32, False, 4, "gptq", True), ("gptq", 32, True, 8, "gptq", True),
-    ("awq", 32, False, 4, "gptq", False), ("awq", 64, False, 4, "gptq", False)])
+    ("awq", 64, False, 4, "gptq", False)])
 def test_gptq_and_awq_checkpoints_equal_their_own_dequantization(untied_dir, tmp_path, method, group_size,
                                                                    symmetric, bits, checkpoint_format, act_order):
     """Act-order (desc_act) GPTQ: the kept columns are permuted so that groups are contiguous, the
@@ -234,7 +234,7 @@ def smollm2_float_dir(tmp_path_factory, smollm2_path):
     return write_hf_folder_from_gguf(smollm2_path, tmp_path_factory.mktemp("smollm2") / "float32")
 
 
-def _greedy(folder, num_prompts: int = 8, max_tokens: int = 32):
+def _greedy(folder, num_prompts: int = 4, max_tokens: int = 32):
     from pagedllm import SamplingParams
     from tests.quantization.test_quantization import _questions
 
@@ -259,7 +259,7 @@ def _float_folder_with(src, dst, weights: dict[str, torch.Tensor]):
 def test_smollm2_compressed_tensors_w4a16_runs_as_its_dequantized_float_model(smollm2_float_dir, tmp_path):
     """SmolLM2 quantized by compressed-tensors (W4A16, zero points, group 32): its 210 projections (120 fused layers) kept
     at 4 bits give the greedy tokens of the float32 model carrying the library's dequantized weights
-    (8 prompts x 32 tokens; only the order of float operations differs: measured 1.0, floor 0.9)."""
+    (4 prompts x 32 tokens; only the order of float operations differs: measured 1.0, floor 0.9)."""
     from tests.quantization.test_quantization import _prefix_agreement
 
     folder = write_compressed_tensors_folder(smollm2_float_dir, tmp_path / "w4", "W4A16_ASYM", 32)
