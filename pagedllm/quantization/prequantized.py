@@ -17,6 +17,7 @@ the parts of a fused layer share their input, so they must share it (GPTQ gives 
 
 from __future__ import annotations
 
+import logging
 from typing import Iterator
 
 import torch
@@ -28,6 +29,8 @@ from pagedllm.quantization import awq, compressed_tensors, gptq
 from pagedllm.quantization.base import LinearMethod, QuantizationConfig, replace_weight
 from pagedllm.quantization.int4 import Int4LinearMethod, pack_nibbles, unpack_nibbles
 from pagedllm.quantization.int8 import Int8LinearMethod
+
+logger = logging.getLogger("pagedllm")
 
 
 def w8a8_linear_method() -> LinearMethod:
@@ -133,6 +136,9 @@ class PrequantizedConfig(QuantizationConfig):
         if any(s != schemes[0] for s in schemes):
             raise ValueError(f"quantization_config gives the parts of {prefix} ({', '.join(parts)}) different "
                              f"schemes; pagedllm runs them as one fused projection and needs one scheme")
+        if schemes[0].dynamic_int8_activations and not self._schemes:
+            logger.info("W8A8 checkpoint: its int8 weights run on the weight-only int8 method, activations in "
+                        "the model dtype")
         self._schemes.update((p, schemes[0]) for p in parts)
         self._layer_of.update((p, prefix) for p in parts)
         return PrequantizedLinearMethod(schemes[0], prefix, self._perms)

@@ -50,7 +50,8 @@ def test_gptq_and_awq():
 
 
 @pytest.mark.parametrize("config, field", [
-    ({"quant_method": "bitsandbytes"}, r"quantization_config\.quant_method 'bitsandbytes'.*compressed-tensors, gptq, awq"),
+    ({"quant_method": "bitsandbytes"},
+     r"quantization_config\.quant_method 'bitsandbytes'.*compressed-tensors, gptq, awq"),
     ({"quant_method": "fp8"}, r"quantization_config\.quant_method 'fp8'"),
     ({"quant_method": "gptq", "bits": 3}, r"quantization_config\.bits 3"),
     ({"quant_method": "gptq", "bits": 8, "sym": False}, r"quantization_config\.sym"),

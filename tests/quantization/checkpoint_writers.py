@@ -76,7 +76,8 @@ def write_compressed_tensors_folder(src: Path, dst: Path, preset: str, group_siz
                 w = module.weight.data
                 if args.strategy == "group":
                     w = w.view(w.shape[0], -1, args.group_size)
-                lo, hi = w.amin(dim=-1, keepdim=args.strategy != "group"), w.amax(dim=-1, keepdim=args.strategy != "group")
+                keep = args.strategy != "group"
+                lo, hi = w.amin(dim=-1, keepdim=keep), w.amax(dim=-1, keepdim=keep)
                 scale, zero = calculate_qparams(lo, hi, args)
                 module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
                 if hasattr(module, "weight_zero_point"):
@@ -235,7 +236,8 @@ def write_packed_folder(src: Path, dst: Path, method: str, group_size: int | Non
         config = {"quant_method": "gptq", "bits": bits, "group_size": group_size or -1, "desc_act": act_order,
                   "sym": symmetric, "checkpoint_format": checkpoint_format}
     else:
-        config = {"quant_method": "awq", "bits": 4, "group_size": group_size or -1, "zero_point": True, "version": "gemm"}
+        config = {"quant_method": "awq", "bits": 4, "group_size": group_size or -1, "zero_point": True,
+                  "version": "gemm"}
     return _save(model, state, dst, config, src), reference
 
 
