@@ -72,8 +72,11 @@ class PrequantizedLinearMethod(LinearMethod):
                                  f"are not supported with tensor_parallel_size > 1")
         if self.scheme.bits == 4:
             group = kept_group_size(self.scheme.group_size, k)
+            if k % (self.scheme.group_size or k):
+                raise ValueError(f"{self.prefix}: quantization_config group size {self.scheme.group_size} does "
+                                 f"not divide in_features {k}")
             self.inner = Int4LinearMethod(group)
-            self.inner.create_weights(layer)  # ValueError when the group does not divide in_features
+            self.inner.create_weights(layer)  # ValueError for a tensor-parallel share the group does not divide
             shapes = {"qweight": ((n, k // 2), torch.uint8), "scales": ((n, k // group), torch.float32),
                       "zeros": ((n, k // group), torch.float32)}
         else:

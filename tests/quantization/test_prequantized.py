@@ -190,6 +190,16 @@ def test_act_order_parts_of_a_fused_layer_must_share_their_input_order(untied_di
         _model(folder)
 
 
+def test_group_that_does_not_divide_in_features_is_refused(untied_dir, tmp_path):
+    folder, _ = write_packed_folder(untied_dir, tmp_path / "gptq", "gptq", 32)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["group_size"] = 96
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="self_attn.qkv_proj: quantization_config group size 96 does not divide "
+                                         "in_features 64"):
+        _model(folder)
+
+
 def test_quantization_option_on_a_prequantized_checkpoint_is_refused(untied_dir, tmp_path):
     folder, _ = write_packed_folder(untied_dir, tmp_path / "awq", "awq", 32)
     with pytest.raises(ValueError, match="quantization='int8'.*already quantized.*awq"):
