@@ -91,6 +91,9 @@ class PoolingEngine:
                              "data_parallel_size and quantization must stay at their defaults")
         t0 = time.perf_counter()
         files = load_model_files(config.model, config.tokenizer)
+        if files.checkpoint_quantization is not None:
+            raise ValueError(f"runner='pooling' runs float weights; {config.model!r} is pre-quantized "
+                             f"({files.checkpoint_quantization.describe()})")
         self.model_files, self.tokenizer, self.model_name = files, files.tokenizer, config.model
         self.pooler, st_max_len = self._pooler(Path(files.source), config.pooler_config)
         self.config = config = self._resolve_max_model_len(config, files.max_model_len, st_max_len)

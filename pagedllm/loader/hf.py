@@ -71,9 +71,10 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     return files
 
 
-def iter_safetensors_weights(folder: str | Path, config: PretrainedConfig, dtype: torch.dtype
-                             ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` one at a time, floats cast to ``dtype``; a tied ``lm_head.weight`` is skipped."""
+def iter_safetensors_weights(folder: str | Path, config: PretrainedConfig, dtype: torch.dtype,
+                             kept: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` one at a time, floats cast to ``dtype`` except those named in ``kept``
+    (a pre-quantized checkpoint's scales); a tied ``lm_head.weight`` is skipped."""
     is_tied = bool(getattr(config, "tie_word_embeddings", False))
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt") as f:
@@ -81,4 +82,4 @@ def iter_safetensors_weights(folder: str | Path, config: PretrainedConfig, dtype
                 if name.endswith(_SKIPPED_SUFFIXES) or (is_tied and name == "lm_head.weight"):
                     continue
                 tensor = f.get_tensor(name)
-                yield name, (tensor.to(dtype) if tensor.is_floating_point() else tensor)
+                yield name, (tensor.to(dtype) if tensor.is_floating_point() and name not in kept else tensor)

@@ -10,6 +10,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from pagedllm.loader import gguf as gguf_loader
 from pagedllm.loader import hf as hf_loader
+from pagedllm.loader.quantization_config import CheckpointQuantization, parse_quantization_config
 from pagedllm.loader.resolve import ResolvedModel, resolve_model
 from pagedllm.loader.tokenizer import (chat_template_of, gguf_end_of_generation_ids, load_gguf_tokenizer,
                                        load_hf_tokenizer)
@@ -35,18 +36,20 @@ class ModelFiles:
     format: Literal["gguf", "hf"]
     _weights_fn: WeightsFn = field(repr=False)
     gguf_tensor_types: dict | None = field(default=None, repr=False)
+    checkpoint_quantization: CheckpointQuantization | None = None
 
     def weights(self, dtype: torch.dtype = torch.float32, packed: frozenset[str] = frozenset()
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` one at a time, dense, in ``dtype``, on CPU.
 
-        GGUF tensors named in ``packed`` come as raw block bytes, uint8 (rows, bytes per row).
-        Raises ValueError for a non-float ``dtype`` or ``packed`` on a non-GGUF model.
+        GGUF tensors named in ``packed`` come as raw block bytes, uint8 (rows, bytes per row); those of
+        a pre-quantized Hugging Face folder (``checkpoint_quantization``) as stored (scales not cast).
+        Raises ValueError for a non-float ``dtype`` or ``packed`` on a float Hugging Face folder.
         """
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-        if packed and self.format != "gguf":
-            raise ValueError("packed weights exist only in GGUF files")
+        if packed and self.format != "gguf" and self.checkpoint_quantization is None:
+            raise ValueError("packed weights exist only in GGUF files and pre-quantized checkpoints")
         return self._weights_fn(dtype, packed) if packed else self._weights_fn(dtype)
 
 
@@ -88,6 +91,7 @@ def _load_gguf(resolved: ResolvedModel, tokenizer_source: ResolvedModel) -> Mode
 def _load_hf(resolved: ResolvedModel, tokenizer_source: ResolvedModel) -> ModelFiles:
     folder = resolved.path
     config = hf_loader.load_hf_config(folder)
+    quantization = parse_quantization_config(getattr(config, "quantization_config", None))
     hf_loader.safetensors_files(folder)  # fail now, not at weight-loading time, if weights are missing
     tokenizer = _load_tokenizer(tokenizer_source)
     eos = tokenizer.eos_token_id
@@ -100,7 +104,9 @@ def _load_hf(resolved: ResolvedModel, tokenizer_source: ResolvedModel) -> ModelF
         chat_template=_with_chat_template(tokenizer, hf_loader.read_chat_template(folder)),
         eos_token_id=eos, stop_token_ids=stops, max_model_len=max_model_len_of(config),
         source=str(folder), format="hf",
-        _weights_fn=lambda dtype: hf_loader.iter_safetensors_weights(folder, config, dtype))
+        _weights_fn=lambda dtype, packed=frozenset(): hf_loader.iter_safetensors_weights(folder, config, dtype,
+                                                                                        packed),
+        checkpoint_quantization=quantization)
 
 
 def _with_chat_template(tokenizer: PreTrainedTokenizerFast, model_template: str | None) -> str | None:

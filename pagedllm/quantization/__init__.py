@@ -1,4 +1,4 @@
-"""Weight formats kept at run time (int8, int4, GGUF blocks; one module each) and KV-cache dtypes."""
+"""Weight formats kept at run time (int8, int4, GGUF blocks, pre-quantized checkpoints; one module each) and KV-cache dtypes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pagedllm.quantization.base import (LinearMethod, QuantizationConfig, create
                                         process_quantized_weights, weight_bytes)
 
 __all__ = ["LinearMethod", "QUANTIZATION_METHODS", "QuantizationConfig", "create_quantized_weights",
-           "get_quantization_config", "process_quantized_weights", "weight_bytes"]
+           "get_prequantized_config", "get_quantization_config", "process_quantized_weights", "weight_bytes"]
 
 
 def get_quantization_config(name: str, group_size: int = 128, gguf_tensor_types: dict | None = None,
@@ -25,3 +25,10 @@ def get_quantization_config(name: str, group_size: int = 128, gguf_tensor_types:
         from pagedllm.quantization.gguf import GGUFConfig
         return GGUFConfig(gguf_tensor_types, fused_parts or {})
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), got {name!r}")
+
+
+def get_prequantized_config(quantization, fused_parts: dict[str, list[str]]) -> QuantizationConfig:
+    """The config for a checkpoint's ``quantization_config`` (a parsed ``CheckpointQuantization``)."""
+    from pagedllm.quantization.prequantized import PrequantizedConfig
+
+    return PrequantizedConfig(quantization, fused_parts)

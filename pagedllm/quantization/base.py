@@ -46,7 +46,12 @@ class QuantizationConfig:
 
     @property
     def packed_weight_names(self) -> frozenset[str]:
+        """Checkpoint tensors the loader yields as stored (GGUF blocks, a pre-quantized checkpoint's scales)."""
         return frozenset()
+
+    def convert_checkpoint(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weight stream as ``load_weights`` takes it (default: unchanged)."""
+        return weights
 
 
 def quantizable_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:

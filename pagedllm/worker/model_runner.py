@@ -27,8 +27,8 @@ from pagedllm.core.swap_space import SwapSpace
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedllm.loader.model_files import ModelFiles
 from pagedllm.models.layers.linear import packed_copy_bytes
-from pagedllm.quantization import (QuantizationConfig, create_quantized_weights, get_quantization_config,
-                                   process_quantized_weights, weight_bytes)
+from pagedllm.quantization import (QuantizationConfig, create_quantized_weights, get_prequantized_config,
+                                   get_quantization_config, process_quantized_weights, weight_bytes)
 from pagedllm.quantization.kv_cache import resolve_kv_cache_dtype
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sizing import KVCacheSpec, format_bytes, kv_bytes_per_block, num_blocks_for_budget
@@ -172,7 +172,7 @@ class ModelRunner:
             model.load_weights(model_files.weights(self.dtype))
             return model.eval()
         num_quantized = create_quantized_weights(model, quant)
-        model.load_weights(model_files.weights(self.dtype, quant.packed_weight_names))
+        model.load_weights(quant.convert_checkpoint(model_files.weights(self.dtype, quant.packed_weight_names)))
         process_quantized_weights(model)
         logger.info("weights: %d linear layers kept as %s, %.1f MiB in all", num_quantized, quant.name,
                     weight_bytes(model) / 2**20)
@@ -206,13 +206,20 @@ class ModelRunner:
         return [meta] * len(self.kv_cache_groups)
 
     def _quantization_config(self, model_files: ModelFiles, model: torch.nn.Module) -> QuantizationConfig | None:
-        """The weight format for ``config.quantization`` (None: float weights)."""
+        """The weight format for ``config.quantization`` or the checkpoint's ``quantization_config``
+        (None: float weights). Raises ValueError when both are given."""
         name = self.config.quantization
-        if name is None:
-            return None
         fused_parts: dict[str, list[str]] = {}
         for part, (fused, _) in getattr(model, "packed_modules", {}).items():
             fused_parts.setdefault(fused, []).append(part)
+        stored = model_files.checkpoint_quantization
+        if stored is not None:
+            if name is not None:
+                raise ValueError(f"quantization={name!r} cannot apply to {model_files.source!r}: its weights are "
+                                 f"already quantized ({stored.describe()}); leave quantization unset")
+            return get_prequantized_config(stored, fused_parts)
+        if name is None:
+            return None
         return get_quantization_config(name, self.config.quantization_group_size, model_files.gguf_tensor_types,
                                        fused_parts)
 

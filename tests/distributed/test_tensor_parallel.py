@@ -161,6 +161,27 @@ def test_quantized_linears_tp2_equal_tp1(tmp_path, quantization):
         assert all(math.isclose(x, y, abs_tol=1e-4) for x, y in zip(a, b)), (a, b)
 
 
+@pytest.mark.parametrize("checkpoint", ["gptq-4bit-g32", pytest.param("compressed-tensors-w8a8",
+                                                                      marks=pytest.mark.slow)])
+def test_prequantized_checkpoint_tp2_equals_tp1(tmp_path, checkpoint):
+    """A pre-quantized checkpoint's tensors are sharded as stored: column-parallel by rows, row-parallel
+    by groups of columns (int4) or whole per-channel scales (int8) on every rank."""
+    pytest.importorskip("compressed_tensors")
+    from tests.quantization.checkpoint_writers import write_compressed_tensors_folder, write_packed_folder
+
+    src = write_random_llama_folder(tmp_path / "m", num_key_value_heads=2, vocab_size=509,
+                                    **{**SHAPE, "intermediate_size": 128})
+    if checkpoint.startswith("gptq"):
+        folder, _ = write_packed_folder(src, tmp_path / "q", "gptq", 32, symmetric=False)
+    else:
+        folder = write_compressed_tensors_folder(src, tmp_path / "q", "W8A8")
+    tokens1, logprobs1 = _greedy(folder, 1)
+    tokens2, logprobs2 = _greedy(folder, 2)
+    assert tokens2 == tokens1
+    for a, b in zip(logprobs1, logprobs2):
+        assert all(math.isclose(x, y, abs_tol=1e-4) for x, y in zip(a, b)), (a, b)
+
+
 @pytest.mark.slow
 @needs_ray
 def test_ray_tp2_equals_tp1(tmp_path, ray_cluster):

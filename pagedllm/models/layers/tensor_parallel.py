@@ -88,12 +88,14 @@ class RowParallelLinear(Linear):
         return all_reduce(super().forward(x))
 
     def checkpoint_slice(self, tensor: torch.Tensor, param_name: str, shard: int | None) -> torch.Tensor:
-        """weight (out, in) -> this rank's columns (out, in / N); bias on rank 0, zeros elsewhere; ValueError
-        otherwise."""
+        """weight (out, in) -> this rank's columns (out, in / N); bias on rank 0, zeros elsewhere; other
+        per-row vectors whole; ValueError otherwise."""
         param = getattr(self, param_name)
         _check_shape(tensor, param, -1, param.shape[-1] * (get_tensor_parallel_size() if param.dim() == 2 else 1))
         if param_name == "bias":
             return tensor if get_tensor_parallel_rank() == 0 else torch.zeros_like(tensor)
+        if param.dim() == 1:  # one value per output row (a kept weight's per-channel scales): whole
+            return tensor
         cols = param.shape[-1]  # in / N, or packed bytes of a kept-quantized weight
         return tensor.narrow(1, get_tensor_parallel_rank() * cols, cols)
 
