@@ -96,6 +96,7 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.vocab_size, [t for t in [self.eos_token_id] if t is not None]
             + self.extra_stop_token_ids, config.max_num_seqs)
+        self.drafter = self._make_drafter(config)
         self._ids = itertools.count()
         self.num_steps = 0
         self.prompt_tokens_total = 0
@@ -103,6 +104,18 @@ class LLMEngine:
         logger.info("engine ready: model %s (%s, %s on %s) in %.1f s; %s", config.model, files.format,
                     str(self.runner.dtype).replace("torch.", ""), self.runner.device, time.perf_counter() - t0,
                     self.kv_cache_spec.describe())
+
+    @staticmethod
+    def _make_drafter(config: EngineConfig):
+        """The speculative-decoding drafter, or None when ``speculative_config`` is off."""
+        spec = config.speculative
+        if spec is None:
+            return None
+        from pagedllm.spec_decode.drafter import Drafter, make_proposer
+
+        logger.info("speculative decoding: %s, up to %d draft tokens per step", spec.method,
+                    spec.num_speculative_tokens)
+        return Drafter(spec, make_proposer(spec))
 
     @staticmethod
     def _resolve_max_model_len(config: EngineConfig, model_len: int) -> EngineConfig:
@@ -185,6 +198,8 @@ class LLMEngine:
             self.scheduler.finish_requests(processed.stop_string_finished, RequestStatus.FINISHED_STOPPED)
             self.structured_output.remove_requests(processed.stop_string_finished)
         self._count(scheduler_output, runner_output)
+        if self.drafter is not None:
+            self.drafter.step(self.scheduler.running, [r for r in updated if r.is_finished], self.scheduler.step_cost)
         # the step-cost model of the time-aware budget: the whole step, as a stream waits for it
         self.scheduler.observe_step_time(scheduler_output, time.perf_counter() - t_step)
         return processed.outputs
@@ -265,8 +280,10 @@ class LLMEngine:
 
     def _count(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> None:
         self.num_steps += 1
-        self.generation_tokens_total += len(ro.req_ids)
-        self.prompt_tokens_total += so.total_num_scheduled_tokens - len(ro.req_ids)
+        num_sampled = sum(len(t) for t in ro.sampled_token_ids)
+        num_drafts = sum(len(so.scheduled_spec_decode_tokens.get(r, ())) for r in ro.req_ids)
+        self.generation_tokens_total += num_sampled
+        self.prompt_tokens_total += so.total_num_scheduled_tokens - len(ro.req_ids) - num_drafts
         if self.config.debug_integrity_checks:
             self.scheduler.check_integrity()
 
