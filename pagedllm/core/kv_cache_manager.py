@@ -228,8 +228,9 @@ class KVCacheManager:
         self._num_handled_blocks[req_id] = num_full
 
     def free_tail_blocks(self, request: Request, num_tokens: int) -> int:
-        """Return the blocks past the first ``cdiv(num_tokens, block_size)`` of each table (blocks
-        only rejected draft tokens used: never published), newest first to the free queue's head.
+        """Return the blocks past the first ``cdiv(num_tokens, block_size)`` of each table (after a
+        verify step with ``num_tokens`` = the computed tokens: blocks only rejected drafts used,
+        never published) to the free queue's head, so it is as it was before they were taken.
         Returns how many each table dropped."""
         blocks = self.req_to_blocks.get(request.request_id)
         if not blocks:

@@ -286,7 +286,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         req.num_computed_tokens += num_accepted
         kv.cache_blocks(req)
-        num_dropped = kv.free_tail_blocks(req, req.num_tokens)
+        num_dropped = kv.free_tail_blocks(req, req.num_computed_tokens)
         if num_dropped:
             self._num_dropped_blocks[req.request_id] = self._num_dropped_blocks.get(req.request_id, 0) + num_dropped
 
