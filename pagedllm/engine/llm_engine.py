@@ -53,6 +53,11 @@ class EngineStats:
     generation_tokens_total: int
     num_steps: int
     kv_offload_io_errors_total: int = 0  # tier reads and writes that failed (each a miss)
+    # speculative decoding (vLLM's spec_decode_* counters); per position: draft position 0 first
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 class LLMEngine:
@@ -303,7 +308,13 @@ class LLMEngine:
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions_total=s.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total, num_steps=self.num_steps,
-            kv_offload_io_errors_total=self._kv_offload_io_errors())
+            kv_offload_io_errors_total=self._kv_offload_io_errors(), **self._spec_decode_counts())
+
+    def _spec_decode_counts(self) -> dict:
+        spec = self.scheduler.spec_decoding_stats
+        return dict(spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos))
 
     def _kv_offload_io_errors(self) -> int:
         offload = self.scheduler.kv_cache_manager.offload

@@ -200,6 +200,8 @@ class OutputProcessor:
             st.metrics.finished_time = now
             st.metrics.num_preemptions = sum(s.request.num_preemptions for s in st.sequences)
             st.metrics.preemption_modes = [m for s in st.sequences for m in s.request.preemption_modes]
+            st.metrics.num_draft_tokens = sum(s.request.num_draft_tokens for s in st.sequences)
+            st.metrics.num_accepted_tokens = sum(s.request.num_accepted_tokens for s in st.sequences)
         if delta and not completions and not finished:
             return None
         return RequestOutput(

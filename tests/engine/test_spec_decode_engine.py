@@ -115,3 +115,33 @@ def test_a_large_batch_switches_speculation_off(random_model_dir):
     drafts_while_large = llm.llm_engine.scheduler.spec_decoding_stats.num_drafts
     _run(llm, _prompts(2, seed=6), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     assert drafts_while_large == 0 and llm.llm_engine.scheduler.spec_decoding_stats.num_drafts > 0
+
+
+def test_metrics_counters_status_line_and_usage(random_model_dir, caplog):
+    from pagedllm.engine.request_tracker import StatusLogger
+    from pagedllm.entrypoints.openai.protocol import usage_metrics
+    from pagedllm.metrics import EngineMetrics
+
+    llm = _make(random_model_dir, NGRAM)
+    engine = llm.llm_engine
+    before = engine.get_stats()
+    outs = _run(llm, _prompts(3, seed=7), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    stats = engine.get_stats()
+    spec = engine.scheduler.spec_decoding_stats
+    assert stats.spec_decode_num_drafts == spec.num_drafts > 0
+    assert stats.spec_decode_num_accepted_tokens == sum(stats.spec_decode_num_accepted_tokens_per_pos)
+    metrics = EngineMetrics("m")
+    metrics.record_stats(stats)
+    text = metrics.render().decode()
+    assert f'pagedllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {float(spec.num_drafts)}' in text
+    assert (f'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="0"}} '
+            f'{float(spec.num_accepted_tokens_per_pos[0])}') in text
+    assert sum(o.metrics.num_draft_tokens for o in outs) == spec.num_draft_tokens
+    assert sum(o.metrics.num_accepted_tokens for o in outs) == spec.num_accepted_tokens
+    story = usage_metrics([o.metrics for o in outs]).model_dump()
+    assert story["num_draft_tokens"] == spec.num_draft_tokens
+    assert "num_draft_tokens" not in usage_metrics([type(outs[0].metrics)(arrival_time=0.0)]).model_dump()
+    status = StatusLogger(1e-9, before)
+    with caplog.at_level("INFO", logger="pagedllm.async_engine"):
+        status.maybe_log(stats)
+    assert f"acceptance_rate={100.0 * spec.acceptance_rate:.1f}%" in caplog.text
