@@ -205,6 +205,7 @@ class LLMEngine:
         self._count(scheduler_output, runner_output)
         if self.drafter is not None:
             self.drafter.step(self.scheduler.running, [r for r in updated if r.is_finished], self.scheduler.step_cost)
+            self.structured_output.validate_drafts(self.scheduler.running)
         # the step-cost model of the time-aware budget: the whole step, as a stream waits for it
         self.scheduler.observe_step_time(scheduler_output, time.perf_counter() - t_step)
         return processed.outputs

@@ -98,9 +98,6 @@ class Drafter:
                                                                           seen_accepted=req.num_accepted_tokens))
             if not acc.update(req):
                 acc.relax()
-            if req.use_structured_output:  # drafts are not checked against the grammar yet
-                limits.append(0)
-                continue
             dt = coef.per_prefill_token + coef.per_kilo_pair * (req.num_computed_tokens + 1) / 1024.0
             alpha, n = acc.rate, 0
             while n < cfg.num_speculative_tokens and alpha ** (n + 1) > MARGIN * rate * dt:

@@ -29,7 +29,8 @@ logger = logging.getLogger("pagedllm")
 
 @dataclass
 class GrammarBitmask:
-    """Row i of ``bitmask`` (int32 [R, ceil(V/32)]) is for ``req_ids[i]``, a constrained request sampling now."""
+    """Row i of ``bitmask`` (int32 [R, ceil(V/32)]) is for ``req_ids[i]``, a constrained request sampling now;
+    a request verifying k drafts has k + 1 rows in a row, one per position (after 0..k drafts)."""
 
     req_ids: list[str]
     bitmask: np.ndarray
@@ -145,17 +146,46 @@ class StructuredOutputManager:
         if not self._requests:
             return None
         req_ids = []
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        num_rows = len(scheduler_output.num_scheduled_tokens) + sum(len(d) for d in drafts.values())
+        if num_rows > len(self._bitmask):
+            self._bitmask = np.empty((num_rows, self._bitmask.shape[1]), dtype=np.int32)
         for rid, num in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(rid)
             if state is None or state.matcher is None:
                 continue
             req = requests[rid]
             if req.num_computed_tokens + num >= req.num_tokens and not state.matcher.is_terminated():
-                state.matcher.fill_next_token_bitmask(self._bitmask, len(req_ids))
-                req_ids.append(rid)
+                self._fill_rows(state.matcher, drafts.get(rid, ()), len(req_ids))
+                req_ids.extend([rid] * (len(drafts.get(rid, ())) + 1))
         if not req_ids:
             return None
         return GrammarBitmask(req_ids, self._bitmask[:len(req_ids)])
+
+    def _fill_rows(self, matcher, draft, first_row: int) -> None:
+        """Rows ``first_row``.. for the positions after 0..k draft tokens; the matcher ends as it began."""
+        num_accepted = 0
+        for j in range(len(draft) + 1):
+            matcher.fill_next_token_bitmask(self._bitmask, first_row + j)
+            if j < len(draft) and num_accepted == j and matcher.accept_token(draft[j]):
+                num_accepted += 1
+        matcher.rollback(num_accepted)
+
+    def validate_drafts(self, requests) -> None:
+        """Cut each constrained request's ``spec_token_ids`` before the first token its grammar
+        rejects (none after one that terminates it); matchers are left as they were."""
+        for req in requests:
+            state = self._requests.get(req.request_id)
+            if state is None or not req.spec_token_ids:
+                continue
+            matcher, num_valid = state.matcher, 0
+            if matcher is not None:
+                for tok in req.spec_token_ids:
+                    if matcher.is_terminated() or not matcher.accept_token(tok):
+                        break
+                    num_valid += 1
+                matcher.rollback(num_valid)
+            req.spec_token_ids = req.spec_token_ids[:num_valid]
 
     def accept_tokens(self, updated: list[Request]) -> StepGrammarResult:
         """Sync each matcher with its request's output; finished requests are then forgotten."""

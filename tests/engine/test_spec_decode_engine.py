@@ -145,3 +145,21 @@ def test_metrics_counters_status_line_and_usage(random_model_dir, caplog):
     with caplog.at_level("INFO", logger="pagedllm.async_engine"):
         status.maybe_log(stats)
     assert f"acceptance_rate={100.0 * spec.acceptance_rate:.1f}%" in caplog.text
+
+
+def test_structured_outputs_check_every_draft_against_the_grammar(tiny_model_dir):
+    pytest.importorskip("xgrammar")
+    from pagedllm.sampling_params import StructuredOutputsParams as SO
+
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "integer"}}},
+              "required": ["items"]}
+    sos = [SO(regex=r"(ab|cd)( (ab|cd))+\."), SO(json=schema, disable_any_whitespace=True),
+           SO(choice=["alpha beta alpha beta", "gamma"]), SO(regex=r"[0-9]{2}(-[0-9]{2})+")]
+    prompts = [{"prompt_token_ids": list(range(100 + 7 * i, 140 + 11 * i))} for i in range(len(sos))]
+    params = [SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=so) for so in sos]
+    plain = _make(tiny_model_dir, max_model_len=512, block_size=16)
+    spec = _make(tiny_model_dir, NGRAM, max_model_len=512, block_size=16)
+    want, got = _run(plain, prompts, params), _run(spec, prompts, params)
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in got] == \
+           [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in want]
+    assert sum(o.metrics.num_draft_tokens for o in got) > 0
