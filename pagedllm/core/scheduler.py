@@ -204,12 +204,21 @@ class Scheduler:
         ``([], None)``: a draft fits the token budget, ``max_tokens`` and ``max_model_len`` and
         free blocks, and never preempts anyone."""
         num_fit = min(len(req.spec_token_ids), budget.num_tokens_left - 1,
-                      req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+                      req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1,
+                      self._num_draft_slots(req))
         if num_fit <= 0:
             return [], None
         draft = req.spec_token_ids[:num_fit]
         block_ids = self._allocate(req, 1 + num_fit)
         return (draft, block_ids) if block_ids is not None else ([], None)
+
+    def _num_draft_slots(self, req: Request) -> int:
+        """Draft tokens ``req`` can take while the pool keeps a block per running request (what
+        each may need this step), so drafts never push anyone into preemption."""
+        kv = self.kv_cache_manager
+        num_spare = (kv.num_free_or_evictable_blocks // kv.num_groups) - len(self.running)
+        num_held = len(kv.get_block_ids(req))
+        return (num_held + max(num_spare, 0)) * self.block_size - req.num_computed_tokens - 1
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[Request]:

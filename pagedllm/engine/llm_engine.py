@@ -274,7 +274,8 @@ class LLMEngine:
     def _observe_prefill(self, so: SchedulerOutput, ro: ModelRunnerOutput, seconds: float) -> None:
         """Feed the auto preemption mode the cost per token of prefill-heavy steps (>= 32 prompt
         tokens, so the per-step overhead does not dominate)."""
-        if so.total_num_scheduled_tokens - len(ro.req_ids) >= 32:
+        num_drafts = sum(len(d) for d in so.scheduled_spec_decode_tokens.values())
+        if so.total_num_scheduled_tokens - len(ro.req_ids) - num_drafts >= 32:
             self.scheduler.swap_space.observe_prefill(seconds, so.total_num_scheduled_tokens)
 
     def _abort_all(self) -> None:
