@@ -25,9 +25,9 @@ from pagedllm.spec_decode.proposer import Proposer
 
 MARGIN = 1.25  # a draft position must beat the step's token rate by this factor
 PRIOR_ACCEPTANCE = 0.6  # before a request's first verified draft
-PRIOR_WEIGHT = 2.0  # in trials
+PRIOR_WEIGHT = 1.0  # in trials
 DECAY = 0.9  # per verified draft
-RELAX = 0.05  # per step without a draft: the estimate drifts back toward the prior (re-probing)
+RELAX = 0.02  # per step without a draft: the estimate drifts back toward the prior (re-probing)
 
 
 @dataclass
