@@ -8,8 +8,9 @@ Three workloads from issue #38, each at batch 1, 4 and 16, greedy:
   quotes it (batch B: the same document, B different questions);
 - ``peers``: the peers workload's random prompts (20-200 token ids, no repetition).
 
-For every (workload, batch) the methods run back to back on their own engines, each after a
-warm-up and with its prefix cache reset, so they see the same machine load. Reported per run:
+For every (workload, batch) the methods run back to back on one engine (one copy of the
+weights; its drafter swapped: none, n-gram, suffix), each with the prefix cache reset, so they
+see the same machine load. Reported per run:
 output tok/s (output tokens / wall time), mean TPOT (per request: decode time / (tokens - 1)),
 the acceptance rate, the acceptance rate per draft position, and whether every output equals
 the plain run's (greedy: it must). The step profile splits the runner's steps into decode-only
@@ -34,6 +35,8 @@ import common
 sys.path.insert(0, str(common.REPO_ROOT))
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
+from pagedllm.config import SpeculativeConfig  # noqa: E402
+from pagedllm.spec_decode.drafter import Drafter, make_proposer  # noqa: E402
 
 METHODS = {
     "off": None,
@@ -82,6 +85,13 @@ def workloads(llm: LLM, batch: int, args) -> dict[str, tuple[list[list[int]], Sa
                                    f"town of {CITIES[i % len(CITIES)]}." for i in range(batch)]), text),
         "peers": (peers.prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)),
     }
+
+
+def new_drafter(method: str) -> Drafter | None:
+    if METHODS[method] is None:
+        return None
+    config = SpeculativeConfig(**METHODS[method])
+    return Drafter(config, make_proposer(config))
 
 
 class StepProfile:
@@ -146,18 +156,18 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    llms = {m: LLM(speculative_config=METHODS[m], max_model_len=4096, max_num_seqs=max(args.batches),
-                   kv_cache_memory="384MiB")
-            for m in args.methods}
-    profiles = {m: StepProfile(llm) for m, llm in llms.items()}
-    for llm in llms.values():  # warm-up
-        llm.generate([{"prompt_token_ids": list(range(100, 160))}] * 2, SamplingParams(max_tokens=8), use_tqdm=False)
+    llm = LLM(max_model_len=4096, max_num_seqs=max(args.batches), kv_cache_memory="384MiB")
+    profile = StepProfile(llm)
+    llm.generate([{"prompt_token_ids": list(range(100, 160))}] * 2, SamplingParams(max_tokens=8), use_tqdm=False)
     rows = []
     for batch in args.batches:
-        loads = workloads(llms[args.methods[0]], batch, args)
+        loads = workloads(llm, batch, args)
         for name in args.workloads:
             prompts, params = loads[name]
-            results = {m: run(llms[m], profiles[m], prompts, params) for m in args.methods}
+            results = {}
+            for m in args.methods:
+                llm.llm_engine.drafter = new_drafter(m)  # fresh: the suffix tree holds no earlier run's outputs
+                results[m] = run(llm, profile, prompts, params)
             base = results.get("off")
             for m, r in results.items():
                 tokens = r.pop("_tokens")
