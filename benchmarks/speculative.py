@@ -94,12 +94,26 @@ def new_drafter(method: str) -> Drafter | None:
     return Drafter(config, make_proposer(config))
 
 
+def timed_drafter(drafter: Drafter | None, profile: "StepProfile") -> Drafter | None:
+    """``drafter`` whose ``step`` (proposing) is timed into ``profile``."""
+    if drafter is not None:
+        step = drafter.step
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            step(*a, **k)
+            profile.drafter_s += time.perf_counter() - t0
+        drafter.step = timed
+    return drafter
+
+
 class StepProfile:
     """Wall time of the runner's steps by kind: decode-only, verify (drafts), other (prefill)."""
 
     def __init__(self, llm: LLM) -> None:
         runner = llm.llm_engine.runner
         self.steps: dict[str, list[tuple[float, int]]] = collections.defaultdict(list)
+        self.drafter_s = 0.0  # proposing, outside the runner's steps
         execute = runner.execute_model
 
         def timed(so, *a, **k):
@@ -115,7 +129,9 @@ class StepProfile:
         summary = {kind: {"num_steps": len(rows), "median_ms": round(1000 * statistics.median(t for t, _ in rows), 2),
                           "tokens_per_step": round(sum(n for _, n in rows) / len(rows), 2)}
                    for kind, rows in self.steps.items() if rows}
+        summary["drafter_total_ms"] = round(1000 * self.drafter_s, 1)
         self.steps.clear()
+        self.drafter_s = 0.0
         return summary
 
 
@@ -166,7 +182,7 @@ def main() -> None:
             prompts, params = loads[name]
             results = {}
             for m in args.methods:
-                llm.llm_engine.drafter = new_drafter(m)  # fresh: the suffix tree holds no earlier run's outputs
+                llm.llm_engine.drafter = timed_drafter(new_drafter(m), profile)  # fresh: no earlier run's outputs
                 results[m] = run(llm, profile, prompts, params)
             base = results.get("off")
             for m, r in results.items():
