@@ -155,11 +155,15 @@ class EngineConfig:
         None, "JSON like '{\"enable_in_reasoning\": true}': with a reasoning parser the grammar then covers the "
               "reasoning too (default: it starts after the reasoning's end tag)")
     generation_config: str = _f("auto", "`serve`: defaults for omitted sampling fields: auto (generation_config.json), vllm (none) or a folder")
+    speculative_config: str | dict | None = _f(
+        None, "speculative decoding: a JSON object of vLLM's fields, like '{\"method\": \"ngram\", "
+              "\"num_speculative_tokens\": 4}' (methods: ngram, suffix; docs/speculative-decoding.md) (default: off)")
 
     def __post_init__(self) -> None:
         validate_block_size(self.block_size)
         CompilationConfig.parse(self.compilation_config)
         StructuredOutputsConfig.parse(self.structured_outputs_config)
+        SpeculativeConfig.parse(self.speculative_config)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -290,6 +294,11 @@ class EngineConfig:
     def structured_outputs(self) -> StructuredOutputsConfig:
         """``structured_outputs_config`` parsed."""
         return StructuredOutputsConfig.parse(self.structured_outputs_config)
+
+    @property
+    def speculative(self) -> "SpeculativeConfig | None":
+        """``speculative_config`` parsed; None when speculative decoding is off."""
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def kv_cache_memory_bytes(self) -> int:
@@ -501,3 +510,98 @@ def _parse_compilation_text(text: str) -> Any:
     except json.JSONDecodeError as e:
         raise ValueError(f"{_COMPILATION_FIELD} must be a mode (0 or 3) or a JSON object, "
                          f"got {text!r} ({e.msg})") from None
+
+
+# ---------------------------------------------------------------- speculative_config
+# vLLM's option and field names. Accepted forms: None (off), a dict, a JSON object string (the
+# --speculative-config flag) or a SpeculativeConfig.
+SPECULATIVE_METHODS = ("ngram", "suffix")
+_SPECULATIVE_FIELD = "speculative_config"
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``pagedllm.spec_decode``): a proposer drafts tokens, one batched
+    forward of the target verifies them.
+
+    Attributes:
+        method: ``ngram`` (prompt lookup over the prompt and the output so far) or ``suffix``
+            (suffix decoding over this request and recent requests' outputs).
+        num_speculative_tokens: most draft tokens per request and step (k; the verify step
+            computes 1 + k query tokens per request).
+        prompt_lookup_min / prompt_lookup_max: ``ngram``: the shortest / longest n-gram matched
+            (vLLM's defaults: both 5 when neither is set, else the one set).
+        suffix_decoding_max_tree_depth: ``suffix``: longest context (tokens) the suffix trees index.
+        suffix_decoding_max_cached_requests: ``suffix``: finished requests' outputs kept (0 = this
+            request only).
+        suffix_decoding_max_spec_factor: ``suffix``: a draft is at most this × the matched length.
+        suffix_decoding_min_token_prob: ``suffix``: a draft stops at a token whose estimated
+            probability (its count among the continuations) is below this.
+        disable_by_batch_size: never speculate in a step with at least this many running requests
+            (vLLM's ``disable_by_batch_size``); the step-cost model also switches it off on its own.
+
+    Raises ValueError naming the field (``speculative_config.<name>``) for a bad value.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        f = _SPECULATIVE_FIELD
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"{f}.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if self.num_speculative_tokens is None:
+            raise ValueError(f"{f}.num_speculative_tokens must be set (a positive integer)")
+        _spec_int(self, "num_speculative_tokens", 1)
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        _spec_int(self, "prompt_lookup_min", 1)
+        _spec_int(self, "prompt_lookup_max", 1)
+        if hi < lo:
+            raise ValueError(f"{f}.prompt_lookup_max ({hi}) must be >= {f}.prompt_lookup_min ({lo})")
+        _spec_int(self, "suffix_decoding_max_tree_depth", 1)
+        _spec_int(self, "suffix_decoding_max_cached_requests", 0)
+        for name, lo_v, hi_v in (("suffix_decoding_max_spec_factor", 0.0, math.inf),
+                                 ("suffix_decoding_min_token_prob", 0.0, 1.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo_v <= v <= hi_v or math.isnan(v):
+                raise ValueError(f"{f}.{name} must be a number in [{lo_v}, {hi_v}], got {v!r}")
+        if self.disable_by_batch_size is not None:
+            _spec_int(self, "disable_by_batch_size", 1)
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """The config for any accepted form (None: off). Raises ValueError naming
+        ``speculative_config`` (or the bad key) for anything else."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{_SPECULATIVE_FIELD} must be a JSON object, got {value!r} ({e.msg})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{_SPECULATIVE_FIELD} must be an object or a JSON object string, got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"{_SPECULATIVE_FIELD} has unknown keys {unknown}; known: {', '.join(sorted(known))}")
+        return cls(**value)
+
+
+def _spec_int(config: SpeculativeConfig, name: str, lowest: int) -> None:
+    v = getattr(config, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lowest:
+        raise ValueError(f"{_SPECULATIVE_FIELD}.{name} must be an integer >= {lowest}, got {v!r}")

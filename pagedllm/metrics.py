@@ -53,6 +53,12 @@ class _Families:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.kv_offload_io_errors = counter("kv_offload_io_errors", "KV offload tier reads and writes that failed "
                                             "(each a cache miss: the block is recomputed or not stored).")
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Speculative drafts verified.")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "pagedllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.",
+            [*lbl, "position"], registry=r)
         self.request_success = Counter("pagedllm:request_success", "Finished requests by finish reason.",
                                        [*lbl, "finished_reason"], registry=r)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token (s).", _TTFT_BUCKETS)
@@ -73,7 +79,8 @@ class _Families:
 _PER_ENGINE = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_kv_blocks_used",
                "num_kv_blocks_total", "engine_healthy", "prefix_cache_queries", "prefix_cache_hits",
                "num_preemptions", "prompt_tokens", "generation_tokens", "ttft", "itl", "tpot", "e2e", "queue_time",
-               "request_prompt_tokens", "request_generation_tokens", "kv_offload_io_errors")
+               "request_prompt_tokens", "request_generation_tokens", "kv_offload_io_errors", "spec_decode_num_drafts",
+               "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 
 
 class EngineMetrics:
@@ -93,6 +100,8 @@ class EngineMetrics:
             self._success.labels(*labels, reason)
         self._lock = threading.Lock()
         self._last_totals: dict[str, int] = {}
+        self._labels = labels
+        self._last_per_pos: tuple[int, ...] = ()
 
     def for_engine(self, engine_index: int) -> "EngineMetrics":
         return EngineMetrics(self.model_name, self.registry, engine_index, _families=self._families)
@@ -110,12 +119,24 @@ class EngineMetrics:
                                  ("num_preemptions_total", self.num_preemptions),
                                  ("prompt_tokens_total", self.prompt_tokens),
                                  ("generation_tokens_total", self.generation_tokens),
-                                 ("kv_offload_io_errors_total", self.kv_offload_io_errors)):
+                                 ("kv_offload_io_errors_total", self.kv_offload_io_errors),
+                                 ("spec_decode_num_drafts", self.spec_decode_num_drafts),
+                                 ("spec_decode_num_draft_tokens", self.spec_decode_num_draft_tokens),
+                                 ("spec_decode_num_accepted_tokens", self.spec_decode_num_accepted_tokens)):
                 total = int(getattr(stats, name, 0))
                 increase = total - self._last_totals.get(name, 0)
                 if increase > 0:
                     metric.inc(increase)
                 self._last_totals[name] = total
+            self._record_per_position(tuple(getattr(stats, "spec_decode_num_accepted_tokens_per_pos", ())))
+
+    def _record_per_position(self, per_pos: tuple[int, ...]) -> None:
+        family = self._families.spec_decode_num_accepted_tokens_per_pos
+        for pos, total in enumerate(per_pos):
+            increase = total - (self._last_per_pos[pos] if pos < len(self._last_per_pos) else 0)
+            if increase > 0:
+                family.labels(*self._labels, str(pos)).inc(increase)
+        self._last_per_pos = per_pos
 
     def set_healthy(self, is_healthy: bool) -> None:
         self.engine_healthy.set(1 if is_healthy else 0)

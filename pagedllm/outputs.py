@@ -31,6 +31,9 @@ class RequestMetrics:
     preemption_modes: list[str] = field(default_factory=list)  # "recompute" / "swap", one per preemption
     # by the tier their K/V came from ("pool", "host", "disk"); sums to num_cached_tokens
     cached_tokens_by_tier: dict[str, int] | None = None
+    # speculative decoding, all n sequences: draft tokens verified, and those accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def queue_time(self) -> float | None:

@@ -227,6 +227,25 @@ class KVCacheManager:
                                                      tokens[i * bs:(i + 1) * bs])
         self._num_handled_blocks[req_id] = num_full
 
+    def free_tail_blocks(self, request: Request, num_tokens: int) -> int:
+        """Return the blocks past the first ``cdiv(num_tokens, block_size)`` of each table (after a
+        verify step with ``num_tokens`` = the computed tokens: blocks only rejected drafts used,
+        never published) to the free queue's head, so it is as it was before they were taken.
+        Returns how many each table dropped."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return 0
+        num_keep = max(cdiv(num_tokens, self.block_size), self._num_handled_blocks[request.request_id])
+        num_drop = len(blocks[0]) - num_keep
+        if num_drop <= 0:
+            return 0
+        for table in blocks:
+            dropped = table[num_keep:]
+            del table[num_keep:]
+            # the oldest freed last: it sits at the head, the first block taken again
+            self.block_pool.free_blocks(b for b in reversed(dropped) if b is not self.null_block)
+        return num_drop
+
     def free(self, request: Request) -> None:
         """Release ``request``'s blocks, tail first: the one path for finish, abort and preemption."""
         blocks = self.req_to_blocks.pop(request.request_id, None)

@@ -1,8 +1,11 @@
 """The engine step's two seams: ``SchedulerOutput`` to the runner, ``ModelRunnerOutput`` back.
 The runner drops ``finished_req_ids`` (finished, aborted, preempted) first, takes
 ``scheduled_new_reqs`` whole (token ids: prompt + output so far), appends ``scheduled_cached_reqs``'
-new block ids (blocks a sliding group freed are not announced); ``num_computed_tokens`` is the
-scheduler's. A request samples when ``num_computed_tokens + num_scheduled_tokens == len(token_ids)``.
+new block ids (blocks a sliding group freed are not announced) after dropping its last
+``num_dropped_blocks`` (blocks only a rejected draft used); ``num_computed_tokens`` is the
+scheduler's. A request samples when ``num_computed_tokens + num_scheduled_tokens >= len(token_ids)``;
+with ``scheduled_spec_decode_tokens`` (k drafts) its 1 + k scheduled tokens are its last token and
+the drafts, verified in the same forward (``docs/speculative-decoding.md``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class CachedRequestData:
     req_id: str
     new_block_ids: tuple[list[int], ...]  # per KV-cache group
     num_computed_tokens: int
+    num_dropped_blocks: int = 0  # tail blocks freed since the last step (rejected drafts')
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)  # for stats
     kv_transfers: KVTransferOps = field(default_factory=KVTransferOps)
     step_shape: StepShape | None = None  # for the step-cost model
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify
 
     @property
     def is_empty(self) -> bool:
@@ -85,7 +90,8 @@ class SampleLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    """The requests that sampled (batch order), their tokens and logprobs, this step's prompt
+    """The requests that sampled (batch order), their tokens (a verify step: the accepted drafts
+    and one more; ``logprobs`` then a list, one per token) and logprobs, this step's prompt
     logprobs (None for the first prompt token), ``failed``: request id → error, ``retried``: scheduled
     requests the step did not run (scheduled again as they were), ``failed_tier_keys``: ``(tier, key)``
     blocks a tier could not store (the index forgets them); ``hidden_states``: the final hidden state
@@ -93,7 +99,7 @@ class ModelRunnerOutput:
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
-    logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, SampleLogprobs | list[SampleLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[SampleLogprobs | None]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     retried: set[str] = field(default_factory=set)

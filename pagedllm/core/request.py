@@ -77,6 +77,11 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.block_hashes: list[bytes] = []  # per full block, filled by the KV-cache manager
+        # speculative decoding: the proposer's draft for the next step (never in all_token_ids),
+        # and this request's totals of drafted and accepted tokens
+        self.spec_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     @property
     def use_structured_output(self) -> bool:

@@ -23,6 +23,7 @@ from pagedllm.core.kv_snapshot import (EVENT_EVICTED, EVENT_PREEMPTED, EVENT_PRE
 from pagedllm.core.outputs import (CachedRequestData, KVTransferOps, ModelRunnerOutput, NewRequestData,
                                    SchedulerOutput)
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.spec_decode_stats import SpecDecodingStats
 from pagedllm.core.stats import SchedulerStats
 
 logger = logging.getLogger("pagedllm")
@@ -71,6 +72,8 @@ class Scheduler:
         self._next_seq = 0
         self._known_to_runner: set[str] = set()  # scheduled since (re)admission
         self._finished_req_ids: set[str] = set()  # runner state to drop next step
+        self._num_dropped_blocks: dict[str, int] = {}  # rejected drafts' blocks the runner still lists
+        self.spec_decoding_stats = SpecDecodingStats()
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``. ValueError for a duplicate id, an empty or too long prompt, a worst
@@ -122,6 +125,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, GroupBlockIds] = {}
         preempted: list[Request] = []
+        drafts: dict[str, list[int]] = {}  # draft tokens scheduled for verification
 
         # 1. Running requests.
         for req in sorted(self.running, key=lambda r: len(r.all_token_ids) - r.num_computed_tokens > 1):
@@ -137,15 +141,19 @@ class Scheduler:
                 continue
             if is_prompt and budget.partial_refusal(num_left, num_new):
                 continue  # no partial-prefill slot: keeps its blocks, runs next step
-            block_ids = self._allocate_or_preempt(req, num_new, budget, num_scheduled, new_block_ids, preempted)
+            draft, block_ids = ([], None) if is_prompt else self._allocate_draft(req, budget)
+            if block_ids is None:
+                block_ids = self._allocate_or_preempt(req, num_new, budget, num_scheduled, new_block_ids, preempted)
             if block_ids is None:
                 break
-            num_scheduled[req.request_id] = num_new
+            num_scheduled[req.request_id] = num_new + len(draft)
             new_block_ids[req.request_id] = block_ids
+            if draft:
+                drafts[req.request_id] = draft
             if is_prompt:
                 budget.take_prompt(req.request_id, num_new, req.num_computed_tokens, num_left)
             else:
-                budget.take_decode(req.request_id, req.num_computed_tokens)
+                budget.take_decode(req.request_id, req.num_computed_tokens, len(draft))
 
         # 2. Waiting requests.
         can_admit = not preempted and not (self.is_static and self.running)
@@ -187,7 +195,30 @@ class Scheduler:
             budget.take_prompt(req.request_id, num_new, hit.num_tokens, num_left)
 
         # 3. The output for the model runner.
-        return self._make_output(num_scheduled, new_block_ids, preempted, budget)
+        for victim in preempted:  # a draft of a request preempted after it was scheduled
+            drafts.pop(victim.request_id, None)
+        return self._make_output(num_scheduled, new_block_ids, preempted, budget, drafts)
+
+    def _allocate_draft(self, req: Request, budget: StepBudget) -> tuple[list[int], GroupBlockIds | None]:
+        """(the part of ``req.spec_token_ids`` that fits, slots for it and the last token) or
+        ``([], None)``: a draft fits the token budget, ``max_tokens`` and ``max_model_len`` and
+        free blocks, and never preempts anyone."""
+        num_fit = min(len(req.spec_token_ids), budget.num_tokens_left - 1,
+                      req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1,
+                      self._num_draft_slots(req))
+        if num_fit <= 0:
+            return [], None
+        draft = req.spec_token_ids[:num_fit]
+        block_ids = self._allocate(req, 1 + num_fit)
+        return (draft, block_ids) if block_ids is not None else ([], None)
+
+    def _num_draft_slots(self, req: Request) -> int:
+        """Draft tokens ``req`` can take while the pool keeps a block per running request (what
+        each may need this step), so drafts never push anyone into preemption."""
+        kv = self.kv_cache_manager
+        num_spare = (kv.num_free_or_evictable_blocks // kv.num_groups) - len(self.running)
+        num_held = len(kv.get_block_ids(req))
+        return (num_held + max(num_spare, 0)) * self.block_size - req.num_computed_tokens - 1
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[Request]:
@@ -197,13 +228,17 @@ class Scheduler:
         kv = self.kv_cache_manager
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
         failed = model_runner_output.failed
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         changed: list[Request] = []
         any_finished = False
         for rid, num_tokens in scheduler_output.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING or rid in model_runner_output.retried:
                 continue  # aborted or finished between schedule() and now, or run again next step
-            num_computed = req.num_computed_tokens = req.num_computed_tokens + num_tokens
+            num_draft = len(drafts.get(rid, ()))
+            # drafts count once verified: the accepted ones are added below, after their tokens
+            num_computed = req.num_computed_tokens = req.num_computed_tokens + num_tokens - num_draft
+            req.spec_token_ids = []
             if rid in failed:
                 self._finish(req, RequestStatus.FINISHED_ERROR, in_running=True)
                 changed.append(req)
@@ -222,6 +257,8 @@ class Scheduler:
                                  f"({req.num_computed_tokens} of {req.num_tokens} tokens computed)")
             if req.first_token_time is None:
                 req.first_token_time = time.time()
+            if num_draft:
+                self._observe_draft(req, num_draft, token_ids)
             for token_id in token_ids:
                 req.append_output_token_ids([token_id])
                 if self._check_stop(req, token_id):
@@ -229,6 +266,8 @@ class Scheduler:
                     self._forget(req)
                     any_finished = True
                     break
+            if num_draft and not req.is_finished:
+                self._settle_draft(req, len(token_ids) - 1)
             changed.append(req)
         if model_runner_output.failed_tier_keys and kv.offload is not None:
             kv.offload.forget(model_runner_output.failed_tier_keys)
@@ -240,6 +279,25 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return changed
+
+    def _observe_draft(self, req: Request, num_draft: int, token_ids: list[int]) -> None:
+        if not 1 <= len(token_ids) <= num_draft + 1:
+            raise ValueError(f"request {req.request_id!r}: a verify step of {num_draft} draft tokens returned "
+                             f"{len(token_ids)} tokens (1 to {num_draft + 1} expected)")
+        num_accepted = len(token_ids) - 1
+        req.num_draft_tokens += num_draft
+        req.num_accepted_tokens += num_accepted
+        self.spec_decoding_stats.observe(num_draft, num_accepted)
+
+    def _settle_draft(self, req: Request, num_accepted: int) -> None:
+        """After a verify step: the accepted drafts' K/V counts as computed and may be published;
+        blocks only the rejected ones used go back to the pool (their slots are rewritten later)."""
+        kv = self.kv_cache_manager
+        req.num_computed_tokens += num_accepted
+        kv.cache_blocks(req)
+        num_dropped = kv.free_tail_blocks(req, req.num_computed_tokens)
+        if num_dropped:
+            self._num_dropped_blocks[req.request_id] = self._num_dropped_blocks.get(req.request_id, 0) + num_dropped
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> list[Request]:
         """End requests in any state with ``finished_status``, freeing their blocks; unknown ids are
@@ -380,12 +438,14 @@ class Scheduler:
     def _priority_key(self, req: Request) -> tuple:
         return (req.priority, req.arrival_time, self._arrival_seq[req.request_id])
 
-    def _step_shape(self, num_scheduled: dict[str, int]) -> StepShape:
+    def _step_shape(self, num_scheduled: dict[str, int], drafts: dict[str, list[int]]) -> StepShape:
+        """A verify row counts as one decode token and its drafts as prefill tokens."""
         num_decode = num_prefill = num_pairs = 0
         for rid, n in num_scheduled.items():
             num_pairs += attention_pairs(self.requests[rid].num_computed_tokens, n)
-            if n == 1:
+            if n == 1 or rid in drafts:
                 num_decode += 1
+                num_prefill += n - 1
             else:
                 num_prefill += n
         return StepShape(num_decode, num_prefill, num_pairs)
@@ -416,6 +476,8 @@ class Scheduler:
                     req.num_computed_tokens, kv.num_held_blocks(req))
         self.running.remove(req)
         self.kv_cache_manager.free(req)
+        self._num_dropped_blocks.pop(req.request_id, None)
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -497,14 +559,16 @@ class Scheduler:
         return True
 
     def _make_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, GroupBlockIds],
-                     preempted: list[Request], budget: StepBudget) -> SchedulerOutput:
+                     preempted: list[Request], budget: StepBudget, drafts: dict[str, list[int]]) -> SchedulerOutput:
         kv = self.kv_cache_manager
         out = SchedulerOutput(num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=budget.num_scheduled_tokens,
-                              step_shape=self._step_shape(num_scheduled))
+                              step_shape=self._step_shape(num_scheduled, drafts), scheduled_spec_decode_tokens=drafts)
         for rid in num_scheduled:
             req = self.requests[rid]
+            num_dropped = self._num_dropped_blocks.pop(rid, 0)
             if rid in self._known_to_runner:
-                out.scheduled_cached_reqs.append(CachedRequestData(rid, new_block_ids[rid], req.num_computed_tokens))
+                out.scheduled_cached_reqs.append(CachedRequestData(rid, new_block_ids[rid], req.num_computed_tokens,
+                                                                   num_dropped))
             else:
                 out.scheduled_new_reqs.append(NewRequestData(
                     rid, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params,
@@ -564,6 +628,7 @@ class Scheduler:
         rid = req.request_id
         del self.requests[rid]
         del self._arrival_seq[rid]
+        self._num_dropped_blocks.pop(rid, None)
         self.swap_space.release(rid)
         if rid in self._known_to_runner:
             self._known_to_runner.discard(rid)

@@ -90,8 +90,9 @@ class StepBudget:
         if self.time_budget is not None:
             self.time_budget.take(request_id, num_computed, num_new)
 
-    def take_decode(self, request_id: str, num_computed: int) -> None:
-        self._charge(request_id, 1, False)
+    def take_decode(self, request_id: str, num_computed: int, num_draft_tokens: int = 0) -> None:
+        """Charge a decode: its last token and ``num_draft_tokens`` drafts to verify."""
+        self._charge(request_id, 1 + num_draft_tokens, False)
         if self.time_budget is not None:
             self.time_budget.add_decode(num_computed)
 

@@ -53,6 +53,11 @@ class EngineStats:
     generation_tokens_total: int
     num_steps: int
     kv_offload_io_errors_total: int = 0  # tier reads and writes that failed (each a miss)
+    # speculative decoding (vLLM's spec_decode_* counters); per position: draft position 0 first
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 class LLMEngine:
@@ -99,6 +104,7 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.vocab_size, [t for t in [self.eos_token_id] if t is not None]
             + self.extra_stop_token_ids, config.max_num_seqs)
+        self.drafter = self._make_drafter(config)
         self._ids = itertools.count()
         self.num_steps = 0
         self.prompt_tokens_total = 0
@@ -106,6 +112,18 @@ class LLMEngine:
         logger.info("engine ready: model %s (%s, %s on %s) in %.1f s; %s", config.model, files.format,
                     str(self.runner.dtype).replace("torch.", ""), self.runner.device, time.perf_counter() - t0,
                     self.kv_cache_spec.describe())
+
+    @staticmethod
+    def _make_drafter(config: EngineConfig):
+        """The speculative-decoding drafter, or None when ``speculative_config`` is off."""
+        spec = config.speculative
+        if spec is None:
+            return None
+        from pagedllm.spec_decode.drafter import Drafter, make_proposer
+
+        logger.info("speculative decoding: %s, up to %d draft tokens per step", spec.method,
+                    spec.num_speculative_tokens)
+        return Drafter(spec, make_proposer(spec))
 
     @staticmethod
     def _resolve_max_model_len(config: EngineConfig, model_len: int) -> EngineConfig:
@@ -189,6 +207,9 @@ class LLMEngine:
             self.scheduler.finish_requests(processed.stop_string_finished, RequestStatus.FINISHED_STOPPED)
             self.structured_output.remove_requests(processed.stop_string_finished)
         self._count(scheduler_output, runner_output)
+        if self.drafter is not None:
+            self.drafter.step(self.scheduler.running, [r for r in updated if r.is_finished], self.scheduler.step_cost)
+            self.structured_output.validate_drafts(self.scheduler.running)
         # the step-cost model of the time-aware budget: the whole step, as a stream waits for it
         self.scheduler.observe_step_time(scheduler_output, time.perf_counter() - t_step)
         return processed.outputs
@@ -257,7 +278,8 @@ class LLMEngine:
     def _observe_prefill(self, so: SchedulerOutput, ro: ModelRunnerOutput, seconds: float) -> None:
         """Feed the auto preemption mode the cost per token of prefill-heavy steps (>= 32 prompt
         tokens, so the per-step overhead does not dominate)."""
-        if so.total_num_scheduled_tokens - len(ro.req_ids) >= 32:
+        num_drafts = sum(len(d) for d in so.scheduled_spec_decode_tokens.values())
+        if so.total_num_scheduled_tokens - len(ro.req_ids) - num_drafts >= 32:
             self.scheduler.swap_space.observe_prefill(seconds, so.total_num_scheduled_tokens)
 
     def _abort_all(self) -> None:
@@ -269,8 +291,10 @@ class LLMEngine:
 
     def _count(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> None:
         self.num_steps += 1
-        self.generation_tokens_total += len(ro.req_ids)
-        self.prompt_tokens_total += so.total_num_scheduled_tokens - len(ro.req_ids)
+        num_sampled = sum(len(t) for t in ro.sampled_token_ids)
+        num_drafts = sum(len(so.scheduled_spec_decode_tokens.get(r, ())) for r in ro.req_ids)
+        self.generation_tokens_total += num_sampled
+        self.prompt_tokens_total += so.total_num_scheduled_tokens - len(ro.req_ids) - num_drafts
         if self.config.debug_integrity_checks:
             self.scheduler.check_integrity()
 
@@ -290,7 +314,13 @@ class LLMEngine:
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions_total=s.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total, num_steps=self.num_steps,
-            kv_offload_io_errors_total=self._kv_offload_io_errors())
+            kv_offload_io_errors_total=self._kv_offload_io_errors(), **self._spec_decode_counts())
+
+    def _spec_decode_counts(self) -> dict:
+        spec = self.scheduler.spec_decoding_stats
+        return dict(spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos))
 
     def _kv_offload_io_errors(self) -> int:
         offload = self.scheduler.kv_cache_manager.offload

@@ -144,15 +144,15 @@ class OutputProcessor:
             # the child that reused the most tells the story
             st.metrics.cached_tokens_by_tier = dict(req.cached_tokens_by_tier or {})
         st.num_cached_tokens = max(st.num_cached_tokens, req.num_cached_tokens, 0)
-        seq.num_tokens_seen = len(req.output_token_ids)
-        lp = ro.logprobs.get(req.request_id)
-        if lp is not None and seq.logprobs is not None:
-            seq.logprobs.append(self._convert_logprobs(seq, lp))
-            seq.cumulative_logprob += lp.sampled_logprob
         status = req.status
         ended_by_token = (status == RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str)
                           and not req.sampling_params.include_stop_str_in_output)
+        num_ids_before = len(seq.detokenizer.token_ids)
         stop_str = seq.detokenizer.update(new_ids, stop_terminated=ended_by_token) if new_ids else None
+        # a stop string inside a verify step's tokens ends the sequence there: later ids are dropped
+        num_kept = len(seq.detokenizer.token_ids) - num_ids_before if stop_str is not None else len(new_ids)
+        seq.num_tokens_seen += num_kept
+        self._add_logprobs(seq, ro.logprobs.get(req.request_id), num_kept)
         # a stop string wins over a length cap hit by the same token (vLLM checks stop strings first)
         if stop_str is not None and (not status.is_finished or status == RequestStatus.FINISHED_LENGTH_CAPPED):
             seq.finish_reason, seq.stop_reason = "stop", stop_str
@@ -161,6 +161,15 @@ class OutputProcessor:
             seq.finish_reason = status.finish_reason
             seq.stop_reason = req.stop_reason
         return False
+
+    def _add_logprobs(self, seq: SequenceState, lp: SampleLogprobs | list[SampleLogprobs] | None,
+                      num_kept: int) -> None:
+        """The logprobs of this step's first ``num_kept`` tokens (a verify step sends one per token)."""
+        if lp is None or seq.logprobs is None:
+            return
+        for entry in (lp if isinstance(lp, list) else [lp])[:num_kept]:
+            seq.logprobs.append(self._convert_logprobs(seq, entry))
+            seq.cumulative_logprob += entry.sampled_logprob
 
     def _convert_logprobs(self, seq: SequenceState, lp: SampleLogprobs) -> PositionLogprobs:
         decode = seq.detokenizer.decode_token
@@ -191,6 +200,8 @@ class OutputProcessor:
             st.metrics.finished_time = now
             st.metrics.num_preemptions = sum(s.request.num_preemptions for s in st.sequences)
             st.metrics.preemption_modes = [m for s in st.sequences for m in s.request.preemption_modes]
+            st.metrics.num_draft_tokens = sum(s.request.num_draft_tokens for s in st.sequences)
+            st.metrics.num_accepted_tokens = sum(s.request.num_accepted_tokens for s in st.sequences)
         if delta and not completions and not finished:
             return None
         return RequestOutput(

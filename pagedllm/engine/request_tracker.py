@@ -125,3 +125,19 @@ class StatusLogger:
                     100.0 * hits / queries if queries else 0.0,
                     (s.prompt_tokens_total - prev.prompt_tokens_total) / dt,
                     (s.generation_tokens_total - prev.generation_tokens_total) / dt, s.num_preemptions_total)
+        self._log_spec_decode(s, prev)
+
+    def _log_spec_decode(self, s: "EngineStats", prev: "EngineStats") -> None:
+        """Speculative decoding since the last line: acceptance rate, tokens per verify step, and
+        the acceptance rate at each draft position (vLLM's SpecDecoding metrics line)."""
+        drafts = getattr(s, "spec_decode_num_drafts", 0) - getattr(prev, "spec_decode_num_drafts", 0)
+        if drafts <= 0:
+            return
+        drafted = s.spec_decode_num_draft_tokens - prev.spec_decode_num_draft_tokens
+        accepted = s.spec_decode_num_accepted_tokens - prev.spec_decode_num_accepted_tokens
+        before = prev.spec_decode_num_accepted_tokens_per_pos
+        per_pos = [(n - (before[i] if i < len(before) else 0)) / drafts
+                   for i, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos)]
+        logger.info("%s: spec_decode acceptance_rate=%.1f%% mean_acceptance_length=%.2f drafted=%d accepted=%d "
+                    "per_position=[%s]", self.name, 100.0 * accepted / drafted if drafted else 0.0,
+                    1.0 + accepted / drafts, drafted, accepted, ", ".join(f"{p:.2f}" for p in per_pos))

@@ -32,7 +32,8 @@ logger = logging.getLogger("pagedllm")
 
 @dataclass
 class GrammarBitmask:
-    """Row i of ``bitmask`` (int32 [R, ceil(V/32)]) is for ``req_ids[i]``, a constrained request sampling now."""
+    """Row i of ``bitmask`` (int32 [R, ceil(V/32)]) is for ``req_ids[i]``, a constrained request sampling now;
+    a request verifying k drafts has k + 1 rows in a row, one per position (after 0..k drafts)."""
 
     req_ids: list[str]
     bitmask: np.ndarray
@@ -153,24 +154,29 @@ class StructuredOutputManager:
         if not self._requests:
             return None
         req_ids = []
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        num_rows = len(scheduler_output.num_scheduled_tokens) + sum(len(d) for d in drafts.values())
+        if num_rows > len(self._bitmask):
+            self._bitmask = np.empty((num_rows, self._bitmask.shape[1]), dtype=np.int32)
         for rid, num in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(rid)
             if state is None or state.matcher is None:
                 continue
             req = requests[rid]
-            if req.num_computed_tokens + num >= req.num_tokens and self._fill_row(state, req, len(req_ids)):
-                req_ids.append(rid)
+            if req.num_computed_tokens + num < req.num_tokens:
+                continue  # a prefill chunk that samples nothing
+            if state.grammar_start is None:  # the reasoning gate is not open: never drafted
+                if self._fill_gate_row(state, req, len(req_ids)):
+                    req_ids.append(rid)
+            elif not state.matcher.is_terminated():
+                self._fill_rows(state.matcher, drafts.get(rid, ()), len(req_ids))
+                req_ids.extend([rid] * (len(drafts.get(rid, ())) + 1))
         if not req_ids:
             return None
         return GrammarBitmask(req_ids, self._bitmask[:len(req_ids)])
 
-    def _fill_row(self, state: _RequestGrammar, req: Request, row: int) -> bool:
-        """Fill bitmask row ``row`` for the request's next token; False: it samples unconstrained."""
-        if state.grammar_start is not None:
-            if state.matcher.is_terminated():
-                return False
-            state.matcher.fill_next_token_bitmask(self._bitmask, row)
-            return True
+    def _fill_gate_row(self, state: _RequestGrammar, req: Request, row: int) -> bool:
+        """Fill bitmask row ``row`` while the reasoning gate is closed; False: the token is free."""
         tokens, with_grammar = state.gate.allowed_tokens(req.output_token_ids)
         if not tokens:
             return False  # inside the reasoning: free
@@ -182,6 +188,34 @@ class StructuredOutputManager:
         for t in tokens:
             words[row, t // 32] |= np.uint32(1 << (t % 32))
         return True
+
+    def _fill_rows(self, matcher, draft, first_row: int) -> None:
+        """Rows ``first_row``.. for the positions after 0..k draft tokens; the matcher ends as it began."""
+        num_accepted = 0
+        for j in range(len(draft) + 1):
+            matcher.fill_next_token_bitmask(self._bitmask, first_row + j)
+            if j < len(draft) and num_accepted == j and matcher.accept_token(draft[j]):
+                num_accepted += 1
+        matcher.rollback(num_accepted)
+
+    def validate_drafts(self, requests) -> None:
+        """Cut each constrained request's ``spec_token_ids`` before the first token its grammar
+        rejects (none after one that terminates it, none while its reasoning gate is closed);
+        matchers are left as they were."""
+        for req in requests:
+            state = self._requests.get(req.request_id)
+            if state is None or not req.spec_token_ids:
+                continue
+            matcher, num_valid = state.matcher, 0
+            if state.grammar_start is None:
+                pass  # still reasoning under a gate: the gate reads whole outputs, so no drafts
+            elif matcher is not None:
+                for tok in req.spec_token_ids:
+                    if matcher.is_terminated() or not matcher.accept_token(tok):
+                        break
+                    num_valid += 1
+                matcher.rollback(num_valid)
+            req.spec_token_ids = req.spec_token_ids[:num_valid]
 
     def accept_tokens(self, updated: list[Request]) -> StepGrammarResult:
         """Sync each matcher with its request's output; finished requests are then forgotten."""

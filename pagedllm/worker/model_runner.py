@@ -37,6 +37,7 @@ from pagedllm.structured_output.manager import GrammarBitmask
 from pagedllm.utils import cdiv, resolve_device
 from pagedllm.worker.cpu_graph import CpuDecodeGraphs
 from pagedllm.worker.cuda_graph import DecodeGraphRunner, capture_sizes, cuda_graph_mode
+from pagedllm.worker.rejection_sampler import accept_point_mass_drafts
 
 logger = logging.getLogger("pagedllm")
 
@@ -61,6 +62,12 @@ def attention_layers(model: torch.nn.Module) -> list[Attention]:
 def layer_sliding_windows(model: torch.nn.Module) -> list[int | None]:
     """Per layer, its attention's sliding window in tokens, or None for full attention."""
     return [getattr(a, "sliding_window", None) for a in attention_layers(model)]
+
+
+def _ranges(counts: np.ndarray) -> np.ndarray:
+    """``concat(arange(c) for c in counts)`` as int64."""
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.arange(int(counts.sum()), dtype=np.int64) - starts
 
 
 @dataclass
@@ -92,6 +99,7 @@ class _StepBatch:
     rows: np.ndarray  # [B] int64
     sample_mask: np.ndarray  # [B] bool: request samples this step
     prompt_logprob_reqs: list[int] = field(default_factory=list)  # batch indices asking for prompt logprobs
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # request id -> draft tokens to verify
 
 
 class ModelRunner:
@@ -417,6 +425,7 @@ class ModelRunner:
             self.requests[new.req_id] = state
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
+            state.num_blocks -= cached.num_dropped_blocks  # rejected drafts' blocks, returned
             num_new = len(cached.new_block_ids[0])
             if num_new:
                 start = state.num_blocks
@@ -424,13 +433,20 @@ class ModelRunner:
                     self.block_table_buf[g, state.row, start:start + num_new] = ids
                 state.num_blocks += num_new
             state.num_computed_tokens = cached.num_computed_tokens
+        for req_id, draft in so.scheduled_spec_decode_tokens.items():  # read as inputs after the last token
+            state = self.requests[req_id]
+            self.token_buf[state.row, state.num_tokens:state.num_tokens + len(draft)] = draft
 
     @staticmethod
     def _reseed(state: CachedRequestState) -> None:
         """Seed from (seed, output position): output token i's draw depends on nothing else,
-        so batch order or a preemption and recompute cannot change it."""
+        so batch order, a preemption and recompute, or speculation cannot change it."""
+        ModelRunner._seed_for_position(state.generator, state, len(state.output_token_ids))
+
+    @staticmethod
+    def _seed_for_position(generator: torch.Generator, state: CachedRequestState, position: int) -> None:
         seed = state.sampling_params.seed
-        state.generator.manual_seed((seed * 1_000_003 + len(state.output_token_ids)) % (2**63 - 1))
+        generator.manual_seed((seed * 1_000_003 + position) % (2**63 - 1))
 
     def _order_batch(self, so: SchedulerOutput) -> _StepBatch:
         """Batch order: decodes (1 query token) first, then prefills, as AttentionMetadata requires."""
@@ -446,7 +462,7 @@ class ModelRunner:
         sample_mask = num_computed + num_sched >= num_tokens
         plp = [i for i, s in enumerate(states) if s.sampling_params.prompt_logprobs is not None
                and num_computed[i] < len(s.prompt_token_ids)]
-        return _StepBatch(req_ids, num_sched, num_computed, rows, sample_mask, plp)
+        return _StepBatch(req_ids, num_sched, num_computed, rows, sample_mask, plp, so.scheduled_spec_decode_tokens)
 
     def _prepare_inputs(self, b: _StepBatch) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], np.ndarray]:
         """Flat token ids, positions, and per KV-cache group the attention metadata."""
@@ -527,35 +543,66 @@ class ModelRunner:
             return
         idx = np.asarray(keep, dtype=np.int64)
         states = [self.requests[b.req_ids[i]] for i in idx]
+        drafts = [b.drafts.get(s.req_id, []) for s in states]
         for s in states:
             if s.generator is not None:
                 self._reseed(s)
-        logits_rows = torch.from_numpy(cu[idx + 1] - 1).to(self.device)
-        self._return_hidden_states(states, hidden, logits_rows, out)
-        logits = self.model.compute_logits(hidden.index_select(0, logits_rows))  # (N, vocab) float32
+        # one logits row per sampled position: a verify request's k drafts and the token after them
+        num_rows = np.fromiter((len(d) + 1 for d in drafts), dtype=np.int64, count=len(drafts))
+        last = cu[idx + 1] - 1
+        first_rows = last - num_rows + 1  # (len(states),) the row of the token before the drafts
+        logits_rows = np.repeat(first_rows, num_rows) + _ranges(num_rows)
+        self._return_hidden_states(states, hidden, torch.from_numpy(first_rows).to(self.device), out)
+        logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(logits_rows).to(self.device)))
+        row_states = np.repeat(np.arange(len(states)), num_rows).tolist()  # (R,) index into states
+        row_outputs = [s.output_token_ids + d[:j] for s, d in zip(states, drafts) for j in range(len(d) + 1)]
         if grammar_bitmask is not None:
-            apply_grammar_bitmask(logits, [s.req_id for s in states], grammar_bitmask)
+            apply_grammar_bitmask(logits, [states[i].req_id for i in row_states], grammar_bitmask)
         md = SamplingMetadata.build(
-            params=[s.sampling_params for s in states],
-            prompt_token_ids=[s.prompt_token_ids for s in states],
-            output_token_ids=[s.output_token_ids for s in states],
-            generators=[s.generator for s in states],
-            eos_token_ids=[self.eos_token_id] * len(states),
+            params=[states[i].sampling_params for i in row_states],
+            prompt_token_ids=[states[i].prompt_token_ids for i in row_states],
+            output_token_ids=row_outputs,
+            generators=self._row_generators(states, drafts),
+            eos_token_ids=[self.eos_token_id] * len(row_states),
             vocab_size=self.vocab_size, device=self.device)
-        so = self.sampler(logits, md)
-        sampled = so.sampled_token_ids.tolist()
+        sampler_out = self.sampler(logits, md)
+        sampled = sampler_out.sampled_token_ids.tolist()
         lp_list = None
-        if so.logprobs is not None:
-            lp_list = so.logprobs.to_sample_logprobs([s.sampling_params.logprobs for s in states])
-        for j, (s, tok) in enumerate(zip(states, sampled)):
-            pos = s.num_tokens
-            if pos < self.max_model_len:
-                self.token_buf[s.row, pos] = tok
-            s.output_token_ids.append(tok)
+        if sampler_out.logprobs is not None:
+            lp_list = sampler_out.logprobs.to_sample_logprobs([states[i].sampling_params.logprobs for i in row_states])
+        start = 0
+        for s, d in zip(states, drafts):
+            n = len(d) + 1
+            tokens = accept_point_mass_drafts(sampled[start:start + n], d) if d else sampled[start:start + 1]
+            self._append_tokens(s, tokens)
             out.req_ids.append(s.req_id)
-            out.sampled_token_ids.append([tok])
-            if lp_list is not None and lp_list[j] is not None:
-                out.logprobs[s.req_id] = lp_list[j]
+            out.sampled_token_ids.append(tokens)
+            if lp_list is not None and lp_list[start] is not None:
+                lps = lp_list[start:start + len(tokens)]
+                out.logprobs[s.req_id] = lps if d else lps[0]
+            start += n
+
+    def _append_tokens(self, state: CachedRequestState, tokens: list[int]) -> None:
+        """Record sampled tokens; they overwrite the drafts read as inputs this step."""
+        pos = state.num_tokens
+        end = min(pos + len(tokens), self.max_model_len)
+        if end > pos:
+            self.token_buf[state.row, pos:end] = tokens[:end - pos]
+        state.output_token_ids.extend(tokens)
+
+    def _row_generators(self, states: list[CachedRequestState], drafts: list[list[int]]) -> list:
+        """One generator per sampled row; a verify request's row j draws as output position
+        ``len(output) + j`` would without speculation."""
+        gens: list = []
+        for s, d in zip(states, drafts):
+            gens.append(s.generator)
+            for j in range(1, len(d) + 1):
+                gen = None
+                if s.generator is not None:
+                    gen = torch.Generator(device=self.device)
+                    self._seed_for_position(gen, s, len(s.output_token_ids) + j)
+                gens.append(gen)
+        return gens
 
     @staticmethod
     def _return_hidden_states(states: list[CachedRequestState], hidden: torch.Tensor, rows: torch.Tensor,

@@ -373,6 +373,17 @@ class UsageMetrics(OpenAIBase):
     queue_time: float | None = None
     prefill_time: float | None = None
     decode_time: float | None = None
+    # speculative decoding: draft tokens verified and accepted (left out when none were drafted)
+    num_draft_tokens: int | None = None
+    num_accepted_tokens: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_speculation(self, handler):
+        data = handler(self)
+        for name in ("num_draft_tokens", "num_accepted_tokens"):
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
 
 
 class CompletionTokensDetails(OpenAIBase):
@@ -410,7 +421,15 @@ def usage_metrics(metrics: list) -> UsageMetrics:
                         preemption_modes=[x for m in metrics for x in m.preemption_modes],
                         queue_time=_longest([m.queue_time for m in metrics]),
                         prefill_time=_longest([m.prefill_time for m in metrics]),
-                        decode_time=_longest([m.decode_time for m in metrics]))
+                        decode_time=_longest([m.decode_time for m in metrics]),
+                        **_spec_decode_counts(metrics))
+
+
+def _spec_decode_counts(metrics: list) -> dict:
+    drafted = sum(getattr(m, "num_draft_tokens", 0) for m in metrics)
+    if not drafted:
+        return {}
+    return {"num_draft_tokens": drafted, "num_accepted_tokens": sum(m.num_accepted_tokens for m in metrics)}
 
 
 def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None, metrics: list | None = None
