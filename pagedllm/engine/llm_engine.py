@@ -95,7 +95,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.vocab_size, [t for t in [self.eos_token_id] if t is not None]
-            + self.extra_stop_token_ids, config.max_num_seqs)
+            + self.extra_stop_token_ids, config.max_num_seqs,
+            compile_timeout_s=config.structured_outputs_compile_timeout_s,
+            compile_memory_mb=config.structured_outputs_compile_memory_mb)
         self._ids = itertools.count()
         self.num_steps = 0
         self.prompt_tokens_total = 0
@@ -260,7 +262,9 @@ class LLMEngine:
         self.abort_request(list(self.output_processor.requests))
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent). The engine cannot step afterwards."""
+        """Stop the tensor-parallel workers, if any, and the grammar compile process (idempotent).
+        The engine cannot step afterwards."""
+        self.structured_output.shutdown()
         self.executor.shutdown()
 
     def _count(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> None:
