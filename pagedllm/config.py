@@ -140,6 +140,7 @@ class EngineConfig:
     usage_cached_tokens: bool = _f(True, "report cached-token counts in usage (a side channel across tenants: docs/robustness.md)")
     structured_outputs_compile_timeout_s: float = _f(30.0, "seconds one grammar's conversion and compile may take (in its own process) before its request fails")
     structured_outputs_compile_memory_mb: int | None = _f(2048, "MiB of address space a grammar compile may add to its process; a compile needing more fails its request (None: no limit)")
+    chat_template_timeout_s: float = _f(10.0, "seconds rendering one conversation's chat template may take; past it that request fails (400)")
     trust_request_chat_template: bool = _f(False, "render a chat_template sent in a request (else 400): a template is code the server runs")
     tensor_parallel_size: int = _f(1, "ranks (processes; GPUs on CUDA) the weights and KV heads are split across; divides the heads")
     worker_timeout_s: float = _f(300.0, "tensor parallelism: seconds a call may wait on a worker before the engine fails naming it")
@@ -220,6 +221,10 @@ class EngineConfig:
         if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError("distributed_executor_backend='ray' needs Ray, which is not installed: "
                              "pip install 'pagedllm[ray]'")
+        for name in ("chat_template_timeout_s", "structured_outputs_compile_timeout_s"):
+            t = getattr(self, name)
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {t!r}")
         t = self.structured_outputs_compile_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise ValueError(f"structured_outputs_compile_timeout_s must be a positive number of seconds, got {t!r}")

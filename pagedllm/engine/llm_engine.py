@@ -86,7 +86,8 @@ class LLMEngine:
         self.runner = self.executor.driver
         self.vocab_size = self.runner.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, config.max_model_len,
-                                              config.max_logprobs, self.extra_stop_token_ids)
+                                              config.max_logprobs, self.extra_stop_token_ids,
+                                              config.chat_template_timeout_s)
         self.kv_cache_spec = self.executor.initialize_kv_cache()
         self.kv_offload_spec = self.executor.initialize_kv_offload()
         self.scheduler = Scheduler(config, self.kv_cache_spec.num_blocks,
