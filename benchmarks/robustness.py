@@ -59,13 +59,18 @@ def start_server(args):
     raise SystemExit("the server did not start")
 
 
+GAUGES = ("num_requests_running", "num_requests_waiting", "num_kv_blocks_used", "num_kv_blocks_total",
+          "engine_healthy", "kv_offload_io_errors_total", "num_preemptions_total")
+
+
 def gauges(url: str) -> dict[str, float]:
-    """The engine's gauges from /metrics (pagedllm:num_requests_running, ...)."""
+    """The engine's state from /metrics (``GAUGES``, without the ``pagedllm:`` prefix)."""
     out = {}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("pagedllm:") and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name.split("{")[0]] = float(value)
+        name, _, value = line.partition(" ")
+        name = name.split("{")[0].removeprefix("pagedllm:")
+        if name in GAUGES:
+            out[name] = float(value)
     return out
 
 
@@ -135,9 +140,8 @@ async def run_load(url: str, args) -> dict:
     return {"streams": args.streams, "completed": sum(r["done"] and r["error"] is None for r in results),
             "errors": sum(r["error"] is not None for r in results),
             "http_5xx": sum((r["status"] or 0) >= 500 for r in results), "greedy_mismatches": mismatched,
-            "wall_s": round(wall, 2), "used_blocks_after": stats.get("pagedllm:num_kv_blocks_used"),
-            "running_after": stats.get("pagedllm:num_requests_running"),
-            "waiting_after": stats.get("pagedllm:num_requests_waiting"), "health": health_summary(health)}
+            "wall_s": round(wall, 2), "used_blocks_after": stats.get("num_kv_blocks_used"),
+            "running_after": stats.get("num_requests_running"), "waiting_after": stats.get("num_requests_waiting"), "health": health_summary(health)}
 
 
 async def beside_streams(url: str, request, args, n_streams: int = 4) -> dict:
