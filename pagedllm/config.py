@@ -129,6 +129,7 @@ class EngineConfig:
     max_header_bytes: int = _f(16384, "`serve`: largest request head (path, query, headers) in bytes; beyond, HTTP 431")
     keep_alive_timeout_s: int = _f(5, "`serve`: seconds an idle keep-alive connection stays open")
     request_head_timeout_s: int = _f(10, "`serve`: seconds a client may take to send a request head; then it is disconnected")
+    request_body_timeout_s: int = _f(60, "`serve`: seconds a client may take to send a request body once its head arrived; then 408 and disconnected")
     debug_integrity_checks: bool = _f(False, "check block pool and scheduler invariants after every step (slow)")
     kv_offload_memory: int | str | None = _f(None, "host-RAM tier of the prefix cache, in bytes or like '4GiB' (default: off)")
     kv_offload_dir: str | None = _f(None, "folder of the prefix cache's disk tier, which survives restarts (default: off)")
@@ -137,6 +138,9 @@ class EngineConfig:
     swap_space: int | str = _f("4GiB", "swap space for preemption_mode swap/auto, in bytes or like '4GiB' (host memory)")
     usage_metrics: bool = _f(True, "add usage.metrics to responses: cached tokens by tier, preemptions, queue / prefill / decode time")
     usage_cached_tokens: bool = _f(True, "report cached-token counts in usage (a side channel across tenants: docs/robustness.md)")
+    structured_outputs_compile_timeout_s: float = _f(30.0, "seconds one grammar's conversion and compile may take (in its own process) before its request fails")
+    structured_outputs_compile_memory_mb: int | None = _f(2048, "MiB of address space a grammar compile may add to its process; a compile needing more fails its request (None: no limit)")
+    chat_template_timeout_s: float = _f(10.0, "seconds rendering one conversation's chat template may take; past it that request fails (400)")
     trust_request_chat_template: bool = _f(False, "render a chat_template sent in a request (else 400): a template is code the server runs")
     tensor_parallel_size: int = _f(1, "ranks (processes; GPUs on CUDA) the weights and KV heads are split across; divides the heads")
     worker_timeout_s: float = _f(300.0, "tensor parallelism: seconds a call may wait on a worker before the engine fails naming it")
@@ -205,7 +209,8 @@ class EngineConfig:
         self._check_step_time_targets()
         self._positive("min_prefill_tokens_while_decoding", allow_none=True)
         self._positive("max_waiting_requests", allow_none=True)
-        for name in ("max_connections", "max_header_bytes", "keep_alive_timeout_s", "request_head_timeout_s"):
+        for name in ("max_connections", "max_header_bytes", "keep_alive_timeout_s", "request_head_timeout_s",
+                     "request_body_timeout_s"):
             self._positive(name, allow_none=name == "max_connections")
         self._check_partial_prefills()
         self._positive("tensor_parallel_size")
@@ -225,6 +230,14 @@ class EngineConfig:
         if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError("distributed_executor_backend='ray' needs Ray, which is not installed: "
                              "pip install 'pagedllm[ray]'")
+        for name in ("chat_template_timeout_s", "structured_outputs_compile_timeout_s"):
+            t = getattr(self, name)
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {t!r}")
+        t = self.structured_outputs_compile_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"structured_outputs_compile_timeout_s must be a positive number of seconds, got {t!r}")
+        self._positive("structured_outputs_compile_memory_mb", allow_none=True)
         if isinstance(self.worker_timeout_s, bool) or not isinstance(self.worker_timeout_s, (int, float)) \
                 or not self.worker_timeout_s > 0:
             raise ValueError(f"worker_timeout_s must be a positive number of seconds, got {self.worker_timeout_s!r}")

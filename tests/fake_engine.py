@@ -120,6 +120,7 @@ class FakeEngine:
         self.requests: dict[str, _Req] = {}
         self.order: list[str] = []
         self.fail_steps = 0  # the next N steps fail every request in them
+        self.step_error = "RuntimeError: injected step failure"  # the failed requests' error
         self.die = False  # the next step raises
         self.step_thread: threading.Thread | None = None
         self.stats = FakeStats(num_total_blocks=num_blocks, num_free_blocks=num_blocks)
@@ -194,7 +195,7 @@ class FakeEngine:
             if failing:
                 outs = [CompletionOutput(s.index, "", [], None, None, "error") for s in req.seqs]
                 outputs.append(RequestOutput(rid, req.prompt, req.prompt_ids, outs, True, metrics=req.metrics,
-                                             error="RuntimeError: injected step failure"))
+                                             error=self.step_error))
                 self._remove(rid)
                 continue
             outs = []

@@ -75,7 +75,8 @@ class DataParallelAsyncEngine:
                 p.shutdown()
             raise
         front = front if front is not None else FrontEnd(InputProcessor(
-            files.tokenizer, infos[0].vocab_size, infos[0].config.max_model_len, infos[0].config.max_logprobs, []))
+            files.tokenizer, infos[0].vocab_size, infos[0].config.max_model_len, infos[0].config.max_logprobs, [],
+            infos[0].config.chat_template_timeout_s))
         replicas = []
         for i, proxy in enumerate(proxies):
             proxy.tokenizer = front.tokenizer

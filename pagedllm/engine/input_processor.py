@@ -9,6 +9,7 @@ from typing import Any, Union
 import jinja2
 
 from pagedllm.engine.chat import normalize_conversation
+from pagedllm.engine.render_deadline import DeadlineExceeded, call_with_deadline
 from pagedllm.errors import ContextLengthError
 from pagedllm.engine.special_text import encode_rendered, mask_special_texts, special_texts
 from pagedllm.sampling_params import SamplingParams
@@ -32,8 +33,9 @@ class InputProcessor:
     ``extra_stop_token_ids``: end-of-turn ids beyond EOS (from the generation config)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, max_logprobs: int,
-                 extra_stop_token_ids: list[int]) -> None:
+                 extra_stop_token_ids: list[int], chat_template_timeout_s: float = 10.0) -> None:
         self.tokenizer = tokenizer
+        self.chat_template_timeout_s = chat_template_timeout_s  # a render past it fails its request
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
@@ -77,11 +79,14 @@ class InputProcessor:
         if continue_final_message and messages[-1]["role"] != "assistant":
             raise ValueError("continue_final_message needs the last message to have role 'assistant'")
         try:
-            text = self.tokenizer.apply_chat_template(
+            text = call_with_deadline(lambda: self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, tokenize=False, chat_template=template,
                 continue_final_message=continue_final_message,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
-                **(template_kwargs or {}))
+                **(template_kwargs or {})), self.chat_template_timeout_s)
+        except DeadlineExceeded:
+            raise ValueError(f"chat_template: rendering the conversation took longer than "
+                             f"{self.chat_template_timeout_s:g} s (chat_template_timeout_s)") from None
         except (jinja2.TemplateError, TypeError) as e:
             where = ("chat_template could not render the conversation" if chat_template
                      else "messages: the model's chat template refused the conversation")

@@ -92,7 +92,8 @@ class LLMEngine:
         self.runner = self.executor.driver
         self.vocab_size = self.runner.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, config.max_model_len,
-                                              config.max_logprobs, self.extra_stop_token_ids)
+                                              config.max_logprobs, self.extra_stop_token_ids,
+                                              config.chat_template_timeout_s)
         self.kv_cache_spec = self.executor.initialize_kv_cache()
         self.kv_offload_spec = self.executor.initialize_kv_offload()
         self.scheduler = Scheduler(config, self.kv_cache_spec.num_blocks,
@@ -103,7 +104,9 @@ class LLMEngine:
         self.hidden_states: dict[str, list[float]] = {}
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.vocab_size, [t for t in [self.eos_token_id] if t is not None]
-            + self.extra_stop_token_ids, config.max_num_seqs)
+            + self.extra_stop_token_ids, config.max_num_seqs,
+            compile_timeout_s=config.structured_outputs_compile_timeout_s,
+            compile_memory_mb=config.structured_outputs_compile_memory_mb)
         self.drafter = self._make_drafter(config)
         self._ids = itertools.count()
         self.num_steps = 0
@@ -286,7 +289,9 @@ class LLMEngine:
         self.abort_request(list(self.output_processor.requests))
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent). The engine cannot step afterwards."""
+        """Stop the tensor-parallel workers, if any, and the grammar compile process (idempotent).
+        The engine cannot step afterwards."""
+        self.structured_output.shutdown()
         self.executor.shutdown()
 
     def _count(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> None:

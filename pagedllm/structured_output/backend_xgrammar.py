@@ -1,6 +1,9 @@
 """The grammar backend on xgrammar (Dong et al. 2024): spec → grammar, compiles per tokenizer, matchers.
 
 Bitmask: int32 words, bit j of word i allows token 32*i + j. Only matcher calls run on the step loop.
+Validation on the request path does only what costs time linear in the spec (JSON parsing, the
+meta-schema, unsupported features, regex and EBNF parsing); a JSON schema's conversion, which can
+take seconds, runs with the compile in the compile process (``compile_process.py``).
 """
 
 from __future__ import annotations
@@ -12,10 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.compile_process import GrammarCompileProcess
+from pagedllm.structured_output.json_schema_support import supported_schema
 
 # Longest whitespace run allowed between JSON tokens (room for a newline and indentation), so a
 # model that favours whitespace is forced on to the next token instead of looping until max_tokens.
 MAX_JSON_WHITESPACE = 12
+# longest spec text (a schema's JSON, a regex, a grammar) a request may carry
+MAX_SPEC_CHARS = 1_000_000
 
 
 def _whitespace_kwargs(any_whitespace: bool) -> dict[str, Any]:
@@ -58,21 +65,43 @@ def choice_as_ebnf(choices: list[str]) -> str:
 
 
 def validate_structured_outputs(params: StructuredOutputsParams) -> GrammarSpec:
-    """The spec, once it compiles without a tokenizer. Raises ValueError naming the field; ImportError."""
+    """The spec to compile, checked in time linear in its size. Raises ValueError naming the field
+    (also for a JSON-schema feature the grammar would drop); ImportError without xgrammar."""
     xgr = _import_xgrammar()
     spec = grammar_spec(params)
     field = f"structured_outputs.{params.kind}"
+    if len(spec.text) > MAX_SPEC_CHARS:
+        raise ValueError(f"{field} is {len(spec.text)} characters long; at most {MAX_SPEC_CHARS} are accepted")
     try:
         if spec.kind == "json":
-            _check_json_schema(json.loads(spec.text))
-            xgr.Grammar.from_json_schema(spec.text, **_whitespace_kwargs(spec.any_whitespace))
+            schema = json.loads(spec.text)
+            _check_json_schema(schema)
+            merged = supported_schema(schema)
+            for pattern in _patterns(merged):
+                xgr.Grammar.from_regex(pattern)
+            if merged != schema:
+                spec = GrammarSpec("json", json.dumps(merged, ensure_ascii=False), spec.any_whitespace)
         elif spec.kind == "regex":
             xgr.Grammar.from_regex(spec.text)
         elif spec.kind == "grammar":
             xgr.Grammar.from_ebnf(spec.text)
     except (RuntimeError, ValueError, TypeError) as e:
-        raise ValueError(f"{field} is invalid: {_clean_error(e)}") from None
+        raise ValueError(f"{field} is invalid: {clean_error(e)}") from None
     return spec
+
+
+def _patterns(schema: Any) -> list[str]:
+    """Every string ``pattern`` in a schema (parsing one costs microseconds; converting the schema does not)."""
+    found, stack = [], [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                found.append(node["pattern"])
+            stack.extend(v for k, v in node.items() if k not in ("enum", "const", "default", "examples"))
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
 
 
 def _check_json_schema(schema: Any) -> None:
@@ -87,7 +116,7 @@ def _check_json_schema(schema: Any) -> None:
         raise ValueError(f"{e.message}" + (f" (at {path})" if path else "")) from None
 
 
-def _clean_error(e: Exception) -> str:
+def clean_error(e: Exception) -> str:
     """xgrammar's message without its C++ source prefix (``[12:00:00] /project/cpp/x.cc:94: ``)."""
     msg = str(e).strip()
     return re.sub(r"^\[[\d:]+\] [^:]+:\d+: ", "", msg).replace("Check failed: (error.empty()) is false: ", "")
@@ -111,31 +140,46 @@ def tokenizer_fingerprint(tokenizer, vocab_size: int, stop_token_ids: list[int])
     return h.hexdigest()
 
 
-class XgrammarBackend:
-    """Compiles specs for one tokenizer (``compile`` is thread-safe); ``vocab_size``: the logits width."""
+def compile_spec(compiler, kind: str, text: str, any_whitespace: bool):
+    """``compiler``'s ``xgrammar.CompiledGrammar`` of one spec. Raises RuntimeError from xgrammar on failure."""
+    ws = _whitespace_kwargs(any_whitespace)
+    if kind == "json":
+        # strict_mode (as in vLLM): no properties beyond those listed unless additionalProperties
+        return compiler.compile_json_schema(text, **ws)
+    if kind == "json_object":
+        return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **ws)
+    if kind == "regex":
+        return compiler.compile_regex(text)
+    if kind == "grammar":
+        return compiler.compile_grammar(text)
+    raise ValueError(f"unknown grammar kind {kind!r}")
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int = 2) -> None:
+
+class XgrammarBackend:
+    """Compiles specs for one tokenizer in a child process (``compile`` from one thread at a time,
+    ``cancel`` from any); ``vocab_size``: the logits width."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], timeout_s: float = 30.0,
+                 memory_mb: int | None = 2048) -> None:
         xgr = _import_xgrammar()
         self._xgr = xgr
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        # the manager caches compiled grammars; xgrammar's cache would hold a second copy
-        self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                        stop_token_ids=stop_token_ids)
+        self.process = GrammarCompileProcess(self._info.serialize_json(), timeout_s, memory_mb)
         self.vocab_size = vocab_size
 
     def compile(self, spec: GrammarSpec):
-        """The ``xgrammar.CompiledGrammar`` of ``spec``. Raises RuntimeError from xgrammar on failure."""
-        c = self.compiler
-        if spec.kind == "json":
-            # strict_mode (as in vLLM): no properties beyond those listed unless additionalProperties
-            return c.compile_json_schema(spec.text, **_whitespace_kwargs(spec.any_whitespace))
-        if spec.kind == "json_object":
-            return c.compile_json_schema('{"type": "object"}', strict_mode=False,
-                                         **_whitespace_kwargs(spec.any_whitespace))
-        if spec.kind == "regex":
-            return c.compile_regex(spec.text)
-        if spec.kind == "grammar":
-            return c.compile_grammar(spec.text)
-        raise ValueError(f"unknown grammar kind {spec.kind!r}")
+        """The ``xgrammar.CompiledGrammar`` of ``spec``. Raises ValueError (invalid spec) or
+        CompileLimitError (past a limit, or cancelled)."""
+        serialized = self.process.compile(spec.kind, spec.text, spec.any_whitespace)
+        return self._xgr.CompiledGrammar.deserialize_json(serialized, self._info)
+
+    def cancel(self, spec: GrammarSpec) -> None:
+        """Stop the compile of ``spec`` if it runs; its ``compile`` raises CompileCancelled."""
+        self.process.cancel(spec.kind, spec.text, spec.any_whitespace)
+
+    def close(self) -> None:
+        self.process.close()
 
     def new_matcher(self, compiled):
         return self._xgr.GrammarMatcher(compiled)

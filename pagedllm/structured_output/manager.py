@@ -4,9 +4,10 @@ A constrained request: ``add_request`` (compile cache keyed by (tokenizer finger
 one shared future per spec) → ``update_ready`` before ``schedule()`` (compiled: matcher, then
 ``Scheduler.set_grammar_ready``) → ``grammar_bitmask`` after it → ``accept_tokens`` after
 ``update_from_output`` (matcher advanced or rolled back to the output). The engine thread calls
-every method; only compiles run on the worker thread. A request with a ``reasoning_boundary``
-samples freely (no bitmask row, no matcher advance) until its reasoning gate opens; the matcher
-then sees the output from the gate's ``grammar_start`` on.
+every method; only compiles run on the worker thread, which waits on the compile process
+(``compile_process.py``: time and memory limits; a compile whose requests all left is stopped).
+A request with a ``reasoning_boundary`` samples freely (no bitmask row, no matcher advance) until
+its reasoning gate opens; the matcher then sees the output from the gate's ``grammar_start`` on.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pagedllm.core.step_failure import InputError
 from pagedllm.structured_output.backend_xgrammar import (GrammarSpec, XgrammarBackend, tokenizer_fingerprint,
                                                           validate_structured_outputs)
 from pagedllm.structured_output.reasoning_gate import ReasoningGate
+from pagedllm.structured_output.compile_process import CompileCancelled
 
 logger = logging.getLogger("pagedllm")
 
@@ -61,7 +63,9 @@ class StructuredOutputManager:
     """The backend is built on the worker thread at the first compile; the cache drops least recent first."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_num_seqs: int,
-                 max_cache_entries: int = 256) -> None:
+                 max_cache_entries: int = 256, compile_timeout_s: float = 30.0,
+                 compile_memory_mb: int | None = 2048) -> None:
+        self._compile_limits = (compile_timeout_s, compile_memory_mb)
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
@@ -89,7 +93,8 @@ class StructuredOutputManager:
         """Start (or share) the compile of ``spec`` for a request WAITING_FOR_GRAMMAR."""
         key = (self._tokenizer_key(), spec)
         future = self._cache.get(key)
-        if future is None:
+        if future is None or future.cancelled() or (future.done() and isinstance(future.exception(),
+                                                                                CompileCancelled)):
             future = self._submit(spec)
             self._cache[key] = future
             while len(self._cache) > self._max_cache_entries:
@@ -103,10 +108,19 @@ class StructuredOutputManager:
         self._pending[request.request_id] = state
 
     def remove_requests(self, request_ids) -> None:
-        """Forget requests; unknown ids are ignored."""
+        """Forget requests; unknown ids are ignored. A compile no remaining request waits for is
+        cancelled (stopped in the compile process if it runs)."""
+        left = []
         for rid in request_ids:
             self._requests.pop(rid, None)
-            self._pending.pop(rid, None)
+            state = self._pending.pop(rid, None)
+            if state is not None:
+                left.append(state)
+        waited = {id(s.future) for s in self._pending.values()}
+        for state in left:
+            future = state.future
+            if id(future) not in waited and not future.done() and not future.cancel() and self._backend:
+                self._backend.cancel(state.spec)
 
     def has_pending(self) -> bool:
         return bool(self._pending)
@@ -281,11 +295,14 @@ class StructuredOutputManager:
     def backend(self) -> XgrammarBackend:
         with self._backend_lock:
             if self._backend is None:
-                self._backend = XgrammarBackend(self._tokenizer, self.vocab_size, self._stop_token_ids)
+                self._backend = XgrammarBackend(self._tokenizer, self.vocab_size, self._stop_token_ids,
+                                                *self._compile_limits)
             return self._backend
 
     def shutdown(self) -> None:
-        """Stop the compile thread, cancelling pending compiles."""
+        """Stop the compile thread and process, cancelling pending compiles."""
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+        if self._backend is not None:
+            self._backend.close()

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from starlette.requests import Request
 
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.openai.connection_limits import RequestHeadLimit, raise_fd_limit, uvicorn_limits
@@ -47,9 +48,14 @@ def served():
     async def fast():
         return {"ok": True}
 
+    @app.post("/echo")
+    async def echo(request: Request):
+        return {"size": len(await request.body())}
+
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    limits = EngineConfig(max_connections=2, max_header_bytes=8192, keep_alive_timeout_s=1, request_head_timeout_s=1)
+    limits = EngineConfig(max_connections=2, max_header_bytes=8192, keep_alive_timeout_s=1, request_head_timeout_s=1,
+                          request_body_timeout_s=1)
     config = uvicorn.Config(RequestHeadLimit(app, 8192), log_level="warning", **uvicorn_limits(limits))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -105,3 +111,23 @@ def test_a_connection_that_never_completes_its_head_is_closed(served, sent):
         assert s.recv(65536) == b""  # closed, no response
         assert 0.5 < time.monotonic() - t0 < 5
     assert _request(served, "/fast").startswith(b"HTTP/1.1 200")
+
+
+def test_a_slow_body_gets_408_and_is_disconnected(served):
+    with socket.create_connection(("127.0.0.1", served), timeout=10) as s:
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"
+                  b"\r\n" + b"0" * 10)  # 10 of 100 bytes, then nothing
+        t0, data = time.monotonic(), b""
+        while chunk := s.recv(65536):
+            data += chunk
+        assert data.startswith(b"HTTP/1.1 408") and b"request_body_timeout_s" in data
+        assert 0.5 < time.monotonic() - t0 < 5
+    # a body sent in pieces within the limit is read whole, and the server still serves
+    with socket.create_connection(("127.0.0.1", served), timeout=10) as s:
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 4\r\n\r\n\"a")
+        time.sleep(0.2)
+        s.sendall(b"b\"")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+        assert data.startswith(b"HTTP/1.1 200") and data.endswith(b'{"size":4}')

@@ -374,8 +374,9 @@ def test_api_key_required_when_configured(monkeypatch):
     with pytest.raises(ValueError, match="two models given"):
         resolve_model_arg(parser.parse_args(["y.gguf", "--model", "x.gguf"]))
     monkeypatch.setenv("PAGEDLLM_API_KEY", "from-env")
-    assert resolve_api_key(parser.parse_args([])) == "from-env"
-    assert resolve_api_key(parser.parse_args(["--api-key", "flag"])) == "flag"
+    assert resolve_api_key(parser.parse_args([])) == ["from-env"]
+    assert resolve_api_key(parser.parse_args(["--api-key", "flag"])) == ["flag"]
+    assert resolve_api_key(parser.parse_args(["--api-key", "k1", "k2"])) == ["k1", "k2"]
 
 
 def test_chat_template_override_reaches_the_engine():

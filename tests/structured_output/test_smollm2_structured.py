@@ -105,6 +105,8 @@ def test_greedy_constrained_output_same_alone_in_a_batch_and_across_preemption(l
     assert [outs[1].outputs[0].token_ids, outs[3].outputs[0].token_ids] == alone
     # 10 blocks of 16 tokens cannot hold four ~80-token sequences: requests are preempted and recomputed.
     small = LLM(model=str(smollm2_path), max_model_len=160, num_kv_blocks=10, enable_prefix_caching=False)
+    # compiled first (in the compile process), so that all four requests run, and contend, together
+    small.generate([p for p, _ in constrained], [_params(SO(json=SCHEMAS[i]), 1) for i in (1, 4)], use_tqdm=False)
     outs = small.generate(prompts, params, use_tqdm=False)
     assert small.llm_engine.get_stats().num_preemptions_total > 0
     assert [outs[1].outputs[0].token_ids, outs[3].outputs[0].token_ids] == alone

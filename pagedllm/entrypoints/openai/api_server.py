@@ -46,6 +46,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_messages import ServingMessages
 from pagedllm.entrypoints.openai.serving_responses import ServingResponses
 from pagedllm.entrypoints.openai.serving_pooling import pooling_router
+from pagedllm.entrypoints.openai.tenant_salt import ISOLATION_MODES, reset_tenant, set_tenant
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from pagedllm.metrics import CONTENT_TYPE_LATEST
 
@@ -64,27 +65,45 @@ _ANTHROPIC_ERRORS = errors(*_API_ERRORS, 500, model=AnthropicErrorResponse)
 
 class APIKeyMiddleware:
     """Pure-ASGI check (streaming-safe) of ``Authorization: Bearer <key>`` or Anthropic's ``x-api-key``, before
-    the body is read; the scheme is case-insensitive (RFC 9110 11.1), the key compared in constant time."""
+    the body is read; the scheme is case-insensitive (RFC 9110 11.1), each key compared in constant time.
+    ``isolate``: the request runs in its key's prefix-cache namespace (``tenant_salt``)."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: Any, api_keys: list[str], isolate: bool = False) -> None:
         self.app = app
-        self.expected = api_key.encode()
+        self.expected = [k.encode() for k in api_keys]
+        self.isolate = isolate
 
-    def _is_authorized(self, scope: dict) -> bool:
+    def _matched_key(self, scope: dict) -> bytes | None:
         headers = dict(scope["headers"])
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
-            return True
-        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.expected)
+        sent = [token.strip()] if scheme.lower() == b"bearer" else []
+        sent.append(headers.get(b"x-api-key", b"").strip())
+        matched = None
+        for key in self.expected:  # every comparison runs: the time does not tell which key matched
+            for candidate in sent:
+                if hmac.compare_digest(candidate, key) and matched is None:
+                    matched = key
+        return matched
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if (scope["type"] == "http" and scope["method"] != "OPTIONS" and not scope["path"].startswith(_OPEN_PATHS)
-                and scope["path"] not in _OPEN_PAGES and not self._is_authorized(scope)):
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"].startswith(_OPEN_PATHS) \
+                or scope["path"] in _OPEN_PAGES:
+            await self.app(scope, receive, send)
+            return
+        key = self._matched_key(scope)
+        if key is None:
             response = error_response(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'"
                                       " or 'x-api-key: <key>'", anthropic=is_anthropic_path(scope["path"]))
             await response(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        if not self.isolate:
+            await self.app(scope, receive, send)
+            return
+        token = set_tenant(key)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            reset_tenant(token)
 
 
 def _error_for(request: Request, err: APIError, headers: dict | None = None) -> JSONResponse:
@@ -276,31 +295,39 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None, *, api_key: str | None = None,
-              chat_template: str | None = None, max_n: int = 16, enable_kv_map: bool = True,
-              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS, tool_call_parser: str | None = None,
-              response_store: ResponseStore | None = None) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None, *,
+              api_key: str | list[str] | None = None, chat_template: str | None = None, max_n: int = 16,
+              enable_kv_map: bool = True, max_prompts_per_request: int = DEFAULT_MAX_PROMPTS,
+              tool_call_parser: str | None = None, response_store: ResponseStore | None = None,
+              kv_cache_isolation: str = "none") -> FastAPI:
     """The FastAPI app serving ``engine`` (started in the app's lifespan, stopped at its end).
 
     ``served_model_names``: names accepted as ``model`` (default the engine's); ``api_key``: required as
     ``Authorization: Bearer`` or ``x-api-key``; ``chat_template``: overrides the model's; ``max_n``: largest ``n``;
     ``max_prompts_per_request``: most prompts of one completions request; ``tool_call_parser``: for
     ``tool_choice: "auto"`` (default: the one the chat template teaches); ``response_store``: where ``/v1/responses``
-    keeps stored responses (default :class:`ResponseStore`'s limits). Raises ValueError for an unknown parser.
+    keeps stored responses (default :class:`ResponseStore`'s limits); ``api_key`` may list several keys, and
+    ``kv_cache_isolation="api-key"`` gives each its own prefix-cache namespace. Raises ValueError for an unknown
+    parser, or for isolation without keys.
     """
     if tool_call_parser is not None:
         get_tool_parser(tool_call_parser)
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if kv_cache_isolation not in ISOLATION_MODES:
+        raise ValueError(f"--kv-cache-isolation must be one of {', '.join(ISOLATION_MODES)}, got {kv_cache_isolation!r}")
+    if kv_cache_isolation == "api-key" and not api_keys:
+        raise ValueError("--kv-cache-isolation api-key needs API keys (--api-key KEY [KEY ...])")
     names = list(served_model_names or [engine.model_name])
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=_lifespan)
     state = app.state
-    state.engine, state.has_api_key, state.in_flight = engine, bool(api_key), InFlight()
+    state.engine, state.has_api_key, state.in_flight = engine, bool(api_keys), InFlight()
     state.completions = OpenAIServingCompletion(engine, names, max_n=max_n, max_prompts=max_prompts_per_request)
     state.chat = OpenAIServingChat(engine, names, max_n=max_n, chat_template=chat_template,
                                    tool_call_parser=tool_call_parser)
     state.responses = ServingResponses(state.chat, ResponseStore() if response_store is None else response_store)
     state.messages = ServingMessages(state.chat)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys, isolate=kv_cache_isolation == "api-key")
     app.add_middleware(InFlightMiddleware, state=state.in_flight)  # outermost: 503 while draining
     for exc_class, handler in ((APIError, _api_error), (RequestValidationError, _validation_error),
                                (StarletteHTTPException, _http_error), (Exception, _any_error)):
@@ -308,7 +335,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     app.include_router(router)
     app.openapi = lambda: _openapi(app)
     if enable_kv_map:
-        add_kv_map_routes(app, engine, names[0], requires_api_key=bool(api_key))
+        add_kv_map_routes(app, engine, names[0], requires_api_key=bool(api_keys))
     app.include_router(pooling_router(engine, names, errors(*_API_ERRORS, 500)))  # embeddings, rerank, score
     return app
 
@@ -329,9 +356,12 @@ def add_server_args(parser: argparse.ArgumentParser, include_engine_args: bool =
     group = parser.add_argument_group("server options")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     group.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
-    group.add_argument("--api-key", default=None,
-                       help="require KEY as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+    group.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                       help="require one of the KEYs as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
                             "(default: $PAGEDLLM_API_KEY, else none)")
+    group.add_argument("--kv-cache-isolation", default="none", choices=ISOLATION_MODES,
+                       help="api-key: each API key its own prefix-cache namespace (no cached block, count or "
+                            "timing shared across keys; docs/robustness.md)")
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="model name(s) clients use in 'model' (default: the model argument)")
     group.add_argument("--chat-template", default=None, help="file with a Jinja chat template overriding the model's")
@@ -401,7 +431,8 @@ def build_app_from_args(args: argparse.Namespace) -> FastAPI:
     return build_app(async_engine, names, api_key=resolve_api_key(args), chat_template=chat_template,
                      max_n=args.max_n, enable_kv_map=not args.disable_kv_map,
                      max_prompts_per_request=args.max_prompts_per_request,
-                     tool_call_parser=getattr(args, "tool_call_parser", None), response_store=store)
+                     tool_call_parser=getattr(args, "tool_call_parser", None), response_store=store,
+                     kv_cache_isolation=args.kv_cache_isolation)
 
 
 def response_store_from_args(args: argparse.Namespace) -> ResponseStore:
@@ -425,9 +456,14 @@ def set_switch_interval(interval_ms: float) -> None:
     sys.setswitchinterval(interval_ms / 1000.0)
 
 
-def resolve_api_key(args: argparse.Namespace) -> str | None:
-    """``--api-key``, else ``$PAGEDLLM_API_KEY``, else None (no authentication)."""
-    return getattr(args, "api_key", None) or envs.api_key()
+def resolve_api_key(args: argparse.Namespace) -> list[str] | None:
+    """``--api-key`` (one or more), else ``$PAGEDLLM_API_KEY``, else None (no authentication)."""
+    keys = getattr(args, "api_key", None)
+    if isinstance(keys, str):
+        keys = [keys]
+    if keys:
+        return list(keys)
+    return [envs.api_key()] if envs.api_key() else None
 
 
 def resolve_model_arg(args: argparse.Namespace) -> str:

@@ -1,5 +1,6 @@
-"""Client connection limits for uvicorn (request head size, idle keep-alive, concurrency with 503
-beyond) and the descriptor limit raised at start, so idle connections cannot exhaust it."""
+"""Client connection limits for uvicorn (request head size, head and body read time, idle keep-alive,
+concurrency with 503 beyond) and the descriptor limit raised at start, so idle connections cannot
+exhaust it."""
 
 from __future__ import annotations
 
@@ -37,18 +38,26 @@ class RequestHeadLimit:
 def uvicorn_limits(config: Any) -> dict[str, Any]:
     """``uvicorn.Config`` keyword arguments of ``config``'s connection fields (h11, whose head
     size limit uvicorn enforces)."""
-    return {"http": head_timeout_protocol(config.request_head_timeout_s),
+    return {"http": head_timeout_protocol(config.request_head_timeout_s, config.request_body_timeout_s),
             "h11_max_incomplete_event_size": config.max_header_bytes,
             "timeout_keep_alive": config.keep_alive_timeout_s, "limit_concurrency": config.max_connections}
 
 
-def head_timeout_protocol(seconds: float) -> type:
+_TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                b"content-length: %d\r\n\r\n%s")
+
+
+def head_timeout_protocol(seconds: float, body_seconds: float | None = None) -> type:
     """uvicorn's h11 protocol closing a connection that has not sent a whole request head within
-    ``seconds`` of opening or of its last response (no request of it is then running)."""
+    ``seconds`` of opening or of its last response (no request of it is then running), or whose
+    request body is not complete ``body_seconds`` after its head (answered 408 when no response
+    has started; the handler then sees the client gone)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeadTimeoutH11Protocol(H11Protocol):
         _head_deadline = None
+        _body_deadline = None
+        _body_cycle = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -58,6 +67,32 @@ def head_timeout_protocol(seconds: float) -> type:
             super().handle_events()
             if self.cycle is not None and not self.cycle.response_complete:
                 self._cancel_head_deadline()  # a request head arrived
+                self._watch_body(self.cycle)
+
+        def _watch_body(self, cycle) -> None:
+            if not cycle.more_body:
+                self._cancel_body_deadline()
+            elif body_seconds is not None and self._body_cycle is not cycle:
+                self._cancel_body_deadline()
+                self._body_cycle = cycle
+                self._body_deadline = self.loop.call_later(body_seconds, self._on_body_timeout, cycle)
+
+        def _cancel_body_deadline(self) -> None:
+            if self._body_deadline is not None:
+                self._body_deadline.cancel()
+                self._body_deadline = None
+
+        def _on_body_timeout(self, cycle) -> None:
+            if self.cycle is not cycle or not cycle.more_body or self.transport.is_closing():
+                return
+            if not cycle.response_started:
+                body = json.dumps(error_body(408, f"the request body did not arrive within {body_seconds} s "
+                                                  "(request_body_timeout_s)")).encode()
+                self.transport.write(_TIMEOUT_408 % (len(body), body))
+                cycle.response_started = cycle.response_complete = True
+            cycle.disconnected = True
+            cycle.message_event.set()
+            self.transport.close()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -65,6 +100,7 @@ def head_timeout_protocol(seconds: float) -> type:
 
         def connection_lost(self, exc) -> None:
             self._cancel_head_deadline()
+            self._cancel_body_deadline()
             super().connection_lost(exc)
 
         def _restart_head_deadline(self) -> None:

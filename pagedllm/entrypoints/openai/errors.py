@@ -2,7 +2,7 @@
 
 Every error leaves the server as OpenAI's ``{"error": {"message", "type", "param", "code"}}`` (``code`` the
 HTTP status), or on Anthropic's routes as ``{"type": "error", "error": {"type", "message"}}``; never a
-traceback or a Python class name in the message.
+traceback, a Python class name, a file path or a socket address in the message (``error_scrub``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from pagedllm.entrypoints.openai.error_scrub import scrub
 from pagedllm.errors import EngineDeadError, EngineOverloadedError, EngineUnhealthyError
 
 ANTHROPIC_PREFIX = "/v1/messages"
@@ -32,6 +33,7 @@ class APIError(Exception):
     """An error with its HTTP status, raised anywhere in a handler and rendered by the app."""
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        message = scrub(message)  # no internal paths or addresses reach a client
         super().__init__(message)
         self.status = status
         self.message = message
@@ -39,14 +41,14 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message or HTTPStatus(status).phrase,
+    return {"error": {"message": scrub(message) or HTTPStatus(status).phrase,
                       "type": _ERROR_TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": status}}
 
 
 def anthropic_error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "invalid_request_error"),
-                                       "message": message or HTTPStatus(status).phrase}}
+                                       "message": scrub(message) or HTTPStatus(status).phrase}}
 
 
 def is_anthropic_path(path: str) -> bool:

@@ -37,6 +37,7 @@ class MessagesRequest(_Conversation):
     top_p: float | None = Field(None, gt=0, le=1, strict=True)
     top_k: int | None = Field(None, ge=1, strict=True)
     metadata: dict[str, Any] | None = None
+    cache_salt: NonEmptyStr | None = None  # vLLM's prefix-cache namespace (docs/robustness.md)
     output_config: dict[str, Any] | None = None
     stream: StrictBool = False
     service_tier: str | None = None

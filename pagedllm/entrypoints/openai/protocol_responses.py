@@ -33,6 +33,7 @@ class ResponsesRequest(_RequestBase):
     store: StrictBool = True
     metadata: dict[str, str] | None = None
     user: str | None = None
+    cache_salt: NonEmptyStr | None = None  # vLLM's prefix-cache namespace (docs/robustness.md)
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None  # prefix caching needs no key
     reasoning: dict[str, Any] | None = None  # accepted: effort and summary have no effect

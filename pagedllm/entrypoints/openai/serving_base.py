@@ -16,6 +16,7 @@ from pagedllm.engine.async_engine import AsyncLLMEngine, EngineInput
 from pagedllm.engine.detokenizer import token_bytes, token_text
 from pagedllm.errors import ContextLengthError
 from pagedllm.core.step_failure import InputError
+from pagedllm.entrypoints.openai.tenant_salt import salted
 from pagedllm.engine.request_stream import RequestStream, merge_streams
 from pagedllm.entrypoints.openai.generation_defaults import generation_defaults
 from pagedllm.entrypoints.openai.errors import APIError, to_api_error
@@ -94,6 +95,7 @@ class OpenAIServing:
                            priority: int = 0) -> list[RequestStream]:
         """Add one engine request per prompt, all admitted together or none (a prompt too long for
         ``max_model_len`` is an APIError(400) naming ``prompt_field``)."""
+        params = salted(params)  # the API key's cache namespace under --kv-cache-isolation api-key
         try:
             return await self.engine.add_requests(label, prompts, params, priority=priority)
         except ContextLengthError as e:

@@ -136,7 +136,7 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletion
         user = (req.metadata or {}).get("user_id")
         fields.update(max_completion_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
                       top_p=req.top_p, top_k=req.top_k, stream=req.stream, user=user if isinstance(user, str) else None,
-                      response_format=_response_format(req.output_config))
+                      response_format=_response_format(req.output_config), cache_salt=req.cache_salt)
     return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
 
 
@@ -182,7 +182,7 @@ class ServingMessages:
         message_id = f"msg_{uuid.uuid4().hex}"
         run = await self.chat.start_translated(lambda: to_chat_request(req), message_id, _PARAMS)
         if req.stream:
-            events = MessageEvents(self.chat.model_name, message_id, run, shows_thinking(req))
+            events = MessageEvents(self.chat.model_name, message_id, run, shows_thinking(req), self.chat.cached_tokens)
             return StreamingResponse(guarded_sse(events.stream(), run.streams, events.failed, done=""),
                                      media_type="text/event-stream")
         out = await run.final()
@@ -192,7 +192,7 @@ class ServingMessages:
         reason, sequence = stop_reason(parts, finish_reason, c.stop_reason)
         return json_response(MessagesResponse(
             id=message_id, model=self.chat.model_name, content=[content_block(p) for p in parts], stop_reason=reason,
-            stop_sequence=sequence, usage=usage(len(out.prompt_token_ids), out.num_cached_tokens, len(c.token_ids))))
+            stop_sequence=sequence, usage=usage(len(out.prompt_token_ids), self.chat.cached_tokens(out.num_cached_tokens) or 0, len(c.token_ids))))
 
     async def count_tokens(self, req: CountTokensRequest) -> Response:
         chat_req = to_chat_request(req)
@@ -205,7 +205,9 @@ class ServingMessages:
 class MessageEvents:
     """Anthropic's SSE events of one streamed message."""
 
-    def __init__(self, model: str, message_id: str, run: ChatRun, shows_thinking: bool) -> None:
+    def __init__(self, model: str, message_id: str, run: ChatRun, shows_thinking: bool,
+                 cached_tokens: Any = lambda n: n) -> None:
+        self.cached_tokens = cached_tokens  # None when usage leaves cached counts out
         self.model, self.message_id, self.run, self.shows_thinking = model, message_id, run, shows_thinking
 
     @staticmethod
@@ -221,7 +223,7 @@ class MessageEvents:
         async for out, deltas in self.run.deltas(ReasoningStream(self.run.reasoning)):
             reasoning, content, tool_calls, finish_reason = deltas[0]
             stop = out.outputs[0].stop_reason if out.outputs else stop
-            counts = [len(out.prompt_token_ids), out.num_cached_tokens, counts[2] + len(out.outputs[0].token_ids)]
+            counts = [len(out.prompt_token_ids), self.cached_tokens(out.num_cached_tokens) or 0, counts[2] + len(out.outputs[0].token_ids)]
             for ev in parts.feed(content, tool_calls, reasoning if self.shows_thinking else None):
                 yield self.block_event(ev)
         for ev in parts.finish():

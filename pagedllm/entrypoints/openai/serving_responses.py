@@ -132,7 +132,7 @@ def to_chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -
                   temperature=req.temperature, top_p=req.top_p, stop=req.stop, tools=_chat_tools(req.tools),
                   tool_choice=_chat_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
                   response_format=_response_format(req.text), stream=req.stream,
-                  user=req.user or req.safety_identifier)
+                  user=req.user or req.safety_identifier, cache_salt=req.cache_salt)
     return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
 
 
@@ -186,7 +186,7 @@ class ServingResponses:
         parts = parts_of(content, tool_calls, run.reasoning_of(c))
         num_reasoning = run.reasoning.num_tokens(c.token_ids, c.text, self.chat.encode_text) if run.reasoning else 0
         return json_response(self.finish(req, response, conversation, parts, finish_reason,
-                                         (len(out.prompt_token_ids), out.num_cached_tokens, len(c.token_ids),
+                                         (len(out.prompt_token_ids), self.chat.cached_tokens(out.num_cached_tokens) or 0, len(c.token_ids),
                                           num_reasoning)))
 
     def _skeleton(self, req: ResponsesRequest) -> ResponseObject:
@@ -282,7 +282,7 @@ class ResponseEvents:
         try:
             async for out, deltas in self.run.deltas(reasoning_stream):
                 reasoning, content, tool_calls, finish_reason = deltas[0]
-                counts = [len(out.prompt_token_ids), out.num_cached_tokens, counts[2] + len(out.outputs[0].token_ids)]
+                counts = [len(out.prompt_token_ids), self.serving.chat.cached_tokens(out.num_cached_tokens) or 0, counts[2] + len(out.outputs[0].token_ids)]
                 for ev in parts.feed(content, tool_calls, reasoning):
                     for text in self.part_events(ev):
                         yield text
