@@ -111,7 +111,7 @@ static inline void gd_quantize_row(const float *x, int K, int8_t *q, float *d, f
         const float *xb = x + b * GD_QK;
         float amax = 0.0f;
         for (int i = 0; i < GD_QK; i++)
-            amax = fmaxf(amax, fabsf(xb[i]));
+            amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
         const float db = amax / 127.0f;
         const float id = db > 0.0f ? 1.0f / db : 0.0f;
         int sum = 0;
@@ -227,48 +227,49 @@ int gguf_dequantize_rows(int type, const uint8_t *w, ptrdiff_t row_bytes, int N,
     return 0;
 }
 
-/* ---- portable dot products (path 0) ---- */
+/* ---- one weight row unpacked (every path): the dot kernels read this, not the blocks ---- */
 
-struct gd_x { /* a tile's activation rows */
-    const int8_t *q[GD_MR];
-    const float *d[GD_MR], *s[GD_MR];
+/* A weight row as signed codes c[K] (w = scale * c + min), per x block of 32: 8 scales (lanes 0..3 for codes
+ * 0..15, 4..7 for 16..31: only Q6_K's differ) and one min (zero-padded to a multiple of 8 blocks), has_min
+ * when any min is not structurally zero. Built once per weight row, read for every x row. */
+struct gd_unpacked {
+    int8_t *c;
+    float *scale, *min;
+    int has_min;
 };
 
-static inline int gd_dot32(const int8_t *a, const int8_t *b) {
-    int sum = 0;
-    for (int i = 0; i < 32; i++)
-        sum += (int)a[i] * (int)b[i];
-    return sum;
-}
-
-/* One weight row against R rows: sums of per-block float terms in block order. */
-static void gd_row_scalar(int type, const uint8_t *w, int K, const struct gd_x *x, int R, float *out) {
-    int8_t wq[GD_QKK];
-    float scale[GD_QKK / 16], offs[GD_QKK / GD_QK];
+static void gd_unpack_row(int type, const uint8_t *w, int K, struct gd_unpacked *u) {
     const int per = gd_block_weights(type), nb = K / per, bb = gd_block_bytes(type);
-    float acc[GD_MR] = {0}, accm[GD_MR] = {0};
+    int8_t *c = u->c;
+    float *sc8 = u->scale, *mn = u->min;
+    u->has_min = type == GD_Q4_1 || type == GD_Q5_1 || type == GD_Q4_K || type == GD_Q5_K;
     for (int b = 0; b < nb; b++, w += bb) {
-        /* the block as signed codes wq, a scale per 16 codes, an offset per 32 (times the x block's s) */
-        const int nsub = per / GD_QK;
         switch (type) {
-        case GD_Q8_0:
-            memcpy(wq, w + 2, 32);
-            scale[0] = scale[1] = gd_f16(w);
-            offs[0] = 0.0f;
+        case GD_Q8_0: {
+            const float dw = gd_f16(w);
+            memcpy(c, w + 2, 32);
+            for (int i = 0; i < 8; i++)
+                sc8[i] = dw;
+            *mn++ = 0.0f;
+            c += 32, sc8 += 8;
             break;
+        }
         case GD_Q4_0: case GD_Q4_1: case GD_Q5_0: case GD_Q5_1: {
             const int has_min = type == GD_Q4_1 || type == GD_Q5_1, five = type == GD_Q5_0 || type == GD_Q5_1;
             const uint8_t *qs = w + 2 + 2 * has_min + 4 * five;
             uint32_t qh = 0;
             if (five)
                 memcpy(&qh, w + 2 + 2 * has_min, 4);
+            const int offset = has_min ? 0 : (five ? 16 : 8);
             for (int i = 0; i < 16; i++) {
-                wq[i] = (int8_t)((qs[i] & 0xF) | (((qh >> i) & 1) << 4));
-                wq[i + 16] = (int8_t)((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+                c[i] = (int8_t)(((qs[i] & 0xF) | (((qh >> i) & 1) << 4)) - offset);
+                c[i + 16] = (int8_t)(((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - offset);
             }
             const float dw = gd_f16(w);
-            scale[0] = scale[1] = dw;
-            offs[0] = has_min ? gd_f16(w + 2) : -(float)(five ? 16 : 8) * dw;
+            for (int i = 0; i < 8; i++)
+                sc8[i] = dw;
+            *mn++ = has_min ? gd_f16(w + 2) : 0.0f;
+            c += 32, sc8 += 8;
             break;
         }
         case GD_Q4_K: case GD_Q5_K: {
@@ -276,57 +277,70 @@ static void gd_row_scalar(int type, const uint8_t *w, int K, const struct gd_x *
             const int five = type == GD_Q5_K;
             const uint8_t *qh = w + 16, *qs = w + 16 + 32 * five;
             for (int j = 0; j < 8; j++) {
-                int sc, m;
-                gd_scale_min_k4(j, w + 4, &sc, &m);
-                scale[2 * j] = scale[2 * j + 1] = dw * (float)sc;
-                offs[j] = -dmin * (float)m;
-                for (int l = 0; l < 32; l++) {
-                    int v = (j & 1) ? qs[32 * (j / 2) + l] >> 4 : qs[32 * (j / 2) + l] & 0xF;
-                    if (five)
-                        v |= ((qh[l] >> j) & 1) << 4;
-                    wq[32 * j + l] = (int8_t)v;
-                }
+                int s, m;
+                gd_scale_min_k4(j, w + 4, &s, &m);
+                const uint8_t *q = qs + 32 * (j / 2);
+                const int shift = 4 * (j & 1);
+                for (int l = 0; l < 32; l++)
+                    c[l] = (int8_t)(((q[l] >> shift) & 0xF) | (five ? ((qh[l] >> j) & 1) << 4 : 0));
+                const float dl = dw * (float)s;
+                for (int i = 0; i < 8; i++)
+                    sc8[i] = dl;
+                *mn++ = -(dmin * (float)m);
+                c += 32, sc8 += 8;
             }
             break;
         }
         case GD_Q6_K: {
             const uint8_t *ql = w, *qh = w + 128;
-            const int8_t *sc = (const int8_t *)(w + 192);
+            const int8_t *s = (const int8_t *)(w + 192);
             const float dw = gd_f16(w + 208);
-            for (int c = 0; c < 8; c++) {
-                const int h = c / 4, u = c % 4;
-                const uint8_t *L = ql + h * 64 + (u & 1) * 32, *H = qh + h * 32;
-                for (int l = 0; l < 32; l++) {
-                    const int lo = (u >> 1) ? L[l] >> 4 : L[l] & 0xF;
-                    wq[32 * c + l] = (int8_t)((lo | (((H[l] >> (2 * u)) & 3) << 4)) - 32);
+            for (int j = 0; j < 8; j++) {
+                const int h = j / 4, v = j % 4;
+                const uint8_t *L = ql + h * 64 + (v & 1) * 32, *H = qh + h * 32;
+                const int shift = 4 * (v >> 1);
+                for (int l = 0; l < 32; l++)
+                    c[l] = (int8_t)((((L[l] >> shift) & 0xF) | (((H[l] >> (2 * v)) & 3) << 4)) - 32);
+                for (int i = 0; i < 4; i++) {
+                    sc8[i] = dw * (float)s[2 * j];
+                    sc8[4 + i] = dw * (float)s[2 * j + 1];
                 }
-                offs[c] = 0.0f;
+                *mn++ = 0.0f;
+                c += 32, sc8 += 8;
             }
-            for (int i = 0; i < 16; i++)
-                scale[i] = dw * (float)sc[i];
             break;
         }
         }
-        for (int r = 0; r < R; r++) {
-            const int bx = b * nsub; /* first x block of this weight block */
-            for (int j = 0; j < nsub; j++) {
-                const int8_t *a = x->q[r] + (ptrdiff_t)(bx + j) * GD_QK;
-                const float da = x->d[r][bx + j];
-                int lo = 0, hi = 0;
-                for (int i = 0; i < 16; i++) {
-                    lo += (int)wq[32 * j + i] * a[i];
-                    hi += (int)wq[32 * j + 16 + i] * a[16 + i];
-                }
-                acc[r] += ((float)lo * scale[2 * j] + (float)hi * scale[2 * j + 1]) * da;
-                accm[r] += offs[j] * x->s[r][bx + j];
-            }
-        }
     }
-    for (int r = 0; r < R; r++)
-        out[r] = acc[r] + accm[r];
+    for (int b = K / GD_QK; b % 8; b++)
+        *mn++ = 0.0f;
 }
 
-/* ---- SIMD paths: the same code compiled for AVX2 (GD_VNNI 0) and AVX512-VNNI (GD_VNNI 1) ---- */
+struct gd_x { /* a tile's activation rows */
+    const int8_t *q[GD_MR];
+    const float *d[GD_MR], *s[GD_MR];
+};
+
+/* Path 0: per x block, the two 16-code halves' integer dots times their scales, then the min, in block order. */
+static void gd_dot_scalar(const struct gd_unpacked *u, int K, const struct gd_x *x, int R, float *out) {
+    for (int r = 0; r < R; r++) {
+        float acc = 0.0f, accm = 0.0f;
+        for (int b = 0; b < K / GD_QK; b++) {
+            const int8_t *a = x->q[r] + (ptrdiff_t)b * GD_QK, *c = u->c + (ptrdiff_t)b * GD_QK;
+            int lo = 0, hi = 0;
+            for (int i = 0; i < 16; i++) {
+                lo += (int)c[i] * a[i];
+                hi += (int)c[16 + i] * a[16 + i];
+            }
+            acc += ((float)lo * u->scale[8 * b] + (float)hi * u->scale[8 * b + 4]) * x->d[r][b];
+            if (u->has_min)
+                accm += u->min[b] * x->s[r][b];
+        }
+        out[r] = acc + accm;
+    }
+}
+
+/* ---- SIMD paths: one body (the end of this file) compiled for AVX2 (GD_VNNI 0) and AVX512-VNNI (GD_VNNI 1) ---- */
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define GD_SIMD 1
@@ -383,48 +397,60 @@ int gguf_dot_rows(int type, const uint8_t *w, ptrdiff_t row_bytes, int N, int K,
                   int isa, int num_threads) {
     if (!gd_block_bytes(type) || K % gd_block_weights(type) || !gguf_dot_isa_available(isa))
         return -1;
-    const int nbx = K / GD_QK;
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, gd_chunk(N, num_threads)) if (num_threads > 1)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *wr = w + (ptrdiff_t)n * row_bytes;
-        for (int m0 = 0; m0 < M; m0 += GD_MR) {
-            const int R = M - m0 < GD_MR ? M - m0 : GD_MR;
-            struct gd_x x;
-            for (int r = 0; r < R; r++) {
-                x.q[r] = xq + (ptrdiff_t)(m0 + r) * K;
-                x.d[r] = xd + (ptrdiff_t)(m0 + r) * nbx;
-                x.s[r] = xs + (ptrdiff_t)(m0 + r) * nbx;
-            }
-            float res[GD_MR];
+    const int nbx = K / GD_QK, padded = (nbx + 7) / 8 * 8;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        int8_t codes[K];
+        float scales[8 * nbx], mins[padded];
+        struct gd_unpacked u = {codes, scales, mins, 0};
+#pragma omp for schedule(dynamic, gd_chunk(N, num_threads))
+        for (int n = 0; n < N; n++) {
+            const uint8_t *wr = w + (ptrdiff_t)n * row_bytes;
 #if GD_SIMD
             if (isa == 2)
-                gd_row_vnni(type, wr, K, &x, R, res);
+                gd_unpack_vnni(type, wr, K, &u);
             else if (isa == 1)
-                gd_row_avx2(type, wr, K, &x, R, res);
+                gd_unpack_avx2(type, wr, K, &u);
             else
 #endif
-                gd_row_scalar(type, wr, K, &x, R, res);
-            for (int r = 0; r < R; r++)
-                out[(ptrdiff_t)(m0 + r) * out_stride + n] = bias ? res[r] + bias[n] : res[r];
+                gd_unpack_row(type, wr, K, &u);
+            for (int m0 = 0; m0 < M; m0 += GD_MR) {
+                const int R = M - m0 < GD_MR ? M - m0 : GD_MR;
+                struct gd_x x;
+                for (int r = 0; r < R; r++) {
+                    x.q[r] = xq + (ptrdiff_t)(m0 + r) * K;
+                    x.d[r] = xd + (ptrdiff_t)(m0 + r) * nbx;
+                    x.s[r] = xs + (ptrdiff_t)(m0 + r) * nbx;
+                }
+                float res[GD_MR];
+#if GD_SIMD
+                if (isa == 2)
+                    gd_dot_vnni(&u, K, &x, R, res);
+                else if (isa == 1)
+                    gd_dot_avx2(&u, K, &x, R, res);
+                else
+#endif
+                    gd_dot_scalar(&u, K, &x, R, res);
+                for (int r = 0; r < R; r++)
+                    out[(ptrdiff_t)(m0 + r) * out_stride + n] = bias ? res[r] + bias[n] : res[r];
+            }
         }
     }
     return 0;
 }
+
 #else /* GD_FN: the SIMD pass, compiled once per path; GD_VNNI picks the u8 x s8 dot instruction */
 #define GD_INLINE static inline __attribute__((always_inline))
 
-/* Sums of 4 adjacent u8 x s8 products per int32 lane (no saturation for u <= 63: AVX2's int16 pairs hold it). */
-GD_INLINE __m256i GD_FN(gd_dot_us)(__m256i u, __m256i s) {
+/* Sums of 4 adjacent s8 x s8 products per int32 lane: |c| times a with c's sign (|-128| is 128 as u8; the
+ * int16 pairs AVX2 forms hold 2 * 128 * 127). */
+GD_INLINE __m256i GD_FN(gd_dot_ss)(__m256i c, __m256i a) {
+    const __m256i u = _mm256_sign_epi8(c, c), s = _mm256_sign_epi8(a, c);
 #if GD_VNNI
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
-}
-
-/* s8 x s8: |w| times a with w's sign (|-128| is 128 as u8; pairs of 128 * 127 fit int16). */
-GD_INLINE __m256i GD_FN(gd_dot_ss)(__m256i w, __m256i a) {
-    return GD_FN(gd_dot_us)(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
 }
 
 /* Lanes 0..7 summed in a fixed order: (i + i + 4), then (0 + 2) + (1 + 3). */
@@ -443,7 +469,7 @@ GD_INLINE float GD_FN(gd_h)(const uint8_t *p) {
 
 GD_INLINE __m256i GD_FN(gd_load)(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
-/* 32 nibbles: 16 bytes' low nibbles (elements 0..15), then their high nibbles (16..31). */
+/* 32 nibbles: 16 bytes' low nibbles (codes 0..15), then their high nibbles (16..31). */
 GD_INLINE __m256i GD_FN(gd_nibbles)(const uint8_t *qs) {
     const __m128i t = _mm_loadu_si128((const __m128i *)qs);
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
@@ -461,160 +487,142 @@ GD_INLINE __m256i GD_FN(gd_bit4)(const uint8_t *p) {
     return _mm256_and_si256(is_set, _mm256_set1_epi8(0x10));
 }
 
-#define GD_ACC_INIT                      \
-    __m256 acc[GD_MR];                   \
-    float accm[GD_MR];                   \
-    for (int r = 0; r < R; r++) {        \
-        acc[r] = _mm256_setzero_ps();    \
-        accm[r] = 0.0f;                  \
-    }
-#define GD_ACC_OUT                                   \
-    for (int r = 0; r < R; r++)                      \
-        out[r] = GD_FN(gd_hsum)(acc[r]) + accm[r];
+GD_INLINE void GD_FN(gd_store)(int8_t *c, __m256i v) { _mm256_storeu_si256((__m256i *)c, v); }
 
-/* Q8_0 */
-GD_INLINE void GD_FN(gd_q8_0)(const uint8_t *w, int nb, const struct gd_x *x, const int R, float *out) {
-    GD_ACC_INIT
-    for (int b = 0; b < nb; b++, w += 34) {
-        const float dw = GD_FN(gd_h)(w);
-        const __m256i q = GD_FN(gd_load)(w + 2);
-        for (int r = 0; r < R; r++) {
-            const __m256i p = GD_FN(gd_dot_ss)(q, GD_FN(gd_load)(x->q[r] + b * GD_QK));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * x->d[r][b]), acc[r]);
-        }
-    }
-    GD_ACC_OUT
-}
-
-/* Q4_0, Q4_1, Q5_0, Q5_1: unsigned codes; the offset (-8 d, -16 d) or the min m times the x block's s. */
-GD_INLINE void GD_FN(gd_q4_5)(const uint8_t *w, int nb, const struct gd_x *x, const int R, float *out,
-                              const int has_min, const int five) {
-    const int bb = 18 + 2 * has_min + 4 * five;
-    GD_ACC_INIT
+/* gd_unpack_row's result (bit for bit), with vector code unpacking. */
+static void GD_FN(gd_unpack)(int type, const uint8_t *w, int K, struct gd_unpacked *u) {
+    const int per = gd_block_weights(type), nb = K / per, bb = gd_block_bytes(type);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    int8_t *c = u->c;
+    float *sc8 = u->scale, *mn = u->min;
+    u->has_min = type == GD_Q4_1 || type == GD_Q5_1 || type == GD_Q4_K || type == GD_Q5_K;
     for (int b = 0; b < nb; b++, w += bb) {
-        const float dw = GD_FN(gd_h)(w);
-        const float off = has_min ? GD_FN(gd_h)(w + 2) : -(float)(five ? 16 : 8) * dw;
-        __m256i q = GD_FN(gd_nibbles)(w + 2 + 2 * has_min + 4 * five);
-        if (five)
-            q = _mm256_or_si256(q, GD_FN(gd_bit4)(w + 2 + 2 * has_min));
-        for (int r = 0; r < R; r++) {
-            const __m256i p = GD_FN(gd_dot_us)(q, GD_FN(gd_load)(x->q[r] + b * GD_QK));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * x->d[r][b]), acc[r]);
-            accm[r] += off * x->s[r][b];
+        switch (type) {
+        case GD_Q8_0:
+            GD_FN(gd_store)(c, GD_FN(gd_load)(w + 2));
+            _mm256_storeu_ps(sc8, _mm256_set1_ps(GD_FN(gd_h)(w)));
+            *mn++ = 0.0f;
+            c += 32, sc8 += 8;
+            break;
+        case GD_Q4_0: case GD_Q4_1: case GD_Q5_0: case GD_Q5_1: {
+            const int has_min = type == GD_Q4_1 || type == GD_Q5_1, five = type == GD_Q5_0 || type == GD_Q5_1;
+            __m256i q = GD_FN(gd_nibbles)(w + 2 + 2 * has_min + 4 * five);
+            if (five)
+                q = _mm256_or_si256(q, GD_FN(gd_bit4)(w + 2 + 2 * has_min));
+            if (!has_min)
+                q = _mm256_sub_epi8(q, _mm256_set1_epi8(five ? 16 : 8));
+            GD_FN(gd_store)(c, q);
+            _mm256_storeu_ps(sc8, _mm256_set1_ps(GD_FN(gd_h)(w)));
+            *mn++ = has_min ? GD_FN(gd_h)(w + 2) : 0.0f;
+            c += 32, sc8 += 8;
+            break;
         }
-    }
-    GD_ACC_OUT
-}
-
-/* Q4_K, Q5_K: 8 sub-blocks of 32 per 256, each one x block. */
-GD_INLINE void GD_FN(gd_q45_k)(const uint8_t *w, int nb, const struct gd_x *x, const int R, float *out,
-                               const int five) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    GD_ACC_INIT
-    for (int b = 0; b < nb; b++, w += 144 + 32 * five) {
-        const float dw = GD_FN(gd_h)(w), dmin = GD_FN(gd_h)(w + 2);
-        float dsc[8], dm[8];
-        for (int j = 0; j < 8; j++) {
-            int sc, m;
-            gd_scale_min_k4(j, w + 4, &sc, &m);
-            dsc[j] = dw * (float)sc;
-            dm[j] = dmin * (float)m;
-        }
-        const uint8_t *qs = w + 16 + 32 * five;
-        const __m256i hb = five ? GD_FN(gd_load)(w + 16) : _mm256_setzero_si256();
-        for (int p = 0; p < 4; p++) {
-            const __m256i v = GD_FN(gd_load)(qs + 32 * p);
-            __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            if (five) {
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * p), one), 4));
-                hi = _mm256_or_si256(hi,
-                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * p + 1), one), 4));
+        case GD_Q4_K: case GD_Q5_K: {
+            const float dw = GD_FN(gd_h)(w), dmin = GD_FN(gd_h)(w + 2);
+            const int five = type == GD_Q5_K;
+            const uint8_t *qs = w + 16 + 32 * five;
+            const __m256i hb = five ? GD_FN(gd_load)(w + 16) : _mm256_setzero_si256(), one = _mm256_set1_epi8(1);
+            for (int p = 0; p < 4; p++) {
+                const __m256i v = GD_FN(gd_load)(qs + 32 * p);
+                __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (five) {
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * p), one), 4));
+                    hi = _mm256_or_si256(
+                        hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * p + 1), one), 4));
+                }
+                GD_FN(gd_store)(c + 64 * p, lo);
+                GD_FN(gd_store)(c + 64 * p + 32, hi);
             }
-            const int j = b * 8 + 2 * p; /* x block of the low half */
-            for (int r = 0; r < R; r++) {
-                const int8_t *a = x->q[r] + (ptrdiff_t)j * GD_QK;
-                const __m256i p0 = GD_FN(gd_dot_us)(lo, GD_FN(gd_load)(a));
-                const __m256i p1 = GD_FN(gd_dot_us)(hi, GD_FN(gd_load)(a + GD_QK));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(dsc[2 * p] * x->d[r][j]), acc[r]);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(dsc[2 * p + 1] * x->d[r][j + 1]),
-                                         acc[r]);
+            for (int j = 0; j < 8; j++) {
+                int s, m;
+                gd_scale_min_k4(j, w + 4, &s, &m);
+                _mm256_storeu_ps(sc8 + 8 * j, _mm256_set1_ps(dw * (float)s));
+                mn[j] = -(dmin * (float)m);
             }
+            c += 256, sc8 += 64, mn += 8;
+            break;
         }
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < 8; j++)
-                accm[r] -= dm[j] * x->s[r][b * 8 + j];
-    }
-    GD_ACC_OUT
-}
-
-/* Q6_K: codes - 32 signed; a scale per 16 codes (lanes 0..3 and 4..7 of one x block's dot). */
-GD_INLINE void GD_FN(gd_q6_k)(const uint8_t *w, int nb, const struct gd_x *x, const int R, float *out) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
-    GD_ACC_INIT
-    for (int b = 0; b < nb; b++, w += 210) {
-        const int8_t *sc = (const int8_t *)(w + 192);
-        const float dw = GD_FN(gd_h)(w + 208);
-        for (int h = 0; h < 2; h++) {
-            const __m256i L0 = GD_FN(gd_load)(w + h * 64), L1 = GD_FN(gd_load)(w + h * 64 + 32);
-            const __m256i H = GD_FN(gd_load)(w + 128 + h * 32);
-            for (int u = 0; u < 4; u++) {
-                const __m256i L = (u & 1) ? L1 : L0;
-                const __m256i lo = (u >> 1) ? _mm256_and_si256(_mm256_srli_epi16(L, 4), m4) : _mm256_and_si256(L, m4);
-                const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2 * u), m2), 4);
-                const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), k32);
-                const int c = h * 4 + u, j = b * 8 + c;
-                const __m256 sv = _mm256_set_m128(_mm_set1_ps(dw * (float)sc[2 * c + 1]),
-                                                  _mm_set1_ps(dw * (float)sc[2 * c]));
-                for (int r = 0; r < R; r++) {
-                    const __m256i p = GD_FN(gd_dot_ss)(q, GD_FN(gd_load)(x->q[r] + (ptrdiff_t)j * GD_QK));
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, _mm256_set1_ps(x->d[r][j])),
-                                             acc[r]);
+        case GD_Q6_K: {
+            const int8_t *s = (const int8_t *)(w + 192);
+            const float dw = GD_FN(gd_h)(w + 208);
+            const __m256i m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+            for (int h = 0; h < 2; h++) {
+                const __m256i L0 = GD_FN(gd_load)(w + h * 64), L1 = GD_FN(gd_load)(w + h * 64 + 32);
+                const __m256i H = GD_FN(gd_load)(w + 128 + h * 32);
+                for (int v = 0; v < 4; v++) {
+                    const __m256i L = (v & 1) ? L1 : L0;
+                    const __m256i lo = (v >> 1) ? _mm256_and_si256(_mm256_srli_epi16(L, 4), m4) : _mm256_and_si256(L, m4);
+                    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2 * v), m2), 4);
+                    GD_FN(gd_store)(c + 32 * (4 * h + v), _mm256_sub_epi8(_mm256_or_si256(lo, hi), k32));
                 }
             }
+            for (int j = 0; j < 8; j++) {
+                _mm256_storeu_ps(sc8 + 8 * j, _mm256_set_m128(_mm_set1_ps(dw * (float)s[2 * j + 1]),
+                                                              _mm_set1_ps(dw * (float)s[2 * j])));
+                mn[j] = 0.0f;
+            }
+            c += 256, sc8 += 64, mn += 8;
+            break;
+        }
         }
     }
-    GD_ACC_OUT
+    for (int b = K / GD_QK; b % 8; b++)
+        *mn++ = 0.0f;
 }
 
-#define GD_BY_ROWS(CALL_R)          \
-    switch (R) {                    \
-    case 1: CALL_R(1); break;       \
-    case 2: CALL_R(2); break;       \
-    case 3: CALL_R(3); break;       \
-    default: CALL_R(4); break;      \
-    }
+/* Block b of the tile's rows into acc[0..R). */
+#define GD_BLOCK(acc, b)                                                                                          \
+    do {                                                                                                          \
+        const __m256i c_ = GD_FN(gd_load)(u->c + (ptrdiff_t)(b) * GD_QK);                                         \
+        const __m256 sc_ = _mm256_loadu_ps(u->scale + 8 * (b));                                                    \
+        for (int r = 0; r < R; r++) {                                                                             \
+            const __m256i p_ = GD_FN(gd_dot_ss)(c_, GD_FN(gd_load)(x->q[r] + (ptrdiff_t)(b) * GD_QK));             \
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_), _mm256_mul_ps(sc_, _mm256_broadcast_ss(x->d[r] + (b))), \
+                                     acc[r]);                                                                     \
+        }                                                                                                         \
+    } while (0)
 
-static void GD_FN(gd_row)(int type, const uint8_t *w, int K, const struct gd_x *x, int R, float *out) {
-    const int nb = K / gd_block_weights(type);
-#define GD_Q8_0_R(RR) GD_FN(gd_q8_0)(w, nb, x, RR, out)
-#define GD_Q4_0_R(RR) GD_FN(gd_q4_5)(w, nb, x, RR, out, 0, 0)
-#define GD_Q4_1_R(RR) GD_FN(gd_q4_5)(w, nb, x, RR, out, 1, 0)
-#define GD_Q5_0_R(RR) GD_FN(gd_q4_5)(w, nb, x, RR, out, 0, 1)
-#define GD_Q5_1_R(RR) GD_FN(gd_q4_5)(w, nb, x, RR, out, 1, 1)
-#define GD_Q4_K_R(RR) GD_FN(gd_q45_k)(w, nb, x, RR, out, 0)
-#define GD_Q5_K_R(RR) GD_FN(gd_q45_k)(w, nb, x, RR, out, 1)
-#define GD_Q6_K_R(RR) GD_FN(gd_q6_k)(w, nb, x, RR, out)
-    switch (type) {
-    case GD_Q8_0: GD_BY_ROWS(GD_Q8_0_R); break;
-    case GD_Q4_0: GD_BY_ROWS(GD_Q4_0_R); break;
-    case GD_Q4_1: GD_BY_ROWS(GD_Q4_1_R); break;
-    case GD_Q5_0: GD_BY_ROWS(GD_Q5_0_R); break;
-    case GD_Q5_1: GD_BY_ROWS(GD_Q5_1_R); break;
-    case GD_Q4_K: GD_BY_ROWS(GD_Q4_K_R); break;
-    case GD_Q5_K: GD_BY_ROWS(GD_Q5_K_R); break;
-    case GD_Q6_K: GD_BY_ROWS(GD_Q6_K_R); break;
+/* R x rows (a compile-time count) against one unpacked weight row: even and odd blocks in two accumulators
+ * per row (two dependency chains), the mins 8 blocks per vector. */
+GD_INLINE void GD_FN(gd_dot_tile)(const struct gd_unpacked *u, int K, const struct gd_x *x, const int R,
+                                  float *out) {
+    const int nb = K / GD_QK;
+    __m256 even[GD_MR], odd[GD_MR];
+    for (int r = 0; r < R; r++)
+        even[r] = odd[r] = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        GD_BLOCK(even, b);
+        GD_BLOCK(odd, b + 1);
     }
-#undef GD_Q8_0_R
-#undef GD_Q4_0_R
-#undef GD_Q4_1_R
-#undef GD_Q5_0_R
-#undef GD_Q5_1_R
-#undef GD_Q4_K_R
-#undef GD_Q5_K_R
-#undef GD_Q6_K_R
+    if (b < nb)
+        GD_BLOCK(even, b);
+    for (int r = 0; r < R; r++) {
+        float total = GD_FN(gd_hsum)(_mm256_add_ps(even[r], odd[r]));
+        if (u->has_min) {
+            __m256 m = _mm256_setzero_ps();
+            b = 0;
+            for (; b + 8 <= nb; b += 8)
+                m = _mm256_fmadd_ps(_mm256_loadu_ps(u->min + b), _mm256_loadu_ps(x->s[r] + b), m);
+            if (b < nb) { /* the zero-padded mins; x's s past nb is never read */
+                const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(nb - b), lanes);
+                m = _mm256_fmadd_ps(_mm256_loadu_ps(u->min + b), _mm256_maskload_ps(x->s[r] + b, keep), m);
+            }
+            total += GD_FN(gd_hsum)(m);
+        }
+        out[r] = total;
+    }
 }
-#undef GD_BY_ROWS
-#undef GD_ACC_INIT
-#undef GD_ACC_OUT
+
+static void GD_FN(gd_dot)(const struct gd_unpacked *u, int K, const struct gd_x *x, int R, float *out) {
+    switch (R) {
+    case 1: GD_FN(gd_dot_tile)(u, K, x, 1, out); break;
+    case 2: GD_FN(gd_dot_tile)(u, K, x, 2, out); break;
+    case 3: GD_FN(gd_dot_tile)(u, K, x, 3, out); break;
+    default: GD_FN(gd_dot_tile)(u, K, x, 4, out); break;
+    }
+}
+#undef GD_BLOCK
 #undef GD_INLINE
 #endif
