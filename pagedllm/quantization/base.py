@@ -6,7 +6,7 @@ A weight's life: ``create_weights``, ``load_weights``, ``process_weights_after_l
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -45,7 +45,8 @@ class QuantizationConfig:
         raise NotImplementedError
 
     @property
-    def packed_weight_names(self) -> frozenset[str]:
+    def packed_weight_names(self) -> Mapping[str, int] | frozenset[str]:
+        """Checkpoint names the loader yields as stored bytes (a mapping: -> the row width they are padded to)."""
         return frozenset()
 
 
