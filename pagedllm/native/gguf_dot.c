@@ -144,6 +144,51 @@ void gguf_quantize_rows(const void *x, ptrdiff_t x_stride, int is_bf16, int M, i
     }
 }
 
+/* ---- weights: float32 rows to Q8_0 blocks (gguf.quants.quantize's rule) ---- */
+
+/* float to IEEE half, round to nearest even (overflow to inf, NaN kept a NaN). */
+static inline uint16_t gd_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    const uint32_t abs = x & 0x7fffffffu;
+    if (abs >= 0x7f800000u) /* inf or NaN */
+        return sign | 0x7c00 | (abs > 0x7f800000u ? 0x200 : 0);
+    if (abs >= 0x477ff000u) /* rounds past the largest half */
+        return sign | 0x7c00;
+    if (abs < 0x38800000u) { /* a half subnormal (or zero): add 0.5 so the FPU rounds the shifted-out bits */
+        float a, r;
+        memcpy(&a, &abs, 4);
+        r = a + 0.5f;
+        uint32_t bits;
+        memcpy(&bits, &r, 4);
+        return sign | (uint16_t)(bits - 0x3f000000u);
+    }
+    const uint32_t mant_odd = (abs >> 13) & 1;
+    return sign | (uint16_t)((abs + 0xc8000fffu + mant_odd) >> 13);
+}
+
+/* x (N, K) float32 rows (x_stride apart), K a multiple of 32, to Q8_0 blocks out (N, K / 32 * 34): per 32,
+ * d = max|x| / 127, q = round(x / d) halves away from zero, d stored as half (gguf.quants' Q8_0 rule: a tensor
+ * dequantized from Q8_0 comes back as its own blocks). */
+void gguf_quantize_q8_0(const float *x, ptrdiff_t x_stride, int N, int K, uint8_t *out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+    for (int n = 0; n < N; n++) {
+        const float *xr = x + (ptrdiff_t)n * x_stride;
+        uint8_t *o = out + (ptrdiff_t)n * (K / GD_QK) * 34;
+        for (int b = 0; b < K / GD_QK; b++, o += 34) {
+            float amax = 0.0f;
+            for (int i = 0; i < GD_QK; i++)
+                amax = fabsf(xr[b * GD_QK + i]) > amax ? fabsf(xr[b * GD_QK + i]) : amax;
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const uint16_t h = gd_to_f16(d);
+            memcpy(o, &h, 2);
+            for (int i = 0; i < GD_QK; i++)
+                o[2 + i] = (uint8_t)(int8_t)roundf(xr[b * GD_QK + i] * id);
+        }
+    }
+}
+
 /* ---- dequantization (prefill panels and tests) ---- */
 
 static void gd_dequantize_row(int type, const uint8_t *w, int K, float *y) {
@@ -570,35 +615,44 @@ static void GD_FN(gd_unpack)(int type, const uint8_t *w, int K, struct gd_unpack
         *mn++ = 0.0f;
 }
 
-/* Block b of the tile's rows into acc[0..R). */
-#define GD_BLOCK(acc, b)                                                                                          \
+/* One x row's block: acc += dot(c, a) * (scale * d). */
+#define GD_ROW_BLOCK(acc, a, d)                                                                                    \
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(GD_FN(gd_dot_ss)(c_, GD_FN(gd_load)(a))),                            \
+                          _mm256_mul_ps(sc_, _mm256_broadcast_ss(d)), acc)
+
+/* The tile's rows (up to 4, R a compile-time count) for the block at c / scale, x rows at qa / qa + qs (and qb,
+ * qb + qs: rows 2 and 3), their scales at da / da + ds (db, db + ds). */
+#define GD_BLOCK(A0, A1, A2, A3)                                                                                   \
     do {                                                                                                          \
-        const __m256i c_ = GD_FN(gd_load)(u->c + (ptrdiff_t)(b) * GD_QK);                                         \
-        const __m256 sc_ = _mm256_loadu_ps(u->scale + 8 * (b));                                                    \
-        for (int r = 0; r < R; r++) {                                                                             \
-            const __m256i p_ = GD_FN(gd_dot_ss)(c_, GD_FN(gd_load)(x->q[r] + (ptrdiff_t)(b) * GD_QK));             \
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_), _mm256_mul_ps(sc_, _mm256_broadcast_ss(x->d[r] + (b))), \
-                                     acc[r]);                                                                     \
-        }                                                                                                         \
+        const __m256i c_ = GD_FN(gd_load)(c);                                                                     \
+        const __m256 sc_ = _mm256_loadu_ps(scale);                                                                \
+        GD_ROW_BLOCK(A0, qa, da);                                                                                 \
+        if (R > 1) GD_ROW_BLOCK(A1, qa + qs, da + ds);                                                            \
+        if (R > 2) GD_ROW_BLOCK(A2, qb, db);                                                                      \
+        if (R > 3) GD_ROW_BLOCK(A3, qb + qs, db + ds);                                                            \
+        c += GD_QK, scale += 8, qa += GD_QK, qb += GD_QK, da++, db++;                                             \
     } while (0)
 
 /* R x rows (a compile-time count) against one unpacked weight row: even and odd blocks in two accumulators
- * per row (two dependency chains), the mins 8 blocks per vector. */
+ * per row (two dependency chains), the mins 8 blocks per vector. Pointers walk the blocks (few registers). */
 GD_INLINE void GD_FN(gd_dot_tile)(const struct gd_unpacked *u, int K, const struct gd_x *x, const int R,
                                   float *out) {
     const int nb = K / GD_QK;
-    __m256 even[GD_MR], odd[GD_MR];
-    for (int r = 0; r < R; r++)
-        even[r] = odd[r] = _mm256_setzero_ps();
+    const int8_t *c = u->c, *qa = x->q[0], *qb = R > 2 ? x->q[2] : x->q[0];
+    const float *scale = u->scale, *da = x->d[0], *db = R > 2 ? x->d[2] : x->d[0];
+    const ptrdiff_t qs = R > 1 ? x->q[1] - x->q[0] : 0, ds = R > 1 ? x->d[1] - x->d[0] : 0;
+    __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
     int b = 0;
     for (; b + 2 <= nb; b += 2) {
-        GD_BLOCK(even, b);
-        GD_BLOCK(odd, b + 1);
+        GD_BLOCK(e0, e1, e2, e3);
+        GD_BLOCK(o0, o1, o2, o3);
     }
     if (b < nb)
-        GD_BLOCK(even, b);
+        GD_BLOCK(e0, e1, e2, e3);
+    const __m256 sums[GD_MR] = {_mm256_add_ps(e0, o0), _mm256_add_ps(e1, o1), _mm256_add_ps(e2, o2),
+                                _mm256_add_ps(e3, o3)};
     for (int r = 0; r < R; r++) {
-        float total = GD_FN(gd_hsum)(_mm256_add_ps(even[r], odd[r]));
+        float total = GD_FN(gd_hsum)(sums[r]);
         if (u->has_min) {
             __m256 m = _mm256_setzero_ps();
             b = 0;
@@ -624,5 +678,6 @@ static void GD_FN(gd_dot)(const struct gd_unpacked *u, int K, const struct gd_x 
     }
 }
 #undef GD_BLOCK
+#undef GD_ROW_BLOCK
 #undef GD_INLINE
 #endif

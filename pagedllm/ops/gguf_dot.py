@@ -15,7 +15,7 @@ import torch
 from pagedllm import envs, native
 
 __all__ = ["BLOCK_TYPES", "GGUFDotKernel", "QuantizedRows", "dequantize_rows", "dot_rows", "isa", "kernel",
-           "load_kernel", "quantize_rows"]
+           "load_kernel", "quantize_q8_0", "quantize_rows"]
 
 _SOURCE = native.SOURCE_DIR / "gguf_dot.c"
 _ABI_VERSION = 1
@@ -46,6 +46,8 @@ class GGUFDotKernel:
         self.dot = lib.gguf_dot_rows
         self.dot.argtypes = [_i, _p, _ssize, _i, _i, _p, _p, _p, _i, _p, _p, _ssize, _i, _i]
         self.dot.restype = _i
+        self.quantize_q8_0 = lib.gguf_quantize_q8_0
+        self.quantize_q8_0.argtypes, self.quantize_q8_0.restype = [_p, _ssize, _i, _i, _p, _i], None
         self.dequantize = lib.gguf_dequantize_rows
         self.dequantize.argtypes, self.dequantize.restype = [_i, _p, _ssize, _i, _i, _p, _ssize, _i], _i
         self._lib = lib
@@ -151,6 +153,21 @@ def dot_rows(block_type: int, weight: torch.Tensor, x: QuantizedRows, out: torch
                isa(k) if path is None else path, _num_threads(n * x.in_features))
     if rc != 0:
         raise ValueError(f"gguf_dot_rows refused {BLOCK_TYPES[block_type]} (path {path})")
+
+
+def quantize_q8_0(weight: torch.Tensor, k: GGUFDotKernel | None = None) -> torch.Tensor:
+    """float32 (N, K) rows (contiguous, K a multiple of 32) as Q8_0 blocks (N, K / 32 * 34) uint8, by gguf's rule: a
+    weight dequantized from Q8_0 comes back as the same bytes. Raises ValueError otherwise."""
+    k = k or kernel()
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.stride(1) != 1 or weight.shape[1] % 32:
+        raise ValueError(f"quantize_q8_0: weight must be float32 (N, K) with contiguous rows and K a multiple of 32, "
+                         f"got {tuple(weight.shape)} {weight.dtype}")
+    n, in_features = weight.shape
+    out = torch.empty(n, in_features // 32 * 34, dtype=torch.uint8)
+    if n:
+        k.quantize_q8_0(weight.data_ptr(), weight.stride(0), n, in_features, out.data_ptr(),
+                        _num_threads(n * in_features))
+    return out
 
 
 def dequantize_rows(block_type: int, weight: torch.Tensor, in_features: int, out: torch.Tensor | None = None,

@@ -4,7 +4,8 @@ Every block type ``native/gguf_dot.c`` handles stays packed (Q8_0, Q4_0, Q4_1, Q
 types inside Q4_K_M / Q5_K_M / Q8_0 files), a fused layer (q/k/v, gate/up) as one segment of rows per part, each of
 its own type. A step's rows up to :data:`DOT_MAX_ROWS` are quantized to int8 blocks once and dotted with the blocks
 (decode); more rows (prefill chunks) dequantize each segment once per call into a reused float32 panel, a tile of
-rows at a time, for a float matmul. Other types (F16, BF16, I-quants...) load dequantized to float.
+rows at a time, for a float matmul. Other types (F16, BF16, I-quants...) load dequantized to float. An LM head
+tied to a Q8_0 embedding keeps Q8_0 blocks beside the embedding's float rows.
 """
 
 from __future__ import annotations
@@ -131,6 +132,27 @@ class GGUFLinearMethod(LinearMethod):
                           for kind, blocks, _ in self._parts(layer)])
 
 
+class GGUFTiedHeadMethod(GGUFLinearMethod):
+    """An LM head tied to a Q8_0 embedding: the embedding keeps its float rows (the lookup), the head the file's
+    Q8_0 blocks, rebuilt from those rows after loading (Q8_0's rule gives back the bytes llama.cpp writes exactly;
+    a block written otherwise comes back within Q8_0's rounding)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__([(Q.Q8_0, vocab_size)])
+        self._embedding: torch.Tensor | None = None
+
+    def create_weights(self, layer: nn.Module) -> None:
+        self._embedding = layer.weight  # the embedding's parameter, filled by load_weights
+        layer.weight_dtype = layer.weight.dtype
+        replace_weight(layer, None)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        rows = self._embedding.detach().cpu().float().contiguous()
+        layer.register_buffer("gguf_blocks_0", gguf_dot.quantize_q8_0(rows))
+        self._embedding = None
+        layer._gguf_bias = None
+
+
 class GGUFConfig(QuantizationConfig):
     """Keeps a layer packed when each of its checkpoint tensors (``fused_parts``: leaf -> parts, in output
     order) has a kept type and its in_features is a multiple of that type's block."""
@@ -162,6 +184,19 @@ class GGUFConfig(QuantizationConfig):
             self.kept_types[kind.name] = self.kept_types.get(kind.name, 0) + 1
         self.num_kept += 1
         return method
+
+    def get_tied_head_method(self, layer: nn.Module) -> LinearMethod | None:
+        """Q8_0 blocks for a head tied to a Q8_0 embedding (``model.embed_tokens.weight``), else None."""
+        if self.tensor_types.get("model.embed_tokens.weight") != Q.Q8_0 or layer.in_features % 32 \
+                or gguf_dot.kernel() is None:
+            return None
+        self.kept_types["Q8_0"] = self.kept_types.get("Q8_0", 0) + 1
+        self.num_kept += 1
+        return GGUFTiedHeadMethod(layer.out_features)
+
+    def summary(self) -> str:
+        kept = ", ".join(f"{name} {count}" for name, count in sorted(self.kept_types.items()))
+        return f"gguf blocks (tensors: {kept or 'none'}; {self.num_float} linear layers float)"
 
     @property
     def packed_weight_names(self) -> dict[str, int]:

@@ -102,3 +102,43 @@ def test_smollm2_packed_rows_equal_dequantized_rows(smollm2_path):
     assert raw.dtype == torch.uint8 and raw.shape == (dense.shape[0], width + 4) and not raw[:, width:].any()
     values = gguf_dot.dequantize_rows(int(kind), raw, dense.shape[1])
     assert torch.equal(values, dense)
+
+
+def test_tied_head_keeps_the_embedding_q8_0_blocks():
+    """A head tied to a Q8_0 embedding: the embedding keeps its float rows (the lookup), the head gets back the
+    file's exact Q8_0 bytes from them."""
+    from torch import nn
+
+    from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
+    from pagedllm.quantization.base import create_quantized_weights, process_quantized_weights
+
+    vocab, hidden = 100, 64
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.embed_tokens = VocabEmbedding(vocab, hidden)
+    model.lm_head = LMHead(hidden, vocab)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.requires_grad_(False)
+    config = GGUFConfig({"model.embed_tokens.weight": Q.Q8_0}, {})
+    assert create_quantized_weights(model, config) == 1
+    from gguf.quants import quantize
+
+    raw = quantize(np.random.default_rng(3).standard_normal((vocab, hidden)).astype(np.float32), Q.Q8_0)
+    w = dequantize(raw, Q.Q8_0).reshape(vocab, hidden)
+    model.model.embed_tokens.weight.copy_(torch.from_numpy(w))  # what load_weights does
+    process_quantized_weights(model)
+    assert np.array_equal(model.lm_head.gguf_blocks_0.numpy(), raw)
+    assert torch.equal(model.model.embed_tokens(torch.tensor([3])), torch.from_numpy(w[3:4]))
+    x = torch.randn(2, hidden)
+    q, d, _ = quantized_reference(x.numpy())
+    ref = (q.reshape(2, -1, 32) * d[..., None].astype(np.float64)).reshape(2, hidden) @ w.astype(np.float64).T
+    assert np.abs(model.lm_head(x).double().numpy() - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert "Q8_0 1" in config.summary()
+
+
+def test_q8_0_quantization_follows_gguf():
+    from gguf.quants import quantize
+
+    x = (np.random.default_rng(4).standard_normal((16, 256)) * np.logspace(-9, 5, 256)).astype(np.float32)
+    x[0, :32] = 0.0
+    assert np.array_equal(gguf_dot.quantize_q8_0(torch.from_numpy(x)).numpy(), quantize(x, Q.Q8_0))
