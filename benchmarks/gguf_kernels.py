@@ -92,7 +92,7 @@ def model_part(rounds: int, models: list[str], batch1_tokens: int) -> dict:
     for label, model in MODELS.items():
         if model not in models:
             continue
-        engines = {q or "float32": LLM(model=model, max_model_len=1024, kv_cache_memory="1GiB", max_num_seqs=64,
+        engines = {q or "float32": LLM(model=model, max_model_len=1024, kv_cache_memory="640MiB", max_num_seqs=64,
                                        quantization=q) for q in (None, "gguf")}
         workloads = {"batch 1": common.peers_workload(1, seed=1, output_len=batch1_tokens),
                      "peers (32 x 128)": common.peers_workload()}

@@ -29,7 +29,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define GGUF_DOT_ABI_VERSION 1
+#define GGUF_DOT_ABI_VERSION 2
 #define GD_QK 32   /* activation block */
 #define GD_QKK 256 /* K-quant super-block */
 #define GD_MR 4    /* x rows per tile: a weight block is unpacked once per tile */
@@ -106,7 +106,7 @@ static inline float gd_bf16(uint16_t h) {
 }
 
 /* One row of K values (K a multiple of 32) to q[K], d[K / 32], s[K / 32]. */
-static inline void gd_quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
+static inline void gd_quantize_row(const float *x, int K, int8_t *q, float *d, float *s, float *s16) {
     for (int b = 0; b < K / GD_QK; b++) {
         const float *xb = x + b * GD_QK;
         float amax = 0.0f;
@@ -114,20 +114,23 @@ static inline void gd_quantize_row(const float *x, int K, int8_t *q, float *d, f
             amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
         const float db = amax / 127.0f;
         const float id = db > 0.0f ? 1.0f / db : 0.0f;
-        int sum = 0;
+        int sum[2] = {0, 0};
         for (int i = 0; i < GD_QK; i++) {
             const int v = (int)nearbyintf(xb[i] * id);
             q[b * GD_QK + i] = (int8_t)v;
-            sum += v;
+            sum[i / 16] += v;
         }
         d[b] = db;
-        s[b] = db * (float)sum;
+        s[b] = db * (float)(sum[0] + sum[1]);
+        s16[2 * b] = db * (float)sum[0];
+        s16[2 * b + 1] = db * (float)sum[1];
     }
 }
 
-/* x (M, K) float32 (bf16: uint16 bits when is_bf16), rows x_stride elements apart, K a multiple of 32. */
+/* x (M, K) float32 (bf16: uint16 bits when is_bf16), rows x_stride elements apart, K a multiple of 32, to q (M, K),
+ * d and s (M, K / 32), s16 (M, K / 16): d times the sum of each 16 codes. */
 void gguf_quantize_rows(const void *x, ptrdiff_t x_stride, int is_bf16, int M, int K, int8_t *q, float *d,
-                        float *s, int num_threads) {
+                        float *s, float *s16, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
     for (int m = 0; m < M; m++) {
         const ptrdiff_t nb = K / GD_QK;
@@ -136,10 +139,10 @@ void gguf_quantize_rows(const void *x, ptrdiff_t x_stride, int is_bf16, int M, i
             const uint16_t *xr = (const uint16_t *)x + (ptrdiff_t)m * x_stride;
             for (int k = 0; k < K; k++)
                 row[k] = gd_bf16(xr[k]);
-            gd_quantize_row(row, K, q + (ptrdiff_t)m * K, d + m * nb, s + m * nb);
+            gd_quantize_row(row, K, q + (ptrdiff_t)m * K, d + m * nb, s + m * nb, s16 + 2 * m * nb);
         } else {
             gd_quantize_row((const float *)x + (ptrdiff_t)m * x_stride, K, q + (ptrdiff_t)m * K, d + m * nb,
-                            s + m * nb);
+                            s + m * nb, s16 + 2 * m * nb);
         }
     }
 }
@@ -281,6 +284,7 @@ struct gd_unpacked {
     int8_t *c;
     float *scale, *min;
     int has_min;
+    float *min16; /* the VNNI path: codes unsigned (u8), min and offset per 16 codes (zero-padded to 16s) */
 };
 
 static void gd_unpack_row(int type, const uint8_t *w, int K, struct gd_unpacked *u) {
@@ -363,7 +367,7 @@ static void gd_unpack_row(int type, const uint8_t *w, int K, struct gd_unpacked 
 
 struct gd_x { /* a tile's activation rows */
     const int8_t *q[GD_MR];
-    const float *d[GD_MR], *s[GD_MR];
+    const float *d[GD_MR], *s[GD_MR], *s16[GD_MR];
 };
 
 /* Path 0: per x block, the two 16-code halves' integer dots times their scales, then the min, in block order. */
@@ -435,19 +439,19 @@ static inline int gd_chunk(int N, int num_threads) {
 }
 
 /* out[m, n] = bias[n] + sum_k x[m, k] * W[n, k] for m < M, n < N: w rows row_bytes apart, x as
- * gguf_quantize_rows wrote it (q (M, K), d and s (M, K / 32)), out rows out_stride floats apart. Returns -1 for an
+ * gguf_quantize_rows wrote it (q (M, K), d and s (M, K / 32), s16 (M, K / 16)), out rows out_stride floats apart. Returns -1 for an
  * unknown type, a K that is not a multiple of its block, or a path this CPU cannot run. */
 int gguf_dot_rows(int type, const uint8_t *w, ptrdiff_t row_bytes, int N, int K, const int8_t *xq,
-                  const float *xd, const float *xs, int M, const float *bias, float *out, ptrdiff_t out_stride,
-                  int isa, int num_threads) {
+                  const float *xd, const float *xs, const float *xs16, int M, const float *bias, float *out,
+                  ptrdiff_t out_stride, int isa, int num_threads) {
     if (!gd_block_bytes(type) || K % gd_block_weights(type) || !gguf_dot_isa_available(isa))
         return -1;
     const int nbx = K / GD_QK, padded = (nbx + 7) / 8 * 8;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         int8_t codes[K];
-        float scales[8 * nbx], mins[padded];
-        struct gd_unpacked u = {codes, scales, mins, 0};
+        float scales[8 * nbx], mins[padded], mins16[2 * padded];
+        struct gd_unpacked u = {codes, scales, mins, 0, mins16};
 #pragma omp for schedule(dynamic, gd_chunk(N, num_threads))
         for (int n = 0; n < N; n++) {
             const uint8_t *wr = w + (ptrdiff_t)n * row_bytes;
@@ -466,6 +470,7 @@ int gguf_dot_rows(int type, const uint8_t *w, ptrdiff_t row_bytes, int N, int K,
                     x.q[r] = xq + (ptrdiff_t)(m0 + r) * K;
                     x.d[r] = xd + (ptrdiff_t)(m0 + r) * nbx;
                     x.s[r] = xs + (ptrdiff_t)(m0 + r) * nbx;
+                    x.s16[r] = xs16 + (ptrdiff_t)(m0 + r) * 2 * nbx;
                 }
                 float res[GD_MR];
 #if GD_SIMD
@@ -534,6 +539,168 @@ GD_INLINE __m256i GD_FN(gd_bit4)(const uint8_t *p) {
 
 GD_INLINE void GD_FN(gd_store)(int8_t *c, __m256i v) { _mm256_storeu_si256((__m256i *)c, v); }
 
+#if GD_VNNI
+/* The VNNI path's row: unsigned codes (vpdpbusd's u8 operand; the x codes are its s8 one), each offset folded
+ * into a min per 16 codes (min16 * x's s16), so a block costs one vpdpbusd per x row and no sign fix-ups. */
+static void GD_FN(gd_unpack)(int type, const uint8_t *w, int K, struct gd_unpacked *u) {
+    const int per = gd_block_weights(type), nb = K / per, bb = gd_block_bytes(type);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    int8_t *c = u->c;
+    float *sc8 = u->scale, *mn = u->min16;
+    u->has_min = 1;
+    for (int b = 0; b < nb; b++, w += bb) {
+        switch (type) {
+        case GD_Q8_0: {
+            const float dw = GD_FN(gd_h)(w);
+            GD_FN(gd_store)(c, _mm256_xor_si256(GD_FN(gd_load)(w + 2), _mm256_set1_epi8((char)0x80)));
+            _mm256_storeu_ps(sc8, _mm256_set1_ps(dw));
+            mn[0] = mn[1] = -128.0f * dw;
+            c += 32, sc8 += 8, mn += 2;
+            break;
+        }
+        case GD_Q4_0: case GD_Q4_1: case GD_Q5_0: case GD_Q5_1: {
+            const int has_min = type == GD_Q4_1 || type == GD_Q5_1, five = type == GD_Q5_0 || type == GD_Q5_1;
+            __m256i q = GD_FN(gd_nibbles)(w + 2 + 2 * has_min + 4 * five);
+            if (five)
+                q = _mm256_or_si256(q, GD_FN(gd_bit4)(w + 2 + 2 * has_min));
+            GD_FN(gd_store)(c, q);
+            const float dw = GD_FN(gd_h)(w);
+            _mm256_storeu_ps(sc8, _mm256_set1_ps(dw));
+            mn[0] = mn[1] = has_min ? GD_FN(gd_h)(w + 2) : -(float)(five ? 16 : 8) * dw;
+            c += 32, sc8 += 8, mn += 2;
+            break;
+        }
+        case GD_Q4_K: case GD_Q5_K: {
+            const float dw = GD_FN(gd_h)(w), dmin = GD_FN(gd_h)(w + 2);
+            const int five = type == GD_Q5_K;
+            const uint8_t *qs = w + 16 + 32 * five;
+            const __m256i hb = five ? GD_FN(gd_load)(w + 16) : _mm256_setzero_si256(), one = _mm256_set1_epi8(1);
+            for (int p = 0; p < 4; p++) {
+                const __m256i v = GD_FN(gd_load)(qs + 32 * p);
+                __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (five) {
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * p), one), 4));
+                    hi = _mm256_or_si256(
+                        hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * p + 1), one), 4));
+                }
+                GD_FN(gd_store)(c + 64 * p, lo);
+                GD_FN(gd_store)(c + 64 * p + 32, hi);
+            }
+            for (int j = 0; j < 8; j++) {
+                int s, m;
+                gd_scale_min_k4(j, w + 4, &s, &m);
+                _mm256_storeu_ps(sc8 + 8 * j, _mm256_set1_ps(dw * (float)s));
+                mn[2 * j] = mn[2 * j + 1] = -(dmin * (float)m);
+            }
+            c += 256, sc8 += 64, mn += 16;
+            break;
+        }
+        case GD_Q6_K: {
+            const int8_t *s = (const int8_t *)(w + 192);
+            const float dw = GD_FN(gd_h)(w + 208);
+            const __m256i m2 = _mm256_set1_epi8(3);
+            for (int h = 0; h < 2; h++) {
+                const __m256i L0 = GD_FN(gd_load)(w + h * 64), L1 = GD_FN(gd_load)(w + h * 64 + 32);
+                const __m256i H = GD_FN(gd_load)(w + 128 + h * 32);
+                for (int v = 0; v < 4; v++) {
+                    const __m256i L = (v & 1) ? L1 : L0;
+                    const __m256i lo = (v >> 1) ? _mm256_and_si256(_mm256_srli_epi16(L, 4), m4) : _mm256_and_si256(L, m4);
+                    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2 * v), m2), 4);
+                    GD_FN(gd_store)(c + 32 * (4 * h + v), _mm256_or_si256(lo, hi));
+                }
+            }
+            for (int j = 0; j < 8; j++) {
+                const float lo = dw * (float)s[2 * j], hi = dw * (float)s[2 * j + 1];
+                _mm256_storeu_ps(sc8 + 8 * j, _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)));
+                mn[2 * j] = -32.0f * lo;
+                mn[2 * j + 1] = -32.0f * hi;
+            }
+            c += 256, sc8 += 64, mn += 16;
+            break;
+        }
+        }
+    }
+    for (int h = 2 * (K / GD_QK); h % 16; h++)
+        *mn++ = 0.0f;
+}
+
+/* Two blocks of one x row: acc += dot(c, a) * (scale * d), 512 bits (lanes 0..7: block b, 8..15: b + 1). */
+#define GD_ROW_PAIR(acc, a, d)                                                                                    \
+    acc = _mm512_fmadd_ps(                                                                                        \
+        _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c_, _mm512_loadu_si512(a))),              \
+        _mm512_mul_ps(sc_, _mm512_insertf32x8(_mm512_set1_ps((d)[0]), _mm256_set1_ps((d)[1]), 1)), acc)
+#define GD_PAIR(A0, A1, A2, A3)                                                                                    \
+    do {                                                                                                          \
+        const __m512i c_ = _mm512_loadu_si512(c);                                                                 \
+        const __m512 sc_ = _mm512_loadu_ps(scale);                                                                \
+        GD_ROW_PAIR(A0, qa, da);                                                                                  \
+        if (R > 1) GD_ROW_PAIR(A1, qa + qs, da + ds);                                                             \
+        if (R > 2) GD_ROW_PAIR(A2, qb, db);                                                                       \
+        if (R > 3) GD_ROW_PAIR(A3, qb + qs, db + ds);                                                             \
+        c += 2 * GD_QK, scale += 16, qa += 2 * GD_QK, qb += 2 * GD_QK, da += 2, db += 2;                          \
+    } while (0)
+/* The last block of an odd count, 256 bits. */
+#define GD_ROW_LAST(acc, a, d)                                                                                    \
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), c_, GD_FN(gd_load)(a))), \
+                          _mm256_mul_ps(sc_, _mm256_broadcast_ss(d)), acc)
+
+GD_INLINE float GD_FN(gd_hsum16)(__m512 v) {
+    return GD_FN(gd_hsum)(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
+
+/* R x rows against one unpacked row: block pairs alternate between two 512-bit accumulators per row, an odd
+ * last block goes to a 256-bit one; then the mins (min16 * s16, 16 per vector). The order is fixed per row. */
+GD_INLINE void GD_FN(gd_dot_tile)(const struct gd_unpacked *u, int K, const struct gd_x *x, const int R,
+                                  float *out) {
+    const int nb = K / GD_QK, nh = 2 * nb;
+    const int8_t *c = u->c, *qa = x->q[0], *qb = R > 2 ? x->q[2] : x->q[0];
+    const float *scale = u->scale, *da = x->d[0], *db = R > 2 ? x->d[2] : x->d[0];
+    const ptrdiff_t qs = R > 1 ? x->q[1] - x->q[0] : 0, ds = R > 1 ? x->d[1] - x->d[0] : 0;
+    __m512 e0 = _mm512_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+    __m256 t[GD_MR] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        GD_PAIR(e0, e1, e2, e3);
+        GD_PAIR(o0, o1, o2, o3);
+    }
+    if (b + 2 <= nb) {
+        GD_PAIR(e0, e1, e2, e3);
+        b += 2;
+    }
+    if (b < nb) {
+        const __m256i c_ = GD_FN(gd_load)(c);
+        const __m256 sc_ = _mm256_loadu_ps(scale);
+        GD_ROW_LAST(t[0], qa, da);
+        if (R > 1) GD_ROW_LAST(t[1], qa + qs, da + ds);
+        if (R > 2) GD_ROW_LAST(t[2], qb, db);
+        if (R > 3) GD_ROW_LAST(t[3], qb + qs, db + ds);
+    }
+    const __m512 sums[GD_MR] = {_mm512_add_ps(e0, o0), _mm512_add_ps(e1, o1), _mm512_add_ps(e2, o2),
+                                _mm512_add_ps(e3, o3)};
+    for (int r = 0; r < R; r++) {
+        __m512 m = _mm512_setzero_ps();
+        int h = 0;
+        for (; h + 16 <= nh; h += 16)
+            m = _mm512_fmadd_ps(_mm512_loadu_ps(u->min16 + h), _mm512_loadu_ps(x->s16[r] + h), m);
+        if (h < nh) /* the zero-padded mins; x's s16 past nh is never read */
+            m = _mm512_fmadd_ps(_mm512_loadu_ps(u->min16 + h),
+                                _mm512_maskz_loadu_ps((__mmask16)((1u << (nh - h)) - 1), x->s16[r] + h), m);
+        out[r] = GD_FN(gd_hsum16)(sums[r]) + GD_FN(gd_hsum)(t[r]) + GD_FN(gd_hsum16)(m);
+    }
+}
+
+static void GD_FN(gd_dot)(const struct gd_unpacked *u, int K, const struct gd_x *x, int R, float *out) {
+    switch (R) {
+    case 1: GD_FN(gd_dot_tile)(u, K, x, 1, out); break;
+    case 2: GD_FN(gd_dot_tile)(u, K, x, 2, out); break;
+    case 3: GD_FN(gd_dot_tile)(u, K, x, 3, out); break;
+    default: GD_FN(gd_dot_tile)(u, K, x, 4, out); break;
+    }
+}
+#undef GD_ROW_PAIR
+#undef GD_PAIR
+#undef GD_ROW_LAST
+#else /* the AVX2 path: signed codes, vpsignb fix-ups, the min per 32 */
 /* gd_unpack_row's result (bit for bit), with vector code unpacking. */
 static void GD_FN(gd_unpack)(int type, const uint8_t *w, int K, struct gd_unpacked *u) {
     const int per = gd_block_weights(type), nb = K / per, bb = gd_block_bytes(type);
@@ -677,6 +844,7 @@ static void GD_FN(gd_dot)(const struct gd_unpacked *u, int K, const struct gd_x 
     default: GD_FN(gd_dot_tile)(u, K, x, 4, out); break;
     }
 }
+#endif
 #undef GD_BLOCK
 #undef GD_ROW_BLOCK
 #undef GD_INLINE

@@ -15,10 +15,10 @@ import torch
 from pagedllm import envs, native
 
 __all__ = ["BLOCK_TYPES", "GGUFDotKernel", "QuantizedRows", "dequantize_rows", "dot_rows", "isa", "kernel",
-           "load_kernel", "quantize_q8_0", "quantize_rows"]
+           "load_kernel", "num_threads", "process_isa", "quantize_q8_0", "quantize_rows"]
 
 _SOURCE = native.SOURCE_DIR / "gguf_dot.c"
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 # ggml type id -> name; the types gguf_dot.c handles
 BLOCK_TYPES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
@@ -42,9 +42,9 @@ class GGUFDotKernel:
         self.block_weights = {t: lib.pagedllm_gguf_dot_block_weights(t) for t in BLOCK_TYPES}
         self.isa_available = lib.gguf_dot_isa_available
         self.quantize = lib.gguf_quantize_rows
-        self.quantize.argtypes, self.quantize.restype = [_p, _ssize, _i, _i, _i, _p, _p, _p, _i], None
+        self.quantize.argtypes, self.quantize.restype = [_p, _ssize, _i, _i, _i, _p, _p, _p, _p, _i], None
         self.dot = lib.gguf_dot_rows
-        self.dot.argtypes = [_i, _p, _ssize, _i, _i, _p, _p, _p, _i, _p, _p, _ssize, _i, _i]
+        self.dot.argtypes = [_i, _p, _ssize, _i, _i, _p, _p, _p, _p, _i, _p, _p, _ssize, _i, _i]
         self.dot.restype = _i
         self.quantize_q8_0 = lib.gguf_quantize_q8_0
         self.quantize_q8_0.argtypes, self.quantize_q8_0.restype = [_p, _ssize, _i, _i, _p, _i], None
@@ -72,9 +72,16 @@ def kernel() -> GGUFDotKernel | None:
     return _kernel[0]
 
 
+def process_isa() -> int:
+    """:func:`isa` of this process's kernels, read once (the path every call without ``path`` takes)."""
+    if not _isa:
+        _isa.append(isa())
+    return _isa[0]
+
+
 def isa(k: GGUFDotKernel | None = None) -> int:
-    """The path calls take: ``envs.GGUF_DOT_ISA``, auto = the best this CPU runs. Raises ValueError for a named
-    path this CPU cannot run (or a value not in the variable's choices)."""
+    """The path ``envs.GGUF_DOT_ISA`` names, auto = the best this CPU runs. Raises ValueError for a named path
+    this CPU cannot run (or a value not in the variable's choices)."""
     k = k or kernel()
     name = envs.gguf_dot_isa()
     if name == "auto":
@@ -84,7 +91,8 @@ def isa(k: GGUFDotKernel | None = None) -> int:
     return ISAS[name]
 
 
-def _num_threads(work: int) -> int:
+def num_threads(work: int) -> int:
+    """Threads for a call over ``work`` weight elements: torch's count, fewer for small work."""
     if work < 2 * _ELEMENTS_PER_THREAD:
         return 1
     return max(1, min(torch.get_num_threads(), work // _ELEMENTS_PER_THREAD))
@@ -92,11 +100,13 @@ def _num_threads(work: int) -> int:
 
 @dataclass(frozen=True)
 class QuantizedRows:
-    """x (M, K) as int8 blocks of 32: ``q`` (M, K) int8, ``d`` (M, K / 32) float32 scales, ``s`` = d * sum(q)."""
+    """x (M, K) as int8 blocks of 32: ``q`` (M, K) int8, ``d`` (M, K / 32) float32 scales, ``s`` = d * sum(q), and
+    ``s16`` (M, K / 16) = d * the sum of each 16 codes."""
 
     q: torch.Tensor
     d: torch.Tensor
     s: torch.Tensor
+    s16: torch.Tensor
 
     @property
     def num_rows(self) -> int:
@@ -118,10 +128,11 @@ def quantize_rows(x: torch.Tensor, k: GGUFDotKernel | None = None) -> QuantizedR
     q = torch.empty(m, n, dtype=torch.int8)
     d = torch.empty(m, n // ACTIVATION_BLOCK)
     s = torch.empty(m, n // ACTIVATION_BLOCK)
+    s16 = torch.empty(m, 2 * n // ACTIVATION_BLOCK)
     if m:
         k.quantize(x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), m, n, q.data_ptr(), d.data_ptr(),
-                   s.data_ptr(), _num_threads(m * n // 8))
-    return QuantizedRows(q, d, s)
+                   s.data_ptr(), s16.data_ptr(), num_threads(m * n // 8))
+    return QuantizedRows(q, d, s, s16)
 
 
 def _check_weight(k: GGUFDotKernel, block_type: int, weight: torch.Tensor, in_features: int) -> None:
@@ -149,8 +160,8 @@ def dot_rows(block_type: int, weight: torch.Tensor, x: QuantizedRows, out: torch
     if not x.num_rows or not n:
         return
     rc = k.dot(block_type, weight.data_ptr(), weight.stride(0), n, x.in_features, x.q.data_ptr(), x.d.data_ptr(),
-               x.s.data_ptr(), x.num_rows, None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-               isa(k) if path is None else path, _num_threads(n * x.in_features))
+               x.s.data_ptr(), x.s16.data_ptr(), x.num_rows, None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+               process_isa() if path is None else path, num_threads(n * x.in_features))
     if rc != 0:
         raise ValueError(f"gguf_dot_rows refused {BLOCK_TYPES[block_type]} (path {path})")
 
@@ -166,7 +177,7 @@ def quantize_q8_0(weight: torch.Tensor, k: GGUFDotKernel | None = None) -> torch
     out = torch.empty(n, in_features // 32 * 34, dtype=torch.uint8)
     if n:
         k.quantize_q8_0(weight.data_ptr(), weight.stride(0), n, in_features, out.data_ptr(),
-                        _num_threads(n * in_features))
+                        num_threads(n * in_features))
     return out
 
 
@@ -181,5 +192,5 @@ def dequantize_rows(block_type: int, weight: torch.Tensor, in_features: int, out
         raise ValueError(f"dequantize_rows: out must be float32 ({n}, {in_features}), got {tuple(out.shape)}")
     if n:
         k.dequantize(block_type, weight.data_ptr(), weight.stride(0), n, in_features, out.data_ptr(), out.stride(0),
-                     _num_threads(n * in_features))
+                     num_threads(n * in_features))
     return out

@@ -142,3 +142,30 @@ def test_q8_0_quantization_follows_gguf():
     x = (np.random.default_rng(4).standard_normal((16, 256)) * np.logspace(-9, 5, 256)).astype(np.float32)
     x[0, :32] = 0.0
     assert np.array_equal(gguf_dot.quantize_q8_0(torch.from_numpy(x)).numpy(), quantize(x, Q.Q8_0))
+
+
+@pytest.mark.slow
+def test_gemma3_q4_k_m_greedy_tokens_near_the_dequantized_model():
+    """Gemma 3 270M's Q4_K_M file (Q5_0, Q8_0, Q4_K, Q6_K tensors, fused q/k/v of mixed types, tied Q8_0 head)
+    kept packed against the same file dequantized to float32: greedy agreement before the first divergence
+    (measured in benchmarks/results/gguf_kernels.json; a wrong layout or scale diverges at the first token)."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.loader.resolve import ModelNotFoundError, resolve_model
+
+    try:
+        path = str(resolve_model("gemma3-270m").path)
+    except (ModelNotFoundError, ImportError) as e:
+        pytest.skip(f"gemma3-270m is not installed: {e}")
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "The three primary colors are"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for q in (None, "gguf"):
+        llm = LLM(model=path, max_model_len=256, kv_cache_memory="64MiB", quantization=q)
+        tokens[q] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        if q == "gguf":
+            summary = [m for m in llm.llm_engine.runner.model.modules() if getattr(m, "quant_method", None)]
+            assert len(summary) == 18 * 4 + 1  # every projection and the head
+        del llm
+    same = sum(next((i for i, (a, b) in enumerate(zip(r, x)) if a != b), len(r))
+               for r, x in zip(tokens[None], tokens["gguf"]))
+    assert same / (len(prompts) * 16) >= 0.5

@@ -193,17 +193,19 @@ def smollm2_float32(smollm2_path):
 
 @pytest.mark.slow
 def test_smollm2_gguf_blocks_kept_packed(smollm2_path, smollm2_float32):
-    """Q4_1 blocks kept packed represent exactly the float32 weights the default load
-    dequantizes to; only the order of float operations differs. Weights: the 120
-    projections at 4 bits + float32 scale and zero per 32 (0.75 bytes per weight) instead of 4."""
+    """Q4_1 blocks kept as the file stores them (20 bytes per 32 weights), the tied LM head as the embedding's
+    Q8_0 blocks beside its float rows; decode rows meet int8-quantized activations, the one rounding beyond the
+    file's (greedy agreement measured in benchmarks/results/gguf_kernels.json, as for int8 weights below)."""
     float_bytes, ref = smollm2_float32
     llm, got = _smollm2_greedy(smollm2_path, quantization="gguf")
     model = llm.llm_engine.runner.model
     kept = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]
-    assert len(kept) == 30 * 4
-    linear_weights = sum(m.in_features * m.out_features for m in kept)
-    assert float_bytes - llm.llm_engine.runner.weight_bytes() == linear_weights * 4 - linear_weights * 3 // 4
-    assert _prefix_agreement(ref, got) >= 0.9
+    assert len(kept) == 30 * 4 + 1 and model.lm_head in kept
+    linear_weights = sum(m.in_features * m.out_features for m in kept if m is not model.lm_head)
+    head_bytes = model.lm_head.out_features * model.lm_head.in_features // 32 * 34
+    assert float_bytes - llm.llm_engine.runner.weight_bytes() == linear_weights * 4 - linear_weights * 20 // 32 \
+        - head_bytes
+    assert _prefix_agreement(ref, got) >= 0.4
 
 
 @pytest.mark.slow
