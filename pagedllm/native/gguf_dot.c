@@ -3,7 +3,7 @@
  * (gguf_quantize_rows), in the manner of ggml's vec_dot kernels (written here, not copied).
  *
  * Activations: per 32 consecutive k, float d = max|x| / 127, int8 q = round(x / d) (nearest, ties to even),
- * and s = d * sum(q), the term every block with a minimum or an offset needs. One format for every weight
+ * s = d * sum(q) and s16 = d * the sum of each 16 q, the terms of blocks with a min or an offset. One format for every weight
  * type: a K-quant's sub-block of 32 (Q4_K, Q5_K) or pair of 16s (Q6_K) meets one activation block.
  * Weights (ggml's layouts; w = the weight, q its code):
  *   Q8_0 (34 B / 32): f16 d, int8 q[32];                       w = d * q
@@ -15,13 +15,16 @@
  *         nibbles (per 64: 32 low = sub-block 2p, 32 high = 2p + 1); w = d * sc_j * q - dmin * m_j
  *   Q5_K (176 B / 256): as Q4_K plus qh[32] before the nibbles (bit j of qh[l]: 5th bit of sub-block j's l)
  *   Q6_K (210 B / 256): ql[128], qh[64], int8 scales[16] (per 16), f16 d; w = d * sc * (q - 32)
- * Numerics: each block's integer dot is exact; blocks are summed in k order into fixed lanes, the lanes and
- * the min terms in a fixed order at the end: an output depends only on its weight row and its x row, never
- * on M, the other rows or the thread count (batch-invariant). Paths (gguf_dot_isa_available): 2 = AVX512-VNNI
- * (256-bit vectors, vpdpbusd), 1 = AVX2 (vpmaddubsw + vpmaddwd), 0 = portable C; each is compiled here with
- * its own target attribute and chosen at run time, so one build runs on every x86-64 kind. The paths round
- * their float sums in different orders (ulps apart), so a process uses one path throughout. The SIMD paths are one
- * body (the end of this file), included twice by this file under two target pragmas.
+ * Each weight row is unpacked once per call (codes, a scale per 16 codes, a min per 32) and read by every x row.
+ * Numerics: each block's integer dot is exact; blocks are summed in k order into fixed lanes (two accumulators,
+ * even and odd blocks or block pairs), the lanes and the min terms in a fixed order at the end: an output depends
+ * only on its weight row and its x row, never on M, the other rows or the thread count (batch-invariant).
+ * Paths (gguf_dot_isa_available): 2 = AVX512-VNNI (unsigned codes against the signed x codes, 512-bit vpdpbusd,
+ * each type's offset folded into a min per 16 codes against x's per-16 sums), 1 = AVX2 (signed codes, vpsignb +
+ * vpmaddubsw + vpmaddwd), 0 = portable C; each is compiled here under its own target pragma and chosen at run
+ * time, so one build runs on every x86-64 kind. The paths round their float sums in different orders (ulps
+ * apart), so a process uses one path throughout. The SIMD paths are one body (the end of this file), included
+ * twice by this file itself.
  */
 #ifndef GD_FN /* the main pass; the SIMD pass (the end of this file) is this file included by itself */
 #include <math.h>
