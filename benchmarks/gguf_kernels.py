@@ -31,6 +31,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from pagedllm.models.layers.linear import Linear  # noqa: E402
 from pagedllm.ops import gguf_dot  # noqa: E402
+from pagedllm.quantization.gguf import panel_linear  # noqa: E402
 from tests.gguf_blocks import TYPES, random_blocks  # noqa: E402
 
 SHAPE = (2048, 1024)  # out, in features
@@ -51,7 +52,6 @@ def kernel_part(rounds: int, rows: list[int], types: list) -> dict:
     dense = Linear(k, n, bias=False).requires_grad_(False)
     dense.pack_for_cpu(64)
     blocks = {kind: torch.from_numpy(random_blocks(kind, n, k, rng)) for kind in types}
-    panel = torch.empty(n, k)
     results = {}
     for m in rows:
         x = torch.randn(m, k)
@@ -60,8 +60,7 @@ def kernel_part(rounds: int, rows: list[int], types: list) -> dict:
         for kind, raw in blocks.items():
             fns[f"{kind.name} dot"] = lambda kind=kind, raw=raw: gguf_dot.dot_rows(
                 int(kind), raw, gguf_dot.quantize_rows(x), out)
-            fns[f"{kind.name} panel"] = lambda kind=kind, raw=raw: torch.mm(
-                x, gguf_dot.dequantize_rows(int(kind), raw, k, out=panel).t())
+            fns[f"{kind.name} panel"] = lambda kind=kind, raw=raw: panel_linear(x, int(kind), raw, k, out)
         times = {name: [] for name in fns}
         reps = max(2, 64 // m)
         for fn in fns.values():
@@ -75,7 +74,7 @@ def kernel_part(rounds: int, rows: list[int], types: list) -> dict:
               + " ".join(f"{kind.name} {gops[f'{kind.name} dot']:.0f}/{gops[f'{kind.name} panel']:.0f}"
                          for kind in types), flush=True)
     return {"shape": {"out_features": n, "in_features": k}, "gops_per_s": results,
-            "note": "dot = activations quantized + block dot product; panel = dequantize + torch.mm"}
+            "note": "dot = activations quantized + block dot product; panel = dequantize + oneDNN (quantization.gguf.panel_linear)"}
 
 
 def _throughput(llm, workload) -> float:

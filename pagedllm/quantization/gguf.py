@@ -24,9 +24,9 @@ logger = logging.getLogger("pagedllm")
 
 Q = GGMLQuantizationType
 KEPT_TYPES = tuple(Q[name] for name in gguf_dot.BLOCK_TYPES.values())
-# Rows up to which the block dot product runs: on the AMD AVX-512 host it is at least as fast as the dequantized
-# panel at every row count measured (up to 512; benchmarks/gguf_kernels.py).
-DOT_MAX_ROWS = 512
+# Rows up to which the block dot product runs; above, the oneDNN panel is faster (the crossing measured on the AMD
+# AVX-512 host lies between 256 and 512 rows: benchmarks/gguf_kernels.py).
+DOT_MAX_ROWS = 256
 # float32 elements of one dequantized tile (16 MiB): a weight larger than this is dequantized a tile at a time.
 _PANEL_ELEMENTS = 4 << 20
 
@@ -48,6 +48,24 @@ class _Panel(threading.local):
 
 
 _panel = _Panel()
+
+
+def panel_linear(x: torch.Tensor, kind: int, blocks: torch.Tensor, in_features: int, out: torch.Tensor) -> None:
+    """``out = x @ W.T``: x (T, K) float32, W the (N, row bytes) blocks of ggml type ``kind``, dequantized a tile of
+    rows at a time into the reused panel; oneDNN's matmul on a packed tile where torch has it (its float32 code
+    beats MKL's on non-Intel CPUs and matches it on Intel), else ``torch.mm``. out (T, N) float32, may be a view."""
+    tile = max(16, _PANEL_ELEMENTS // in_features)
+    for s in range(0, blocks.shape[0], tile):
+        e = min(s + tile, blocks.shape[0])
+        panel = gguf_dot.dequantize_rows(kind, blocks[s:e], in_features, out=_panel.take(e - s, in_features))
+        if _ONEDNN:
+            packed = torch.ops.mkldnn._reorder_linear_weight(panel, x.shape[0])
+            out[:, s:e] = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        else:
+            torch.mm(x, panel.t(), out=out[:, s:e]) if out.is_contiguous() else out[:, s:e].copy_(x @ panel.t())
+
+
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -121,16 +139,10 @@ class GGUFLinearMethod(LinearMethod):
 
     def _dequantized_matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x (T, K) @ W.T through float32 tiles of W (the reused panel); out (T, N) float32."""
-        k = layer.in_features
         xf = x if x.dtype == torch.float32 else x.float()
-        out_t = torch.empty(layer.out_features, x.shape[0])  # (N, T): a tile is a block of rows
-        tile = max(16, _PANEL_ELEMENTS // k)
+        out = torch.empty(x.shape[0], layer.out_features)
         for kind, blocks, start in self._parts(layer):
-            for s in range(0, blocks.shape[0], tile):
-                e = min(s + tile, blocks.shape[0])
-                panel = gguf_dot.dequantize_rows(kind, blocks[s:e], k, out=_panel.take(e - s, k))
-                torch.mm(panel, xf.t(), out=out_t[start + s:start + e])
-        out = out_t.t().contiguous()
+            panel_linear(xf, kind, blocks, layer.in_features, out[:, start:start + blocks.shape[0]])
         return out if layer._gguf_bias is None else out.add_(layer._gguf_bias)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
