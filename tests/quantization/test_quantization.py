@@ -195,7 +195,7 @@ def smollm2_float32(smollm2_path):
 def test_smollm2_gguf_blocks_kept_packed(smollm2_path, smollm2_float32):
     """Q4_1 blocks kept as the file stores them (20 bytes per 32 weights), the tied LM head as the embedding's
     Q8_0 blocks beside its float rows; decode rows meet int8-quantized activations, the one rounding beyond the
-    file's (greedy agreement measured in benchmarks/results/gguf_kernels.json, as for int8 weights below)."""
+    file's (agreement measured 0.50: benchmarks/README.md, "GGUF blocks kept packed"; int8 weights below: 0.50)."""
     float_bytes, ref = smollm2_float32
     llm, got = _smollm2_greedy(smollm2_path, quantization="gguf")
     model = llm.llm_engine.runner.model
