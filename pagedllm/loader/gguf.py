@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -315,10 +315,11 @@ def dequantize_tensor(data: np.ndarray, tensor_type: GGMLQuantizationType, name:
 
 
 def iter_gguf_weights(gguf_file: GGUFFile, config: PretrainedConfig, dtype: torch.dtype,
-                      packed: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+                      packed: Mapping[str, int] | frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` in file order, one at a time, dequantized to ``dtype``.
 
-    Names in ``packed`` come as stored block bytes, (rows, bytes per row) uint8, rows un-permuted.
+    Names in ``packed`` come as stored block bytes, (rows, bytes per row) uint8, rows un-permuted; a mapping
+    gives the row width in bytes each is zero-padded to on the right (a fused layer's parts of different types).
     """
     arch = gguf_file.metadata["general.architecture"]
     for info in gguf_file.tensors:
@@ -326,8 +327,12 @@ def iter_gguf_weights(gguf_file: GGUFFile, config: PretrainedConfig, dtype: torc
         if name is None:
             continue
         if name in packed:
-            raw = gguf_file.raw(info).reshape(info.shape[0], -1)
-            yield name, torch.from_numpy(np.array(_undo_converter(raw, info.name, arch, config, is_raw=True)))
+            raw = np.array(_undo_converter(gguf_file.raw(info).reshape(info.shape[0], -1), info.name, arch, config,
+                                           is_raw=True))
+            width = packed.get(name, raw.shape[1]) if isinstance(packed, Mapping) else raw.shape[1]
+            if width > raw.shape[1]:
+                raw = np.pad(raw, ((0, 0), (0, width - raw.shape[1])))
+            yield name, torch.from_numpy(raw)
             continue
         values = dequantize_tensor(gguf_file.raw(info), info.tensor_type, info.name)
         values = _undo_converter(values, info.name, arch, config)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Literal
+from typing import Callable, Iterator, Literal, Mapping
 
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerFast
@@ -38,12 +38,13 @@ class ModelFiles:
     gguf_tensor_types: dict | None = field(default=None, repr=False)
     checkpoint_quantization: CheckpointQuantization | None = None
 
-    def weights(self, dtype: torch.dtype = torch.float32, packed: frozenset[str] = frozenset()
+    def weights(self, dtype: torch.dtype = torch.float32, packed: Mapping[str, int] | frozenset[str] = frozenset()
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` one at a time, dense, in ``dtype``, on CPU.
 
-        GGUF tensors named in ``packed`` come as raw block bytes, uint8 (rows, bytes per row); those of
-        a pre-quantized Hugging Face folder (``checkpoint_quantization``) as stored (scales not cast).
+        GGUF tensors named in ``packed`` come as raw block bytes, uint8 (rows, bytes per row; a mapping:
+        zero-padded on the right to the width it gives); those of a pre-quantized Hugging Face folder
+        (``checkpoint_quantization``) as stored (scales not cast).
         Raises ValueError for a non-float ``dtype`` or ``packed`` on a float Hugging Face folder.
         """
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:

@@ -6,7 +6,7 @@ A weight's life: ``create_weights``, ``load_weights``, ``process_weights_after_l
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -44,9 +44,18 @@ class QuantizationConfig:
     def get_linear_method(self, prefix: str, layer: nn.Module) -> LinearMethod | None:
         raise NotImplementedError
 
+    def get_tied_head_method(self, layer: nn.Module) -> LinearMethod | None:
+        """The method of an LM head tied to the embedding (which keeps its float rows for the lookup), or None."""
+        return None
+
+    def summary(self) -> str:
+        """The format as the start-up line states it (after the layers were created)."""
+        return self.name
+
     @property
-    def packed_weight_names(self) -> frozenset[str]:
-        """Checkpoint tensors the loader yields as stored (GGUF blocks, a pre-quantized checkpoint's scales)."""
+    def packed_weight_names(self) -> Mapping[str, int] | frozenset[str]:
+        """Checkpoint tensors the loader yields as stored: GGUF blocks (a mapping: -> the row width they
+        are padded to), a pre-quantized checkpoint's tensors."""
         return frozenset()
 
     def convert_checkpoint(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -56,11 +65,21 @@ class QuantizationConfig:
 
 def quantizable_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
     """Every ``nn.Linear`` but a head tied to the embedding (its lookup needs float rows)."""
+    tied = tied_head(model)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and module is not tied:
+            yield name, module
+
+
+def tied_head(model: nn.Module) -> nn.Linear | None:
+    """The ``nn.Linear`` whose weight is the embedding's (``model.model.embed_tokens``), or None."""
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     tied_weight = getattr(embed, "weight", None)
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and not (tied_weight is not None and module.weight is tied_weight):
-            yield name, module
+    if tied_weight is None:
+        return None
+    # getattr: a quantized layer has no float weight any more
+    return next((m for m in model.modules() if isinstance(m, nn.Linear)
+                 and getattr(m, "weight", None) is tied_weight), None)
 
 
 def create_quantized_weights(model: nn.Module, config: QuantizationConfig) -> int:
@@ -72,6 +91,12 @@ def create_quantized_weights(model: nn.Module, config: QuantizationConfig) -> in
             continue
         method.create_weights(layer)
         layer.quant_method = method
+        count += 1
+    head = tied_head(model)
+    method = config.get_tied_head_method(head) if head is not None else None
+    if method is not None:
+        method.create_weights(head)
+        head.quant_method = method
         count += 1
     return count
 

@@ -1,72 +1,34 @@
-"""``quantization="gguf"``: Q8_0 kept as int8 groups of 32, Q4_0/Q4_1/Q4_K as int4 groups of 32, without requantizing.
+"""``quantization="gguf"``: a GGUF file's blocks kept packed at run time, as the file stores them.
 
-ggml's block layouts (``ggml-quants.c``):
-- Q8_0 (34 bytes / 32 weights): f16 ``d``, int8 ``q[32]``; ``w = d * q``.
-- Q4_0 (18 bytes): f16 ``d``, 16 bytes of nibbles (element j low, j + 16 high); ``w = d * (q - 8)``.
-- Q4_1 (20 bytes): f16 ``d``, f16 ``m``, nibbles as Q4_0; ``w = d * q + m``.
-- Q4_K (144 bytes / 256): f16 ``d``, f16 ``dmin``, 12 bytes of 6-bit scales/mins of 8 sub-blocks
-  of 32, 128 bytes of nibbles (per 64 weights: 32 low, then 32 high); ``w = d * sc * q - dmin * m``.
-Other types, and fused layers whose parts differ in type, load dequantized.
+Every block type ``native/gguf_dot.c`` handles stays packed (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: the
+types inside Q4_K_M / Q5_K_M / Q8_0 files), a fused layer (q/k/v, gate/up) as one segment of rows per part, each of
+its own type. A step's rows up to :data:`DOT_MAX_ROWS` are quantized to int8 blocks once and dotted with the blocks
+(decode); more rows (prefill chunks) dequantize each segment once per call into a reused float32 panel, a tile of
+rows at a time, for a float matmul. Other types (F16, BF16, I-quants...) load dequantized to float. An LM head
+tied to a Q8_0 embedding keeps Q8_0 blocks beside the embedding's float rows.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
-import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import Q4_K
 from torch import nn
 
+from pagedllm.ops import gguf_dot
 from pagedllm.quantization.base import LinearMethod, QuantizationConfig, replace_weight
-from pagedllm.quantization.int4 import Int4LinearMethod
-from pagedllm.quantization.int8 import Int8LinearMethod
 
 logger = logging.getLogger("pagedllm")
 
 Q = GGMLQuantizationType
-KEPT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K)
-
-
-def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
-    return blocks[:, offset:offset + 2].copy().view(np.float16)[:, 0].astype(np.float32)
-
-
-def _nibbles_32(qs: np.ndarray) -> np.ndarray:
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
-
-
-def convert_q8_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """raw (N, K / 32 * 34) uint8 -> q (N, K) int8, scales (N, K / 32) float32."""
-    n = raw.shape[0]
-    blocks = raw.reshape(-1, 34)
-    q = blocks[:, 2:].copy().view(np.int8)
-    return q.reshape(n, -1), _f16(blocks, 0).reshape(n, -1)
-
-
-def convert_q4(raw: np.ndarray, kind: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """raw (N, row_bytes) uint8 → q (N, K) uint8, scales and zeros (N, K / 32) float32."""
-    n = raw.shape[0]
-    if kind == Q.Q4_0:
-        blocks = raw.reshape(-1, 18)
-        d = _f16(blocks, 0)
-        q, scales, zeros = _nibbles_32(blocks[:, 2:]), d, np.zeros_like(d)
-    elif kind == Q.Q4_1:
-        blocks = raw.reshape(-1, 20)
-        d, m = _f16(blocks, 0), _f16(blocks, 2)
-        q, scales, zeros = _nibbles_32(blocks[:, 4:]), d, m + 8.0 * d
-    elif kind == Q.Q4_K:
-        blocks = raw.reshape(-1, 144)
-        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-        sc, mins = Q4_K.get_scale_min(blocks[:, 4:16])  # (B, 8) each
-        scales = d[:, None] * sc.astype(np.float32)  # exact: 11-bit mantissa x 6-bit integer
-        zeros = 8.0 * scales - dmin[:, None] * mins.astype(np.float32)
-        qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-        q = (qs & 0x0F).reshape(-1, 256)  # (B, 256): per 64 weights, 32 low nibbles then 32 high
-    else:
-        raise ValueError(f"GGUF type {kind.name} is not a 4-bit type this converter keeps")
-    return q.reshape(n, -1), scales.reshape(n, -1), zeros.reshape(n, -1)
+KEPT_TYPES = tuple(Q[name] for name in gguf_dot.BLOCK_TYPES.values())
+# Rows up to which the block dot product runs; above, the oneDNN panel is faster (the crossing measured on the AMD
+# AVX-512 host lies between 256 and 512 rows: benchmarks/gguf_kernels.py).
+DOT_MAX_ROWS = 256
+# float32 elements of one dequantized tile (16 MiB): a weight larger than this is dequantized a tile at a time.
+_PANEL_ELEMENTS = 4 << 20
 
 
 def row_bytes(in_features: int, kind: GGMLQuantizationType) -> int:
@@ -74,66 +36,187 @@ def row_bytes(in_features: int, kind: GGMLQuantizationType) -> int:
     return in_features // block_size * type_size
 
 
-class GGUFLinearMethod(LinearMethod):
-    """The loader fills ``layer.weight`` with (N, row_bytes) uint8 blocks; then it acts as int8 or int4."""
+class _Panel(threading.local):
+    """One float32 buffer per thread, grown to the largest tile asked for and reused by every layer."""
 
-    def __init__(self, kind: GGMLQuantizationType) -> None:
-        if kind not in KEPT_TYPES:
-            raise ValueError(f"GGUF type {kind.name} cannot be kept quantized (kept: "
-                             f"{', '.join(k.name for k in KEPT_TYPES)})")
-        self.kind = kind
-        self.inner: LinearMethod = Int8LinearMethod() if kind == Q.Q8_0 else Int4LinearMethod(32)
+    buffer: torch.Tensor | None = None
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        if self.buffer is None or self.buffer.numel() < rows * cols:
+            self.buffer = torch.empty(rows * cols)
+        return self.buffer[:rows * cols].view(rows, cols)
+
+
+_panel = _Panel()
+
+
+def panel_linear(x: torch.Tensor, kind: int, blocks: torch.Tensor, in_features: int, out: torch.Tensor) -> None:
+    """``out = x @ W.T``: x (T, K) float32, W the (N, row bytes) blocks of ggml type ``kind``, dequantized a tile of
+    rows at a time into the reused panel; oneDNN's matmul on a packed tile where torch has it (its float32 code
+    beats MKL's on non-Intel CPUs and matches it on Intel), else ``torch.mm``. out (T, N) float32, may be a view."""
+    tile = max(16, _PANEL_ELEMENTS // in_features)
+    for s in range(0, blocks.shape[0], tile):
+        e = min(s + tile, blocks.shape[0])
+        panel = gguf_dot.dequantize_rows(kind, blocks[s:e], in_features, out=_panel.take(e - s, in_features))
+        if _ONEDNN:
+            packed = torch.ops.mkldnn._reorder_linear_weight(panel, x.shape[0])
+            out[:, s:e] = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        else:
+            torch.mm(x, panel.t(), out=out[:, s:e]) if out.is_contiguous() else out[:, s:e].copy_(x @ panel.t())
+
+
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class GGUFLinearMethod(LinearMethod):
+    """``segments``: (GGUF type, rows) per part, in output order (one for a plain layer). The loader fills
+    ``layer.weight`` (N, widest part's row bytes) uint8, each part's rows zero-padded on the right; after
+    loading each part is a ``gguf_blocks_<i>`` buffer (rows, its row bytes). Raises ValueError for a type
+    without a kernel."""
+
+    def __init__(self, segments: list[tuple[GGMLQuantizationType, int]]) -> None:
+        for kind, _ in segments:
+            if kind not in KEPT_TYPES:
+                raise ValueError(f"GGUF type {kind.name} cannot be kept packed (kept: "
+                                 f"{', '.join(k.name for k in KEPT_TYPES)})")
+        self.segments = list(segments)
+
+    def row_width(self, in_features: int) -> int:
+        return max(row_bytes(in_features, kind) for kind, _ in self.segments)
 
     def create_weights(self, layer: nn.Module) -> None:
-        weight = layer.weight
-        layer.weight_dtype = weight.dtype
-        raw = torch.empty(layer.out_features, row_bytes(layer.in_features, self.kind), dtype=torch.uint8,
-                          device=weight.device)
+        if sum(rows for _, rows in self.segments) != layer.out_features:
+            raise ValueError(f"GGUF segments cover {sum(r for _, r in self.segments)} rows, the layer has "
+                             f"{layer.out_features}")
+        layer.weight_dtype = layer.weight.dtype
+        raw = torch.zeros(layer.out_features, self.row_width(layer.in_features), dtype=torch.uint8,
+                          device=layer.weight.device)
         replace_weight(layer, raw)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        raw = layer.weight.detach().cpu().numpy()
-        if self.kind == Q.Q8_0:
-            q, scales = convert_q8_0(raw)
-            Int8LinearMethod.set_quantized(layer, torch.from_numpy(q), torch.from_numpy(scales))
-        else:
-            q, scales, zeros = convert_q4(raw, self.kind)
-            Int4LinearMethod.set_quantized(layer, torch.from_numpy(q), torch.from_numpy(scales),
-                                           torch.from_numpy(zeros))
-        self.inner.process_weights_after_loading(layer)
+        raw, start = layer.weight.detach().cpu(), 0
+        for i, (kind, rows) in enumerate(self.segments):
+            layer.register_buffer(f"gguf_blocks_{i}", raw[start:start + rows, :row_bytes(layer.in_features, kind)]
+                                  .contiguous())
+            start += rows
+        replace_weight(layer, None)
+        layer._gguf_bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
+
+    def _parts(self, layer: nn.Module):
+        """(ggml type id, blocks, first output row) per segment."""
+        start = 0
+        for i, (kind, rows) in enumerate(self.segments):
+            yield int(kind), getattr(layer, f"gguf_blocks_{i}"), start
+            start += rows
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return self.inner.apply(layer, x)
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype not in (torch.float32, torch.bfloat16) or not x2.is_cpu:
+            raise ValueError(f"quantization='gguf' runs float32/bfloat16 activations on the CPU, got {x2.dtype} "
+                             f"on {x2.device}")
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        if x2.shape[0] <= DOT_MAX_ROWS:
+            out = self._dot(layer, x2)
+        else:
+            out = self._dequantized_matmul(layer, x2)
+        out = out if out.dtype == x.dtype else out.to(x.dtype)
+        return out.view(*x.shape[:-1], layer.out_features)
+
+    def _dot(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The kernel called directly per segment (shapes were checked when the blocks were stored)."""
+        rows = gguf_dot.quantize_rows(x)
+        m, k = x.shape
+        out = torch.empty(m, layer.out_features)
+        kernel, path = gguf_dot.kernel(), gguf_dot.process_isa()
+        bias = layer._gguf_bias
+        for kind, blocks, start in self._parts(layer):
+            n = blocks.shape[0]
+            kernel.dot(kind, blocks.data_ptr(), blocks.stride(0), n, k, rows.q.data_ptr(), rows.d.data_ptr(),
+                       rows.s.data_ptr(), rows.s16.data_ptr(), m, None if bias is None else bias.data_ptr() + 4 * start,
+                       out.data_ptr() + 4 * start, out.stride(0), path, gguf_dot.num_threads(n * k))
+        return out
+
+    def _dequantized_matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x (T, K) @ W.T through float32 tiles of W (the reused panel); out (T, N) float32."""
+        xf = x if x.dtype == torch.float32 else x.float()
+        out = torch.empty(x.shape[0], layer.out_features)
+        for kind, blocks, start in self._parts(layer):
+            panel_linear(xf, kind, blocks, layer.in_features, out[:, start:start + blocks.shape[0]])
+        return out if layer._gguf_bias is None else out.add_(layer._gguf_bias)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        return self.inner.dequantize(layer)
+        return torch.cat([gguf_dot.dequantize_rows(kind, blocks, layer.in_features)
+                          for kind, blocks, _ in self._parts(layer)])
+
+
+class GGUFTiedHeadMethod(GGUFLinearMethod):
+    """An LM head tied to a Q8_0 embedding: the embedding keeps its float rows (the lookup), the head the file's
+    Q8_0 blocks, rebuilt from those rows after loading (Q8_0's rule gives back the bytes llama.cpp writes exactly;
+    a block written otherwise comes back within Q8_0's rounding)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__([(Q.Q8_0, vocab_size)])
+        self._embedding: torch.Tensor | None = None
+
+    def create_weights(self, layer: nn.Module) -> None:
+        self._embedding = layer.weight  # the embedding's parameter, filled by load_weights
+        layer.weight_dtype = layer.weight.dtype
+        replace_weight(layer, None)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        rows = self._embedding.detach().cpu().float().contiguous()
+        layer.register_buffer("gguf_blocks_0", gguf_dot.quantize_q8_0(rows))
+        self._embedding = None
+        layer._gguf_bias = None
 
 
 class GGUFConfig(QuantizationConfig):
-    """Keeps a layer packed when its checkpoint tensors (``fused_parts``: leaf → parts) share a kept type."""
+    """Keeps a layer packed when each of its checkpoint tensors (``fused_parts``: leaf -> parts, in output
+    order) has a kept type and its in_features is a multiple of that type's block."""
 
     name = "gguf"
 
     def __init__(self, tensor_types: dict[str, GGMLQuantizationType], fused_parts: dict[str, list[str]]) -> None:
         self.tensor_types = tensor_types
         self.fused_parts = fused_parts
-        self._packed: set[str] = set()
+        self._packed: dict[str, int] = {}
         self.num_kept = self.num_float = 0
+        self.kept_types: dict[str, int] = {}
 
     def get_linear_method(self, prefix: str, layer: nn.Module) -> LinearMethod | None:
         parent, _, leaf = prefix.rpartition(".")
         parts = [f"{parent}.{p}.weight" if parent else f"{p}.weight" for p in self.fused_parts.get(leaf, [leaf])]
-        if not all(p in self.tensor_types for p in parts):  # stored fused under its own name
-            parts = [f"{prefix}.weight"]
-        kinds = {self.tensor_types.get(p) for p in parts}
-        kind = kinds.pop() if len(kinds) == 1 else None
-        if kind not in KEPT_TYPES or layer.in_features % 32:
+        sizes = list(getattr(layer, "output_sizes", [layer.out_features]))
+        if not all(p in self.tensor_types for p in parts) or len(sizes) != len(parts):  # stored under its own name
+            parts, sizes = [f"{prefix}.weight"], [layer.out_features]
+        kinds = [self.tensor_types.get(p) for p in parts]
+        if any(kind not in KEPT_TYPES or layer.in_features % GGML_QUANT_SIZES[kind][0] for kind in kinds) \
+                or gguf_dot.kernel() is None:
             self.num_float += 1
             return None
-        self._packed.update(parts)
+        method = GGUFLinearMethod(list(zip(kinds, sizes)))
+        width = method.row_width(layer.in_features)
+        self._packed.update({p: width for p in parts})
+        for kind in kinds:
+            self.kept_types[kind.name] = self.kept_types.get(kind.name, 0) + 1
         self.num_kept += 1
-        return GGUFLinearMethod(kind)
+        return method
+
+    def get_tied_head_method(self, layer: nn.Module) -> LinearMethod | None:
+        """Q8_0 blocks for a head tied to a Q8_0 embedding (``model.embed_tokens.weight``), else None."""
+        if self.tensor_types.get("model.embed_tokens.weight") != Q.Q8_0 or layer.in_features % 32 \
+                or gguf_dot.kernel() is None:
+            return None
+        self.kept_types["Q8_0"] = self.kept_types.get("Q8_0", 0) + 1
+        self.num_kept += 1
+        return GGUFTiedHeadMethod(layer.out_features)
+
+    def summary(self) -> str:
+        kept = ", ".join(f"{name} {count}" for name, count in sorted(self.kept_types.items()))
+        return f"gguf blocks (tensors: {kept or 'none'}; {self.num_float} linear layers float)"
 
     @property
-    def packed_weight_names(self) -> frozenset[str]:
-        return frozenset(self._packed)
+    def packed_weight_names(self) -> dict[str, int]:
+        """The checkpoint names the loader yields as block bytes -> the row width they are zero-padded to."""
+        return dict(self._packed)

@@ -1,19 +1,14 @@
 """Weight formats kept at run time: each quantized linear equals dequantize-then-matmul, the
-kept values are within the format's rounding of the float weight, and GGUF blocks convert to
-exactly what ``gguf.quants.dequantize`` gives."""
+kept values are within the format's rounding of the float weight (GGUF blocks: tests/quantization/test_gguf.py)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 from torch import nn
 
 from pagedllm.quantization import get_quantization_config
-from pagedllm.quantization.gguf import GGUFLinearMethod, row_bytes
 from pagedllm.quantization.int4 import Int4LinearMethod, pack_nibbles, unpack_nibbles
 from pagedllm.quantization.int8 import Int8LinearMethod
 
@@ -94,66 +89,10 @@ def test_unknown_quantization_is_rejected():
         get_quantization_config("gguf")
 
 
-def _q4_k_blocks(num_blocks: int, rng: np.random.Generator) -> np.ndarray:
-    """Random valid Q4_K super-blocks: sane f16 d/dmin, random 6-bit scales/mins and nibbles
-    (gguf's Python package cannot quantize to Q4_K)."""
-    blocks = rng.integers(0, 256, size=(num_blocks, 144), dtype=np.uint8)
-    blocks[:, 0:2] = np.float16(rng.uniform(1e-3, 1e-2, num_blocks)).view(np.uint8).reshape(-1, 2)
-    blocks[:, 2:4] = np.float16(rng.uniform(1e-3, 1e-2, num_blocks)).view(np.uint8).reshape(-1, 2)
-    return blocks
-
-
-def _gguf_raw(kind, n: int, k: int, rng) -> np.ndarray:
-    if kind == Q.Q4_K:
-        return _q4_k_blocks(n * k // 256, rng).reshape(n, row_bytes(k, kind))
-    return gguf_quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, kind)
-
-
-@pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gguf_blocks_kept_packed(kind, dtype):
-    n, k = 64, 512
-    raw = _gguf_raw(kind, n, k, np.random.default_rng(0))
-    reference = torch.from_numpy(gguf_dequantize(raw, kind).astype(np.float32))  # (n, k)
-    layer = _layer(n, k, bias=False, dtype=dtype)
-    method = GGUFLinearMethod(kind)
-    method.create_weights(layer)
-    assert layer.weight.shape == raw.shape and layer.weight.dtype == torch.uint8
-    layer.weight.copy_(torch.from_numpy(raw))  # what load_weights does
-    method.process_weights_after_loading(layer)
-    # Scales and mins are converted, not requantized: the same values as gguf's dequantization
-    # (up to float32 rounding of the folded zero point).
-    assert (method.dequantize(layer) - reference).abs().max() <= 1e-6 * reference.abs().max()
-    kept_bytes = sum(b.numel() * b.element_size() for b in layer.buffers() if b is layer.qweight)
-    assert kept_bytes == (n * k if kind == Q.Q8_0 else n * k // 2)
-    x = torch.randn(3, k).to(dtype)
-    ref = F.linear(x.float(), reference)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert (method.apply(layer, x).float() - ref).abs().max() <= tol * ref.abs().max()
-
-
 def test_float32_kernel_is_not_used_for_float32_models():
     """float32 activations go through the tiles (torch's float32 int8/int4 path is the slow generic one)."""
     layer = _quantized(Int4LinearMethod(32), _layer())
     assert not hasattr(layer, "kernel_qweight")
-
-
-def test_smollm2_packed_rows_equal_dequantized_rows(smollm2_path):
-    """The loader's raw Q4_1 rows of a Q projection (un-permuted as bytes) convert to exactly
-    the dequantized, un-permuted float rows it yields without ``packed``."""
-    from pagedllm.loader import load_model_files
-    from pagedllm.quantization.gguf import convert_q4
-
-    files = load_model_files(str(smollm2_path))
-    name = "model.layers.0.self_attn.q_proj.weight"
-    kind = files.gguf_tensor_types[name]
-    assert kind == Q.Q4_1
-    dense = dict(files.weights(torch.float32))[name]
-    raw = dict(files.weights(torch.float32, packed=frozenset({name})))[name]
-    assert raw.dtype == torch.uint8 and raw.shape == (dense.shape[0], row_bytes(dense.shape[1], kind))
-    q, scales, zeros = convert_q4(raw.numpy(), kind)
-    values = (q.astype(np.float32).reshape(q.shape[0], -1, 32) - 8) * scales[..., None] + zeros[..., None]
-    assert np.abs(values.reshape(dense.shape) - dense.numpy()).max() <= 1e-6 * dense.abs().max().item()
 
 
 # -- whole models ------------------------------------------------------------------------------
@@ -254,17 +193,19 @@ def smollm2_float32(smollm2_path):
 
 @pytest.mark.slow
 def test_smollm2_gguf_blocks_kept_packed(smollm2_path, smollm2_float32):
-    """Q4_1 blocks kept packed represent exactly the float32 weights the default load
-    dequantizes to; only the order of float operations differs. Weights: the 120
-    projections at 4 bits + float32 scale and zero per 32 (0.75 bytes per weight) instead of 4."""
+    """Q4_1 blocks kept as the file stores them (20 bytes per 32 weights), the tied LM head as the embedding's
+    Q8_0 blocks beside its float rows; decode rows meet int8-quantized activations, the one rounding beyond the
+    file's (agreement measured 0.50: benchmarks/README.md, "GGUF blocks kept packed"; int8 weights below: 0.50)."""
     float_bytes, ref = smollm2_float32
     llm, got = _smollm2_greedy(smollm2_path, quantization="gguf")
     model = llm.llm_engine.runner.model
     kept = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]
-    assert len(kept) == 30 * 4
-    linear_weights = sum(m.in_features * m.out_features for m in kept)
-    assert float_bytes - llm.llm_engine.runner.weight_bytes() == linear_weights * 4 - linear_weights * 3 // 4
-    assert _prefix_agreement(ref, got) >= 0.9
+    assert len(kept) == 30 * 4 + 1 and model.lm_head in kept
+    linear_weights = sum(m.in_features * m.out_features for m in kept if m is not model.lm_head)
+    head_bytes = model.lm_head.out_features * model.lm_head.in_features // 32 * 34
+    assert float_bytes - llm.llm_engine.runner.weight_bytes() == linear_weights * 4 - linear_weights * 20 // 32 \
+        - head_bytes
+    assert _prefix_agreement(ref, got) >= 0.4
 
 
 @pytest.mark.slow
