@@ -119,6 +119,9 @@ class SamplingParams:
     cache_salt: str | None = _f(None, "prefix-cache namespace: requests share cached blocks only with the same salt")
     # Filled in by the engine (tokenizer-dependent), not by users.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # The adapter (a pagedllm.lora.LoRARequest) the engine set from add_request's lora_request or the
+    # server from the request's model name; it travels with the parameters to the scheduler and runner.
+    lora_request: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -230,7 +233,7 @@ _BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.typ
 
 def sampling_field_names() -> list[str]:
     """The sampling fields a user sets (everything but ``output_kind`` and engine-filled ones)."""
-    return [f.name for f in dataclasses.fields(SamplingParams) if f.name not in ("output_kind", "bad_words_token_ids")]
+    return [f.name for f in dataclasses.fields(SamplingParams) if f.name not in ("output_kind", "bad_words_token_ids", "lora_request")]
 
 
 def _as_list(name: str, value: Any) -> list:
