@@ -50,8 +50,9 @@ class LoRABatch:
     def has_lora(self) -> bool:
         return bool(self.groups)
 
-    def set(self, token_slots: np.ndarray, device: torch.device) -> None:
-        """``token_slots`` [T] int: each row's slot, -1 for the base model."""
+    def set(self, token_slots: np.ndarray, device: torch.device, use_segments: bool | None = None) -> None:
+        """``token_slots`` [T] int: each row's slot, -1 for the base model. ``use_segments`` (default: on
+        CUDA): build the segment tensors, and layers run the Triton kernels."""
         self.groups, self.segments = [], None
         if token_slots.size == 0 or (token_slots < 0).all():
             return
@@ -68,7 +69,7 @@ class LoRABatch:
             else:
                 rows = np.concatenate([np.arange(s, e) for s, e in zip(starts[mine], ends[mine])])
                 self.groups.append((int(slot), torch.from_numpy(rows).to(device)))
-        if device.type == "cuda":
+        if device.type == "cuda" if use_segments is None else use_segments:
             as_tensor = lambda a: torch.from_numpy(a.astype(np.int32)).to(device)  # noqa: E731
             self.segments = LoRASegments(as_tensor(starts), as_tensor(ends - starts), as_tensor(slots),
                                          int((ends - starts).max()))
