@@ -2,10 +2,12 @@
 ``out[rows] += (x[rows] @ A_s^T) @ B_s^T`` over the rows that use it (Punica/S-LoRA's SGMV: a
 grouped matmul per adapter; base-model rows cost nothing).
 
-Per slot the adapter of every slice of a fused projection (q/k/v, gate/up) is one block layout:
-``lora_a_t`` (slots, in, n·R) holds each slice's ``A^T`` in its own R columns, ``lora_b_t``
-(slots, n·R, out) each slice's ``B^T`` in its R rows and its output columns (zeros elsewhere), so a
-slot is two matmuls whatever the fusion. R is ``max_lora_rank``; a smaller rank is zero-padded.
+Per slot the slices of a fused projection (q/k/v, gate/up) share one shrink: ``lora_a_t``
+(slots, in, n·R) holds each slice's ``A^T`` in its own R columns; each slice j expands from its R
+columns of ``h`` with ``lora_b_t[j]`` (slots, R, out_j) into its output columns. R is
+``max_lora_rank``; a smaller rank is zero-padded. Many adapters in a step run as batched matmuls
+over the slots' rows padded to the longest group (a handful of ops per projection whatever the
+number of adapters); a few run slot by slot (an adapter's rows one slice when they are one run).
 Under tensor parallelism a column-parallel layer keeps its rows of ``B``, a row-parallel one its
 columns of ``A`` (its partial sums join the base's before the one all-reduce).
 """
@@ -38,13 +40,31 @@ class LoRASegments:
 
 
 @dataclass
+class PaddedRows:
+    """The step's LoRA rows laid out for batched matmuls over slots ``[first_slot, first_slot + num_slots)``:
+    ``rows`` (their flat-batch indices, sorted by slot) go to ``padded`` positions (slot - first_slot) ·
+    ``max_rows`` + their rank in their slot."""
+
+    first_slot: int
+    num_slots: int
+    max_rows: int
+    rows: torch.Tensor
+    padded: torch.Tensor
+
+
+@dataclass
 class LoRABatch:
     """Which rows of this step's flat batch use which slot; set by the manager before each forward,
     read by every :class:`LoRALayer`. ``groups``: (slot, rows) with rows a slice when the slot's rows
-    are one run, else an index tensor."""
+    are one run, else an index tensor; ``padded``: the same rows for the batched path, when it pays."""
 
     groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
+    padded: PaddedRows | None = None
     segments: LoRASegments | None = None
+
+    # fewer groups run slot by slot; padding may at most double the rows the batched path computes
+    MIN_GROUPS_BATCHED = 4
+    MAX_PADDING_FACTOR = 2
 
     @property
     def has_lora(self) -> bool:
@@ -53,7 +73,7 @@ class LoRABatch:
     def set(self, token_slots: np.ndarray, device: torch.device, use_segments: bool | None = None) -> None:
         """``token_slots`` [T] int: each row's slot, -1 for the base model. ``use_segments`` (default: on
         CUDA): build the segment tensors, and layers run the Triton kernels."""
-        self.groups, self.segments = [], None
+        self.clear()
         if token_slots.size == 0 or (token_slots < 0).all():
             return
         change = np.flatnonzero(np.diff(token_slots)) + 1
@@ -73,9 +93,31 @@ class LoRABatch:
             as_tensor = lambda a: torch.from_numpy(a.astype(np.int32)).to(device)  # noqa: E731
             self.segments = LoRASegments(as_tensor(starts), as_tensor(ends - starts), as_tensor(slots),
                                          int((ends - starts).max()))
+        else:
+            self.padded = _padded_rows(token_slots, len(self.groups), device, self.MIN_GROUPS_BATCHED,
+                                       self.MAX_PADDING_FACTOR)
 
     def clear(self) -> None:
-        self.groups, self.segments = [], None
+        self.groups, self.padded, self.segments = [], None, None
+
+
+def _padded_rows(token_slots: np.ndarray, num_groups: int, device: torch.device, min_groups: int,
+                 max_padding: int) -> PaddedRows | None:
+    """The batched layout, or None when too few groups or too much padding (slot by slot is cheaper)."""
+    if num_groups < min_groups:
+        return None
+    rows = np.flatnonzero(token_slots >= 0)
+    rows = rows[np.argsort(token_slots[rows], kind="stable")]
+    slots = token_slots[rows]
+    first, last = int(slots[0]), int(slots[-1])
+    counts = np.bincount(slots - first, minlength=last - first + 1)
+    max_rows = int(counts.max())
+    if (last - first + 1) * max_rows > max_padding * rows.size:
+        return None
+    rank_in_slot = np.arange(rows.size) - np.concatenate([[0], np.cumsum(counts)[:-1]])[slots - first]
+    padded = (slots - first) * max_rows + rank_in_slot
+    return PaddedRows(first, last - first + 1, max_rows, torch.from_numpy(rows).to(device),
+                      torch.from_numpy(padded).to(device))
 
 
 class LoRALayer:
@@ -89,34 +131,36 @@ class LoRALayer:
         self.batch = batch
         n = len(self.base_sizes)
         self.lora_a_t = torch.zeros(num_slots, base.in_features, n * max_rank, dtype=dtype, device=device)
-        self.lora_b_t = torch.zeros(num_slots, n * max_rank, base.out_features, dtype=dtype, device=device)
+        self.lora_b_t = [torch.zeros(num_slots, max_rank, size, dtype=dtype, device=device) for size in self.base_sizes]
+        self.offsets = np.concatenate([[0], np.cumsum(self.base_sizes)]).tolist()
         self.full_sizes = list(getattr(base, "full_sizes", self.base_sizes))
         self.ranges = list(getattr(base, "ranges", [(0, s) for s in self.base_sizes]))
         self.is_row_parallel = bool(getattr(base, "input_is_parallel", False))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.lora_a_t, self.lora_b_t))
+        return sum(t.numel() * t.element_size() for t in (self.lora_a_t, *self.lora_b_t))
 
     def set_slot(self, slot: int, parts: dict[int | None, LoRAModuleWeights]) -> None:
-        """Write an adapter's slices into ``slot`` (key: slice index, None for the whole fused projection)."""
-        self.lora_a_t[slot].zero_()
-        self.lora_b_t[slot].zero_()
-        offsets = np.concatenate([[0], np.cumsum(self.base_sizes)]).tolist()
+        """Write an adapter's slices into ``slot`` (key: slice index, None for the whole fused projection:
+        its A shrinks for every slice, each expanding with its rows of B)."""
+        self.clear_slot(slot)
         for shard, weights in parts.items():
-            j = 0 if shard is None else shard
-            cols = slice(j * self.max_rank, j * self.max_rank + weights.rank)
-            self.lora_a_t[slot, :, cols] = self._local_a(weights.lora_a).t()
+            r, a = weights.rank, self._local_a(weights.lora_a).t()
             if shard is None:
-                self.lora_b_t[slot, cols, :] = self._local_b_whole(weights.lora_b).t()
+                b_parts = weights.lora_b.split(self.full_sizes, dim=0)
+                slices = range(len(self.base_sizes))
             else:
-                start, rows = self.ranges[shard]
-                b = weights.lora_b.narrow(0, start, rows)  # this rank's rows (out_local, r)
-                self.lora_b_t[slot, cols, offsets[shard]:offsets[shard + 1]] = b.t()
+                b_parts, slices = {shard: weights.lora_b}, [shard]
+            for j in slices:
+                start, rows = self.ranges[j]
+                self.lora_a_t[slot, :, j * self.max_rank:j * self.max_rank + r] = a
+                self.lora_b_t[j][slot, :r] = b_parts[j].narrow(0, start, rows).t()  # this rank's rows
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a_t[slot].zero_()
-        self.lora_b_t[slot].zero_()
+        for b in self.lora_b_t:
+            b[slot].zero_()
 
     def _local_a(self, a: torch.Tensor) -> torch.Tensor:
         """(r, in) -> this rank's input columns (row-parallel), else all of them."""
@@ -124,11 +168,6 @@ class LoRALayer:
             return a
         cols = self.lora_a_t.shape[1]
         return a.narrow(1, get_tensor_parallel_rank() * cols, cols)
-
-    def _local_b_whole(self, b: torch.Tensor) -> torch.Tensor:
-        """A fused projection's whole (out_full, r) ``B`` -> this rank's rows of every slice, stacked."""
-        parts = b.split(self.full_sizes, dim=0)
-        return torch.cat([p.narrow(0, s, n) for p, (s, n) in zip(parts, self.ranges)], dim=0)
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (T, out) += each LoRA row's adapter contribution, in place; x (T, in)."""
@@ -138,21 +177,41 @@ class LoRALayer:
         if batch.segments is not None:
             from pagedllm.lora.triton_sgmv import sgmv_add
 
-            sgmv_add(x, out, self.lora_a_t, self.lora_b_t, batch.segments)
+            for j, b_t in enumerate(self.lora_b_t):
+                r = slice(j * self.max_rank, (j + 1) * self.max_rank)
+                sgmv_add(x, out[:, self.offsets[j]:self.offsets[j + 1]], self.lora_a_t[:, :, r], b_t, batch.segments)
             return out
-        return sgmv_add_torch(x, out, self.lora_a_t, self.lora_b_t, batch.groups)
+        x = x.to(self.lora_a_t.dtype)
+        if batch.padded is not None:
+            return self._apply_padded(x, out, batch.padded)
+        return sgmv_add_torch(x, out, self.lora_a_t, self.lora_b_t, self.offsets, batch.groups)
+
+    def _apply_padded(self, x: torch.Tensor, out: torch.Tensor, p: PaddedRows) -> torch.Tensor:
+        """The batched path: rows gathered into (slots, max_rows, in), one bmm shrink, one bmm expand per slice."""
+        x_pad = x.new_zeros(p.num_slots * p.max_rows, x.shape[1])
+        x_pad[p.padded] = x.index_select(0, p.rows)
+        slots = slice(p.first_slot, p.first_slot + p.num_slots)
+        h = torch.bmm(x_pad.view(p.num_slots, p.max_rows, -1), self.lora_a_t[slots])  # (S, M, n·R)
+        for j, b_t in enumerate(self.lora_b_t):
+            y = torch.bmm(h[:, :, j * self.max_rank:(j + 1) * self.max_rank], b_t[slots])  # (S, M, out_j)
+            out[:, self.offsets[j]:self.offsets[j + 1]].index_add_(0, p.rows, y.flatten(0, 1).index_select(0, p.padded))
+        return out
 
 
-def sgmv_add_torch(x: torch.Tensor, out: torch.Tensor, lora_a_t: torch.Tensor, lora_b_t: torch.Tensor,
-                   groups: list[tuple[int, slice | torch.Tensor]]) -> torch.Tensor:
-    """The grouped matmul in torch: per slot, its rows' shrink ``x @ A^T`` then expand ``@ B^T`` added
-    into ``out`` (in place; a slot's rows as one slice need no gather)."""
-    x = x.to(lora_a_t.dtype)
+def sgmv_add_torch(x: torch.Tensor, out: torch.Tensor, lora_a_t: torch.Tensor, lora_b_t: list[torch.Tensor],
+                   offsets: list[int], groups: list[tuple[int, slice | torch.Tensor]]) -> torch.Tensor:
+    """The grouped matmul in torch, slot by slot: its rows' shrink ``x @ A^T``, then per output slice j the
+    expand ``@ B_j^T`` added into its columns of ``out`` (in place; rows as one slice need no gather)."""
+    rank = lora_b_t[0].shape[1]
     for slot, rows in groups:
         if isinstance(rows, slice):
-            out[rows].addmm_(x[rows] @ lora_a_t[slot], lora_b_t[slot])
+            h = x[rows] @ lora_a_t[slot]
+            for j, b_t in enumerate(lora_b_t):
+                out[rows, offsets[j]:offsets[j + 1]].addmm_(h[:, j * rank:(j + 1) * rank], b_t[slot])
         else:
-            out.index_add_(0, rows, (x.index_select(0, rows) @ lora_a_t[slot]) @ lora_b_t[slot])
+            h = x.index_select(0, rows) @ lora_a_t[slot]
+            for j, b_t in enumerate(lora_b_t):
+                out[:, offsets[j]:offsets[j + 1]].index_add_(0, rows, h[:, j * rank:(j + 1) * rank] @ b_t[slot])
     return out
 
 

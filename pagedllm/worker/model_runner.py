@@ -469,10 +469,15 @@ class ModelRunner:
         state.generator.manual_seed((seed * 1_000_003 + len(state.output_token_ids)) % (2**63 - 1))
 
     def _order_batch(self, so: SchedulerOutput) -> _StepBatch:
-        """Batch order: decodes (1 query token) first, then prefills, as AttentionMetadata requires."""
+        """Batch order: decodes (1 query token) first, then prefills, as AttentionMetadata requires; with
+        LoRA, each part by adapter (an adapter's rows one run: the LoRA op slices instead of gathering)."""
         req_ids = list(so.num_scheduled_tokens)
         num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        order = np.argsort(num_sched > 1, kind="stable")
+        if self.lora_manager is None:
+            order = np.argsort(num_sched > 1, kind="stable")
+        else:
+            lora_ids = np.fromiter((self.requests[r].lora_int_id for r in req_ids), dtype=np.int64, count=len(req_ids))
+            order = np.lexsort((lora_ids, num_sched > 1))
         req_ids = [req_ids[i] for i in order]
         num_sched = num_sched[order]
         states = [self.requests[r] for r in req_ids]

@@ -16,7 +16,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("TRITON_INTERPRET=1 must be set before triton kernels are imported (tests/conftest.py does)",
                 allow_module_level=True)
 
-from pagedllm.lora.layer import LoRABatch, LoRASegments, sgmv_add_torch  # noqa: E402
+from pagedllm.lora.layer import LoRABatch, LoRASegments  # noqa: E402
 from pagedllm.lora.triton_sgmv import sgmv_add  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,18 +49,32 @@ def test_sgmv_matches_per_row_reference(dtype):
     assert torch.equal(out[base_rows], base[base_rows])  # base-model rows untouched
 
 
-def test_torch_grouped_matmul_matches_per_row_reference():
-    g = torch.Generator().manual_seed(1)
-    token_slots = np.array([1, 1, -1, 0, 0, 0, 1, -1])
-    x = torch.randn(8, 16, generator=g, dtype=torch.float64)
-    a_t, b_t = torch.randn(2, 16, 4, generator=g, dtype=torch.float64), torch.randn(2, 4, 12, generator=g,
-                                                                                    dtype=torch.float64)
-    batch = LoRABatch()
-    batch.set(token_slots, torch.device("cpu"))
-    assert [(s, r if isinstance(r, slice) else r.tolist()) for s, r in batch.groups] == [(0, slice(3, 6)),
-                                                                                        (1, [0, 1, 6])]
-    out = sgmv_add_torch(x, torch.zeros(8, 12, dtype=torch.float64), a_t, b_t, batch.groups)
-    expected = torch.stack([x[t] @ a_t[s] @ b_t[s] if s >= 0 else torch.zeros(12, dtype=torch.float64)
-                            for t, s in enumerate(token_slots)])
-    torch.testing.assert_close(out, expected)
+@pytest.mark.parametrize("path", ["batched", "slot_by_slot", "triton"])
+def test_lora_layer_paths_match_per_row_reference(path, monkeypatch):
+    """A fused two-slice projection: the torch batched (padded) path, slot by slot (one run, and a slot
+    in two runs), and the Triton kernels on its slices."""
+    from pagedllm.lora.adapter import LoRAModuleWeights
+    from pagedllm.lora.layer import LoRALayer
+    from pagedllm.models.layers.linear import MergedLinear
 
+    monkeypatch.setattr(LoRABatch, "MIN_GROUPS_BATCHED", 1 if path == "batched" else 99)
+    g = torch.Generator().manual_seed(1)
+    base = MergedLinear(16, [12, 20]).double().to(DEVICE)
+    batch = LoRABatch()
+    layer = LoRALayer(base, num_slots=3, max_rank=4, batch=batch, dtype=torch.float64, device=torch.device(DEVICE))
+    weights = {}
+    for slot, rank in ((0, 4), (1, 2), (2, 3)):
+        a = torch.randn(rank, 16, generator=g, dtype=torch.float64)
+        b0, b1 = (torch.randn(n, rank, generator=g, dtype=torch.float64) for n in (12, 20))
+        parts = {0: LoRAModuleWeights(a, b0), 1: LoRAModuleWeights(a * 2, b1)} if slot != 2 else \
+            {None: LoRAModuleWeights(a, torch.cat([b0, b1]))}  # slot 2: one adapter over the fused projection
+        layer.set_slot(slot, {k: LoRAModuleWeights(w.lora_a.to(DEVICE), w.lora_b.to(DEVICE)) for k, w in parts.items()})
+        weights[slot] = torch.cat([b0 @ a, b1 @ (a * (2 if slot != 2 else 1))])  # the dense delta (32, 16)
+    token_slots = np.array([1, 1, -1, 0, 0, 0, 1, -1, 2, 2])
+    batch.set(token_slots, torch.device(DEVICE), use_segments=path == "triton")
+    assert (batch.padded is not None) == (path == "batched")
+    x = torch.randn(10, 16, generator=g, dtype=torch.float64)
+    out = layer.apply(x.to(DEVICE), torch.zeros(10, 32, dtype=torch.float64, device=DEVICE)).cpu()
+    expected = torch.stack([x[t] @ weights[s].t() if s >= 0 else torch.zeros(32, dtype=torch.float64)
+                            for t, s in enumerate(token_slots)])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)  # Triton accumulates in float32
