@@ -201,3 +201,49 @@ def test_lora_config_errors_name_the_field():
     with pytest.raises(ValueError, match="lora_allowed_dirs"):
         EngineConfig(enable_lora=True, allow_runtime_lora_updating=True)
     assert EngineConfig(enable_lora=True, lora_modules=["a=/x", "b=/y"]).lora_module_paths() == {"a": "/x", "b": "/y"}
+
+
+def _dequantized_hf_copy(base, model):
+    """``base`` (transformers) with the engine's quantized projections' dequantized weights."""
+    import copy
+
+    hf = copy.deepcopy(base)
+    params = dict(hf.named_parameters())
+    split = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    with torch.no_grad():
+        for path, module in model.named_modules():
+            if getattr(module, "quant_method", None) is None:
+                continue
+            weight = module.quant_method.dequantize(module).float()
+            parent, _, leaf = path.rpartition(".")
+            names = split.get(leaf, (leaf,))
+            sizes = getattr(module, "output_sizes", [weight.shape[0]])
+            for name, part in zip(names, weight.split(sizes, dim=0)):
+                params[f"{parent}.{name}.weight".lstrip(".")].copy_(part)
+    return hf
+
+
+def test_quantized_base_keeps_the_adapter_in_activation_dtype(llama):
+    """int8 base weights: the adapter runs in float32 over them; equal to PEFT over the dequantized weights."""
+    base, folder, adapters = llama
+    llm = _llm(folder, quantization="int8")
+    loras = [LoRARequest("a1", 1, str(adapters["a1"])), None]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], _greedy(), use_tqdm=False, lora_request=loras)
+    layer = llm.llm_engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert layer.quant_method is not None and layer.lora.lora_a_t.dtype == torch.float32
+    _check_against_peft(_dequantized_hf_copy(base, llm.llm_engine.runner.model), outs, PROMPTS[:2],
+                        [adapters["a1"], None])
+
+
+def test_cli_flags_derive_from_the_fields():
+    import argparse
+
+    from pagedllm.entrypoints.args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--enable-lora", "--lora-modules", "a=/d1", "b=/d2", "--max-loras", "4",
+                              "--allow-runtime-lora-updating", "--lora-allowed-dirs", "/adapters"])
+    config = engine_config_from_args(args)
+    assert config.lora_module_paths() == {"a": "/d1", "b": "/d2"} and config.max_loras == 4
+    assert config.lora_allowed_dirs == ["/adapters"] and config.resolved_max_cpu_loras == 4
