@@ -247,3 +247,13 @@ def test_cli_flags_derive_from_the_fields():
     config = engine_config_from_args(args)
     assert config.lora_module_paths() == {"a": "/d1", "b": "/d2"} and config.max_loras == 4
     assert config.lora_allowed_dirs == ["/adapters"] and config.resolved_max_cpu_loras == 4
+
+
+def test_planner_counts_the_adapter_slots(llama):
+    from pagedllm import plan
+
+    _, folder, _ = llama
+    llm = _llm(folder, max_loras=3)
+    p = plan(str(folder), enable_lora=True, max_loras=3, max_lora_rank=8, max_model_len=64)
+    assert p.lora_bytes == llm.llm_engine.runner.lora_manager.slot_bytes > 0
+    assert "LoRA slots" in p.render()
