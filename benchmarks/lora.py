@@ -140,7 +140,7 @@ def main(argv: list[str]) -> None:
     naive = median[f"naive_merged_{max(counts)}"]
     ratios = {m: {"vs_base": round(v / median["base"], 3), "vs_naive": round(v / naive, 3)} for m, v in median.items()}
     path = write_result("lora", {"settings": vars(args), "output_tok_s": tok_s, "median_output_tok_s": median,
-                                 "ratios": ratios})
+                                 "ratios": ratios}, args.out)
     print(" ".join(f"{m} {v:.1f} tok/s ({ratios[m]['vs_base']:.2f}x base, {ratios[m]['vs_naive']:.2f}x naive)"
                    for m, v in median.items()) + f" -> {path}")
 

@@ -257,3 +257,14 @@ def test_planner_counts_the_adapter_slots(llama):
     p = plan(str(folder), enable_lora=True, max_loras=3, max_lora_rank=8, max_model_len=64)
     assert p.lora_bytes == llm.llm_engine.runner.lora_manager.slot_bytes > 0
     assert "LoRA slots" in p.render()
+
+
+def test_chat_takes_the_adapter(llama):
+    base, folder, adapters = llama
+    llm = _llm(folder)
+    a1 = LoRARequest("a1", 1, str(adapters["a1"]))
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    out = llm.chat([{"role": "user", "content": "t5 t9 t33 t100"}], _greedy(), use_tqdm=False,
+                   chat_template=template, lora_request=a1)
+    ids = llm.get_tokenizer().encode("t5 t9 t33 t100 ", add_special_tokens=False)
+    _check_against_peft(base, out, [ids], [adapters["a1"]])
