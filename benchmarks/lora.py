@@ -9,7 +9,7 @@ all added at once; output tok/s is output tokens over the wall time of the whole
 included; the naive mode's merges included). Reports the median over rounds and the ratios to the
 base model and to the naive mode. One result line; JSON to benchmarks/results/lora.json.
 
-    .venv/bin/python benchmarks/lora.py --rounds 2
+    .venv/bin/python benchmarks/lora.py --rounds 3
 """
 
 from __future__ import annotations
