@@ -25,6 +25,7 @@ _LAZY = {
     "EngineConfig": "pagedllm.config",
     "LLMEngine": "pagedllm.engine.llm_engine",
     "plan": "pagedllm.planner",
+    "LoRARequest": "pagedllm.lora.request",
 }
 
 __all__ = list(_LAZY)

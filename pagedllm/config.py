@@ -162,6 +162,13 @@ class EngineConfig:
     speculative_config: str | dict | None = _f(
         None, "speculative decoding: a JSON object of vLLM's fields, like '{\"method\": \"ngram\", "
               "\"num_speculative_tokens\": 4}' (methods: ngram, suffix; docs/speculative-decoding.md) (default: off)")
+    enable_lora: bool = _f(False, "serve LoRA adapters (PEFT folders) over the base model, chosen per request (docs/lora.md)")
+    max_loras: int = _f(1, "LoRA: most adapters in one batch (device slots); requests of others wait")
+    max_lora_rank: int = _f(16, "LoRA: largest adapter rank r accepted (slot size)")
+    max_cpu_loras: int | None = _f(None, "LoRA: loaded adapters kept in host memory, least recently used dropped (default: max_loras)")
+    lora_modules: list[str] | None = _f(None, "LoRA: adapters at start as name=path (several: --lora-modules a=DIR1 b=DIR2)")
+    allow_runtime_lora_updating: bool = _f(False, "`serve`: allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    lora_allowed_dirs: list[str] | None = _f(None, "`serve`: folders /v1/load_lora_adapter may read adapters from (required for run-time loading)")
 
     def __post_init__(self) -> None:
         validate_block_size(self.block_size)
@@ -213,6 +220,7 @@ class EngineConfig:
                      "request_body_timeout_s"):
             self._positive(name, allow_none=name == "max_connections")
         self._check_partial_prefills()
+        self._check_lora()
         self._positive("tensor_parallel_size")
         self._positive("data_parallel_size")
         if self.data_parallel_router not in DATA_PARALLEL_ROUTERS:
@@ -254,6 +262,51 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when enable_chunked_prefill is off, or a long prompt could never run")
+
+    def _check_lora(self) -> None:
+        """The LoRA fields: positive sizes, ``max_cpu_loras >= max_loras``, ``name=path`` modules with
+        distinct names; any of them set without ``enable_lora`` is an error naming it."""
+        for name in ("max_loras", "max_lora_rank"):
+            self._positive(name)
+        if self.max_lora_rank > 512:
+            raise ValueError(f"max_lora_rank must be at most 512, got {self.max_lora_rank}")
+        self._positive("max_cpu_loras", allow_none=True)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        self.lora_module_paths()
+        if not self.enable_lora:
+            for name in ("lora_modules", "allow_runtime_lora_updating", "lora_allowed_dirs"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} needs enable_lora")
+        if self.allow_runtime_lora_updating and not self.lora_allowed_dirs:
+            raise ValueError("allow_runtime_lora_updating needs lora_allowed_dirs (the folders adapters may be read from)")
+        if self.lora_allowed_dirs is not None and (not isinstance(self.lora_allowed_dirs, (list, tuple)) or not all(
+                isinstance(d, str) and d for d in self.lora_allowed_dirs)):
+            raise ValueError(f"lora_allowed_dirs must be a list of folder paths, got {self.lora_allowed_dirs!r}")
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """``lora_modules`` as ``{name: path}`` (entries ``name=path``, or a dict); ValueError naming the field."""
+        value = self.lora_modules
+        if value is None:
+            return {}
+        if isinstance(value, dict):
+            items = list(value.items())
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            items = [v.partition("=")[::2] for v in value]
+        else:
+            raise ValueError(f"lora_modules must be a list of name=path entries, got {value!r}")
+        paths: dict[str, str] = {}
+        for name, path in items:
+            if not name or not path or not isinstance(name, str) or not isinstance(path, str):
+                raise ValueError(f"lora_modules entries must be name=path, got {name!r}={path!r}")
+            if name in paths:
+                raise ValueError(f"lora_modules names adapter {name!r} twice")
+            paths[name] = path
+        return paths
+
+    @property
+    def resolved_max_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     def _check_step_time_targets(self) -> None:
         """``max_step_time_ratio``: None, 0 (off) or a finite number >= 1; ``max_step_time_ms``:

@@ -6,6 +6,7 @@ import time
 from typing import Iterable, Sequence
 
 from pagedllm.config import DEFAULT_MODEL, EngineConfig, engine_arg_names
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -38,10 +39,13 @@ class LLM:
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """One finished RequestOutput per prompt, in input order; ``sampling_params``: one, or one per prompt.
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in input order; ``sampling_params``: one, or one per prompt;
+        ``lora_request``: the adapter of every prompt, or one per prompt (None: the base model; needs
+        ``enable_lora``).
 
-        Raises ValueError, before anything runs, for an invalid prompt or parameter.
+        Raises ValueError, before anything runs, for an invalid prompt, parameter or adapter.
         """
         self._require_runner("generate")
         prompt_list = self._as_prompt_list(prompts)
@@ -51,15 +55,18 @@ class LLM:
             raise ValueError(f"priority must be a list of ints (one per prompt); got {priority!r}")
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
-        ids = self._add_all(prompt_list, params_list, priority)
+        loras = self._as_lora_list(lora_request, len(prompt_list))
+        ids = self._add_all(prompt_list, params_list, priority, loras)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
-        """Generate for one conversation or a list of them through the chat template (``tools`` included).
+             tools: list[dict] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generate for one conversation or a list of them through the chat template (``tools`` included),
+        under ``lora_request`` as :meth:`generate`.
 
         Raises ValueError for an empty conversation or an unknown role.
         """
@@ -76,7 +83,7 @@ class LLM:
             ids = engine.apply_chat_template(conv, add_generation_prompt, chat_template, continue_final_message,
                                              tools=tools)
             prompts.append({"prompt_token_ids": ids, "prompt": engine.tokenizer.decode(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def embed(self, prompts, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False):
         """One ``EmbeddingRequestOutput`` per prompt (``.outputs.embedding``: list of floats), in order."""
@@ -133,7 +140,30 @@ class LLM:
             raise ValueError(f"got {len(sp)} sampling_params for {n} prompts")
         return sp
 
-    def _add_all(self, prompts, params_list, priority) -> list[str]:
+    @staticmethod
+    def _as_lora_list(lora_request, n: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * n
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else None
+        if loras is None or not all(r is None or isinstance(r, LoRARequest) for r in loras):
+            raise ValueError(f"lora_request must be a LoRARequest or a list of them (one per prompt); "
+                             f"got {type(lora_request).__name__}")
+        if len(loras) != n:
+            raise ValueError(f"got {len(loras)} lora_request entries for {n} prompts")
+        return loras
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (vLLM's ``add_lora``); False when already loaded. Raises LoRAError."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_name: str) -> LoRARequest:
+        """Unload an adapter by name; LoRAError when unknown."""
+        return self.llm_engine.remove_lora(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.llm_engine.list_loras()
+
+    def _add_all(self, prompts, params_list, priority, loras) -> list[str]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
@@ -143,7 +173,8 @@ class LLM:
                 rid = str(self._next_id)
                 self._next_id += 1
                 text = prompt.get("prompt") if isinstance(prompt, dict) else None
-                engine.add_request(rid, prompt, sp, priority=priority[i] if priority else 0, prompt_text=text)
+                engine.add_request(rid, prompt, sp, priority=priority[i] if priority else 0, prompt_text=text,
+                                   lora_request=loras[i])
                 ids.append(rid)
         except ValueError as e:
             engine.abort_request(ids)  # nothing half-submitted stays behind

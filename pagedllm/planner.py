@@ -115,6 +115,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     # CPU: copies of the linear weights packed for the matmul kernels, beside weight_bytes
     packed_weight_bytes: int = 0
+    lora_bytes: int = 0  # enable_lora: the max_loras adapter slots, beside weight_bytes
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -259,7 +260,8 @@ def _compute(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, source: 
     config = config.replace(max_model_len=max_model_len)
     contexts = _context_lens(context_lens, max_model_len)
     dbytes = sizing.dtype_bytes(dtype)
-    weights = sizing.weight_bytes(shape, dbytes, inp.quantization, tp)
+    lora = sizing.lora_slot_bytes(shape, config.max_loras, config.max_lora_rank, dbytes, tp) if config.enable_lora else 0
+    weights = sizing.weight_bytes(shape, dbytes, inp.quantization, tp) + lora
     packed = 0 if is_gpu else _cpu_packed_bytes(shape, dtype, inp.quantization, tp)
     act_tokens = min(config.token_budget, max_model_len)
     activations = sizing.activation_bytes(shape, act_tokens, min(act_tokens, config.max_num_seqs), dbytes, tp)
@@ -305,7 +307,7 @@ def _compute(config: EngineConfig, inp: _PlanInputs, shape: ModelShape, source: 
         device_memory_bytes=memory, gpu_memory_utilization=config.gpu_memory_utilization if is_gpu else None,
         dtype=dtype, kv_cache_dtype=kv_dtype, quantization=inp.quantization, tensor_parallel_size=tp,
         block_size=config.block_size, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
-        weight_bytes=weights, packed_weight_bytes=packed, activation_bytes=activations, activation_tokens=act_tokens,
+        weight_bytes=weights - lora, lora_bytes=lora, packed_weight_bytes=packed, activation_bytes=activations, activation_tokens=act_tokens,
         kv_bytes_per_token=per_token, kv_cache_groups=list(groups), max_chunk_tokens=config.token_budget,
         bytes_per_block=per_block, kv_budget_bytes=budget,
         kv_budget_source=budget_source, num_blocks=num_blocks, num_tokens=spec.num_tokens,
@@ -380,7 +382,7 @@ def _suggest(p: Plan, shape: ModelShape, config: EngineConfig, inp: _PlanInputs)
 
 def _suggest_fixes(p: Plan, shape: ModelShape, config: EngineConfig, inp: _PlanInputs) -> list[str]:
     fixes = []
-    if p.weight_bytes + p.activation_bytes > (p.device_memory_bytes or 0) * (p.gpu_memory_utilization or 1.0):
+    if p.weight_bytes + p.lora_bytes + p.activation_bytes > (p.device_memory_bytes or 0) * (p.gpu_memory_utilization or 1.0):
         for q in ("int8", "int4"):
             if _fits_with(config, inp, shape, quantization=q):
                 fixes.append(f"--quantization {q}")
@@ -459,6 +461,8 @@ def render_plan(p: Plan) -> str:
         f"block_size {p.block_size}, max_model_len {p.max_model_len}",
         "",
         f"  weights                 {fb(p.weight_bytes):>12}",
+        *([f"  LoRA slots              {fb(p.lora_bytes):>12}   (max_loras adapters of rank max_lora_rank)"]
+          if p.lora_bytes else []),
         *([f"  packed for CPU kernels  {fb(p.packed_weight_bytes):>12}   (copies of the linear weights: skinny GEMM"
            f" / oneDNN layouts)"] if p.packed_weight_bytes else []),
         f"  activations (estimate)  {fb(p.activation_bytes):>12}   ({p.activation_tokens}-token step)",

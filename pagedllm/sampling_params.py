@@ -148,6 +148,9 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # the pooling runner over a decoder: the runner returns the last prompt token's final hidden state
     return_hidden_states: bool = field(default=False, repr=False)
+    # The adapter (a pagedllm.lora.LoRARequest) the engine set from add_request's lora_request or the
+    # server from the request's model name; it travels with the parameters to the scheduler and runner.
+    lora_request: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -259,7 +262,7 @@ _BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.typ
 
 def sampling_field_names() -> list[str]:
     """The sampling fields a user sets (everything but ``output_kind`` and engine-filled ones)."""
-    return [f.name for f in dataclasses.fields(SamplingParams) if f.name not in ("output_kind", "bad_words_token_ids")]
+    return [f.name for f in dataclasses.fields(SamplingParams) if f.name not in ("output_kind", "bad_words_token_ids", "lora_request")]
 
 
 def _as_list(name: str, value: Any) -> list:

@@ -187,6 +187,18 @@ def contiguous_max_sequences(kv_budget_bytes: int, bytes_per_sequence: int) -> i
     return max(kv_budget_bytes, 0) // bytes_per_sequence
 
 
+def lora_slot_bytes(shape: ModelShape, max_loras: int, max_lora_rank: int, dtype_bytes: int, tp: int = 1) -> int:
+    """Device bytes of ``max_loras`` LoRA slots of rank ``max_lora_rank`` on every projection (pagedllm.lora's
+    layout: per projection A^T (in, slices x R) and per slice B^T (R, out); per rank under tensor parallelism)."""
+    h, r = shape.hidden_size, max_lora_rank
+    q, kv, inter = shape.num_attention_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, shape.intermediate_size
+    per_layer = (h * 3 * r + r * (q + 2 * kv) // tp  # q/k/v: column-parallel, B split
+                 + q // tp * r + r * h  # o: row-parallel, A split
+                 + h * 2 * r + r * 2 * inter // tp  # gate/up
+                 + inter // tp * r + r * h)  # down
+    return per_layer * shape.num_layers * max_loras * dtype_bytes
+
+
 def weight_bytes(shape: ModelShape, dtype_bytes_: int, quantization: str | None = None,
                  tensor_parallel_size: int = 1) -> int:
     """Weight bytes on one rank, linears at :data:`QUANTIZATION_BITS`, split evenly over ranks.

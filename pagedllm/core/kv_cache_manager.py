@@ -307,7 +307,7 @@ class KVCacheManager:
         bs, tokens = self.block_size, request.all_token_ids
         while len(hashes) < num_blocks:
             i = len(hashes)
-            extra = (request.cache_salt,) if (i == 0 and request.cache_salt) else None
+            extra = request.block_hash_extra_keys if i == 0 else None
             hashes.append(hash_block_tokens(hashes[i - 1] if i else None, tokens[i * bs:(i + 1) * bs], extra))
         return hashes
 

@@ -57,6 +57,7 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.cache_salt = sampling_params.cache_salt  # enters the first block's hash
+        self.lora_request = sampling_params.lora_request  # a pagedllm.lora.LoRARequest; its cache_key too
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
@@ -82,6 +83,19 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
+    def block_hash_extra_keys(self) -> tuple | None:
+        """The first block's extra hash keys (vLLM's ``extra_keys``): the cache salt and the adapter, so
+        requests of different salts or adapters never share prefix-cache blocks."""
+        keys = ((self.cache_salt,) if self.cache_salt else ()) + (
+            (self.lora_request.cache_key,) if self.lora_request is not None else ())
+        return keys or None
 
     @property
     def use_structured_output(self) -> bool:

@@ -158,10 +158,11 @@ class Scheduler:
         # 2. Waiting requests.
         can_admit = not preempted and not (self.is_static and self.running)
         i = 0
+        loras = {r.lora_int_id for r in self.running} - {0}
         while can_admit and i < len(self.waiting) and budget.has_prompt_room and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
-            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:  # skipped, not blocking
-                i += 1
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR or self._lacks_lora_slot(req, loras):
+                i += 1  # skipped, not blocking
                 continue
             swapped = self.swap_space.swapped.get(req.request_id)
             if swapped is not None:
@@ -170,6 +171,7 @@ class Scheduler:
                     break
                 num_scheduled[req.request_id] = num_new
                 budget.take_tokens(req.request_id, num_new)
+                loras |= {req.lora_int_id} - {0}
                 continue
             donor = None
             if req.parent_id is not None and not self.is_static:
@@ -193,6 +195,7 @@ class Scheduler:
                 break
             num_scheduled[req.request_id] = num_new
             budget.take_prompt(req.request_id, num_new, hit.num_tokens, num_left)
+            loras |= {req.lora_int_id} - {0}
 
         # 3. The output for the model runner.
         for victim in preempted:  # a draft of a request preempted after it was scheduled
@@ -557,6 +560,11 @@ class Scheduler:
         req.num_computed_tokens = record.num_computed_tokens
         self.running.append(req)
         return True
+
+    def _lacks_lora_slot(self, req: Request, loras: set[int]) -> bool:
+        """Whether ``req``'s adapter would be one more than ``max_loras`` among the running requests'."""
+        lora_id = req.lora_int_id
+        return lora_id != 0 and lora_id not in loras and len(loras) >= self.config.max_loras
 
     def _make_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, GroupBlockIds],
                      preempted: list[Request], budget: StepBudget, drafts: dict[str, list[int]]) -> SchedulerOutput:

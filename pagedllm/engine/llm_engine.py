@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 from pagedllm.config import EngineConfig
@@ -23,6 +23,8 @@ from pagedllm.engine.front_end import FrontEnd
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.step_failure import retry_output, without_requests
+from pagedllm.lora.registry import LoRARegistry
+from pagedllm.lora.request import LoRAError, LoRAInUseError, LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -109,6 +111,9 @@ class LLMEngine:
             compile_memory_mb=config.structured_outputs_compile_memory_mb)
         self.drafter = self._make_drafter(config)
         self._ids = itertools.count()
+        self.lora_registry = LoRARegistry()
+        for name, path in config.lora_module_paths().items():
+            self.add_lora(self.lora_registry.new_request(name, path))
         self.num_steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -146,13 +151,15 @@ class LLMEngine:
         return FrontEnd(self.input_processor)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0, prompt_text: str | None = None) -> str:
+                    arrival_time: float | None = None, priority: int = 0, prompt_text: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue a request of ``params.n`` sequences; returns its id. A truncated prompt
         (``truncate_prompt_tokens``) is reported as the text kept. Raises ValueError, queueing
         nothing, for an empty prompt, a token id outside the vocabulary, a prompt (+ ``max_tokens``)
-        past ``max_model_len``, a duplicate id, or parameters the model cannot honour.
+        past ``max_model_len``, a duplicate id, parameters the model cannot honour, or an adapter
+        (``lora_request``, or ``params.lora_request``) that cannot be loaded (LoRAError).
         """
-        params = params or SamplingParams()
+        params = self._with_lora(params or SamplingParams(), lora_request)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -181,6 +188,52 @@ class LLMEngine:
                 self.structured_output.add_request(child, spec)
         self.output_processor.add_request(request_id, prompt_text, children, params, arrival)
         return request_id
+
+    def _with_lora(self, params: SamplingParams, lora_request: LoRARequest | None) -> SamplingParams:
+        """``params`` carrying the request's adapter, loaded first if new (LoRAError when it cannot be)."""
+        lora_request = lora_request or params.lora_request
+        if lora_request is None:
+            return params
+        if not self.config.enable_lora:
+            raise ValueError("lora_request needs an engine started with enable_lora")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        self.add_lora(lora_request)
+        return params if params.lora_request is lora_request else replace(params, lora_request=lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter on every rank and name it; False when it is already loaded. Raises LoRAError
+        naming the problem (nothing loaded), ValueError without ``enable_lora``."""
+        if not self.config.enable_lora:
+            raise ValueError("LoRA adapters need an engine started with enable_lora")
+        if self.lora_registry.get(lora_request.lora_name) == lora_request:
+            return False
+        self.lora_registry.add(lora_request)  # checks the name and the id first
+        try:
+            self.executor.collective_rpc("add_lora", (lora_request,))
+        except Exception:
+            self.lora_registry.remove(lora_request.lora_name)
+            self.executor.collective_rpc("remove_lora", (lora_request.lora_int_id,))
+            raise
+        return True
+
+    def remove_lora(self, lora_name: str) -> LoRARequest:
+        """Unload the adapter named ``lora_name``. Raises LoRAError when unknown, LoRAInUseError while
+        unfinished requests run under it (nothing changes)."""
+        lora_request = self.lora_registry.get(lora_name)
+        if lora_request is None:
+            raise LoRAError(f"no adapter named {lora_name!r} is loaded")
+        users = [r.request_id for r in self.scheduler.requests.values()
+                 if r.lora_int_id == lora_request.lora_int_id and not r.is_finished]
+        if users:
+            raise LoRAInUseError(f"adapter {lora_name!r} has {len(users)} unfinished requests; unload it when they end")
+        self.lora_registry.remove(lora_name)
+        self.executor.collective_rpc("remove_lora", (lora_request.lora_int_id,))
+        return lora_request
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The loaded adapters in load order."""
+        return self.lora_registry.list()
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort user requests (unknown ids are ignored); their blocks are freed at once."""

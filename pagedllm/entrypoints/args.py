@@ -40,6 +40,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("m
             group.add_argument(_flag(f.name), dest=f.name, type=int, default=f.default, help=help_text)
         elif hint in (float, float | None):
             group.add_argument(_flag(f.name), dest=f.name, type=float, default=f.default, help=help_text)
+        elif hint == list[str] | None:  # --lora-modules a=DIR1 b=DIR2
+            group.add_argument(_flag(f.name), dest=f.name, type=str, nargs="+", default=f.default, help=help_text)
         else:
             group.add_argument(_flag(f.name), dest=f.name, type=str, default=f.default, help=help_text)
 

@@ -83,6 +83,7 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None
     num_prompt_logprob_positions_done: int = 0
+    lora_int_id: int = 0  # its adapter, 0 for the base model
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +122,7 @@ class ModelRunner:
         self.memory_profile = None  # worker.memory_profiler.MemoryProfile after CUDA sizing
         self.kv_dtype = self._resolve_kv_dtype()
         self.model = self._load_model(model_files)
+        self.lora_manager = self._new_lora_manager()
         self.compiled_model = self._compile_model()
         self.cpu_graphs = self._new_cpu_graphs()
         self._init_lengths(model_files)
@@ -140,6 +142,40 @@ class ModelRunner:
                              f"{type(self.attn_backend).__name__} backend; use auto or bfloat16, or the torch, cpu or "
                              f"triton attention backend")
         return kv_dtype
+
+    def _new_lora_manager(self):
+        """Adapter slots on every target projection when ``enable_lora`` (pagedllm.lora), else None."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        from pagedllm.lora.manager import LoRAManager
+
+        manager = LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.resolved_max_cpu_loras,
+                              self.dtype, self.device)
+        logger.info("LoRA: %d slots of rank %d on %d projections, %s", config.max_loras, config.max_lora_rank,
+                    len(manager.layers), format_bytes(manager.slot_bytes))
+        return manager
+
+    def add_lora(self, lora_request) -> bool:
+        """Load and check an adapter (pagedllm.lora.LoRARequest); False when already loaded. Raises
+        LoRAError (a ValueError) naming the problem, ValueError without ``enable_lora``."""
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters need enable_lora")
+        return self.lora_manager.add_adapter(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.lora_manager is not None and self.lora_manager.remove_adapter(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return [] if self.lora_manager is None else self.lora_manager.list_adapters()
+
+    def _prepare_lora(self, b: _StepBatch) -> bool:
+        """Give the LoRA layers this step's rows by adapter; whether any row uses one."""
+        if self.lora_manager is None:
+            return False
+        per_request = np.fromiter((self.requests[r].lora_int_id for r in b.req_ids), dtype=np.int64,
+                                  count=len(b.req_ids))
+        return self.lora_manager.prepare_step(np.repeat(per_request, b.num_scheduled))
 
     def _new_cpu_graphs(self) -> CpuDecodeGraphs | None:
         config = self.config
@@ -417,7 +453,7 @@ class ModelRunner:
             output = list(new.token_ids[new.num_prompt_tokens:])
             num_blocks = len(new.block_ids[0])
             state = CachedRequestState(new.req_id, row, prompt, output, params, num_blocks,
-                                       new.num_computed_tokens, gen)
+                                       new.num_computed_tokens, gen, lora_int_id=self._lora_id(params.lora_request))
             n = len(new.token_ids)
             self.token_buf[row, :n] = new.token_ids
             for g, ids in enumerate(new.block_ids):
@@ -437,6 +473,13 @@ class ModelRunner:
             state = self.requests[req_id]
             self.token_buf[state.row, state.num_tokens:state.num_tokens + len(draft)] = draft
 
+    def _lora_id(self, lora_request) -> int:
+        """A new request's adapter id (loaded here first if this rank has not seen it), 0 for none."""
+        if lora_request is None:
+            return 0
+        self.add_lora(lora_request)
+        return lora_request.lora_int_id
+
     @staticmethod
     def _reseed(state: CachedRequestState) -> None:
         """Seed from (seed, output position): output token i's draw depends on nothing else,
@@ -449,10 +492,15 @@ class ModelRunner:
         generator.manual_seed((seed * 1_000_003 + position) % (2**63 - 1))
 
     def _order_batch(self, so: SchedulerOutput) -> _StepBatch:
-        """Batch order: decodes (1 query token) first, then prefills, as AttentionMetadata requires."""
+        """Batch order: decodes (1 query token) first, then prefills, as AttentionMetadata requires; with
+        LoRA, each part by adapter (an adapter's rows one run: the LoRA op slices instead of gathering)."""
         req_ids = list(so.num_scheduled_tokens)
         num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        order = np.argsort(num_sched > 1, kind="stable")
+        if self.lora_manager is None:
+            order = np.argsort(num_sched > 1, kind="stable")
+        else:
+            lora_ids = np.fromiter((self.requests[r].lora_int_id for r in req_ids), dtype=np.int64, count=len(req_ids))
+            order = np.lexsort((lora_ids, num_sched > 1))
         req_ids = [req_ids[i] for i in order]
         num_sched = num_sched[order]
         states = [self.requests[r] for r in req_ids]
@@ -506,7 +554,11 @@ class ModelRunner:
             return ModelRunnerOutput()
         b = self._order_batch(so)
         input_ids, positions, metas, cu = self._prepare_inputs(b)
-        hidden = self._forward(input_ids, positions, metas)  # (T, hidden)
+        try:
+            hidden = self._forward(input_ids, positions, metas, is_eager=self._prepare_lora(b))  # (T, hidden)
+        finally:
+            if self.lora_manager is not None:
+                self.lora_manager.finish_step()
         out = ModelRunnerOutput()
         self._compute_prompt_logprobs(b, hidden, cu, out)
         self._sample(b, hidden, cu, out, grammar_bitmask)
@@ -515,13 +567,14 @@ class ModelRunner:
         return out
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 metas: list[AttentionMetadata]) -> torch.Tensor:
-        if self.decode_graphs is not None and self.decode_graphs.can_run(metas[0]):
+                 metas: list[AttentionMetadata], is_eager: bool = False) -> torch.Tensor:
+        """``is_eager``: no graph or compiled model (a step with LoRA rows: they hold no adapter op)."""
+        if not is_eager and self.decode_graphs is not None and self.decode_graphs.can_run(metas[0]):
             return self.decode_graphs.run(input_ids, positions, metas)
         with set_forward_context(metas):
-            if self.cpu_graphs is not None and self.cpu_graphs.can_run(metas):
+            if not is_eager and self.cpu_graphs is not None and self.cpu_graphs.can_run(metas):
                 return self.cpu_graphs.run(input_ids, positions)
-            if self.compiled_model is not None:
+            if not is_eager and self.compiled_model is not None:
                 return self.compiled_model(input_ids, positions)
             return self.model(input_ids, positions)
 

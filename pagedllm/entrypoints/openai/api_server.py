@@ -43,6 +43,7 @@ from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAUL
 from pagedllm.entrypoints.openai.serving_base import ClientDisconnected, json_response, until_disconnected
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_lora import lora_admin_router
 from pagedllm.entrypoints.openai.serving_messages import ServingMessages
 from pagedllm.entrypoints.openai.serving_responses import ServingResponses
 from pagedllm.entrypoints.openai.serving_pooling import pooling_router
@@ -203,17 +204,27 @@ def served_tasks(engine) -> list[str]:
     return tasks + ["score"] if "score" not in tasks else tasks
 
 
+def _adapter_card(request: Request, name: str) -> ModelCard | None:
+    """A LoRA adapter's card (its folder as ``root``, the base as ``parent``), or None for another name."""
+    chat = request.app.state.chat
+    lora = next((r for r in chat.adapters() if r.lora_name == name), None)
+    return None if lora is None else ModelCard(id=name, root=lora.lora_path, parent=chat.model_name,
+                                                max_model_len=request.app.state.engine.config.max_model_len)
+
+
 @router.get("/v1/models", response_model=ModelList, responses=errors(401))
 async def list_models(raw_request: Request) -> Response:
-    names = raw_request.app.state.chat.served_model_names
-    return json_response(ModelList(data=[_model_card(raw_request, name) for name in names]))
+    chat = raw_request.app.state.chat
+    cards = [_model_card(raw_request, name) for name in chat.served_model_names]
+    cards += [_adapter_card(raw_request, r.lora_name) for r in chat.adapters()]
+    return json_response(ModelList(data=cards))
 
 
 # OpenAI's "retrieve model" (the SDK's client.models.retrieve); `:path` as served names may hold '/'
 @router.get("/v1/models/{model:path}", response_model=ModelCard, responses=errors(401, 404))
 async def retrieve_model(model: str, raw_request: Request) -> Response:
     raw_request.app.state.chat.check_model(model)
-    return json_response(_model_card(raw_request, model))
+    return json_response(_adapter_card(raw_request, model) or _model_card(raw_request, model))
 
 
 @router.get("/health", response_class=Response,
@@ -333,6 +344,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
                                (StarletteHTTPException, _http_error), (Exception, _any_error)):
         app.add_exception_handler(exc_class, handler)
     app.include_router(router)
+    if engine.config.enable_lora and engine.config.allow_runtime_lora_updating:
+        app.include_router(lora_admin_router())
     app.openapi = lambda: _openapi(app)
     if enable_kv_map:
         add_kv_map_routes(app, engine, names[0], requires_api_key=bool(api_keys))

@@ -617,6 +617,7 @@ class ModelCard(OpenAIBase):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
     tasks: list[str] | None = None  # what the model serves: generate, or embed / classify with score
 

@@ -20,6 +20,7 @@ from pagedllm.entrypoints.openai.tenant_salt import salted
 from pagedllm.engine.request_stream import RequestStream, merge_streams
 from pagedllm.entrypoints.openai.generation_defaults import generation_defaults
 from pagedllm.entrypoints.openai.errors import APIError, to_api_error
+from pagedllm.entrypoints.openai.serving_lora import adapter_named, lora_registry, with_adapter
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -45,6 +46,7 @@ class OpenAIServing:
         self.max_n = max_n
         config = engine.config
         self.sampling_defaults = generation_defaults(config.model, getattr(config, "generation_config", "vllm"))
+        self.lora_registry = lora_registry(engine)  # adapters a request's model may name
 
     def story(self, *outputs) -> list | None:
         """The outputs' RequestMetrics for ``usage.metrics``, or None when ``usage_metrics`` is off."""
@@ -62,10 +64,18 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> None:
         """Raise a 404 APIError naming the served models when ``model`` is not one of them."""
-        if model is None or model in self.served_model_names:
+        if model is None or model in self.served_model_names or adapter_named(self.lora_registry, model):
             return
-        served = ", ".join(self.served_model_names)
+        served = ", ".join(self.served_model_names + [r.lora_name for r in self.adapters()])
         raise APIError(404, f"The model `{model}` does not exist. Served models: {served}", "model")
+
+    def adapters(self) -> list:
+        """The loaded LoRA adapters (pagedllm.lora.LoRARequest), in load order."""
+        return [] if self.lora_registry is None else self.lora_registry.list()
+
+    def params_for_model(self, params: SamplingParams, model: str | None) -> SamplingParams:
+        """``params`` under the adapter ``model`` names (unchanged for the base model's names)."""
+        return with_adapter(params, adapter_named(self.lora_registry, model))
 
     def check_n(self, n: int) -> None:
         if isinstance(n, int) and n > self.max_n:

@@ -116,7 +116,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(req.model)
         self.check_n(req.n)
         apply_generation_defaults(req, self.sampling_defaults)
-        params = req.to_sampling_params()
+        params = self.params_for_model(req.to_sampling_params(), req.model)
         plan = self.plan_tools(req, params)
         template_kwargs = self.template_kwargs(req)
         prompt_ids = await self.render(req.conversation(), req.add_generation_prompt, req.continue_final_message,

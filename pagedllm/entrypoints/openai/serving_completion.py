@@ -44,7 +44,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(req.model)
         self.check_n(req.n)
         apply_generation_defaults(req, self.sampling_defaults)
-        params = req.to_sampling_params()
+        params = self.params_for_model(req.to_sampling_params(), req.model)
         prompts = await self._engine_prompts(req)
         request_id = self.new_id("cmpl", req.request_id)
         streams = await self.add_requests(self.label(request_id, req.user), prompts, params, req.priority)

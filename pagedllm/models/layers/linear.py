@@ -20,7 +20,8 @@ class Linear(nn.Linear):
     """``nn.Linear`` that can run from a packed copy of its weight on CPU (:meth:`pack_for_cpu`: the skinny
     GEMM for up to ``max_rows`` rows, oneDNN above). A run-time weight format sets ``quant_method``, which
     then owns the weight and the matmul (vLLM's ``LinearMethod``). ``bf16_math`` (opt-in, float32, AMX):
-    oneDNN multiplies in bfloat16 and accumulates in float32; greedy outputs can change."""
+    oneDNN multiplies in bfloat16 and accumulates in float32; greedy outputs can change. ``lora``
+    (``pagedllm.lora``, set with ``enable_lora``) adds its adapters' rows to the base output."""
 
     packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout
     skinny_weight: skinny_gemm.SkinnyWeight | None = None
@@ -28,8 +29,13 @@ class Linear(nn.Linear):
     bf16_math = False
     # False for layers that rarely see more rows than MAX_ROWS (the LM head: its rows are the sampled ones)
     onednn_for_many_rows = True
+    lora = None  # a pagedllm.lora.layer.LoRALayer, or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_forward(x)
+        return out if self.lora is None else self.lora.apply(x, out)
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
         if x.requires_grad and torch.is_grad_enabled():
