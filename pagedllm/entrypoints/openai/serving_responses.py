@@ -27,7 +27,7 @@ from pagedllm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 
 # chat field -> the Responses field a 400 names
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-           "response_format": "text"}
+           "response_format": "text", "reasoning_effort": "reasoning"}
 _TEXT_PART_TYPES = ("input_text", "output_text", "text")
 _ROLES = ("user", "assistant", "system", "developer")
 _REFUSED_INCLUDES = ("message.output_text.logprobs",)
@@ -132,7 +132,7 @@ def to_chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -
                   temperature=req.temperature, top_p=req.top_p, stop=req.stop, tools=_chat_tools(req.tools),
                   tool_choice=_chat_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
                   response_format=_response_format(req.text), stream=req.stream,
-                  user=req.user or req.safety_identifier)
+                  user=req.user or req.safety_identifier, reasoning_effort=(req.reasoning or {}).get("effort"))
     return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
 
 
