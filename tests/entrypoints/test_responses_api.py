@@ -212,6 +212,12 @@ def test_fields_not_honoured_are_400_naming_them(client, body, param):
     assert_error(client.post("/v1/responses", json=body), 400, param)
 
 
+@pytest.mark.parametrize("tool", [{"type": "function", "parameters": {}}, {"type": "function", "name": 5}])
+def test_a_function_tool_without_a_name_is_400_in_responses_terms(client, tool):
+    err = assert_error(client.post("/v1/responses", json={"input": "hi", "tools": [tool]}), 400, "tools")
+    assert err["message"] == "tools[0].name is required (a string): a function tool needs a name"
+
+
 def test_unknown_model_is_404(client):
     assert_error(client.post("/v1/responses", json={"model": "other", "input": "hi"}), 404, "model")
 

@@ -99,6 +99,8 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
     for i, tool in enumerate(tools):
         if tool.get("type") != "function":
             raise APIError(400, f"tools[{i}].type {tool.get('type')!r} is not supported: only function tools", "tools")
+        if not isinstance(tool.get("name"), str):  # chat would name its own tools[i].function.name
+            raise APIError(400, f"tools[{i}].name is required (a string): a function tool needs a name", "tools")
         fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return out
