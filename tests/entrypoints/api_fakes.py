@@ -14,6 +14,8 @@ from pagedllm.outputs import CompletionOutput, RequestOutput
 from fake_engine import BLOCK_SIZE, FakeEngine
 from server_utils import MODEL, make_server
 
+_RENDER_ARGUMENTS = ("tokenize", "chat_template", "continue_final_message", "add_generation_prompt")  # FakeTokenizer's
+
 __all__ = ["MODEL", "ScriptedEngine", "scripted_server", "scripted_serving", "sse_typed_events", "wait_until_free"]
 
 
@@ -28,6 +30,7 @@ class ScriptedEngine(FakeEngine):
         self.script: list[str] = []
         self.conversations: list[list[dict]] = []
         self.tools_seen: list = []
+        self.template_kwargs_seen: list[dict] = []
         self._texts: dict[str, str] = {}
         self._cached: dict[str, int] = {}
         self._last_prompt: list[int] = []
@@ -36,7 +39,9 @@ class ScriptedEngine(FakeEngine):
         def recording_render(messages, tools=None, **kwargs) -> str:  # what the server's front end renders
             self.conversations.append(messages)
             self.tools_seen.append(tools)
-            return render(messages, tools=tools, **kwargs)
+            own = {k: kwargs.pop(k) for k in _RENDER_ARGUMENTS if k in kwargs}
+            self.template_kwargs_seen.append(kwargs)  # the template's extra variables (reasoning_effort, ...)
+            return render(messages, tools=tools, **own)
 
         self.tokenizer.apply_chat_template = recording_render
 

@@ -142,6 +142,13 @@ def test_output_config_format_and_thinking(served, client):
     ({"thinking": {"type": "sometimes"}}, "thinking.type"),
     ({"output_config": {"format": {"type": "regex"}}}, "output_config.format"),
     ({"stream": 1}, "stream"),
+    *[({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": c}]}]},
+       words) for c, words in ((5, "content[0].content must be a string"), ([5], "block type None"),
+                               ([{"type": "image", "source": {}}], "image blocks"))],
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "r"}]}]}, "needs tool_use_id"),
+    *[({"messages": [{"role": "assistant", "content": [{"type": "tool_use", **block}]}, *HI]},
+       "messages[0].content[0]: a tool_use block needs id and name")
+      for block in ({"name": "f", "input": {}}, {"id": "t", "input": {}}, {"id": "t", "name": "f", "input": [1]})],
 ])
 def test_bad_fields_are_400_in_anthropic_shape(client, body, words):
     assert_anthropic_error(client.post("/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": HI, **body}),

@@ -4,6 +4,7 @@ naming the field beyond each, and the bound itself accepted."""
 import pydantic
 import pytest
 
+from pagedllm.entrypoints.openai.errors import validation_message
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.sampling_params import (MAX_LOGIT_BIAS, MAX_N, MAX_PROMPTS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
                                       SamplingParams)
@@ -31,3 +32,12 @@ def test_prompt_count_is_bounded():
         with pytest.raises(pydantic.ValidationError, match="prompt"):
             CompletionRequest(prompt=prompt)
     assert len(CompletionRequest(prompt=list(range(5000))).prompt) == 5000  # one prompt of token ids
+
+
+@pytest.mark.parametrize("prompt", [["a"] * (MAX_PROMPTS + 1), [[1, 2]] * (MAX_PROMPTS + 1)])
+def test_too_many_prompts_say_so_not_that_a_prompt_is_no_token_id(prompt):
+    with pytest.raises(pydantic.ValidationError) as info:
+        CompletionRequest(prompt=prompt)
+    message, field = validation_message(info.value)
+    assert field == "prompt"
+    assert message == f"prompt: List should have at most {MAX_PROMPTS} items after validation, not {MAX_PROMPTS + 1}"

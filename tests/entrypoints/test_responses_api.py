@@ -206,9 +206,16 @@ def test_store_off_refuses_previous_response_id():
     ({"input": "hi", "max_output_tokens": 10**6}, "input"),  # beyond the context
     ({"input": "hi", "temperature": 3}, "temperature"),
     ({"input": "hi", "stream": "yes"}, "stream"),
+    ({"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning"),
 ])
 def test_fields_not_honoured_are_400_naming_them(client, body, param):
     assert_error(client.post("/v1/responses", json=body), 400, param)
+
+
+@pytest.mark.parametrize("tool", [{"type": "function", "parameters": {}}, {"type": "function", "name": 5}])
+def test_a_function_tool_without_a_name_is_400_in_responses_terms(client, tool):
+    err = assert_error(client.post("/v1/responses", json={"input": "hi", "tools": [tool]}), 400, "tools")
+    assert err["message"] == "tools[0].name is required (a string): a function tool needs a name"
 
 
 def test_unknown_model_is_404(client):
@@ -216,10 +223,17 @@ def test_unknown_model_is_404(client):
 
 
 def test_accepted_fields_without_effect(served, client):
-    body = create(client, served.fake, "x", input="hi", reasoning={"effort": "low"}, prompt_cache_key="k",
+    body = create(client, served.fake, "x", input="hi", reasoning={"summary": "auto"}, prompt_cache_key="k",
                   include=["reasoning.encrypted_content"], truncation="disabled", background=False,
                   safety_identifier="s", service_tier="auto", stream_options=None)
     assert body["status"] == "completed" and [o["type"] for o in body["output"]] == ["message"]
+
+
+@pytest.mark.parametrize("reasoning, variables", [({"effort": "high", "summary": "auto"}, {"reasoning_effort": "high"}),
+                                                  ({"summary": "auto"}, {}), (None, {})])
+def test_reasoning_effort_reaches_the_template_as_on_chat(served, client, reasoning, variables):
+    create(client, served.fake, "x", input="hi", **({"reasoning": reasoning} if reasoning else {}))
+    assert served.fake.template_kwargs_seen[-1] == variables
 
 
 TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",

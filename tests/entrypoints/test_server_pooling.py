@@ -24,7 +24,7 @@ from pagedllm.engine.pooling_engine import PoolingEngine
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.metrics import EngineMetrics
 from bert_utils import TEXTS, bert_folder, cross_folder, reference_embeddings  # noqa: F401  (fixtures)
-from server_utils import ServerThread, make_server
+from server_utils import ServerThread, assert_error, make_server
 
 MODEL = "tiny-bert"
 
@@ -114,6 +114,26 @@ def test_generation_on_a_pooling_model_is_a_400(embed_client):
     assert r.status_code == 400 and "runner='pooling'" in r.json()["error"]["message"]
     assert "pagedllm:request_success_total" in embed_client.get("/metrics").text
     assert 'finished_reason="pooled"' in embed_client.get("/metrics").text
+    assert embed_client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "dog"}], "max_tokens": 2}, "messages"),
+    ("/v1/responses", {"input": "dog", "max_output_tokens": 2}, "input"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "dog"}]}, "messages"),
+])
+def test_conversations_on_a_pooling_model_are_a_400_naming_the_runner(embed_client, route, body, param):
+    err = assert_error(embed_client.post(route, json=body), 400, param)
+    assert "runner='pooling' (it serves embed)" in err["message"] and "runner='generate'" in err["message"]
+    assert embed_client.post("/tokenize", json={"prompt": "dog"}).json()["count"] >= 1  # a prompt still tokenizes
+
+
+@pytest.mark.parametrize("route", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_anthropic_messages_on_a_pooling_model_are_a_400_in_its_shape(embed_client, route):
+    r = embed_client.post(route, json={"max_tokens": 2, "messages": [{"role": "user", "content": "dog"}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    assert "runner='pooling'" in r.json()["error"]["message"]
     assert embed_client.get("/health").status_code == 200
 
 

@@ -121,11 +121,14 @@ def _request_path(error: dict) -> list[str]:
 def validation_message(exc: Any) -> tuple[str, str | None]:
     """A one-line message and the offending field from a RequestValidationError: the error deepest
     in the body, the most specific one (among a union's members, the one that got furthest, and
-    among equals one whose type matched: ``[]`` for a string-or-list field is a list too short)."""
+    among equals one whose type matched: ``[]`` for a string-or-list field is a list too short). A list
+    over its bound comes first: its member's type matched, so 1025 string prompts are "too many", not
+    "prompt.0 is not an integer" from the token-ids member."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = max(errors, key=lambda e: (len(_request_path(e)), not str(e.get("type", "")).endswith("_type")))
+    first = max(errors, key=lambda e: (e.get("type") == "too_long", len(_request_path(e)),
+                                       not str(e.get("type", "")).endswith("_type")))
     if first.get("type") == "json_invalid":
         return "Malformed JSON in the request body: " + str(first.get("ctx", {}).get("error", first.get("msg"))), None
     loc = _request_path(first)

@@ -36,7 +36,7 @@ class ResponsesRequest(_RequestBase):
     cache_salt: NonEmptyStr | None = None  # vLLM's prefix-cache namespace (docs/robustness.md)
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None  # prefix caching needs no key
-    reasoning: dict[str, Any] | None = None  # accepted: effort and summary have no effect
+    reasoning: dict[str, Any] | None = None  # effort: the template's reasoning_effort (as chat); summary: no effect
     include: list[str] | None = None
     truncation: Literal["disabled", "auto"] | None = None
     background: StrictBool | None = None

@@ -61,12 +61,16 @@ class OpenAIServingChat(OpenAIServing):
     async def render(self, messages: list[dict], add_generation_prompt: bool = True,
                      continue_final_message: bool = False, chat_template: str | None = None,
                      tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
-        """Prompt token ids of a conversation (raises APIError 400 naming ``messages``, or
-        ``chat_template`` when the request's own template fails to render).
+        """Prompt token ids of a conversation (raises APIError 400 naming ``messages``, also on a pooling
+        engine, or ``chat_template`` when the request's own template fails to render).
 
         ``chat_template``: a request's own template, over the server's and the model's;
         ``tools``, ``template_kwargs``: passed to the template.
         """
+        if getattr(self.engine, "runner_type", "generate") == "pooling":  # no chat template on a pooling engine
+            raise APIError(400, f"the model {self.model_name!r} runs with runner='pooling' (it serves "
+                                f"{', '.join(self.engine.tasks)}): conversations (chat, /v1/responses, /v1/messages, "
+                                f"messages in /tokenize) need a model served with runner='generate'", "messages")
         if chat_template is not None and not self.engine.config.trust_request_chat_template:
             raise APIError(400, "chat_template in a request is refused: the server runs it as code "
                            "(start it with --trust-request-chat-template to allow it)", "chat_template")

@@ -40,7 +40,26 @@ def _text(block: dict[str, Any], where: str) -> str:
 def _result_text(content: Any, where: str) -> str:
     if isinstance(content, str) or content is None:
         return content or ""
-    return "\n".join(_text(b, f"{where}.content") if b.get("type") == "text" else _refuse(b, where) for b in content)
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}.content must be a string or a list of text blocks", "messages")
+    return "\n".join(_text(b, f"{where}.content") if isinstance(b, dict) and b.get("type") == "text"
+                     else _refuse(b, where) for b in content)
+
+
+def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """The chat tool call of a ``tool_use`` block: ``id`` and ``name`` strings, ``input`` an object (as Anthropic)."""
+    if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
+            and isinstance(block.get("input", {}), dict)):
+        raise APIError(400, f"{where}: a tool_use block needs id and name (strings) and input (an object)", "messages")
+    return {"id": block["id"], "type": "function",
+            "function": {"name": block["name"], "arguments": json.dumps(block.get("input") or {})}}
+
+
+def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """The chat tool message of a ``tool_result`` block, which names its call by ``tool_use_id``."""
+    if not isinstance(block.get("tool_use_id"), str):
+        raise APIError(400, f"{where}: a tool_result block needs tool_use_id (a string)", "messages")
+    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": _result_text(block.get("content"), where)}
 
 
 def _refuse(block: Any, where: str) -> str:
@@ -61,11 +80,9 @@ def _turn(i: int, role: str, content: str | list[dict[str, Any]]) -> list[dict[s
         if kind == "text":
             texts.append(_text(block, where))
         elif kind == "tool_use" and role == "assistant":
-            calls.append({"id": block.get("id"), "type": "function", "function": {
-                "name": block.get("name"), "arguments": json.dumps(block.get("input") or {})}})
+            calls.append(_tool_use(block, where))
         elif kind == "tool_result" and role == "user":
-            results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                            "content": _result_text(block.get("content"), where)})
+            results.append(_tool_result(block, where))
         elif kind not in ("thinking", "redacted_thinking"):  # a thinking model's blocks, sent back
             _refuse(block, where)
     text = {"role": role, "content": "\n".join(texts) or None, **({"tool_calls": calls} if calls else {})}

@@ -27,7 +27,7 @@ from pagedllm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 
 # chat field -> the Responses field a 400 names
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-           "response_format": "text"}
+           "response_format": "text", "reasoning_effort": "reasoning"}
 _TEXT_PART_TYPES = ("input_text", "output_text", "text")
 _ROLES = ("user", "assistant", "system", "developer")
 _REFUSED_INCLUDES = ("message.output_text.logprobs",)
@@ -99,6 +99,8 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
     for i, tool in enumerate(tools):
         if tool.get("type") != "function":
             raise APIError(400, f"tools[{i}].type {tool.get('type')!r} is not supported: only function tools", "tools")
+        if not isinstance(tool.get("name"), str):  # chat would name its own tools[i].function.name
+            raise APIError(400, f"tools[{i}].name is required (a string): a function tool needs a name", "tools")
         fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return out
@@ -132,7 +134,8 @@ def to_chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -
                   temperature=req.temperature, top_p=req.top_p, stop=req.stop, tools=_chat_tools(req.tools),
                   tool_choice=_chat_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
                   response_format=_response_format(req.text), stream=req.stream,
-                  user=req.user or req.safety_identifier, cache_salt=req.cache_salt)
+                  user=req.user or req.safety_identifier, cache_salt=req.cache_salt,
+                  reasoning_effort=(req.reasoning or {}).get("effort"))
     return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
 
 
