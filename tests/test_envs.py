@@ -21,6 +21,8 @@ CASES = {
     envs.CPU_FP32_PREFILL_LINEAR: (envs.cpu_fp32_prefill_linear, {"": "auto", "onednn": "onednn", "blas": "blas"},
                                    ["mkl"]),
     envs.CPU_PACKED_LINEAR: (envs.cpu_packed_linear, {"": True, "0": False, "1": True}, ["off"]),
+    envs.INT8_GEMM_ISA: (envs.int8_gemm_isa, {"": "auto", "AVX2": "avx2", "scalar": "scalar",
+                                              "avx512_vnni": "avx512_vnni"}, ["amx", "sse"]),
     envs.ENGINE_CORES: (envs.engine_cores, {"": None, "4": 4, " 12 ": 12}, ["0", "-2", "four", "2.5"]),
     envs.API_KEY: (envs.api_key, {"": None, "sk-1": "sk-1"}, []),
 }

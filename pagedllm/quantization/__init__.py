@@ -1,4 +1,4 @@
-"""Weight formats kept at run time (int8, int4, GGUF blocks; one module each) and KV-cache dtypes."""
+"""Weight formats kept at run time (int8, W8A8, int4, GGUF blocks; one module each) and KV-cache dtypes."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ def get_quantization_config(name: str, group_size: int = 128, gguf_tensor_types:
     if name == "int8":
         from pagedllm.quantization.int8 import Int8Config
         return Int8Config()
+    if name == "w8a8":
+        from pagedllm.quantization.w8a8 import W8A8Config
+        return W8A8Config()
     if name == "int4":
         from pagedllm.quantization.int4 import Int4Config
         return Int4Config(group_size)
