@@ -10,7 +10,7 @@ __all__ = ["LinearMethod", "QUANTIZATION_METHODS", "QuantizationConfig", "create
            "get_quantization_config", "process_quantized_weights", "weight_bytes"]
 
 
-def get_quantization_config(name: str, group_size: int = 128, gguf_tensor_types: dict | None = None,
+def get_quantization_config(name: str, group_size: int | None = None, gguf_tensor_types: dict | None = None,
                             fused_parts: dict[str, list[str]] | None = None) -> QuantizationConfig:
     """The config for ``quantization=name``. Raises ValueError naming the bad field."""
     if name == "int8":
@@ -21,7 +21,7 @@ def get_quantization_config(name: str, group_size: int = 128, gguf_tensor_types:
         return W8A8Config()
     if name == "int4":
         from pagedllm.quantization.int4 import Int4Config
-        return Int4Config(group_size)
+        return Int4Config(group_size, gguf_tensor_types, fused_parts)
     if name == "gguf":
         if gguf_tensor_types is None:
             raise ValueError("quantization='gguf' needs a .gguf model file; use 'int8' or 'int4' for other models")

@@ -48,6 +48,10 @@ class QuantizationConfig:
     def packed_weight_names(self) -> frozenset[str]:
         return frozenset()
 
+    def describe(self) -> str:
+        """The format as the start-up line states it (after every layer's method was chosen)."""
+        return self.name
+
 
 def quantizable_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
     """Every ``nn.Linear`` but a head tied to the embedding (its lookup needs float rows)."""

@@ -24,7 +24,7 @@ from pagedllm.quantization.int8 import Int8LinearMethod
 __all__ = ["KERNEL_MAX_ROWS", "W8A8Config", "W8A8LinearMethod", "quantize_per_token", "w8a8_matmul"]
 
 # Rows up to which the C kernel beats torch._int_mm (benchmarks/int8_gemm.py).
-KERNEL_MAX_ROWS = 32
+KERNEL_MAX_ROWS = 64
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
