@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from pagedllm import envs, native
 
-__all__ = ["ISAS", "Int8GemmKernel", "Int8Weight", "int8_linear", "isa", "load_kernel", "pack", "set_isa"]
+__all__ = ["ISAS", "Int8GemmKernel", "Int8Weight", "int8_linear", "isa", "load_kernel", "pack", "set_isa", "unpack"]
 
 ISAS = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}  # int8_gemm.c's isa codes
 _SOURCE = native.SOURCE_DIR / "int8_gemm.c"
@@ -121,6 +121,13 @@ def pack(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, width
     scales = F.pad(scales.float(), (0, pad_n)).contiguous()
     bias = None if bias is None else F.pad(bias.detach().float(), (0, pad_n)).contiguous()
     return Int8Weight(panels, colsum.contiguous(), scales, bias, n, k)
+
+
+def unpack(weight: Int8Weight) -> torch.Tensor:
+    """The (N, K) int8 weight :func:`pack` was given."""
+    num_panels, groups, width, _ = weight.panels.shape
+    q = weight.panels.transpose(1, 2).reshape(num_panels * width, groups * _K_GROUP)
+    return q[:weight.out_features, :weight.in_features].contiguous()
 
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight, kernel: Int8GemmKernel | None = None,

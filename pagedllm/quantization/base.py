@@ -40,6 +40,8 @@ class QuantizationConfig:
     """Chooses a :class:`LinearMethod` per linear layer (None: keep it float)."""
 
     name: str = ""
+    # whether an LM head tied to the embedding is quantized too (the embedding keeps its float rows)
+    quantizes_tied_head = False
 
     def get_linear_method(self, prefix: str, layer: nn.Module) -> LinearMethod | None:
         raise NotImplementedError
@@ -53,19 +55,21 @@ class QuantizationConfig:
         return self.name
 
 
-def quantizable_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
-    """Every ``nn.Linear`` but a head tied to the embedding (its lookup needs float rows)."""
+def quantizable_linears(model: nn.Module, include_tied_head: bool = False) -> Iterator[tuple[str, nn.Linear]]:
+    """Every ``nn.Linear`` but (unless ``include_tied_head``) a head tied to the embedding, whose lookup needs
+    float rows; a tied head that is quantized drops only its own reference to the shared weight."""
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     tied_weight = getattr(embed, "weight", None)
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and not (tied_weight is not None and module.weight is tied_weight):
+        if isinstance(module, nn.Linear) and (include_tied_head or not (tied_weight is not None
+                                                                       and module.weight is tied_weight)):
             yield name, module
 
 
 def create_quantized_weights(model: nn.Module, config: QuantizationConfig) -> int:
     """Set each ``layer.quant_method`` and create its weights (before ``load_weights``); returns the count."""
     count = 0
-    for name, layer in list(quantizable_linears(model)):
+    for name, layer in list(quantizable_linears(model, config.quantizes_tied_head)):
         method = config.get_linear_method(name, layer)
         if method is None:
             continue

@@ -49,8 +49,10 @@ def w8a8_matmul(x: torch.Tensor, q_kn: torch.Tensor, scales: torch.Tensor,
 
 class W8A8LinearMethod(Int8LinearMethod):
     """Per-channel int8 weights (quantized at load, or given by :meth:`set_quantized`) kept as a (K, N) copy
-    for ``torch._int_mm`` and, on the CPU with the C kernel built, in its panels (``kernel_panels``).
-    Raises ValueError for group-wise scales (W8A8 takes one scale per output channel)."""
+    for ``torch._int_mm`` and, on the CPU with the C kernel built, in its panels (``kernel_panels``). A layer
+    whose rows are few by design (``onednn_for_many_rows`` False: the LM head, fed the sampled rows) keeps
+    the panels alone and runs every row count in the C kernel. Raises ValueError for group-wise scales
+    (W8A8 takes one scale per output channel)."""
 
     kernel_max_rows = KERNEL_MAX_ROWS
 
@@ -60,15 +62,16 @@ class W8A8LinearMethod(Int8LinearMethod):
             raise ValueError("quantization='w8a8' needs one weight scale per output channel, got "
                              f"{layer.scales.shape[1]} groups per row")
         q = layer.qweight
-        q_kn = q.t().contiguous()
         del layer._buffers["qweight"]
-        layer.register_buffer("qweight", q_kn.t())  # (N, K) view of the (K, N) copy torch._int_mm reads
         layer.int8_weight = None
         if q.is_cpu and int8_gemm.load_kernel() is not None:
             int8_gemm.isa()  # a bad envs.INT8_GEMM_ISA fails the load, not the first step
             packed = int8_gemm.pack(q, layer.scales, layer.bias)
             layer.int8_weight = packed
             layer.kernel_panels = packed.panels
+            if not getattr(layer, "onednn_for_many_rows", True):
+                return
+        layer.register_buffer("qweight", q.t().contiguous().t())  # (N, K) view of the (K, N) copy _int_mm reads
 
     @staticmethod
     def set_quantized(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor) -> None:
@@ -77,10 +80,15 @@ class W8A8LinearMethod(Int8LinearMethod):
             raise ValueError(f"quantization='w8a8' needs scales of shape (out_features,), got {tuple(scales.shape)}")
         Int8LinearMethod.set_quantized(layer, q, scales)
 
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        q = layer.qweight if "qweight" in layer._buffers else int8_gemm.unpack(layer.int8_weight)
+        return q.float() * layer.scales.unsqueeze(1)
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x32 = x if x.dtype == torch.float32 else x.float()
         packed = getattr(layer, "int8_weight", None)
-        if packed is not None and x32.shape[0] <= self.kernel_max_rows and x32.is_cpu:
+        if packed is not None and x32.is_cpu and (x32.shape[0] <= self.kernel_max_rows
+                                                  or "qweight" not in layer._buffers):
             out = int8_gemm.int8_linear(x32 if x32.stride(1) == 1 else x32.contiguous(), packed)
         else:
             out = w8a8_matmul(x32, layer.qweight.t(), layer.scales, layer.bias)
@@ -88,9 +96,11 @@ class W8A8LinearMethod(Int8LinearMethod):
 
 
 class W8A8Config(QuantizationConfig):
-    """``quantization="w8a8"``: every projection but a tied LM head."""
+    """``quantization="w8a8"``: every projection, a tied LM head included (the embedding keeps its float
+    rows; the head's weight stream is a large share of a small model's decode step)."""
 
     name = "w8a8"
+    quantizes_tied_head = True
 
     def get_linear_method(self, prefix: str, layer: nn.Module) -> W8A8LinearMethod:
         return W8A8LinearMethod()
