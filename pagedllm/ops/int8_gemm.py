@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import envs, native
+from pagedllm.ops import recording
 
 __all__ = ["ISAS", "Int8GemmKernel", "Int8Weight", "int8_linear", "isa", "load_kernel", "pack", "set_isa", "unpack"]
 
@@ -133,7 +134,8 @@ def unpack(weight: Int8Weight) -> torch.Tensor:
 def int8_linear(x: torch.Tensor, weight: Int8Weight, kernel: Int8GemmKernel | None = None,
                 isa_code: int | None = None) -> torch.Tensor:
     """x (M, K) float32 on the CPU, rows contiguous -> (M, N) float32 (:mod:`pagedllm.quantization.w8a8`'s
-    formula). Raises ValueError for an x that does not fit or an ISA the kernel refuses."""
+    formula); recorded into an active CPU decode graph (:mod:`pagedllm.ops.recording`). Raises ValueError
+    for an x that does not fit or an ISA the kernel refuses."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != weight.in_features or x.stride(1) != 1 \
             or not x.is_cpu:
         raise ValueError(f"int8_linear: x must be (M, {weight.in_features}) float32 on the CPU with contiguous "
@@ -148,9 +150,9 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, kernel: Int8GemmKernel | No
             weight.out_features, m, weight.out_features, weight.in_features, code, torch.get_num_threads())
     if torch._C._autograd._profiler_enabled():
         with torch.profiler.record_function(PROFILER_EVENT):
-            rc = kernel.gemm(*args)
+            rc = recording.call(kernel.gemm, *args, keep=(weight,))
     else:
-        rc = kernel.gemm(*args)
+        rc = recording.call(kernel.gemm, *args, keep=(weight,))
     if rc != 0:
         raise ValueError(f"int8_linear: the kernel refused ISA {code} (best here: {kernel.best_isa}) "
                          f"or could not allocate its scratch rows")

@@ -55,6 +55,8 @@ class W8A8LinearMethod(Int8LinearMethod):
     (W8A8 takes one scale per output channel)."""
 
     kernel_max_rows = KERNEL_MAX_ROWS
+    # float32 rows up to kernel_max_rows run one recorded C call (pagedllm.worker.cpu_graph)
+    records_cpu_graphs = True
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         super().process_weights_after_loading(layer)

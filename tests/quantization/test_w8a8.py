@@ -130,6 +130,25 @@ def test_tiny_model_greedy_agreement_and_batch_invariance(tiny_model_dir):
             assert held < 0.6 * dense[name].weight.nbytes, name
 
 
+def test_decode_graphs_replay_the_eager_tokens_and_logprobs(tiny_model_dir):
+    """The decode rows' kernel calls are recorded into CPU decode graphs: replays give the eager run's bits."""
+    from tests.engine.test_engine_equivalence import _prompts
+
+    if int8_gemm.load_kernel() is None:
+        pytest.skip("no C compiler for the int8 GEMM kernel")
+    prompts = _prompts(3, seed=7, lo=5, hi=30)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    llm = _llm(tiny_model_dir, quantization="w8a8")
+    graphs = llm.llm_engine.runner.cpu_graphs
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert graphs is not None and graphs.num_replayed > 0 and not graphs.refused
+    eager = _llm(tiny_model_dir, quantization="w8a8", enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(got, eager):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{t: p.logprob for t, p in d.items()} for d in a.outputs[0].logprobs] == \
+            [{t: p.logprob for t, p in d.items()} for d in b.outputs[0].logprobs]
+
+
 # -- the real default model (slow) ---------------------------------------------------------------
 
 @pytest.mark.slow
