@@ -153,10 +153,12 @@ def users_table(results: dict, budget_bytes: int, context: int = CONTEXT) -> dic
     """Sequences of ``context`` tokens that fit in ``budget_bytes`` for every weights x KV pair:
     (budget - weight bytes) // (KV bytes per token x context); ``context=1``: KV tokens that fit."""
     table = {}
-    for w in WEIGHT_CONFIGS:
+    for w in (w for w in WEIGHT_CONFIGS if w in results):
         weight = results[w]["weight_bytes"]
         row = {}
         for kv_label, kv_name in KV_CONFIGS.items():
+            if kv_name not in results:
+                continue
             per_token = results[kv_name]["kv_bytes_per_token"]
             if w in ("bfloat16", "gguf-q4_1+bf16") and kv_label == "auto (float32)":
                 per_token = results["bfloat16"]["kv_bytes_per_token"]  # auto = the model dtype
@@ -232,7 +234,7 @@ def main() -> None:
               "output_tokens_per_request": args.output_tokens, "greedy_tokens": args.max_tokens, "num_prompts": len(convs),
               "budget_bytes": parse_bytes(args.budget, "budget"), "context_tokens": CONTEXT,
               "configs": {n: {k: v for k, v in r.items()} for n, r in results.items()}}
-    if all(n in results for n in WEIGHT_CONFIGS + list(KV_CONFIGS.values())):
+    if "float32" in results:  # the configurations measured in this run
         record["users_that_fit"] = users_table(results, record["budget_bytes"])
         record["kv_tokens_that_fit"] = users_table(results, record["budget_bytes"], context=1)
     if "float32" in results:
