@@ -28,7 +28,7 @@ SERVING_CPU_PREFILL_TOKENS_WHILE_DECODING = 256
 # this many tokens (the floor that keeps every prompt progressing; the former fixed cap).
 SERVING_CPU_MIN_PREFILL_TOKENS_WHILE_DECODING = 64
 # Weight formats kept at run time (pagedllm.quantization) and KV-cache dtypes (vLLM's names).
-QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+QUANTIZATION_METHODS = ("int8", "w8a8", "int4", "gguf")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's int4 CPU kernel accepts
 DATA_PARALLEL_ROUTERS = ("prefix", "least_loaded", "round_robin")
@@ -86,8 +86,10 @@ class EngineConfig:
     tokenizer: str | None = _f(None, "tokenizer folder or .gguf (default: the model's own)")
     dtype: str = _f("auto", "weights and activations: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     device: str = _f("auto", "auto, cpu or cuda")
-    quantization: str | None = _f(None, "keep weights quantized at run time: int8, int4 or gguf (default: float weights in dtype, or as stored for a checkpoint with a quantization_config)")
-    quantization_group_size: int = _f(128, "int4 group size in input features: 32, 64, 128 or 256")
+    quantization: str | None = _f(None, "keep weights quantized at run time: int8 (weight-only), w8a8 (int8 weights and activations), int4 or gguf (default: float weights in dtype, or as stored for a checkpoint with a quantization_config)")
+    quantization_group_size: int | None = _f(
+        None, "int4 group size in input features: 32, 64, 128 or 256 (default per layer: 32 for a GGUF file's "
+              "quantized weights, their own grid; else 128, or the largest of these that divides in_features)")
     kv_cache_dtype: str = _f("auto", "KV-cache storage: auto (the model dtype), bfloat16, fp8 (= fp8_e4m3), fp8_e5m2, int8")
     seed: int = _f(0, "global random seed (requests without their own seed)")
     max_model_len: int | None = _f(None, "maximum tokens per sequence, prompt + output (default: the model's context length)")
@@ -180,7 +182,7 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, "
                              f"got {self.quantization!r}")
-        if self.quantization_group_size not in INT4_GROUP_SIZES:
+        if self.quantization_group_size is not None and self.quantization_group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES}, "
                              f"got {self.quantization_group_size!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -22,6 +22,8 @@ CASES = {
                                    ["mkl"]),
     envs.CPU_PACKED_LINEAR: (envs.cpu_packed_linear, {"": True, "0": False, "1": True}, ["off"]),
     envs.GGUF_DOT_ISA: (envs.gguf_dot_isa, {"": "auto", "AVX2": "avx2", "scalar": "scalar"}, ["sse", "amx"]),
+    envs.INT8_GEMM_ISA: (envs.int8_gemm_isa, {"": "auto", "AVX2": "avx2", "scalar": "scalar",
+                                              "avx512_vnni": "avx512_vnni"}, ["amx", "sse"]),
     envs.ENGINE_CORES: (envs.engine_cores, {"": None, "4": 4, " 12 ": 12}, ["0", "-2", "four", "2.5"]),
     envs.API_KEY: (envs.api_key, {"": None, "sk-1": "sk-1"}, []),
 }

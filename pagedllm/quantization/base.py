@@ -40,16 +40,19 @@ class QuantizationConfig:
     """Chooses a :class:`LinearMethod` per linear layer (None: keep it float)."""
 
     name: str = ""
+    # whether an LM head tied to the embedding is quantized too (the embedding keeps its float rows)
+    quantizes_tied_head = False
 
     def get_linear_method(self, prefix: str, layer: nn.Module) -> LinearMethod | None:
         raise NotImplementedError
 
     def get_tied_head_method(self, layer: nn.Module) -> LinearMethod | None:
-        """The method of an LM head tied to the embedding (which keeps its float rows for the lookup), or None."""
-        return None
+        """The method of an LM head tied to the embedding (which keeps its float rows for the lookup), or
+        None; by default the linear method of ``lm_head`` when ``quantizes_tied_head``."""
+        return self.get_linear_method("lm_head", layer) if self.quantizes_tied_head else None
 
-    def summary(self) -> str:
-        """The format as the start-up line states it (after the layers were created)."""
+    def describe(self) -> str:
+        """The format as the start-up line states it (after every layer's method was chosen)."""
         return self.name
 
     @property

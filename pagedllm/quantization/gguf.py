@@ -212,7 +212,7 @@ class GGUFConfig(QuantizationConfig):
         self.num_kept += 1
         return GGUFTiedHeadMethod(layer.out_features)
 
-    def summary(self) -> str:
+    def describe(self) -> str:
         kept = ", ".join(f"{name} {count}" for name, count in sorted(self.kept_types.items()))
         return f"gguf blocks (tensors: {kept or 'none'}; {self.num_float} linear layers float)"
 

@@ -99,14 +99,65 @@ class Int4LinearMethod(LinearMethod):
         return w.view(rows, k)
 
 
+# The group a float checkpoint gets when it divides in_features (torchao's int4 default), else the
+# largest of GROUP_SIZES that does.
+PREFERRED_GROUP_SIZE = 128
+# A GGUF file's quantized blocks are on a grid of 32 input features (Q4_0/Q4_1/Q5_*/Q8_0 blocks, the
+# sub-blocks of Q4_K/Q5_K); groups on that grid keep the file's own scale boundaries.
+GGUF_GRID = 32
+_GGUF_FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+
+
+def choose_group_size(in_features: int, checkpoint_kinds: set | None = None) -> int | None:
+    """The int4 group for a layer: ``GGUF_GRID`` when its checkpoint tensors are GGUF-quantized, else
+    ``PREFERRED_GROUP_SIZE``, else the largest of ``GROUP_SIZES`` that divides ``in_features`` (None: none does)."""
+    dividing = [g for g in GROUP_SIZES if in_features % g == 0]
+    if checkpoint_kinds and all(getattr(k, "name", str(k)) not in _GGUF_FLOAT_TYPES for k in checkpoint_kinds) \
+            and GGUF_GRID in dividing:
+        return GGUF_GRID
+    if PREFERRED_GROUP_SIZE in dividing:
+        return PREFERRED_GROUP_SIZE
+    return max(dividing, default=None)
+
+
 class Int4Config(QuantizationConfig):
-    """``quantization="int4"``: every projection but a tied LM head."""
+    """``quantization="int4"``: every projection but a tied LM head. ``group_size`` None: chosen per layer
+    (:func:`choose_group_size`; GGUF ``tensor_types`` and ``fused_parts`` name each layer's checkpoint tensors).
+    Raises ValueError for a group size torch's kernel does not take, or a layer no group divides."""
 
     name = "int4"
 
-    def __init__(self, group_size: int = 128) -> None:
-        Int4LinearMethod(group_size)  # validate now
+    def __init__(self, group_size: int | None = 128, tensor_types: dict | None = None,
+                 fused_parts: dict[str, list[str]] | None = None) -> None:
+        if group_size is not None:
+            Int4LinearMethod(group_size)  # validate now
         self.group_size = group_size
+        self.tensor_types = tensor_types or {}
+        self.fused_parts = fused_parts or {}
+        self.chosen: dict[int, int] = {}  # group size -> layers
 
     def get_linear_method(self, prefix: str, layer: nn.Module) -> LinearMethod | None:
-        return Int4LinearMethod(self.group_size)
+        group = self.group_size
+        if group is None:
+            group = choose_group_size(layer.in_features, self._checkpoint_kinds(prefix))
+            if group is None:
+                raise ValueError(f"no int4 group size of {GROUP_SIZES} divides the in_features {layer.in_features} "
+                                 f"of {prefix}; leave quantization unset or use int8")
+        self.chosen[group] = self.chosen.get(group, 0) + 1
+        return Int4LinearMethod(group)
+
+    def describe(self) -> str:
+        groups = ", ".join(f"group {g}: {n} layers" for g, n in sorted(self.chosen.items()))
+        how = "given" if self.group_size is not None else "chosen per layer"
+        return f"int4 ({groups}; {how})"
+
+    def _checkpoint_kinds(self, prefix: str) -> set | None:
+        """The GGUF tensor types of the checkpoint tensors the layer ``prefix`` is loaded from (None: not GGUF)."""
+        if not self.tensor_types:
+            return None
+        parent, _, leaf = prefix.rpartition(".")
+        parts = [f"{parent}.{p}.weight" if parent else f"{p}.weight" for p in self.fused_parts.get(leaf, [leaf])]
+        if not all(p in self.tensor_types for p in parts):  # stored fused under its own name
+            parts = [f"{prefix}.weight"]
+        kinds = {self.tensor_types.get(p) for p in parts}
+        return None if None in kinds else kinds

@@ -162,7 +162,9 @@ class CpuDecodeGraphs:
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
-        """Whether ``model`` has the split forward and every decoder linear runs the skinny GEMM."""
+        """Whether ``model`` has the split forward and every decoder linear runs the skinny GEMM or a weight
+        format whose decode rows are one recorded kernel call (``records_cpu_graphs``; other torch ops in a
+        captured pass still refuse it)."""
         from pagedllm.models.layers.linear import Linear
 
         inner = getattr(model, "model", None)
@@ -170,7 +172,8 @@ class CpuDecodeGraphs:
                 and hasattr(inner, "embed_tokens")):
             return False
         linears = [m for m in inner.modules() if isinstance(m, Linear)]
-        return bool(linears) and all(m.skinny_weight is not None and m.quant_method is None for m in linears)
+        return bool(linears) and all(getattr(m.quant_method, "records_cpu_graphs", False) if m.quant_method is not None
+                                     else m.skinny_weight is not None for m in linears)
 
     @staticmethod
     def can_run(metas: list[AttentionMetadata | None]) -> bool:

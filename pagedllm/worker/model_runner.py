@@ -218,7 +218,7 @@ class ModelRunner:
         num_quantized = create_quantized_weights(model, quant)
         model.load_weights(quant.convert_checkpoint(model_files.weights(self.dtype, quant.packed_weight_names)))
         process_quantized_weights(model)
-        logger.info("weights: %d linear layers kept as %s, %.1f MiB in all", num_quantized, quant.summary(),
+        logger.info("weights: %d linear layers kept as %s, %.1f MiB in all", num_quantized, quant.describe(),
                     weight_bytes(model) / 2**20)
         return model.eval()
 

@@ -134,7 +134,7 @@ def test_tied_head_keeps_the_embedding_q8_0_blocks():
     q, d, _ = quantized_reference(x.numpy())
     ref = (q.reshape(2, -1, 32) * d[..., None].astype(np.float64)).reshape(2, hidden) @ w.astype(np.float64).T
     assert np.abs(model.lm_head(x).double().numpy() - ref).max() <= 1e-5 * np.abs(ref).max()
-    assert "Q8_0 1" in config.summary()
+    assert "Q8_0 1" in config.describe()
 
 
 def test_q8_0_quantization_follows_gguf():

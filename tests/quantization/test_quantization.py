@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from gguf import GGMLQuantizationType as Q
 
 from pagedllm.quantization import get_quantization_config
 from pagedllm.quantization.int4 import Int4LinearMethod, pack_nibbles, unpack_nibbles
@@ -151,9 +152,25 @@ def test_int8_weights_resident_bytes_and_greedy_agreement(tiny_model_dir):
     assert agree >= 0.9
 
 
+def test_int4_group_size_is_chosen_per_layer():
+    """Unset: the GGUF grid (32) for a file's quantized tensors; else 128, or the largest size dividing."""
+    from pagedllm.quantization.int4 import Int4Config, choose_group_size
+
+    assert choose_group_size(576) == 64 and choose_group_size(1536) == 128 and choose_group_size(96) == 32
+    assert choose_group_size(576, {Q.Q4_1}) == 32 and choose_group_size(1536, {Q.F32}) == 128
+    assert choose_group_size(40) is None
+    config = Int4Config(None, {"m.q_proj.weight": Q.Q4_K, "m.k_proj.weight": Q.Q4_K, "m.down_proj.weight": Q.F16},
+                        {"qkv_proj": ["q_proj", "k_proj"]})
+    assert config.get_linear_method("m.qkv_proj", nn.Linear(256, 8)).group_size == 32
+    assert config.get_linear_method("m.down_proj", nn.Linear(256, 8)).group_size == 128
+    assert config.describe() == "int4 (group 32: 1 layers, group 128: 1 layers; chosen per layer)"
+    with pytest.raises(ValueError, match="no int4 group size"):
+        config.get_linear_method("m.o_proj", nn.Linear(40, 8))
+
+
 def test_int4_group_that_does_not_divide_hidden_size_is_rejected(tiny_model_dir):
     with pytest.raises(ValueError, match="quantization_group_size 128 does not divide"):
-        _runner_model(tiny_model_dir, quantization="int4")  # hidden size 64
+        _runner_model(tiny_model_dir, quantization="int4", quantization_group_size=128)  # hidden size 64
     with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf"):
         _runner_model(tiny_model_dir, quantization="gguf")
 

@@ -1,0 +1,161 @@
+"""The W8A8 kernel (pagedllm/native/int8_gemm.c): per-row int8 activations times per-channel int8 weights.
+
+Reference: dequantize-then-matmul in float64 (the kernel may differ from it only by its float32 rescale),
+and the torch formula of :mod:`pagedllm.quantization.w8a8` bit for bit. Every ISA this CPU runs is forced
+(``envs.INT8_GEMM_ISA``); the AVX2-only (``-march=haswell``) and plain x86-64 builds run on any x86-64 host.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from pagedllm.envs import INT8_GEMM_ISA
+from pagedllm.ops import int8_gemm
+from pagedllm.quantization.int8 import quantize_per_channel
+from pagedllm.quantization.w8a8 import quantize_per_token, w8a8_matmul
+
+IS_X86 = platform.machine() in ("x86_64", "AMD64")
+BUILDS = {"native": (), "avx2": ("-march=haswell",), "x86-64": ("-march=x86-64",)}
+
+
+def _variants():
+    """(build, ISA name) pairs: every ISA of the native build, the best of the other builds."""
+    return [("native", "avx512_vnni"), ("native", "avx2"), ("native", "scalar"), ("avx2", "avx2"),
+            ("x86-64", "scalar")]
+
+
+@pytest.fixture(scope="module", params=_variants(), ids=lambda v: f"{v[0]}-{v[1]}")
+def kernel_isa(request):
+    build, name = request.param
+    if build != "native" and not IS_X86:
+        pytest.skip("x86-64 builds only on x86-64")
+    kernel = int8_gemm.load_kernel(BUILDS[build])
+    if kernel is None:
+        pytest.skip("no C compiler for the int8 GEMM kernel")
+    if int8_gemm.ISAS[name] > kernel.best_isa:
+        pytest.skip(f"this CPU/build does not run {name}")
+    if build == "avx2":
+        assert kernel.best_isa == int8_gemm.ISAS["avx2"]
+    return kernel, int8_gemm.ISAS[name]
+
+
+def _weight(n, k, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    q, scales = quantize_per_channel(w)
+    b = torch.randn(n, generator=g) if bias else None
+    return w, q, scales, b
+
+
+def _dequantized_reference(x, q, scales, b):
+    """float64 (x quantized per row, dequantized) @ (q * scales).T + b."""
+    xq, sx = quantize_per_token(x)
+    out = (xq.double() * sx.double()[:, None]) @ (q.double() * scales.double()[:, None]).T
+    return out if b is None else out + b.double()
+
+
+@pytest.mark.parametrize("n,k", [(70, 13), (64, 64), (130, 577), (5, 3)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_dequantized_float64_and_torch_formula(kernel_isa, n, k, bias):
+    """Column and k tails (N not a multiple of 64, K not of 4); every tile height's row tails."""
+    kernel, isa = kernel_isa
+    w, q, scales, b = _weight(n, k, bias, n + k)
+    packed = int8_gemm.pack(q, scales, b)
+    g = torch.Generator().manual_seed(1)
+    for rows in [*range(1, 14), 40]:
+        x = torch.randn(rows, k, generator=g) * 3
+        out = int8_gemm.int8_linear(x, packed, kernel, isa)
+        assert out.shape == (rows, n) and out.dtype == torch.float32
+        ref = _dequantized_reference(x, q, scales, b)
+        # exact int32 sums; the rescale rounds twice in float32 (and the bias add once)
+        assert (out.double() - ref).abs().max() <= 4 * torch.finfo(torch.float32).eps * ref.abs().max() + 1e-30
+        assert torch.equal(out, w8a8_matmul(x, q.t().contiguous(), scales, b))
+
+
+def test_every_row_count_1_to_300(kernel_isa):
+    """Rows 1..300 of one input (a small shape): each output row equals the row computed alone."""
+    kernel, isa = kernel_isa
+    _, q, scales, b = _weight(67, 21, True, 3)
+    packed = int8_gemm.pack(q, scales, b)
+    x = torch.randn(300, 21, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([int8_gemm.int8_linear(x[i:i + 1], packed, kernel, isa) for i in range(300)])
+    ref = w8a8_matmul(x, q.t().contiguous(), scales, b)
+    assert torch.equal(alone, ref)
+    for rows in range(1, 301):
+        assert torch.equal(int8_gemm.int8_linear(x[:rows], packed, kernel, isa), ref[:rows]), rows
+
+
+def test_quantization_error_bound_against_the_float_weights():
+    """Against the unquantized float64 matmul: within the format's rounding, half a step of each
+    activation and weight scale per product."""
+    w, q, scales, b = _weight(96, 200, False, 5)
+    x = torch.randn(9, 200, generator=torch.Generator().manual_seed(6))
+    out = int8_gemm.int8_linear(x, int8_gemm.pack(q, scales, b)) if int8_gemm.load_kernel() else \
+        w8a8_matmul(x, q.t().contiguous(), scales, b)
+    _, sx = quantize_per_token(x)
+    dx, dw = sx.double()[:, None] / 2, scales.double()[:, None] / 2  # (M, 1), (N, 1)
+    bound = x.double().abs() @ dw.expand(-1, 200).T + dx * w.double().abs().sum(1)[None, :] + dx * dw.T * 200
+    assert ((out.double() - x.double() @ w.double().T).abs() <= bound * 1.0001 + 1e-6).all()
+
+
+def test_threads_change_no_bits():
+    kernel = int8_gemm.load_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler for the int8 GEMM kernel")
+    _, q, scales, b = _weight(700, 96, True, 7)
+    packed = int8_gemm.pack(q, scales, b)
+    x = torch.randn(17, 96)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = int8_gemm.int8_linear(x, packed, kernel)
+        torch.set_num_threads(2)
+        assert torch.equal(int8_gemm.int8_linear(x, packed, kernel), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_zero_rows_and_zero_input():
+    kernel = int8_gemm.load_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler for the int8 GEMM kernel")
+    _, q, scales, b = _weight(10, 8, True, 8)
+    packed = int8_gemm.pack(q, scales, b)
+    assert int8_gemm.int8_linear(torch.zeros(0, 8), packed).shape == (0, 10)
+    assert torch.equal(int8_gemm.int8_linear(torch.zeros(2, 8), packed), b.expand(2, -1))
+
+
+def test_isa_from_the_environment(monkeypatch):
+    kernel = int8_gemm.load_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler for the int8 GEMM kernel")
+    try:
+        monkeypatch.setenv(INT8_GEMM_ISA.name, "scalar")
+        int8_gemm.set_isa(None)
+        assert int8_gemm.isa() == 0
+        monkeypatch.setenv(INT8_GEMM_ISA.name, "auto")
+        int8_gemm.set_isa(None)
+        assert int8_gemm.isa() == kernel.best_isa
+        if kernel.best_isa < 2:
+            with pytest.raises(ValueError, match="avx512_vnni is not available"):
+                int8_gemm.set_isa("avx512_vnni")
+        with pytest.raises(ValueError, match=INT8_GEMM_ISA.name):
+            int8_gemm.set_isa("amx")
+    finally:
+        monkeypatch.delenv(INT8_GEMM_ISA.name)
+        int8_gemm.set_isa(None)
+
+
+def test_rejects_an_input_that_does_not_fit():
+    kernel = int8_gemm.load_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler for the int8 GEMM kernel")
+    _, q, scales, _ = _weight(10, 8, False, 9)
+    packed = int8_gemm.pack(q, scales, None)
+    with pytest.raises(ValueError, match=r"x must be \(M, 8\) float32"):
+        int8_gemm.int8_linear(torch.zeros(2, 9), packed)
+    with pytest.raises(ValueError, match="float32"):
+        int8_gemm.int8_linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed)
