@@ -104,7 +104,7 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.vocab_size, [t for t in [self.eos_token_id] if t is not None]
             + self.extra_stop_token_ids, config.max_num_seqs)
-        self.drafter = self._make_drafter(config)
+        self.drafter = self._make_drafter(config, self.vocab_size, self.kv_cache_spec.num_blocks)
         self._ids = itertools.count()
         self.num_steps = 0
         self.prompt_tokens_total = 0
@@ -114,8 +114,9 @@ class LLMEngine:
                     self.kv_cache_spec.describe())
 
     @staticmethod
-    def _make_drafter(config: EngineConfig):
-        """The speculative-decoding drafter, or None when ``speculative_config`` is off."""
+    def _make_drafter(config: EngineConfig, vocab_size: int, num_blocks: int):
+        """The speculative-decoding drafter, or None when ``speculative_config`` is off; a draft
+        model runs on this process's device (rank 0) with a cache sized from the target's ``num_blocks``."""
         spec = config.speculative
         if spec is None:
             return None
@@ -123,6 +124,10 @@ class LLMEngine:
 
         logger.info("speculative decoding: %s, up to %d draft tokens per step", spec.method,
                     spec.num_speculative_tokens)
+        if spec.method == "draft_model":
+            from pagedllm.worker.draft_model import DraftModelProposer
+
+            return Drafter(spec, DraftModelProposer(config, spec, vocab_size, num_blocks))
         return Drafter(spec, make_proposer(spec))
 
     @staticmethod
@@ -189,6 +194,8 @@ class LLMEngine:
         if child_ids:
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             self.structured_output.remove_requests(child_ids)
+            if self.drafter is not None:  # a draft model's cache blocks, at once too
+                self.drafter.forget(child_ids)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of the requests it advanced."""

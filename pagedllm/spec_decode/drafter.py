@@ -105,6 +105,12 @@ class Drafter:
             limits.append(n)
         return limits
 
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Drop these requests' state now (aborted: a draft model's blocks are freed at once)."""
+        for rid in request_ids:
+            self._acceptance.pop(rid, None)
+            self.proposer.forget(rid)
+
     def acceptance_rate(self, request_id: str) -> float | None:
         """The request's current acceptance estimate (None when it is not tracked)."""
         acc = self._acceptance.get(request_id)
@@ -122,4 +128,5 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
 
         return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
                               config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
-    raise ValueError(f"speculative_config.method {config.method!r} has no proposer")
+    raise ValueError(f"speculative_config.method {config.method!r} has no torch-free proposer "
+                     f"(draft_model's is pagedllm.worker.draft_model, built by the engine)")
