@@ -15,7 +15,10 @@ target's (greedy) or distributed as the target's (sampling).
 
 The cache has the target's pool size in blocks plus ``cdiv(k, block_size)`` per sequence for the
 draft positions past the target's tokens; its bytes and the draft's weights are logged at start-up.
-A request whose blocks cannot be had drafts nothing that step. Blocks go back to the free list
+A request whose blocks cannot be had drafts nothing that step. The wall time of the draft's decode
+steps, per request, is the proposer's :meth:`seconds_per_draft_token` (an exponential average),
+which the drafter adds to a draft position's cost: a draft model too slow for its acceptance
+drafts nothing. Blocks go back to the free list
 when the request stops running (finished, aborted or preempted: :meth:`forget`).
 Engine thread only; rank 0's device.
 """
@@ -23,6 +26,7 @@ Engine thread only; rank 0's device.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -37,6 +41,8 @@ from pagedllm.spec_decode.proposer import Proposer
 from pagedllm.utils import cdiv
 
 logger = logging.getLogger("pagedllm")
+
+COST_DECAY = 0.8  # weight of the previous estimate of a draft token's cost, per measured decode step
 
 
 @dataclass
@@ -93,6 +99,7 @@ class DraftModelProposer(Proposer):
         self._allocate_cache()
         self._free_blocks = list(range(self.num_blocks - 1, -1, -1))
         self._seqs: dict[str, _DraftSequence] = {}
+        self._seconds_per_token = 0.0  # measured on the draft's decode steps; 0 until the first
 
     def _allocate_cache(self) -> None:
         """The draft's KV cache (no collectives, no graphs to capture: rank 0 alone)."""
@@ -108,6 +115,9 @@ class DraftModelProposer(Proposer):
     @property
     def num_free_blocks(self) -> int:
         return len(self._free_blocks)
+
+    def seconds_per_draft_token(self) -> float:
+        return self._seconds_per_token
 
     def propose(self, request: Request, num_tokens: int) -> list[int]:
         return self.propose_batch([request], [num_tokens])[0]
@@ -130,10 +140,16 @@ class DraftModelProposer(Proposer):
             drafts[i].append(token)
         for j in range(1, max(n for _, _, n in active)):
             step = [(i, seq) for i, seq, n in active if n > j]
+            t0 = time.perf_counter()
             tokens = self._feed([(seq, [drafts[i][-1]]) for i, seq in step])
+            self._observe_cost((time.perf_counter() - t0) / len(step))
             for (i, _), token in zip(step, tokens):
                 drafts[i].append(token)
         return drafts
+
+    def _observe_cost(self, seconds: float) -> None:
+        prev = self._seconds_per_token
+        self._seconds_per_token = seconds if prev == 0.0 else COST_DECAY * prev + (1 - COST_DECAY) * seconds
 
     def forget(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)

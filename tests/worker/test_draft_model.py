@@ -18,10 +18,16 @@ def _spec(model_dir, k: int = 4) -> dict:
 
 
 def _make(model_dir, spec=None, **kw) -> LLM:
+    """An LLM; with ``spec`` it drafts k tokens every step (the step-cost rule, which weighs the
+    draft model's own cost, would rightly stop a draft as slow as the target)."""
     kw.setdefault("max_model_len", 256)
     kw.setdefault("num_kv_blocks", 256)
     kw.setdefault("block_size", 4)
-    return LLM(model=str(model_dir), speculative_config=spec, debug_integrity_checks=spec is not None, **kw)
+    llm = LLM(model=str(model_dir), speculative_config=spec, debug_integrity_checks=spec is not None, **kw)
+    if spec is not None:
+        k = spec["num_speculative_tokens"]
+        llm.llm_engine.drafter._draft_limits = lambda decoding, step_cost: [k] * len(decoding)
+    return llm
 
 
 def _prompts(n: int, seed: int, shared: int = 0) -> list[dict]:
@@ -117,6 +123,13 @@ def test_abort_frees_both_caches_blocks(random_model_dir):
     assert engine.get_stats().num_used_blocks == 0
     assert proposer.num_free_blocks == proposer.num_blocks
     engine.scheduler.check_integrity()
+
+
+def test_the_step_cost_rule_counts_the_draft_models_cost(random_model_dir):
+    llm = LLM(model=str(random_model_dir), speculative_config=_spec(random_model_dir), max_model_len=256,
+              num_kv_blocks=256, block_size=4)
+    _run(llm, _prompts(2, seed=7), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert _proposer(llm).seconds_per_draft_token() > 0.0
 
 
 def test_a_draft_with_another_vocabulary_is_refused(random_model_dir, tmp_path):
