@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram, suffix) against plain decoding on the real default model.
+"""Speculative decoding (n-gram, suffix, a draft model) against plain decoding on the real default model.
 
 Three workloads from issue #38, each at batch 1, 4 and 16, greedy:
 
@@ -9,8 +9,10 @@ Three workloads from issue #38, each at batch 1, 4 and 16, greedy:
 - ``peers``: the peers workload's random prompts (20-200 token ids, no repetition).
 
 For every (workload, batch) the methods run back to back on one engine (one copy of the
-weights; its drafter swapped: none, n-gram, suffix), each with the prefix cache reset, so they
-see the same machine load. Reported per run:
+weights; its drafter swapped: none, n-gram, suffix, draft model), each with the prefix cache
+reset, so they see the same machine load. The draft model is a truncated copy of the target
+(``--draft-layers``: the decoder layers it keeps, the same weights; written to a temporary folder),
+built once; the time it takes to draft is inside the runs' wall time. Reported per run:
 output tok/s (output tokens / wall time), mean TPOT (per request: decode time / (tokens - 1)),
 the acceptance rate, the acceptance rate per draft position, and whether every output equals
 the plain run's (greedy: it must). The step profile splits the runner's steps into decode-only
@@ -18,6 +20,7 @@ and verify steps (median wall time and tokens per step).
 
     python benchmarks/speculative.py                         # the issue's sizes
     python benchmarks/speculative.py --lines 120 --doc-tokens 800 --max-tokens 96   # shorter
+    python benchmarks/speculative.py --methods off draft_model --batches 1 4 --draft-layers 20
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import collections
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -42,6 +46,7 @@ METHODS = {
     "off": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "suffix": {"method": "suffix", "num_speculative_tokens": 5},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 4},  # "model": set by main()
 }
 CITIES = ["Arden", "Belmont", "Corvale", "Dunmore", "Elstree", "Farnham", "Glenrock", "Hollis", "Ivybridge",
           "Jarrow", "Kelso", "Lydford", "Marden", "Norwood", "Oakham", "Penrith", "Quorn", "Redhill"]
@@ -87,11 +92,37 @@ def workloads(llm: LLM, batch: int, args) -> dict[str, tuple[list[list[int]], Sa
     }
 
 
-def new_drafter(method: str) -> Drafter | None:
+def new_drafter(method: str, draft_proposers: dict) -> Drafter | None:
+    """A fresh drafter (no earlier run's outputs); a draft model's proposer is built once."""
     if METHODS[method] is None:
         return None
     config = SpeculativeConfig(**METHODS[method])
+    if method in draft_proposers:
+        return Drafter(config, draft_proposers[method])
     return Drafter(config, make_proposer(config))
+
+
+def draft_model_proposers(llm: LLM, methods: list[str], layers: list[int]) -> dict:
+    """``{"draft_model": DraftModelProposer}`` over a truncated copy of the target (``layers``)."""
+    if "draft_model" not in methods:
+        return {}
+    from pagedllm.worker.draft_model import DraftModelProposer
+    from tests.model_utils import write_truncated_copy
+
+    engine = llm.llm_engine
+    folder = write_truncated_copy(str(engine.config.model), tempfile.mkdtemp(prefix="draft_"), layers)
+    METHODS["draft_model"] = {**METHODS["draft_model"], "model": str(folder)}
+    spec = SpeculativeConfig(**METHODS["draft_model"])
+    return {"draft_model": DraftModelProposer(engine.config, spec, engine.vocab_size, engine.kv_cache_spec.num_blocks)}
+
+
+def always_draft(drafter: Drafter | None) -> Drafter | None:
+    """``drafter`` drafting k tokens for every decoding request (the step-cost rule bypassed):
+    the proposer's raw acceptance per position."""
+    if drafter is not None:
+        k = drafter.config.num_speculative_tokens
+        drafter._draft_limits = lambda decoding, step_cost: [k] * len(decoding)
+    return drafter
 
 
 def timed_drafter(drafter: Drafter | None, profile: "StepProfile") -> Drafter | None:
@@ -170,9 +201,13 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--workloads", nargs="+", default=["code", "rag", "peers"])
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--draft-layers", type=int, default=20, help="draft_model: the target's first N layers")
+    ap.add_argument("--always-draft", action="store_true",
+                    help="draft k tokens every step (the step-cost rule off): raw acceptance")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     llm = LLM(max_model_len=4096, max_num_seqs=max(args.batches), kv_cache_memory="384MiB")
+    draft_proposers = draft_model_proposers(llm, args.methods, list(range(args.draft_layers)))
     profile = StepProfile(llm)
     llm.generate([{"prompt_token_ids": list(range(100, 160))}] * 2, SamplingParams(max_tokens=8), use_tqdm=False)
     rows = []
@@ -182,7 +217,8 @@ def main() -> None:
             prompts, params = loads[name]
             results = {}
             for m in args.methods:
-                llm.llm_engine.drafter = timed_drafter(new_drafter(m), profile)  # fresh: no earlier run's outputs
+                drafter = new_drafter(m, draft_proposers)
+                llm.llm_engine.drafter = timed_drafter(always_draft(drafter) if args.always_draft else drafter, profile)  # fresh: no earlier run's outputs
                 results[m] = run(llm, profile, prompts, params)
             base = results.get("off")
             for m, r in results.items():

@@ -163,7 +163,8 @@ class EngineConfig:
     generation_config: str = _f("auto", "`serve`: defaults for omitted sampling fields: auto (generation_config.json), vllm (none) or a folder")
     speculative_config: str | dict | None = _f(
         None, "speculative decoding: a JSON object of vLLM's fields, like '{\"method\": \"ngram\", "
-              "\"num_speculative_tokens\": 4}' (methods: ngram, suffix; docs/speculative-decoding.md) (default: off)")
+              "\"num_speculative_tokens\": 4}' (methods: ngram, suffix, draft_model; "
+              "docs/speculative-decoding.md) (default: off)")
     enable_lora: bool = _f(False, "serve LoRA adapters (PEFT folders) over the base model, chosen per request (docs/lora.md)")
     max_loras: int = _f(1, "LoRA: most adapters in one batch (device slots); requests of others wait")
     max_lora_rank: int = _f(16, "LoRA: largest adapter rank r accepted (slot size)")
@@ -583,7 +584,7 @@ def _parse_compilation_text(text: str) -> Any:
 # ---------------------------------------------------------------- speculative_config
 # vLLM's option and field names. Accepted forms: None (off), a dict, a JSON object string (the
 # --speculative-config flag) or a SpeculativeConfig.
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 _SPECULATIVE_FIELD = "speculative_config"
 
 
@@ -593,8 +594,11 @@ class SpeculativeConfig:
     forward of the target verifies them.
 
     Attributes:
-        method: ``ngram`` (prompt lookup over the prompt and the output so far) or ``suffix``
-            (suffix decoding over this request and recent requests' outputs).
+        method: ``ngram`` (prompt lookup over the prompt and the output so far), ``suffix``
+            (suffix decoding over this request and recent requests' outputs) or ``draft_model``
+            (a smaller model with the target's vocabulary drafts greedily, with its own KV cache).
+        model: ``draft_model``: the draft model (a path or an alias, as ``EngineConfig.model``);
+            its vocabulary size must equal the target's.
         num_speculative_tokens: most draft tokens per request and step (k; the verify step
             computes 1 + k query tokens per request).
         prompt_lookup_min / prompt_lookup_max: ``ngram``: the shortest / longest n-gram matched
@@ -613,6 +617,7 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int | None = None
+    model: str | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     suffix_decoding_max_tree_depth: int = 24
@@ -628,6 +633,7 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is None:
             raise ValueError(f"{f}.num_speculative_tokens must be set (a positive integer)")
         _spec_int(self, "num_speculative_tokens", 1)
+        self._check_model()
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = 5
@@ -648,6 +654,15 @@ class SpeculativeConfig:
                 raise ValueError(f"{f}.{name} must be a number in [{lo_v}, {hi_v}], got {v!r}")
         if self.disable_by_batch_size is not None:
             _spec_int(self, "disable_by_batch_size", 1)
+
+    def _check_model(self) -> None:
+        f = _SPECULATIVE_FIELD
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model.strip():
+                raise ValueError(f"{f}.model must name the draft model (a path or an alias) for method "
+                                 f"'draft_model', got {self.model!r}")
+        elif self.model is not None:
+            raise ValueError(f"{f}.model applies to method 'draft_model' only, got method {self.method!r}")
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":

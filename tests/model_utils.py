@@ -240,3 +240,34 @@ def kv_rounding_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     dk = (k2 - k).double().repeat_interleave(group, dim=1)  # (S, H, D)
     d = (torch.einsum("qhd,khd->qhk", q.double(), dk).abs().amax(-1)) * scale  # (Q, H)
     return (v2 - v).abs().max().double() + (torch.exp(2 * d) - 1) * v.abs().max().double()
+
+
+def write_truncated_copy(source: str, folder, layers):
+    """Write a Hugging Face folder (config.json, model.safetensors, tokenizer files) holding the
+    decoder layers ``layers`` (indices, in order; renumbered 0..) of the model at ``source`` (any
+    format the loader reads), with its embeddings, final norm and LM head: a draft model sharing
+    the source's vocabulary (layer skipping). Returns the folder (a Path)."""
+    import copy
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from pagedllm.loader import load_model_files
+
+    folder = Path(folder)
+    files = load_model_files(source)
+    config = copy.deepcopy(files.hf_config)
+    renumber = {old: new for new, old in enumerate(layers)}
+    config.num_hidden_layers = len(renumber)
+    config.save_pretrained(folder)
+    files.tokenizer.save_pretrained(folder)
+    keep = {}
+    for name, tensor in files.weights(torch.float32):
+        parts = name.split(".")
+        if name.startswith("model.layers."):
+            if int(parts[2]) not in renumber:
+                continue
+            name = ".".join(parts[:2] + [str(renumber[int(parts[2])])] + parts[3:])
+        keep[name] = tensor.contiguous()
+    save_file(keep, str(folder / "model.safetensors"))
+    return folder

@@ -38,7 +38,10 @@ def test_vllm_prompt_lookup_defaults():
     ({"num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 1.5}, "speculative_config.suffix_decoding_min_token_prob"),
     ({"num_speculative_tokens": 2, "suffix_decoding_max_cached_requests": -1}, "speculative_config.suffix_decoding_max_cached_requests"),
     ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
-    ({"num_speculative_tokens": 2, "model": "x"}, "unknown keys \\['model'\\]"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": " "}, "speculative_config.model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "speculative_config.model"),
+    ({"num_speculative_tokens": 2, "draft_model": "x"}, "unknown keys \\['draft_model'\\]"),
     ("{not json", "speculative_config must be a JSON object"),
     ([1, 2], "speculative_config must be an object"),
 ])

@@ -109,7 +109,7 @@ class LLMEngine:
             + self.extra_stop_token_ids, config.max_num_seqs,
             compile_timeout_s=config.structured_outputs_compile_timeout_s,
             compile_memory_mb=config.structured_outputs_compile_memory_mb)
-        self.drafter = self._make_drafter(config)
+        self.drafter = self._make_drafter(config, self.vocab_size, self.kv_cache_spec.num_blocks)
         self._ids = itertools.count()
         self.lora_registry = LoRARegistry()
         for name, path in config.lora_module_paths().items():
@@ -122,8 +122,9 @@ class LLMEngine:
                     self.kv_cache_spec.describe())
 
     @staticmethod
-    def _make_drafter(config: EngineConfig):
-        """The speculative-decoding drafter, or None when ``speculative_config`` is off."""
+    def _make_drafter(config: EngineConfig, vocab_size: int, num_blocks: int):
+        """The speculative-decoding drafter, or None when ``speculative_config`` is off; a draft
+        model runs on this process's device (rank 0) with a cache sized from the target's ``num_blocks``."""
         spec = config.speculative
         if spec is None:
             return None
@@ -131,6 +132,10 @@ class LLMEngine:
 
         logger.info("speculative decoding: %s, up to %d draft tokens per step", spec.method,
                     spec.num_speculative_tokens)
+        if spec.method == "draft_model":
+            from pagedllm.worker.draft_model import DraftModelProposer
+
+            return Drafter(spec, DraftModelProposer(config, spec, vocab_size, num_blocks))
         return Drafter(spec, make_proposer(spec))
 
     @staticmethod
@@ -245,6 +250,8 @@ class LLMEngine:
         if child_ids:
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             self.structured_output.remove_requests(child_ids)
+            if self.drafter is not None:  # a draft model's cache blocks, at once too
+                self.drafter.forget(child_ids)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of the requests it advanced."""

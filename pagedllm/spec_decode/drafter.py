@@ -5,6 +5,7 @@ When to speculate is the step-cost model's call (``core/step_cost.py``)::
 
     a step of B decodes yields B tokens in T0 = predict(B decodes): r0 = B / T0 tokens per second
     draft position j of a request with acceptance a adds a**j tokens for dt = one more query token
+                                                  (+ the proposer's measured cost of a draft token)
     keep position j while a**j > MARGIN * r0 * dt          (marginal gain beats the step's rate)
 
 so a large batch (compute-bound: dt ~ the decode token's cost) drafts nothing (the per-step
@@ -64,6 +65,7 @@ class Drafter:
         self.config = config
         self.proposer = proposer
         self._acceptance: dict[str, _Acceptance] = {}
+        self._proposed: set[str] = set()  # requests the proposer has drafted for (its state to forget)
 
     def step(self, running: Sequence[Request], finished: Sequence[Request], step_cost: StepCostModel) -> None:
         """Set ``spec_token_ids`` of every running request that decodes next (others: ``[]``);
@@ -71,8 +73,9 @@ class Drafter:
         for req in finished:
             self.proposer.on_request_finished(req)
         live = {r.request_id for r in running}
-        for rid in [r for r in self._acceptance if r not in live]:
-            del self._acceptance[rid]
+        for rid in (self._acceptance.keys() | self._proposed) - live:  # ended or preempted
+            self._acceptance.pop(rid, None)
+            self._proposed.discard(rid)
             self.proposer.forget(rid)
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and not r.is_finished]
         for req in running:
@@ -80,6 +83,7 @@ class Drafter:
         limits = self._draft_limits(decoding, step_cost)
         chosen = [(r, n) for r, n in zip(decoding, limits) if n > 0]
         drafts = self.proposer.propose_batch([r for r, _ in chosen], [n for _, n in chosen])
+        self._proposed.update(r.request_id for r, _ in chosen)
         for (req, _), draft in zip(chosen, drafts):
             req.spec_token_ids = list(draft)
 
@@ -92,18 +96,26 @@ class Drafter:
         t0 = step_cost.predict(StepShape(len(decoding), 0, num_pairs))
         rate = len(decoding) / t0
         coef = step_cost.coefficients
+        draft_cost = self.proposer.seconds_per_draft_token()
         limits = []
         for req in decoding:
             acc = self._acceptance.setdefault(req.request_id, _Acceptance(seen_drafted=req.num_draft_tokens,
                                                                           seen_accepted=req.num_accepted_tokens))
             if not acc.update(req):
                 acc.relax()
-            dt = coef.per_prefill_token + coef.per_kilo_pair * (req.num_computed_tokens + 1) / 1024.0
+            dt = coef.per_prefill_token + coef.per_kilo_pair * (req.num_computed_tokens + 1) / 1024.0 + draft_cost
             alpha, n = acc.rate, 0
             while n < cfg.num_speculative_tokens and alpha ** (n + 1) > MARGIN * rate * dt:
                 n += 1
             limits.append(n)
         return limits
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Drop these requests' state now (aborted: a draft model's blocks are freed at once)."""
+        for rid in request_ids:
+            self._acceptance.pop(rid, None)
+            self._proposed.discard(rid)
+            self.proposer.forget(rid)
 
     def acceptance_rate(self, request_id: str) -> float | None:
         """The request's current acceptance estimate (None when it is not tracked)."""
@@ -122,4 +134,5 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
 
         return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
                               config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
-    raise ValueError(f"speculative_config.method {config.method!r} has no proposer")
+    raise ValueError(f"speculative_config.method {config.method!r} has no torch-free proposer "
+                     f"(draft_model's is pagedllm.worker.draft_model, built by the engine)")

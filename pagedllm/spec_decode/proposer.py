@@ -24,6 +24,11 @@ class Proposer(ABC):
         """One draft per request (a batched proposer, such as a draft model, overrides this)."""
         return [self.propose(r, n) if n > 0 else [] for r, n in zip(requests, num_tokens)]
 
+    def seconds_per_draft_token(self) -> float:
+        """Measured wall time one draft token costs the proposer (0.0: negligible, as a lookup's);
+        the drafter adds it to a draft position's cost."""
+        return 0.0
+
     def on_request_finished(self, request: Request) -> None:
         """``request`` ended with its output (a proposer that learns from past outputs keeps it)."""
 
