@@ -14,7 +14,7 @@ the next sentence as soon as their previous answer arrives (a closed loop). page
 Reported per server: embeddings/s over a pass (medians over rounds), p50/p99 request latency (all
 rounds pooled), and the smallest cosine between the two servers' vectors of each sentence.
 
-    python benchmarks/embeddings_served.py                                  # 2,000 sentences x 2 servers x 2 rounds
+    python benchmarks/embeddings_served.py                                  # 2,000 sentences x 2 servers x 2 rounds (~12 min)
     python benchmarks/embeddings_served.py --num-sentences 200 --rounds 1   # smoke run
 """
 
