@@ -503,6 +503,14 @@ def test_served_schedule_alternates_and_reverses_every_repeat():
     assert serving.schedule(["vllm"], 2) == [(0, "vllm"), (1, "vllm")]
 
 
+def test_embeddings_served_alternates_servers_and_compares_vectors():
+    import embeddings_served
+    assert embeddings_served.schedule(3) == ["pagedllm", "infinity", "infinity", "pagedllm", "pagedllm", "infinity"]
+    a = [[1.0, 0.0], [0.0, 2.0]]
+    assert embeddings_served.min_cosine(a, [[2.0, 0.0], [0.0, 1.0]]) == pytest.approx(1.0)
+    assert embeddings_served.min_cosine(a, [[1.0, 0.0], [1.0, 1.0]]) == pytest.approx(2 ** -0.5)
+
+
 def test_repeats_never_reuse_prompts():
     """Engines stay loaded across repeats and cache prefixes: each repeat after the first gets new
     prompts of the same lengths (offline), or a seed no other repeat uses (served)."""
