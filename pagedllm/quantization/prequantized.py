@@ -34,12 +34,11 @@ logger = logging.getLogger("pagedllm")
 
 
 def w8a8_linear_method() -> LinearMethod:
-    """The method a W8A8 checkpoint's projections run on: ``quantization/w8a8.py``'s (int8 per-channel
-    weights given by ``set_quantized(layer, q (N, K) int8, scales (N,) float32)``, int8 activations
-    quantized per token at run time, as the checkpoint's dynamic scheme states)."""
-    from pagedllm.quantization.w8a8 import W8A8LinearMethod
-
-    return W8A8LinearMethod()
+    """The method a W8A8 checkpoint's projections run on (int8 per-channel weights, int8 activations
+    quantized per token at run time): the one seam to point at ``quantization/w8a8.py``'s method, which
+    takes the same ``set_quantized(layer, q (N, K) int8, scales (N,) float32)``. Until then the weights
+    run on the weight-only int8 method, activations staying float."""
+    return Int8LinearMethod()
 
 
 def kept_group_size(group_size: int | None, in_features: int) -> int:
@@ -140,6 +139,9 @@ class PrequantizedConfig(QuantizationConfig):
         if any(s != schemes[0] for s in schemes):
             raise ValueError(f"quantization_config gives the parts of {prefix} ({', '.join(parts)}) different "
                              f"schemes; pagedllm runs them as one fused projection and needs one scheme")
+        if schemes[0].dynamic_int8_activations and not self._schemes:
+            logger.info("W8A8 checkpoint: its int8 weights run on the weight-only int8 method, activations in "
+                        "the model dtype")
         self._schemes.update((p, schemes[0]) for p in parts)
         self._layer_of.update((p, prefix) for p in parts)
         return PrequantizedLinearMethod(schemes[0], prefix, self._perms)
