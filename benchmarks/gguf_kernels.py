@@ -5,8 +5,8 @@
 the float32 ``Linear`` the dequantized model runs (skinny GEMM / oneDNN), in alternating rounds; GOP/s medians.
 The crossing of the first two sets ``quantization.gguf.DOT_MAX_ROWS``.
 
-``--part models``: output tok/s of whole models (greedy, EOS ignored), gguf vs float32, batch 1 (one prompt)
-and the peers' batch (32 prompts x 128 tokens, ``common.peers_workload``), rounds alternating the two engines
+``--part models``: output tok/s of whole models (greedy, EOS ignored), gguf vs float32, batch 1 (one prompt),
+4 and 16 (64 new tokens each) and the peers' batch (32 prompts x 128 tokens, ``common.peers_workload``), rounds alternating the two engines
 with fresh prompts each round. Writes benchmarks/results/gguf_kernels.json (or ``--out``).
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/gguf_kernels.py [--part kernels models] [--rounds 2]
@@ -94,6 +94,7 @@ def model_part(rounds: int, models: list[str], batch1_tokens: int) -> dict:
         engines = {q or "float32": LLM(model=model, max_model_len=1024, kv_cache_memory="640MiB", max_num_seqs=64,
                                        quantization=q) for q in (None, "gguf")}
         workloads = {"batch 1": common.peers_workload(1, seed=1, output_len=batch1_tokens),
+                     **{f"batch {b}": common.peers_workload(b, seed=b, output_len=64) for b in (4, 16)},
                      "peers (32 x 128)": common.peers_workload()}
         tok_s = {w: {e: [] for e in engines} for w in workloads}
         for name, llm in engines.items():  # warm-up: kernels built, first-step costs paid

@@ -32,7 +32,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define GGUF_DOT_ABI_VERSION 2
+#define GGUF_DOT_ABI_VERSION 3
 #define GD_QK 32   /* activation block */
 #define GD_QKK 256 /* K-quant super-block */
 #define GD_MR 4    /* x rows per tile: a weight block is unpacked once per tile */
@@ -492,6 +492,49 @@ int gguf_dot_rows(int type, const uint8_t *w, ptrdiff_t row_bytes, int N, int K,
     return 0;
 }
 
+/* Rows [0, N) of blocks `w` (rows row_bytes apart) dequantized on path `isa`'s unpacking: float32 out (N, K) or,
+ * with out_bf16, bfloat16 bits (round to nearest even), rows out_stride elements apart. The same values as
+ * gguf_dequantize_rows (bfloat16: those values rounded). Returns -1 for an unknown type, a K that is not a multiple
+ * of its block, or a path this CPU cannot run. */
+int gguf_dequantize_rows_isa(int type, const uint8_t *w, ptrdiff_t row_bytes, int N, int K, void *out,
+                             ptrdiff_t out_stride, int out_bf16, int isa, int num_threads) {
+    if (!gd_block_bytes(type) || K % gd_block_weights(type) || !gguf_dot_isa_available(isa))
+        return -1;
+    const int nbx = K / GD_QK, padded = (nbx + 7) / 8 * 8;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        int8_t codes[K];
+        float scales[8 * nbx], mins[padded], mins16[2 * padded], row[K];
+        struct gd_unpacked u = {codes, scales, mins, 0, mins16};
+#pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            const uint8_t *wr = w + (ptrdiff_t)n * row_bytes;
+            float *y32 = out_bf16 ? NULL : (float *)out + (ptrdiff_t)n * out_stride;
+            uint16_t *y16 = out_bf16 ? (uint16_t *)out + (ptrdiff_t)n * out_stride : NULL;
+#if GD_SIMD
+            if (isa == 2) {
+                gd_unpack_vnni(type, wr, K, &u);
+                gd_values_vnni(&u, K, y32, y16);
+                continue;
+            }
+            if (isa == 1) {
+                gd_unpack_avx2(type, wr, K, &u);
+                gd_values_avx2(&u, K, y32, y16);
+                continue;
+            }
+#endif
+            gd_dequantize_row(type, wr, K, y32 ? y32 : row);
+            if (y16)
+                for (int k = 0; k < K; k++) {
+                    uint32_t b;
+                    memcpy(&b, row + k, 4);
+                    y16[k] = (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+                }
+        }
+    }
+    return 0;
+}
+
 #else /* GD_FN: the SIMD pass, compiled once per path; GD_VNNI picks the u8 x s8 dot instruction */
 #define GD_INLINE static inline __attribute__((always_inline))
 
@@ -848,6 +891,44 @@ static void GD_FN(gd_dot)(const struct gd_unpacked *u, int K, const struct gd_x 
     }
 }
 #endif
+
+/* An unpacked row (this path's gd_unpack) as its K weights, float32 (y32) or bfloat16 (y16, nearest-even): per 16
+ * codes w = scale * code + min, the scale of the codes' half-block and (VNNI) the min of the 16 or (AVX2) of the
+ * block of 32; one rounding each, as gd_dequantize_row's (the codes and scales hold its exact products). */
+static void GD_FN(gd_values)(const struct gd_unpacked *u, int K, float *y32, uint16_t *y16) {
+#if GD_VNNI
+    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+    for (int h = 0; h < K / 16; h++) {
+        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u->c + 16 * h)));
+        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(u->scale[(h / 2) * 8 + (h % 2) * 4]),
+                                         _mm512_set1_ps(u->min16[h]));
+        if (y32) {
+            _mm512_storeu_ps(y32 + 16 * h, v);
+        } else {
+            const __m512i b = _mm512_castps_si512(v);
+            const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(b, 16), one)));
+            _mm256_storeu_si256((__m256i *)(y16 + 16 * h), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+        }
+    }
+#else
+    const __m256i half = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+    for (int e = 0; e < K / 8; e++) {
+        const int h = e / 2;
+        const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(u->c + 8 * e)));
+        const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(u->scale[(h / 2) * 8 + (h % 2) * 4]),
+                                         _mm256_set1_ps(u->min[h / 2]));
+        if (y32) {
+            _mm256_storeu_ps(y32 + 8 * e, v);
+        } else {
+            const __m256i b = _mm256_castps_si256(v);
+            const __m256i r = _mm256_srli_epi32(
+                _mm256_add_epi32(b, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(b, 16), one))), 16);
+            _mm_storeu_si128((__m128i *)(y16 + 8 * e),
+                             _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+        }
+    }
+#endif
+}
 #undef GD_BLOCK
 #undef GD_ROW_BLOCK
 #undef GD_INLINE

@@ -18,7 +18,7 @@ __all__ = ["BLOCK_TYPES", "GGUFDotKernel", "QuantizedRows", "dequantize_rows", "
            "load_kernel", "num_threads", "process_isa", "quantize_q8_0", "quantize_rows"]
 
 _SOURCE = native.SOURCE_DIR / "gguf_dot.c"
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 # ggml type id -> name; the types gguf_dot.c handles
 BLOCK_TYPES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
@@ -50,6 +50,9 @@ class GGUFDotKernel:
         self.quantize_q8_0.argtypes, self.quantize_q8_0.restype = [_p, _ssize, _i, _i, _p, _i], None
         self.dequantize = lib.gguf_dequantize_rows
         self.dequantize.argtypes, self.dequantize.restype = [_i, _p, _ssize, _i, _i, _p, _ssize, _i], _i
+        self.dequantize_isa = lib.gguf_dequantize_rows_isa
+        self.dequantize_isa.argtypes = [_i, _p, _ssize, _i, _i, _p, _ssize, _i, _i, _i]
+        self.dequantize_isa.restype = _i
         self._lib = lib
 
 
@@ -182,15 +185,23 @@ def quantize_q8_0(weight: torch.Tensor, k: GGUFDotKernel | None = None) -> torch
 
 
 def dequantize_rows(block_type: int, weight: torch.Tensor, in_features: int, out: torch.Tensor | None = None,
-                    k: GGUFDotKernel | None = None) -> torch.Tensor:
-    """The float32 (N, in_features) values of ``weight``'s blocks, written into ``out`` (rows contiguous) if given."""
+                    k: GGUFDotKernel | None = None, path: int | None = None) -> torch.Tensor:
+    """The (N, in_features) values of ``weight``'s blocks, float32, or bfloat16 (rounded to nearest even) when
+    ``out`` is bfloat16; written into ``out`` (rows contiguous) if given. ``path``: the ISA whose unpacking runs
+    (default this process's); every path gives the same values. Raises ValueError for a shape or dtype that does
+    not fit."""
     k = k or kernel()
     _check_weight(k, block_type, weight, in_features)
     n = weight.shape[0]
     out = torch.empty(n, in_features) if out is None else out
-    if out.dtype != torch.float32 or out.shape != (n, in_features) or (n > 0 and out.stride(1) != 1):
-        raise ValueError(f"dequantize_rows: out must be float32 ({n}, {in_features}), got {tuple(out.shape)}")
+    if out.dtype not in (torch.float32, torch.bfloat16) or out.shape != (n, in_features) \
+            or (n > 0 and out.stride(1) != 1):
+        raise ValueError(f"dequantize_rows: out must be float32 or bfloat16 ({n}, {in_features}) with contiguous "
+                         f"rows, got {tuple(out.shape)} {out.dtype}")
     if n:
-        k.dequantize(block_type, weight.data_ptr(), weight.stride(0), n, in_features, out.data_ptr(), out.stride(0),
-                     num_threads(n * in_features))
+        rc = k.dequantize_isa(block_type, weight.data_ptr(), weight.stride(0), n, in_features, out.data_ptr(),
+                              out.stride(0), int(out.dtype == torch.bfloat16),
+                              process_isa() if path is None else path, num_threads(n * in_features))
+        if rc != 0:
+            raise ValueError(f"gguf_dequantize_rows_isa refused {BLOCK_TYPES[block_type]} (path {path})")
     return out

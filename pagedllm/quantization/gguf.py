@@ -3,8 +3,9 @@
 Every block type ``native/gguf_dot.c`` handles stays packed (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: the
 types inside Q4_K_M / Q5_K_M / Q8_0 files), a fused layer (q/k/v, gate/up) as one segment of rows per part, each of
 its own type. A step's rows up to :data:`DOT_MAX_ROWS` are quantized to int8 blocks once and dotted with the blocks
-(decode); more rows (prefill chunks) dequantize each segment once per call into a reused float32 panel, a tile of
-rows at a time, for a float matmul. Other types (F16, BF16, I-quants...) load dequantized to float. An LM head
+(decode); more rows (prefill chunks, large decode batches) dequantize each segment once per call into a reused
+panel, a tile of rows at a time, for one matmul per tile: bfloat16 where oneDNN runs bfloat16 natively
+(:func:`bf16_panels`), else float32. Other types (F16, BF16, I-quants...) load dequantized to float. An LM head
 tied to a Q8_0 embedding keeps Q8_0 blocks beside the embedding's float rows.
 """
 
@@ -24,9 +25,9 @@ logger = logging.getLogger("pagedllm")
 
 Q = GGMLQuantizationType
 KEPT_TYPES = tuple(Q[name] for name in gguf_dot.BLOCK_TYPES.values())
-# Rows up to which the block dot product runs; above, the oneDNN panel is faster (the crossing measured on the AMD
-# AVX-512 host lies between 256 and 512 rows: benchmarks/gguf_kernels.py).
-DOT_MAX_ROWS = 256
+# Rows up to which the block dot product runs; above, a dequantized panel's matmul is faster (one dequantization
+# per call costs about a float32 matmul of a few dozen rows; the crossing: benchmarks/gguf_kernels.py).
+DOT_MAX_ROWS = 32
 # float32 elements of one dequantized tile (16 MiB): a weight larger than this is dequantized a tile at a time.
 _PANEL_ELEMENTS = 4 << 20
 
@@ -37,28 +38,46 @@ def row_bytes(in_features: int, kind: GGMLQuantizationType) -> int:
 
 
 class _Panel(threading.local):
-    """One float32 buffer per thread, grown to the largest tile asked for and reused by every layer."""
+    """One buffer per thread and dtype, grown to the largest tile asked for and reused by every layer."""
 
-    buffer: torch.Tensor | None = None
+    def __init__(self) -> None:
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
 
-    def take(self, rows: int, cols: int) -> torch.Tensor:
-        if self.buffer is None or self.buffer.numel() < rows * cols:
-            self.buffer = torch.empty(rows * cols)
-        return self.buffer[:rows * cols].view(rows, cols)
+    def take(self, rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        buffer = self.buffers.get(dtype)
+        if buffer is None or buffer.numel() < rows * cols:
+            buffer = self.buffers[dtype] = torch.empty(rows * cols, dtype=dtype)
+        return buffer[:rows * cols].view(rows, cols)
 
 
 _panel = _Panel()
 
 
-def panel_linear(x: torch.Tensor, kind: int, blocks: torch.Tensor, in_features: int, out: torch.Tensor) -> None:
-    """``out = x @ W.T``: x (T, K) float32, W the (N, row bytes) blocks of ggml type ``kind``, dequantized a tile of
-    rows at a time into the reused panel; oneDNN's matmul on a packed tile where torch has it (its float32 code
-    beats MKL's on non-Intel CPUs and matches it on Intel), else ``torch.mm``. out (T, N) float32, may be a view."""
+def bf16_panels() -> bool:
+    """Whether prefill panels are bfloat16: where oneDNN's bfloat16 matmul runs natively (AVX512-BF16 or AMX),
+    it does the same products in about half the time of float32's; elsewhere float32."""
+    if not _bf16_panels:
+        _bf16_panels.append(bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()))
+    return _bf16_panels[0]
+
+
+_bf16_panels: list[bool] = []
+
+
+def panel_linear(x: torch.Tensor, kind: int, blocks: torch.Tensor, in_features: int, out: torch.Tensor,
+                 dtype: torch.dtype = torch.float32) -> None:
+    """``out = x @ W.T``: x (T, K) of ``dtype`` (float32 or bfloat16), W the (N, row bytes) blocks of ggml type
+    ``kind``, dequantized a tile of rows at a time into the reused panel of ``dtype``. float32 runs oneDNN's
+    matmul on a packed tile where torch has it (its float32 code beats MKL's on non-Intel CPUs and matches it on
+    Intel), else ``torch.mm``; bfloat16 sums in float32 and rounds each output once. out (T, N) float32, may be
+    a view."""
     tile = max(16, _PANEL_ELEMENTS // in_features)
     for s in range(0, blocks.shape[0], tile):
         e = min(s + tile, blocks.shape[0])
-        panel = gguf_dot.dequantize_rows(kind, blocks[s:e], in_features, out=_panel.take(e - s, in_features))
-        if _ONEDNN:
+        panel = gguf_dot.dequantize_rows(kind, blocks[s:e], in_features, out=_panel.take(e - s, in_features, dtype))
+        if dtype == torch.bfloat16:
+            out[:, s:e].copy_(torch.mm(x, panel.t()))
+        elif _ONEDNN:
             packed = torch.ops.mkldnn._reorder_linear_weight(panel, x.shape[0])
             out[:, s:e] = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         else:
@@ -137,12 +156,18 @@ class GGUFLinearMethod(LinearMethod):
                        out.data_ptr() + 4 * start, out.stride(0), path, gguf_dot.num_threads(n * k))
         return out
 
+    def panel_dtype(self) -> torch.dtype:
+        """The dtype of this layer's dequantized tiles (:func:`bf16_panels`)."""
+        return torch.bfloat16 if bf16_panels() else torch.float32
+
     def _dequantized_matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """x (T, K) @ W.T through float32 tiles of W (the reused panel); out (T, N) float32."""
-        xf = x if x.dtype == torch.float32 else x.float()
+        """x (T, K) @ W.T through tiles of W dequantized to :meth:`panel_dtype` (the reused panel); out (T, N)
+        float32."""
+        dtype = self.panel_dtype()
+        xp = x if x.dtype == dtype else x.to(dtype)
         out = torch.empty(x.shape[0], layer.out_features)
         for kind, blocks, start in self._parts(layer):
-            panel_linear(xf, kind, blocks, layer.in_features, out[:, start:start + blocks.shape[0]])
+            panel_linear(xp, kind, blocks, layer.in_features, out[:, start:start + blocks.shape[0]], dtype)
         return out if layer._gguf_bias is None else out.add_(layer._gguf_bias)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
@@ -163,6 +188,10 @@ class GGUFTiedHeadMethod(GGUFLinearMethod):
         self._embedding = layer.weight  # the embedding's parameter, filled by load_weights
         layer.weight_dtype = layer.weight.dtype
         replace_weight(layer, None)
+
+    def panel_dtype(self) -> torch.dtype:
+        """float32: the logits keep float32's precision whatever the panel dtype of the other layers."""
+        return torch.float32
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         rows = self._embedding.detach().cpu().float().contiguous()

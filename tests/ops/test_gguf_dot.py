@@ -62,11 +62,25 @@ def test_activation_quantization_follows_the_documented_rule(kernel):
     assert np.array_equal(bf16.q.numpy(), quantized_reference(x.bfloat16().float().numpy())[0])
 
 
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
-def test_dequantize_equals_gguf(kernel, kind):
+def test_dequantize_equals_gguf(kernel, kind, path):
+    """Every path's unpacking gives gguf's values bit for bit (float32), and those rounded to nearest even
+    (bfloat16, torch's rounding); rows of a wider buffer too."""
+    path_id = _path(kernel, path)
     raw = random_blocks(kind, 9, 512, np.random.default_rng(1))
-    got = gguf_dot.dequantize_rows(int(kind), torch.from_numpy(raw), 512, k=kernel)
-    assert np.array_equal(got.numpy(), dequantize(raw, kind).reshape(9, 512).astype(np.float32))
+    ref = dequantize(raw, kind).reshape(9, 512).astype(np.float32)
+    got = gguf_dot.dequantize_rows(int(kind), torch.from_numpy(raw), 512, k=kernel, path=path_id)
+    assert np.array_equal(got.numpy(), ref)
+    wide = torch.zeros(9, 544, dtype=torch.bfloat16)
+    gguf_dot.dequantize_rows(int(kind), torch.from_numpy(raw), 512, out=wide[:, :512], k=kernel, path=path_id)
+    assert torch.equal(wide[:, :512], torch.from_numpy(ref).bfloat16()) and not wide[:, 512:].any()
+
+
+def test_dequantize_refuses_an_out_that_does_not_fit(kernel):
+    raw = torch.from_numpy(random_blocks(TYPES[0], 4, 256, np.random.default_rng(0)))
+    with pytest.raises(ValueError, match="out must be float32 or bfloat16"):
+        gguf_dot.dequantize_rows(int(TYPES[0]), raw, 256, out=torch.empty(4, 256, dtype=torch.float16), k=kernel)
 
 
 @pytest.mark.parametrize("path", list(PATHS))

@@ -12,6 +12,7 @@ from gguf.quants import dequantize
 from pagedllm.models.layers.linear import MergedLinear
 from pagedllm.ops import gguf_dot
 from pagedllm.quantization import get_quantization_config
+from pagedllm.quantization import gguf
 from pagedllm.quantization.gguf import DOT_MAX_ROWS, GGUFConfig, GGUFLinearMethod, row_bytes
 from tests.gguf_blocks import quantized_reference, random_blocks
 
@@ -53,13 +54,23 @@ def test_fused_layer_of_mixed_types(dtype):
     assert np.abs(got.double().numpy() - ref).max() <= tol * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("panel", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q6_K, Q.Q4_1])
-def test_prefill_rows_use_the_dequantized_weight(kind):
-    """Above DOT_MAX_ROWS the activations are not quantized: float32 matmul of gguf's dequantized weight."""
+def test_prefill_rows_use_the_dequantized_weight(kind, panel, monkeypatch):
+    """Above DOT_MAX_ROWS the activations are not quantized: a matmul of gguf's dequantized weight, float32, or
+    bfloat16 inputs summed in float32 (within bfloat16's rounding of x and W: 2 * 2^-9 of sum |x| |w|)."""
+    monkeypatch.setattr(gguf, "_bf16_panels", [panel == "bfloat16"])
     layer, w = _fused_layer([(kind, 48)], 512, False, np.random.default_rng(1))
     x = torch.randn(DOT_MAX_ROWS + 37, 512)
+    assert layer.quant_method.panel_dtype() == getattr(torch, panel)
     ref = x.double().numpy() @ w.T
-    assert np.abs(layer(x).double().numpy() - ref).max() <= 1e-5 * np.abs(ref).max()
+    got = layer(x).double().numpy()
+    if panel == "float32":
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+    else:
+        bound = 2 * 2.0 ** -8 * (np.abs(x.double().numpy()) @ np.abs(w).T) + 2.0 ** -8 * np.abs(ref)
+        assert (np.abs(got - ref) <= bound).all()
+        assert np.abs(got - ref).max() > 0  # the bfloat16 panel ran
 
 
 def test_decode_rows_are_batch_invariant():
