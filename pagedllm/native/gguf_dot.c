@@ -30,12 +30,14 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define GGUF_DOT_ABI_VERSION 3
 #define GD_QK 32   /* activation block */
 #define GD_QKK 256 /* K-quant super-block */
-#define GD_MR 4    /* x rows per tile: a weight block is unpacked once per tile */
+#define GD_MR 4      /* x rows per tile (portable C, AVX2): a weight row is unpacked once and read per tile */
+#define GD_MR_VNNI 8 /* x rows per tile on the AVX512-VNNI path (32 vector registers) */
 
 enum gd_type { GD_Q8_0 = 8, GD_Q4_0 = 2, GD_Q4_1 = 3, GD_Q5_0 = 6, GD_Q5_1 = 7, GD_Q4_K = 12, GD_Q5_K = 13,
                GD_Q6_K = 14 }; /* ggml's type ids */
@@ -368,9 +370,9 @@ static void gd_unpack_row(int type, const uint8_t *w, int K, struct gd_unpacked 
         *mn++ = 0.0f;
 }
 
-struct gd_x { /* a tile's activation rows */
-    const int8_t *q[GD_MR];
-    const float *d[GD_MR], *s[GD_MR], *s16[GD_MR];
+struct gd_x { /* a tile's activation rows; d8: each block's scale repeated 8 times (the VNNI path's lanes) */
+    const int8_t *q[GD_MR_VNNI];
+    const float *d[GD_MR_VNNI], *s[GD_MR_VNNI], *s16[GD_MR_VNNI], *d8[GD_MR_VNNI];
 };
 
 /* Path 0: per x block, the two 16-code halves' integer dots times their scales, then the min, in block order. */
@@ -443,13 +445,23 @@ static inline int gd_chunk(int N, int num_threads) {
 
 /* out[m, n] = bias[n] + sum_k x[m, k] * W[n, k] for m < M, n < N: w rows row_bytes apart, x as
  * gguf_quantize_rows wrote it (q (M, K), d and s (M, K / 32), s16 (M, K / 16)), out rows out_stride floats apart. Returns -1 for an
- * unknown type, a K that is not a multiple of its block, or a path this CPU cannot run. */
+ * unknown type, a K that is not a multiple of its block, or a path this CPU cannot run; -2 when the VNNI path
+ * cannot allocate its copy of the activation scales. */
 int gguf_dot_rows(int type, const uint8_t *w, ptrdiff_t row_bytes, int N, int K, const int8_t *xq,
                   const float *xd, const float *xs, const float *xs16, int M, const float *bias, float *out,
                   ptrdiff_t out_stride, int isa, int num_threads) {
     if (!gd_block_bytes(type) || K % gd_block_weights(type) || !gguf_dot_isa_available(isa))
         return -1;
-    const int nbx = K / GD_QK, padded = (nbx + 7) / 8 * 8;
+    const int nbx = K / GD_QK, padded = (nbx + 7) / 8 * 8, mr = isa == 2 ? GD_MR_VNNI : GD_MR;
+    float *xd8 = NULL;
+    if (isa == 2) { /* x's scales as the VNNI path's lanes, once per call (every weight row reads them) */
+        xd8 = malloc(sizeof(float) * 8 * (size_t)nbx * (size_t)(M > 0 ? M : 1));
+        if (!xd8)
+            return -2;
+        for (ptrdiff_t i = 0; i < (ptrdiff_t)M * nbx; i++)
+            for (int l = 0; l < 8; l++)
+                xd8[8 * i + l] = xd[i];
+    }
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         int8_t codes[K];
@@ -466,16 +478,17 @@ int gguf_dot_rows(int type, const uint8_t *w, ptrdiff_t row_bytes, int N, int K,
             else
 #endif
                 gd_unpack_row(type, wr, K, &u);
-            for (int m0 = 0; m0 < M; m0 += GD_MR) {
-                const int R = M - m0 < GD_MR ? M - m0 : GD_MR;
+            for (int m0 = 0; m0 < M; m0 += mr) {
+                const int R = M - m0 < mr ? M - m0 : mr;
                 struct gd_x x;
                 for (int r = 0; r < R; r++) {
                     x.q[r] = xq + (ptrdiff_t)(m0 + r) * K;
                     x.d[r] = xd + (ptrdiff_t)(m0 + r) * nbx;
                     x.s[r] = xs + (ptrdiff_t)(m0 + r) * nbx;
                     x.s16[r] = xs16 + (ptrdiff_t)(m0 + r) * 2 * nbx;
+                    x.d8[r] = xd8 ? xd8 + (ptrdiff_t)(m0 + r) * 8 * nbx : NULL;
                 }
-                float res[GD_MR];
+                float res[GD_MR_VNNI];
 #if GD_SIMD
                 if (isa == 2)
                     gd_dot_vnni(&u, K, &x, R, res);
@@ -489,6 +502,7 @@ int gguf_dot_rows(int type, const uint8_t *w, ptrdiff_t row_bytes, int N, int K,
             }
         }
     }
+    free(xd8);
     return 0;
 }
 
@@ -670,68 +684,68 @@ static void GD_FN(gd_unpack)(int type, const uint8_t *w, int K, struct gd_unpack
         *mn++ = 0.0f;
 }
 
-/* Two blocks of one x row: acc += dot(c, a) * (scale * d), 512 bits (lanes 0..7: block b, 8..15: b + 1). */
-#define GD_ROW_PAIR(acc, a, d)                                                                                    \
-    acc = _mm512_fmadd_ps(                                                                                        \
-        _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c_, _mm512_loadu_si512(a))),              \
-        _mm512_mul_ps(sc_, _mm512_insertf32x8(_mm512_set1_ps((d)[0]), _mm256_set1_ps((d)[1]), 1)), acc)
-#define GD_PAIR(A0, A1, A2, A3)                                                                                    \
-    do {                                                                                                          \
-        const __m512i c_ = _mm512_loadu_si512(c);                                                                 \
-        const __m512 sc_ = _mm512_loadu_ps(scale);                                                                \
-        GD_ROW_PAIR(A0, qa, da);                                                                                  \
-        if (R > 1) GD_ROW_PAIR(A1, qa + qs, da + ds);                                                             \
-        if (R > 2) GD_ROW_PAIR(A2, qb, db);                                                                       \
-        if (R > 3) GD_ROW_PAIR(A3, qb + qs, db + ds);                                                             \
-        c += 2 * GD_QK, scale += 16, qa += 2 * GD_QK, qb += 2 * GD_QK, da += 2, db += 2;                          \
-    } while (0)
-/* The last block of an odd count, 256 bits. */
-#define GD_ROW_LAST(acc, a, d)                                                                                    \
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), c_, GD_FN(gd_load)(a))), \
-                          _mm256_mul_ps(sc_, _mm256_broadcast_ss(d)), acc)
-
 GD_INLINE float GD_FN(gd_hsum16)(__m512 v) {
     return GD_FN(gd_hsum)(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
 }
 
-/* R x rows against one unpacked row: block pairs alternate between two 512-bit accumulators per row, an odd
- * last block goes to a 256-bit one; then the mins (min16 * s16, 16 per vector). The order is fixed per row. */
+/* One x row's block pair: acc += dot(c, a) * (scale * d8), 512 bits (lanes 0..7: block b, 8..15: b + 1; d8 is x's
+ * scale repeated per lane, so the product is one multiply). */
+#define GD_ROW_PAIR(acc, c_, sc_, a, d8)                                                                           \
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c_, a)),               \
+                          _mm512_mul_ps(sc_, d8), acc)
+
+/* R x rows (a compile-time count up to GD_MR_VNNI) against one unpacked row: block pairs alternate between two
+ * accumulators per row, an odd last block runs masked to its 8 lanes, then the mins (min16 * s16, 16 per
+ * vector) join the same lanes and one reduction gives the output. Each row's operations and their order are
+ * the same for any R (batch-invariant). */
 GD_INLINE void GD_FN(gd_dot_tile)(const struct gd_unpacked *u, int K, const struct gd_x *x, const int R,
                                   float *out) {
     const int nb = K / GD_QK, nh = 2 * nb;
-    const int8_t *c = u->c, *qa = x->q[0], *qb = R > 2 ? x->q[2] : x->q[0];
-    const float *scale = u->scale, *da = x->d[0], *db = R > 2 ? x->d[2] : x->d[0];
-    const ptrdiff_t qs = R > 1 ? x->q[1] - x->q[0] : 0, ds = R > 1 ? x->d[1] - x->d[0] : 0;
-    __m512 e0 = _mm512_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
-    __m256 t[GD_MR] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    /* the tile's rows are consecutive rows of x: one base and one stride each (fewer live pointers) */
+    const int8_t *q = x->q[0];
+    const float *d8 = x->d8[0], *s16 = x->s16[0];
+    const ptrdiff_t qs = R > 1 ? x->q[1] - x->q[0] : 0, ds = R > 1 ? x->d8[1] - x->d8[0] : 0;
+    const ptrdiff_t ss = R > 1 ? x->s16[1] - x->s16[0] : 0;
+    __m512 e[GD_MR_VNNI], o[GD_MR_VNNI];
+    for (int r = 0; r < R; r++)
+        e[r] = o[r] = _mm512_setzero_ps();
     int b = 0;
     for (; b + 4 <= nb; b += 4) {
-        GD_PAIR(e0, e1, e2, e3);
-        GD_PAIR(o0, o1, o2, o3);
+        const __m512i c0 = _mm512_loadu_si512(u->c + 32 * b), c1 = _mm512_loadu_si512(u->c + 32 * b + 64);
+        const __m512 s0 = _mm512_loadu_ps(u->scale + 8 * b), s1 = _mm512_loadu_ps(u->scale + 8 * b + 16);
+        const int8_t *qb = q + 32 * b;
+        const float *db = d8 + 8 * b;
+        for (int r = 0; r < R; r++) {
+            GD_ROW_PAIR(e[r], c0, s0, _mm512_loadu_si512(qb + r * qs), _mm512_loadu_ps(db + r * ds));
+            GD_ROW_PAIR(o[r], c1, s1, _mm512_loadu_si512(qb + r * qs + 64), _mm512_loadu_ps(db + r * ds + 16));
+        }
     }
     if (b + 2 <= nb) {
-        GD_PAIR(e0, e1, e2, e3);
+        const __m512i c0 = _mm512_loadu_si512(u->c + 32 * b);
+        const __m512 s0 = _mm512_loadu_ps(u->scale + 8 * b);
+        for (int r = 0; r < R; r++)
+            GD_ROW_PAIR(e[r], c0, s0, _mm512_loadu_si512(q + r * qs + 32 * b), _mm512_loadu_ps(d8 + r * ds + 8 * b));
         b += 2;
     }
-    if (b < nb) {
-        const __m256i c_ = GD_FN(gd_load)(c);
-        const __m256 sc_ = _mm256_loadu_ps(scale);
-        GD_ROW_LAST(t[0], qa, da);
-        if (R > 1) GD_ROW_LAST(t[1], qa + qs, da + ds);
-        if (R > 2) GD_ROW_LAST(t[2], qb, db);
-        if (R > 3) GD_ROW_LAST(t[3], qb + qs, db + ds);
+    if (b < nb) { /* lanes 8..15 load zeros and add 0 * 0 */
+        const __mmask64 bytes = 0xFFFFFFFFull;
+        const __mmask16 lanes = 0xFF;
+        const __m512i c0 = _mm512_maskz_loadu_epi8(bytes, u->c + 32 * b);
+        const __m512 s0 = _mm512_maskz_loadu_ps(lanes, u->scale + 8 * b);
+        for (int r = 0; r < R; r++)
+            GD_ROW_PAIR(o[r], c0, s0, _mm512_maskz_loadu_epi8(bytes, q + r * qs + 32 * b),
+                        _mm512_maskz_loadu_ps(lanes, d8 + r * ds + 8 * b));
     }
-    const __m512 sums[GD_MR] = {_mm512_add_ps(e0, o0), _mm512_add_ps(e1, o1), _mm512_add_ps(e2, o2),
-                                _mm512_add_ps(e3, o3)};
     for (int r = 0; r < R; r++) {
-        __m512 m = _mm512_setzero_ps();
+        __m512 acc = _mm512_add_ps(e[r], o[r]);
+        const float *sr = s16 + r * ss;
         int h = 0;
         for (; h + 16 <= nh; h += 16)
-            m = _mm512_fmadd_ps(_mm512_loadu_ps(u->min16 + h), _mm512_loadu_ps(x->s16[r] + h), m);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(u->min16 + h), _mm512_loadu_ps(sr + h), acc);
         if (h < nh) /* the zero-padded mins; x's s16 past nh is never read */
-            m = _mm512_fmadd_ps(_mm512_loadu_ps(u->min16 + h),
-                                _mm512_maskz_loadu_ps((__mmask16)((1u << (nh - h)) - 1), x->s16[r] + h), m);
-        out[r] = GD_FN(gd_hsum16)(sums[r]) + GD_FN(gd_hsum)(t[r]) + GD_FN(gd_hsum16)(m);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(u->min16 + h),
+                                  _mm512_maskz_loadu_ps((__mmask16)((1u << (nh - h)) - 1), sr + h), acc);
+        out[r] = GD_FN(gd_hsum16)(acc);
     }
 }
 
@@ -740,12 +754,14 @@ static void GD_FN(gd_dot)(const struct gd_unpacked *u, int K, const struct gd_x 
     case 1: GD_FN(gd_dot_tile)(u, K, x, 1, out); break;
     case 2: GD_FN(gd_dot_tile)(u, K, x, 2, out); break;
     case 3: GD_FN(gd_dot_tile)(u, K, x, 3, out); break;
-    default: GD_FN(gd_dot_tile)(u, K, x, 4, out); break;
+    case 4: GD_FN(gd_dot_tile)(u, K, x, 4, out); break;
+    case 5: GD_FN(gd_dot_tile)(u, K, x, 5, out); break;
+    case 6: GD_FN(gd_dot_tile)(u, K, x, 6, out); break;
+    case 7: GD_FN(gd_dot_tile)(u, K, x, 7, out); break;
+    default: GD_FN(gd_dot_tile)(u, K, x, 8, out); break;
     }
 }
 #undef GD_ROW_PAIR
-#undef GD_PAIR
-#undef GD_ROW_LAST
 #else /* the AVX2 path: signed codes, vpsignb fix-ups, the min per 32 */
 /* gd_unpack_row's result (bit for bit), with vector code unpacking. */
 static void GD_FN(gd_unpack)(int type, const uint8_t *w, int K, struct gd_unpacked *u) {

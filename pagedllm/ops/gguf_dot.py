@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm import envs, native
+from pagedllm.ops import recording
 
 __all__ = ["BLOCK_TYPES", "GGUFDotKernel", "QuantizedRows", "dequantize_rows", "dot_rows", "isa", "kernel",
            "load_kernel", "num_threads", "process_isa", "quantize_q8_0", "quantize_rows"]
@@ -121,7 +122,8 @@ class QuantizedRows:
 
 
 def quantize_rows(x: torch.Tensor, k: GGUFDotKernel | None = None) -> QuantizedRows:
-    """x (M, K) float32 or bfloat16 on the CPU, rows contiguous, K a multiple of 32. Raises ValueError otherwise."""
+    """x (M, K) float32 or bfloat16 on the CPU, rows contiguous, K a multiple of 32 (recorded into an active CPU
+    decode graph, :mod:`pagedllm.ops.recording`). Raises ValueError otherwise."""
     k = k or kernel()
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_cpu or x.stride(1) != 1 \
             or x.shape[1] % ACTIVATION_BLOCK:
@@ -133,8 +135,8 @@ def quantize_rows(x: torch.Tensor, k: GGUFDotKernel | None = None) -> QuantizedR
     s = torch.empty(m, n // ACTIVATION_BLOCK)
     s16 = torch.empty(m, 2 * n // ACTIVATION_BLOCK)
     if m:
-        k.quantize(x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), m, n, q.data_ptr(), d.data_ptr(),
-                   s.data_ptr(), s16.data_ptr(), num_threads(m * n // 8))
+        recording.call(k.quantize, x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), m, n, q.data_ptr(),
+                       d.data_ptr(), s.data_ptr(), s16.data_ptr(), num_threads(m * n // 8))
     return QuantizedRows(q, d, s, s16)
 
 
@@ -165,6 +167,8 @@ def dot_rows(block_type: int, weight: torch.Tensor, x: QuantizedRows, out: torch
     rc = k.dot(block_type, weight.data_ptr(), weight.stride(0), n, x.in_features, x.q.data_ptr(), x.d.data_ptr(),
                x.s.data_ptr(), x.s16.data_ptr(), x.num_rows, None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
                process_isa() if path is None else path, num_threads(n * x.in_features))
+    if rc == -2:
+        raise MemoryError(f"gguf_dot_rows: no memory for the activation scales of {x.num_rows} rows")
     if rc != 0:
         raise ValueError(f"gguf_dot_rows refused {BLOCK_TYPES[block_type]} (path {path})")
 

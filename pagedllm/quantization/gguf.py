@@ -18,7 +18,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from pagedllm.ops import gguf_dot
+from pagedllm.ops import gguf_dot, recording
 from pagedllm.quantization.base import LinearMethod, QuantizationConfig, replace_weight
 
 logger = logging.getLogger("pagedllm")
@@ -93,6 +93,10 @@ class GGUFLinearMethod(LinearMethod):
     loading each part is a ``gguf_blocks_<i>`` buffer (rows, its row bytes). Raises ValueError for a type
     without a kernel."""
 
+    # decode rows are kernel calls on pool buffers: a CPU decode graph records and replays them (larger steps
+    # take the panel's torch ops, which the capture refuses: those sizes run eagerly)
+    records_cpu_graphs = True
+
     def __init__(self, segments: list[tuple[GGMLQuantizationType, int]]) -> None:
         for kind, _ in segments:
             if kind not in KEPT_TYPES:
@@ -143,7 +147,8 @@ class GGUFLinearMethod(LinearMethod):
         return out.view(*x.shape[:-1], layer.out_features)
 
     def _dot(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The kernel called directly per segment (shapes were checked when the blocks were stored)."""
+        """The kernel called directly per segment (shapes were checked when the blocks were stored), each call
+        recorded into an active CPU decode graph."""
         rows = gguf_dot.quantize_rows(x)
         m, k = x.shape
         out = torch.empty(m, layer.out_features)
@@ -151,9 +156,12 @@ class GGUFLinearMethod(LinearMethod):
         bias = layer._gguf_bias
         for kind, blocks, start in self._parts(layer):
             n = blocks.shape[0]
-            kernel.dot(kind, blocks.data_ptr(), blocks.stride(0), n, k, rows.q.data_ptr(), rows.d.data_ptr(),
-                       rows.s.data_ptr(), rows.s16.data_ptr(), m, None if bias is None else bias.data_ptr() + 4 * start,
-                       out.data_ptr() + 4 * start, out.stride(0), path, gguf_dot.num_threads(n * k))
+            rc = recording.call(kernel.dot, kind, blocks.data_ptr(), blocks.stride(0), n, k, rows.q.data_ptr(),
+                                rows.d.data_ptr(), rows.s.data_ptr(), rows.s16.data_ptr(), m,
+                                None if bias is None else bias.data_ptr() + 4 * start, out.data_ptr() + 4 * start,
+                                out.stride(0), path, gguf_dot.num_threads(n * k), keep=(blocks, bias))
+            if rc != 0:
+                raise MemoryError(f"gguf_dot_rows: no memory for the activation scales of {m} rows")
         return out
 
     def panel_dtype(self) -> torch.dtype:

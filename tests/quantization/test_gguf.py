@@ -182,3 +182,25 @@ def test_gemma3_q4_k_m_greedy_tokens_near_the_dequantized_model():
     same = sum(next((i for i, (a, b) in enumerate(zip(r, x)) if a != b), len(r))
                for r, x in zip(tokens[None], tokens["gguf"]))
     assert same / (len(prompts) * 16) >= 0.5
+
+
+def test_smollm2_decode_steps_replay_bitwise_the_eager_steps(smollm2_path):
+    """Decode steps of kept blocks run as recorded CPU decode graphs (the dot product's calls on pool buffers):
+    tokens and logprobs equal the eager run's bit for bit."""
+    from pagedllm import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(model=str(smollm2_path), max_model_len=256, kv_cache_memory="64MiB", quantization="gguf",
+                  enforce_eager=eager)
+        runs[eager] = llm.generate(prompts, params, use_tqdm=False)
+        if not eager:
+            graphs = llm.llm_engine.runner.cpu_graphs
+            assert graphs is not None and graphs.num_replayed > 0 and not graphs.refused
+        del llm
+    for a, b in zip(runs[False], runs[True]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{t: p.logprob for t, p in d.items()} for d in a.outputs[0].logprobs] == \
+            [{t: p.logprob for t, p in d.items()} for d in b.outputs[0].logprobs]
