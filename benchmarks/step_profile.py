@@ -187,13 +187,14 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=5, help="steps profiled one by one (Python overhead)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default=None, help="the engine's quantization (gguf, w8a8, ...)")
     ap.add_argument("--cpu-time-steps", type=int, default=0,
                     help="then this many steps with one torch thread, CPU time per part (robust on a shared machine)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="no CPU decode graphs (pagedllm/worker/cpu_graph.py): every step runs the layers' Python")
     ap.add_argument("--out", default="benchmarks/results/step_profile.json")
     args = ap.parse_args()
-    llm = LLM(dtype=args.dtype, max_model_len=1024, kv_cache_memory="2GiB", max_num_seqs=max(args.batch, 8),
+    llm = LLM(dtype=args.dtype, quantization=args.quantization, max_model_len=1024, kv_cache_memory="2GiB", max_num_seqs=max(args.batch, 8),
               enforce_eager=args.enforce_eager)
     eng = llm.llm_engine
     rng = random.Random(0)
@@ -264,7 +265,7 @@ def main() -> None:
                  "forward": per_step.get("forward", 0.0) / wall,
                  "host_phases": sum(per_step.get(k, 0.0) for k in HOST_PHASES) / wall}
     rec = {"load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()], "batch": args.batch,
-           "dtype": args.dtype, "params": params_desc(params), "step_wall_s": wall,
+           "dtype": args.dtype, "quantization": args.quantization, "params": params_desc(params), "step_wall_s": wall,
            "step_wall_s_min_max": [min(walls), max(walls)], "phases_s": per_step,
            "op_time_by_kind_s": kinds, "python_overhead_s": python_fraction * wall,
            "python_overhead_fraction": python_fraction, "fractions_of_step": fractions,

@@ -471,7 +471,12 @@ int gguf_dot_rows(int type, const uint8_t *w, ptrdiff_t row_bytes, int N, int K,
         for (int n = 0; n < N; n++) {
             const uint8_t *wr = w + (ptrdiff_t)n * row_bytes;
 #if GD_SIMD
-            if (isa == 2)
+            /* one tile of rows: reading the blocks straight beats unpacking them first; more tiles share one
+             * unpacked row (both give the same bits) */
+            const int direct = isa == 2 && M <= GD_MR_VNNI && gd_is_legacy_vnni(type);
+            if (direct)
+                ; /* read straight from the blocks (gd_dot_direct_vnni) */
+            else if (isa == 2)
                 gd_unpack_vnni(type, wr, K, &u);
             else if (isa == 1)
                 gd_unpack_avx2(type, wr, K, &u);
@@ -490,7 +495,9 @@ int gguf_dot_rows(int type, const uint8_t *w, ptrdiff_t row_bytes, int N, int K,
                 }
                 float res[GD_MR_VNNI];
 #if GD_SIMD
-                if (isa == 2)
+                if (direct)
+                    gd_dot_direct_vnni(type, wr, K, &x, R, res, mins16);
+                else if (isa == 2)
                     gd_dot_vnni(&u, K, &x, R, res);
                 else if (isa == 1)
                     gd_dot_avx2(&u, K, &x, R, res);
@@ -746,6 +753,107 @@ GD_INLINE void GD_FN(gd_dot_tile)(const struct gd_unpacked *u, int K, const stru
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(u->min16 + h),
                                   _mm512_maskz_loadu_ps((__mmask16)((1u << (nh - h)) - 1), sr + h), acc);
         out[r] = GD_FN(gd_hsum16)(acc);
+    }
+}
+
+/* The legacy types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): block b's 32 unsigned codes, its scale and its min, the
+ * values gd_unpack stores for it (the same expressions, so the same floats). */
+GD_INLINE __m256i GD_FN(gd_block_codes)(int type, const uint8_t *w, float *d, float *mn) {
+    *d = GD_FN(gd_h)(w);
+    if (type == GD_Q8_0) {
+        *mn = -128.0f * *d;
+        return _mm256_xor_si256(GD_FN(gd_load)(w + 2), _mm256_set1_epi8((char)0x80));
+    }
+    const int has_min = type == GD_Q4_1 || type == GD_Q5_1, five = type == GD_Q5_0 || type == GD_Q5_1;
+    __m256i q = GD_FN(gd_nibbles)(w + 2 + 2 * has_min + 4 * five);
+    if (five)
+        q = _mm256_or_si256(q, GD_FN(gd_bit4)(w + 2 + 2 * has_min));
+    *mn = has_min ? GD_FN(gd_h)(w + 2) : -(float)(five ? 16 : 8) * *d;
+    return q;
+}
+
+static int GD_FN(gd_is_legacy)(int type) {
+    return type == GD_Q8_0 || type == GD_Q4_0 || type == GD_Q4_1 || type == GD_Q5_0 || type == GD_Q5_1;
+}
+
+/* gd_dot_tile for a legacy-type weight row read straight from its blocks: each block pair's codes and scales are
+ * built in registers for the tile instead of stored by gd_unpack and read back, and only the mins go through
+ * memory (min16, 2 * ceil(K / 256) * 8 floats of scratch). The same operations in the same order as gd_dot_tile
+ * on the unpacked row: bit-identical results. */
+GD_INLINE void GD_FN(gd_dot_direct_tile)(int type, const uint8_t *w, int K, const struct gd_x *x, const int R,
+                                         float *out, float *min16) {
+    const int nb = K / GD_QK, nh = 2 * nb, bb = gd_block_bytes(type);
+    const int8_t *q = x->q[0];
+    const float *d8 = x->d8[0], *s16 = x->s16[0];
+    const ptrdiff_t qs = R > 1 ? x->q[1] - x->q[0] : 0, ds = R > 1 ? x->d8[1] - x->d8[0] : 0;
+    const ptrdiff_t ss = R > 1 ? x->s16[1] - x->s16[0] : 0;
+    __m512 e[GD_MR_VNNI], o[GD_MR_VNNI];
+    for (int r = 0; r < R; r++)
+        e[r] = o[r] = _mm512_setzero_ps();
+    float dv[4], mv[4];
+    int b = 0;
+#define GD_CODES2(i) _mm512_inserti64x4(_mm512_castsi256_si512(GD_FN(gd_block_codes)(type, w + bb * (b + (i)), dv + (i), mv + (i))), \
+                                        GD_FN(gd_block_codes)(type, w + bb * (b + (i) + 1), dv + (i) + 1, mv + (i) + 1), 1)
+#define GD_SCALE2(i) _mm512_insertf32x8(_mm512_set1_ps(dv[i]), _mm256_set1_ps(dv[(i) + 1]), 1)
+    for (; b + 4 <= nb; b += 4) {
+        const __m512i c0 = GD_CODES2(0), c1 = GD_CODES2(2);
+        const __m512 s0 = GD_SCALE2(0), s1 = GD_SCALE2(2);
+        for (int i = 0; i < 4; i++)
+            min16[2 * (b + i)] = min16[2 * (b + i) + 1] = mv[i];
+        const int8_t *qb = q + 32 * b;
+        const float *db = d8 + 8 * b;
+        for (int r = 0; r < R; r++) {
+            GD_ROW_PAIR(e[r], c0, s0, _mm512_loadu_si512(qb + r * qs), _mm512_loadu_ps(db + r * ds));
+            GD_ROW_PAIR(o[r], c1, s1, _mm512_loadu_si512(qb + r * qs + 64), _mm512_loadu_ps(db + r * ds + 16));
+        }
+    }
+    if (b + 2 <= nb) {
+        const __m512i c0 = GD_CODES2(0);
+        const __m512 s0 = GD_SCALE2(0);
+        min16[2 * b] = min16[2 * b + 1] = mv[0];
+        min16[2 * b + 2] = min16[2 * b + 3] = mv[1];
+        for (int r = 0; r < R; r++)
+            GD_ROW_PAIR(e[r], c0, s0, _mm512_loadu_si512(q + r * qs + 32 * b), _mm512_loadu_ps(d8 + r * ds + 8 * b));
+        b += 2;
+    }
+#undef GD_CODES2
+#undef GD_SCALE2
+    if (b < nb) { /* as gd_dot_tile's masked last block: the upper lanes are zero */
+        const __mmask64 bytes = 0xFFFFFFFFull;
+        const __mmask16 lanes = 0xFF;
+        const __m512i c0 = _mm512_zextsi256_si512(GD_FN(gd_block_codes)(type, w + bb * b, dv, mv));
+        const __m512 s0 = _mm512_zextps256_ps512(_mm256_set1_ps(dv[0]));
+        min16[2 * b] = min16[2 * b + 1] = mv[0];
+        for (int r = 0; r < R; r++)
+            GD_ROW_PAIR(o[r], c0, s0, _mm512_maskz_loadu_epi8(bytes, q + r * qs + 32 * b),
+                        _mm512_maskz_loadu_ps(lanes, d8 + r * ds + 8 * b));
+    }
+    for (int h = nh; h % 16; h++)
+        min16[h] = 0.0f;
+    for (int r = 0; r < R; r++) {
+        __m512 acc = _mm512_add_ps(e[r], o[r]);
+        const float *sr = s16 + r * ss;
+        int h = 0;
+        for (; h + 16 <= nh; h += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(min16 + h), _mm512_loadu_ps(sr + h), acc);
+        if (h < nh)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(min16 + h),
+                                  _mm512_maskz_loadu_ps((__mmask16)((1u << (nh - h)) - 1), sr + h), acc);
+        out[r] = GD_FN(gd_hsum16)(acc);
+    }
+}
+
+static void GD_FN(gd_dot_direct)(int type, const uint8_t *w, int K, const struct gd_x *x, int R, float *out,
+                                 float *min16) {
+    switch (R) {
+    case 1: GD_FN(gd_dot_direct_tile)(type, w, K, x, 1, out, min16); break;
+    case 2: GD_FN(gd_dot_direct_tile)(type, w, K, x, 2, out, min16); break;
+    case 3: GD_FN(gd_dot_direct_tile)(type, w, K, x, 3, out, min16); break;
+    case 4: GD_FN(gd_dot_direct_tile)(type, w, K, x, 4, out, min16); break;
+    case 5: GD_FN(gd_dot_direct_tile)(type, w, K, x, 5, out, min16); break;
+    case 6: GD_FN(gd_dot_direct_tile)(type, w, K, x, 6, out, min16); break;
+    case 7: GD_FN(gd_dot_direct_tile)(type, w, K, x, 7, out, min16); break;
+    default: GD_FN(gd_dot_direct_tile)(type, w, K, x, 8, out, min16); break;
     }
 }
 

@@ -73,11 +73,15 @@ def test_prefill_rows_use_the_dequantized_weight(kind, panel, monkeypatch):
         assert np.abs(got - ref).max() > 0  # the bfloat16 panel ran
 
 
-def test_decode_rows_are_batch_invariant():
-    layer, _ = _fused_layer([(Q.Q4_K, 40), (Q.Q6_K, 24)], 256, False, np.random.default_rng(2))
-    x = torch.randn(DOT_MAX_ROWS, 256)
+@pytest.mark.parametrize("parts,k", [([(Q.Q4_K, 40), (Q.Q6_K, 24)], 256), ([(Q.Q4_1, 40), (Q.Q8_0, 24)], 608),
+                                     ([(Q.Q5_0, 16), (Q.Q4_0, 8), (Q.Q5_1, 8)], 576)])
+def test_decode_rows_are_batch_invariant(parts, k):
+    """A row's outputs are the same bits whatever rows share the call: one tile of rows (the legacy types read
+    straight from the blocks on the VNNI path) or many (an unpacked row), an odd block count included."""
+    layer, _ = _fused_layer(parts, k, False, np.random.default_rng(2))
+    x = torch.randn(DOT_MAX_ROWS, k)
     full = layer(x)
-    for m in (1, 2, 5, 17, DOT_MAX_ROWS - 1):
+    for m in (1, 2, 5, 8, 9, 17, DOT_MAX_ROWS - 1):
         assert torch.equal(layer(x[-m:]), full[-m:])
 
 
