@@ -701,6 +701,38 @@ GD_INLINE float GD_FN(gd_hsum16)(__m512 v) {
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c_, a)),               \
                           _mm512_mul_ps(sc_, d8), acc)
 
+/* The tile's rows (R, e, o, qs, ds in scope) against two block pairs (c0, s0: accumulators e; c1, s1: o) at x
+ * codes qb and lane scales db; one pair (e); an odd last block, masked to its 8 lanes (o). */
+#define GD_ROWS_TWO_PAIRS(c0, s0, c1, s1, qb, db)                                                                   \
+    for (int r = 0; r < R; r++) {                                                                                 \
+        GD_ROW_PAIR(e[r], c0, s0, _mm512_loadu_si512((qb) + r * qs), _mm512_loadu_ps((db) + r * ds));            \
+        GD_ROW_PAIR(o[r], c1, s1, _mm512_loadu_si512((qb) + r * qs + 64), _mm512_loadu_ps((db) + r * ds + 16));  \
+    }
+#define GD_ROWS_PAIR(c0, s0, qb, db)                                                                              \
+    for (int r = 0; r < R; r++)                                                                                   \
+        GD_ROW_PAIR(e[r], c0, s0, _mm512_loadu_si512((qb) + r * qs), _mm512_loadu_ps((db) + r * ds))
+#define GD_ROWS_LAST(c0, s0, qb, db)                                                                              \
+    for (int r = 0; r < R; r++)                                                                                   \
+        GD_ROW_PAIR(o[r], c0, s0, _mm512_maskz_loadu_epi8(0xFFFFFFFFull, (qb) + r * qs),                         \
+                    _mm512_maskz_loadu_ps(0xFF, (db) + r * ds))
+
+/* Each row's output: its two accumulators, then the mins (min16 * s16, 16 per vector; the mins zero-padded, x's
+ * s16 past nh never read) in the same lanes, one reduction. */
+GD_INLINE void GD_FN(gd_tile_finish)(const __m512 *e, const __m512 *o, const float *min16, const float *s16,
+                                     ptrdiff_t ss, int nh, const int R, float *out) {
+    for (int r = 0; r < R; r++) {
+        __m512 acc = _mm512_add_ps(e[r], o[r]);
+        const float *sr = s16 + r * ss;
+        int h = 0;
+        for (; h + 16 <= nh; h += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(min16 + h), _mm512_loadu_ps(sr + h), acc);
+        if (h < nh)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(min16 + h),
+                                  _mm512_maskz_loadu_ps((__mmask16)((1u << (nh - h)) - 1), sr + h), acc);
+        out[r] = GD_FN(gd_hsum16)(acc);
+    }
+}
+
 /* R x rows (a compile-time count up to GD_MR_VNNI) against one unpacked row: block pairs alternate between two
  * accumulators per row, an odd last block runs masked to its 8 lanes, then the mins (min16 * s16, 16 per
  * vector) join the same lanes and one reduction gives the output. Each row's operations and their order are
@@ -722,38 +754,20 @@ GD_INLINE void GD_FN(gd_dot_tile)(const struct gd_unpacked *u, int K, const stru
         const __m512 s0 = _mm512_loadu_ps(u->scale + 8 * b), s1 = _mm512_loadu_ps(u->scale + 8 * b + 16);
         const int8_t *qb = q + 32 * b;
         const float *db = d8 + 8 * b;
-        for (int r = 0; r < R; r++) {
-            GD_ROW_PAIR(e[r], c0, s0, _mm512_loadu_si512(qb + r * qs), _mm512_loadu_ps(db + r * ds));
-            GD_ROW_PAIR(o[r], c1, s1, _mm512_loadu_si512(qb + r * qs + 64), _mm512_loadu_ps(db + r * ds + 16));
-        }
+        GD_ROWS_TWO_PAIRS(c0, s0, c1, s1, qb, db);
     }
     if (b + 2 <= nb) {
         const __m512i c0 = _mm512_loadu_si512(u->c + 32 * b);
         const __m512 s0 = _mm512_loadu_ps(u->scale + 8 * b);
-        for (int r = 0; r < R; r++)
-            GD_ROW_PAIR(e[r], c0, s0, _mm512_loadu_si512(q + r * qs + 32 * b), _mm512_loadu_ps(d8 + r * ds + 8 * b));
+        GD_ROWS_PAIR(c0, s0, q + 32 * b, d8 + 8 * b);
         b += 2;
     }
     if (b < nb) { /* lanes 8..15 load zeros and add 0 * 0 */
-        const __mmask64 bytes = 0xFFFFFFFFull;
-        const __mmask16 lanes = 0xFF;
-        const __m512i c0 = _mm512_maskz_loadu_epi8(bytes, u->c + 32 * b);
-        const __m512 s0 = _mm512_maskz_loadu_ps(lanes, u->scale + 8 * b);
-        for (int r = 0; r < R; r++)
-            GD_ROW_PAIR(o[r], c0, s0, _mm512_maskz_loadu_epi8(bytes, q + r * qs + 32 * b),
-                        _mm512_maskz_loadu_ps(lanes, d8 + r * ds + 8 * b));
+        const __m512i c0 = _mm512_maskz_loadu_epi8(0xFFFFFFFFull, u->c + 32 * b);
+        const __m512 s0 = _mm512_maskz_loadu_ps(0xFF, u->scale + 8 * b);
+        GD_ROWS_LAST(c0, s0, q + 32 * b, d8 + 8 * b);
     }
-    for (int r = 0; r < R; r++) {
-        __m512 acc = _mm512_add_ps(e[r], o[r]);
-        const float *sr = s16 + r * ss;
-        int h = 0;
-        for (; h + 16 <= nh; h += 16)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(u->min16 + h), _mm512_loadu_ps(sr + h), acc);
-        if (h < nh) /* the zero-padded mins; x's s16 past nh is never read */
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(u->min16 + h),
-                                  _mm512_maskz_loadu_ps((__mmask16)((1u << (nh - h)) - 1), sr + h), acc);
-        out[r] = GD_FN(gd_hsum16)(acc);
-    }
+    GD_FN(gd_tile_finish)(e, o, u->min16, s16, ss, nh, R, out);
 }
 
 /* The legacy types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): block b's 32 unsigned codes, its scale and its min, the
@@ -802,45 +816,27 @@ GD_INLINE void GD_FN(gd_dot_direct_tile)(int type, const uint8_t *w, int K, cons
             min16[2 * (b + i)] = min16[2 * (b + i) + 1] = mv[i];
         const int8_t *qb = q + 32 * b;
         const float *db = d8 + 8 * b;
-        for (int r = 0; r < R; r++) {
-            GD_ROW_PAIR(e[r], c0, s0, _mm512_loadu_si512(qb + r * qs), _mm512_loadu_ps(db + r * ds));
-            GD_ROW_PAIR(o[r], c1, s1, _mm512_loadu_si512(qb + r * qs + 64), _mm512_loadu_ps(db + r * ds + 16));
-        }
+        GD_ROWS_TWO_PAIRS(c0, s0, c1, s1, qb, db);
     }
     if (b + 2 <= nb) {
         const __m512i c0 = GD_CODES2(0);
         const __m512 s0 = GD_SCALE2(0);
         min16[2 * b] = min16[2 * b + 1] = mv[0];
         min16[2 * b + 2] = min16[2 * b + 3] = mv[1];
-        for (int r = 0; r < R; r++)
-            GD_ROW_PAIR(e[r], c0, s0, _mm512_loadu_si512(q + r * qs + 32 * b), _mm512_loadu_ps(d8 + r * ds + 8 * b));
+        GD_ROWS_PAIR(c0, s0, q + 32 * b, d8 + 8 * b);
         b += 2;
     }
 #undef GD_CODES2
 #undef GD_SCALE2
     if (b < nb) { /* as gd_dot_tile's masked last block: the upper lanes are zero */
-        const __mmask64 bytes = 0xFFFFFFFFull;
-        const __mmask16 lanes = 0xFF;
         const __m512i c0 = _mm512_zextsi256_si512(GD_FN(gd_block_codes)(type, w + bb * b, dv, mv));
         const __m512 s0 = _mm512_zextps256_ps512(_mm256_set1_ps(dv[0]));
         min16[2 * b] = min16[2 * b + 1] = mv[0];
-        for (int r = 0; r < R; r++)
-            GD_ROW_PAIR(o[r], c0, s0, _mm512_maskz_loadu_epi8(bytes, q + r * qs + 32 * b),
-                        _mm512_maskz_loadu_ps(lanes, d8 + r * ds + 8 * b));
+        GD_ROWS_LAST(c0, s0, q + 32 * b, d8 + 8 * b);
     }
     for (int h = nh; h % 16; h++)
         min16[h] = 0.0f;
-    for (int r = 0; r < R; r++) {
-        __m512 acc = _mm512_add_ps(e[r], o[r]);
-        const float *sr = s16 + r * ss;
-        int h = 0;
-        for (; h + 16 <= nh; h += 16)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(min16 + h), _mm512_loadu_ps(sr + h), acc);
-        if (h < nh)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(min16 + h),
-                                  _mm512_maskz_loadu_ps((__mmask16)((1u << (nh - h)) - 1), sr + h), acc);
-        out[r] = GD_FN(gd_hsum16)(acc);
-    }
+    GD_FN(gd_tile_finish)(e, o, min16, s16, ss, nh, R, out);
 }
 
 static void GD_FN(gd_dot_direct)(int type, const uint8_t *w, int K, const struct gd_x *x, int R, float *out,
@@ -870,6 +866,9 @@ static void GD_FN(gd_dot)(const struct gd_unpacked *u, int K, const struct gd_x 
     }
 }
 #undef GD_ROW_PAIR
+#undef GD_ROWS_TWO_PAIRS
+#undef GD_ROWS_PAIR
+#undef GD_ROWS_LAST
 #else /* the AVX2 path: signed codes, vpsignb fix-ups, the min per 32 */
 /* gd_unpack_row's result (bit for bit), with vector code unpacking. */
 static void GD_FN(gd_unpack)(int type, const uint8_t *w, int K, struct gd_unpacked *u) {
