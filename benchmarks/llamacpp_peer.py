@@ -94,7 +94,8 @@ def _client(base_url: str | None, label: str, args, launch_flags: list[str] | No
         cmd += ["--launch", "--launch-model", args.model, "--", *launch_flags]
     subprocess.run(cmd, check=True)
     record = json.loads(out.read_text())
-    return {k: record.get(k) for k in ("output_throughput_tok_s", "num_success", "num_failed", "first_errors", "ttft_ms", "itl_ms")}
+    keys = ("output_throughput_tok_s", "num_success", "num_failed", "first_errors", "ttft_ms", "itl_ms")
+    return {k: record.get(k) for k in keys}
 
 
 def concurrent_part(args) -> dict:
@@ -117,7 +118,8 @@ def concurrent_part(args) -> dict:
     finally:
         server.terminate()
         server.wait(30)
-    ours = {q: _client(None, f"pagedllm_{q}", args, ["--quantization", q, "--max-model-len", "1024", "--served-model-name", args.model])
+    ours = {q: _client(None, f"pagedllm_{q}", args,
+                       ["--quantization", q, "--max-model-len", "1024", "--served-model-name", args.model])
             for q in args.serve_quantization}
     result = {"llama-server": peer, **{f"pagedllm serve {q}": r for q, r in ours.items()}}
     base = peer["output_throughput_tok_s"]
@@ -136,7 +138,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--clients", type=int, default=32)
-    ap.add_argument("--pagedllm-quantization", nargs="+", default=["gguf", None], type=lambda s: None if s == "none" else s)
+    ap.add_argument("--pagedllm-quantization", nargs="+", default=["gguf", None],
+                    type=lambda s: None if s == "none" else s, help="engines to time (none: float32)")
     ap.add_argument("--serve-quantization", nargs="+", default=["gguf"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -57,7 +57,7 @@ def bf16_panels() -> bool:
     """Whether prefill panels are bfloat16: where oneDNN's bfloat16 matmul runs natively (AVX512-BF16 or AMX),
     it does the same products in about half the time of float32's; elsewhere float32."""
     if not _bf16_panels:
-        # the instructions themselves: oneDNN also "supports" bfloat16 on plain AVX-512 by emulation, slower than float32
+        # the instructions themselves: oneDNN also "supports" bfloat16 on plain AVX-512, by a slower emulation
         native = [getattr(torch.cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported",
                                                                           "_is_amx_tile_supported")]
         _bf16_panels.append(any(native) and torch.backends.mkldnn.is_available())
