@@ -33,7 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define GGUF_DOT_ABI_VERSION 3
+#define GGUF_DOT_ABI_VERSION 4
 #define GD_QK 32   /* activation block */
 #define GD_QKK 256 /* K-quant super-block */
 #define GD_MR 4      /* x rows per tile (portable C, AVX2): a weight row is unpacked once and read per tile */
@@ -368,6 +368,37 @@ static void gd_unpack_row(int type, const uint8_t *w, int K, struct gd_unpacked 
     }
     for (int b = K / GD_QK; b % 8; b++)
         *mn++ = 0.0f;
+}
+
+/* Rows [0, N) of blocks `w` (rows row_bytes apart) as unsigned codes (N, K) uint8 with a scale and a min per 16 codes
+ * (N, K / 16) float32 each: w = scale * code + min (the offset of Q8_0, Q4_0, Q5_0 and Q6_K folded into the min,
+ * which stays exact: an offset times a half scale). The input of native/gguf_repack.c. Returns -1 for an unknown
+ * type or a K that is not a multiple of its block. */
+int gguf_unpack_rows(int type, const uint8_t *w, ptrdiff_t row_bytes, int N, int K, uint8_t *codes, float *scale16,
+                     float *min16, int num_threads) {
+    if (!gd_block_bytes(type) || K % gd_block_weights(type))
+        return -1;
+    const int offset = type == GD_Q8_0 ? 128 : type == GD_Q4_0 ? 8 : type == GD_Q5_0 ? 16 : type == GD_Q6_K ? 32 : 0;
+    const int nbx = K / GD_QK, padded = (nbx + 7) / 8 * 8;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        int8_t c[K];
+        float scales[8 * nbx], mins[padded];
+        struct gd_unpacked u = {c, scales, mins, 0, NULL};
+#pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            gd_unpack_row(type, w + (ptrdiff_t)n * row_bytes, K, &u);
+            uint8_t *cn = codes + (ptrdiff_t)n * K;
+            float *sn = scale16 + (ptrdiff_t)n * (K / 16), *mn = min16 + (ptrdiff_t)n * (K / 16);
+            for (int k = 0; k < K; k++)
+                cn[k] = (uint8_t)(c[k] + offset);
+            for (int h = 0; h < K / 16; h++) {
+                sn[h] = scales[4 * h];
+                mn[h] = mins[h / 2] - (float)offset * sn[h];
+            }
+        }
+    }
+    return 0;
 }
 
 struct gd_x { /* a tile's activation rows; d8: each block's scale repeated 8 times (the VNNI path's lanes) */

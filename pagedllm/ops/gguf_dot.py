@@ -15,11 +15,11 @@ import torch
 from pagedllm import envs, native
 from pagedllm.ops import recording
 
-__all__ = ["BLOCK_TYPES", "GGUFDotKernel", "QuantizedRows", "dequantize_rows", "dot_rows", "isa", "kernel",
+__all__ = ["BLOCK_TYPES", "GGUFDotKernel", "QuantizedRows", "check_weight", "dequantize_rows", "dot_rows", "isa", "kernel",
            "load_kernel", "num_threads", "process_isa", "quantize_q8_0", "quantize_rows"]
 
 _SOURCE = native.SOURCE_DIR / "gguf_dot.c"
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 # ggml type id -> name; the types gguf_dot.c handles
 BLOCK_TYPES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
@@ -54,6 +54,8 @@ class GGUFDotKernel:
         self.dequantize_isa = lib.gguf_dequantize_rows_isa
         self.dequantize_isa.argtypes = [_i, _p, _ssize, _i, _i, _p, _ssize, _i, _i, _i]
         self.dequantize_isa.restype = _i
+        self.unpack = lib.gguf_unpack_rows
+        self.unpack.argtypes, self.unpack.restype = [_i, _p, _ssize, _i, _i, _p, _p, _p, _i], _i
         self._lib = lib
 
 
@@ -140,7 +142,7 @@ def quantize_rows(x: torch.Tensor, k: GGUFDotKernel | None = None) -> QuantizedR
     return QuantizedRows(q, d, s, s16)
 
 
-def _check_weight(k: GGUFDotKernel, block_type: int, weight: torch.Tensor, in_features: int) -> None:
+def check_weight(k: GGUFDotKernel, block_type: int, weight: torch.Tensor, in_features: int) -> None:
     if block_type not in BLOCK_TYPES:
         raise ValueError(f"GGUF block type {block_type} has no kernel (kernels: {sorted(BLOCK_TYPES.values())})")
     per, size = k.block_weights[block_type], k.block_bytes[block_type]
@@ -157,7 +159,7 @@ def dot_rows(block_type: int, weight: torch.Tensor, x: QuantizedRows, out: torch
     type id), out a float32 (M, N) view with contiguous rows (a column slice of a wider output is fine), bias
     float32 (N,) or None. Raises ValueError for shapes or types that do not fit."""
     k = k or kernel()
-    _check_weight(k, block_type, weight, x.in_features)
+    check_weight(k, block_type, weight, x.in_features)
     n = weight.shape[0]
     if out.dtype != torch.float32 or out.shape != (x.num_rows, n) or (n > 0 and out.stride(1) != 1):
         raise ValueError(f"dot_rows: out must be float32 ({x.num_rows}, {n}) with contiguous rows, got "
@@ -195,7 +197,7 @@ def dequantize_rows(block_type: int, weight: torch.Tensor, in_features: int, out
     (default this process's); every path gives the same values. Raises ValueError for a shape or dtype that does
     not fit."""
     k = k or kernel()
-    _check_weight(k, block_type, weight, in_features)
+    check_weight(k, block_type, weight, in_features)
     n = weight.shape[0]
     out = torch.empty(n, in_features) if out is None else out
     if out.dtype not in (torch.float32, torch.bfloat16) or out.shape != (n, in_features) \

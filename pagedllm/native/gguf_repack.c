@@ -1,0 +1,253 @@
+/* GGUF weights repacked for an AVX512-VNNI GEMM: out[m, n] = bias[n] + sum_k x[m, k] * W[n, k], x quantized per
+ * row to int8 blocks of 32 as native/gguf_dot.c's gguf_quantize_rows writes them (q, d, s = d * sum(q), s16 = d *
+ * each 16's sum), W as unsigned codes with a float scale and min per sub-block (w = scale * code + min, the form
+ * gguf_unpack_rows gives every block type).
+ *
+ * Layout (gguf_repack): outputs in tiles of 16 (one int32 lane each), k in sub-blocks of `sub` (32; 16 where the
+ * scale changes every 16 codes, Q6_K). Per tile and sub-block, in k order:
+ *   codes: sub / 4 groups of 64 bytes, group j holding k = 4j..4j+3 of the tile's 16 outputs (lane l = bytes
+ *          4l..4l+3), so that one 512-bit vpdpbusd dots 4 k of 16 outputs with one x row's 4 codes broadcast;
+ *          with 4-bit codes (sub 32), 4 groups of 64 bytes: low nibbles = group i, high nibbles = group i + 4;
+ *   scale, min: 16 floats each.
+ * Padding outputs (N not a multiple of 16) have code 0, scale 0 and min 0.
+ *
+ * The product (ggml's "repacked" GEMM idea, written here): a register tile of up to 6 x rows reads each weight
+ * group once; per sub-block and x row, sub / 4 vpdpbusd sum the integer dot of 16 outputs exactly, one convert,
+ * one multiply by x's block scale and one FMA by the weights' scales add it to the float sums, one FMA adds the min
+ * against x's sum (s or s16). Float32 would spend sub FMAs per row on the same products.
+ * Numerics: each output sums its sub-blocks in k order into one accumulator and the min terms into another, added
+ * at the end: an output depends only on its weight row and its x row, never on M, the other rows or the thread
+ * count (batch-invariant).
+ * The dot needs AVX512-VNNI (gguf_repack_available), compiled under its own target pragma and chosen at run time;
+ * packing and unpacking are portable C.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define GR_ABI_VERSION 1
+#define GR_NR 16 /* outputs per tile */
+#define GR_MR 6  /* x rows per register tile */
+#define GR_QK 32 /* x block */
+
+int pagedllm_gguf_repack_abi_version(void) { return GR_ABI_VERSION; }
+
+static int gr_valid(int bits, int sub, int K) {
+    return (sub == 32 || (sub == 16 && bits == 8)) && (bits == 4 || bits == 8) && K > 0 && K % GR_QK == 0;
+}
+
+/* Bytes of one tile's codes per sub-block. */
+static ptrdiff_t gr_group_bytes(int bits, int sub) { return bits == 4 ? GR_NR * sub / 2 : GR_NR * sub; }
+
+static ptrdiff_t gr_tiles(int N) { return (N + GR_NR - 1) / GR_NR; }
+
+/* Bytes of the repacked codes of an (N, K) weight; floats of its scales (and of its mins). */
+ptrdiff_t gguf_repack_code_bytes(int bits, int sub, int N, int K) {
+    return gr_valid(bits, sub, K) ? gr_tiles(N) * (K / sub) * gr_group_bytes(bits, sub) : -1;
+}
+
+ptrdiff_t gguf_repack_scale_count(int sub, int N, int K) { return gr_tiles(N) * (K / sub) * GR_NR; }
+
+/* codes (N, K) uint8 (below 16 when bits is 4), scale16 and min16 (N, K / 16) float32 (gguf_unpack_rows) to the
+ * layout above. With sub 32 each sub-block takes its first half's scale and min (the caller checks that both
+ * halves agree). Returns -1 for bits, sub or K outside the layout. */
+int gguf_repack(const uint8_t *codes, const float *scale16, const float *min16, int N, int K, int bits, int sub,
+                uint8_t *out_codes, float *out_scale, float *out_min, int num_threads) {
+    if (!gr_valid(bits, sub, K))
+        return -1;
+    const int nsub = K / sub;
+    const ptrdiff_t gb = gr_group_bytes(bits, sub);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+    for (ptrdiff_t t = 0; t < gr_tiles(N); t++) {
+        for (int b = 0; b < nsub; b++) {
+            uint8_t *c = out_codes + (t * nsub + b) * gb;
+            float *sc = out_scale + (t * nsub + b) * GR_NR, *mn = out_min + (t * nsub + b) * GR_NR;
+            memset(c, 0, (size_t)gb);
+            for (int l = 0; l < GR_NR; l++) {
+                const ptrdiff_t n = t * GR_NR + l;
+                if (n >= N) {
+                    sc[l] = mn[l] = 0.0f;
+                    continue;
+                }
+                const uint8_t *cn = codes + n * K + (ptrdiff_t)b * sub;
+                sc[l] = scale16[n * (K / 16) + b * sub / 16];
+                mn[l] = min16[n * (K / 16) + b * sub / 16];
+                for (int k = 0; k < sub; k++) {
+                    const int j = k / 4, byte = 4 * l + k % 4;
+                    if (bits == 8)
+                        c[64 * j + byte] = cn[k];
+                    else
+                        c[64 * (j % 4) + byte] |= (uint8_t)((cn[k] & 0xF) << (4 * (j / 4)));
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* The (N, K) values scale * code + min of a repacked weight, float32 (out rows out_stride apart), or bfloat16 bits
+ * (round to nearest even) with out_bf16. Returns -1 for bits, sub or K outside the layout. */
+int gguf_repack_values(const uint8_t *codes, const float *scale, const float *min, int N, int K, int bits, int sub,
+                       void *out, ptrdiff_t out_stride, int out_bf16, int num_threads) {
+    if (!gr_valid(bits, sub, K))
+        return -1;
+    const int nsub = K / sub;
+    const ptrdiff_t gb = gr_group_bytes(bits, sub);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+    for (int n = 0; n < N; n++) {
+        const ptrdiff_t t = n / GR_NR;
+        const int l = n % GR_NR;
+        for (int b = 0; b < nsub; b++) {
+            const uint8_t *c = codes + (t * nsub + b) * gb;
+            const float s = scale[(t * nsub + b) * GR_NR + l], m = min[(t * nsub + b) * GR_NR + l];
+            for (int k = 0; k < sub; k++) {
+                const int j = k / 4, byte = 4 * l + k % 4;
+                const int code = bits == 8 ? c[64 * j + byte] : (c[64 * (j % 4) + byte] >> (4 * (j / 4))) & 0xF;
+                const float v = s * (float)code + m;
+                const ptrdiff_t at = (ptrdiff_t)n * out_stride + (ptrdiff_t)b * sub + k;
+                if (out_bf16) {
+                    uint32_t u;
+                    memcpy(&u, &v, 4);
+                    ((uint16_t *)out)[at] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+                } else {
+                    ((float *)out)[at] = v;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define GR_SIMD 1
+#else
+#define GR_SIMD 0
+#endif
+
+/* Whether this CPU runs gguf_repack_dot. */
+int gguf_repack_available(void) {
+#if GR_SIMD
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+    return 0;
+#endif
+}
+
+#if GR_SIMD
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+#define GR_INLINE static inline __attribute__((always_inline))
+
+struct gr_x { /* the x rows of a register tile */
+    const int8_t *q[GR_MR];
+    const float *d[GR_MR], *s[GR_MR];
+};
+
+/* One tile of 16 outputs against R x rows: res[r * 16 + l]. bits, sub and R are constants at each call site (the
+ * loops unroll, the accumulators stay in registers). */
+GR_INLINE void gr_tile(const int bits, const int sub, const int R, const uint8_t *codes, const float *scale,
+                       const float *min, int nsub, const struct gr_x *x, float *res) {
+    const int groups = sub / 4;
+    const ptrdiff_t gb = gr_group_bytes(bits, sub);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[GR_MR], accm[GR_MR];
+    for (int r = 0; r < R; r++)
+        acc[r] = accm[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nsub; b++) {
+        const uint8_t *c = codes + b * gb;
+        __m512i w[8];
+        if (bits == 4) {
+            for (int i = 0; i < 4; i++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * i));
+                w[i] = _mm512_and_si512(v, m4);
+                w[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            }
+        } else {
+            for (int j = 0; j < groups; j++)
+                w[j] = _mm512_loadu_si512((const void *)(c + 64 * j));
+        }
+        const __m512 sc = _mm512_loadu_ps(scale + GR_NR * b), mn = _mm512_loadu_ps(min + GR_NR * b);
+        const int xb = b * sub / GR_QK; /* x's block */
+        for (int r = 0; r < R; r++) {
+            const int8_t *q = x->q[r] + b * sub;
+            __m512i dot = _mm512_setzero_si512();
+            for (int j = 0; j < groups; j++) {
+                int32_t four;
+                memcpy(&four, q + 4 * j, 4);
+                dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(four));
+            }
+            const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(x->d[r][xb]));
+            acc[r] = _mm512_fmadd_ps(v, sc, acc[r]);
+            accm[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x->s[r][b]), accm[r]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        _mm512_storeu_ps(res + GR_NR * r, _mm512_add_ps(acc[r], accm[r]));
+}
+
+#define GR_ROWS(bits, sub)                                                                                         \
+    switch (R) {                                                                                                   \
+    case 1: gr_tile(bits, sub, 1, codes, scale, min, nsub, x, res); break;                                         \
+    case 2: gr_tile(bits, sub, 2, codes, scale, min, nsub, x, res); break;                                         \
+    case 3: gr_tile(bits, sub, 3, codes, scale, min, nsub, x, res); break;                                         \
+    case 4: gr_tile(bits, sub, 4, codes, scale, min, nsub, x, res); break;                                         \
+    case 5: gr_tile(bits, sub, 5, codes, scale, min, nsub, x, res); break;                                         \
+    default: gr_tile(bits, sub, 6, codes, scale, min, nsub, x, res); break;                                        \
+    }
+
+static void gr_tile_rows(int bits, int sub, int R, const uint8_t *codes, const float *scale, const float *min,
+                         int nsub, const struct gr_x *x, float *res) {
+    if (bits == 4)
+        GR_ROWS(4, 32)
+    else if (sub == 32)
+        GR_ROWS(8, 32)
+    else
+        GR_ROWS(8, 16)
+}
+#undef GR_ROWS
+
+/* out[m, n] = bias[n] + sum_k x[m, k] W[n, k] for m < M, n < N; W repacked (gguf_repack), x as gguf_quantize_rows
+ * wrote it (q (M, K), d and s (M, K / 32), s16 (M, K / 16)), out rows out_stride floats apart. Returns -1 for
+ * bits, sub or K outside the layout or a CPU without AVX512-VNNI. */
+int gguf_repack_dot(const uint8_t *codes, const float *scale, const float *min, int bits, int sub, int N, int K,
+                    const int8_t *xq, const float *xd, const float *xs, const float *xs16, int M, const float *bias,
+                    float *out, ptrdiff_t out_stride, int num_threads) {
+    if (!gr_valid(bits, sub, K) || !gguf_repack_available())
+        return -1;
+    const int nsub = K / sub, nbx = K / GR_QK;
+    const ptrdiff_t tiles = gr_tiles(N), tile_codes = nsub * gr_group_bytes(bits, sub), tile_scales = nsub * GR_NR;
+    const float *xsum = sub == 32 ? xs : xs16; /* x's sum per sub-block */
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+    for (ptrdiff_t t = 0; t < tiles; t++) {
+        const int lanes = N - t * GR_NR < GR_NR ? (int)(N - t * GR_NR) : GR_NR;
+        for (int m0 = 0; m0 < M; m0 += GR_MR) {
+            const int R = M - m0 < GR_MR ? M - m0 : GR_MR;
+            struct gr_x x;
+            for (int r = 0; r < R; r++) {
+                x.q[r] = xq + (ptrdiff_t)(m0 + r) * K;
+                x.d[r] = xd + (ptrdiff_t)(m0 + r) * nbx;
+                x.s[r] = xsum + (ptrdiff_t)(m0 + r) * (K / sub);
+            }
+            float res[GR_MR * GR_NR];
+            gr_tile_rows(bits, sub, R, codes + t * tile_codes, scale + t * tile_scales, min + t * tile_scales, nsub,
+                         &x, res);
+            for (int r = 0; r < R; r++) {
+                float *o = out + (ptrdiff_t)(m0 + r) * out_stride + t * GR_NR;
+                for (int l = 0; l < lanes; l++)
+                    o[l] = bias ? res[GR_NR * r + l] + bias[t * GR_NR + l] : res[GR_NR * r + l];
+            }
+        }
+    }
+    return 0;
+}
+#pragma GCC pop_options
+#else
+int gguf_repack_dot(const uint8_t *codes, const float *scale, const float *min, int bits, int sub, int N, int K,
+                    const int8_t *xq, const float *xd, const float *xs, const float *xs16, int M, const float *bias,
+                    float *out, ptrdiff_t out_stride, int num_threads) {
+    return -1;
+}
+#endif

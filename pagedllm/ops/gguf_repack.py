@@ -1,0 +1,145 @@
+"""GGUF weights repacked for the AVX512-VNNI GEMM (``native/gguf_repack.c``): a layer's blocks, unpacked once at load
+(``gguf_unpack_rows``: unsigned codes, a scale and a min per 16) and laid out in tiles of 16 outputs, so that one
+vpdpbusd dots 4 k of 16 outputs with one activation row. Activations are :func:`gguf_dot.quantize_rows`'s int8
+blocks of 32. Each output sums in a fixed order (batch- and thread-invariant). 4-bit types keep 4-bit codes; the
+others (Q5_*, Q6_K, Q8_0) one byte per code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm import native
+from pagedllm.ops import gguf_dot, recording
+
+__all__ = ["RepackedWeight", "available", "dot", "kernel", "repack", "values"]
+
+_SOURCE = native.SOURCE_DIR / "gguf_repack.c"
+_ABI_VERSION = 1
+# ggml types whose codes fit 4 bits (Q4_0, Q4_1, Q4_K) and whose scale changes every 16 codes (Q6_K)
+_FOUR_BIT = {2, 3, 12}
+_SUB16 = {14}
+_p, _i, _ssize = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t
+
+
+class GGUFRepackKernel:
+    """The loaded library: ``repack``, ``values``, ``dot``, ``available()`` and the layout's sizes."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        lib.pagedllm_gguf_repack_abi_version.restype = _i
+        if lib.pagedllm_gguf_repack_abi_version() != _ABI_VERSION:
+            raise OSError(f"{_SOURCE.name}: ABI version mismatch")
+        lib.gguf_repack_available.restype = _i
+        self.available = bool(lib.gguf_repack_available())
+        self.code_bytes = lib.gguf_repack_code_bytes
+        self.code_bytes.argtypes, self.code_bytes.restype = [_i, _i, _i, _i], _ssize
+        self.scale_count = lib.gguf_repack_scale_count
+        self.scale_count.argtypes, self.scale_count.restype = [_i, _i, _i], _ssize
+        self.repack = lib.gguf_repack
+        self.repack.argtypes, self.repack.restype = [_p, _p, _p, _i, _i, _i, _i, _p, _p, _p, _i], _i
+        self.values = lib.gguf_repack_values
+        self.values.argtypes, self.values.restype = [_p, _p, _p, _i, _i, _i, _i, _p, _ssize, _i, _i], _i
+        self.dot = lib.gguf_repack_dot
+        self.dot.argtypes = [_p, _p, _p, _i, _i, _i, _i, _p, _p, _p, _p, _i, _p, _p, _ssize, _i]
+        self.dot.restype = _i
+        self._lib = lib
+
+
+_load_lock = threading.Lock()
+_kernel: list[GGUFRepackKernel | None] = []
+
+
+def kernel() -> GGUFRepackKernel | None:
+    """This process's library (built on first use), or None without a compiler."""
+    if not _kernel:
+        with _load_lock:
+            if not _kernel:
+                _kernel.append(native.load_kernels(_SOURCE, GGUFRepackKernel, "GGUF repacked GEMM",
+                                                   "the block dot product"))
+    return _kernel[0]
+
+
+def available() -> bool:
+    """Whether layers repack: the library loads, the CPU has AVX512-VNNI and the process's GGUF path
+    (``envs.GGUF_DOT_ISA``) is the AVX512 one."""
+    k = kernel()
+    return k is not None and k.available and gguf_dot.kernel() is not None and gguf_dot.process_isa() == 2
+
+
+@dataclass(frozen=True)
+class RepackedWeight:
+    """An (N, K) weight in the repacked layout: ``codes`` uint8, ``scale`` and ``min`` float32 (per tile, sub-block
+    and lane), ``bits`` per code (4 or 8) and ``sub`` (k per scale: 32, or 16 for Q6_K)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor
+    bits: int
+    sub: int
+    out_features: int
+    in_features: int
+
+
+def repack(block_type: int, blocks: torch.Tensor, in_features: int) -> RepackedWeight:
+    """``blocks`` (N, row bytes) uint8 of ggml type ``block_type`` in the repacked layout. Raises ValueError for a
+    type or shape gguf_dot does not take (:func:`gguf_dot.dequantize_rows`'s checks)."""
+    k, dk = kernel(), gguf_dot.kernel()
+    gguf_dot.check_weight(dk, block_type, blocks, in_features)
+    n = blocks.shape[0]
+    bits, sub = (4 if block_type in _FOUR_BIT else 8), (16 if block_type in _SUB16 else 32)
+    codes = torch.empty(n, in_features, dtype=torch.uint8)
+    scale16 = torch.empty(n, in_features // 16)
+    min16 = torch.empty(n, in_features // 16)
+    threads = gguf_dot.num_threads(n * in_features)
+    if n and dk.unpack(block_type, blocks.data_ptr(), blocks.stride(0), n, in_features, codes.data_ptr(),
+                      scale16.data_ptr(), min16.data_ptr(), threads):
+        raise ValueError(f"gguf_unpack_rows refused {gguf_dot.BLOCK_TYPES[block_type]}")
+    if sub == 32 and n and not (torch.equal(scale16[:, 0::2], scale16[:, 1::2])
+                                and torch.equal(min16[:, 0::2], min16[:, 1::2])):
+        raise ValueError(f"{gguf_dot.BLOCK_TYPES[block_type]}: scales differ within a block of 32")
+    out = RepackedWeight(torch.empty(k.code_bytes(bits, sub, n, in_features), dtype=torch.uint8),
+                         torch.empty(k.scale_count(sub, n, in_features)), torch.empty(k.scale_count(sub, n, in_features)),
+                         bits, sub, n, in_features)
+    if k.repack(codes.data_ptr(), scale16.data_ptr(), min16.data_ptr(), n, in_features, bits, sub,
+                out.codes.data_ptr(), out.scale.data_ptr(), out.min.data_ptr(), threads):
+        raise ValueError(f"gguf_repack refused bits {bits} sub {sub} K {in_features}")
+    return out
+
+
+def values(w: RepackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The (N, K) values ``scale * code + min``: float32, or bfloat16 (nearest even) when ``out`` is bfloat16;
+    written into ``out`` (rows contiguous) if given."""
+    k = kernel()
+    out = torch.empty(w.out_features, w.in_features) if out is None else out
+    if out.dtype not in (torch.float32, torch.bfloat16) or out.shape != (w.out_features, w.in_features) \
+            or (w.out_features and out.stride(1) != 1):
+        raise ValueError(f"values: out must be float32 or bfloat16 ({w.out_features}, {w.in_features}) with "
+                         f"contiguous rows, got {tuple(out.shape)} {out.dtype}")
+    if w.out_features:
+        k.values(w.codes.data_ptr(), w.scale.data_ptr(), w.min.data_ptr(), w.out_features, w.in_features, w.bits,
+                 w.sub, out.data_ptr(), out.stride(0), int(out.dtype == torch.bfloat16),
+                 gguf_dot.num_threads(w.out_features * w.in_features))
+    return out
+
+
+def dot(w: RepackedWeight, x: gguf_dot.QuantizedRows, out: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """``out[m, n] = bias[n] + x[m] . W[n]`` (recorded into an active CPU decode graph): out a float32 (M, N) view
+    with contiguous rows (a column slice of a wider output is fine), bias float32 (N,) or None. Raises ValueError
+    for shapes that do not fit, RuntimeError on a CPU without AVX512-VNNI."""
+    n, m = w.out_features, x.num_rows
+    if x.in_features != w.in_features or out.dtype != torch.float32 or out.shape != (m, n) \
+            or (n and m and out.stride(1) != 1):
+        raise ValueError(f"dot: x ({m}, {x.in_features}) and out {tuple(out.shape)} {out.dtype} do not fit the "
+                         f"weight ({n}, {w.in_features})")
+    if not n or not m:
+        return
+    rc = recording.call(kernel().dot, w.codes.data_ptr(), w.scale.data_ptr(), w.min.data_ptr(), w.bits, w.sub, n,
+                        w.in_features, x.q.data_ptr(), x.d.data_ptr(), x.s.data_ptr(), x.s16.data_ptr(), m,
+                        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+                        gguf_dot.num_threads(n * w.in_features), keep=(w, bias))
+    if rc != 0:
+        raise RuntimeError("gguf_repack_dot needs AVX512-VNNI")
