@@ -2,11 +2,14 @@
 
 Every block type ``native/gguf_dot.c`` handles stays packed (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: the
 types inside Q4_K_M / Q5_K_M / Q8_0 files), a fused layer (q/k/v, gate/up) as one segment of rows per part, each of
-its own type. A step's rows up to :data:`DOT_MAX_ROWS` are quantized to int8 blocks once and dotted with the blocks
-(decode); more rows (prefill chunks, large decode batches) dequantize each segment once per call into a reused
-panel, a tile of rows at a time, for one matmul per tile: bfloat16 where oneDNN runs bfloat16 natively
-(:func:`bf16_panels`), else float32. Other types (F16, BF16, I-quants...) load dequantized to float. An LM head
-tied to a Q8_0 embedding keeps Q8_0 blocks beside the embedding's float rows.
+its own type. On a CPU with AVX512-VNNI each segment is repacked once at load (:mod:`pagedllm.ops.gguf_repack`:
+tiles of 16 outputs, 4-bit codes kept 4-bit) and every step's rows are quantized to int8 blocks once and run
+through the repacked GEMM, a prefill chunk as well as a decode batch. Elsewhere the blocks stay as the file stores
+them: a step's rows up to :data:`DOT_MAX_ROWS` are dotted with the blocks (decode); more rows (prefill chunks,
+large decode batches) dequantize each segment once per call into a reused panel, a tile of rows at a time, for
+one matmul per tile: bfloat16 where oneDNN runs bfloat16 natively (:func:`bf16_panels`), else float32. Other
+types (F16, BF16, I-quants...) load dequantized to float. An LM head tied to a Q8_0 embedding keeps Q8_0 blocks
+beside the embedding's float rows.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from pagedllm.ops import gguf_dot, recording
+from pagedllm.ops import gguf_dot, gguf_repack, recording
 from pagedllm.quantization.base import LinearMethod, QuantizationConfig, replace_weight
 
 logger = logging.getLogger("pagedllm")
@@ -93,8 +96,9 @@ _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_r
 class GGUFLinearMethod(LinearMethod):
     """``segments``: (GGUF type, rows) per part, in output order (one for a plain layer). The loader fills
     ``layer.weight`` (N, widest part's row bytes) uint8, each part's rows zero-padded on the right; after
-    loading each part is a ``gguf_blocks_<i>`` buffer (rows, its row bytes). Raises ValueError for a type
-    without a kernel."""
+    loading each part is a ``gguf_blocks_<i>`` buffer (rows, its row bytes), or, where
+    :func:`gguf_repack.available`, its repacked ``gguf_codes_<i>``, ``gguf_scale_<i>`` and ``gguf_min_<i>``.
+    Raises ValueError for a type without a kernel."""
 
     # decode rows are kernel calls on pool buffers: a CPU decode graph records and replays them (larger steps
     # take the panel's torch ops, which the capture refuses: those sizes run eagerly)
@@ -127,9 +131,24 @@ class GGUFLinearMethod(LinearMethod):
             start += rows
         replace_weight(layer, None)
         layer._gguf_bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
+        self.repack(layer)
+
+    def repack(self, layer: nn.Module) -> None:
+        """Each ``gguf_blocks_<i>`` replaced by its repacked layout where :func:`gguf_repack.available`."""
+        layer._gguf_repacked = None
+        if not gguf_repack.available():
+            return
+        repacked = []
+        for i, (kind, blocks, _) in enumerate(self._parts(layer)):
+            w = gguf_repack.repack(kind, blocks, layer.in_features)
+            del layer._buffers[f"gguf_blocks_{i}"]
+            for name in ("codes", "scale", "min"):
+                layer.register_buffer(f"gguf_{name}_{i}", getattr(w, name))
+            repacked.append(w)
+        layer._gguf_repacked = repacked
 
     def _parts(self, layer: nn.Module):
-        """(ggml type id, blocks, first output row) per segment."""
+        """(ggml type id, blocks, first output row) per segment (before :meth:`repack`)."""
         start = 0
         for i, (kind, rows) in enumerate(self.segments):
             yield int(kind), getattr(layer, f"gguf_blocks_{i}"), start
@@ -142,7 +161,9 @@ class GGUFLinearMethod(LinearMethod):
                              f"on {x2.device}")
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        if x2.shape[0] <= DOT_MAX_ROWS:
+        if layer._gguf_repacked is not None:
+            out = self._repacked_dot(layer, x2)
+        elif x2.shape[0] <= DOT_MAX_ROWS:
             out = self._dot(layer, x2)
         else:
             out = self._dequantized_matmul(layer, x2)
@@ -167,6 +188,17 @@ class GGUFLinearMethod(LinearMethod):
                 raise MemoryError(f"gguf_dot_rows: no memory for the activation scales of {m} rows")
         return out
 
+    @staticmethod
+    def _repacked_dot(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The repacked GEMM per segment, x quantized once (each call recorded into an active CPU decode graph)."""
+        rows = gguf_dot.quantize_rows(x)
+        out, bias, start = torch.empty(x.shape[0], layer.out_features), layer._gguf_bias, 0
+        for w in layer._gguf_repacked:
+            gguf_repack.dot(w, rows, out[:, start:start + w.out_features],
+                            None if bias is None else bias[start:start + w.out_features])
+            start += w.out_features
+        return out
+
     def panel_dtype(self) -> torch.dtype:
         """The dtype of this layer's dequantized tiles (:func:`bf16_panels`)."""
         return torch.bfloat16 if bf16_panels() else torch.float32
@@ -182,6 +214,8 @@ class GGUFLinearMethod(LinearMethod):
         return out if layer._gguf_bias is None else out.add_(layer._gguf_bias)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        if layer._gguf_repacked is not None:
+            return torch.cat([gguf_repack.values(w) for w in layer._gguf_repacked])
         return torch.cat([gguf_dot.dequantize_rows(kind, blocks, layer.in_features)
                           for kind, blocks, _ in self._parts(layer)])
 
@@ -209,6 +243,7 @@ class GGUFTiedHeadMethod(GGUFLinearMethod):
         layer.register_buffer("gguf_blocks_0", gguf_dot.quantize_q8_0(rows))
         self._embedding = None
         layer._gguf_bias = None
+        self.repack(layer)
 
 
 class GGUFConfig(QuantizationConfig):
@@ -254,7 +289,8 @@ class GGUFConfig(QuantizationConfig):
 
     def describe(self) -> str:
         kept = ", ".join(f"{name} {count}" for name, count in sorted(self.kept_types.items()))
-        return f"gguf blocks (tensors: {kept or 'none'}; {self.num_float} linear layers float)"
+        layout = "; repacked for AVX512-VNNI" if self.num_kept and gguf_repack.available() else ""
+        return f"gguf blocks (tensors: {kept or 'none'}; {self.num_float} linear layers float{layout})"
 
     @property
     def packed_weight_names(self) -> dict[str, int]:

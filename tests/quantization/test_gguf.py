@@ -1,5 +1,6 @@
-"""``quantization="gguf"``: blocks kept packed, fused layers of mixed types, decode rows through the block dot
-product and prefill rows through dequantized panels, both against gguf's own dequantization."""
+"""``quantization="gguf"``: blocks kept packed, fused layers of mixed types, against gguf's own dequantization, in
+both layouts: the file's blocks (decode rows through the block dot product, prefill rows through dequantized
+panels) and the repacked GEMM (every row count, on CPUs with AVX512-VNNI)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,28 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from pagedllm.models.layers.linear import MergedLinear
-from pagedllm.ops import gguf_dot
+from pagedllm.ops import gguf_dot, gguf_repack
 from pagedllm.quantization import get_quantization_config
 from pagedllm.quantization import gguf
 from pagedllm.quantization.gguf import DOT_MAX_ROWS, GGUFConfig, GGUFLinearMethod, row_bytes
 from tests.gguf_blocks import quantized_reference, random_blocks
 
 pytestmark = pytest.mark.skipif(gguf_dot.kernel() is None, reason="no C compiler for the GGUF kernels")
+LAYOUTS = ["blocks", pytest.param("repacked", marks=pytest.mark.skipif(
+    not gguf_repack.available(), reason="the repacked GEMM needs AVX512-VNNI"))]
+
+
+@pytest.fixture(params=LAYOUTS)
+def layout(request, monkeypatch):
+    """Which layout the layers take: "blocks" turns repacking off for the test."""
+    if request.param == "blocks":
+        monkeypatch.setattr(gguf_repack, "available", lambda: False)
+    return request.param
+
+
+@pytest.fixture
+def blocks_layout(monkeypatch):
+    monkeypatch.setattr(gguf_repack, "available", lambda: False)
 
 
 def _fused_layer(parts: list[tuple[Q, int]], k: int, bias: bool, rng: np.random.Generator):
@@ -37,11 +53,14 @@ def _fused_layer(parts: list[tuple[Q, int]], k: int, bias: bool, rng: np.random.
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_layer_of_mixed_types(dtype):
+def test_fused_layer_of_mixed_types(dtype, layout):
     """Gemma 3's q/k/v: Q5_0, Q5_0 and Q8_0 parts in one layer, each dotted from its own blocks."""
     layer, w = _fused_layer([(Q.Q5_0, 64), (Q.Q5_0, 32), (Q.Q8_0, 32)], 640, True, np.random.default_rng(0))
-    assert [b.shape for b in layer.buffers() if b.dtype == torch.uint8] == \
-        [(64, row_bytes(640, Q.Q5_0)), (32, row_bytes(640, Q.Q5_0)), (32, row_bytes(640, Q.Q8_0))]
+    if layout == "blocks":
+        assert [b.shape for b in layer.buffers() if b.dtype == torch.uint8] == \
+            [(64, row_bytes(640, Q.Q5_0)), (32, row_bytes(640, Q.Q5_0)), (32, row_bytes(640, Q.Q8_0))]
+    else:  # one byte per code (5- and 8-bit types), tiles of 16 outputs
+        assert [b.numel() for b in layer.buffers() if b.dtype == torch.uint8] == [64 * 640, 32 * 640, 32 * 640]
     assert np.array_equal(layer.quant_method.dequantize(layer).numpy(), w.astype(np.float32))
     bias = layer.bias.double().numpy()
     x = torch.randn(3, 640).to(dtype)
@@ -56,7 +75,7 @@ def test_fused_layer_of_mixed_types(dtype):
 
 @pytest.mark.parametrize("panel", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q6_K, Q.Q4_1])
-def test_prefill_rows_use_the_dequantized_weight(kind, panel, monkeypatch):
+def test_prefill_rows_use_the_dequantized_weight(kind, panel, monkeypatch, blocks_layout):
     """Above DOT_MAX_ROWS the activations are not quantized: a matmul of gguf's dequantized weight, float32, or
     bfloat16 inputs summed in float32 (within bfloat16's rounding of x and W: 2 * 2^-9 of sum |x| |w|)."""
     monkeypatch.setattr(gguf, "_bf16_panels", [panel == "bfloat16"])
@@ -75,14 +94,16 @@ def test_prefill_rows_use_the_dequantized_weight(kind, panel, monkeypatch):
 
 @pytest.mark.parametrize("parts,k", [([(Q.Q4_K, 40), (Q.Q6_K, 24)], 256), ([(Q.Q4_1, 40), (Q.Q8_0, 24)], 608),
                                      ([(Q.Q5_0, 16), (Q.Q4_0, 8), (Q.Q5_1, 8)], 576)])
-def test_decode_rows_are_batch_invariant(parts, k):
+def test_decode_rows_are_batch_invariant(parts, k, layout):
     """A row's outputs are the same bits whatever rows share the call: one tile of rows (the legacy types read
-    straight from the blocks on the VNNI path) or many (an unpacked row), an odd block count included."""
+    straight from the blocks on the VNNI path) or many (an unpacked row), an odd block count included; repacked,
+    at every row count (a prefill chunk's too)."""
     layer, _ = _fused_layer(parts, k, False, np.random.default_rng(2))
-    x = torch.randn(DOT_MAX_ROWS, k)
+    x = torch.randn(DOT_MAX_ROWS if layout == "blocks" else 3 * DOT_MAX_ROWS + 5, k)
     full = layer(x)
-    for m in (1, 2, 5, 8, 9, 17, DOT_MAX_ROWS - 1):
-        assert torch.equal(layer(x[-m:]), full[-m:])
+    for m in (1, 2, 5, 6, 7, 8, 9, 17, DOT_MAX_ROWS - 1, DOT_MAX_ROWS + 1, 2 * DOT_MAX_ROWS + 3):
+        if m <= x.shape[0]:
+            assert torch.equal(layer(x[-m:]), full[-m:])
 
 
 def test_config_keeps_every_type_with_a_kernel():
@@ -120,7 +141,7 @@ def test_smollm2_packed_rows_equal_dequantized_rows(smollm2_path):
     assert torch.equal(values, dense)
 
 
-def test_tied_head_keeps_the_embedding_q8_0_blocks():
+def test_tied_head_keeps_the_embedding_q8_0_blocks(layout):
     """A head tied to a Q8_0 embedding: the embedding keeps its float rows (the lookup), the head gets back the
     file's exact Q8_0 bytes from them."""
     from torch import nn
@@ -143,7 +164,9 @@ def test_tied_head_keeps_the_embedding_q8_0_blocks():
     w = dequantize(raw, Q.Q8_0).reshape(vocab, hidden)
     model.model.embed_tokens.weight.copy_(torch.from_numpy(w))  # what load_weights does
     process_quantized_weights(model)
-    assert np.array_equal(model.lm_head.gguf_blocks_0.numpy(), raw)
+    if layout == "blocks":
+        assert np.array_equal(model.lm_head.gguf_blocks_0.numpy(), raw)
+    assert torch.equal(model.lm_head.quant_method.dequantize(model.lm_head), torch.from_numpy(w))
     assert torch.equal(model.model.embed_tokens(torch.tensor([3])), torch.from_numpy(w[3:4]))
     x = torch.randn(2, hidden)
     q, d, _ = quantized_reference(x.numpy())
