@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from gguf import GGMLQuantizationType as Q
 
+from pagedllm.ops import gguf_repack
 from pagedllm.quantization import get_quantization_config
 from pagedllm.quantization.int4 import Int4LinearMethod, pack_nibbles, unpack_nibbles
 from pagedllm.quantization.int8 import Int8LinearMethod
@@ -210,19 +211,23 @@ def smollm2_float32(smollm2_path):
 
 @pytest.mark.slow
 def test_smollm2_gguf_blocks_kept_packed(smollm2_path, smollm2_float32):
-    """Q4_1 blocks kept as the file stores them (20 bytes per 32 weights), the tied LM head as the embedding's
-    Q8_0 blocks beside its float rows; decode rows meet int8-quantized activations, the one rounding beyond the
-    file's (agreement measured 0.50: benchmarks/README.md, "GGUF blocks kept packed"; int8 weights below: 0.50)."""
+    """Q4_1 blocks kept as the file stores them (20 bytes per 32 weights; repacked on AVX512-VNNI: 16 bytes of
+    4-bit codes and a float32 scale and min, 24), the tied LM head as the embedding's Q8_0 blocks beside its float
+    rows (34 bytes per 32; repacked: 32 byte codes + 8, 40); activations meet int8 quantization, the one rounding
+    beyond the file's (agreement measured 0.46 with the file's blocks, whose prefill runs bfloat16 panels, 0.34
+    repacked, whose prefill quantizes activations too: one near-tie flips a continuation; perplexity moves
+    +0.08% and +0.16%: benchmarks/README.md, "GGUF blocks kept packed"; int8 weights below: 0.50)."""
     float_bytes, ref = smollm2_float32
     llm, got = _smollm2_greedy(smollm2_path, quantization="gguf")
     model = llm.llm_engine.runner.model
     kept = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]
     assert len(kept) == 30 * 4 + 1 and model.lm_head in kept
+    q4_1, q8_0 = (24, 40) if gguf_repack.available() else (20, 34)  # bytes per 32 weights (all outputs tile by 16)
     linear_weights = sum(m.in_features * m.out_features for m in kept if m is not model.lm_head)
-    head_bytes = model.lm_head.out_features * model.lm_head.in_features // 32 * 34
-    assert float_bytes - llm.llm_engine.runner.weight_bytes() == linear_weights * 4 - linear_weights * 20 // 32 \
+    head_bytes = model.lm_head.out_features * model.lm_head.in_features // 32 * q8_0
+    assert float_bytes - llm.llm_engine.runner.weight_bytes() == linear_weights * 4 - linear_weights * q4_1 // 32 \
         - head_bytes
-    assert _prefix_agreement(ref, got) >= 0.4
+    assert _prefix_agreement(ref, got) >= 0.3
 
 
 @pytest.mark.slow

@@ -1,0 +1,93 @@
+"""The repacked GGUF GEMM (``native/gguf_repack.c``) against gguf's own dequantization and the documented activation
+rule in float64, per block type: values, products at every row-tile size, padded tiles, bias, batch invariance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from pagedllm.ops import gguf_dot, gguf_repack
+from tests.gguf_blocks import TYPES, quantized_reference, random_blocks
+
+pytestmark = pytest.mark.skipif(not gguf_repack.available(), reason="the repacked GEMM needs AVX512-VNNI")
+
+
+def _weight(kind, n: int, k: int, seed: int):
+    raw = random_blocks(kind, n, k, np.random.default_rng(seed))
+    return raw, gguf_repack.repack(int(kind), torch.from_numpy(raw), k), dequantize(raw, kind).reshape(n, k)
+
+
+def _reference(x: torch.Tensor, w: np.ndarray) -> np.ndarray:
+    """x quantized by the documented rule, times w, in float64."""
+    q, d, _ = quantized_reference(x.numpy())
+    m, k = x.shape
+    return (q.reshape(m, -1, 32) * d[..., None].astype(np.float64)).reshape(m, k) @ w.astype(np.float64).T
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
+def test_values_are_gguf_dequantized_values(kind):
+    """scale * code + min gives gguf's float32 values bit for bit (50 outputs: a padded last tile), bfloat16 those
+    values rounded to nearest even."""
+    k = 512
+    _, w, ref = _weight(kind, 50, k, 0)
+    assert (w.bits, w.sub) == ((4, 32) if kind in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else (8, 16 if kind == Q.Q6_K else 32))
+    assert np.array_equal(gguf_repack.values(w).numpy(), ref)
+    bf16 = gguf_repack.values(w, out=torch.empty(50, k, dtype=torch.bfloat16))
+    assert torch.equal(bf16, torch.from_numpy(ref).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 40])
+def test_products_match_the_float64_reference(kind, m):
+    """Every row-tile size (tiles of 6 rows and their tails), 50 outputs (a padded tile), with a bias; the same
+    products as the block dot product on the file's own blocks."""
+    n, k = 50, 512
+    raw, w, wf = _weight(kind, n, k, 1)
+    x = torch.randn(m, k)
+    bias = torch.randn(n)
+    rows = gguf_dot.quantize_rows(x)
+    out = torch.full((m, n), float("nan"))
+    gguf_repack.dot(w, rows, out, bias)
+    ref = _reference(x, wf) + bias.double().numpy()
+    assert np.abs(out.double().numpy() - ref).max() <= 1e-5 * np.abs(ref).max()
+    blocks = torch.empty(m, n)
+    gguf_dot.dot_rows(int(kind), torch.from_numpy(raw), rows, blocks, bias)
+    assert torch.allclose(out, blocks, rtol=0, atol=1e-5 * blocks.abs().max().item())
+
+
+def test_rows_are_batch_and_thread_invariant(monkeypatch):
+    """A row's outputs are the same bits whatever rows share the call and however many threads run it."""
+    k = 768
+    _, w, _ = _weight(Q.Q4_1, 96, k, 2)
+    x = torch.randn(45, k)
+    full = torch.empty(45, 96)
+    gguf_repack.dot(w, gguf_dot.quantize_rows(x), full)
+    for lo, hi in ((44, 45), (0, 1), (3, 10), (7, 45)):
+        part = torch.empty(hi - lo, 96)
+        gguf_repack.dot(w, gguf_dot.quantize_rows(x[lo:hi].contiguous()), part)
+        assert torch.equal(part, full[lo:hi])
+    monkeypatch.setattr(gguf_dot, "num_threads", lambda work: 1)
+    one = torch.empty(45, 96)
+    gguf_repack.dot(w, gguf_dot.quantize_rows(x), one)
+    assert torch.equal(one, full)
+
+
+def test_output_column_slice_and_bad_shapes():
+    """out may be a column slice of a wider output (fused layers); a mismatched x or out is a ValueError."""
+    k = 256
+    _, w, wf = _weight(Q.Q8_0, 32, k, 3)
+    x = torch.randn(3, k)
+    wide = torch.zeros(3, 80)
+    gguf_repack.dot(w, gguf_dot.quantize_rows(x), wide[:, 16:48])
+    ref = _reference(x, wf)
+    assert np.abs(wide[:, 16:48].double().numpy() - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert not wide[:, :16].any() and not wide[:, 48:].any()
+    with pytest.raises(ValueError, match="do not fit"):
+        gguf_repack.dot(w, gguf_dot.quantize_rows(torch.randn(3, 2 * k)), torch.empty(3, 32))
+    with pytest.raises(ValueError, match="do not fit"):
+        gguf_repack.dot(w, gguf_dot.quantize_rows(x), torch.empty(3, 31))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        gguf_repack.repack(int(Q.Q4_K), torch.zeros(4, 144, dtype=torch.uint8), 288)
