@@ -16,13 +16,15 @@ import torch
 from pagedllm import native
 from pagedllm.ops import gguf_dot, recording
 
-__all__ = ["RepackedWeight", "available", "dot", "kernel", "repack", "values"]
+__all__ = ["RepackedWeight", "available", "dot", "kernel", "num_threads", "repack", "values"]
 
 _SOURCE = native.SOURCE_DIR / "gguf_repack.c"
 _ABI_VERSION = 1
 # ggml types whose codes fit 4 bits (Q4_0, Q4_1, Q4_K) and whose scale changes every 16 codes (Q6_K)
 _FOUR_BIT = {2, 3, 12}
 _SUB16 = {14}
+# multiply-adds per thread of a repacked product (num_threads)
+MACS_PER_THREAD = 1 << 20
 _p, _i, _ssize = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t
 
 
@@ -126,6 +128,14 @@ def values(w: RepackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
+def num_threads(m: int, n: int, k: int) -> int:
+    """Threads for an (m, n, k) product: one per :data:`MACS_PER_THREAD` multiply-adds, at most torch's count.
+    Waking an idle OpenMP thread (``OMP_WAIT_POLICY=PASSIVE``, pagedllm's default) costs tens of microseconds,
+    about what the kernel spends on a million multiply-adds: a batch-1 projection runs faster on the calling
+    thread alone (``benchmarks/gguf_kernels.py``, models part)."""
+    return max(1, min(torch.get_num_threads(), m * n * k // MACS_PER_THREAD))
+
+
 def dot(w: RepackedWeight, x: gguf_dot.QuantizedRows, out: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     """``out[m, n] = bias[n] + x[m] . W[n]`` (recorded into an active CPU decode graph): out a float32 (M, N) view
     with contiguous rows (a column slice of a wider output is fine), bias float32 (N,) or None. Raises ValueError
@@ -140,6 +150,6 @@ def dot(w: RepackedWeight, x: gguf_dot.QuantizedRows, out: torch.Tensor, bias: t
     rc = recording.call(kernel().dot, w.codes.data_ptr(), w.scale.data_ptr(), w.min.data_ptr(), w.bits, w.sub, n,
                         w.in_features, x.q.data_ptr(), x.d.data_ptr(), x.s.data_ptr(), x.s16.data_ptr(), m,
                         None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-                        gguf_dot.num_threads(n * w.in_features), keep=(w, bias))
+                        num_threads(m, n, w.in_features), keep=(w, bias))
     if rc != 0:
         raise RuntimeError("gguf_repack_dot needs AVX512-VNNI")
