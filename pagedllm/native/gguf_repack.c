@@ -8,7 +8,8 @@
  *   codes: sub / 4 groups of 64 bytes, group j holding k = 4j..4j+3 of the tile's 16 outputs (lane l = bytes
  *          4l..4l+3), so that one 512-bit vpdpbusd dots 4 k of 16 outputs with one x row's 4 codes broadcast;
  *          with 4-bit codes (sub 32), 4 groups of 64 bytes: low nibbles = group i, high nibbles = group i + 4;
- *   scale, min: 16 floats each.
+ *   scale, min: 16 floats each (gguf_repack writes float32; gguf_repack_dot also reads IEEE halves, which hold
+ *          the scales of Q8_0, Q4_0/1 and Q5_0/1 exactly: the file stores them so).
  * Padding outputs (N not a multiple of 16) have code 0, scale 0 and min 0.
  *
  * The product (ggml's "repacked" GEMM idea, written here): a register tile of up to 6 x rows reads each weight
@@ -25,7 +26,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define GR_ABI_VERSION 1
+#define GR_ABI_VERSION 2
 #define GR_NR 16 /* outputs per tile */
 #define GR_MR 6  /* x rows per register tile */
 #define GR_QK 32 /* x block */
@@ -148,8 +149,13 @@ struct gr_x { /* the x rows of a register tile */
 
 /* One tile of 16 outputs against R x rows: res[r * 16 + l]. bits, sub and R are constants at each call site (the
  * loops unroll, the accumulators stay in registers). */
-GR_INLINE void gr_tile(const int bits, const int sub, const int R, const uint8_t *codes, const float *scale,
-                       const float *min, int nsub, const struct gr_x *x, float *res) {
+GR_INLINE __m512 gr_load16(const int half, const void *p, int b) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + GR_NR * b)))
+                : _mm512_loadu_ps((const float *)p + GR_NR * b);
+}
+
+GR_INLINE void gr_tile(const int bits, const int sub, const int half, const int R, const uint8_t *codes,
+                       const void *scale, const void *min, int nsub, const struct gr_x *x, float *res) {
     const int groups = sub / 4;
     const ptrdiff_t gb = gr_group_bytes(bits, sub);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
@@ -169,7 +175,7 @@ GR_INLINE void gr_tile(const int bits, const int sub, const int R, const uint8_t
             for (int j = 0; j < groups; j++)
                 w[j] = _mm512_loadu_si512((const void *)(c + 64 * j));
         }
-        const __m512 sc = _mm512_loadu_ps(scale + GR_NR * b), mn = _mm512_loadu_ps(min + GR_NR * b);
+        const __m512 sc = gr_load16(half, scale, b), mn = gr_load16(half, min, b);
         const int xb = b * sub / GR_QK; /* x's block */
         for (int r = 0; r < R; r++) {
             const int8_t *q = x->q[r] + b * sub;
@@ -188,34 +194,40 @@ GR_INLINE void gr_tile(const int bits, const int sub, const int R, const uint8_t
         _mm512_storeu_ps(res + GR_NR * r, _mm512_add_ps(acc[r], accm[r]));
 }
 
-#define GR_ROWS(bits, sub)                                                                                         \
+#define GR_ROWS(bits, sub, half)                                                                                   \
     switch (R) {                                                                                                   \
-    case 1: gr_tile(bits, sub, 1, codes, scale, min, nsub, x, res); break;                                         \
-    case 2: gr_tile(bits, sub, 2, codes, scale, min, nsub, x, res); break;                                         \
-    case 3: gr_tile(bits, sub, 3, codes, scale, min, nsub, x, res); break;                                         \
-    case 4: gr_tile(bits, sub, 4, codes, scale, min, nsub, x, res); break;                                         \
-    case 5: gr_tile(bits, sub, 5, codes, scale, min, nsub, x, res); break;                                         \
-    default: gr_tile(bits, sub, 6, codes, scale, min, nsub, x, res); break;                                        \
+    case 1: gr_tile(bits, sub, half, 1, codes, scale, min, nsub, x, res); break;                                   \
+    case 2: gr_tile(bits, sub, half, 2, codes, scale, min, nsub, x, res); break;                                   \
+    case 3: gr_tile(bits, sub, half, 3, codes, scale, min, nsub, x, res); break;                                   \
+    case 4: gr_tile(bits, sub, half, 4, codes, scale, min, nsub, x, res); break;                                   \
+    case 5: gr_tile(bits, sub, half, 5, codes, scale, min, nsub, x, res); break;                                   \
+    default: gr_tile(bits, sub, half, 6, codes, scale, min, nsub, x, res); break;                                  \
     }
 
-static void gr_tile_rows(int bits, int sub, int R, const uint8_t *codes, const float *scale, const float *min,
-                         int nsub, const struct gr_x *x, float *res) {
-    if (bits == 4)
-        GR_ROWS(4, 32)
+static void gr_tile_rows(int bits, int sub, int half, int R, const uint8_t *codes, const void *scale,
+                         const void *min, int nsub, const struct gr_x *x, float *res) {
+    if (half && bits == 4)
+        GR_ROWS(4, 32, 1)
+    else if (half)
+        GR_ROWS(8, 32, 1)
+    else if (bits == 4)
+        GR_ROWS(4, 32, 0)
     else if (sub == 32)
-        GR_ROWS(8, 32)
+        GR_ROWS(8, 32, 0)
     else
-        GR_ROWS(8, 16)
+        GR_ROWS(8, 16, 0)
 }
 #undef GR_ROWS
 
-/* out[m, n] = bias[n] + sum_k x[m, k] W[n, k] for m < M, n < N; W repacked (gguf_repack), x as gguf_quantize_rows
- * wrote it (q (M, K), d and s (M, K / 32), s16 (M, K / 16)), out rows out_stride floats apart. Returns -1 for
- * bits, sub or K outside the layout or a CPU without AVX512-VNNI. */
-int gguf_repack_dot(const uint8_t *codes, const float *scale, const float *min, int bits, int sub, int N, int K,
+/* out[m, n] = bias[n] + sum_k x[m, k] W[n, k] for m < M, n < N; W repacked (gguf_repack; scale and min float32,
+ * or IEEE halves with half), x as gguf_quantize_rows wrote it (q (M, K), d and s (M, K / 32), s16 (M, K / 16)), out
+ * rows out_stride floats apart. Returns -1 for bits, sub or K outside the layout (halves: sub 32 only) or a CPU
+ * without AVX512-VNNI. */
+int gguf_repack_dot(const uint8_t *codes, const void *scale, const void *min, int half, int bits, int sub, int N,
+                    int K,
                     const int8_t *xq, const float *xd, const float *xs, const float *xs16, int M, const float *bias,
                     float *out, ptrdiff_t out_stride, int num_threads) {
-    if (!gr_valid(bits, sub, K) || !gguf_repack_available())
+    if (!gr_valid(bits, sub, K) || (half && sub != 32) || !gguf_repack_available())
         return -1;
     const int nsub = K / sub, nbx = K / GR_QK;
     const ptrdiff_t tiles = gr_tiles(N), tile_codes = nsub * gr_group_bytes(bits, sub), tile_scales = nsub * GR_NR;
@@ -232,8 +244,9 @@ int gguf_repack_dot(const uint8_t *codes, const float *scale, const float *min, 
                 x.s[r] = xsum + (ptrdiff_t)(m0 + r) * (K / sub);
             }
             float res[GR_MR * GR_NR];
-            gr_tile_rows(bits, sub, R, codes + t * tile_codes, scale + t * tile_scales, min + t * tile_scales, nsub,
-                         &x, res);
+            const ptrdiff_t at = (half ? 2 : 4) * t * tile_scales; /* bytes */
+            gr_tile_rows(bits, sub, half, R, codes + t * tile_codes, (const char *)scale + at, (const char *)min + at,
+                         nsub, &x, res);
             for (int r = 0; r < R; r++) {
                 float *o = out + (ptrdiff_t)(m0 + r) * out_stride + t * GR_NR;
                 for (int l = 0; l < lanes; l++)
@@ -245,7 +258,8 @@ int gguf_repack_dot(const uint8_t *codes, const float *scale, const float *min, 
 }
 #pragma GCC pop_options
 #else
-int gguf_repack_dot(const uint8_t *codes, const float *scale, const float *min, int bits, int sub, int N, int K,
+int gguf_repack_dot(const uint8_t *codes, const void *scale, const void *min, int half, int bits, int sub, int N,
+                    int K,
                     const int8_t *xq, const float *xd, const float *xs, const float *xs16, int M, const float *bias,
                     float *out, ptrdiff_t out_stride, int num_threads) {
     return -1;

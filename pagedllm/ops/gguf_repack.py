@@ -8,6 +8,7 @@ others (Q5_*, Q6_K, Q8_0) one byte per code.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ from pagedllm.ops import gguf_dot, recording
 __all__ = ["RepackedWeight", "available", "dot", "kernel", "num_threads", "repack", "values"]
 
 _SOURCE = native.SOURCE_DIR / "gguf_repack.c"
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 # ggml types whose codes fit 4 bits (Q4_0, Q4_1, Q4_K) and whose scale changes every 16 codes (Q6_K)
 _FOUR_BIT = {2, 3, 12}
 _SUB16 = {14}
@@ -46,7 +47,7 @@ class GGUFRepackKernel:
         self.values = lib.gguf_repack_values
         self.values.argtypes, self.values.restype = [_p, _p, _p, _i, _i, _i, _i, _p, _ssize, _i, _i], _i
         self.dot = lib.gguf_repack_dot
-        self.dot.argtypes = [_p, _p, _p, _i, _i, _i, _i, _p, _p, _p, _p, _i, _p, _p, _ssize, _i]
+        self.dot.argtypes = [_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _p, _p, _i, _p, _p, _ssize, _i]
         self.dot.restype = _i
         self._lib = lib
 
@@ -74,8 +75,10 @@ def available() -> bool:
 
 @dataclass(frozen=True)
 class RepackedWeight:
-    """An (N, K) weight in the repacked layout: ``codes`` uint8, ``scale`` and ``min`` float32 (per tile, sub-block
-    and lane), ``bits`` per code (4 or 8) and ``sub`` (k per scale: 32, or 16 for Q6_K)."""
+    """An (N, K) weight in the repacked layout: ``codes`` uint8, ``scale`` and ``min`` (per tile, sub-block and
+    lane) float16 where every value is a half exactly (the legacy types, whose file stores half scales), else
+    float32 (a K-quant's scale is a half times a 6- or 8-bit integer), ``bits`` per code (4 or 8) and ``sub`` (k per
+    scale: 32, or 16 for Q6_K)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -109,7 +112,13 @@ def repack(block_type: int, blocks: torch.Tensor, in_features: int) -> RepackedW
     if k.repack(codes.data_ptr(), scale16.data_ptr(), min16.data_ptr(), n, in_features, bits, sub,
                 out.codes.data_ptr(), out.scale.data_ptr(), out.min.data_ptr(), threads):
         raise ValueError(f"gguf_repack refused bits {bits} sub {sub} K {in_features}")
+    if sub == 32 and _halves_exactly(out.scale) and _halves_exactly(out.min):
+        out = dataclasses.replace(out, scale=out.scale.half(), min=out.min.half())
     return out
+
+
+def _halves_exactly(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.half().float(), t))
 
 
 def values(w: RepackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,7 +131,8 @@ def values(w: RepackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
         raise ValueError(f"values: out must be float32 or bfloat16 ({w.out_features}, {w.in_features}) with "
                          f"contiguous rows, got {tuple(out.shape)} {out.dtype}")
     if w.out_features:
-        k.values(w.codes.data_ptr(), w.scale.data_ptr(), w.min.data_ptr(), w.out_features, w.in_features, w.bits,
+        scale, mn = w.scale.float(), w.min.float()
+        k.values(w.codes.data_ptr(), scale.data_ptr(), mn.data_ptr(), w.out_features, w.in_features, w.bits,
                  w.sub, out.data_ptr(), out.stride(0), int(out.dtype == torch.bfloat16),
                  gguf_dot.num_threads(w.out_features * w.in_features))
     return out
@@ -147,7 +157,8 @@ def dot(w: RepackedWeight, x: gguf_dot.QuantizedRows, out: torch.Tensor, bias: t
                          f"weight ({n}, {w.in_features})")
     if not n or not m:
         return
-    rc = recording.call(kernel().dot, w.codes.data_ptr(), w.scale.data_ptr(), w.min.data_ptr(), w.bits, w.sub, n,
+    rc = recording.call(kernel().dot, w.codes.data_ptr(), w.scale.data_ptr(), w.min.data_ptr(),
+                        int(w.scale.dtype == torch.float16), w.bits, w.sub, n,
                         w.in_features, x.q.data_ptr(), x.d.data_ptr(), x.s.data_ptr(), x.s16.data_ptr(), m,
                         None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
                         num_threads(m, n, w.in_features), keep=(w, bias))

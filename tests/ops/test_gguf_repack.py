@@ -34,6 +34,8 @@ def test_values_are_gguf_dequantized_values(kind):
     k = 512
     _, w, ref = _weight(kind, 50, k, 0)
     assert (w.bits, w.sub) == ((4, 32) if kind in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else (8, 16 if kind == Q.Q6_K else 32))
+    # the legacy types' scales and mins are halves exactly (the file's own, or an offset times one)
+    assert w.scale.dtype == w.min.dtype == (torch.float32 if kind in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else torch.float16)
     assert np.array_equal(gguf_repack.values(w).numpy(), ref)
     bf16 = gguf_repack.values(w, out=torch.empty(50, k, dtype=torch.bfloat16))
     assert torch.equal(bf16, torch.from_numpy(ref).to(torch.bfloat16))
