@@ -25,7 +25,7 @@ _ABI_VERSION = 2
 _FOUR_BIT = {2, 3, 12}
 _SUB16 = {14}
 # multiply-adds per thread of a repacked product (num_threads)
-MACS_PER_THREAD = 1 << 20
+MACS_PER_THREAD = 1 << 22
 _p, _i, _ssize = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t
 
 
@@ -141,8 +141,9 @@ def values(w: RepackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
 def num_threads(m: int, n: int, k: int) -> int:
     """Threads for an (m, n, k) product: one per :data:`MACS_PER_THREAD` multiply-adds, at most torch's count.
     Waking an idle OpenMP thread (``OMP_WAIT_POLICY=PASSIVE``, pagedllm's default) costs tens of microseconds,
-    about what the kernel spends on a million multiply-adds: a batch-1 projection runs faster on the calling
-    thread alone (``benchmarks/gguf_kernels.py``, models part)."""
+    about what the kernel spends on a few million multiply-adds: the projections of a batch-1 step, and most of
+    a batch-4 step's, run faster on the calling thread alone (SmolLM2 decode tok/s at 1, 4, 16 and 32 sequences
+    for 2^18, 2^20, 2^22 and 2^24 multiply-adds per thread: 2^22 was best or within noise at each)."""
     return max(1, min(torch.get_num_threads(), m * n * k // MACS_PER_THREAD))
 
 
