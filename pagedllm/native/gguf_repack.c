@@ -22,11 +22,12 @@
  * The dot needs AVX512-VNNI (gguf_repack_available), compiled under its own target pragma and chosen at run time;
  * packing and unpacking are portable C.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
-#define GR_ABI_VERSION 2
+#define GR_ABI_VERSION 3
 #define GR_NR 16 /* outputs per tile */
 #define GR_MR 6  /* x rows per register tile */
 #define GR_QK 32 /* x block */
@@ -86,26 +87,45 @@ int gguf_repack(const uint8_t *codes, const float *scale16, const float *min16, 
     return 0;
 }
 
-/* The (N, K) values scale * code + min of a repacked weight, float32 (out rows out_stride apart), or bfloat16 bits
- * (round to nearest even) with out_bf16. Returns -1 for bits, sub or K outside the layout. */
-int gguf_repack_values(const uint8_t *codes, const float *scale, const float *min, int N, int K, int bits, int sub,
-                       void *out, ptrdiff_t out_stride, int out_bf16, int num_threads) {
+/* IEEE half to float, exact (scales and mins are finite). */
+static inline float gr_half(uint16_t h) {
+    const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    const float v = e ? ldexpf((float)(m | 0x400), e - 25) : ldexpf((float)m, -24);
+    return e == 0x1f ? (m ? NAN : INFINITY) * (h & 0x8000 ? -1.0f : 1.0f) : (h & 0x8000 ? -v : v);
+}
+
+static inline float gr_scale_at(const void *p, int half, ptrdiff_t i) {
+    return half ? gr_half(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* Rows rows[0..nrows) (all N rows in order when rows is NULL) of a repacked (N, K) weight as the values
+ * scale * code + min: float32 (out rows out_stride apart), or bfloat16 bits (round to nearest even) with out_bf16;
+ * scale and min float32, or IEEE halves with half. Returns -1 for bits, sub or K outside the layout, -2 for a row
+ * outside [0, N). */
+int gguf_repack_values(const uint8_t *codes, const void *scale, const void *min, int half, int N, int K, int bits,
+                       int sub, const int64_t *rows, int nrows, void *out, ptrdiff_t out_stride, int out_bf16,
+                       int num_threads) {
     if (!gr_valid(bits, sub, K))
         return -1;
-    const int nsub = K / sub;
+    if (rows)
+        for (int i = 0; i < nrows; i++)
+            if (rows[i] < 0 || rows[i] >= N)
+                return -2;
+    const int nsub = K / sub, count = rows ? nrows : N;
     const ptrdiff_t gb = gr_group_bytes(bits, sub);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
-    for (int n = 0; n < N; n++) {
-        const ptrdiff_t t = n / GR_NR;
-        const int l = n % GR_NR;
+    for (int i = 0; i < count; i++) {
+        const ptrdiff_t n = rows ? rows[i] : i, t = n / GR_NR;
+        const int l = (int)(n % GR_NR);
         for (int b = 0; b < nsub; b++) {
             const uint8_t *c = codes + (t * nsub + b) * gb;
-            const float s = scale[(t * nsub + b) * GR_NR + l], m = min[(t * nsub + b) * GR_NR + l];
+            const ptrdiff_t at_scale = (t * nsub + b) * GR_NR + l;
+            const float s = gr_scale_at(scale, half, at_scale), m = gr_scale_at(min, half, at_scale);
             for (int k = 0; k < sub; k++) {
                 const int j = k / 4, byte = 4 * l + k % 4;
                 const int code = bits == 8 ? c[64 * j + byte] : (c[64 * (j % 4) + byte] >> (4 * (j / 4))) & 0xF;
                 const float v = s * (float)code + m;
-                const ptrdiff_t at = (ptrdiff_t)n * out_stride + (ptrdiff_t)b * sub + k;
+                const ptrdiff_t at = (ptrdiff_t)i * out_stride + (ptrdiff_t)b * sub + k;
                 if (out_bf16) {
                     uint32_t u;
                     memcpy(&u, &v, 4);

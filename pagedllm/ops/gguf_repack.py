@@ -20,7 +20,7 @@ from pagedllm.ops import gguf_dot, recording
 __all__ = ["RepackedWeight", "available", "dot", "kernel", "num_threads", "repack", "values"]
 
 _SOURCE = native.SOURCE_DIR / "gguf_repack.c"
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 # ggml types whose codes fit 4 bits (Q4_0, Q4_1, Q4_K) and whose scale changes every 16 codes (Q6_K)
 _FOUR_BIT = {2, 3, 12}
 _SUB16 = {14}
@@ -45,7 +45,8 @@ class GGUFRepackKernel:
         self.repack = lib.gguf_repack
         self.repack.argtypes, self.repack.restype = [_p, _p, _p, _i, _i, _i, _i, _p, _p, _p, _i], _i
         self.values = lib.gguf_repack_values
-        self.values.argtypes, self.values.restype = [_p, _p, _p, _i, _i, _i, _i, _p, _ssize, _i, _i], _i
+        self.values.argtypes = [_p, _p, _p, _i, _i, _i, _i, _i, _p, _i, _p, _ssize, _i, _i]
+        self.values.restype = _i
         self.dot = lib.gguf_repack_dot
         self.dot.argtypes = [_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _p, _p, _i, _p, _p, _ssize, _i]
         self.dot.restype = _i
@@ -121,20 +122,26 @@ def _halves_exactly(t: torch.Tensor) -> bool:
     return bool(torch.equal(t.half().float(), t))
 
 
-def values(w: RepackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The (N, K) values ``scale * code + min``: float32, or bfloat16 (nearest even) when ``out`` is bfloat16;
-    written into ``out`` (rows contiguous) if given."""
+def values(w: RepackedWeight, out: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The values ``scale * code + min`` of every row (N, K), or of ``rows`` (R,) int64 in that order (R, K) (an
+    embedding lookup): float32, or bfloat16 (nearest even) when ``out`` is bfloat16; written into ``out`` (rows
+    contiguous) if given. Raises ValueError for an out that does not fit, IndexError for a row outside [0, N)."""
     k = kernel()
-    out = torch.empty(w.out_features, w.in_features) if out is None else out
-    if out.dtype not in (torch.float32, torch.bfloat16) or out.shape != (w.out_features, w.in_features) \
-            or (w.out_features and out.stride(1) != 1):
-        raise ValueError(f"values: out must be float32 or bfloat16 ({w.out_features}, {w.in_features}) with "
-                         f"contiguous rows, got {tuple(out.shape)} {out.dtype}")
-    if w.out_features:
-        scale, mn = w.scale.float(), w.min.float()
-        k.values(w.codes.data_ptr(), scale.data_ptr(), mn.data_ptr(), w.out_features, w.in_features, w.bits,
-                 w.sub, out.data_ptr(), out.stride(0), int(out.dtype == torch.bfloat16),
-                 gguf_dot.num_threads(w.out_features * w.in_features))
+    count = w.out_features if rows is None else rows.numel()
+    out = torch.empty(count, w.in_features) if out is None else out
+    if out.dtype not in (torch.float32, torch.bfloat16) or out.shape != (count, w.in_features) \
+            or (count and out.stride(1) != 1):
+        raise ValueError(f"values: out must be float32 or bfloat16 ({count}, {w.in_features}) with contiguous rows, "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    if rows is not None:
+        rows = rows.reshape(-1).to(torch.int64).contiguous()
+    if count:
+        rc = k.values(w.codes.data_ptr(), w.scale.data_ptr(), w.min.data_ptr(), int(w.scale.dtype == torch.float16),
+                      w.out_features, w.in_features, w.bits, w.sub, None if rows is None else rows.data_ptr(), count,
+                      out.data_ptr(), out.stride(0), int(out.dtype == torch.bfloat16),
+                      gguf_dot.num_threads(count * w.in_features))
+        if rc == -2:
+            raise IndexError(f"values: a row outside [0, {w.out_features})")
     return out
 
 

@@ -35,6 +35,10 @@ class LinearMethod:
         """The float32 weight (out_features, in_features) the kept format represents."""
         raise NotImplementedError
 
+    def tie(self, embedding: nn.Module) -> None:
+        """Before loading, for the method of a head tied to ``embedding``: default nothing (a method that can
+        serve the embedding's lookups from its own format may take them over after loading)."""
+
 
 class QuantizationConfig:
     """Chooses a :class:`LinearMethod` per linear layer (None: keep it float)."""
@@ -99,6 +103,7 @@ def create_quantized_weights(model: nn.Module, config: QuantizationConfig) -> in
     method = config.get_tied_head_method(head) if head is not None else None
     if method is not None:
         method.create_weights(head)
+        method.tie(model.model.embed_tokens)
         head.quant_method = method
         count += 1
     return count

@@ -14,6 +14,7 @@ beside the embedding's float rows.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 
@@ -21,6 +22,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
+from pagedllm.distributed.parallel_state import get_tensor_parallel_size
+from pagedllm.models.layers.embedding import VocabEmbedding
 from pagedllm.ops import gguf_dot, gguf_repack, recording
 from pagedllm.quantization.base import LinearMethod, QuantizationConfig, replace_weight
 
@@ -228,6 +231,10 @@ class GGUFTiedHeadMethod(GGUFLinearMethod):
     def __init__(self, vocab_size: int) -> None:
         super().__init__([(Q.Q8_0, vocab_size)])
         self._embedding: torch.Tensor | None = None
+        self._embedding_module: nn.Module | None = None
+
+    def tie(self, embedding: nn.Module) -> None:
+        self._embedding_module = embedding
 
     def create_weights(self, layer: nn.Module) -> None:
         self._embedding = layer.weight  # the embedding's parameter, filled by load_weights
@@ -244,6 +251,33 @@ class GGUFTiedHeadMethod(GGUFLinearMethod):
         self._embedding = None
         layer._gguf_bias = None
         self.repack(layer)
+        self._serve_lookups(layer, rows)
+
+    def _serve_lookups(self, layer: nn.Module, rows: torch.Tensor) -> None:
+        """Where the head is repacked, its values equal the embedding's rows bit for bit (checked) and the
+        embedding is a plain one (not a vocabulary shard), the embedding looks its rows up in the head's codes and
+        drops its float weight: one copy of the vocabulary instead of two. Under tensor parallelism the embedding is a
+        vocabulary shard and keeps its rows."""
+        embedding, weight = self._embedding_module, layer._gguf_repacked
+        self._embedding_module = None
+        if weight is None or not isinstance(embedding, VocabEmbedding) or embedding.weight is None \
+                or get_tensor_parallel_size() != 1 or embedding.weight.shape != rows.shape:
+            return
+        dtype = embedding.weight.dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            return
+        step = max(1, (1 << 22) // rows.shape[1])
+        for start in range(0, rows.shape[0], step):  # the check a tile of rows at a time
+            ids = torch.arange(start, min(start + step, rows.shape[0]))
+            if not torch.equal(gguf_repack.values(weight[0], rows=ids), rows[start:start + step]):
+                return
+        embedding.use_lookup(functools.partial(_lookup, weight[0], dtype))
+
+
+def _lookup(weight: gguf_repack.RepackedWeight, dtype: torch.dtype, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of a repacked tied head, in ``dtype``: (*ids.shape, hidden)."""
+    out = gguf_repack.values(weight, out=torch.empty(ids.numel(), weight.in_features, dtype=dtype), rows=ids)
+    return out.view(*ids.shape, weight.in_features)
 
 
 class GGUFConfig(QuantizationConfig):

@@ -141,21 +141,27 @@ def test_smollm2_packed_rows_equal_dequantized_rows(smollm2_path):
     assert torch.equal(values, dense)
 
 
-def test_tied_head_keeps_the_embedding_q8_0_blocks(layout):
-    """A head tied to a Q8_0 embedding: the embedding keeps its float rows (the lookup), the head gets back the
-    file's exact Q8_0 bytes from them."""
+def _tied_model(vocab: int, hidden: int):
     from torch import nn
 
     from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
-    from pagedllm.quantization.base import create_quantized_weights, process_quantized_weights
 
-    vocab, hidden = 100, 64
     model = nn.Module()
     model.model = nn.Module()
     model.model.embed_tokens = VocabEmbedding(vocab, hidden)
     model.lm_head = LMHead(hidden, vocab)
     model.lm_head.weight = model.model.embed_tokens.weight
-    model.requires_grad_(False)
+    return model.requires_grad_(False)
+
+
+def test_tied_head_keeps_the_embedding_q8_0_blocks(layout):
+    """A head tied to a Q8_0 embedding: the head gets back the file's exact Q8_0 bytes from the embedding's rows;
+    the embedding keeps its float rows for the lookup, or, repacked, looks them up in the head's codes (the same
+    values, checked at load) and drops them."""
+    from pagedllm.quantization.base import create_quantized_weights, process_quantized_weights
+
+    vocab, hidden = 100, 64
+    model = _tied_model(vocab, hidden)
     config = GGUFConfig({"model.embed_tokens.weight": Q.Q8_0}, {})
     assert create_quantized_weights(model, config) == 1
     from gguf.quants import quantize
@@ -167,12 +173,30 @@ def test_tied_head_keeps_the_embedding_q8_0_blocks(layout):
     if layout == "blocks":
         assert np.array_equal(model.lm_head.gguf_blocks_0.numpy(), raw)
     assert torch.equal(model.lm_head.quant_method.dequantize(model.lm_head), torch.from_numpy(w))
-    assert torch.equal(model.model.embed_tokens(torch.tensor([3])), torch.from_numpy(w[3:4]))
+    assert (model.model.embed_tokens.weight is None) == (layout == "repacked")
+    ids = torch.tensor([[3, 99, 0], [3, 3, 7]])
+    assert torch.equal(model.model.embed_tokens(ids), torch.from_numpy(w)[ids])
     x = torch.randn(2, hidden)
     q, d, _ = quantized_reference(x.numpy())
     ref = (q.reshape(2, -1, 32) * d[..., None].astype(np.float64)).reshape(2, hidden) @ w.astype(np.float64).T
     assert np.abs(model.lm_head(x).double().numpy() - ref).max() <= 1e-5 * np.abs(ref).max()
     assert "Q8_0 1" in config.describe()
+
+
+def test_embedding_keeps_rows_that_q8_0_does_not_give_back(layout):
+    """Float rows that were not dequantized from Q8_0 (a bfloat16 model's rounded rows, a file written by another
+    rule) stay the embedding's: the head's blocks would give other values."""
+    from pagedllm.quantization.base import create_quantized_weights, process_quantized_weights
+
+    model = _tied_model(40, 64)
+    create_quantized_weights(model, GGUFConfig({"model.embed_tokens.weight": Q.Q8_0}, {}))
+    rows = torch.randn(40, 64)
+    model.model.embed_tokens.weight.copy_(rows)
+    process_quantized_weights(model)
+    assert torch.equal(model.model.embed_tokens.weight, rows)
+    with pytest.raises(IndexError):
+        gguf_repack.values(model.lm_head._gguf_repacked[0], rows=torch.tensor([40])) if layout == "repacked" \
+            else model.model.embed_tokens(torch.tensor([40]))
 
 
 def test_q8_0_quantization_follows_gguf():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,14 +14,22 @@ from pagedllm.ops import skinny_gemm
 
 class VocabEmbedding(nn.Embedding):
     """ids (T,) int64 -> (T, hidden); with ``scale`` (Gemma: sqrt(hidden_size) rounded to the dtype, as
-    transformers does) rows are multiplied by it in the model dtype."""
+    transformers does) rows are multiplied by it in the model dtype. After :meth:`use_lookup` the rows come from
+    another format's storage (a quantized tied head's) and the float weight is gone."""
 
     def __init__(self, vocab_size: int, hidden_size: int, scale: float | None = None) -> None:
         super().__init__(vocab_size, hidden_size)
         self.scale = scale
+        self.lookup: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def use_lookup(self, lookup: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """``lookup(ids)`` (T, hidden) in the weight's dtype, the same rows as the weight's: the weight is
+        dropped."""
+        self.lookup = lookup
+        self.weight = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        out = F.embedding(input_ids, self.weight)
+        out = F.embedding(input_ids, self.weight) if self.lookup is None else self.lookup(input_ids)
         if self.scale is not None:
             out = out * torch.tensor(self.scale, dtype=out.dtype)
         return out
