@@ -1,9 +1,10 @@
 """GGUF blocks kept packed (``quantization="gguf"``) against the same model dequantized to float32.
 
-``--part kernels``: one projection (2048 x 1024, random blocks of each type), rows 1..256: the block dot product
-(activations quantized per call included), the dequantized float32 panel + ``torch.mm`` (the prefill path), and
-the float32 ``Linear`` the dequantized model runs (skinny GEMM / oneDNN), in alternating rounds; GOP/s medians.
-The crossing of the first two sets ``quantization.gguf.DOT_MAX_ROWS``.
+``--part kernels``: one projection (2048 x 1024, random blocks of each type), rows 1..512: the repacked GEMM (AVX512-VNNI
+CPUs: ``ops.gguf_repack``, what ``quantization="gguf"`` runs there), the block dot product and the dequantized
+float32 panel + ``torch.mm`` (the two paths of the file's own blocks, elsewhere; activations quantized per call
+included), and the float32 ``Linear`` the dequantized model runs (skinny GEMM / oneDNN), in alternating rounds;
+GOP/s medians. The crossing of the dot product and the panel sets ``quantization.gguf.DOT_MAX_ROWS``.
 
 ``--part models``: output tok/s of whole models (greedy, EOS ignored), gguf vs float32, batch 1 (one prompt),
 4 and 16 (64 new tokens each) and the peers' batch (32 prompts x 128 tokens, ``common.peers_workload``), rounds alternating the two engines
@@ -30,7 +31,7 @@ sys.path.insert(0, str(common.REPO_ROOT))  # run from a checkout without install
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from pagedllm.models.layers.linear import Linear  # noqa: E402
-from pagedllm.ops import gguf_dot  # noqa: E402
+from pagedllm.ops import gguf_dot, gguf_repack  # noqa: E402
 from pagedllm.quantization.gguf import panel_linear  # noqa: E402
 from tests.gguf_blocks import TYPES, random_blocks  # noqa: E402
 
@@ -52,6 +53,8 @@ def kernel_part(rounds: int, rows: list[int], types: list) -> dict:
     dense = Linear(k, n, bias=False).requires_grad_(False)
     dense.pack_for_cpu(64)
     blocks = {kind: torch.from_numpy(random_blocks(kind, n, k, rng)) for kind in types}
+    repacked = {kind: gguf_repack.repack(int(kind), raw, k) for kind, raw in blocks.items()} \
+        if gguf_repack.available() else {}
     results = {}
     for m in rows:
         x = torch.randn(m, k)
@@ -61,6 +64,9 @@ def kernel_part(rounds: int, rows: list[int], types: list) -> dict:
             fns[f"{kind.name} dot"] = lambda kind=kind, raw=raw: gguf_dot.dot_rows(
                 int(kind), raw, gguf_dot.quantize_rows(x), out)
             fns[f"{kind.name} panel"] = lambda kind=kind, raw=raw: panel_linear(x, int(kind), raw, k, out)
+            if kind in repacked:
+                fns[f"{kind.name} repacked"] = lambda w=repacked[kind]: gguf_repack.dot(
+                    w, gguf_dot.quantize_rows(x), out)
         times = {name: [] for name in fns}
         reps = max(2, 64 // m)
         for fn in fns.values():
@@ -71,10 +77,11 @@ def kernel_part(rounds: int, rows: list[int], types: list) -> dict:
         gops = {name: round(2 * m * n * k / statistics.median(t) / 1e9, 2) for name, t in times.items()}
         results[str(m)] = gops
         print(f"rows {m:4d}: float32 {gops['float32']:6.1f} GOP/s | "
-              + " ".join(f"{kind.name} {gops[f'{kind.name} dot']:.0f}/{gops[f'{kind.name} panel']:.0f}"
-                         for kind in types), flush=True)
+              + " ".join(f"{kind.name} {gops.get(f'{kind.name} repacked', 0):.0f}/{gops[f'{kind.name} dot']:.0f}/"
+                         f"{gops[f'{kind.name} panel']:.0f}" for kind in types), flush=True)
     return {"shape": {"out_features": n, "in_features": k}, "gops_per_s": results,
-            "note": "dot = activations quantized + block dot product; panel = dequantize + oneDNN (quantization.gguf.panel_linear)"}
+            "note": "repacked = activations quantized + the repacked GEMM (ops.gguf_repack); dot = activations "
+                    "quantized + block dot product; panel = dequantize + oneDNN (quantization.gguf.panel_linear)"}
 
 
 def _throughput(llm, workload) -> float:
