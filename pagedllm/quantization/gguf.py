@@ -9,7 +9,8 @@ them: a step's rows up to :data:`DOT_MAX_ROWS` are dotted with the blocks (decod
 large decode batches) dequantize each segment once per call into a reused panel, a tile of rows at a time, for
 one matmul per tile: bfloat16 where oneDNN runs bfloat16 natively (:func:`bf16_panels`), else float32. Other
 types (F16, BF16, I-quants...) load dequantized to float. An LM head tied to a Q8_0 embedding keeps Q8_0 blocks
-beside the embedding's float rows.
+beside the embedding's float rows; repacked, the embedding looks its rows up in the head's codes instead and drops
+its float rows (where their values agree bit for bit).
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ class GGUFLinearMethod(LinearMethod):
     :func:`gguf_repack.available`, its repacked ``gguf_codes_<i>``, ``gguf_scale_<i>`` and ``gguf_min_<i>``.
     Raises ValueError for a type without a kernel."""
 
-    # decode rows are kernel calls on pool buffers: a CPU decode graph records and replays them (larger steps
-    # take the panel's torch ops, which the capture refuses: those sizes run eagerly)
+    # decode rows are kernel calls on pool buffers: a CPU decode graph records and replays them (with the file's
+    # blocks, larger steps take the panel's torch ops, which the capture refuses: those sizes run eagerly)
     records_cpu_graphs = True
 
     def __init__(self, segments: list[tuple[GGMLQuantizationType, int]]) -> None:
