@@ -24,7 +24,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tensor_parallel_size
-from pagedllm.models.layers.embedding import VocabEmbedding
 from pagedllm.ops import gguf_dot, gguf_repack, recording
 from pagedllm.quantization.base import LinearMethod, QuantizationConfig, replace_weight
 
@@ -261,7 +260,7 @@ class GGUFTiedHeadMethod(GGUFLinearMethod):
         vocabulary shard and keeps its rows."""
         embedding, weight = self._embedding_module, layer._gguf_repacked
         self._embedding_module = None
-        if weight is None or not isinstance(embedding, VocabEmbedding) or embedding.weight is None \
+        if weight is None or not callable(getattr(embedding, "use_lookup", None)) or embedding.weight is None \
                 or get_tensor_parallel_size() != 1 or embedding.weight.shape != rows.shape:
             return
         dtype = embedding.weight.dtype
