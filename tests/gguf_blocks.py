@@ -32,3 +32,15 @@ def quantized_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return q.reshape(m, k), d, s
 
 
+
+
+def rounded_activations(x):
+    """x (..., K) torch tensor as the repacked GEMM sees it: each block of 32 rounded by :func:`quantized_reference`
+    to ``q * d`` (computed in float32), returned in x's dtype."""
+    import torch
+
+    flat = x.detach().reshape(-1, x.shape[-1]).float().numpy()
+    q, d, _ = quantized_reference(flat)
+    m, k = flat.shape
+    values = q.reshape(m, k // 32, 32).astype(np.float64) * d[..., None].astype(np.float64)
+    return torch.from_numpy(values.reshape(x.shape)).to(x.dtype)

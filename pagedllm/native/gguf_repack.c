@@ -1,15 +1,16 @@
 /* GGUF weights repacked for an AVX512-VNNI GEMM: out[m, n] = bias[n] + sum_k x[m, k] * W[n, k], x quantized per
  * row to int8 blocks of 32 as native/gguf_dot.c's gguf_quantize_rows writes them (q, d, s = d * sum(q), s16 = d *
- * each 16's sum), W as unsigned codes with a float scale and min per sub-block (w = scale * code + min, the form
- * gguf_unpack_rows gives every block type).
+ * each 16's sum), W as unsigned codes with a float scale and min per group of k (w = scale * code + min: the form
+ * gguf_unpack_rows gives every block type, and int4's groups and int8's channels take).
  *
  * Layout (gguf_repack): outputs in tiles of 16 (one int32 lane each), k in sub-blocks of `sub` (32; 16 where the
- * scale changes every 16 codes, Q6_K). Per tile and sub-block, in k order:
- *   codes: sub / 4 groups of 64 bytes, group j holding k = 4j..4j+3 of the tile's 16 outputs (lane l = bytes
- *          4l..4l+3), so that one 512-bit vpdpbusd dots 4 k of 16 outputs with one x row's 4 codes broadcast;
- *          with 4-bit codes (sub 32), 4 groups of 64 bytes: low nibbles = group i, high nibbles = group i + 4;
- *   scale, min: 16 floats each (gguf_repack writes float32; gguf_repack_dot also reads IEEE halves, which hold
- *          the scales of Q8_0, Q4_0/1 and Q5_0/1 exactly: the file stores them so).
+ * scale changes every 16 codes, Q6_K), scales in groups of `group` k (a multiple of sub dividing K: sub for GGUF
+ * blocks, the group of int4, K for one scale per channel). Per tile, in k order:
+ *   codes, per sub-block: sub / 4 groups of 64 bytes, group j holding k = 4j..4j+3 of the tile's 16 outputs (lane
+ *          l = bytes 4l..4l+3), so that one 512-bit vpdpbusd dots 4 k of 16 outputs with one x row's 4 codes
+ *          broadcast; with 4-bit codes (sub 32), 4 groups of 64 bytes: low nibbles = group i, high = group i + 4;
+ *   scale, min, per group: 16 floats each (gguf_repack writes float32; gguf_repack_dot also reads IEEE halves,
+ *          which hold the scales of Q8_0, Q4_0/1 and Q5_0/1 exactly: the file stores them so).
  * Padding outputs (N not a multiple of 16) have code 0, scale 0 and min 0.
  *
  * The product (ggml's "repacked" GEMM idea, written here): a register tile of up to 6 x rows reads each weight
@@ -27,53 +28,58 @@
 #include <stdint.h>
 #include <string.h>
 
-#define GR_ABI_VERSION 3
+#define GR_ABI_VERSION 4
 #define GR_NR 16 /* outputs per tile */
 #define GR_MR 6  /* x rows per register tile */
 #define GR_QK 32 /* x block */
 
 int pagedllm_gguf_repack_abi_version(void) { return GR_ABI_VERSION; }
 
-static int gr_valid(int bits, int sub, int K) {
-    return (sub == 32 || (sub == 16 && bits == 8)) && (bits == 4 || bits == 8) && K > 0 && K % GR_QK == 0;
+static int gr_valid(int bits, int sub, int group, int K) {
+    return (sub == 32 || (sub == 16 && bits == 8)) && (bits == 4 || bits == 8) && K > 0 && K % GR_QK == 0 &&
+           group > 0 && group % sub == 0 && K % group == 0;
 }
 
 /* Bytes of one tile's codes per sub-block. */
-static ptrdiff_t gr_group_bytes(int bits, int sub) { return bits == 4 ? GR_NR * sub / 2 : GR_NR * sub; }
+static ptrdiff_t gr_sub_bytes(int bits, int sub) { return bits == 4 ? GR_NR * sub / 2 : GR_NR * sub; }
 
 static ptrdiff_t gr_tiles(int N) { return (N + GR_NR - 1) / GR_NR; }
 
 /* Bytes of the repacked codes of an (N, K) weight; floats of its scales (and of its mins). */
 ptrdiff_t gguf_repack_code_bytes(int bits, int sub, int N, int K) {
-    return gr_valid(bits, sub, K) ? gr_tiles(N) * (K / sub) * gr_group_bytes(bits, sub) : -1;
+    return gr_valid(bits, sub, sub, K) ? gr_tiles(N) * (K / sub) * gr_sub_bytes(bits, sub) : -1;
 }
 
-ptrdiff_t gguf_repack_scale_count(int sub, int N, int K) { return gr_tiles(N) * (K / sub) * GR_NR; }
+ptrdiff_t gguf_repack_scale_count(int group, int N, int K) { return gr_tiles(N) * (K / group) * GR_NR; }
 
-/* codes (N, K) uint8 (below 16 when bits is 4), scale16 and min16 (N, K / 16) float32 (gguf_unpack_rows) to the
- * layout above. With sub 32 each sub-block takes its first half's scale and min (the caller checks that both
- * halves agree). Returns -1 for bits, sub or K outside the layout. */
-int gguf_repack(const uint8_t *codes, const float *scale16, const float *min16, int N, int K, int bits, int sub,
-                uint8_t *out_codes, float *out_scale, float *out_min, int num_threads) {
-    if (!gr_valid(bits, sub, K))
+/* codes (N, K) uint8 (below 16 when bits is 4), scale_in and min_in (N, K / in_step) float32 (a scale and min per
+ * in_step k: 16 from gguf_unpack_rows, the group itself from int4 / int8) to the layout above: each group takes
+ * the scale and min of its first k (the caller checks that they agree across the group). Returns -1 for bits, sub,
+ * group or K outside the layout, or an in_step that does not divide the group. */
+int gguf_repack(const uint8_t *codes, const float *scale_in, const float *min_in, int in_step, int N, int K, int bits,
+                int sub, int group, uint8_t *out_codes, float *out_scale, float *out_min, int num_threads) {
+    if (!gr_valid(bits, sub, group, K) || in_step <= 0 || group % in_step)
         return -1;
-    const int nsub = K / sub;
-    const ptrdiff_t gb = gr_group_bytes(bits, sub);
+    const int nsub = K / sub, ngroups = K / group;
+    const ptrdiff_t gb = gr_sub_bytes(bits, sub);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
     for (ptrdiff_t t = 0; t < gr_tiles(N); t++) {
+        for (int g = 0; g < ngroups; g++) {
+            float *sc = out_scale + (t * ngroups + g) * GR_NR, *mn = out_min + (t * ngroups + g) * GR_NR;
+            for (int l = 0; l < GR_NR; l++) {
+                const ptrdiff_t n = t * GR_NR + l, at = n * (K / in_step) + (ptrdiff_t)g * group / in_step;
+                sc[l] = n < N ? scale_in[at] : 0.0f;
+                mn[l] = n < N ? min_in[at] : 0.0f;
+            }
+        }
         for (int b = 0; b < nsub; b++) {
             uint8_t *c = out_codes + (t * nsub + b) * gb;
-            float *sc = out_scale + (t * nsub + b) * GR_NR, *mn = out_min + (t * nsub + b) * GR_NR;
             memset(c, 0, (size_t)gb);
             for (int l = 0; l < GR_NR; l++) {
                 const ptrdiff_t n = t * GR_NR + l;
-                if (n >= N) {
-                    sc[l] = mn[l] = 0.0f;
+                if (n >= N)
                     continue;
-                }
                 const uint8_t *cn = codes + n * K + (ptrdiff_t)b * sub;
-                sc[l] = scale16[n * (K / 16) + b * sub / 16];
-                mn[l] = min16[n * (K / 16) + b * sub / 16];
                 for (int k = 0; k < sub; k++) {
                     const int j = k / 4, byte = 4 * l + k % 4;
                     if (bits == 8)
@@ -103,23 +109,23 @@ static inline float gr_scale_at(const void *p, int half, ptrdiff_t i) {
  * scale and min float32, or IEEE halves with half. Returns -1 for bits, sub or K outside the layout, -2 for a row
  * outside [0, N). */
 int gguf_repack_values(const uint8_t *codes, const void *scale, const void *min, int half, int N, int K, int bits,
-                       int sub, const int64_t *rows, int nrows, void *out, ptrdiff_t out_stride, int out_bf16,
-                       int num_threads) {
-    if (!gr_valid(bits, sub, K))
+                       int sub, int group, const int64_t *rows, int nrows, void *out, ptrdiff_t out_stride,
+                       int out_bf16, int num_threads) {
+    if (!gr_valid(bits, sub, group, K))
         return -1;
     if (rows)
         for (int i = 0; i < nrows; i++)
             if (rows[i] < 0 || rows[i] >= N)
                 return -2;
-    const int nsub = K / sub, count = rows ? nrows : N;
-    const ptrdiff_t gb = gr_group_bytes(bits, sub);
+    const int nsub = K / sub, per = group / sub, ngroups = K / group, count = rows ? nrows : N;
+    const ptrdiff_t gb = gr_sub_bytes(bits, sub);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
     for (int i = 0; i < count; i++) {
         const ptrdiff_t n = rows ? rows[i] : i, t = n / GR_NR;
         const int l = (int)(n % GR_NR);
         for (int b = 0; b < nsub; b++) {
             const uint8_t *c = codes + (t * nsub + b) * gb;
-            const ptrdiff_t at_scale = (t * nsub + b) * GR_NR + l;
+            const ptrdiff_t at_scale = (t * ngroups + b / per) * GR_NR + l;
             const float s = gr_scale_at(scale, half, at_scale), m = gr_scale_at(min, half, at_scale);
             for (int k = 0; k < sub; k++) {
                 const int j = k / 4, byte = 4 * l + k % 4;
@@ -175,9 +181,9 @@ GR_INLINE __m512 gr_load16(const int half, const void *p, int b) {
 }
 
 GR_INLINE void gr_tile(const int bits, const int sub, const int half, const int R, const uint8_t *codes,
-                       const void *scale, const void *min, int nsub, const struct gr_x *x, float *res) {
-    const int groups = sub / 4;
-    const ptrdiff_t gb = gr_group_bytes(bits, sub);
+                       const void *scale, const void *min, int nsub, int per, const struct gr_x *x, float *res) {
+    const int quads = sub / 4;
+    const ptrdiff_t gb = gr_sub_bytes(bits, sub);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 acc[GR_MR], accm[GR_MR];
     for (int r = 0; r < R; r++)
@@ -192,15 +198,15 @@ GR_INLINE void gr_tile(const int bits, const int sub, const int half, const int 
                 w[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
             }
         } else {
-            for (int j = 0; j < groups; j++)
+            for (int j = 0; j < quads; j++)
                 w[j] = _mm512_loadu_si512((const void *)(c + 64 * j));
         }
-        const __m512 sc = gr_load16(half, scale, b), mn = gr_load16(half, min, b);
+        const __m512 sc = gr_load16(half, scale, b / per), mn = gr_load16(half, min, b / per);
         const int xb = b * sub / GR_QK; /* x's block */
         for (int r = 0; r < R; r++) {
             const int8_t *q = x->q[r] + b * sub;
             __m512i dot = _mm512_setzero_si512();
-            for (int j = 0; j < groups; j++) {
+            for (int j = 0; j < quads; j++) {
                 int32_t four;
                 memcpy(&four, q + 4 * j, 4);
                 dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(four));
@@ -214,18 +220,18 @@ GR_INLINE void gr_tile(const int bits, const int sub, const int half, const int 
         _mm512_storeu_ps(res + GR_NR * r, _mm512_add_ps(acc[r], accm[r]));
 }
 
-#define GR_ROWS(bits, sub, half)                                                                                   \
-    switch (R) {                                                                                                   \
-    case 1: gr_tile(bits, sub, half, 1, codes, scale, min, nsub, x, res); break;                                   \
-    case 2: gr_tile(bits, sub, half, 2, codes, scale, min, nsub, x, res); break;                                   \
-    case 3: gr_tile(bits, sub, half, 3, codes, scale, min, nsub, x, res); break;                                   \
-    case 4: gr_tile(bits, sub, half, 4, codes, scale, min, nsub, x, res); break;                                   \
-    case 5: gr_tile(bits, sub, half, 5, codes, scale, min, nsub, x, res); break;                                   \
-    default: gr_tile(bits, sub, half, 6, codes, scale, min, nsub, x, res); break;                                  \
+#define GR_ROWS(bits, sub, half)                                                                                    \
+    switch (R) {                                                                                                    \
+    case 1: gr_tile(bits, sub, half, 1, codes, scale, min, nsub, per, x, res); break;                               \
+    case 2: gr_tile(bits, sub, half, 2, codes, scale, min, nsub, per, x, res); break;                               \
+    case 3: gr_tile(bits, sub, half, 3, codes, scale, min, nsub, per, x, res); break;                               \
+    case 4: gr_tile(bits, sub, half, 4, codes, scale, min, nsub, per, x, res); break;                               \
+    case 5: gr_tile(bits, sub, half, 5, codes, scale, min, nsub, per, x, res); break;                               \
+    default: gr_tile(bits, sub, half, 6, codes, scale, min, nsub, per, x, res); break;                              \
     }
 
 static void gr_tile_rows(int bits, int sub, int half, int R, const uint8_t *codes, const void *scale,
-                         const void *min, int nsub, const struct gr_x *x, float *res) {
+                         const void *min, int nsub, int per, const struct gr_x *x, float *res) {
     if (half && bits == 4)
         GR_ROWS(4, 32, 1)
     else if (half)
@@ -241,16 +247,17 @@ static void gr_tile_rows(int bits, int sub, int half, int R, const uint8_t *code
 
 /* out[m, n] = bias[n] + sum_k x[m, k] W[n, k] for m < M, n < N; W repacked (gguf_repack; scale and min float32,
  * or IEEE halves with half), x as gguf_quantize_rows wrote it (q (M, K), d and s (M, K / 32), s16 (M, K / 16)), out
- * rows out_stride floats apart. Returns -1 for bits, sub or K outside the layout (halves: sub 32 only) or a CPU
- * without AVX512-VNNI. */
-int gguf_repack_dot(const uint8_t *codes, const void *scale, const void *min, int half, int bits, int sub, int N,
-                    int K,
+ * rows out_stride floats apart. Returns -1 for bits, sub, group or K outside the layout (halves: sub 32 only) or a
+ * CPU without AVX512-VNNI. */
+int gguf_repack_dot(const uint8_t *codes, const void *scale, const void *min, int half, int bits, int sub, int group,
+                    int N, int K,
                     const int8_t *xq, const float *xd, const float *xs, const float *xs16, int M, const float *bias,
                     float *out, ptrdiff_t out_stride, int num_threads) {
-    if (!gr_valid(bits, sub, K) || (half && sub != 32) || !gguf_repack_available())
+    if (!gr_valid(bits, sub, group, K) || (half && sub != 32) || !gguf_repack_available())
         return -1;
-    const int nsub = K / sub, nbx = K / GR_QK;
-    const ptrdiff_t tiles = gr_tiles(N), tile_codes = nsub * gr_group_bytes(bits, sub), tile_scales = nsub * GR_NR;
+    const int nsub = K / sub, nbx = K / GR_QK, per = group / sub;
+    const ptrdiff_t tiles = gr_tiles(N), tile_codes = nsub * gr_sub_bytes(bits, sub);
+    const ptrdiff_t tile_scales = (K / group) * GR_NR;
     const float *xsum = sub == 32 ? xs : xs16; /* x's sum per sub-block */
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
     for (ptrdiff_t t = 0; t < tiles; t++) {
@@ -266,7 +273,7 @@ int gguf_repack_dot(const uint8_t *codes, const void *scale, const void *min, in
             float res[GR_MR * GR_NR];
             const ptrdiff_t at = (half ? 2 : 4) * t * tile_scales; /* bytes */
             gr_tile_rows(bits, sub, half, R, codes + t * tile_codes, (const char *)scale + at, (const char *)min + at,
-                         nsub, &x, res);
+                         nsub, per, &x, res);
             for (int r = 0; r < R; r++) {
                 float *o = out + (ptrdiff_t)(m0 + r) * out_stride + t * GR_NR;
                 for (int l = 0; l < lanes; l++)
@@ -278,8 +285,8 @@ int gguf_repack_dot(const uint8_t *codes, const void *scale, const void *min, in
 }
 #pragma GCC pop_options
 #else
-int gguf_repack_dot(const uint8_t *codes, const void *scale, const void *min, int half, int bits, int sub, int N,
-                    int K,
+int gguf_repack_dot(const uint8_t *codes, const void *scale, const void *min, int half, int bits, int sub, int group,
+                    int N, int K,
                     const int8_t *xq, const float *xd, const float *xs, const float *xs16, int M, const float *bias,
                     float *out, ptrdiff_t out_stride, int num_threads) {
     return -1;

@@ -1,8 +1,9 @@
-"""GGUF weights repacked for the AVX512-VNNI GEMM (``native/gguf_repack.c``): a layer's blocks, unpacked once at load
-(``gguf_unpack_rows``: unsigned codes, a scale and a min per 16) and laid out in tiles of 16 outputs, so that one
-vpdpbusd dots 4 k of 16 outputs with one activation row. Activations are :func:`gguf_dot.quantize_rows`'s int8
-blocks of 32. Each output sums in a fixed order (batch- and thread-invariant). 4-bit types keep 4-bit codes; the
-others (Q5_*, Q6_K, Q8_0) one byte per code.
+"""Weights repacked for the AVX512-VNNI GEMM (``native/gguf_repack.c``): unsigned codes with a scale and a min per
+group of k (``w = scale * code + min``) laid out in tiles of 16 outputs, so that one vpdpbusd dots 4 k of 16 outputs
+with one activation row. A GGUF layer's blocks are unpacked once at load (``gguf_unpack_rows``: a scale and min per
+16) by :func:`repack`; int4's groups and any other codes with their scales go through :func:`repack_codes`.
+Activations are :func:`gguf_dot.quantize_rows`'s int8 blocks of 32. Each output sums in a fixed order (batch- and
+thread-invariant). 4-bit codes stay 4-bit (Q4_0, Q4_1, Q4_K, int4); the others (Q5_*, Q6_K, Q8_0) one byte each.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import torch
 from pagedllm import native
 from pagedllm.ops import gguf_dot, recording
 
-__all__ = ["RepackedWeight", "available", "dot", "kernel", "num_threads", "repack", "values"]
+__all__ = ["RepackedWeight", "available", "dot", "kernel", "num_threads", "repack", "repack_codes", "values"]
 
 _SOURCE = native.SOURCE_DIR / "gguf_repack.c"
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 # ggml types whose codes fit 4 bits (Q4_0, Q4_1, Q4_K) and whose scale changes every 16 codes (Q6_K)
 _FOUR_BIT = {2, 3, 12}
 _SUB16 = {14}
@@ -43,12 +44,12 @@ class GGUFRepackKernel:
         self.scale_count = lib.gguf_repack_scale_count
         self.scale_count.argtypes, self.scale_count.restype = [_i, _i, _i], _ssize
         self.repack = lib.gguf_repack
-        self.repack.argtypes, self.repack.restype = [_p, _p, _p, _i, _i, _i, _i, _p, _p, _p, _i], _i
+        self.repack.argtypes, self.repack.restype = [_p, _p, _p, _i, _i, _i, _i, _i, _i, _p, _p, _p, _i], _i
         self.values = lib.gguf_repack_values
-        self.values.argtypes = [_p, _p, _p, _i, _i, _i, _i, _i, _p, _i, _p, _ssize, _i, _i]
+        self.values.argtypes = [_p, _p, _p, _i, _i, _i, _i, _i, _i, _p, _i, _p, _ssize, _i, _i]
         self.values.restype = _i
         self.dot = lib.gguf_repack_dot
-        self.dot.argtypes = [_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _p, _p, _i, _p, _p, _ssize, _i]
+        self.dot.argtypes = [_p, _p, _p, _i, _i, _i, _i, _i, _i, _p, _p, _p, _p, _i, _p, _p, _ssize, _i]
         self.dot.restype = _i
         self._lib = lib
 
@@ -76,10 +77,10 @@ def available() -> bool:
 
 @dataclass(frozen=True)
 class RepackedWeight:
-    """An (N, K) weight in the repacked layout: ``codes`` uint8, ``scale`` and ``min`` (per tile, sub-block and
-    lane) float16 where every value is a half exactly (the legacy types, whose file stores half scales), else
-    float32 (a K-quant's scale is a half times a 6- or 8-bit integer), ``bits`` per code (4 or 8) and ``sub`` (k per
-    scale: 32, or 16 for Q6_K)."""
+    """An (N, K) weight in the repacked layout: ``codes`` uint8, ``scale`` and ``min`` (per tile, group and lane)
+    float16 where every value is a half exactly (the legacy types, whose file stores half scales), else float32 (a
+    K-quant's scale is a half times a 6- or 8-bit integer), ``bits`` per code (4 or 8), ``sub`` (k per code
+    sub-block: 32, or 16 for Q6_K) and ``group`` (k per scale: a multiple of sub dividing K)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -88,12 +89,13 @@ class RepackedWeight:
     sub: int
     out_features: int
     in_features: int
+    group: int
 
 
 def repack(block_type: int, blocks: torch.Tensor, in_features: int) -> RepackedWeight:
     """``blocks`` (N, row bytes) uint8 of ggml type ``block_type`` in the repacked layout. Raises ValueError for a
     type or shape gguf_dot does not take (:func:`gguf_dot.dequantize_rows`'s checks)."""
-    k, dk = kernel(), gguf_dot.kernel()
+    dk = gguf_dot.kernel()
     gguf_dot.check_weight(dk, block_type, blocks, in_features)
     n = blocks.shape[0]
     bits, sub = (4 if block_type in _FOUR_BIT else 8), (16 if block_type in _SUB16 else 32)
@@ -107,12 +109,37 @@ def repack(block_type: int, blocks: torch.Tensor, in_features: int) -> RepackedW
     if sub == 32 and n and not (torch.equal(scale16[:, 0::2], scale16[:, 1::2])
                                 and torch.equal(min16[:, 0::2], min16[:, 1::2])):
         raise ValueError(f"{gguf_dot.BLOCK_TYPES[block_type]}: scales differ within a block of 32")
+    return _repack(codes, scale16, min16, 16, bits, sub, sub, threads)
+
+
+def repack_codes(codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor, bits: int,
+                 group: int) -> RepackedWeight:
+    """``w[n, k] = scale[n, k // group] * codes[n, k] + min[n, k // group]`` in the repacked layout (sub-blocks
+    of 32): ``codes`` (N, K) uint8 below ``2 ** bits`` (bits 4 or 8), ``scale`` and ``min`` (N, K / group) float32,
+    ``group`` a multiple of 32 dividing K (K itself: one scale per channel). Raises ValueError for shapes or codes
+    outside the layout."""
+    n, in_features = codes.shape
+    if codes.dtype != torch.uint8 or bits not in (4, 8) or group <= 0 or group % 32 or in_features % group \
+            or scale.shape != (n, in_features // group) or min.shape != scale.shape:
+        raise ValueError(f"repack_codes: codes {tuple(codes.shape)} {codes.dtype}, scale {tuple(scale.shape)}, "
+                         f"min {tuple(min.shape)} do not fit {bits}-bit codes in groups of {group}")
+    if bits == 4 and n and int(codes.max()) > 15:
+        raise ValueError("repack_codes: 4-bit codes above 15")
+    f32 = [t.detach().to(torch.float32).contiguous() for t in (scale, min)]
+    return _repack(codes.contiguous(), *f32, group, bits, 32, group, gguf_dot.num_threads(n * in_features))
+
+
+def _repack(codes: torch.Tensor, scale_in: torch.Tensor, min_in: torch.Tensor, in_step: int, bits: int, sub: int,
+            group: int, threads: int) -> RepackedWeight:
+    """codes (N, K), scale_in / min_in (N, K / in_step) float32 into the layout, halves where exact (sub 32)."""
+    k = kernel()
+    n, in_features = codes.shape
+    count = k.scale_count(group, n, in_features)
     out = RepackedWeight(torch.empty(k.code_bytes(bits, sub, n, in_features), dtype=torch.uint8),
-                         torch.empty(k.scale_count(sub, n, in_features)), torch.empty(k.scale_count(sub, n, in_features)),
-                         bits, sub, n, in_features)
-    if k.repack(codes.data_ptr(), scale16.data_ptr(), min16.data_ptr(), n, in_features, bits, sub,
+                         torch.empty(count), torch.empty(count), bits, sub, n, in_features, group)
+    if k.repack(codes.data_ptr(), scale_in.data_ptr(), min_in.data_ptr(), in_step, n, in_features, bits, sub, group,
                 out.codes.data_ptr(), out.scale.data_ptr(), out.min.data_ptr(), threads):
-        raise ValueError(f"gguf_repack refused bits {bits} sub {sub} K {in_features}")
+        raise ValueError(f"gguf_repack refused bits {bits} sub {sub} group {group} K {in_features}")
     if sub == 32 and _halves_exactly(out.scale) and _halves_exactly(out.min):
         out = dataclasses.replace(out, scale=out.scale.half(), min=out.min.half())
     return out
@@ -137,7 +164,8 @@ def values(w: RepackedWeight, out: torch.Tensor | None = None, rows: torch.Tenso
         rows = rows.reshape(-1).to(torch.int64).contiguous()
     if count:
         rc = k.values(w.codes.data_ptr(), w.scale.data_ptr(), w.min.data_ptr(), int(w.scale.dtype == torch.float16),
-                      w.out_features, w.in_features, w.bits, w.sub, None if rows is None else rows.data_ptr(), count,
+                      w.out_features, w.in_features, w.bits, w.sub, w.group, None if rows is None else rows.data_ptr(),
+                      count,
                       out.data_ptr(), out.stride(0), int(out.dtype == torch.bfloat16),
                       gguf_dot.num_threads(count * w.in_features))
         if rc == -2:
@@ -166,7 +194,7 @@ def dot(w: RepackedWeight, x: gguf_dot.QuantizedRows, out: torch.Tensor, bias: t
     if not n or not m:
         return
     rc = recording.call(kernel().dot, w.codes.data_ptr(), w.scale.data_ptr(), w.min.data_ptr(),
-                        int(w.scale.dtype == torch.float16), w.bits, w.sub, n,
+                        int(w.scale.dtype == torch.float16), w.bits, w.sub, w.group, n,
                         w.in_features, x.q.data_ptr(), x.d.data_ptr(), x.s.data_ptr(), x.s16.data_ptr(), m,
                         None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
                         num_threads(m, n, w.in_features), keep=(w, bias))

@@ -1,7 +1,13 @@
-"""Weight-only int4: ``W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]``, ``g = k // group_size``, q in [0, 15].
+"""int4 weights: ``W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]``, ``g = k // group_size``, q in [0, 15].
 
 The form of torch's ``aten._weight_int4pack_mm_for_cpu`` (tinygemm); float checkpoints get
 ``scale = (max - min) / 15``, ``zero = min + 8 * scale``. ``qweight`` (N, K / 2) uint8, element 2j low nibble.
+
+Where :func:`gguf_repack.available` (AVX512-VNNI), the codes are repacked once at load for the repacked GEMM
+(``w = scale * q + (zero - 8 * scale)``, one scale and min per group) and every call quantizes its activations to
+int8 blocks of 32 (:func:`gguf_dot.quantize_rows`, llama.cpp's Q8_0 rule), as llama.cpp runs its 4-bit types: the
+products are integer sums rescaled per block, never a dequantized tile. Elsewhere the activations stay float:
+torch's int4 kernel for a few bfloat16/float16 rows, else tiles of the weight dequantized to the activation dtype.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import INT4_GROUP_SIZES as GROUP_SIZES
+from pagedllm.ops import gguf_dot, gguf_repack
 from pagedllm.quantization.base import LinearMethod, QuantizationConfig, replace_weight, tile_rows, tiled_linear
 from pagedllm.quantization.int8 import KERNEL_DTYPES
 
@@ -35,7 +42,9 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 class Int4LinearMethod(LinearMethod):
-    """Quantizes a loaded float weight unless :meth:`set_quantized` filled it. Raises ValueError naming the group."""
+    """Quantizes a loaded float weight unless :meth:`set_quantized` filled it; repacked (``int4_repacked``, the
+    codes in ``int4_codes`` / ``int4_scale`` / ``int4_min``) where :func:`gguf_repack.available`, else ``qweight``,
+    ``scales`` and ``zeros``. Raises ValueError naming the group."""
 
     kernel_max_tokens = 16
 
@@ -53,15 +62,39 @@ class Int4LinearMethod(LinearMethod):
             raise ValueError(f"quantization_group_size {self.group_size} does not divide the layer's "
                              f"in_features {layer.in_features}{share}; choose one of {GROUP_SIZES} that does")
 
+    @property
+    def records_cpu_graphs(self) -> bool:
+        """Repacked, a call's rows are two recorded kernel calls (pagedllm.worker.cpu_graph)."""
+        return self.repacked
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not hasattr(layer, "qweight"):
             self.set_quantized(layer, *quantize_groups(layer.weight, self.group_size))
+        self.repacked = layer.qweight.is_cpu and gguf_repack.available()
+        if self.repacked:
+            self._repack(layer)
+            return
         # torch's kernel packs N in blocks of 16 rows
         if layer.weight_dtype in KERNEL_DTYPES and layer.qweight.is_cpu and layer.qweight.shape[0] % 16 == 0:
             q = unpack_nibbles(layer.qweight).to(torch.int32)
             layer.kernel_qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             scale_zero = torch.stack([layer.scales.t(), layer.zeros.t()], dim=-1)  # (K / group, N, 2)
             layer.kernel_scale_zero = scale_zero.to(layer.weight_dtype).contiguous()
+
+    repacked = False
+
+    @staticmethod
+    def _repack(layer: nn.Module) -> None:
+        """qweight, scales and zeros replaced by the repacked layout (min = zero - 8 * scale, in float32)."""
+        q, scales, zeros = unpack_nibbles(layer.qweight), layer.scales, layer.zeros
+        group = q.shape[1] // scales.shape[1]
+        w = gguf_repack.repack_codes(q, scales, zeros - 8.0 * scales, 4, group)
+        for name in ("qweight", "scales", "zeros"):
+            del layer._buffers[name]
+        for name in ("codes", "scale", "min"):
+            layer.register_buffer(f"int4_{name}", getattr(w, name))
+        layer.int4_repacked = w
+        layer.int4_bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
 
     @staticmethod
     def set_quantized(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
@@ -76,9 +109,13 @@ class Int4LinearMethod(LinearMethod):
         layer.register_buffer("zeros", zeros.to(device=device, dtype=torch.float32).contiguous())
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        if self.repacked:
+            return gguf_repack.values(layer.int4_repacked)
         return self._rows(layer, 0, layer.qweight.shape[0], torch.float32)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.repacked:
+            return self._repacked_dot(layer, x)
         kernel_q = getattr(layer, "kernel_qweight", None)
         if kernel_q is not None and x.dtype == layer.kernel_scale_zero.dtype and x.shape[0] <= self.kernel_max_tokens:
             group = layer.qweight.shape[1] * 2 // layer.scales.shape[1]
@@ -87,6 +124,16 @@ class Int4LinearMethod(LinearMethod):
             n, half_k = layer.qweight.shape
             out = tiled_linear(x, n, lambda s, e: self._rows(layer, s, e, x.dtype), tile_rows(2 * half_k, x.dtype))
         return out if layer.bias is None else out.add_(layer.bias)
+
+    @staticmethod
+    def _repacked_dot(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x (T, K) float quantized to int8 blocks of 32, times the repacked codes: (T, N) in x's dtype."""
+        xq = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+        w = layer.int4_repacked
+        out = torch.empty(x.shape[0], w.out_features)
+        gguf_repack.dot(w, gguf_dot.quantize_rows(xq if xq.stride(1) == 1 else xq.contiguous()), out,
+                        layer.int4_bias)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     @staticmethod
     def _rows(layer: nn.Module, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
@@ -149,7 +196,8 @@ class Int4Config(QuantizationConfig):
     def describe(self) -> str:
         groups = ", ".join(f"group {g}: {n} layers" for g, n in sorted(self.chosen.items()))
         how = "given" if self.group_size is not None else "chosen per layer"
-        return f"int4 ({groups}; {how})"
+        layout = "; repacked for AVX512-VNNI, int8 activations" if self.chosen and gguf_repack.available() else ""
+        return f"int4 ({groups}; {how}{layout})"
 
     def _checkpoint_kinds(self, prefix: str) -> set | None:
         """The GGUF tensor types of the checkpoint tensors the layer ``prefix`` is loaded from (None: not GGUF)."""

@@ -29,16 +29,17 @@ from pagedllm.quantization import awq, compressed_tensors, gptq
 from pagedllm.quantization.base import LinearMethod, QuantizationConfig, replace_weight
 from pagedllm.quantization.int4 import Int4LinearMethod, pack_nibbles, unpack_nibbles
 from pagedllm.quantization.int8 import Int8LinearMethod
+from pagedllm.quantization.w8a8 import W8A8LinearMethod
 
 logger = logging.getLogger("pagedllm")
 
 
-def w8a8_linear_method() -> LinearMethod:
-    """The method a W8A8 checkpoint's projections run on (int8 per-channel weights, int8 activations
-    quantized per token at run time): the one seam to point at ``quantization/w8a8.py``'s method, which
-    takes the same ``set_quantized(layer, q (N, K) int8, scales (N,) float32)``. Until then the weights
-    run on the weight-only int8 method, activations staying float."""
-    return Int8LinearMethod()
+def w8a8_linear_method(group_size: int | None) -> LinearMethod:
+    """The method a W8A8 checkpoint's projections run on (int8 weights, int8 activations quantized per token at run
+    time, the scheme's own forward): ``quantization/w8a8.py``'s method for per-channel weight scales. Group-wise
+    weight scales (which W8A8's one rescale per output cannot take) run on the weight-only int8 method, activations
+    staying float."""
+    return W8A8LinearMethod() if group_size is None else Int8LinearMethod()
 
 
 def kept_group_size(group_size: int | None, in_features: int) -> int:
@@ -61,6 +62,11 @@ class PrequantizedLinearMethod(LinearMethod):
         self.input_perms = input_perms  # act-order: layer name -> permutation, filled by the conversion
         self.inner: LinearMethod | None = None
 
+    @property
+    def records_cpu_graphs(self) -> bool:
+        """The inner method's, without an act-order permutation (a torch op before the kernel calls)."""
+        return getattr(self.inner, "records_cpu_graphs", False) and not self.scheme.has_act_order
+
     def create_weights(self, layer: nn.Module) -> None:
         weight = layer.weight
         n, k = layer.out_features, layer.in_features
@@ -80,8 +86,8 @@ class PrequantizedLinearMethod(LinearMethod):
             shapes = {"qweight": ((n, k // 2), torch.uint8), "scales": ((n, k // group), torch.float32),
                       "zeros": ((n, k // group), torch.float32)}
         else:
-            self.inner = w8a8_linear_method() if self.scheme.dynamic_int8_activations else Int8LinearMethod()
             group = self.scheme.group_size
+            self.inner = w8a8_linear_method(group) if self.scheme.dynamic_int8_activations else Int8LinearMethod()
             if group is not None and k % group:
                 raise ValueError(f"{self.prefix}: quantization_config group size {group} does not divide "
                                  f"in_features {k}")
@@ -139,9 +145,10 @@ class PrequantizedConfig(QuantizationConfig):
         if any(s != schemes[0] for s in schemes):
             raise ValueError(f"quantization_config gives the parts of {prefix} ({', '.join(parts)}) different "
                              f"schemes; pagedllm runs them as one fused projection and needs one scheme")
-        if schemes[0].dynamic_int8_activations and not self._schemes:
+        if schemes[0].dynamic_int8_activations and not self._schemes \
+                and not isinstance(w8a8_linear_method(schemes[0].group_size), W8A8LinearMethod):
             logger.info("W8A8 checkpoint: its int8 weights run on the weight-only int8 method, activations in "
-                        "the model dtype")
+                        "the model dtype (group-wise weight scales)")
         self._schemes.update((p, schemes[0]) for p in parts)
         self._layer_of.update((p, prefix) for p in parts)
         return PrequantizedLinearMethod(schemes[0], prefix, self._perms)

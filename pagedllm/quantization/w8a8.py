@@ -9,7 +9,9 @@ A call with at most :data:`KERNEL_MAX_ROWS` rows (decode) runs ``native/int8_gem
 weight packed in panels; more rows (prefill) run oneDNN's int8 matmul (``torch._int_mm``) on a (K, N)
 copy. Integer sums are exact and both paths round the rescale identically, so a row's output is the same
 bits whatever rows share its call (batch-invariant). bfloat16 activations are rescaled in float32 and
-rounded once to bfloat16.
+rounded once to bfloat16. Under tensor parallelism a row-parallel shard (o_proj, down_proj) takes each token's
+scale over the whole row (the ranks' maxima all-reduced) and runs the torch formula, so TP=2 equals TP=1 up to
+the float order of the ranks' sum.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.distributed.communication import all_reduce_max
+from pagedllm.distributed.parallel_state import get_tensor_parallel_size
 from pagedllm.ops import int8_gemm
 from pagedllm.quantization.base import QuantizationConfig
 from pagedllm.quantization.int8 import Int8LinearMethod
@@ -27,18 +31,20 @@ __all__ = ["KERNEL_MAX_ROWS", "W8A8Config", "W8A8LinearMethod", "quantize_per_to
 KERNEL_MAX_ROWS = 64
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) float32 -> (xq (M, K) int8, sx (M,) float32); the C kernel's formula bit for bit."""
-    amax = x.abs().amax(dim=1)
+def quantize_per_token(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float32 -> (xq (M, K) int8, sx (M,) float32); the C kernel's formula bit for bit. ``amax`` (M,):
+    each row's maximum |x| when x is a slice of the rows (a row-parallel shard), else computed."""
+    amax = x.abs().amax(dim=1) if amax is None else amax
     sx = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     xq = torch.round(x / sx.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
     return xq, sx
 
 
 def w8a8_matmul(x: torch.Tensor, q_kn: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """The formula in torch: x (M, K) float32, q_kn (K, N) int8, scales (N,) float32 -> (M, N) float32."""
-    xq, sx = quantize_per_token(x)
+                bias: torch.Tensor | None, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """The formula in torch: x (M, K) float32, q_kn (K, N) int8, scales (N,) float32 -> (M, N) float32; ``amax``
+    as :func:`quantize_per_token` takes it."""
+    xq, sx = quantize_per_token(x, amax)
     if x.is_cpu:
         acc = torch._int_mm(xq, q_kn).float()
     else:  # no general int8 matmul off the CPU: float64 holds the int32 sums exactly
@@ -89,7 +95,12 @@ class W8A8LinearMethod(Int8LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x32 = x if x.dtype == torch.float32 else x.float()
         packed = getattr(layer, "int8_weight", None)
-        if packed is not None and x32.is_cpu and (x32.shape[0] <= self.kernel_max_rows
+        if getattr(layer, "input_is_parallel", False) and get_tensor_parallel_size() > 1:
+            # a row-parallel shard sees a slice of each token: its scale is the whole row's (the maximum over the
+            # ranks, one all-reduce), so the ranks' integer sums add up to TP=1's
+            amax = all_reduce_max(x32.abs().amax(dim=1))
+            out = w8a8_matmul(x32, layer.qweight.t(), layer.scales, layer.bias, amax)
+        elif packed is not None and x32.is_cpu and (x32.shape[0] <= self.kernel_max_rows
                                                   or "qweight" not in layer._buffers):
             out = int8_gemm.int8_linear(x32 if x32.stride(1) == 1 else x32.contiguous(), packed)
         else:

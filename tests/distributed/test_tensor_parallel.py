@@ -132,16 +132,17 @@ def test_moe_experts_sharded_tp2_equals_tp1(tmp_path, smollm2_path, family):
 
 
 def _quantized_layers(runner) -> dict:
-    """Module path -> (qweight shape, scales) of every quantized projection of layer 0 on this rank."""
-    return {name: (tuple(m.qweight.shape), m.scales.clone()) for name, m in runner.model.named_modules()
+    """Module path -> its dequantized weight, of every quantized projection of layer 0 on this rank."""
+    return {name: m.quant_method.dequantize(m) for name, m in runner.model.named_modules()
             if getattr(m, "quant_method", None) is not None and ".layers.0." in name}
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "w8a8", "int4"])
 def test_quantized_linears_tp2_equal_tp1(tmp_path, quantization):
-    """int8 (per-channel scales: a row-parallel shard takes the whole row's maximum over the ranks)
-    and int4 (groups of 32 input features, each inside one rank's shard) quantize every weight
-    as one rank does: the row-parallel scales equal TP=1's, and the tokens match."""
+    """int8 and w8a8 (per-channel scales: a row-parallel shard takes the whole row's maximum over the ranks; w8a8's
+    shard also scales each token by its whole row's maximum) and int4 (groups of 32 input features, each inside one rank's shard) quantize every weight
+    as one rank does: the row-parallel shards' values are TP=1's halves, and the tokens match (int4's int8
+    activation blocks of 32, where repacked, lie inside a shard too)."""
     folder = write_random_llama_folder(tmp_path / "m", num_key_value_heads=2, vocab_size=509,
                                        **{**SHAPE, "intermediate_size": 128})
     engine = dict(quantization=quantization, quantization_group_size=32)
@@ -150,12 +151,9 @@ def test_quantized_linears_tp2_equal_tp1(tmp_path, quantization):
     tokens2, logprobs2 = _greedy(folder, 2, **engine, on_engine=lambda llm: layers.extend(llm.collective_rpc(_quantized_layers)))
     one, rank0, rank1 = layers
     for name in ("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"):  # row-parallel
-        (shape, scales), (shape0, scales0), (shape1, scales1) = one[name], rank0[name], rank1[name]
-        assert shape0 == shape1 == (shape[0], shape[1] // 2)
-        if quantization == "int8":  # per output row, the same on both ranks and as TP=1
-            assert torch.equal(scales0, scales) and torch.equal(scales1, scales)
-        else:  # per group: each rank holds its half of the groups, unchanged
-            assert torch.equal(torch.cat([scales0, scales1], dim=1), scales)
+        w, w0, w1 = one[name], rank0[name], rank1[name]
+        assert w0.shape == w1.shape == (w.shape[0], w.shape[1] // 2)
+        assert torch.equal(torch.cat([w0, w1], dim=1), w)
     assert tokens2 == tokens1
     for a, b in zip(logprobs1, logprobs2):
         assert all(math.isclose(x, y, abs_tol=1e-4) for x, y in zip(a, b)), (a, b)

@@ -93,3 +93,36 @@ def test_output_column_slice_and_bad_shapes():
         gguf_repack.dot(w, gguf_dot.quantize_rows(x), torch.empty(3, 31))
     with pytest.raises(ValueError, match="multiple of 256"):
         gguf_repack.repack(int(Q.Q4_K), torch.zeros(4, 144, dtype=torch.uint8), 288)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 256, 768])
+def test_codes_with_group_scales(bits, group):
+    """repack_codes: one scale and min per ``group`` k (768 = K: per channel) give scale * code + min and the
+    float64 product of those values at every row-tile size, 40 outputs (a padded tile)."""
+    n, k = 40, 768
+    g = torch.Generator().manual_seed(group + bits)
+    codes = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8, generator=g)
+    scale = torch.rand(n, k // group, generator=g) * 0.01 + 1e-3
+    low = -scale * (2 ** (bits - 1)) + torch.randn(n, k // group, generator=g) * 1e-3
+    w = gguf_repack.repack_codes(codes, scale, low, bits, group)
+    assert (w.bits, w.sub, w.group) == (bits, 32, group)
+    ref = codes.double() * scale.double().repeat_interleave(group, 1) + low.double().repeat_interleave(group, 1)
+    assert (gguf_repack.values(w).double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+    for m in (1, 6, 11):
+        x = torch.randn(m, k, generator=g)
+        out = torch.empty(m, n)
+        gguf_repack.dot(w, gguf_dot.quantize_rows(x), out)
+        want = _reference(x, ref.numpy())
+        assert np.abs(out.double().numpy() - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_codes_outside_the_layout_are_refused():
+    codes = torch.zeros(4, 96, dtype=torch.uint8)
+    scale = torch.ones(4, 3)
+    with pytest.raises(ValueError, match="groups of 48"):
+        gguf_repack.repack_codes(codes, torch.ones(4, 2), torch.ones(4, 2), 4, 48)
+    with pytest.raises(ValueError, match="do not fit"):
+        gguf_repack.repack_codes(codes, torch.ones(4, 2), scale, 4, 32)
+    with pytest.raises(ValueError, match="above 15"):
+        gguf_repack.repack_codes(codes + 16, scale, scale, 4, 32)
