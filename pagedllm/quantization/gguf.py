@@ -224,9 +224,10 @@ class GGUFLinearMethod(LinearMethod):
 
 
 class GGUFTiedHeadMethod(GGUFLinearMethod):
-    """An LM head tied to a Q8_0 embedding: the embedding keeps its float rows (the lookup), the head the file's
-    Q8_0 blocks, rebuilt from those rows after loading (Q8_0's rule gives back the bytes llama.cpp writes exactly;
-    a block written otherwise comes back within Q8_0's rounding)."""
+    """An LM head tied to the embedding, as Q8_0 blocks of its rows (a GGUF file's Q8_0 embedding; int4's tied head):
+    the embedding keeps its float rows (the lookup), the head Q8_0 blocks rebuilt from those rows after loading
+    (Q8_0's rule gives back the bytes llama.cpp writes exactly; a block written otherwise, or float rows, come back
+    within Q8_0's rounding)."""
 
     def __init__(self, vocab_size: int) -> None:
         super().__init__([(Q.Q8_0, vocab_size)])

@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from pagedllm.config import INT4_GROUP_SIZES as GROUP_SIZES
+from pagedllm.distributed.parallel_state import get_tensor_parallel_size
 from pagedllm.ops import gguf_dot, gguf_repack
+from pagedllm.quantization.gguf import GGUFTiedHeadMethod
 from pagedllm.quantization.base import LinearMethod, QuantizationConfig, replace_weight, tile_rows, tiled_linear
 from pagedllm.quantization.int8 import KERNEL_DTYPES
 
@@ -55,8 +57,6 @@ class Int4LinearMethod(LinearMethod):
 
     def create_weights(self, layer: nn.Module) -> None:
         if layer.in_features % self.group_size:
-            from pagedllm.distributed.parallel_state import get_tensor_parallel_size
-
             tp = get_tensor_parallel_size()
             share = f" (this rank's share with tensor_parallel_size={tp})" if tp > 1 else ""
             raise ValueError(f"quantization_group_size {self.group_size} does not divide the layer's "
@@ -168,9 +168,10 @@ def choose_group_size(in_features: int, checkpoint_kinds: set | None = None) -> 
 
 
 class Int4Config(QuantizationConfig):
-    """``quantization="int4"``: every projection but a tied LM head. ``group_size`` None: chosen per layer
-    (:func:`choose_group_size`; GGUF ``tensor_types`` and ``fused_parts`` name each layer's checkpoint tensors).
-    Raises ValueError for a group size torch's kernel does not take, or a layer no group divides."""
+    """``quantization="int4"``: every projection; a tied LM head too where the repacked GEMM runs, as Q8_0 blocks
+    (:meth:`get_tied_head_method`). ``group_size`` None: chosen per layer (:func:`choose_group_size`; GGUF
+    ``tensor_types`` and ``fused_parts`` name each layer's checkpoint tensors). Raises ValueError for a group size
+    torch's kernel does not take, or a layer no group divides."""
 
     name = "int4"
 
@@ -182,6 +183,7 @@ class Int4Config(QuantizationConfig):
         self.tensor_types = tensor_types or {}
         self.fused_parts = fused_parts or {}
         self.chosen: dict[int, int] = {}  # group size -> layers
+        self.head_q8_0 = False
 
     def get_linear_method(self, prefix: str, layer: nn.Module) -> LinearMethod | None:
         group = self.group_size
@@ -193,11 +195,24 @@ class Int4Config(QuantizationConfig):
         self.chosen[group] = self.chosen.get(group, 0) + 1
         return Int4LinearMethod(group)
 
+    def get_tied_head_method(self, layer: nn.Module) -> LinearMethod | None:
+        """Where the repacked GEMM runs (tensor_parallel_size 1, float32/bfloat16 weights), a head tied to the
+        embedding as Q8_0 blocks of its rows (:class:`GGUFTiedHeadMethod`: int8 per block of 32, llama.cpp's usual
+        head type; 4 bits would cost the logits more than any projection), else None (the head stays float: its
+        weight stream is most of a small model's decode step). The embedding keeps its float rows unless they are
+        exactly those blocks' values (a GGUF file's Q8_0 embedding), then looks them up in the head's codes."""
+        if not gguf_repack.available() or layer.in_features % 32 or get_tensor_parallel_size() != 1 \
+                or layer.weight.dtype not in (torch.float32, torch.bfloat16) or not layer.weight.is_cpu:
+            return None
+        self.head_q8_0 = True
+        return GGUFTiedHeadMethod(layer.out_features)
+
     def describe(self) -> str:
         groups = ", ".join(f"group {g}: {n} layers" for g, n in sorted(self.chosen.items()))
         how = "given" if self.group_size is not None else "chosen per layer"
         layout = "; repacked for AVX512-VNNI, int8 activations" if self.chosen and gguf_repack.available() else ""
-        return f"int4 ({groups}; {how}{layout})"
+        head = "; tied LM head Q8_0" if self.head_q8_0 else ""
+        return f"int4 ({groups}; {how}{layout}{head})"
 
     def _checkpoint_kinds(self, prefix: str) -> set | None:
         """The GGUF tensor types of the checkpoint tensors the layer ``prefix`` is loaded from (None: not GGUF)."""

@@ -136,25 +136,33 @@ def _hidden(model, ids):
 @pytest.mark.parametrize("quantization, group_size", [("int8", 128), ("int4", 32)])
 def test_quantized_model_equals_float_model_on_dequantized_weights(tiny_model_dir, quantization, group_size):
     """Every projection goes through its method: the quantized model's logits equal those of
-    the float model whose projection weights are replaced by the dequantized ones."""
+    the float model whose projection weights are replaced by the dequantized ones (repacked int4: their inputs
+    rounded to int8 blocks of 32, and the tied LM head's Q8_0 values, the embedding's rows left as they are)."""
     _, quantized = _runner_model(tiny_model_dir, quantization=quantization, quantization_group_size=group_size)
     _, dense = _runner_model(tiny_model_dir)
     num_quantized = 0
+    repacked = quantization == "int4" and gguf_repack.available()
     for (name, q_mod), (_, d_mod) in zip(quantized.named_modules(), dense.named_modules()):
-        if getattr(q_mod, "quant_method", None) is not None:
+        if getattr(q_mod, "quant_method", None) is None:
+            continue
+        w = q_mod.quant_method.dequantize(q_mod)
+        if name == "lm_head":  # tied: its weight is the embedding's
+            d_mod.forward = lambda x, w=w: F.linear(rounded_activations(x).float(), w)
+        else:
             d_mod.unpack()
-            d_mod.weight.copy_(q_mod.quant_method.dequantize(q_mod))
-            if getattr(q_mod.quant_method, "repacked", False):  # its inputs rounded to int8 blocks of 32
-                d_mod.forward = lambda x, forward=d_mod.forward: forward(rounded_activations(x))  # models call forward
-            num_quantized += 1
-    assert num_quantized == 2 * 4  # qkv, o, gate_up, down per layer; the tied lm_head stays float
+            d_mod.weight.copy_(w)
+            if repacked:  # models call forward
+                d_mod.forward = lambda x, forward=d_mod.forward: forward(rounded_activations(x))
+        num_quantized += 1
+    # qkv, o, gate_up, down per layer; the tied lm_head stays float, or Q8_0 with repacked int4
+    assert num_quantized == 2 * 4 + repacked
     ids = torch.randint(0, 49152, (24,), generator=torch.Generator().manual_seed(0))
     ref = _hidden(dense, ids)
     # repacked int4: an activation within float32 rounding of an int8 rounding boundary may round to either code in
-    # the two models, one step of one activation (the rest of the rows agree to float32 rounding)
-    repacked = any(getattr(m.quant_method, "repacked", False) for m in quantized.modules()
-                   if getattr(m, "quant_method", None) is not None)
-    assert (_hidden(quantized, ids) - ref).abs().max() <= (3e-3 if repacked else 1e-4) * ref.abs().max()
+    # the two models, one step of one activation, and through attention a flip in one token's K or V reaches every
+    # later token (measured: the rows before it agree to 3e-7, those after within 4e-3; a wrong layout or scale
+    # is off by the logits' whole range)
+    assert (_hidden(quantized, ids) - ref).abs().max() <= (1e-2 if repacked else 1e-4) * ref.abs().max()
 
 
 def test_int8_weights_resident_bytes_and_greedy_agreement(tiny_model_dir):
