@@ -27,7 +27,7 @@ import torch
 
 from bf16_accuracy import QUESTIONS
 from common import REPO_ROOT, RESULTS_DIR, write_result
-from quantization import TEXT, accuracy_run, agreement
+from quantization import accuracy_run, agreement
 from pagedllm import LLM
 
 sys.path.insert(0, str(REPO_ROOT))
@@ -47,9 +47,8 @@ FORMATS = {
 
 
 def run(folder: Path, convs: list, max_tokens: int) -> dict:
-    llm = LLM(model=str(folder), max_model_len=1024, kv_cache_memory="256MiB")
-    text_ids = llm.get_tokenizer()(TEXT.read_text())["input_ids"]
-    result = accuracy_run(llm, convs, max_tokens, text_ids)
+    llm = LLM(model=str(folder), max_model_len=2560, kv_cache_memory="256MiB")  # the 2215-token perplexity text
+    result = accuracy_run(llm, convs, max_tokens)
     result["weight_bytes"] = llm.llm_engine.runner.weight_bytes()
     del llm
     gc.collect()
