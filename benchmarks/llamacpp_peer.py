@@ -14,6 +14,10 @@ time. llama.cpp is built as ``/work/shared/peers.md`` says (``GGML_NATIVE=OFF``,
     cmake --build build -j2 --target llama-server llama-bench
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/llamacpp_peer.py --llama-bin DIR/build/bin
+
+``--wait-policy ACTIVE`` runs pagedllm with spinning OpenMP threads, as llama.cpp's own threads spin (a machine
+pagedllm has to itself): each batch-1 timing in a child process of its own (spinning threads left in this process
+would take a core from llama-bench), and ``pagedllm serve`` with the policy in its environment.
 """
 
 from __future__ import annotations
@@ -60,18 +64,32 @@ def pagedllm_decode(llm, tokens: int) -> float:
     return tokens / (timed(tokens + 1) - timed(1))
 
 
-def batch1_part(args) -> dict:
+def _engine(model: str, quantization: str | None):
     from pagedllm import LLM
 
-    engines = {q or "float32": LLM(model=args.model, max_model_len=1024, kv_cache_memory="256MiB", quantization=q)
-               for q in args.pagedllm_quantization}
-    for llm in engines.values():
-        pagedllm_decode(llm, 8)
+    llm = LLM(model=model, max_model_len=1024, kv_cache_memory="256MiB", quantization=quantization)
+    pagedllm_decode(llm, 8)
+    return llm
+
+
+def _child_decode(args, quantization: str | None) -> float:
+    """pagedllm's batch-1 tok/s measured in a child process under ``--wait-policy``."""
+    cmd = [sys.executable, __file__, "--llama-bin", str(args.llama_bin), "--model", args.model, "--tokens",
+           str(args.tokens), "--child-decode", quantization or "none"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_WAIT_POLICY": args.wait_policy})
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def batch1_part(args) -> dict:
+    in_child = args.wait_policy is not None
+    engines = {q or "float32": (q if in_child else _engine(args.model, q)) for q in args.pagedllm_quantization}
     tok_s: dict[str, list[float]] = {"llama.cpp": [], **{f"pagedllm {n}": [] for n in engines}}
     for r in range(args.rounds):
         tok_s["llama.cpp"].append(round(llama_bench(args.llama_bin, args.model, args.tokens, args.threads), 2))
         for name, llm in engines.items():
-            tok_s[f"pagedllm {name}"].append(round(pagedllm_decode(llm, args.tokens), 2))
+            got = _child_decode(args, llm) if in_child else pagedllm_decode(llm, args.tokens)
+            tok_s[f"pagedllm {name}"].append(round(got, 2))
         print(f"batch 1 round {r}: " + ", ".join(f"{k} {v[-1]}" for k, v in tok_s.items()), flush=True)
     med = {k: sorted(v)[len(v) // 2] for k, v in tok_s.items()}
     return {"tok_s": tok_s, "over_llama_cpp": {k: round(v / med["llama.cpp"], 3) for k, v in med.items()}}
@@ -92,7 +110,9 @@ def _client(base_url: str | None, label: str, args, launch_flags: list[str] | No
         cmd += ["--base-url", base_url]
     else:
         cmd += ["--launch", "--launch-model", args.model, "--", *launch_flags]
-    subprocess.run(cmd, check=True)
+    env = None if args.wait_policy is None or base_url is not None \
+        else {**os.environ, "OMP_WAIT_POLICY": args.wait_policy}
+    subprocess.run(cmd, check=True, env=env)
     record = json.loads(out.read_text())
     keys = ("output_throughput_tok_s", "num_success", "num_failed", "first_errors", "ttft_ms", "itl_ms")
     return {k: record.get(k) for k in keys}
@@ -141,13 +161,21 @@ def main() -> None:
     ap.add_argument("--pagedllm-quantization", nargs="+", default=["gguf", None],
                     type=lambda s: None if s == "none" else s, help="engines to time (none: float32)")
     ap.add_argument("--serve-quantization", nargs="+", default=["gguf"])
+    ap.add_argument("--wait-policy", choices=["PASSIVE", "ACTIVE"], default=None,
+                    help="pagedllm's OMP_WAIT_POLICY (batch 1: each timing in a child process; serve: its environment)")
+    ap.add_argument("--child-decode", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.child_decode is not None:  # a --wait-policy child: one engine, one timing, printed
+        print(pagedllm_decode(_engine(args.model, None if args.child_decode == "none" else args.child_decode),
+                              args.tokens))
+        return
     if args.model is None:
         from pagedllm.loader.resolve import resolve_model
 
         args.model = str(resolve_model("smollm2-135m-instruct").path)
-    record = {"model": Path(args.model).name, "threads": args.threads}
+    record = {"model": Path(args.model).name, "threads": args.threads, "pagedllm_wait_policy": args.wait_policy
+              or os.environ.get("OMP_WAIT_POLICY")}
     if "batch1" in args.part:
         record["batch1"] = batch1_part(args)
     if "concurrent" in args.part:

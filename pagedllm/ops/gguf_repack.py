@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import threading
 from dataclasses import dataclass
 
@@ -18,15 +19,19 @@ import torch
 from pagedllm import native
 from pagedllm.ops import gguf_dot, recording
 
-__all__ = ["RepackedWeight", "available", "dot", "kernel", "num_threads", "repack", "repack_codes", "values"]
+__all__ = ["RepackedWeight", "available", "concat_rows", "dot", "kernel", "num_threads", "repack", "repack_codes",
+           "values"]
 
 _SOURCE = native.SOURCE_DIR / "gguf_repack.c"
 _ABI_VERSION = 4
 # ggml types whose codes fit 4 bits (Q4_0, Q4_1, Q4_K) and whose scale changes every 16 codes (Q6_K)
 _FOUR_BIT = {2, 3, 12}
 _SUB16 = {14}
-# multiply-adds per thread of a repacked product (num_threads)
-MACS_PER_THREAD = 1 << 22
+_TILE = 16  # outputs per tile (GR_NR)
+# multiply-adds per thread of a repacked product (num_threads): sleeping OpenMP threads (PASSIVE, pagedllm's
+# default) cost a wake-up per product, spinning ones (ACTIVE, a machine pagedllm has to itself) almost nothing
+PASSIVE_MACS_PER_THREAD = 1 << 22
+ACTIVE_MACS_PER_THREAD = 1 << 18
 _p, _i, _ssize = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t
 
 
@@ -145,6 +150,27 @@ def _repack(codes: torch.Tensor, scale_in: torch.Tensor, min_in: torch.Tensor, i
     return out
 
 
+def concat_rows(weights: list[RepackedWeight]) -> list[RepackedWeight]:
+    """The weights' rows one after another, as few weights as the layout allows: consecutive weights of one layout
+    (bits, sub, group, scale dtype, in_features) join when each but the last fills its tiles of 16 outputs (tiles
+    are stored one after another, so the join is a concatenation of the same bytes). A fused layer's parts become
+    one product, one call."""
+    out: list[RepackedWeight] = []
+    for w in weights:
+        last = out[-1] if out else None
+        if last is not None and last.out_features % _TILE == 0 and _layout(last) == _layout(w):
+            out[-1] = dataclasses.replace(last, codes=torch.cat([last.codes, w.codes]),
+                                          scale=torch.cat([last.scale, w.scale]), min=torch.cat([last.min, w.min]),
+                                          out_features=last.out_features + w.out_features)
+        else:
+            out.append(w)
+    return out
+
+
+def _layout(w: RepackedWeight) -> tuple:
+    return w.bits, w.sub, w.group, w.in_features, w.scale.dtype, w.min.dtype
+
+
 def _halves_exactly(t: torch.Tensor) -> bool:
     return bool(torch.equal(t.half().float(), t))
 
@@ -173,13 +199,23 @@ def values(w: RepackedWeight, out: torch.Tensor | None = None, rows: torch.Tenso
     return out
 
 
+def macs_per_thread() -> int:
+    """Multiply-adds per thread: :data:`ACTIVE_MACS_PER_THREAD` when the process's ``OMP_WAIT_POLICY`` (read by
+    libgomp when it loaded; pagedllm sets PASSIVE unless given) is ACTIVE, else :data:`PASSIVE_MACS_PER_THREAD`."""
+    return ACTIVE_MACS_PER_THREAD if os.environ.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE" \
+        else PASSIVE_MACS_PER_THREAD
+
+
 def num_threads(m: int, n: int, k: int) -> int:
-    """Threads for an (m, n, k) product: one per :data:`MACS_PER_THREAD` multiply-adds, at most torch's count.
-    Waking an idle OpenMP thread (``OMP_WAIT_POLICY=PASSIVE``, pagedllm's default) costs tens of microseconds,
+    """Threads for an (m, n, k) product: one per :func:`macs_per_thread` multiply-adds, at most torch's count.
+    Waking a sleeping OpenMP thread (``OMP_WAIT_POLICY=PASSIVE``, pagedllm's default) costs tens of microseconds,
     about what the kernel spends on a few million multiply-adds: the projections of a batch-1 step, and most of
     a batch-4 step's, run faster on the calling thread alone (SmolLM2 decode tok/s at 1, 4, 16 and 32 sequences
-    for 2^18, 2^20, 2^22 and 2^24 multiply-adds per thread: 2^22 was best or within noise at each)."""
-    return max(1, min(torch.get_num_threads(), m * n * k // MACS_PER_THREAD))
+    for 2^18, 2^20, 2^22 and 2^24 multiply-adds per thread: 2^22 was best or within noise at each). Spinning
+    threads (ACTIVE) start at once, so every projection but the smallest splits: one thread reads the weights at
+    about half the memory bandwidth two do, and a batch-1 step is that read (its SmolLM2 step: 2^18, 2^16 and 2^14
+    within noise of each other, all faster than one thread per projection; benchmarks/README.md, GGUF section)."""
+    return max(1, min(torch.get_num_threads(), m * n * k // macs_per_thread()))
 
 
 def dot(w: RepackedWeight, x: gguf_dot.QuantizedRows, out: torch.Tensor, bias: torch.Tensor | None = None) -> None:

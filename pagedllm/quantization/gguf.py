@@ -137,17 +137,20 @@ class GGUFLinearMethod(LinearMethod):
         self.repack(layer)
 
     def repack(self, layer: nn.Module) -> None:
-        """Each ``gguf_blocks_<i>`` replaced by its repacked layout where :func:`gguf_repack.available`."""
+        """The ``gguf_blocks_<i>`` replaced by their repacked layout where :func:`gguf_repack.available`:
+        consecutive segments of one layout joined (:func:`gguf_repack.concat_rows`; a fused q/k/v of one type is
+        one product), each piece's ``gguf_codes_<j>``, ``gguf_scale_<j>`` and ``gguf_min_<j>``."""
         layer._gguf_repacked = None
         if not gguf_repack.available():
             return
-        repacked = []
-        for i, (kind, blocks, _) in enumerate(self._parts(layer)):
-            w = gguf_repack.repack(kind, blocks, layer.in_features)
+        parts = list(self._parts(layer))
+        repacked = gguf_repack.concat_rows([gguf_repack.repack(kind, blocks, layer.in_features)
+                                            for kind, blocks, _ in parts])
+        for i in range(len(parts)):
             del layer._buffers[f"gguf_blocks_{i}"]
+        for j, w in enumerate(repacked):
             for name in ("codes", "scale", "min"):
-                layer.register_buffer(f"gguf_{name}_{i}", getattr(w, name))
-            repacked.append(w)
+                layer.register_buffer(f"gguf_{name}_{j}", getattr(w, name))
         layer._gguf_repacked = repacked
 
     def _parts(self, layer: nn.Module):

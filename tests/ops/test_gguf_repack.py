@@ -126,3 +126,34 @@ def test_codes_outside_the_layout_are_refused():
         gguf_repack.repack_codes(codes, torch.ones(4, 2), scale, 4, 32)
     with pytest.raises(ValueError, match="above 15"):
         gguf_repack.repack_codes(codes + 16, scale, scale, 4, 32)
+
+
+def test_threads_follow_the_wait_policy(monkeypatch):
+    """Sleeping threads (PASSIVE) are woken only for millions of multiply-adds, spinning ones (ACTIVE) for a
+    batch-1 projection of the default model (1536 x 576)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert gguf_repack.num_threads(1, 1536, 576) == 1 and gguf_repack.num_threads(32, 1536, 576) == 2
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    assert gguf_repack.num_threads(1, 1536, 576) == 2 and gguf_repack.num_threads(1, 64, 64) == 1
+
+
+def test_concat_rows_joins_whole_tiles_of_one_layout():
+    """Parts of one layout join when every part but the last fills its tiles; the joined product is the parts'
+    products bit for bit (a fused layer's q/k/v in one call)."""
+    k = 256
+    _, a, wa = _weight(Q.Q4_1, 48, k, 4)
+    _, b, wb = _weight(Q.Q4_1, 20, k, 5)
+    _, c, _ = _weight(Q.Q8_0, 32, k, 6)
+    joined = gguf_repack.concat_rows([a, b])
+    assert len(joined) == 1 and joined[0].out_features == 68
+    assert np.array_equal(gguf_repack.values(joined[0]).numpy(), np.concatenate([wa, wb]))
+    x = gguf_dot.quantize_rows(torch.randn(7, k))
+    parts = torch.empty(7, 68)
+    gguf_repack.dot(a, x, parts[:, :48])
+    gguf_repack.dot(b, x, parts[:, 48:])
+    out = torch.empty(7, 68)
+    gguf_repack.dot(joined[0], x, out)
+    assert torch.equal(out, parts)
+    assert [w.out_features for w in gguf_repack.concat_rows([b, a])] == [20, 48]  # b leaves its tile half empty
+    assert [w.out_features for w in gguf_repack.concat_rows([a, c, a])] == [48, 32, 48]  # 4-bit, 8-bit, 4-bit
