@@ -55,6 +55,8 @@ CONFIGS: dict[str, dict] = {
     "kv-fp8": dict(dtype="float32", kv_cache_dtype="fp8"),
     "kv-int8": dict(dtype="float32", kv_cache_dtype="int8"),
     "w8a8+kv-int8": dict(dtype="float32", quantization="w8a8", kv_cache_dtype="int8"),
+    "int4+kv-int8": dict(dtype="float32", quantization="int4", kv_cache_dtype="int8"),
+    "gguf-q4_1+kv-int8": dict(dtype="float32", quantization="gguf", kv_cache_dtype="int8"),
 }
 WEIGHT_CONFIGS = ["float32", "bfloat16", "int8", "w8a8", "int4", "gguf-q4_1", "gguf-q4_1+bf16"]
 KV_CONFIGS = {"auto (float32)": "float32", "bfloat16": "kv-bfloat16", "fp8": "kv-fp8", "int8": "kv-int8"}
@@ -175,7 +177,7 @@ def plot(results: dict, batches: list[int], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, r in results.items():
         ax.plot(batches, [r["tok_s"][str(b)] for b in batches], marker="o", label=name,
-                linestyle="--" if name.startswith("kv-") else "-")
+                linestyle="--" if "kv-" in name else "-")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (requests)")
     ax.set_ylabel("output tokens/s")
