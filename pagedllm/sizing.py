@@ -18,10 +18,11 @@ GiB = 1024**3
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
-# Bits per linear weight, scales included: int4 = 4 + fp16 scale and zero per 128; GGML types from
-# their block structs (q8_0: 34 bytes per 32 weights, ...). Embeddings and norms keep the model dtype.
+# Bits per linear weight, scales included: int4 = 4 + a float32 scale and zero (or min) per group of 128, its
+# default group (64: 5, 32: 6); GGML types from their block structs (q8_0: 34 bytes per 32 weights, ...).
+# Embeddings and norms keep the model dtype.
 QUANTIZATION_BITS: dict[str, float] = {
-    "int8": 8.0, "w8a8": 8.0, "fp8": 8.0, "int4": 4.25,
+    "int8": 8.0, "w8a8": 8.0, "fp8": 8.0, "int4": 4.5,
     "q8_0": 8.5, "q6_k": 6.5625, "q5_k": 5.5, "q5_0": 5.5, "q5_1": 6.0, "q4_k": 4.5, "q4_1": 5.0, "q4_0": 4.5,
 }
 
