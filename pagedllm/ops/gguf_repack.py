@@ -208,13 +208,11 @@ def macs_per_thread() -> int:
 
 def num_threads(m: int, n: int, k: int) -> int:
     """Threads for an (m, n, k) product: one per :func:`macs_per_thread` multiply-adds, at most torch's count.
-    Waking a sleeping OpenMP thread (``OMP_WAIT_POLICY=PASSIVE``, pagedllm's default) costs tens of microseconds,
-    about what the kernel spends on a few million multiply-adds: the projections of a batch-1 step, and most of
-    a batch-4 step's, run faster on the calling thread alone (SmolLM2 decode tok/s at 1, 4, 16 and 32 sequences
-    for 2^18, 2^20, 2^22 and 2^24 multiply-adds per thread: 2^22 was best or within noise at each). Spinning
-    threads (ACTIVE) start at once, so every projection but the smallest splits: one thread reads the weights at
-    about half the memory bandwidth two do, and a batch-1 step is that read (its SmolLM2 step: 2^18, 2^16 and 2^14
-    within noise of each other, all faster than one thread per projection; benchmarks/README.md, GGUF section)."""
+    Waking a sleeping OpenMP thread (``OMP_WAIT_POLICY=PASSIVE``, pagedllm's default) costs about what the kernel
+    spends on a few million multiply-adds, so the projections of a batch-1 step, and most of a batch-4 step's, run
+    faster on the calling thread alone. Spinning threads (ACTIVE) start at once, so every projection but the
+    smallest splits: a batch-1 step is a read of the weights, and one thread reads at about half the memory
+    bandwidth of two. The constants were chosen by SmolLM2 decode tok/s (benchmarks/README.md, GGUF section)."""
     return max(1, min(torch.get_num_threads(), m * n * k // macs_per_thread()))
 
 

@@ -325,7 +325,7 @@ def test_smollm2_compressed_tensors_w4a16_runs_as_its_dequantized_float_model(sm
     library's dequantized weights (4 prompts x 16 tokens; only the order of float operations
     differs: measured 1.0, floor 0.9; benchmarks/prequantized_accuracy.py measures the formats against float32).
     Repacked for the AVX512-VNNI GEMM, the activations are also rounded to int8 blocks of 32, which flips near-ties
-    of the greedy continuations (measured 0.66 on a Zen 4 host; floor 0.5, a wrong layout scores about 0)."""
+    of the greedy continuations (measured 0.66; floor 0.5, a wrong layout scores about 0)."""
     from tests.quantization.test_quantization import _prefix_agreement
 
     folder = write_compressed_tensors_folder(smollm2_float_dir, tmp_path / "w4", "W4A16_ASYM", 32)
