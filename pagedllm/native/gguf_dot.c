@@ -33,7 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define GGUF_DOT_ABI_VERSION 4
+#define GGUF_DOT_ABI_VERSION 5
 #define GD_QK 32   /* activation block */
 #define GD_QKK 256 /* K-quant super-block */
 #define GD_MR 4      /* x rows per tile (portable C, AVX2): a weight row is unpacked once and read per tile */
@@ -132,10 +132,15 @@ static inline void gd_quantize_row(const float *x, int K, int8_t *q, float *d, f
     }
 }
 
+typedef void (*gd_quantize_fn)(const float *x, int K, int8_t *q, float *d, float *s, float *s16);
+static gd_quantize_fn gd_quantizer(int isa); /* defined after the SIMD passes */
+
 /* x (M, K) float32 (bf16: uint16 bits when is_bf16), rows x_stride elements apart, K a multiple of 32, to q (M, K),
- * d and s (M, K / 32), s16 (M, K / 16): d times the sum of each 16 codes. */
+ * d and s (M, K / 32), s16 (M, K / 16): d times the sum of each 16 codes. isa: the path (0 portable C, 1 or 2 the
+ * SIMD body; one this CPU cannot run takes portable C): every path writes the same bits. */
 void gguf_quantize_rows(const void *x, ptrdiff_t x_stride, int is_bf16, int M, int K, int8_t *q, float *d,
-                        float *s, float *s16, int num_threads) {
+                        float *s, float *s16, int isa, int num_threads) {
+    const gd_quantize_fn quantize = gd_quantizer(isa);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
     for (int m = 0; m < M; m++) {
         const ptrdiff_t nb = K / GD_QK;
@@ -144,10 +149,10 @@ void gguf_quantize_rows(const void *x, ptrdiff_t x_stride, int is_bf16, int M, i
             const uint16_t *xr = (const uint16_t *)x + (ptrdiff_t)m * x_stride;
             for (int k = 0; k < K; k++)
                 row[k] = gd_bf16(xr[k]);
-            gd_quantize_row(row, K, q + (ptrdiff_t)m * K, d + m * nb, s + m * nb, s16 + 2 * m * nb);
+            quantize(row, K, q + (ptrdiff_t)m * K, d + m * nb, s + m * nb, s16 + 2 * m * nb);
         } else {
-            gd_quantize_row((const float *)x + (ptrdiff_t)m * x_stride, K, q + (ptrdiff_t)m * K, d + m * nb,
-                            s + m * nb, s16 + 2 * m * nb);
+            quantize((const float *)x + (ptrdiff_t)m * x_stride, K, q + (ptrdiff_t)m * K, d + m * nb, s + m * nb,
+                     s16 + 2 * m * nb);
         }
     }
 }
@@ -466,6 +471,23 @@ int gguf_dot_isa_available(int isa) {
                __builtin_cpu_supports("avx512vnni");
 #endif
     return 0;
+}
+
+static void gd_quantize_row_c(const float *x, int K, int8_t *q, float *d, float *s, float *s16) {
+    gd_quantize_row(x, K, q, d, s, s16);
+}
+
+/* Path isa's quantizer: the SIMD body (256-bit, the same in both SIMD passes) for 1 and 2 where AVX2 runs. */
+static gd_quantize_fn gd_quantizer(int isa) {
+#if GD_SIMD
+    static int avx2 = -1;
+    if (avx2 < 0)
+        avx2 = gguf_dot_isa_available(1);
+    return isa >= 1 && avx2 ? gd_quantize_row_avx2 : gd_quantize_row_c;
+#else
+    (void)isa;
+    return gd_quantize_row_c;
+#endif
 }
 
 /* Output rows per grab of the dynamic schedule (which thread computes a row changes no bits). */
@@ -1082,6 +1104,41 @@ static void GD_FN(gd_values)(const struct gd_unpacked *u, int K, float *y32, uin
         }
     }
 #endif
+}
+
+/* gd_quantize_row's rule in 256-bit vectors, the same bits: the product x * id rounded once (no FMA), converted
+ * with the default rounding (nearest, ties to even, as nearbyintf). */
+static void GD_FN(gd_quantize_row)(const float *x, int K, int8_t *q, float *d, float *s, float *s16) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int b = 0; b < K / GD_QK; b++) {
+        __m256 v[4], m;
+        for (int i = 0; i < 4; i++)
+            v[i] = _mm256_loadu_ps(x + b * GD_QK + 8 * i);
+        m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                          _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        const float db = _mm_cvtss_f32(h) / 127.0f;
+        const __m256 id = _mm256_set1_ps(db > 0.0f ? 1.0f / db : 0.0f);
+        __m256i c[4];
+        for (int i = 0; i < 4; i++)
+            c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+        const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+        _mm256_storeu_si256((__m256i *)(q + b * GD_QK), _mm256_permutevar8x32_epi32(w, order));
+        int sum[2];
+        for (int half = 0; half < 2; half++) {
+            const __m256i t = _mm256_add_epi32(c[2 * half], c[2 * half + 1]);
+            __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            u = _mm_add_epi32(u, _mm_unpackhi_epi64(u, u));
+            sum[half] = _mm_cvtsi128_si32(_mm_add_epi32(u, _mm_shuffle_epi32(u, 1)));
+        }
+        d[b] = db;
+        s[b] = db * (float)(sum[0] + sum[1]);
+        s16[2 * b] = db * (float)sum[0];
+        s16[2 * b + 1] = db * (float)sum[1];
+    }
 }
 #undef GD_BLOCK
 #undef GD_ROW_BLOCK

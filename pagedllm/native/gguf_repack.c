@@ -13,10 +13,11 @@
  *          which hold the scales of Q8_0, Q4_0/1 and Q5_0/1 exactly: the file stores them so).
  * Padding outputs (N not a multiple of 16) have code 0, scale 0 and min 0.
  *
- * The product (ggml's "repacked" GEMM idea, written here): a register tile of up to 6 x rows reads each weight
- * group once; per sub-block and x row, sub / 4 vpdpbusd sum the integer dot of 16 outputs exactly, one convert,
- * one multiply by x's block scale and one FMA by the weights' scales add it to the float sums, one FMA adds the min
- * against x's sum (s or s16). Float32 would spend sub FMAs per row on the same products.
+ * The product (ggml's "repacked" GEMM idea, written here): a register block of up to 4 x rows and 2 tiles (32
+ * outputs) loads each 4-k group of codes once for its rows, and each broadcast of 4 x codes feeds both tiles; per
+ * sub-block, x row and tile, sub / 4 vpdpbusd sum the integer dot of 16 outputs exactly, one convert, one multiply
+ * by x's block scale and one FMA by the weights' scales add it to the float sums, one FMA adds the min against x's
+ * sum (s or s16). Float32 would spend sub FMAs per row on the same products.
  * Numerics: each output sums its sub-blocks in k order into one accumulator and the min terms into another, added
  * at the end: an output depends only on its weight row and its x row, never on M, the other rows or the thread
  * count (batch-invariant).
@@ -30,7 +31,7 @@
 
 #define GR_ABI_VERSION 4
 #define GR_NR 16 /* outputs per tile */
-#define GR_MR 6  /* x rows per register tile */
+#define GR_MR 4  /* x rows per register block */
 #define GR_QK 32 /* x block */
 
 int pagedllm_gguf_repack_abi_version(void) { return GR_ABI_VERSION; }
@@ -168,70 +169,92 @@ int gguf_repack_available(void) {
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 #define GR_INLINE static inline __attribute__((always_inline))
 
-struct gr_x { /* the x rows of a register tile */
+struct gr_x { /* the x rows of a register block */
     const int8_t *q[GR_MR];
     const float *d[GR_MR], *s[GR_MR];
 };
 
-/* One tile of 16 outputs against R x rows: res[r * 16 + l]. bits, sub and R are constants at each call site (the
- * loops unroll, the accumulators stay in registers). */
-GR_INLINE __m512 gr_load16(const int half, const void *p, int b) {
-    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + GR_NR * b)))
-                : _mm512_loadu_ps((const float *)p + GR_NR * b);
+GR_INLINE __m512 gr_load16(const int half, const void *p, ptrdiff_t i) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+                : _mm512_loadu_ps((const float *)p + i);
 }
 
-GR_INLINE void gr_tile(const int bits, const int sub, const int half, const int R, const uint8_t *codes,
-                       const void *scale, const void *min, int nsub, int per, const struct gr_x *x, float *res) {
+/* One register block: T tiles (T * 16 outputs, tile_codes bytes and tile_scales scales apart) against R x rows,
+ * res[r * GR_NR * T + 16 * t + l]. bits, sub, half, R and T are constants at each call site (the loops unroll, the
+ * accumulators stay in registers: 3 R T of them, the integer dots and the two float sums). */
+GR_INLINE void gr_block(const int bits, const int sub, const int half, const int R, const int T,
+                        const uint8_t *codes, ptrdiff_t tile_codes, const void *scale, const void *min,
+                        ptrdiff_t tile_scales, int nsub, int per, const struct gr_x *x, float *res) {
     const int quads = sub / 4;
     const ptrdiff_t gb = gr_sub_bytes(bits, sub);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    __m512 acc[GR_MR], accm[GR_MR];
+    __m512 acc[GR_MR][2], accm[GR_MR][2];
     for (int r = 0; r < R; r++)
-        acc[r] = accm[r] = _mm512_setzero_ps();
+        for (int t = 0; t < T; t++)
+            acc[r][t] = accm[r][t] = _mm512_setzero_ps();
     for (int b = 0; b < nsub; b++) {
-        const uint8_t *c = codes + b * gb;
-        __m512i w[8];
-        if (bits == 4) {
-            for (int i = 0; i < 4; i++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * i));
-                w[i] = _mm512_and_si512(v, m4);
-                w[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        __m512i dot[GR_MR][2];
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++)
+                dot[r][t] = _mm512_setzero_si512();
+        for (int j = 0; j < quads; j++) { /* k = b * sub + 4 j .. + 3 */
+            __m512i w[2];
+            for (int t = 0; t < T; t++) {
+                const uint8_t *c = codes + t * tile_codes + b * gb;
+                if (bits == 4) { /* group j % 4 holds quad j in its low (j < 4) or high nibbles */
+                    const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * (j % 4)));
+                    w[t] = _mm512_and_si512(j < 4 ? v : _mm512_srli_epi16(v, 4), m4);
+                } else {
+                    w[t] = _mm512_loadu_si512((const void *)(c + 64 * j));
+                }
             }
-        } else {
-            for (int j = 0; j < quads; j++)
-                w[j] = _mm512_loadu_si512((const void *)(c + 64 * j));
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, x->q[r] + b * sub + 4 * j, 4);
+                const __m512i xb = _mm512_set1_epi32(four);
+                for (int t = 0; t < T; t++)
+                    dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], w[t], xb);
+            }
         }
-        const __m512 sc = gr_load16(half, scale, b / per), mn = gr_load16(half, min, b / per);
+        __m512 sc[2], mn[2];
+        for (int t = 0; t < T; t++) {
+            sc[t] = gr_load16(half, scale, t * tile_scales + GR_NR * (b / per));
+            mn[t] = gr_load16(half, min, t * tile_scales + GR_NR * (b / per));
+        }
         const int xb = b * sub / GR_QK; /* x's block */
         for (int r = 0; r < R; r++) {
-            const int8_t *q = x->q[r] + b * sub;
-            __m512i dot = _mm512_setzero_si512();
-            for (int j = 0; j < quads; j++) {
-                int32_t four;
-                memcpy(&four, q + 4 * j, 4);
-                dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(four));
+            const __m512 d = _mm512_set1_ps(x->d[r][xb]), s = _mm512_set1_ps(x->s[r][b]);
+            for (int t = 0; t < T; t++) {
+                const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][t]), d);
+                acc[r][t] = _mm512_fmadd_ps(v, sc[t], acc[r][t]);
+                accm[r][t] = _mm512_fmadd_ps(mn[t], s, accm[r][t]);
             }
-            const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(x->d[r][xb]));
-            acc[r] = _mm512_fmadd_ps(v, sc, acc[r]);
-            accm[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x->s[r][b]), accm[r]);
         }
     }
     for (int r = 0; r < R; r++)
-        _mm512_storeu_ps(res + GR_NR * r, _mm512_add_ps(acc[r], accm[r]));
+        for (int t = 0; t < T; t++)
+            _mm512_storeu_ps(res + GR_NR * (T * r + t), _mm512_add_ps(acc[r][t], accm[r][t]));
 }
+
+#define GR_BLOCK(bits, sub, half, R)                                                                                \
+    if (T == 2)                                                                                                     \
+        gr_block(bits, sub, half, R, 2, codes, tile_codes, scale, min, tile_scales, nsub, per, x, res);            \
+    else                                                                                                            \
+        gr_block(bits, sub, half, R, 1, codes, tile_codes, scale, min, tile_scales, nsub, per, x, res);
 
 #define GR_ROWS(bits, sub, half)                                                                                    \
     switch (R) {                                                                                                    \
-    case 1: gr_tile(bits, sub, half, 1, codes, scale, min, nsub, per, x, res); break;                               \
-    case 2: gr_tile(bits, sub, half, 2, codes, scale, min, nsub, per, x, res); break;                               \
-    case 3: gr_tile(bits, sub, half, 3, codes, scale, min, nsub, per, x, res); break;                               \
-    case 4: gr_tile(bits, sub, half, 4, codes, scale, min, nsub, per, x, res); break;                               \
-    case 5: gr_tile(bits, sub, half, 5, codes, scale, min, nsub, per, x, res); break;                               \
-    default: gr_tile(bits, sub, half, 6, codes, scale, min, nsub, per, x, res); break;                              \
+    case 1: GR_BLOCK(bits, sub, half, 1) break;                                                                     \
+    case 2: GR_BLOCK(bits, sub, half, 2) break;                                                                     \
+    case 3: GR_BLOCK(bits, sub, half, 3) break;                                                                     \
+    case 4: GR_BLOCK(bits, sub, half, 4) break;                                                                     \
+    case 5: GR_BLOCK(bits, sub, half, 5) break;                                                                     \
+    default: GR_BLOCK(bits, sub, half, GR_MR) break;                                                                \
     }
 
-static void gr_tile_rows(int bits, int sub, int half, int R, const uint8_t *codes, const void *scale,
-                         const void *min, int nsub, int per, const struct gr_x *x, float *res) {
+static void gr_block_rows(int bits, int sub, int half, int R, int T, const uint8_t *codes, ptrdiff_t tile_codes,
+                          const void *scale, const void *min, ptrdiff_t tile_scales, int nsub, int per,
+                          const struct gr_x *x, float *res) {
     if (half && bits == 4)
         GR_ROWS(4, 32, 1)
     else if (half)
@@ -244,6 +267,7 @@ static void gr_tile_rows(int bits, int sub, int half, int R, const uint8_t *code
         GR_ROWS(8, 16, 0)
 }
 #undef GR_ROWS
+#undef GR_BLOCK
 
 /* out[m, n] = bias[n] + sum_k x[m, k] W[n, k] for m < M, n < N; W repacked (gguf_repack; scale and min float32,
  * or IEEE halves with half), x as gguf_quantize_rows wrote it (q (M, K), d and s (M, K / 32), s16 (M, K / 16)), out
@@ -256,12 +280,13 @@ int gguf_repack_dot(const uint8_t *codes, const void *scale, const void *min, in
     if (!gr_valid(bits, sub, group, K) || (half && sub != 32) || !gguf_repack_available())
         return -1;
     const int nsub = K / sub, nbx = K / GR_QK, per = group / sub;
-    const ptrdiff_t tiles = gr_tiles(N), tile_codes = nsub * gr_sub_bytes(bits, sub);
+    const ptrdiff_t tiles = gr_tiles(N), pairs = (tiles + 1) / 2, tile_codes = nsub * gr_sub_bytes(bits, sub);
     const ptrdiff_t tile_scales = (K / group) * GR_NR;
     const float *xsum = sub == 32 ? xs : xs16; /* x's sum per sub-block */
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
-    for (ptrdiff_t t = 0; t < tiles; t++) {
-        const int lanes = N - t * GR_NR < GR_NR ? (int)(N - t * GR_NR) : GR_NR;
+    for (ptrdiff_t p = 0; p < pairs; p++) {
+        const ptrdiff_t t0 = 2 * p;
+        const int T = tiles - t0 < 2 ? 1 : 2, width = N - t0 * GR_NR < T * GR_NR ? (int)(N - t0 * GR_NR) : T * GR_NR;
         for (int m0 = 0; m0 < M; m0 += GR_MR) {
             const int R = M - m0 < GR_MR ? M - m0 : GR_MR;
             struct gr_x x;
@@ -270,14 +295,15 @@ int gguf_repack_dot(const uint8_t *codes, const void *scale, const void *min, in
                 x.d[r] = xd + (ptrdiff_t)(m0 + r) * nbx;
                 x.s[r] = xsum + (ptrdiff_t)(m0 + r) * (K / sub);
             }
-            float res[GR_MR * GR_NR];
-            const ptrdiff_t at = (half ? 2 : 4) * t * tile_scales; /* bytes */
-            gr_tile_rows(bits, sub, half, R, codes + t * tile_codes, (const char *)scale + at, (const char *)min + at,
-                         nsub, per, &x, res);
+            float res[GR_MR * 2 * GR_NR];
+            const ptrdiff_t at = (half ? 2 : 4) * t0 * tile_scales; /* bytes */
+            gr_block_rows(bits, sub, half, R, T, codes + t0 * tile_codes, tile_codes, (const char *)scale + at,
+                          (const char *)min + at, tile_scales, nsub, per, &x, res);
             for (int r = 0; r < R; r++) {
-                float *o = out + (ptrdiff_t)(m0 + r) * out_stride + t * GR_NR;
-                for (int l = 0; l < lanes; l++)
-                    o[l] = bias ? res[GR_NR * r + l] + bias[t * GR_NR + l] : res[GR_NR * r + l];
+                float *o = out + (ptrdiff_t)(m0 + r) * out_stride + t0 * GR_NR;
+                const float *v = res + GR_NR * T * r;
+                for (int l = 0; l < width; l++)
+                    o[l] = bias ? v[l] + bias[t0 * GR_NR + l] : v[l];
             }
         }
     }

@@ -19,7 +19,7 @@ __all__ = ["BLOCK_TYPES", "GGUFDotKernel", "QuantizedRows", "check_weight", "deq
            "load_kernel", "num_threads", "process_isa", "quantize_q8_0", "quantize_rows"]
 
 _SOURCE = native.SOURCE_DIR / "gguf_dot.c"
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 # ggml type id -> name; the types gguf_dot.c handles
 BLOCK_TYPES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
@@ -43,7 +43,7 @@ class GGUFDotKernel:
         self.block_weights = {t: lib.pagedllm_gguf_dot_block_weights(t) for t in BLOCK_TYPES}
         self.isa_available = lib.gguf_dot_isa_available
         self.quantize = lib.gguf_quantize_rows
-        self.quantize.argtypes, self.quantize.restype = [_p, _ssize, _i, _i, _i, _p, _p, _p, _p, _i], None
+        self.quantize.argtypes, self.quantize.restype = [_p, _ssize, _i, _i, _i, _p, _p, _p, _p, _i, _i], None
         self.dot = lib.gguf_dot_rows
         self.dot.argtypes = [_i, _p, _ssize, _i, _i, _p, _p, _p, _p, _i, _p, _p, _ssize, _i, _i]
         self.dot.restype = _i
@@ -123,9 +123,11 @@ class QuantizedRows:
         return self.q.shape[1]
 
 
-def quantize_rows(x: torch.Tensor, k: GGUFDotKernel | None = None) -> QuantizedRows:
+def quantize_rows(x: torch.Tensor, k: GGUFDotKernel | None = None, path: int | None = None) -> QuantizedRows:
     """x (M, K) float32 or bfloat16 on the CPU, rows contiguous, K a multiple of 32 (recorded into an active CPU
-    decode graph, :mod:`pagedllm.ops.recording`). Raises ValueError otherwise."""
+    decode graph, :mod:`pagedllm.ops.recording`); ``path`` as :func:`dot_rows` takes it (None: this process's for
+    its own kernels, else the best ``k`` runs). Every path writes the same bits. Raises ValueError otherwise."""
+    path = (process_isa() if k is None else isa(k)) if path is None else path
     k = k or kernel()
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_cpu or x.stride(1) != 1 \
             or x.shape[1] % ACTIVATION_BLOCK:
@@ -138,7 +140,7 @@ def quantize_rows(x: torch.Tensor, k: GGUFDotKernel | None = None) -> QuantizedR
     s16 = torch.empty(m, 2 * n // ACTIVATION_BLOCK)
     if m:
         recording.call(k.quantize, x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), m, n, q.data_ptr(),
-                       d.data_ptr(), s.data_ptr(), s16.data_ptr(), num_threads(m * n // 8))
+                       d.data_ptr(), s.data_ptr(), s16.data_ptr(), path, num_threads(m * n // 8))
     return QuantizedRows(q, d, s, s16)
 
 

@@ -51,14 +51,21 @@ def _path(k, name: str) -> int:
     return PATHS[name]
 
 
-def test_activation_quantization_follows_the_documented_rule(kernel):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_activation_quantization_follows_the_documented_rule(kernel, path):
+    """Every path (portable C and the SIMD body) writes the documented rule's bits, ties to even included."""
+    path_id = _path(kernel, path)
     x = torch.randn(7, 640) * torch.logspace(-3, 2, 640)
     x[2, :32] = 0.0  # an all-zero block: d = 0, q = 0
-    rows = gguf_dot.quantize_rows(x, kernel)
+    x[3, 32:64] = torch.arange(-16, 16) + 0.5  # d = 1 (the block's max is 127): every other product a tie at .5
+    x[3, 32] = 127.0
+    rows = gguf_dot.quantize_rows(x, kernel, path_id)
     q, d, s = quantized_reference(x.numpy())
     assert np.array_equal(rows.q.numpy(), q) and np.array_equal(rows.d.numpy(), d)
     np.testing.assert_allclose(rows.s.numpy(), s, rtol=1e-6, atol=0)
-    bf16 = gguf_dot.quantize_rows(x.bfloat16(), kernel)
+    q16 = q.reshape(7, -1, 16).astype(np.int32).sum(-1).astype(np.float32) * np.repeat(d, 2, axis=1)
+    np.testing.assert_allclose(rows.s16.numpy(), q16, rtol=1e-6, atol=0)
+    bf16 = gguf_dot.quantize_rows(x.bfloat16(), kernel, path_id)
     assert np.array_equal(bf16.q.numpy(), quantized_reference(x.bfloat16().float().numpy())[0])
 
 
