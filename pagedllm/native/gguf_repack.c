@@ -32,6 +32,7 @@
 #define GR_ABI_VERSION 4
 #define GR_NR 16 /* outputs per tile */
 #define GR_MR 4  /* x rows per register block */
+#define GR_PAIR_ROWS 8 /* rows from which a register block takes two tiles */
 #define GR_QK 32 /* x block */
 
 int pagedllm_gguf_repack_abi_version(void) { return GR_ABI_VERSION; }
@@ -269,43 +270,66 @@ static void gr_block_rows(int bits, int sub, int half, int R, int T, const uint8
 #undef GR_ROWS
 #undef GR_BLOCK
 
+struct gr_product { /* one product's arguments */
+    const uint8_t *codes;
+    const void *scale, *min;
+    int half, bits, sub, N, K, M, nsub, per;
+    ptrdiff_t tile_codes, tile_scales, out_stride;
+    const int8_t *xq;
+    const float *xd, *xsum, *bias;
+    float *out;
+};
+
+/* Tiles t0 .. t0 + T - 1 against every x row, written to out (plus bias). */
+static void gr_tiles_rows(const struct gr_product *p, ptrdiff_t t0, int T) {
+    const int width = p->N - t0 * GR_NR < T * GR_NR ? (int)(p->N - t0 * GR_NR) : T * GR_NR;
+    for (int m0 = 0; m0 < p->M; m0 += GR_MR) {
+        const int R = p->M - m0 < GR_MR ? p->M - m0 : GR_MR;
+        struct gr_x x;
+        for (int r = 0; r < R; r++) {
+            x.q[r] = p->xq + (ptrdiff_t)(m0 + r) * p->K;
+            x.d[r] = p->xd + (ptrdiff_t)(m0 + r) * (p->K / GR_QK);
+            x.s[r] = p->xsum + (ptrdiff_t)(m0 + r) * p->nsub;
+        }
+        float res[GR_MR * 2 * GR_NR];
+        const ptrdiff_t at = (p->half ? 2 : 4) * t0 * p->tile_scales; /* bytes */
+        gr_block_rows(p->bits, p->sub, p->half, R, T, p->codes + t0 * p->tile_codes, p->tile_codes,
+                      (const char *)p->scale + at, (const char *)p->min + at, p->tile_scales, p->nsub, p->per, &x,
+                      res);
+        for (int r = 0; r < R; r++) {
+            float *o = p->out + (ptrdiff_t)(m0 + r) * p->out_stride + t0 * GR_NR;
+            const float *v = res + GR_NR * T * r;
+            for (int l = 0; l < width; l++)
+                o[l] = p->bias ? v[l] + p->bias[t0 * GR_NR + l] : v[l];
+        }
+    }
+}
+
 /* out[m, n] = bias[n] + sum_k x[m, k] W[n, k] for m < M, n < N; W repacked (gguf_repack; scale and min float32,
  * or IEEE halves with half), x as gguf_quantize_rows wrote it (q (M, K), d and s (M, K / 32), s16 (M, K / 16)), out
- * rows out_stride floats apart. Returns -1 for bits, sub, group or K outside the layout (halves: sub 32 only) or a
- * CPU without AVX512-VNNI. */
+ * rows out_stride floats apart. Threads take pairs of tiles. Returns -1 for bits, sub, group or K outside the
+ * layout (halves: sub 32 only) or a CPU without AVX512-VNNI. */
 int gguf_repack_dot(const uint8_t *codes, const void *scale, const void *min, int half, int bits, int sub, int group,
                     int N, int K,
                     const int8_t *xq, const float *xd, const float *xs, const float *xs16, int M, const float *bias,
                     float *out, ptrdiff_t out_stride, int num_threads) {
     if (!gr_valid(bits, sub, group, K) || (half && sub != 32) || !gguf_repack_available())
         return -1;
-    const int nsub = K / sub, nbx = K / GR_QK, per = group / sub;
-    const ptrdiff_t tiles = gr_tiles(N), pairs = (tiles + 1) / 2, tile_codes = nsub * gr_sub_bytes(bits, sub);
-    const ptrdiff_t tile_scales = (K / group) * GR_NR;
-    const float *xsum = sub == 32 ? xs : xs16; /* x's sum per sub-block */
+    const struct gr_product p = {codes, scale, min, half, bits, sub, N, K, M, K / sub, group / sub,
+                                 (K / sub) * gr_sub_bytes(bits, sub), (K / group) * GR_NR, out_stride,
+                                 xq, xd, sub == 32 ? xs : xs16, bias, out};
+    const ptrdiff_t tiles = gr_tiles(N);
+    /* two tiles per register block where the product is compute-bound (GR_PAIR_ROWS rows and up); below, a read
+     * of the weights, one tile at a time streams them faster */
+    const int T = M >= GR_PAIR_ROWS ? 2 : 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
-    for (ptrdiff_t p = 0; p < pairs; p++) {
-        const ptrdiff_t t0 = 2 * p;
-        const int T = tiles - t0 < 2 ? 1 : 2, width = N - t0 * GR_NR < T * GR_NR ? (int)(N - t0 * GR_NR) : T * GR_NR;
-        for (int m0 = 0; m0 < M; m0 += GR_MR) {
-            const int R = M - m0 < GR_MR ? M - m0 : GR_MR;
-            struct gr_x x;
-            for (int r = 0; r < R; r++) {
-                x.q[r] = xq + (ptrdiff_t)(m0 + r) * K;
-                x.d[r] = xd + (ptrdiff_t)(m0 + r) * nbx;
-                x.s[r] = xsum + (ptrdiff_t)(m0 + r) * (K / sub);
-            }
-            float res[GR_MR * 2 * GR_NR];
-            const ptrdiff_t at = (half ? 2 : 4) * t0 * tile_scales; /* bytes */
-            gr_block_rows(bits, sub, half, R, T, codes + t0 * tile_codes, tile_codes, (const char *)scale + at,
-                          (const char *)min + at, tile_scales, nsub, per, &x, res);
-            for (int r = 0; r < R; r++) {
-                float *o = out + (ptrdiff_t)(m0 + r) * out_stride + t0 * GR_NR;
-                const float *v = res + GR_NR * T * r;
-                for (int l = 0; l < width; l++)
-                    o[l] = bias ? v[l] + bias[t0 * GR_NR + l] : v[l];
-            }
-        }
+    for (ptrdiff_t pair = 0; pair < (tiles + 1) / 2; pair++) {
+        const ptrdiff_t t0 = 2 * pair;
+        if (tiles - t0 < 2 || T == 1)
+            for (ptrdiff_t t = t0; t < t0 + 2 && t < tiles; t++)
+                gr_tiles_rows(&p, t, 1);
+        else
+            gr_tiles_rows(&p, t0, 2);
     }
     return 0;
 }

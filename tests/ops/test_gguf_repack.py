@@ -45,8 +45,9 @@ def test_values_are_gguf_dequantized_values(kind):
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 13, 40])
 @pytest.mark.parametrize("n", [50, 40])
 def test_products_match_the_float64_reference(kind, m, n):
-    """Every register block (4 rows and their tails; pairs of tiles, 40 outputs leaving a single tile), padded
-    tiles, with a bias; the same products as the block dot product on the file's own blocks."""
+    """Every register block (4 rows and their tails; one tile below 8 rows, pairs of tiles from 8, 40 outputs leaving
+    a single tile), padded tiles, with a bias; the same products as the block dot product on the file's own
+    blocks."""
     k = 512
     raw, w, wf = _weight(kind, n, k, 1)
     x = torch.randn(m, k)
