@@ -477,7 +477,7 @@ static void gd_quantize_row_c(const float *x, int K, int8_t *q, float *d, float 
     gd_quantize_row(x, K, q, d, s, s16);
 }
 
-/* Path isa's quantizer: the SIMD body (256-bit, the same in both SIMD passes) for 1 and 2 where AVX2 runs. */
+/* Path isa's quantizer: the 256-bit SIMD body (the AVX2 pass's) for 1 and 2 where AVX2 runs. */
 static gd_quantize_fn gd_quantizer(int isa) {
 #if GD_SIMD
     static int avx2 = -1;
@@ -1106,6 +1106,7 @@ static void GD_FN(gd_values)(const struct gd_unpacked *u, int K, float *y32, uin
 #endif
 }
 
+#if !GD_VNNI /* one 256-bit body serves both SIMD paths: compiled in the AVX2 pass only */
 /* gd_quantize_row's rule in 256-bit vectors, the same bits: the product x * id rounded once (no FMA), converted
  * with the default rounding (nearest, ties to even, as nearbyintf). */
 static void GD_FN(gd_quantize_row)(const float *x, int K, int8_t *q, float *d, float *s, float *s16) {
@@ -1140,6 +1141,7 @@ static void GD_FN(gd_quantize_row)(const float *x, int K, int8_t *q, float *d, f
         s16[2 * b + 1] = db * (float)sum[1];
     }
 }
+#endif
 #undef GD_BLOCK
 #undef GD_ROW_BLOCK
 #undef GD_INLINE

@@ -248,8 +248,6 @@ GR_INLINE void gr_block(const int bits, const int sub, const int half, const int
     case 1: GR_BLOCK(bits, sub, half, 1) break;                                                                     \
     case 2: GR_BLOCK(bits, sub, half, 2) break;                                                                     \
     case 3: GR_BLOCK(bits, sub, half, 3) break;                                                                     \
-    case 4: GR_BLOCK(bits, sub, half, 4) break;                                                                     \
-    case 5: GR_BLOCK(bits, sub, half, 5) break;                                                                     \
     default: GR_BLOCK(bits, sub, half, GR_MR) break;                                                                \
     }
 
