@@ -1,10 +1,10 @@
-"""The W8A8 linear's two paths by row count: the C kernel (native/int8_gemm.c, each ISA the CPU runs)
-against oneDNN's int8 matmul (torch._int_mm with the same per-token quantization and rescale) and the
-float32 linear the engine runs otherwise (skinny GEMM up to its rows, oneDNN's packed copy above), on
-SmolLM2-135M's projection shapes. Interleaved rounds, median per cell; the crossover rows set
-``pagedllm.quantization.w8a8.KERNEL_MAX_ROWS``.
+"""The W8A8 linear by row count: the C kernel (native/int8_gemm.c, each ISA the CPU runs) with activation
+groups of ``w8a8.ACTIVATION_GROUP`` features (``c_<isa>``) and with one scale per row (``c_<isa>_per_token``),
+against oneDNN's int8 matmul (``int_mm_per_token``: torch._int_mm, which takes one activation scale per row
+only) and the float32 linear the engine runs otherwise (skinny GEMM up to its rows, oneDNN's packed copy
+above), on SmolLM2-135M's projection shapes. Interleaved rounds, median per cell.
 
-    .venv/bin/python benchmarks/int8_gemm.py [--rows 1 4 16 32 64 128 256] [--rounds 15]
+    .venv/bin/python benchmarks/int8_gemm.py [--rows 1 4 16 64 256 1024] [--rounds 15]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from common import RESULTS_DIR, write_result
 from pagedllm.ops import int8_gemm, skinny_gemm
 from pagedllm.quantization.int8 import quantize_per_channel
-from pagedllm.quantization.w8a8 import w8a8_matmul
+from pagedllm.quantization.w8a8 import ACTIVATION_GROUP, quantize_activations
 
 SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536), "o": (576, 576)}
 
@@ -35,6 +35,12 @@ def float32_linear(w: torch.Tensor, b: torch.Tensor):
     return run
 
 
+def int_mm_per_token(x: torch.Tensor, q_kn: torch.Tensor, scales: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-token W8A8 on oneDNN: int32 sums of the whole row, one rescale."""
+    xq, sx = quantize_activations(x, None)
+    return torch._int_mm(xq, q_kn).float().mul_(sx * scales.unsqueeze(0)).add_(b)
+
+
 def time_us(fn, reps: int) -> float:
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -44,7 +50,7 @@ def time_us(fn, reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 48, 64, 128, 256])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
@@ -59,12 +65,17 @@ def main() -> None:
     for shape, (n, k) in SHAPES.items():
         w, b = torch.randn(n, k) * 0.05, torch.randn(n)
         q, scales = quantize_per_channel(w)
-        packed, q_kn, f32 = int8_gemm.pack(q, scales, b), q.t().contiguous(), float32_linear(w, b)
+        packed = int8_gemm.pack(q, scales, b, ACTIVATION_GROUP)
+        per_token = int8_gemm.pack(q, scales, b)
+        q_kn, f32 = q.t().contiguous(), float32_linear(w, b)
         for m in args.rows:
             x = torch.randn(m, k)
-            fns = {f"c_{isa}": (lambda x=x, c=int8_gemm.ISAS[isa]: int8_gemm.int8_linear(x, packed, kernel, c))
-                   for isa in isas}
-            fns["int_mm"] = lambda x=x: w8a8_matmul(x, q_kn, scales, b)
+            fns = {}
+            for isa in isas:
+                c = int8_gemm.ISAS[isa]
+                fns[f"c_{isa}"] = lambda x=x, c=c: int8_gemm.int8_linear(x, packed, kernel, c)
+                fns[f"c_{isa}_per_token"] = lambda x=x, c=c: int8_gemm.int8_linear(x, per_token, kernel, c)
+            fns["int_mm_per_token"] = lambda x=x: int_mm_per_token(x, q_kn, scales, b)
             fns["float32"] = lambda x=x: f32(x)
             samples = {name: [] for name in fns}
             for fn in fns.values():
@@ -75,7 +86,7 @@ def main() -> None:
             med = {name: statistics.median(v) for name, v in samples.items()}
             results.setdefault(shape, {})[str(m)] = med
             print(f"{shape:>8} {n}x{k} rows {m:4d}: " + " ".join(f"{k_}={v:.0f}us" for k_, v in med.items())
-                  + f"  c/int_mm {med['int_mm'] / med[f'c_{isas[-1]}']:.2f}x  c/f32 {med['float32'] / med[f'c_{isas[-1]}']:.2f}x",
+                  + f"  c/int_mm {med['int_mm_per_token'] / med[f'c_{isas[-1]}']:.2f}x  c/f32 {med['float32'] / med[f'c_{isas[-1]}']:.2f}x",
                   flush=True)
     out = write_result("int8_gemm", {"shapes": {s: list(v) for s, v in SHAPES.items()}, "rows": args.rows,
                                      "rounds": args.rounds, "reps": args.reps, "median_us": results}, args.out)

@@ -1,18 +1,20 @@
-/* W8A8 int8 GEMM for a decode step's rows: out[M, N] = dequant(quant(x[M, K]) @ q[N, K]^T) (+ bias[N]).
+/* W8A8 int8 GEMM: out[M, N] = dequant(quant(x[M, K]) @ q[N, K]^T) (+ bias[N]), every row count.
  *
- * Activations are quantized here per row (dynamic, symmetric): sx = max|x[m]| / 127 (1 for a zero row),
- * xq = round-half-even(x / sx) clamped to [-127, 127]. Weights come quantized per output channel
- * (int8 in [-127, 127], scale sw[n]) and packed once (pagedllm/quantization/w8a8.py) into panels of
- * I8_NR columns: for each group of 4 k, I8_NR columns of 4 consecutive int8 (zero past N and K).
- * Integer sums are exact, so the order of k does not matter; each output is then
- *     out = (float)acc * (sx[m] * sw[n])  (+ bias[n])
- * rounded in that order (built with -ffp-contract=off): the same formula, bit for bit, as the torch path
- * in w8a8.py, independent of M, the other rows, the thread count and the ISA (batch-invariant).
+ * Activations are quantized here per row and group of `group` k (dynamic, symmetric; per-token-group
+ * quantization, one group per row when group >= K): for group g of row m, sx[m, g] = max|x[m, g]| / 127
+ * (1 for a zero group), xq = round-half-even(x / sx) clamped to [-127, 127]. Weights come quantized per
+ * output channel (int8 in [-127, 127], scale sw[n]) and packed once (pagedllm/ops/int8_gemm.py) into
+ * panels of I8_NR columns: for each group of 4 k, I8_NR columns of 4 consecutive bytes q + 128 (u8;
+ * 128, i.e. q = 0, past N and K). Each group's integer sum acc[m, n, g] is exact, and each output is
+ *     f = 0; for g in order: f = f + (float)acc[m, n, g] * sx[m, g];  out = f * sw[n]  (+ bias[n])
+ * each operation rounded on its own (built with -ffp-contract=off): the torch formula in
+ * pagedllm/quantization/w8a8.py bit for bit, independent of M, the other rows, the thread count and the
+ * ISA (batch-invariant).
  *
  * ISAs (chosen per call, never above what this build has):
- *   2 AVX512-VNNI: vpdpbusd on (xq + 128) as u8 times w as s8; the offset's 128 * sum_k w[n, k] (colsum
- *     argument) is subtracted per column.
- *   1 AVX2: vpmaddubsw on |xq| (u8) times sign(w, xq) (s8): pairs stay below 2 * 127 * 127 (no
+ *   2 AVX512-VNNI: vpdpbusd on the weights' u8 (q + 128) times xq as s8; the offset's
+ *     128 * sum_{k in g} xq[m, k] is each group's starting value, subtracted.
+ *   1 AVX2: vpmaddubsw on |xq| (u8) times sign(q, xq) (s8): pairs stay below 2 * 127 * 127 (no
  *     saturation), then vpmaddwd against ones to int32.
  *   0 scalar: plain int32 sums, any x86-64 (or other) CPU.
  */
@@ -25,20 +27,20 @@
 #include <immintrin.h>
 #endif
 
-#define INT8_GEMM_ABI_VERSION 1
-#define I8_NR 64 /* output columns per panel: 4 zmm (or 8 ymm) of int32 accumulators */
+#define INT8_GEMM_ABI_VERSION 2
+#define I8_NR 64 /* output columns per panel: 4 zmm (or 8 ymm) */
 #define I8_KG 4  /* k per group: one int32 lane holds 4 int8 */
 #define I8_PREFETCH_GROUPS 16 /* k groups read ahead on a panel's first walk (16 KiB) */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define I8_HAVE_VNNI 1
-#define I8_VNNI_MR 6 /* rows per tile: 6 * 4 accumulators + 4 weights + 1 broadcast <= 32 zmm */
+#define I8_VNNI_MR 3 /* rows per tile: 3 * 4 int32 + 3 * 4 float accumulators + 4 weights + 1 broadcast <= 32 zmm */
 #else
 #define I8_HAVE_VNNI 0
 #endif
 #if defined(__AVX2__)
 #define I8_HAVE_AVX2 1
-#define I8_AVX2_MR 4 /* 4 * 2 accumulators + 2 weights + ones + 4 temporaries <= 16 ymm */
+#define I8_AVX2_MR 2 /* 2 * 2 int32 + 2 * 2 float accumulators + 2 weights + ones + 4 temporaries <= 16 ymm */
 #else
 #define I8_HAVE_AVX2 0
 #endif
@@ -67,173 +69,209 @@ static inline int32_t i8_load4(const void *p) {
     return v;
 }
 
-/* Row m of x -> xq[m] (Kp bytes, zero past K) and sx[m]; the torch path's formula (w8a8.py). */
-static void i8_quantize_row(const float *x, int K, int Kp, int8_t *xq, float *sx) {
-    float amax = 0.0f;
-    for (int k = 0; k < K; k++) {
-        const float a = fabsf(x[k]);
-        amax = a > amax ? a : amax;
-    }
-    const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-    for (int k = 0; k < K; k++) {
-        float q = nearbyintf(x[k] / s); /* the default rounding mode: half to even, as torch.round */
-        q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-        xq[k] = (int8_t)q;
+/* The activation rows as the kernels read them. */
+struct i8_rows {
+    int8_t *xq;    /* M rows of Kp s8, zero past K */
+    uint8_t *xa;   /* |xq| (AVX2) */
+    float *sx;     /* M x groups scales */
+    int32_t *corr; /* M x groups: 128 * the group's sum of xq (VNNI's weight offset) */
+    ptrdiff_t stride;
+    int groups;   /* activation groups per row */
+    int group_kg; /* k groups (of I8_KG) per activation group */
+};
+
+/* Row x -> xq (Kp bytes, zero past K), sx and corr per group of `group` k; the torch path's formula. */
+static void i8_quantize_row(const float *x, int K, int Kp, int group, int groups, int8_t *xq, float *sx,
+                            int32_t *corr) {
+    for (int g = 0; g < groups; g++) {
+        const int k0 = g * group, k1 = k0 + group < K ? k0 + group : K;
+        float amax = 0.0f;
+        for (int k = k0; k < k1; k++) {
+            const float a = fabsf(x[k]);
+            amax = a > amax ? a : amax;
+        }
+        const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+        int32_t sum = 0;
+        for (int k = k0; k < k1; k++) {
+            float q = nearbyintf(x[k] / s); /* the default rounding mode: half to even, as torch.round */
+            q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+            xq[k] = (int8_t)q;
+            sum += (int32_t)q;
+        }
+        sx[g] = s;
+        corr[g] = 128 * sum;
     }
     memset(xq + K, 0, (size_t)(Kp - K));
-    *sx = s;
 }
 
-/* acc: rows x I8_NR int32 sums of one tile -> out's columns [0, cols), rescaled (see the header); the
- * vector forms round exactly as the scalar one (two IEEE operations, no fused multiply-add). */
-static void i8_epilogue(const int32_t *acc, int rows, int cols, const int32_t *comp, const float *sx,
-                        const float *sw, const float *bias, float *out, ptrdiff_t out_stride) {
+/* The k groups [kg0, kg1) of activation group g. */
+static inline void i8_group_range(const struct i8_rows *xr, int g, int kgroups, int *kg0, int *kg1) {
+    *kg0 = g * xr->group_kg;
+    *kg1 = *kg0 + xr->group_kg < kgroups ? *kg0 + xr->group_kg : kgroups;
+}
+
+static inline __attribute__((always_inline)) void i8_tile_scalar(const struct i8_rows *xr, int m0,
+                                                                 const uint8_t *panel, int kgroups,
+                                                                 const float *sw, const float *bias, float *out,
+                                                                 ptrdiff_t out_stride, int cols, int rows) {
     for (int r = 0; r < rows; r++) {
-        int c = 0;
-        float *o = out + (ptrdiff_t)r * out_stride;
-        const int32_t *a = acc + r * I8_NR;
-#if defined(__AVX512F__)
-        const __m512 vsx = _mm512_set1_ps(sx[r]);
-        for (; c < cols; c += 16) {
-            const __mmask16 mask = cols - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cols - c)) - 1);
-            __m512i v = _mm512_loadu_si512((const void *)(a + c));
-            if (comp)
-                v = _mm512_sub_epi32(v, _mm512_loadu_si512((const void *)(comp + c)));
-            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(vsx, _mm512_loadu_ps(sw + c)));
-            if (bias)
-                f = _mm512_add_ps(f, _mm512_loadu_ps(bias + c));
-            _mm512_mask_storeu_ps(o + c, mask, f);
-        }
-#elif defined(__AVX2__)
-        const __m256 vsx = _mm256_set1_ps(sx[r]);
-        for (; c + 8 <= cols; c += 8) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(a + c));
-            if (comp)
-                v = _mm256_sub_epi32(v, _mm256_loadu_si256((const __m256i *)(comp + c)));
-            __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(vsx, _mm256_loadu_ps(sw + c)));
-            if (bias)
-                f = _mm256_add_ps(f, _mm256_loadu_ps(bias + c));
-            _mm256_storeu_ps(o + c, f);
-        }
-#endif
-        for (; c < cols; c++) {
-            const float scale = sx[r] * sw[c];
-            float v = (float)(a[c] - (comp ? comp[c] : 0)) * scale;
+        const int8_t *a = xr->xq + (ptrdiff_t)(m0 + r) * xr->stride;
+        const float *sx = xr->sx + (ptrdiff_t)(m0 + r) * xr->groups;
+        for (int c = 0; c < cols; c++) {
+            float f = 0.0f;
+            for (int g = 0; g < xr->groups; g++) {
+                int kg0, kg1;
+                i8_group_range(xr, g, kgroups, &kg0, &kg1);
+                int32_t s = 0;
+                for (int kg = kg0; kg < kg1; kg++) {
+                    const uint8_t *w = panel + ((ptrdiff_t)kg * I8_NR + c) * I8_KG;
+                    const int8_t *x = a + kg * I8_KG;
+                    for (int i = 0; i < I8_KG; i++)
+                        s += x[i] * ((int32_t)w[i] - 128);
+                }
+                f = f + (float)s * sx[g];
+            }
+            float v = f * sw[c];
             if (bias)
                 v = v + bias[c];
-            o[c] = v;
-        }
-    }
-}
-
-static inline __attribute__((always_inline)) void i8_tile_scalar(const int8_t *xq, ptrdiff_t xs,
-                                                                 const int8_t *panel, int groups, int32_t *acc,
-                                                                 int rows) {
-    for (int r = 0; r < rows; r++) {
-        for (int c = 0; c < I8_NR; c++) {
-            int32_t s = 0;
-            for (int g = 0; g < groups; g++) {
-                const int8_t *w = panel + ((ptrdiff_t)g * I8_NR + c) * I8_KG;
-                const int8_t *a = xq + r * xs + g * I8_KG;
-                s += a[0] * w[0] + a[1] * w[1] + a[2] * w[2] + a[3] * w[3];
-            }
-            acc[r * I8_NR + c] = s;
+            out[(ptrdiff_t)r * out_stride + c] = v;
         }
     }
 }
 
 #if I8_HAVE_AVX2
-/* xq: s8 rows; xa: |xq| rows (u8); 16 columns (2 ymm) at a time across the panel. */
-static inline __attribute__((always_inline)) void i8_tile_avx2(const int8_t *xq, const uint8_t *xa, ptrdiff_t xs,
-                                                               const int8_t *panel, int groups, int32_t *acc_out,
-                                                               const int rows, const int prefetch) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int cb = 0; cb < I8_NR / 16; cb++) {
-        __m256i acc[I8_AVX2_MR][2];
+/* 16 columns (2 ymm) at a time across the panel; weights back to s8 by flipping their top bit. */
+static inline __attribute__((always_inline)) void i8_tile_avx2(const struct i8_rows *xr, int m0,
+                                                               const uint8_t *panel, int kgroups, const float *sw,
+                                                               const float *bias, float *out, ptrdiff_t out_stride,
+                                                               int cols, const int rows, const int prefetch) {
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    const ptrdiff_t xs = xr->stride;
+    const int8_t *xq = xr->xq + (ptrdiff_t)m0 * xs;
+    const uint8_t *xa = xr->xa + (ptrdiff_t)m0 * xs;
+    for (int cb = 0; cb < I8_NR / 16 && cb * 16 < cols; cb++) {
+        __m256 f[I8_AVX2_MR][2];
         for (int r = 0; r < rows; r++)
-            acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-        for (int g = 0; g < groups; g++) {
-            const int8_t *w = panel + (ptrdiff_t)g * I8_NR * I8_KG + cb * 64;
-            if (prefetch && cb == 0)
-                for (int l = 0; l < I8_NR * I8_KG; l += 64)
-                    __builtin_prefetch(w + (ptrdiff_t)I8_PREFETCH_GROUPS * I8_NR * I8_KG + l, 0, 3);
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)w);
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+            f[r][0] = f[r][1] = _mm256_setzero_ps();
+        for (int g = 0; g < xr->groups; g++) {
+            int kg0, kg1;
+            i8_group_range(xr, g, kgroups, &kg0, &kg1);
+            __m256i acc[I8_AVX2_MR][2];
+            for (int r = 0; r < rows; r++)
+                acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+            for (int kg = kg0; kg < kg1; kg++) {
+                const uint8_t *w = panel + (ptrdiff_t)kg * I8_NR * I8_KG + cb * 64;
+                if (prefetch && cb == 0)
+                    for (int l = 0; l < I8_NR * I8_KG; l += 64)
+                        __builtin_prefetch(w + (ptrdiff_t)I8_PREFETCH_GROUPS * I8_NR * I8_KG + l, 0, 3);
+                const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)w), flip);
+                const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 32)), flip);
+                for (int r = 0; r < rows; r++) {
+                    const __m256i a = _mm256_set1_epi32(i8_load4(xa + r * xs + kg * I8_KG));
+                    const __m256i sg = _mm256_set1_epi32(i8_load4(xq + r * xs + kg * I8_KG));
+                    const __m256i p0 = _mm256_maddubs_epi16(a, _mm256_sign_epi8(w0, sg));
+                    const __m256i p1 = _mm256_maddubs_epi16(a, _mm256_sign_epi8(w1, sg));
+                    acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(p0, ones));
+                    acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(p1, ones));
+                }
+            }
             for (int r = 0; r < rows; r++) {
-                const __m256i a = _mm256_set1_epi32(i8_load4(xa + r * xs + g * I8_KG));
-                const __m256i sg = _mm256_set1_epi32(i8_load4(xq + r * xs + g * I8_KG));
-                const __m256i p0 = _mm256_maddubs_epi16(a, _mm256_sign_epi8(w0, sg));
-                const __m256i p1 = _mm256_maddubs_epi16(a, _mm256_sign_epi8(w1, sg));
-                acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(p0, ones));
-                acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(p1, ones));
+                const __m256 s = _mm256_set1_ps(xr->sx[(ptrdiff_t)(m0 + r) * xr->groups + g]);
+                for (int j = 0; j < 2; j++)
+                    f[r][j] = _mm256_add_ps(f[r][j], _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][j]), s));
             }
         }
         for (int r = 0; r < rows; r++) {
-            _mm256_storeu_si256((__m256i *)(acc_out + r * I8_NR + cb * 16), acc[r][0]);
-            _mm256_storeu_si256((__m256i *)(acc_out + r * I8_NR + cb * 16 + 8), acc[r][1]);
+            float tmp[16] __attribute__((aligned(32)));
+            for (int j = 0; j < 2; j++) {
+                __m256 v = _mm256_mul_ps(f[r][j], _mm256_loadu_ps(sw + cb * 16 + j * 8));
+                if (bias)
+                    v = _mm256_add_ps(v, _mm256_loadu_ps(bias + cb * 16 + j * 8));
+                _mm256_store_ps(tmp + j * 8, v);
+            }
+            const int n = cols - cb * 16 < 16 ? cols - cb * 16 : 16;
+            memcpy(out + (ptrdiff_t)r * out_stride + cb * 16, tmp, (size_t)n * sizeof(float));
         }
     }
 }
 #endif
 
 #if I8_HAVE_VNNI
-/* xu: (xq + 128) rows as u8. */
-static inline __attribute__((always_inline)) void i8_tile_vnni(const uint8_t *xu, ptrdiff_t xs, const int8_t *panel,
-                                                               int groups, int32_t *acc_out, const int rows,
-                                                               const int prefetch) {
-    __m512i acc[I8_VNNI_MR][4];
+static inline __attribute__((always_inline)) void i8_tile_vnni(const struct i8_rows *xr, int m0,
+                                                               const uint8_t *panel, int kgroups, const float *sw,
+                                                               const float *bias, float *out, ptrdiff_t out_stride,
+                                                               int cols, const int rows, const int prefetch) {
+    const ptrdiff_t xs = xr->stride;
+    const int8_t *xq = xr->xq + (ptrdiff_t)m0 * xs;
+    __m512 f[I8_VNNI_MR][4];
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 4; j++)
-            acc[r][j] = _mm512_setzero_si512();
-    for (int g = 0; g < groups; g++) {
-        const int8_t *w = panel + (ptrdiff_t)g * I8_NR * I8_KG;
-        if (prefetch)
-            for (int j = 0; j < 4; j++)
-                __builtin_prefetch(w + (ptrdiff_t)I8_PREFETCH_GROUPS * I8_NR * I8_KG + j * 64, 0, 3);
-        __m512i wv[4];
-        for (int j = 0; j < 4; j++)
-            wv[j] = _mm512_loadu_si512((const void *)(w + j * 64));
+            f[r][j] = _mm512_setzero_ps();
+    for (int g = 0; g < xr->groups; g++) {
+        int kg0, kg1;
+        i8_group_range(xr, g, kgroups, &kg0, &kg1);
+        __m512i acc[I8_VNNI_MR][4];
         for (int r = 0; r < rows; r++) {
-            const __m512i a = _mm512_set1_epi32(i8_load4(xu + r * xs + g * I8_KG));
+            const __m512i start = _mm512_set1_epi32(-xr->corr[(ptrdiff_t)(m0 + r) * xr->groups + g]);
             for (int j = 0; j < 4; j++)
-                acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], a, wv[j]);
+                acc[r][j] = start;
+        }
+        for (int kg = kg0; kg < kg1; kg++) {
+            const uint8_t *w = panel + (ptrdiff_t)kg * I8_NR * I8_KG;
+            if (prefetch)
+                for (int j = 0; j < 4; j++)
+                    __builtin_prefetch(w + (ptrdiff_t)I8_PREFETCH_GROUPS * I8_NR * I8_KG + j * 64, 0, 3);
+            __m512i wv[4];
+            for (int j = 0; j < 4; j++)
+                wv[j] = _mm512_loadu_si512((const void *)(w + j * 64));
+            for (int r = 0; r < rows; r++) {
+                const __m512i a = _mm512_set1_epi32(i8_load4(xq + r * xs + kg * I8_KG));
+                for (int j = 0; j < 4; j++)
+                    acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], wv[j], a);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const __m512 s = _mm512_set1_ps(xr->sx[(ptrdiff_t)(m0 + r) * xr->groups + g]);
+            for (int j = 0; j < 4; j++)
+                f[r][j] = _mm512_add_ps(f[r][j], _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][j]), s));
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int j = 0; j < 4; j++)
-            _mm512_storeu_si512((void *)(acc_out + r * I8_NR + j * 16), acc[r][j]);
+        for (int j = 0; j < 4 && j * 16 < cols; j++) {
+            const __mmask16 mask = cols - j * 16 >= 16 ? (__mmask16)0xffff
+                                                       : (__mmask16)((1u << (cols - j * 16)) - 1);
+            __m512 v = _mm512_mul_ps(f[r][j], _mm512_loadu_ps(sw + j * 16));
+            if (bias)
+                v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j * 16));
+            _mm512_mask_storeu_ps(out + (ptrdiff_t)r * out_stride + j * 16, mask, v);
+        }
 }
 #endif
 
-/* The activation rows as each ISA reads them: s8 (scalar, AVX2), |s8| (AVX2), s8 + 128 (VNNI). */
-struct i8_rows {
-    int8_t *xq;
-    uint8_t *xa;
-    float *sx;
-    ptrdiff_t stride;
-};
-
-static int i8_prepare_rows(const float *x, ptrdiff_t x_stride, int M, int K, int isa, int num_threads,
+static int i8_prepare_rows(const float *x, ptrdiff_t x_stride, int M, int K, int group, int isa, int num_threads,
                            struct i8_rows *rows, void **buffer) {
     const int Kp = (K + I8_KG - 1) / I8_KG * I8_KG;
+    const int groups = (K + group - 1) / group;
     const size_t row_bytes = (size_t)(Kp + 63) / 64 * 64;
-    char *buf = aligned_alloc(64, row_bytes * (size_t)M * 2 + ((size_t)M * sizeof(float) + 63) / 64 * 64);
+    const size_t scale_bytes = ((size_t)M * (size_t)groups * sizeof(float) + 63) / 64 * 64;
+    char *buf = aligned_alloc(64, row_bytes * (size_t)M * 2 + scale_bytes * 2);
     if (!buf)
         return -1;
     rows->xq = (int8_t *)buf;
     rows->xa = (uint8_t *)(buf + row_bytes * (size_t)M);
     rows->sx = (float *)(buf + row_bytes * (size_t)M * 2);
+    rows->corr = (int32_t *)(buf + row_bytes * (size_t)M * 2 + scale_bytes);
     rows->stride = (ptrdiff_t)row_bytes;
+    rows->groups = groups;
+    rows->group_kg = group / I8_KG;
     (void)num_threads;
 #pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && (long)M * K >= 65536)
     for (int m = 0; m < M; m++) {
         int8_t *q = rows->xq + (ptrdiff_t)m * rows->stride;
-        i8_quantize_row(x + (ptrdiff_t)m * x_stride, K, Kp, q, rows->sx + m);
-        uint8_t *a = rows->xa + (ptrdiff_t)m * rows->stride;
-        if (isa == I8_ISA_VNNI) {
-            for (int k = 0; k < Kp; k++)
-                a[k] = (uint8_t)(q[k] + 128);
-        } else if (isa == I8_ISA_AVX2) {
+        i8_quantize_row(x + (ptrdiff_t)m * x_stride, K, Kp, group, groups, q, rows->sx + (ptrdiff_t)m * groups,
+                        rows->corr + (ptrdiff_t)m * groups);
+        if (isa == I8_ISA_AVX2) {
+            uint8_t *a = rows->xa + (ptrdiff_t)m * rows->stride;
             for (int k = 0; k < Kp; k++)
                 a[k] = (uint8_t)(q[k] < 0 ? -q[k] : q[k]);
         }
@@ -242,25 +280,21 @@ static int i8_prepare_rows(const float *x, ptrdiff_t x_stride, int M, int K, int
     return 0;
 }
 
-#define I8_CASE(FN, R, ...)                                                                                       \
+#define I8_CASE(FN, R)                                                                                            \
     case R:                                                                                                        \
-        if (m0 == 0) FN(__VA_ARGS__, R, 1); else FN(__VA_ARGS__, R, 0);                                           \
+        if (m0 == 0) FN(xr, m0, panel, kgroups, sw, bias, out, out_stride, cols, R, 1);                           \
+        else FN(xr, m0, panel, kgroups, sw, bias, out, out_stride, cols, R, 0);                                   \
         break;
 
-/* The tile of rows [m0, m0 + rows) against panel p into acc (rows x I8_NR int32). */
-static void i8_tile(const struct i8_rows *xr, int isa, const int8_t *panel, int groups, int32_t *acc, int m0,
-                    int rows) {
-    const ptrdiff_t off = (ptrdiff_t)m0 * xr->stride, xs = xr->stride;
-    (void)off, (void)xs;
+/* The tile of rows [m0, m0 + rows) against one panel, written to out (rows x cols). */
+static void i8_tile(const struct i8_rows *xr, int isa, const uint8_t *panel, int kgroups, const float *sw,
+                    const float *bias, float *out, ptrdiff_t out_stride, int cols, int m0, int rows) {
 #if I8_HAVE_VNNI
     if (isa == I8_ISA_VNNI) {
         switch (rows) {
-            I8_CASE(i8_tile_vnni, 6, xr->xa + off, xs, panel, groups, acc)
-            I8_CASE(i8_tile_vnni, 5, xr->xa + off, xs, panel, groups, acc)
-            I8_CASE(i8_tile_vnni, 4, xr->xa + off, xs, panel, groups, acc)
-            I8_CASE(i8_tile_vnni, 3, xr->xa + off, xs, panel, groups, acc)
-            I8_CASE(i8_tile_vnni, 2, xr->xa + off, xs, panel, groups, acc)
-            I8_CASE(i8_tile_vnni, 1, xr->xa + off, xs, panel, groups, acc)
+            I8_CASE(i8_tile_vnni, 3)
+            I8_CASE(i8_tile_vnni, 2)
+            I8_CASE(i8_tile_vnni, 1)
         }
         return;
     }
@@ -268,15 +302,14 @@ static void i8_tile(const struct i8_rows *xr, int isa, const int8_t *panel, int 
 #if I8_HAVE_AVX2
     if (isa == I8_ISA_AVX2) {
         switch (rows) {
-            I8_CASE(i8_tile_avx2, 4, xr->xq + off, xr->xa + off, xs, panel, groups, acc)
-            I8_CASE(i8_tile_avx2, 3, xr->xq + off, xr->xa + off, xs, panel, groups, acc)
-            I8_CASE(i8_tile_avx2, 2, xr->xq + off, xr->xa + off, xs, panel, groups, acc)
-            I8_CASE(i8_tile_avx2, 1, xr->xq + off, xr->xa + off, xs, panel, groups, acc)
+            I8_CASE(i8_tile_avx2, 2)
+            I8_CASE(i8_tile_avx2, 1)
         }
         return;
     }
 #endif
-    i8_tile_scalar(xr->xq + off, xs, panel, groups, acc, rows);
+    (void)isa;
+    i8_tile_scalar(xr, m0, panel, kgroups, sw, bias, out, out_stride, cols, rows);
 }
 
 static int i8_tile_rows(int isa) {
@@ -293,33 +326,33 @@ static int i8_tile_rows(int isa) {
 }
 
 /* out[m, n] for x (M, K) float32 (row stride x_stride) and the packed weight: ceil(N / 64) panels of
- * ceil(K / 4) groups x 64 columns x 4 int8. colsum: 128 * sum_k q[n, k], w_scale and bias (NULL or not):
- * ceil(N / 64) * 64 entries, zero-padded. isa: 0, 1, 2 (see the header). Returns 0, or -1 when isa is
- * above pagedllm_int8_gemm_best_isa() or the scratch rows cannot be allocated (nothing written). */
-int int8_gemm_f32(const float *x, ptrdiff_t x_stride, const int8_t *packed, const int32_t *colsum,
-                  const float *w_scale, const float *bias, float *out, ptrdiff_t out_stride, int M, int N, int K,
-                  int isa, int num_threads) {
+ * ceil(K / 4) groups x 64 columns x 4 bytes q + 128. w_scale and bias (NULL or not): ceil(N / 64) * 64
+ * entries, zero-padded. group: k per activation scale, a positive multiple of 4 (>= K: one per row).
+ * isa: 0, 1, 2 (see the header). Returns 0, -1 when isa is above pagedllm_int8_gemm_best_isa() or the
+ * scratch rows cannot be allocated, -2 for a group that is not a positive multiple of 4 (nothing written). */
+int int8_gemm_f32(const float *x, ptrdiff_t x_stride, const uint8_t *packed, const float *w_scale,
+                  const float *bias, float *out, ptrdiff_t out_stride, int M, int N, int K, int group, int isa,
+                  int num_threads) {
     if (isa < 0 || isa > pagedllm_int8_gemm_best_isa())
         return -1;
+    if (group <= 0 || group % I8_KG)
+        return -2;
     if (M <= 0 || N <= 0)
         return 0;
     struct i8_rows xr;
     void *buffer = NULL;
-    if (i8_prepare_rows(x, x_stride, M, K, isa, num_threads, &xr, &buffer))
+    if (i8_prepare_rows(x, x_stride, M, K, group, isa, num_threads, &xr, &buffer))
         return -1;
-    const int groups = (K + I8_KG - 1) / I8_KG, panels = (N + I8_NR - 1) / I8_NR, mr = i8_tile_rows(isa);
-    const ptrdiff_t panel_bytes = (ptrdiff_t)groups * I8_NR * I8_KG;
+    const int kgroups = (K + I8_KG - 1) / I8_KG, panels = (N + I8_NR - 1) / I8_NR, mr = i8_tile_rows(isa);
+    const ptrdiff_t panel_bytes = (ptrdiff_t)kgroups * I8_NR * I8_KG;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1 && panels > 1)
     for (int p = 0; p < panels; p++) {
-        int32_t acc[8 * I8_NR] __attribute__((aligned(64)));
         const int cols = N - p * I8_NR < I8_NR ? N - p * I8_NR : I8_NR;
-        const int8_t *panel = packed + (ptrdiff_t)p * panel_bytes;
+        const uint8_t *panel = packed + (ptrdiff_t)p * panel_bytes;
         for (int m0 = 0; m0 < M; m0 += mr) {
             const int rows = M - m0 < mr ? M - m0 : mr;
-            i8_tile(&xr, isa, panel, groups, acc, m0, rows);
-            i8_epilogue(acc, rows, cols, isa == I8_ISA_VNNI ? colsum + p * I8_NR : NULL, xr.sx + m0,
-                        w_scale + p * I8_NR, bias ? bias + p * I8_NR : NULL,
-                        out + (ptrdiff_t)m0 * out_stride + (ptrdiff_t)p * I8_NR, out_stride);
+            i8_tile(&xr, isa, panel, kgroups, w_scale + p * I8_NR, bias ? bias + p * I8_NR : NULL,
+                    out + (ptrdiff_t)m0 * out_stride + (ptrdiff_t)p * I8_NR, out_stride, cols, m0, rows);
         }
     }
     free(buffer);

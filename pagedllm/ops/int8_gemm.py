@@ -1,7 +1,7 @@
-"""The W8A8 decode-row kernel (``native/int8_gemm.c``): float32 rows quantized per row to int8 inside the
-kernel, times a per-channel int8 weight packed once (:func:`pack`), exact int32 sums, one float rescale
-(+ bias). Its output is the torch formula in :mod:`pagedllm.quantization.w8a8` bit for bit, whatever the
-rows, threads or ISA. The ISA: ``envs.INT8_GEMM_ISA`` (auto = the best this build runs) or :func:`set_isa`.
+"""The W8A8 kernel (``native/int8_gemm.c``): float32 rows quantized to int8 inside the kernel per row and group
+of the weight's ``activation_group`` k, times a per-channel int8 weight packed once (:func:`pack`), exact int32
+sums per group, float rescales (+ bias). Its output is the torch formula in :mod:`pagedllm.quantization.w8a8` bit
+for bit, whatever the rows, threads or ISA. The ISA: ``envs.INT8_GEMM_ISA`` (auto = the best this build runs) or :func:`set_isa`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ __all__ = ["ISAS", "Int8GemmKernel", "Int8Weight", "int8_linear", "isa", "load_k
 
 ISAS = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}  # int8_gemm.c's isa codes
 _SOURCE = native.SOURCE_DIR / "int8_gemm.c"
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _K_GROUP = 4  # int8 per int32 lane (int8_gemm.c's I8_KG)
 # the rescale is the torch formula's two roundings: no fused multiply-add
 _FLAGS = ("-ffp-contract=off",)
@@ -30,20 +30,21 @@ _p, _i, _ssize = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t
 
 @dataclass(frozen=True)
 class Int8Weight:
-    """A (N = out_features, K = in_features) int8 weight packed for :func:`int8_linear`: ``panels`` int8
-    (ceil(N / 64), ceil(K / 4), 64, 4), zero past N and K; ``colsum`` int32 = 128 * sum_k q[n, k];
-    ``scales`` float32 per channel and ``bias`` float32 (or None), both zero-padded to the panels."""
+    """A (N = out_features, K = in_features) int8 weight packed for :func:`int8_linear`: ``panels`` uint8
+    (ceil(N / 64), ceil(K / 4), 64, 4) holding q + 128 (128 past N and K); ``scales`` float32 per channel and
+    ``bias`` float32 (or None), both zero-padded to the panels; ``activation_group``: k per activation scale
+    (in_features: one per row)."""
 
     panels: torch.Tensor
-    colsum: torch.Tensor
     scales: torch.Tensor
     bias: torch.Tensor | None
     out_features: int
     in_features: int
+    activation_group: int
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.panels, self.colsum, self.scales, self.bias) if t is not None)
+        return sum(t.nbytes for t in (self.panels, self.scales, self.bias) if t is not None)
 
 
 class Int8GemmKernel:
@@ -58,7 +59,7 @@ class Int8GemmKernel:
         self.panel_width: int = lib.pagedllm_int8_gemm_panel_width()
         self.best_isa: int = lib.pagedllm_int8_gemm_best_isa()
         self.gemm = lib.int8_gemm_f32
-        self.gemm.argtypes = [_p, _ssize, _p, _p, _p, _p, _p, _ssize, _i, _i, _i, _i, _i]
+        self.gemm.argtypes = [_p, _ssize, _p, _p, _p, _p, _ssize, _i, _i, _i, _i, _i, _i]
         self.gemm.restype = _i
         self._lib = lib
 
@@ -110,25 +111,31 @@ def set_isa(name: str | None) -> None:
     _isa.append(ISAS[name])
 
 
-def pack(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, width: int = 64) -> Int8Weight:
-    """q (N, K) int8 in [-127, 127] and scales (N,) float32 (and bias (N,)) in the kernel's layout."""
+def pack(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, activation_group: int | None = None,
+         width: int = 64) -> Int8Weight:
+    """q (N, K) int8 in [-127, 127] and scales (N,) float32 (and bias (N,)) in the kernel's layout;
+    ``activation_group`` k per activation scale (None: K, one per row). Raises ValueError for a group that is not
+    a positive multiple of 4."""
     n, k = q.shape
+    if activation_group is not None and (activation_group <= 0 or activation_group % _K_GROUP):
+        raise ValueError(f"activation_group must be a positive multiple of {_K_GROUP}, got {activation_group}")
+    # one group per row: K rounded up to the kernel's k groups (the zero padding past K changes no sum)
+    group = -(-k // _K_GROUP) * _K_GROUP if activation_group is None or activation_group >= k else activation_group
     num_panels, k_pad = -(-n // width), -(-k // _K_GROUP) * _K_GROUP
-    padded = F.pad(q, (0, k_pad - k, 0, num_panels * width - n))
+    padded = F.pad(q, (0, k_pad - k, 0, num_panels * width - n)).to(torch.int16).add_(128).to(torch.uint8)
     # (panel, column, k group, 4) -> (panel, k group, column, 4)
     panels = padded.view(num_panels, width, k_pad // _K_GROUP, _K_GROUP).transpose(1, 2).contiguous()
-    colsum = padded.sum(dim=1, dtype=torch.int32).mul_(128)
     pad_n = num_panels * width - n
     scales = F.pad(scales.float(), (0, pad_n)).contiguous()
     bias = None if bias is None else F.pad(bias.detach().float(), (0, pad_n)).contiguous()
-    return Int8Weight(panels, colsum.contiguous(), scales, bias, n, k)
+    return Int8Weight(panels, scales, bias, n, k, group)
 
 
 def unpack(weight: Int8Weight) -> torch.Tensor:
     """The (N, K) int8 weight :func:`pack` was given."""
     num_panels, groups, width, _ = weight.panels.shape
-    q = weight.panels.transpose(1, 2).reshape(num_panels * width, groups * _K_GROUP)
-    return q[:weight.out_features, :weight.in_features].contiguous()
+    q = weight.panels.transpose(1, 2).reshape(num_panels * width, groups * _K_GROUP).to(torch.int16).sub_(128)
+    return q[:weight.out_features, :weight.in_features].to(torch.int8).contiguous()
 
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight, kernel: Int8GemmKernel | None = None,
@@ -145,15 +152,15 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, kernel: Int8GemmKernel | No
     m = x.shape[0]
     out = torch.empty(m, weight.out_features, dtype=torch.float32)
     bias = weight.bias
-    args = (x.data_ptr(), x.stride(0), weight.panels.data_ptr(), weight.colsum.data_ptr(),
-            weight.scales.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-            weight.out_features, m, weight.out_features, weight.in_features, code, torch.get_num_threads())
+    args = (x.data_ptr(), x.stride(0), weight.panels.data_ptr(), weight.scales.data_ptr(),
+            None if bias is None else bias.data_ptr(), out.data_ptr(), weight.out_features, m, weight.out_features,
+            weight.in_features, weight.activation_group, code, torch.get_num_threads())
     if torch._C._autograd._profiler_enabled():
         with torch.profiler.record_function(PROFILER_EVENT):
             rc = recording.call(kernel.gemm, *args, keep=(weight,))
     else:
         rc = recording.call(kernel.gemm, *args, keep=(weight,))
     if rc != 0:
-        raise ValueError(f"int8_linear: the kernel refused ISA {code} (best here: {kernel.best_isa}) "
-                         f"or could not allocate its scratch rows")
+        raise ValueError(f"int8_linear: the kernel refused ISA {code} (best here: {kernel.best_isa}), activation "
+                         f"group {weight.activation_group}, or could not allocate its scratch rows")
     return out

@@ -39,7 +39,7 @@ def w8a8_linear_method(group_size: int | None) -> LinearMethod:
     time, the scheme's own forward): ``quantization/w8a8.py``'s method for per-channel weight scales. Group-wise
     weight scales (which W8A8's one rescale per output cannot take) run on the weight-only int8 method, activations
     staying float."""
-    return W8A8LinearMethod() if group_size is None else Int8LinearMethod()
+    return W8A8LinearMethod(activation_group=None) if group_size is None else Int8LinearMethod()
 
 
 def kept_group_size(group_size: int | None, in_features: int) -> int:

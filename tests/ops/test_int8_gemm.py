@@ -1,6 +1,7 @@
-"""The W8A8 kernel (pagedllm/native/int8_gemm.c): per-row int8 activations times per-channel int8 weights.
+"""The W8A8 kernel (pagedllm/native/int8_gemm.c): int8 activations per row or per group of features times
+per-channel int8 weights.
 
-Reference: dequantize-then-matmul in float64 (the kernel may differ from it only by its float32 rescale),
+Reference: dequantize-then-matmul in float64 (the kernel may differ from it only by its float32 rescales),
 and the torch formula of :mod:`pagedllm.quantization.w8a8` bit for bit. Every ISA this CPU runs is forced
 (``envs.INT8_GEMM_ISA``); the AVX2-only (``-march=haswell``) and plain x86-64 builds run on any x86-64 host.
 """
@@ -15,7 +16,7 @@ import torch
 from pagedllm.envs import INT8_GEMM_ISA
 from pagedllm.ops import int8_gemm
 from pagedllm.quantization.int8 import quantize_per_channel
-from pagedllm.quantization.w8a8 import quantize_per_token, w8a8_matmul
+from pagedllm.quantization.w8a8 import ACTIVATION_GROUP, quantize_activations, w8a8_matmul
 
 IS_X86 = platform.machine() in ("x86_64", "AMD64")
 BUILDS = {"native": (), "avx2": ("-march=haswell",), "x86-64": ("-march=x86-64",)}
@@ -50,42 +51,74 @@ def _weight(n, k, bias, seed):
     return w, q, scales, b
 
 
-def _dequantized_reference(x, q, scales, b):
-    """float64 (x quantized per row, dequantized) @ (q * scales).T + b."""
-    xq, sx = quantize_per_token(x)
-    out = (xq.double() * sx.double()[:, None]) @ (q.double() * scales.double()[:, None]).T
+def _dequantized_activations(x, group):
+    """float64 x quantized per row (group None) or per group of ``group`` features, dequantized."""
+    xq, sx = quantize_activations(x, group)
+    per_feature = sx.double().repeat_interleave(x.shape[1] if group is None else group, dim=1)
+    return xq.double() * per_feature[:, :x.shape[1]]
+
+
+def _dequantized_reference(x, q, scales, b, group):
+    """float64 (x quantized, dequantized) @ (q * scales).T + b."""
+    out = _dequantized_activations(x, group) @ (q.double() * scales.double()[:, None]).T
     return out if b is None else out + b.double()
 
 
 @pytest.mark.parametrize("n,k", [(70, 13), (64, 64), (130, 577), (5, 3)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_dequantized_float64_and_torch_formula(kernel_isa, n, k, bias):
-    """Column and k tails (N not a multiple of 64, K not of 4); every tile height's row tails."""
+@pytest.mark.parametrize("group", [None, 8, ACTIVATION_GROUP])
+def test_matches_dequantized_float64_and_torch_formula(kernel_isa, n, k, bias, group):
+    """Column and k tails (N not a multiple of 64, K not of 4), a last activation group shorter than the others
+    (577 = 9 * 64 + 1; 13 = 8 + 5), one group per row (None, or a group wider than K); every tile height's row
+    tails."""
     kernel, isa = kernel_isa
     w, q, scales, b = _weight(n, k, bias, n + k)
-    packed = int8_gemm.pack(q, scales, b)
+    packed = int8_gemm.pack(q, scales, b, group)
     g = torch.Generator().manual_seed(1)
     for rows in [*range(1, 14), 40]:
         x = torch.randn(rows, k, generator=g) * 3
         out = int8_gemm.int8_linear(x, packed, kernel, isa)
         assert out.shape == (rows, n) and out.dtype == torch.float32
-        ref = _dequantized_reference(x, q, scales, b)
-        # exact int32 sums; the rescale rounds twice in float32 (and the bias add once)
-        assert (out.double() - ref).abs().max() <= 4 * torch.finfo(torch.float32).eps * ref.abs().max() + 1e-30
-        assert torch.equal(out, w8a8_matmul(x, q.t().contiguous(), scales, b))
+        ref = _dequantized_reference(x, q, scales, b, group)
+        # exact int32 sums per group; each group's rescale and add, the channel scale and the bias add round once
+        # each in float32
+        num_groups = 1 if group is None else -(-k // group)
+        bound = (num_groups + 3) * torch.finfo(torch.float32).eps * (ref.abs().max() + 1)
+        assert (out.double() - ref).abs().max() <= bound
+        assert torch.equal(out, w8a8_matmul(x, q, scales, b, group))
 
 
 def test_every_row_count_1_to_300(kernel_isa):
-    """Rows 1..300 of one input (a small shape): each output row equals the row computed alone."""
+    """Rows 1..300 of one input (a small shape, groups of 8 features): each output row equals the row alone."""
     kernel, isa = kernel_isa
     _, q, scales, b = _weight(67, 21, True, 3)
-    packed = int8_gemm.pack(q, scales, b)
+    packed = int8_gemm.pack(q, scales, b, 8)
     x = torch.randn(300, 21, generator=torch.Generator().manual_seed(4))
     alone = torch.cat([int8_gemm.int8_linear(x[i:i + 1], packed, kernel, isa) for i in range(300)])
-    ref = w8a8_matmul(x, q.t().contiguous(), scales, b)
+    ref = w8a8_matmul(x, q, scales, b, 8)
     assert torch.equal(alone, ref)
     for rows in range(1, 301):
         assert torch.equal(int8_gemm.int8_linear(x[:rows], packed, kernel, isa), ref[:rows]), rows
+
+
+def test_a_group_scale_is_its_own_features_maximum():
+    """An outlier feature coarsens only its own group's int8 steps: the features of the other groups are rounded
+    to within half of their group's max / 127, far below the outlier's step a per-token scale would give them."""
+    x = torch.randn(3, 192)
+    x[:, 5] = 1000.0
+    xq, sx = quantize_activations(x, 64)
+    assert sx.shape == (3, 3)
+    assert torch.equal(sx, x.abs().view(3, 3, 64).amax(dim=2) / 127) and (sx[:, 0] == sx[:, 0].max()).all()
+    err = (_dequantized_activations(x, 64) - x.double()).abs()[:, 64:]
+    assert (err <= sx[:, 1:].double().repeat_interleave(64, dim=1) / 2 * (1 + 1e-6)).all()
+    assert (_dequantized_activations(x, None) - x.double()).abs()[:, 64:].max() > 10 * err.max()
+
+
+def test_an_activation_group_must_be_a_multiple_of_4():
+    _, q, scales, _ = _weight(8, 16, False, 2)
+    for bad in (0, 6, -4):
+        with pytest.raises(ValueError, match="activation_group"):
+            int8_gemm.pack(q, scales, None, bad)
 
 
 def test_quantization_error_bound_against_the_float_weights():
@@ -93,12 +126,14 @@ def test_quantization_error_bound_against_the_float_weights():
     activation and weight scale per product."""
     w, q, scales, b = _weight(96, 200, False, 5)
     x = torch.randn(9, 200, generator=torch.Generator().manual_seed(6))
-    out = int8_gemm.int8_linear(x, int8_gemm.pack(q, scales, b)) if int8_gemm.load_kernel() else \
-        w8a8_matmul(x, q.t().contiguous(), scales, b)
-    _, sx = quantize_per_token(x)
-    dx, dw = sx.double()[:, None] / 2, scales.double()[:, None] / 2  # (M, 1), (N, 1)
-    bound = x.double().abs() @ dw.expand(-1, 200).T + dx * w.double().abs().sum(1)[None, :] + dx * dw.T * 200
-    assert ((out.double() - x.double() @ w.double().T).abs() <= bound * 1.0001 + 1e-6).all()
+    for group in (None, 64):
+        out = int8_gemm.int8_linear(x, int8_gemm.pack(q, scales, b, group)) if int8_gemm.load_kernel() else \
+            w8a8_matmul(x, q, scales, b, group)
+        _, sx = quantize_activations(x, group)
+        dx = (sx.double() / 2).repeat_interleave(200 if group is None else group, dim=1)[:, :200]  # (M, K)
+        dw = scales.double()[:, None] / 2  # (N, 1)
+        bound = x.double().abs() @ dw.expand(-1, 200).T + dx @ w.double().abs().T + dx @ dw.expand(-1, 200).T
+        assert ((out.double() - x.double() @ w.double().T).abs() <= bound * 1.0001 + 1e-6).all()
 
 
 def test_threads_change_no_bits():

@@ -15,7 +15,7 @@ from pagedllm import LLM
 from pagedllm.attention.backend import set_forward_context
 from pagedllm.ops import gguf_repack
 from tests.conftest import build_tiny_llama_dir
-from pagedllm.quantization.w8a8 import W8A8LinearMethod, quantize_per_token
+from pagedllm.quantization.w8a8 import W8A8LinearMethod, quantize_activations
 from tests.gguf_blocks import rounded_activations
 from tests.quantization.checkpoint_writers import (compressed_tensors_dequantized, write_compressed_tensors_folder,
                                                    write_packed_folder)
@@ -69,10 +69,10 @@ def _rounded(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
 
 
 def _per_token(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to int8 per token by W8A8's rule (w8a8.quantize_per_token), in x's dtype."""
+    """x rounded to int8 per token by W8A8's rule (w8a8.quantize_activations), in x's dtype."""
     flat = x.reshape(-1, x.shape[-1]).float()
-    q, sx = quantize_per_token(flat)
-    return (q.double() * sx.double().unsqueeze(1)).reshape(x.shape).to(x.dtype)
+    q, sx = quantize_activations(flat, None)
+    return (q.double() * sx.double()).reshape(x.shape).to(x.dtype)
 
 
 def _input_rounding(model, hf_name: str):
