@@ -29,7 +29,7 @@ CPU_FP32_MATMUL         | fp32 | fp32 bf16       | bf16: float32 models run thei
 CPU_FP32_PREFILL_LINEAR | auto | auto onednn blas | float32 linears of many rows: oneDNN's packed copy (auto: on non-Intel CPUs) or F.linear (BLAS)
 CPU_PACKED_LINEAR       | 1    | 0 1             | 0: the CPU loader packs no linear for oneDNN or the skinny GEMM
 GGUF_DOT_ISA            | auto | auto avx512 avx2 scalar | the GGUF block dot-product kernels' path: auto = the best this CPU runs (AVX512-VNNI, AVX2, portable C); a named path this CPU cannot run is an error
-INT8_GEMM_ISA           | auto | auto avx512_vnni avx2 scalar | the W8A8 decode-row kernel's instruction set (auto: the best this CPU runs; a forced one it lacks is refused)
+INT8_GEMM_ISA           | auto | auto avx512_vnni avx2 scalar | the W8A8 kernel's instruction set (auto: the best this CPU runs; a forced one it lacks is refused)
 ENGINE_CORES            |      | *               | CPU cores the engine's ranks share (default: all); set by the data-parallel launcher per replica
 API_KEY                 |      | *               | the server's API key when --api-key is not given (clients send it as a Bearer token or x-api-key)
 """

@@ -73,13 +73,13 @@ def load_kernel(extra_flags: tuple[str, ...] = ()) -> Int8GemmKernel | None:
     """The kernel (built once per process; ``extra_flags``: another build, e.g. ``-march=haswell``), or None
     when it cannot be built or loaded (logged once)."""
     if extra_flags:
-        return native.load_kernels(_SOURCE, Int8GemmKernel, "int8 GEMM kernel", "torch._int_mm",
+        return native.load_kernels(_SOURCE, Int8GemmKernel, "int8 GEMM kernel", "the torch formula",
                                    _FLAGS + tuple(extra_flags))
     if not _kernel:
         with _load_lock:
             if not _kernel:
                 _kernel.append(native.load_kernels(_SOURCE, Int8GemmKernel, "int8 GEMM kernel",
-                                                   "torch._int_mm", _FLAGS))
+                                                   "the torch formula", _FLAGS))
     return _kernel[0]
 
 
