@@ -40,7 +40,7 @@
 #endif
 #if defined(__AVX2__)
 #define I8_HAVE_AVX2 1
-#define I8_AVX2_MR 2 /* 2 * 2 int32 + 2 * 2 float accumulators + 2 weights + ones + 4 temporaries <= 16 ymm */
+#define I8_AVX2_MR 4 /* 4 * 2 int32 accumulators + 2 weights + ones + 4 temporaries <= 16 ymm */
 #else
 #define I8_HAVE_AVX2 0
 #endif
@@ -140,7 +140,8 @@ static inline __attribute__((always_inline)) void i8_tile_scalar(const struct i8
 }
 
 #if I8_HAVE_AVX2
-/* 16 columns (2 ymm) at a time across the panel; weights back to s8 by flipping their top bit. */
+/* 16 columns (2 ymm) at a time across the panel; weights back to s8 by flipping their top bit. A group's int32
+ * sums stay in registers, the float sums in a rows x 16 tile in L1 (as the VNNI tile's). */
 static inline __attribute__((always_inline)) void i8_tile_avx2(const struct i8_rows *xr, int m0,
                                                                const uint8_t *panel, int kgroups, const float *sw,
                                                                const float *bias, float *out, ptrdiff_t out_stride,
@@ -150,9 +151,9 @@ static inline __attribute__((always_inline)) void i8_tile_avx2(const struct i8_r
     const int8_t *xq = xr->xq + (ptrdiff_t)m0 * xs;
     const uint8_t *xa = xr->xa + (ptrdiff_t)m0 * xs;
     for (int cb = 0; cb < I8_NR / 16 && cb * 16 < cols; cb++) {
-        __m256 f[I8_AVX2_MR][2];
-        for (int r = 0; r < rows; r++)
-            f[r][0] = f[r][1] = _mm256_setzero_ps();
+        float f[I8_AVX2_MR * 16] __attribute__((aligned(32)));
+        for (int i = 0; i < rows * 16; i++)
+            f[i] = 0.0f;
         for (int g = 0; g < xr->groups; g++) {
             int kg0, kg1;
             i8_group_range(xr, g, kgroups, &kg0, &kg1);
@@ -178,19 +179,20 @@ static inline __attribute__((always_inline)) void i8_tile_avx2(const struct i8_r
             for (int r = 0; r < rows; r++) {
                 const __m256 s = _mm256_set1_ps(xr->sx[(ptrdiff_t)(m0 + r) * xr->groups + g]);
                 for (int j = 0; j < 2; j++)
-                    f[r][j] = _mm256_add_ps(f[r][j], _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][j]), s));
+                    _mm256_store_ps(f + r * 16 + j * 8, _mm256_add_ps(_mm256_load_ps(f + r * 16 + j * 8),
+                                    _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][j]), s)));
             }
+            __asm__ volatile("" ::: "memory"); /* f stays in memory (see i8_tile_vnni) */
         }
+        const int n = cols - cb * 16 < 16 ? cols - cb * 16 : 16;
         for (int r = 0; r < rows; r++) {
-            float tmp[16] __attribute__((aligned(32)));
             for (int j = 0; j < 2; j++) {
-                __m256 v = _mm256_mul_ps(f[r][j], _mm256_loadu_ps(sw + cb * 16 + j * 8));
+                __m256 v = _mm256_mul_ps(_mm256_load_ps(f + r * 16 + j * 8), _mm256_loadu_ps(sw + cb * 16 + j * 8));
                 if (bias)
                     v = _mm256_add_ps(v, _mm256_loadu_ps(bias + cb * 16 + j * 8));
-                _mm256_store_ps(tmp + j * 8, v);
+                _mm256_store_ps(f + r * 16 + j * 8, v);
             }
-            const int n = cols - cb * 16 < 16 ? cols - cb * 16 : 16;
-            memcpy(out + (ptrdiff_t)r * out_stride + cb * 16, tmp, (size_t)n * sizeof(float));
+            memcpy(out + (ptrdiff_t)r * out_stride + cb * 16, f + r * 16, (size_t)n * sizeof(float));
         }
     }
 }
@@ -307,6 +309,8 @@ static void i8_tile(const struct i8_rows *xr, int isa, const uint8_t *panel, int
 #if I8_HAVE_AVX2
     if (isa == I8_ISA_AVX2) {
         switch (rows) {
+            I8_CASE(i8_tile_avx2, 4)
+            I8_CASE(i8_tile_avx2, 3)
             I8_CASE(i8_tile_avx2, 2)
             I8_CASE(i8_tile_avx2, 1)
         }
