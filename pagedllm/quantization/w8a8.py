@@ -15,8 +15,10 @@ On the CPU every row count runs ``native/int8_gemm.c`` on a copy of the weight p
 oneDNN's int8 matmul from prefill-sized rows up, which takes one scale per row only); elsewhere, and for a
 row-parallel shard under tensor parallelism, the torch formula below. Both give the same bits for a row
 whatever rows share its call (batch-invariant). bfloat16 activations are rescaled in float32 and rounded once
-to bfloat16. A row-parallel shard (o_proj, down_proj) takes each group's scale over the whole row (the ranks'
-maxima all-reduced) and sums its own groups' share, so TP=2 equals TP=1 up to the float order of the sum.
+to bfloat16. A row-parallel shard (o_proj, down_proj) cut along group boundaries holds whole groups and runs the
+C kernel on its slice; one whose groups straddle two ranks (or per-token scales) takes each group's scale over the
+whole row (the ranks' maxima all-reduced) and sums its own groups' share in the torch formula. Either way TP=2
+equals TP=1 up to the float order of the ranks' sum.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ def w8a8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: to
 class W8A8LinearMethod(Int8LinearMethod):
     """Per-channel int8 weights (quantized at load, or given by :meth:`set_quantized`), activations in groups of
     ``activation_group`` input features (None: one per row). On the CPU with the C kernel built the weight is kept
-    in its panels alone (``kernel_panels``), except on a row-parallel shard under tensor parallelism, which keeps
-    q (N, K) for the torch formula. Raises ValueError for group-wise weight scales (W8A8 takes one scale per
+    in its panels alone (``kernel_panels``), except on a row-parallel shard whose groups straddle the ranks
+    (:meth:`_spans_ranks`), which keeps q (N, K) for the torch formula. Raises ValueError for group-wise weight scales (W8A8 takes one scale per
     output channel) and for an activation group that is not a positive multiple of 4."""
 
     # rows run one recorded C call (pagedllm.worker.cpu_graph)
@@ -106,7 +108,7 @@ class W8A8LinearMethod(Int8LinearMethod):
             raise ValueError("quantization='w8a8' needs one weight scale per output channel, got "
                              f"{layer.scales.shape[1]} groups per row")
         layer.int8_weight = None
-        if layer.qweight.is_cpu and int8_gemm.load_kernel() is not None and not _row_parallel_shard(layer):
+        if layer.qweight.is_cpu and int8_gemm.load_kernel() is not None and not self._spans_ranks(layer):
             int8_gemm.isa()  # a bad envs.INT8_GEMM_ISA fails the load, not the first step
             packed = int8_gemm.pack(layer.qweight, layer.scales, layer.bias, self.activation_group)
             layer.int8_weight = packed
@@ -127,7 +129,7 @@ class W8A8LinearMethod(Int8LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x32 = x if x.dtype == torch.float32 else x.float()
         packed = getattr(layer, "int8_weight", None)
-        if _row_parallel_shard(layer):
+        if self._spans_ranks(layer):
             # a shard sees a slice of each token: its groups' scales are the whole row's (one all-reduce), so the
             # ranks' shares add up to TP=1's output
             k = x32.shape[1]
@@ -140,8 +142,14 @@ class W8A8LinearMethod(Int8LinearMethod):
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-def _row_parallel_shard(layer: nn.Module) -> bool:
-    return bool(getattr(layer, "input_is_parallel", False)) and get_tensor_parallel_size() > 1
+    def _spans_ranks(self, layer: nn.Module) -> bool:
+        """Whether an activation group of this layer straddles tensor-parallel ranks: a row-parallel shard under
+        TP > 1 whose slice of the row is not a whole number of groups (per-token scales always are). Such a
+        shard needs the row's maxima from every rank; one cut along group boundaries runs the C kernel alone."""
+        if not getattr(layer, "input_is_parallel", False) or get_tensor_parallel_size() == 1:
+            return False
+        k = layer.qweight.shape[1] if "qweight" in layer._buffers else layer.int8_weight.in_features
+        return self.activation_group is None or k % self.activation_group != 0
 
 
 class W8A8Config(QuantizationConfig):

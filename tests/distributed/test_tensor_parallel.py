@@ -140,7 +140,8 @@ def _quantized_layers(runner) -> dict:
 @pytest.mark.parametrize("quantization", ["int8", "w8a8", "int4"])
 def test_quantized_linears_tp2_equal_tp1(tmp_path, quantization):
     """int8 and w8a8 (per-channel scales: a row-parallel shard takes the whole row's maximum over the ranks; w8a8's
-    shard also scales each token by its whole row's maximum) and int4 (groups of 32 input features, each inside one rank's shard) quantize every weight
+    activation groups of 64: o_proj's shard of 32 features cuts a group in two, so its scale is the maximum over the
+    ranks, down_proj's shard of 64 holds whole groups and runs the C kernel) and int4 (groups of 32 input features, each inside one rank's shard) quantize every weight
     as one rank does: the row-parallel shards' values are TP=1's halves, and the tokens match (int4's int8
     activation blocks of 32, where repacked, lie inside a shard too)."""
     folder = write_random_llama_folder(tmp_path / "m", num_key_value_heads=2, vocab_size=509,

@@ -174,3 +174,19 @@ def test_smollm2_w8a8_greedy_agreement(smollm2_path):
 
 
 W8A8_GREEDY_FLOOR = 0.05
+
+
+@pytest.mark.parametrize("in_features,group,straddles", [(128, 64, False), (96, 64, True), (128, None, True)])
+def test_a_row_parallel_shard_runs_the_kernel_when_it_holds_whole_groups(monkeypatch, in_features, group, straddles):
+    """Under TP=2 a row-parallel shard of whole activation groups needs no other rank's maxima (the C kernel); one
+    whose slice cuts a group, or per-token scales, keeps q for the torch formula's all-reduced maxima."""
+    if int8_gemm.load_kernel() is None:
+        pytest.skip("no C compiler for the int8 GEMM kernel")
+    from pagedllm.quantization import w8a8
+
+    monkeypatch.setattr(w8a8, "get_tensor_parallel_size", lambda: 2)
+    layer = nn.Linear(in_features, 40, bias=False).requires_grad_(False)
+    layer.input_is_parallel = True
+    method = W8A8LinearMethod(group)
+    method.process_weights_after_loading(layer)
+    assert (layer.int8_weight is None) == straddles and ("qweight" in layer._buffers) == straddles
