@@ -8,6 +8,8 @@ whole models: greedy agreement with float32 and batch invariance of tokens and l
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -162,10 +164,9 @@ def test_decode_graphs_replay_the_eager_tokens_and_logprobs(tiny_model_dir):
 @pytest.mark.slow
 def test_smollm2_w8a8_greedy_agreement(smollm2_path):
     """Greedy agreement with float32 over 16 chat prompts x 64 tokens (share before the first divergence).
-    Measured (benchmarks/results/quantization.json): 0.094 (bfloat16 weights: 0.617; per-token activation
-    scales are coarse for SmolLM2's outlier channels: docs/quantization.md); the floor sits below it and
-    above a broken kernel (a wrong scale or layout diverges at the first token: 0). The tiny-model tests
-    pin the numerics exactly."""
+    The floor sits below the figure measured with activation groups of 64, above the per-token one
+    (benchmarks/results/w8a8_activation_groups*.json) and above a broken kernel (a wrong scale or layout diverges
+    at the first token: 0). The tiny-model tests pin the numerics exactly."""
     from tests.quantization.test_quantization import _prefix_agreement, _smollm2_greedy
 
     _, ref = _smollm2_greedy(smollm2_path)
@@ -173,7 +174,26 @@ def test_smollm2_w8a8_greedy_agreement(smollm2_path):
     assert _prefix_agreement(ref, got) >= W8A8_GREEDY_FLOOR
 
 
-W8A8_GREEDY_FLOOR = 0.05
+W8A8_GREEDY_FLOOR = 0.15
+
+
+@pytest.mark.slow
+def test_smollm2_w8a8_perplexity_within_2_percent_of_float32(smollm2_path):
+    """Perplexity of the Apache License text (benchmarks/data/apache-2.0.txt) from the engine's prompt logprobs:
+    W8A8 within +2% of float32 (issue #39's bound; per-token activation scales miss it, docs/quantization.md)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "apache-2.0.txt").read_text()
+    ppl = {}
+    for quantization in (None, "w8a8"):
+        llm = LLM(model=str(smollm2_path), max_model_len=2560, kv_cache_memory="256MiB", quantization=quantization)
+        ids = llm.get_tokenizer()(text)["input_ids"]
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        nll = [-entry[tok].logprob for tok, entry in zip(ids[1:], out.prompt_logprobs[1:])]
+        ppl[quantization] = math.exp(sum(nll) / len(nll))
+        del llm
+    assert ppl["w8a8"] <= 1.02 * ppl[None], ppl
 
 
 @pytest.mark.parametrize("in_features,group,straddles", [(128, 64, False), (96, 64, True), (128, None, True)])
