@@ -48,17 +48,19 @@ def _grouped(x: torch.Tensor, group: int, offset: int) -> tuple[torch.Tensor, in
     return padded.view(x.shape[0], num_groups, group), offset // group
 
 
-def quantize_activations(x: torch.Tensor, group: int | None,
-                         amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_groups(xg: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """xg (M, G, group) float32 and its groups' maxima (M, G) -> (codes (M, G, group) float32, sx (M, G))."""
+    sx = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    return torch.round(xg / sx.unsqueeze(2)).clamp_(-127, 127), sx
+
+
+def quantize_activations(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) float32 -> (xq (M, K) int8, sx (M, G) float32), G = ceil(K / group) (1 for group None): the C
-    kernel's quantization bit for bit. ``amax`` (M, G): each group's maximum |x| when x is a slice of the rows
-    (a row-parallel shard; see :func:`w8a8_matmul`), else computed."""
+    kernel's quantization bit for bit."""
     group = x.shape[1] if group is None or group >= x.shape[1] else group
     xg, _ = _grouped(x, max(group, 1), 0)
-    amax = xg.abs().amax(dim=2) if amax is None else amax
-    sx = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    xq = torch.round(xg / sx.unsqueeze(2)).clamp_(-127, 127).to(torch.int8)
-    return xq.view(x.shape[0], -1)[:, :x.shape[1]], sx
+    xq, sx = _quantize_groups(xg, xg.abs().amax(dim=2))
+    return xq.to(torch.int8).view(x.shape[0], -1)[:, :x.shape[1]], sx
 
 
 def w8a8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
@@ -77,8 +79,7 @@ def w8a8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: to
         whole = amax.new_zeros(x.shape[0], -(-full // group))
         whole[:, first:first + amax.shape[1]] = amax
         amax = all_reduce_max(whole)[:, first:first + amax.shape[1]]
-    sx = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    xq = torch.round(xg / sx.unsqueeze(2)).clamp_(-127, 127)
+    xq, sx = _quantize_groups(xg, amax)
     f = torch.zeros(x.shape[0], q.shape[0], dtype=torch.float32, device=x.device)
     for g in range(xg.shape[1]):  # float64 holds each group's int32 sums exactly
         acc = (xq[:, g].double() @ qg[:, g].double().t()).float()
@@ -91,8 +92,9 @@ class W8A8LinearMethod(Int8LinearMethod):
     """Per-channel int8 weights (quantized at load, or given by :meth:`set_quantized`), activations in groups of
     ``activation_group`` input features (None: one per row). On the CPU with the C kernel built the weight is kept
     in its panels alone (``kernel_panels``), except on a row-parallel shard whose groups straddle the ranks
-    (:meth:`_spans_ranks`), which keeps q (N, K) for the torch formula. Raises ValueError for group-wise weight scales (W8A8 takes one scale per
-    output channel) and for an activation group that is not a positive multiple of 4."""
+    (:meth:`_spans_ranks`), which keeps q (N, K) for the torch formula. Raises ValueError for group-wise weight
+    scales (W8A8 takes one scale per output channel) and for an activation group that is not a positive multiple
+    of 4."""
 
     # rows run one recorded C call (pagedllm.worker.cpu_graph)
     records_cpu_graphs = True
