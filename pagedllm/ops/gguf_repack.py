@@ -19,8 +19,8 @@ import torch
 from pagedllm import native
 from pagedllm.ops import gguf_dot, recording
 
-__all__ = ["RepackedWeight", "available", "concat_rows", "dot", "kernel", "num_threads", "repack", "repack_codes",
-           "values"]
+__all__ = ["RepackedWeight", "available", "concat_rows", "dot", "kernel", "linear", "num_threads", "repack",
+           "repack_codes", "values"]
 
 _SOURCE = native.SOURCE_DIR / "gguf_repack.c"
 _ABI_VERSION = 4
@@ -234,3 +234,16 @@ def dot(w: RepackedWeight, x: gguf_dot.QuantizedRows, out: torch.Tensor, bias: t
                         num_threads(m, n, w.in_features), keep=(w, bias))
     if rc != 0:
         raise RuntimeError("gguf_repack_dot needs AVX512-VNNI")
+
+
+def linear(weights: list[RepackedWeight], x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A layer whose rows are ``weights`` one after another (a fused layer's parts, :func:`concat_rows`): x (T, K)
+    float32 or bfloat16 on the CPU, quantized once to :func:`gguf_dot.quantize_rows`'s int8 blocks of 32, times
+    each part -> (T, sum of N) float32 (+ bias float32 (sum of N,)). Each call is recorded into an active CPU decode
+    graph. Raises ValueError as :func:`dot` and :func:`gguf_dot.quantize_rows`."""
+    rows = gguf_dot.quantize_rows(x if x.stride(1) == 1 else x.contiguous())
+    out, start = torch.empty(x.shape[0], sum(w.out_features for w in weights)), 0
+    for w in weights:
+        dot(w, rows, out[:, start:start + w.out_features], None if bias is None else bias[start:start + w.out_features])
+        start += w.out_features
+    return out

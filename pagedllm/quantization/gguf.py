@@ -168,7 +168,7 @@ class GGUFLinearMethod(LinearMethod):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         if layer._gguf_repacked is not None:
-            out = self._repacked_dot(layer, x2)
+            out = gguf_repack.linear(layer._gguf_repacked, x2, layer._gguf_bias)
         elif x2.shape[0] <= DOT_MAX_ROWS:
             out = self._dot(layer, x2)
         else:
@@ -192,17 +192,6 @@ class GGUFLinearMethod(LinearMethod):
                                 out.stride(0), path, gguf_dot.num_threads(n * k), keep=(blocks, bias))
             if rc != 0:
                 raise MemoryError(f"gguf_dot_rows: no memory for the activation scales of {m} rows")
-        return out
-
-    @staticmethod
-    def _repacked_dot(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The repacked GEMM per segment, x quantized once (each call recorded into an active CPU decode graph)."""
-        rows = gguf_dot.quantize_rows(x)
-        out, bias, start = torch.empty(x.shape[0], layer.out_features), layer._gguf_bias, 0
-        for w in layer._gguf_repacked:
-            gguf_repack.dot(w, rows, out[:, start:start + w.out_features],
-                            None if bias is None else bias[start:start + w.out_features])
-            start += w.out_features
         return out
 
     def panel_dtype(self) -> torch.dtype:

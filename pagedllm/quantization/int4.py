@@ -17,7 +17,7 @@ from torch import nn
 
 from pagedllm.config import INT4_GROUP_SIZES as GROUP_SIZES
 from pagedllm.distributed.parallel_state import get_tensor_parallel_size
-from pagedllm.ops import gguf_dot, gguf_repack
+from pagedllm.ops import gguf_repack
 from pagedllm.quantization.gguf import GGUFTiedHeadMethod
 from pagedllm.quantization.base import LinearMethod, QuantizationConfig, replace_weight, tile_rows, tiled_linear
 from pagedllm.quantization.int8 import KERNEL_DTYPES
@@ -128,11 +128,8 @@ class Int4LinearMethod(LinearMethod):
     @staticmethod
     def _repacked_dot(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x (T, K) float quantized to int8 blocks of 32, times the repacked codes: (T, N) in x's dtype."""
-        xq = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
-        w = layer.int4_repacked
-        out = torch.empty(x.shape[0], w.out_features)
-        gguf_repack.dot(w, gguf_dot.quantize_rows(xq if xq.stride(1) == 1 else xq.contiguous()), out,
-                        layer.int4_bias)
+        out = gguf_repack.linear([layer.int4_repacked], x if x.dtype in (torch.float32, torch.bfloat16) else x.float(),
+                                 layer.int4_bias)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     @staticmethod
