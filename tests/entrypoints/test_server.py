@@ -394,12 +394,15 @@ def test_backpressure_503_beyond_max_waiting_requests():
         results = {}
 
         def long_request(i):
-            results[i] = c.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 60})
+            results[i] = c.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 150})
 
         threads = [threading.Thread(target=long_request, args=(i,)) for i in range(2)]
-        for t in threads:
+        for i, t in enumerate(threads):
             t.start()
-            time.sleep(0.1)
+            deadline = time.monotonic() + 10  # the engine holds it (one running, then one waiting), however loaded
+            while len(fake.requests) < i + 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+        assert len(fake.requests) == 2
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1})
         err = assert_error(r, 503)
         assert "max_waiting_requests" in err["message"] and int(r.headers["retry-after"]) > 0
