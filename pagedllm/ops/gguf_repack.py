@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import os
 import threading
 from dataclasses import dataclass
 
@@ -18,9 +17,9 @@ import torch
 
 from pagedllm import native
 from pagedllm.ops import gguf_dot, recording
+from pagedllm.ops.kernel_threads import num_threads
 
-__all__ = ["RepackedWeight", "available", "concat_rows", "dot", "kernel", "linear", "num_threads", "repack",
-           "repack_codes", "values"]
+__all__ = ["RepackedWeight", "available", "concat_rows", "dot", "kernel", "linear", "repack", "repack_codes", "values"]
 
 _SOURCE = native.SOURCE_DIR / "gguf_repack.c"
 _ABI_VERSION = 4
@@ -28,10 +27,6 @@ _ABI_VERSION = 4
 _FOUR_BIT = {2, 3, 12}
 _SUB16 = {14}
 _TILE = 16  # outputs per tile (GR_NR)
-# multiply-adds per thread of a repacked product (num_threads): sleeping OpenMP threads (PASSIVE, pagedllm's
-# default) cost a wake-up per product, spinning ones (ACTIVE, a machine pagedllm has to itself) almost nothing
-PASSIVE_MACS_PER_THREAD = 1 << 22
-ACTIVE_MACS_PER_THREAD = 1 << 18
 _p, _i, _ssize = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t
 
 
@@ -197,23 +192,6 @@ def values(w: RepackedWeight, out: torch.Tensor | None = None, rows: torch.Tenso
         if rc == -2:
             raise IndexError(f"values: a row outside [0, {w.out_features})")
     return out
-
-
-def macs_per_thread() -> int:
-    """Multiply-adds per thread: :data:`ACTIVE_MACS_PER_THREAD` when the process's ``OMP_WAIT_POLICY`` (read by
-    libgomp when it loaded; pagedllm sets PASSIVE unless given) is ACTIVE, else :data:`PASSIVE_MACS_PER_THREAD`."""
-    return ACTIVE_MACS_PER_THREAD if os.environ.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE" \
-        else PASSIVE_MACS_PER_THREAD
-
-
-def num_threads(m: int, n: int, k: int) -> int:
-    """Threads for an (m, n, k) product: one per :func:`macs_per_thread` multiply-adds, at most torch's count.
-    Waking a sleeping OpenMP thread (``OMP_WAIT_POLICY=PASSIVE``, pagedllm's default) costs about what the kernel
-    spends on a few million multiply-adds, so the projections of a batch-1 step, and most of a batch-4 step's, run
-    faster on the calling thread alone. Spinning threads (ACTIVE) start at once, so every projection but the
-    smallest splits: a batch-1 step is a read of the weights, and one thread reads at about half the memory
-    bandwidth of two. The constants were chosen by SmolLM2 decode tok/s (benchmarks/README.md, GGUF section)."""
-    return max(1, min(torch.get_num_threads(), m * n * k // macs_per_thread()))
 
 
 def dot(w: RepackedWeight, x: gguf_dot.QuantizedRows, out: torch.Tensor, bias: torch.Tensor | None = None) -> None:

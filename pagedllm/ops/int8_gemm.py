@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from pagedllm import envs, native
 from pagedllm.ops import recording
+from pagedllm.ops import kernel_threads
 
 __all__ = ["ISAS", "Int8GemmKernel", "Int8Weight", "int8_linear", "isa", "load_kernel", "pack", "set_isa", "unpack"]
 
@@ -141,7 +142,8 @@ def unpack(weight: Int8Weight) -> torch.Tensor:
 def int8_linear(x: torch.Tensor, weight: Int8Weight, kernel: Int8GemmKernel | None = None,
                 isa_code: int | None = None) -> torch.Tensor:
     """x (M, K) float32 on the CPU, rows contiguous -> (M, N) float32 (:mod:`pagedllm.quantization.w8a8`'s
-    formula); recorded into an active CPU decode graph (:mod:`pagedllm.ops.recording`). Raises ValueError
+    formula) on :func:`kernel_threads.num_threads` threads; recorded into an active CPU decode graph
+    (:mod:`pagedllm.ops.recording`). Raises ValueError
     for an x that does not fit or an ISA the kernel refuses."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != weight.in_features or x.stride(1) != 1 \
             or not x.is_cpu:
@@ -154,7 +156,8 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, kernel: Int8GemmKernel | No
     bias = weight.bias
     args = (x.data_ptr(), x.stride(0), weight.panels.data_ptr(), weight.scales.data_ptr(),
             None if bias is None else bias.data_ptr(), out.data_ptr(), weight.out_features, m, weight.out_features,
-            weight.in_features, weight.activation_group, code, torch.get_num_threads())
+            weight.in_features, weight.activation_group, code,
+            kernel_threads.num_threads(m, weight.out_features, weight.in_features))
     if torch._C._autograd._profiler_enabled():
         with torch.profiler.record_function(PROFILER_EVENT):
             rc = recording.call(kernel.gemm, *args, keep=(weight,))

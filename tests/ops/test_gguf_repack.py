@@ -130,16 +130,6 @@ def test_codes_outside_the_layout_are_refused():
         gguf_repack.repack_codes(codes + 16, scale, scale, 4, 32)
 
 
-def test_threads_follow_the_wait_policy(monkeypatch):
-    """Sleeping threads (PASSIVE) are woken only for millions of multiply-adds, spinning ones (ACTIVE) for a
-    batch-1 projection of the default model (1536 x 576)."""
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    assert gguf_repack.num_threads(1, 1536, 576) == 1 and gguf_repack.num_threads(32, 1536, 576) == 2
-    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
-    assert gguf_repack.num_threads(1, 1536, 576) == 2 and gguf_repack.num_threads(1, 64, 64) == 1
-
-
 def test_concat_rows_joins_whole_tiles_of_one_layout():
     """Parts of one layout join when every part but the last fills its tiles; the joined product is the parts'
     products bit for bit (a fused layer's q/k/v in one call)."""

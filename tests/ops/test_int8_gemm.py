@@ -140,9 +140,9 @@ def test_threads_change_no_bits():
     kernel = int8_gemm.load_kernel()
     if kernel is None:
         pytest.skip("no C compiler for the int8 GEMM kernel")
-    _, q, scales, b = _weight(700, 96, True, 7)
-    packed = int8_gemm.pack(q, scales, b)
-    x = torch.randn(17, 96)
+    _, q, scales, b = _weight(2000, 400, True, 7)  # 17 x 2000 x 400 multiply-adds: both threads (kernel_threads)
+    packed = int8_gemm.pack(q, scales, b, 64)
+    x = torch.randn(17, 400)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
