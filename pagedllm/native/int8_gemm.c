@@ -5,7 +5,8 @@
  * (1 for a zero group), xq = round-half-even(x / sx) clamped to [-127, 127]. Weights come quantized per
  * output channel (int8 in [-127, 127], scale sw[n]) and packed once (pagedllm/ops/int8_gemm.py) into
  * panels of I8_NR columns: for each group of 4 k, I8_NR columns of 4 consecutive bytes q + 128 (u8;
- * 128, i.e. q = 0, past N and K). Each group's integer sum acc[m, n, g] is exact, and each output is
+ * 128, i.e. q = 0, past N and K); q may be -128 (a checkpoint's symmetric int8). A group holding a NaN or an
+ * infinity gets sx = NaN and codes 0, so its outputs are NaN (as a float matmul's would be). Each group's integer sum acc[m, n, g] is exact, and each output is
  *     f = 0; for g in order: f = f + (float)acc[m, n, g] * sx[m, g];  out = f * sw[n]  (+ bias[n])
  * each operation rounded on its own (built with -ffp-contract=off): the torch formula in
  * pagedllm/quantization/w8a8.py bit for bit, independent of M, the other rows, the thread count and the
@@ -14,8 +15,8 @@
  * ISAs (chosen per call, never above what this build has):
  *   2 AVX512-VNNI: vpdpbusd on the weights' u8 (q + 128) times xq as s8; the offset's
  *     128 * sum_{k in g} xq[m, k] is each group's starting value, subtracted.
- *   1 AVX2: vpmaddubsw on |xq| (u8) times sign(q, xq) (s8): pairs stay below 2 * 127 * 127 (no
- *     saturation), then vpmaddwd against ones to int32.
+ *   1 AVX2: vpmaddubsw on |q| (u8, up to 128) times sign(xq, q) (s8, |xq| <= 127): pairs stay below
+ *     2 * 128 * 127 (no saturation), then vpmaddwd against ones to int32.
  *   0 scalar: plain int32 sums, any x86-64 (or other) CPU.
  */
 #include <stddef.h>
@@ -40,7 +41,7 @@
 #endif
 #if defined(__AVX2__)
 #define I8_HAVE_AVX2 1
-#define I8_AVX2_MR 4 /* 4 * 2 int32 accumulators + 2 weights + ones + 4 temporaries <= 16 ymm */
+#define I8_AVX2_MR 4 /* 4 * 2 int32 accumulators + 2 weights + 2 |weights| + ones + temporaries <= 16 ymm */
 #else
 #define I8_HAVE_AVX2 0
 #endif
@@ -72,7 +73,6 @@ static inline int32_t i8_load4(const void *p) {
 /* The activation rows as the kernels read them. */
 struct i8_rows {
     int8_t *xq;    /* M rows of Kp s8, zero past K */
-    uint8_t *xa;   /* |xq| (AVX2) */
     float *sx;     /* M x groups scales */
     int32_t *corr; /* M x groups: 128 * the group's sum of xq (VNNI's weight offset) */
     ptrdiff_t stride;
@@ -86,12 +86,20 @@ static void i8_quantize_row(const float *x, int K, int Kp, int group, int groups
     for (int g = 0; g < groups; g++) {
         const int k0 = g * group, k1 = k0 + group < K ? k0 + group : K;
         float amax = 0.0f;
+        int finite = 1;
         for (int k = k0; k < k1; k++) {
             const float a = fabsf(x[k]);
+            finite &= isfinite(a) != 0;
             amax = a > amax ? a : amax;
         }
-        const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
         int32_t sum = 0;
+        if (!finite) {
+            memset(xq + k0, 0, (size_t)(k1 - k0));
+            sx[g] = NAN;
+            corr[g] = 0;
+            continue;
+        }
+        const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
         for (int k = k0; k < k1; k++) {
             float q = nearbyintf(x[k] / s); /* the default rounding mode: half to even, as torch.round */
             q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
@@ -140,8 +148,9 @@ static inline __attribute__((always_inline)) void i8_tile_scalar(const struct i8
 }
 
 #if I8_HAVE_AVX2
-/* 16 columns (2 ymm) at a time across the panel; weights back to s8 by flipping their top bit. A group's int32
- * sums stay in registers, the float sums in a rows x 16 tile in L1 (as the VNNI tile's). */
+/* 16 columns (2 ymm) at a time across the panel; weights back to s8 by flipping their top bit, then |q| times
+ * sign(xq, q). A group's int32 sums stay in registers, the float sums in a rows x 16 tile in L1 (as the VNNI
+ * tile's). */
 static inline __attribute__((always_inline)) void i8_tile_avx2(const struct i8_rows *xr, int m0,
                                                                const uint8_t *panel, int kgroups, const float *sw,
                                                                const float *bias, float *out, ptrdiff_t out_stride,
@@ -149,7 +158,6 @@ static inline __attribute__((always_inline)) void i8_tile_avx2(const struct i8_r
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     const ptrdiff_t xs = xr->stride;
     const int8_t *xq = xr->xq + (ptrdiff_t)m0 * xs;
-    const uint8_t *xa = xr->xa + (ptrdiff_t)m0 * xs;
     for (int cb = 0; cb < I8_NR / 16 && cb * 16 < cols; cb++) {
         float f[I8_AVX2_MR * 16] __attribute__((aligned(32)));
         for (int i = 0; i < rows * 16; i++)
@@ -167,11 +175,11 @@ static inline __attribute__((always_inline)) void i8_tile_avx2(const struct i8_r
                         __builtin_prefetch(w + (ptrdiff_t)I8_PREFETCH_GROUPS * I8_NR * I8_KG + l, 0, 3);
                 const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)w), flip);
                 const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 32)), flip);
+                const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1); /* -128 -> 0x80 = 128 as u8 */
                 for (int r = 0; r < rows; r++) {
-                    const __m256i a = _mm256_set1_epi32(i8_load4(xa + r * xs + kg * I8_KG));
-                    const __m256i sg = _mm256_set1_epi32(i8_load4(xq + r * xs + kg * I8_KG));
-                    const __m256i p0 = _mm256_maddubs_epi16(a, _mm256_sign_epi8(w0, sg));
-                    const __m256i p1 = _mm256_maddubs_epi16(a, _mm256_sign_epi8(w1, sg));
+                    const __m256i xv = _mm256_set1_epi32(i8_load4(xq + r * xs + kg * I8_KG));
+                    const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xv, w0));
+                    const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv, w1));
                     acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(p0, ones));
                     acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(p1, ones));
                 }
@@ -254,19 +262,18 @@ static inline __attribute__((always_inline)) void i8_tile_vnni(const struct i8_r
 }
 #endif
 
-static int i8_prepare_rows(const float *x, ptrdiff_t x_stride, int M, int K, int group, int isa, int num_threads,
+static int i8_prepare_rows(const float *x, ptrdiff_t x_stride, int M, int K, int group, int num_threads,
                            struct i8_rows *rows, void **buffer) {
     const int Kp = (K + I8_KG - 1) / I8_KG * I8_KG;
     const int groups = (K + group - 1) / group;
     const size_t row_bytes = (size_t)(Kp + 63) / 64 * 64;
     const size_t scale_bytes = ((size_t)M * (size_t)groups * sizeof(float) + 63) / 64 * 64;
-    char *buf = aligned_alloc(64, row_bytes * (size_t)M * 2 + scale_bytes * 2);
+    char *buf = aligned_alloc(64, row_bytes * (size_t)M + scale_bytes * 2);
     if (!buf)
         return -1;
     rows->xq = (int8_t *)buf;
-    rows->xa = (uint8_t *)(buf + row_bytes * (size_t)M);
-    rows->sx = (float *)(buf + row_bytes * (size_t)M * 2);
-    rows->corr = (int32_t *)(buf + row_bytes * (size_t)M * 2 + scale_bytes);
+    rows->sx = (float *)(buf + row_bytes * (size_t)M);
+    rows->corr = (int32_t *)(buf + row_bytes * (size_t)M + scale_bytes);
     rows->stride = (ptrdiff_t)row_bytes;
     rows->groups = groups;
     rows->group_kg = group / I8_KG;
@@ -276,11 +283,6 @@ static int i8_prepare_rows(const float *x, ptrdiff_t x_stride, int M, int K, int
         int8_t *q = rows->xq + (ptrdiff_t)m * rows->stride;
         i8_quantize_row(x + (ptrdiff_t)m * x_stride, K, Kp, group, groups, q, rows->sx + (ptrdiff_t)m * groups,
                         rows->corr + (ptrdiff_t)m * groups);
-        if (isa == I8_ISA_AVX2) {
-            uint8_t *a = rows->xa + (ptrdiff_t)m * rows->stride;
-            for (int k = 0; k < Kp; k++)
-                a[k] = (uint8_t)(q[k] < 0 ? -q[k] : q[k]);
-        }
     }
     *buffer = buf;
     return 0;
@@ -350,7 +352,7 @@ int int8_gemm_f32(const float *x, ptrdiff_t x_stride, const uint8_t *packed, con
         return 0;
     struct i8_rows xr;
     void *buffer = NULL;
-    if (i8_prepare_rows(x, x_stride, M, K, group, isa, num_threads, &xr, &buffer))
+    if (i8_prepare_rows(x, x_stride, M, K, group, num_threads, &xr, &buffer))
         return -1;
     const int kgroups = (K + I8_KG - 1) / I8_KG, panels = (N + I8_NR - 1) / I8_NR, mr = i8_tile_rows(isa);
     const ptrdiff_t panel_bytes = (ptrdiff_t)kgroups * I8_NR * I8_KG;

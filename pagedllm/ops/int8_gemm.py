@@ -17,12 +17,14 @@ from pagedllm import envs, native
 from pagedllm.ops import recording
 from pagedllm.ops import kernel_threads
 
-__all__ = ["ISAS", "Int8GemmKernel", "Int8Weight", "int8_linear", "isa", "load_kernel", "pack", "set_isa", "unpack"]
+__all__ = ["ISAS", "MAX_ACTIVATION_GROUP", "Int8GemmKernel", "Int8Weight", "int8_linear", "isa", "load_kernel", "pack", "set_isa", "unpack"]
 
 ISAS = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}  # int8_gemm.c's isa codes
 _SOURCE = native.SOURCE_DIR / "int8_gemm.c"
 _ABI_VERSION = 2
 _K_GROUP = 4  # int8 per int32 lane (int8_gemm.c's I8_KG)
+# the widest activation group whose int32 sum cannot overflow: 255 * 127 * group < 2 ** 31
+MAX_ACTIVATION_GROUP = 65536
 # the rescale is the torch formula's two roundings: no fused multiply-add
 _FLAGS = ("-ffp-contract=off",)
 PROFILER_EVENT = "pagedllm::int8_gemm"
@@ -114,14 +116,24 @@ def set_isa(name: str | None) -> None:
 
 def pack(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, activation_group: int | None = None,
          width: int = 64) -> Int8Weight:
-    """q (N, K) int8 in [-127, 127] and scales (N,) float32 (and bias (N,)) in the kernel's layout;
-    ``activation_group`` k per activation scale (None: K, one per row). Raises ValueError for a group that is not
-    a positive multiple of 4."""
+    """q (N, K) int8 (-128 allowed, a checkpoint's symmetric int8) and scales (N,) float32 (and bias (N,)) in the
+    kernel's layout; ``activation_group`` k per activation scale (None: K, one per row). Raises ValueError for a q
+    that is not int8 with K > 0, scales or a bias of another length, a group that is not a positive multiple of 4,
+    or a group (K, for one per row) above :data:`MAX_ACTIVATION_GROUP`."""
+    if q.dim() != 2 or q.dtype != torch.int8 or q.shape[1] == 0:
+        raise ValueError(f"pack: q must be (out_features, in_features > 0) int8, got {tuple(q.shape)} {q.dtype}")
     n, k = q.shape
-    if activation_group is not None and (activation_group <= 0 or activation_group % _K_GROUP):
-        raise ValueError(f"activation_group must be a positive multiple of {_K_GROUP}, got {activation_group}")
+    if scales.shape != (n,) or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"pack: scales and bias must be ({n},), got {tuple(scales.shape)} and "
+                         f"{None if bias is None else tuple(bias.shape)}")
+    if activation_group is not None and (not isinstance(activation_group, int) or isinstance(activation_group, bool)
+                                         or activation_group <= 0 or activation_group % _K_GROUP):
+        raise ValueError(f"activation_group must be a positive multiple of {_K_GROUP}, got {activation_group!r}")
     # one group per row: K rounded up to the kernel's k groups (the zero padding past K changes no sum)
     group = -(-k // _K_GROUP) * _K_GROUP if activation_group is None or activation_group >= k else activation_group
+    if group > MAX_ACTIVATION_GROUP:
+        raise ValueError(f"activation_group {group} (in_features {k} with one scale per row) is above "
+                         f"{MAX_ACTIVATION_GROUP}: a group's int32 sum could overflow")
     num_panels, k_pad = -(-n // width), -(-k // _K_GROUP) * _K_GROUP
     padded = F.pad(q, (0, k_pad - k, 0, num_panels * width - n)).to(torch.int16).add_(128).to(torch.uint8)
     # (panel, column, k group, 4) -> (panel, k group, column, 4)

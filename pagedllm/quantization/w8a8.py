@@ -2,8 +2,8 @@
 sums per group, float rescales:
 
     out[m, n] = (sum_g float(sum_{k in g} xq[m, k] * q[n, k]) * sx[m, g]) * sw[n]  (+ bias[n])
-    sx[m, g] = max_{k in g} |x[m, k]| / 127 (1 for a zero group), xq = round-half-even(x / sx) clamped to
-    [-127, 127]; q, sw: :func:`pagedllm.quantization.int8.quantize_per_channel` (round(W / sw), sw = max_k |W[n]| / 127)
+    sx[m, g] = max_{k in g} |x[m, k]| / 127 (1 for a zero group, NaN for one holding a NaN or an infinity, whose
+    codes are 0), xq = round-half-even(x / sx) clamped to [-127, 127]; q in [-128, 127], sw: :func:`pagedllm.quantization.int8.quantize_per_channel` (round(W / sw), sw = max_k |W[n]| / 127)
 
 each operation rounded on its own in float32, the groups added in order. A group is :data:`ACTIVATION_GROUP`
 consecutive input features (the last one of a row ends at K); ``activation_group=None`` is one group per row,
@@ -49,9 +49,13 @@ def _grouped(x: torch.Tensor, group: int, offset: int) -> tuple[torch.Tensor, in
 
 
 def _quantize_groups(xg: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """xg (M, G, group) float32 and its groups' maxima (M, G) -> (codes (M, G, group) float32, sx (M, G))."""
+    """xg (M, G, group) float32 and its groups' maxima (M, G) -> (codes (M, G, group) float32, sx (M, G)). A group
+    holding a NaN or an infinity gets sx = NaN and codes 0, so its outputs are NaN, as a float matmul's would be."""
+    finite = torch.isfinite(xg).all(dim=2)
     sx = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    return torch.round(xg / sx.unsqueeze(2)).clamp_(-127, 127), sx
+    sx = torch.where(finite, sx, torch.full_like(sx, float("nan")))
+    codes = torch.round(xg / sx.unsqueeze(2)).clamp_(-127, 127)
+    return torch.where(finite.unsqueeze(2), codes, torch.zeros_like(codes)), sx
 
 
 def quantize_activations(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,8 +104,9 @@ class W8A8LinearMethod(Int8LinearMethod):
     records_cpu_graphs = True
 
     def __init__(self, activation_group: int | None = ACTIVATION_GROUP) -> None:
-        if activation_group is not None and (activation_group <= 0 or activation_group % 4):
-            raise ValueError(f"activation_group must be a positive multiple of 4 or None, got {activation_group}")
+        if activation_group is not None and (not isinstance(activation_group, int) or isinstance(activation_group, bool)
+                                             or activation_group <= 0 or activation_group % 4):
+            raise ValueError(f"activation_group must be a positive multiple of 4 or None, got {activation_group!r}")
         self.activation_group = activation_group
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

@@ -194,3 +194,49 @@ def test_rejects_an_input_that_does_not_fit():
         int8_gemm.int8_linear(torch.zeros(2, 9), packed)
     with pytest.raises(ValueError, match="float32"):
         int8_gemm.int8_linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed)
+
+
+def test_a_weight_of_minus_128_on_every_isa(kernel_isa):
+    """A checkpoint's symmetric int8 may hold -128 (AVX2 multiplies |q| by sign(xq, q), so no sign overflows)."""
+    kernel, isa = kernel_isa
+    q = torch.full((70, 24), -128, dtype=torch.int8)
+    q[1::2, ::3] = 127
+    scales = torch.rand(70) + 0.5
+    packed = int8_gemm.pack(q, scales, None, 8)
+    x = torch.randn(9, 24, generator=torch.Generator().manual_seed(11))
+    x[0] = -1.0
+    out = int8_gemm.int8_linear(x, packed, kernel, isa)
+    assert torch.equal(out, w8a8_matmul(x, q, scales, None, 8))
+    assert torch.equal(out[0, 0], torch.tensor(1024.0) * scales[0] * 3)  # 3 groups x 8 x (-128) x (-127 steps of 1/127)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_activation_makes_its_rows_outputs_nan(kernel_isa, bad):
+    """A NaN or an infinity poisons its own row (as a float matmul would), never the other rows."""
+    kernel, isa = kernel_isa
+    _, q, scales, b = _weight(40, 24, True, 12)
+    packed = int8_gemm.pack(q, scales, b, 8)
+    x = torch.randn(3, 24, generator=torch.Generator().manual_seed(13))
+    x[1, 5] = bad
+    out = int8_gemm.int8_linear(x, packed, kernel, isa)
+    ref = w8a8_matmul(x, q, scales, b, 8)
+    assert out[1].isnan().all() and ref[1].isnan().all()
+    assert torch.equal(out[[0, 2]], ref[[0, 2]]) and out[[0, 2]].isfinite().all()
+
+
+def test_pack_refuses_what_the_kernel_cannot_read():
+    _, q, scales, b = _weight(65, 8, True, 14)
+    with pytest.raises(ValueError, match="scales and bias"):
+        int8_gemm.pack(q, scales[:1], None, 4)
+    with pytest.raises(ValueError, match="scales and bias"):
+        int8_gemm.pack(q, scales, b[:3], 4)
+    with pytest.raises(ValueError, match="int8"):
+        int8_gemm.pack(q.to(torch.int16), scales, None, 4)
+    with pytest.raises(ValueError, match="in_features > 0"):
+        int8_gemm.pack(torch.zeros(4, 0, dtype=torch.int8), torch.ones(4), None)
+    with pytest.raises(ValueError, match="activation_group"):
+        int8_gemm.pack(q, scales, None, 4.0)
+    wide = torch.zeros(1, int8_gemm.MAX_ACTIVATION_GROUP + 4, dtype=torch.int8)
+    with pytest.raises(ValueError, match="overflow"):
+        int8_gemm.pack(wide, torch.ones(1), None)
+    assert int8_gemm.pack(wide, torch.ones(1), None, 64).activation_group == 64
