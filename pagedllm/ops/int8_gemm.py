@@ -1,7 +1,8 @@
 """The W8A8 kernel (``native/int8_gemm.c``): float32 rows quantized to int8 inside the kernel per row and group
 of the weight's ``activation_group`` k, times a per-channel int8 weight packed once (:func:`pack`), exact int32
 sums per group, float rescales (+ bias). Its output is the torch formula in :mod:`pagedllm.quantization.w8a8` bit
-for bit, whatever the rows, threads or ISA. The ISA: ``envs.INT8_GEMM_ISA`` (auto = the best this build runs) or :func:`set_isa`.
+for bit, whatever the rows, threads or ISA. The ISA: ``envs.INT8_GEMM_ISA`` (auto = the best this build runs) or
+:func:`set_isa`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pagedllm import envs, native
 from pagedllm.ops import recording
 from pagedllm.ops import kernel_threads
 
-__all__ = ["ISAS", "MAX_ACTIVATION_GROUP", "Int8GemmKernel", "Int8Weight", "int8_linear", "isa", "load_kernel", "pack", "set_isa", "unpack"]
+__all__ = ["ISAS", "MAX_ACTIVATION_GROUP", "Int8GemmKernel", "Int8Weight", "check_activation_group", "int8_linear",
+           "isa", "load_kernel", "pack", "set_isa", "unpack"]
 
 ISAS = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}  # int8_gemm.c's isa codes
 _SOURCE = native.SOURCE_DIR / "int8_gemm.c"
@@ -114,6 +116,13 @@ def set_isa(name: str | None) -> None:
     _isa.append(ISAS[name])
 
 
+def check_activation_group(group: int | None) -> None:
+    """Raises ValueError unless ``group`` is None (one scale per row) or a positive int multiple of 4."""
+    if group is not None and (not isinstance(group, int) or isinstance(group, bool) or group <= 0
+                              or group % _K_GROUP):
+        raise ValueError(f"activation_group must be a positive multiple of {_K_GROUP} or None, got {group!r}")
+
+
 def pack(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, activation_group: int | None = None,
          width: int = 64) -> Int8Weight:
     """q (N, K) int8 (-128 allowed, a checkpoint's symmetric int8) and scales (N,) float32 (and bias (N,)) in the
@@ -126,9 +135,7 @@ def pack(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, activ
     if scales.shape != (n,) or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"pack: scales and bias must be ({n},), got {tuple(scales.shape)} and "
                          f"{None if bias is None else tuple(bias.shape)}")
-    if activation_group is not None and (not isinstance(activation_group, int) or isinstance(activation_group, bool)
-                                         or activation_group <= 0 or activation_group % _K_GROUP):
-        raise ValueError(f"activation_group must be a positive multiple of {_K_GROUP}, got {activation_group!r}")
+    check_activation_group(activation_group)
     # one group per row: K rounded up to the kernel's k groups (the zero padding past K changes no sum)
     group = -(-k // _K_GROUP) * _K_GROUP if activation_group is None or activation_group >= k else activation_group
     if group > MAX_ACTIVATION_GROUP:

@@ -3,7 +3,8 @@ sums per group, float rescales:
 
     out[m, n] = (sum_g float(sum_{k in g} xq[m, k] * q[n, k]) * sx[m, g]) * sw[n]  (+ bias[n])
     sx[m, g] = max_{k in g} |x[m, k]| / 127 (1 for a zero group, NaN for one holding a NaN or an infinity, whose
-    codes are 0), xq = round-half-even(x / sx) clamped to [-127, 127]; q in [-128, 127], sw: :func:`pagedllm.quantization.int8.quantize_per_channel` (round(W / sw), sw = max_k |W[n]| / 127)
+    codes are 0), xq = round-half-even(x / sx) clamped to [-127, 127]; q in [-128, 127] and sw per channel:
+    :func:`pagedllm.quantization.int8.quantize_per_channel` (round(W / sw), sw = max_k |W[n]| / 127)
 
 each operation rounded on its own in float32, the groups added in order. A group is :data:`ACTIVATION_GROUP`
 consecutive input features (the last one of a row ends at K); ``activation_group=None`` is one group per row,
@@ -11,9 +12,9 @@ per-token quantization (a compressed-tensors W8A8 checkpoint's own scheme). Grou
 token is set by its largest feature: the few outlier channels of small models' hidden states leave the
 other features a handful of int8 steps (docs/quantization.md has the perplexity per group size).
 
-On the CPU every row count runs ``native/int8_gemm.c`` on a copy of the weight packed in panels (it matches
-oneDNN's int8 matmul from prefill-sized rows up, which takes one scale per row only); elsewhere, and for a
-row-parallel shard under tensor parallelism, the torch formula below. Both give the same bits for a row
+On the CPU every row count runs ``native/int8_gemm.c`` on a copy of the weight packed in panels (oneDNN's int8
+matmul takes one activation scale per row only); elsewhere, and for a row-parallel shard whose groups straddle the
+ranks, the torch formula below. Both give the same bits for a row
 whatever rows share its call (batch-invariant). bfloat16 activations are rescaled in float32 and rounded once
 to bfloat16. A row-parallel shard (o_proj, down_proj) cut along group boundaries holds whole groups and runs the
 C kernel on its slice; one whose groups straddle two ranks (or per-token scales) takes each group's scale over the
@@ -104,9 +105,7 @@ class W8A8LinearMethod(Int8LinearMethod):
     records_cpu_graphs = True
 
     def __init__(self, activation_group: int | None = ACTIVATION_GROUP) -> None:
-        if activation_group is not None and (not isinstance(activation_group, int) or isinstance(activation_group, bool)
-                                             or activation_group <= 0 or activation_group % 4):
-            raise ValueError(f"activation_group must be a positive multiple of 4 or None, got {activation_group!r}")
+        int8_gemm.check_activation_group(activation_group)
         self.activation_group = activation_group
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
