@@ -30,6 +30,7 @@ CPU_FP32_PREFILL_LINEAR | auto | auto onednn blas | float32 linears of many rows
 CPU_PACKED_LINEAR       | 1    | 0 1             | 0: the CPU loader packs no linear for oneDNN or the skinny GEMM
 GGUF_DOT_ISA            | auto | auto avx512 avx2 scalar | the GGUF block dot-product kernels' path: auto = the best this CPU runs (AVX512-VNNI, AVX2, portable C); a named path this CPU cannot run is an error
 INT8_GEMM_ISA           | auto | auto avx512_vnni avx2 scalar | the W8A8 kernel's instruction set (auto: the best this CPU runs; a forced one it lacks is refused)
+CPU_GRAPH_NATIVE_REPLAY | 1    | 0 1             | 0: a CPU decode graph replays its recorded kernel calls from Python, one ctypes call each (1: in one C loop, one OpenMP region per step)
 ENGINE_CORES            |      | *               | CPU cores the engine's ranks share (default: all); set by the data-parallel launcher per replica
 API_KEY                 |      | *               | the server's API key when --api-key is not given (clients send it as a Bearer token or x-api-key)
 """
@@ -46,7 +47,7 @@ def _parse(table: str) -> tuple[EnvVar, ...]:
 
 ALL: tuple[EnvVar, ...] = _parse(_TABLE)
 (ATTENTION_BACKEND, CACHE_DIR, CPU_FUSED_OPS, SKINNY_GEMM, CPU_FP32_MATMUL, CPU_FP32_PREFILL_LINEAR,
- CPU_PACKED_LINEAR, GGUF_DOT_ISA, INT8_GEMM_ISA, ENGINE_CORES, API_KEY) = ALL
+ CPU_PACKED_LINEAR, GGUF_DOT_ISA, INT8_GEMM_ISA, CPU_GRAPH_NATIVE_REPLAY, ENGINE_CORES, API_KEY) = ALL
 
 
 def read(var: EnvVar) -> str:
@@ -72,6 +73,10 @@ def cache_dir() -> Path:
 
 def cpu_fused_ops() -> bool:
     return read(CPU_FUSED_OPS) != "0"
+
+
+def cpu_graph_native_replay() -> bool:
+    return read(CPU_GRAPH_NATIVE_REPLAY) != "0"
 
 
 def skinny_gemm() -> bool | None:

@@ -117,7 +117,17 @@ class Attention(nn.Module):
         def replay() -> None:
             o.copy_(self.forward_eager(q, k, v))
 
-        rec.add_python(replay)
+        group = self.kv_cache_group
+        metadata = get_forward_context().metadata_for(group)
+        native = None
+        if metadata is not None and self.kv_cache is not None:
+            native = self.impl.decode_tasks(q, k, v, self.kv_cache, self.kv_scales, o, metadata)
+        if native is None:
+            rec.add_python(replay)
+            return out
+        tasks, refresh = native
+        rec.add_python(replay, tasks, ((id(self.impl.backend), group, tuple(self.kv_cache.shape)),
+                                       lambda: refresh(get_forward_context().metadata_for(group))))
         return out
 
     def forward_eager(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

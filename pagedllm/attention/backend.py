@@ -68,6 +68,13 @@ class AttentionImpl:
                 metadata: AttentionMetadata, kv_scales: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def decode_tasks(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                     kv_scales: torch.Tensor | None, out: torch.Tensor, metadata: AttentionMetadata):
+        """Right after :meth:`forward` ran a decode-only step, that call's task forms for a CPU decode graph's
+        native replay writing into ``out`` (:mod:`pagedllm.ops.graph_replay`): ``(tasks, refresh hook)``, the hook
+        giving a later step's values of their per-step fields or None; None when this backend has none."""
+        return None
+
 
 class AttentionBackend:
     """What a model's layers share: buffers and the current pass's plans (not thread-safe)."""

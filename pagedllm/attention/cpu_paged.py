@@ -20,6 +20,7 @@ from pagedllm import native
 from pagedllm.attention.backend import (AttentionMetadata, ForwardContext, check_shapes, current_context,
                                         write_kv_cache)
 from pagedllm.attention.decode_plan import DecodeCall, DecodePlan
+from pagedllm.ops import recording
 from pagedllm.attention.torch_paged import TorchPagedAttention, TorchPagedAttentionImpl
 from pagedllm.utils import cdiv
 
@@ -47,7 +48,8 @@ _NO_TABLES = torch.zeros((1, 1), dtype=torch.int32)  # a write-only call's block
 
 class CpuPagedKernel:
     """The loaded library (:func:`load_kernel`); its calls release the GIL. ``has_openmp``: one call
-    splits its work over ``num_threads``. ``call_fns[dtype]``: the decode kernel taking a DecodeCall."""
+    splits its work over ``num_threads``. ``call_fns[dtype]``: the decode kernel taking a DecodeCall;
+    ``task_fns[dtype]``: its task forms (native/native_team.h), the K/V write and the decode."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
@@ -65,7 +67,7 @@ class CpuPagedKernel:
         # built with -march=native, so torch's CPU capability names the build's ISA (tests set True)
         self.prefill_all_layers = torch.backends.cpu.get_cpu_capability() == "AVX512"
         self.path = path
-        self._fns, self._prefill_fns, self.call_fns = {}, {}, {}
+        self._fns, self._prefill_fns, self.call_fns, self.task_fns = {}, {}, {}, {}
         for dtype, name in _KERNEL_NAMES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = _ARGTYPES, _c_int
@@ -73,6 +75,8 @@ class CpuPagedKernel:
             call = getattr(lib, f"{name}_call")
             call.argtypes, call.restype = [ctypes.POINTER(DecodeCall)], _c_int
             self.call_fns[dtype] = call
+            self.task_fns[dtype] = (recording.task_pointer(lib, f"{name}_write_task"),
+                                    recording.task_pointer(lib, f"{name}_task"))
         for dtype, name in _PREFILL_KERNEL_NAMES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = _PREFILL_ARGTYPES, _c_int
@@ -246,6 +250,37 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
         else:
             write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
         return self._attend(query, key, value, kv_cache, metadata, kv_scales, write=write)
+
+    def decode_tasks(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                     kv_scales: torch.Tensor | None, out: torch.Tensor, metadata: AttentionMetadata):
+        """The planned decode's task forms over one struct (the K/V write on one thread, then the decode split by
+        request), when :meth:`forward` just ran this layer through the step's :class:`DecodePlan`; the refresh
+        hook re-plans a later step (validating its block tables) and gives its tables', lengths' and slots'
+        pointers, or None when that step's call would not be the planned one."""
+        backend = self.backend
+        plan = backend.planned_decode
+        owner = current_context(metadata)
+        if not (plan is not None and kv_scales is None and owner is not None and plan.owner is owner
+                and plan.matches(query, key, value, kv_cache, self.options)):
+            return None
+        call = plan.call_for(query, key, value, kv_cache, out)
+        write_fn, decode_fn = backend.kernel.task_fns[kv_cache.dtype]
+        name = backend.kernel.call_fns[kv_cache.dtype].__name__
+        tasks = [recording.Task(write_fn, call, 1, f"{name} (K/V write)"),
+                 recording.Task(decode_fn, call, recording.TEAM, name)]
+        rows = query.shape[0]
+
+        def refresh(step: AttentionMetadata | None) -> dict[str, int] | None:
+            if step is None or not (step.num_decodes == step.num_reqs == rows) or current_context(step) is None:
+                return None
+            kernel_plan = backend.kernel_plan(step, kv_cache)
+            if kernel_plan.slots is None or kernel_plan.owner is None:
+                return None
+            tables = kernel_plan.block_tables
+            return {"block_tables": tables.data_ptr(), "block_table_stride": tables.stride(0),
+                    "seq_lens": kernel_plan.seq_lens.data_ptr(), "slots": kernel_plan.slots.data_ptr()}
+
+        return tasks, refresh
 
     def _plan_decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                      metadata: AttentionMetadata, plan: _KernelPlan, kv_scales: torch.Tensor | None

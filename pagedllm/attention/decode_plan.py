@@ -66,6 +66,15 @@ class DecodePlan:
                 and key.stride() == self._key_stride and value.stride() == self._value_stride
                 and options == self._options)
 
+    def call_for(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 out: torch.Tensor) -> DecodeCall:
+        """A new struct of this plan's call for a layer's tensors (they :meth:`match`), writing into ``out``."""
+        call = DecodeCall.from_buffer_copy(self._call)
+        cache = kv_cache.data_ptr()
+        call.q, call.k_cache, call.v_cache, call.out = query.data_ptr(), cache, cache + self._v_offset, out.data_ptr()
+        call.key, call.value = key.data_ptr(), value.data_ptr()
+        return call
+
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """Write the layer's K/V rows and return its decode attention, (D, num_heads, head_dim) in query's
         dtype. Raises MemoryError when the kernel's scratch fails."""

@@ -13,10 +13,11 @@
 #include <string.h>
 
 #include "native_simd.h"
+#include "native_team.h"
 
 #define MAX_HEAD_DIM 1024 /* rope_qk's per-head scratch is MAX_HEAD_DIM floats on the stack */
 
-int pagedllm_cpu_ops_abi_version(void) { return 2; }
+int pagedllm_cpu_ops_abi_version(void) { return 3; }
 int pagedllm_cpu_ops_max_head_dim(void) { return MAX_HEAD_DIM; }
 /* 1 when bfloat16 rounding uses AVX512-BF16's vcvtneps2bf16 (with the exact fix-up). */
 int pagedllm_cpu_ops_avx512bf16(void) { return native_simd_avx512bf16(); }
@@ -336,3 +337,51 @@ ROPE_QK_CALL(rope_qk_bf16)
 #undef RMS_NORM_CALL
 #undef ACT_AND_MUL_CALL
 #undef ROPE_QK_CALL
+
+/* The task forms (native_team.h): thread ith of nth runs the kernel on its share of the rows, on its own. */
+#define AT_ROW(base, stride, row, elem) ((char *)(base) + (ptrdiff_t)(row) * (stride) * (elem))
+#define RMS_NORM_TASK(NAME, ELEM)                                                                           \
+    int NAME##_task(const void *args, int ith, int nth) {                                                  \
+        const struct rms_norm_call *c = args;                                                              \
+        long long b, e;                                                                                    \
+        team_share(c->num_rows, ith, nth, &b, &e);                                                         \
+        if (b < e)                                                                                         \
+            NAME(AT_ROW(c->x, c->x_stride, b, ELEM), c->x_w,                                               \
+                 c->residual ? AT_ROW(c->residual, c->residual_stride, b, ELEM) : NULL, c->w,              \
+                 AT_ROW(c->out, c->out_stride, b, ELEM), (int)(e - b), c->dim, c->x_stride,                \
+                 c->residual_stride, c->out_stride, c->eps, c->gemma, 1);                                  \
+        return 0;                                                                                          \
+    }
+#define ACT_AND_MUL_TASK(NAME, ELEM)                                                                        \
+    int NAME##_task(const void *args, int ith, int nth) {                                                  \
+        const struct act_and_mul_call *c = args;                                                           \
+        long long b, e;                                                                                    \
+        team_share(c->num_rows, ith, nth, &b, &e);                                                         \
+        if (b < e)                                                                                         \
+            NAME(AT_ROW(c->in, c->in_stride, b, ELEM), AT_ROW(c->out, c->out_stride, b, ELEM), (int)(e - b), \
+                 c->inter, c->in_stride, c->out_stride, c->act, 1);                                        \
+        return 0;                                                                                          \
+    }
+#define ROPE_QK_TASK(NAME, ELEM)                                                                            \
+    int NAME##_task(const void *args, int ith, int nth) {                                                  \
+        const struct rope_qk_call *c = args;                                                               \
+        long long b, e;                                                                                    \
+        team_share(c->num_tokens, ith, nth, &b, &e);                                                       \
+        if (b < e)                                                                                         \
+            NAME(AT_ROW(c->qkv, c->qkv_stride, b, ELEM), c->qkv_stride,                                    \
+                 AT_ROW(c->q_out, c->q_out_stride, b, ELEM), c->q_out_stride,                              \
+                 AT_ROW(c->cos_sin, c->cos_sin_stride, b, ELEM), c->cos_sin_stride, (int)(e - b),          \
+                 c->num_heads, c->num_kv_heads, c->head_dim, c->rotary_dim, c->q_weight, c->k_weight,      \
+                 c->eps, c->norm_kind, 1);                                                                 \
+        return 0;                                                                                          \
+    }
+RMS_NORM_TASK(rms_norm_f32, 4)
+RMS_NORM_TASK(rms_norm_bf16, 2)
+ACT_AND_MUL_TASK(act_and_mul_f32, 4)
+ACT_AND_MUL_TASK(act_and_mul_bf16, 2)
+ROPE_QK_TASK(rope_qk_f32, 4)
+ROPE_QK_TASK(rope_qk_bf16, 2)
+#undef RMS_NORM_TASK
+#undef ACT_AND_MUL_TASK
+#undef ROPE_QK_TASK
+#undef AT_ROW

@@ -36,6 +36,8 @@
 #include <omp.h>
 #endif
 
+#include "native_team.h"
+
 int pagedllm_cpu_paged_abi_version(void) { return 7; }
 
 /* 1 when built with OpenMP, else 0 (the caller splits the work). */
@@ -370,6 +372,18 @@ static void decode_request_e4m3(const struct decode_args *a, int r, float *s) { 
 static void decode_request_e5m2(const struct decode_args *a, int r, float *s) { decode_request(a, r, s, KV_FP8_E5M2); }
 static void decode_request_int8(const struct decode_args *a, int r, float *s) { decode_request(a, r, s, KV_INT8); }
 
+/* Requests [req_begin, req_end) on the calling thread alone (no OpenMP construct). Returns 0, or -1 when the
+ * scratch allocation failed. */
+static int decode_share(const struct decode_args *a, int req_begin, int req_end, decode_request_fn fn) {
+    if (req_begin >= req_end) return 0;
+    const size_t floats = DOTS_FLOATS(a->num_heads) + (a->io_bf16 ? 2 * (size_t)a->num_heads * a->head_dim : 0);
+    float *scratch = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
+    if (scratch == NULL) return -1;
+    for (int r = req_begin; r < req_end; r++) fn(a, r, scratch);
+    free(scratch);
+    return 0;
+}
+
 /* Requests [req_begin, req_end) over an OpenMP team. Returns 0, or -1 when a scratch allocation failed. */
 static int decode_requests(const struct decode_args *a, int req_begin, int req_end, int num_threads,
                            decode_request_fn fn) {
@@ -474,6 +488,35 @@ PAGED_DECODE_CALL(paged_decode_fp8_e4m3)
 PAGED_DECODE_CALL(paged_decode_fp8_e5m2)
 PAGED_DECODE_CALL(paged_decode_int8)
 #undef PAGED_DECODE_CALL
+
+/* The task forms (native_team.h) of a paged_decode_<format>_call: `_write_task` writes the step's K/V rows
+ * (thread 0), `_task` decodes thread ith's share of the requests; a graph replay runs the write, then the decode. */
+#define PAGED_DECODE_TASKS(NAME, FN, FMT)                                                                   \
+    int NAME##_write_task(const void *args, int ith, int nth) {                                            \
+        const struct paged_decode_call *c = args;                                                          \
+        (void)nth;                                                                                          \
+        if (ith == 0 && c->key != NULL)                                                                    \
+            write_kv(c->key, c->value, c->key_stride, c->value_stride, c->io_bf16, c->k_cache, c->v_cache, \
+                     FMT, c->slots, c->num_tokens, (long long)c->num_kv_heads * c->head_dim);              \
+        return 0;                                                                                          \
+    }                                                                                                      \
+    int NAME##_task(const void *args, int ith, int nth) {                                                  \
+        const struct paged_decode_call *c = args;                                                          \
+        const struct decode_args a = {c->q, c->k_cache, c->v_cache, c->k_scales, c->v_scales,              \
+                                      c->block_tables, c->seq_lens, c->out, c->num_heads, c->num_kv_heads, \
+                                      c->head_dim, c->block_size, c->window, c->io_bf16, c->req_end,       \
+                                      c->block_table_stride, c->kv_block_stride, c->kv_token_stride,       \
+                                      c->scale, c->k_scale, c->v_scale, c->soft_cap};                      \
+        long long b, e;                                                                                    \
+        team_share(c->req_end - c->req_begin, ith, nth, &b, &e);                                           \
+        return decode_share(&a, c->req_begin + (int)b, c->req_begin + (int)e, FN);                         \
+    }
+PAGED_DECODE_TASKS(paged_decode_f32, decode_request_f32, KV_F32)
+PAGED_DECODE_TASKS(paged_decode_bf16, decode_request_bf16, KV_BF16)
+PAGED_DECODE_TASKS(paged_decode_fp8_e4m3, decode_request_e4m3, KV_FP8_E4M3)
+PAGED_DECODE_TASKS(paged_decode_fp8_e5m2, decode_request_e5m2, KV_FP8_E5M2)
+PAGED_DECODE_TASKS(paged_decode_int8, decode_request_int8, KV_INT8)
+#undef PAGED_DECODE_TASKS
 
 /* Prefill attention: the Q new tokens of one request (positions num_context ..) attend causally to its
  * keys 0 .. num_context + Q - 1, read in place (the chunk's K/V written first). FlashAttention-2 loop order

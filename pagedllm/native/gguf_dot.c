@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native_team.h"
+
 #define GGUF_DOT_ABI_VERSION 5
 #define GD_QK 32   /* activation block */
 #define GD_QKK 256 /* K-quant super-block */
@@ -138,23 +140,61 @@ static gd_quantize_fn gd_quantizer(int isa); /* defined after the SIMD passes */
 /* x (M, K) float32 (bf16: uint16 bits when is_bf16), rows x_stride elements apart, K a multiple of 32, to q (M, K),
  * d and s (M, K / 32), s16 (M, K / 16): d times the sum of each 16 codes. isa: the path (0 portable C, 1 or 2 the
  * SIMD body; one this CPU cannot run takes portable C): every path writes the same bits. */
+static void gd_quantize_one_row(gd_quantize_fn quantize, const void *x, ptrdiff_t x_stride, int is_bf16, int m, int K,
+                            int8_t *q, float *d, float *s, float *s16) {
+    const ptrdiff_t nb = K / GD_QK;
+    if (is_bf16) {
+        float row[K];
+        const uint16_t *xr = (const uint16_t *)x + (ptrdiff_t)m * x_stride;
+        for (int k = 0; k < K; k++)
+            row[k] = gd_bf16(xr[k]);
+        quantize(row, K, q + (ptrdiff_t)m * K, d + m * nb, s + m * nb, s16 + 2 * m * nb);
+    } else {
+        quantize((const float *)x + (ptrdiff_t)m * x_stride, K, q + (ptrdiff_t)m * K, d + m * nb, s + m * nb,
+                 s16 + 2 * m * nb);
+    }
+}
+
 void gguf_quantize_rows(const void *x, ptrdiff_t x_stride, int is_bf16, int M, int K, int8_t *q, float *d,
                         float *s, float *s16, int isa, int num_threads) {
     const gd_quantize_fn quantize = gd_quantizer(isa);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
-    for (int m = 0; m < M; m++) {
-        const ptrdiff_t nb = K / GD_QK;
-        if (is_bf16) {
-            float row[K];
-            const uint16_t *xr = (const uint16_t *)x + (ptrdiff_t)m * x_stride;
-            for (int k = 0; k < K; k++)
-                row[k] = gd_bf16(xr[k]);
-            quantize(row, K, q + (ptrdiff_t)m * K, d + m * nb, s + m * nb, s16 + 2 * m * nb);
-        } else {
-            quantize((const float *)x + (ptrdiff_t)m * x_stride, K, q + (ptrdiff_t)m * K, d + m * nb, s + m * nb,
-                     s16 + 2 * m * nb);
-        }
-    }
+    for (int m = 0; m < M; m++)
+        gd_quantize_one_row(quantize, x, x_stride, is_bf16, m, K, q, d, s, s16);
+}
+
+/* gguf_quantize_rows' and gguf_dot_rows' arguments in order, for their task forms (native_team.h). */
+struct gd_quantize_args {
+    const void *x;
+    ptrdiff_t x_stride;
+    int is_bf16, M, K;
+    int8_t *q;
+    float *d, *s, *s16;
+    int isa, num_threads;
+};
+struct gd_dot_args {
+    int type;
+    const uint8_t *w;
+    ptrdiff_t row_bytes;
+    int N, K;
+    const int8_t *xq;
+    const float *xd, *xs, *xs16;
+    int M;
+    const float *bias;
+    float *out;
+    ptrdiff_t out_stride;
+    int isa, num_threads;
+};
+
+/* Thread ith's share of the rows. */
+int gguf_quantize_rows_task(const void *args, int ith, int nth) {
+    const struct gd_quantize_args *a = args;
+    const gd_quantize_fn quantize = gd_quantizer(a->isa);
+    long long b, e;
+    team_share(a->M, ith, nth, &b, &e);
+    for (long long m = b; m < e; m++)
+        gd_quantize_one_row(quantize, a->x, a->x_stride, a->is_bf16, (int)m, a->K, a->q, a->d, a->s, a->s16);
+    return 0;
 }
 
 /* ---- weights: float32 rows to Q8_0 blocks (gguf.quants.quantize's rule) ---- */
@@ -564,6 +604,17 @@ int gguf_dot_rows(int type, const uint8_t *w, ptrdiff_t row_bytes, int N, int K,
     }
     free(xd8);
     return 0;
+}
+
+/* Thread ith's share of the outputs (whole weight rows), each as gguf_dot_rows computes it. */
+int gguf_dot_rows_task(const void *args, int ith, int nth) {
+    const struct gd_dot_args *a = args;
+    long long b, e;
+    team_share(a->N, ith, nth, &b, &e);
+    if (b >= e)
+        return 0;
+    return gguf_dot_rows(a->type, a->w + b * a->row_bytes, a->row_bytes, (int)(e - b), a->K, a->xq, a->xd, a->xs,
+                         a->xs16, a->M, a->bias ? a->bias + b : NULL, a->out + b, a->out_stride, a->isa, 1);
 }
 
 /* Rows [0, N) of blocks `w` (rows row_bytes apart) dequantized on path `isa`'s unpacking: float32 out (N, K) or,

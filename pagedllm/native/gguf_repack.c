@@ -29,6 +29,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "native_team.h"
+
 #define GR_ABI_VERSION 4
 #define GR_NR 16 /* outputs per tile */
 #define GR_MR 4  /* x rows per register block */
@@ -46,6 +48,20 @@ static int gr_valid(int bits, int sub, int group, int K) {
 static ptrdiff_t gr_sub_bytes(int bits, int sub) { return bits == 4 ? GR_NR * sub / 2 : GR_NR * sub; }
 
 static ptrdiff_t gr_tiles(int N) { return (N + GR_NR - 1) / GR_NR; }
+
+/* gguf_repack_dot's arguments in order (its task form takes them as one struct). */
+struct gr_dot_args {
+    const uint8_t *codes;
+    const void *scale, *min;
+    int half, bits, sub, group, N, K;
+    const int8_t *xq;
+    const float *xd, *xs, *xs16;
+    int M;
+    const float *bias;
+    float *out;
+    ptrdiff_t out_stride;
+    int num_threads;
+};
 
 /* Bytes of the repacked codes of an (N, K) weight; floats of its scales (and of its mins). */
 ptrdiff_t gguf_repack_code_bytes(int bits, int sub, int N, int K) {
@@ -303,6 +319,29 @@ static void gr_tiles_rows(const struct gr_product *p, ptrdiff_t t0, int T) {
     }
 }
 
+/* Pairs of tiles [pair_begin, pair_end) against every x row. Two tiles per register block where the product is
+ * compute-bound (GR_PAIR_ROWS rows and up); below, a read of the weights, one tile at a time streams them faster. */
+static void gr_pairs(const struct gr_product *p, ptrdiff_t pair_begin, ptrdiff_t pair_end) {
+    const ptrdiff_t tiles = gr_tiles(p->N);
+    const int T = p->M >= GR_PAIR_ROWS ? 2 : 1;
+    for (ptrdiff_t pair = pair_begin; pair < pair_end; pair++) {
+        const ptrdiff_t t0 = 2 * pair;
+        if (tiles - t0 < 2 || T == 1)
+            for (ptrdiff_t t = t0; t < t0 + 2 && t < tiles; t++)
+                gr_tiles_rows(p, t, 1);
+        else
+            gr_tiles_rows(p, t0, 2);
+    }
+}
+
+static struct gr_product gr_product_of(const struct gr_dot_args *a) {
+    const struct gr_product p = {a->codes, a->scale, a->min, a->half, a->bits, a->sub, a->N, a->K, a->M,
+                                 a->K / a->sub, a->group / a->sub, (a->K / a->sub) * gr_sub_bytes(a->bits, a->sub),
+                                 (a->K / a->group) * GR_NR, a->out_stride, a->xq, a->xd,
+                                 a->sub == 32 ? a->xs : a->xs16, a->bias, a->out};
+    return p;
+}
+
 /* out[m, n] = bias[n] + sum_k x[m, k] W[n, k] for m < M, n < N; W repacked (gguf_repack; scale and min float32,
  * or IEEE halves with half), x as gguf_quantize_rows wrote it (q (M, K), d and s (M, K / 32), s16 (M, K / 16)), out
  * rows out_stride floats apart. Threads take pairs of tiles. Returns -1 for bits, sub, group or K outside the
@@ -313,22 +352,25 @@ int gguf_repack_dot(const uint8_t *codes, const void *scale, const void *min, in
                     float *out, ptrdiff_t out_stride, int num_threads) {
     if (!gr_valid(bits, sub, group, K) || (half && sub != 32) || !gguf_repack_available())
         return -1;
-    const struct gr_product p = {codes, scale, min, half, bits, sub, N, K, M, K / sub, group / sub,
-                                 (K / sub) * gr_sub_bytes(bits, sub), (K / group) * GR_NR, out_stride,
-                                 xq, xd, sub == 32 ? xs : xs16, bias, out};
-    const ptrdiff_t tiles = gr_tiles(N);
-    /* two tiles per register block where the product is compute-bound (GR_PAIR_ROWS rows and up); below, a read
-     * of the weights, one tile at a time streams them faster */
-    const int T = M >= GR_PAIR_ROWS ? 2 : 1;
+    const struct gr_dot_args a = {codes, scale, min, half, bits, sub, group, N, K, xq, xd, xs, xs16, M, bias, out,
+                                  out_stride, num_threads};
+    const struct gr_product p = gr_product_of(&a);
+    const ptrdiff_t pairs = (gr_tiles(N) + 1) / 2;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
-    for (ptrdiff_t pair = 0; pair < (tiles + 1) / 2; pair++) {
-        const ptrdiff_t t0 = 2 * pair;
-        if (tiles - t0 < 2 || T == 1)
-            for (ptrdiff_t t = t0; t < t0 + 2 && t < tiles; t++)
-                gr_tiles_rows(&p, t, 1);
-        else
-            gr_tiles_rows(&p, t0, 2);
-    }
+    for (ptrdiff_t pair = 0; pair < pairs; pair++)
+        gr_pairs(&p, pair, pair + 1);
+    return 0;
+}
+
+/* gguf_repack_dot's task form (native_team.h): thread ith's share of the pairs of tiles. */
+int gguf_repack_dot_task(const void *args, int ith, int nth) {
+    const struct gr_dot_args *a = args;
+    if (!gr_valid(a->bits, a->sub, a->group, a->K) || (a->half && a->sub != 32) || !gguf_repack_available())
+        return -1;
+    const struct gr_product p = gr_product_of(a);
+    long long b, e;
+    team_share((gr_tiles(a->N) + 1) / 2, ith, nth, &b, &e);
+    gr_pairs(&p, b, e);
     return 0;
 }
 #pragma GCC pop_options
@@ -339,4 +381,5 @@ int gguf_repack_dot(const uint8_t *codes, const void *scale, const void *min, in
                     float *out, ptrdiff_t out_stride, int num_threads) {
     return -1;
 }
+int gguf_repack_dot_task(const void *args, int ith, int nth) { return -1; }
 #endif

@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+
+#include "native_team.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -262,8 +264,9 @@ static inline __attribute__((always_inline)) void i8_tile_vnni(const struct i8_r
 }
 #endif
 
-static int i8_prepare_rows(const float *x, ptrdiff_t x_stride, int M, int K, int group, int num_threads,
-                           struct i8_rows *rows, void **buffer) {
+/* Scratch for x's codes, scales and corrections (rows->*), in *buffer (the caller frees it). Returns -1 when the
+ * allocation fails. */
+static int i8_alloc_rows(int M, int K, int group, struct i8_rows *rows, void **buffer) {
     const int Kp = (K + I8_KG - 1) / I8_KG * I8_KG;
     const int groups = (K + group - 1) / group;
     const size_t row_bytes = (size_t)(Kp + 63) / 64 * 64;
@@ -277,14 +280,24 @@ static int i8_prepare_rows(const float *x, ptrdiff_t x_stride, int M, int K, int
     rows->stride = (ptrdiff_t)row_bytes;
     rows->groups = groups;
     rows->group_kg = group / I8_KG;
+    *buffer = buf;
+    return 0;
+}
+
+static void i8_quantize_rows(const float *x, ptrdiff_t x_stride, int m, int K, int group, const struct i8_rows *rows) {
+    const int Kp = (K + I8_KG - 1) / I8_KG * I8_KG;
+    i8_quantize_row(x + (ptrdiff_t)m * x_stride, K, Kp, group, rows->groups, rows->xq + (ptrdiff_t)m * rows->stride,
+                    rows->sx + (ptrdiff_t)m * rows->groups, rows->corr + (ptrdiff_t)m * rows->groups);
+}
+
+static int i8_prepare_rows(const float *x, ptrdiff_t x_stride, int M, int K, int group, int num_threads,
+                           struct i8_rows *rows, void **buffer) {
+    if (i8_alloc_rows(M, K, group, rows, buffer))
+        return -1;
     (void)num_threads;
 #pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && (long)M * K >= 65536)
-    for (int m = 0; m < M; m++) {
-        int8_t *q = rows->xq + (ptrdiff_t)m * rows->stride;
-        i8_quantize_row(x + (ptrdiff_t)m * x_stride, K, Kp, group, groups, q, rows->sx + (ptrdiff_t)m * groups,
-                        rows->corr + (ptrdiff_t)m * groups);
-    }
-    *buffer = buf;
+    for (int m = 0; m < M; m++)
+        i8_quantize_rows(x, x_stride, m, K, group, rows);
     return 0;
 }
 
@@ -336,6 +349,23 @@ static int i8_tile_rows(int isa) {
     return I8_SCALAR_MR;
 }
 
+/* Panels [panel_begin, panel_end) against every x row (x quantized in xr). */
+static void i8_panels(const struct i8_rows *xr, int isa, const uint8_t *packed, const float *w_scale,
+                      const float *bias, float *out, ptrdiff_t out_stride, int M, int N, int K, int panel_begin,
+                      int panel_end) {
+    const int kgroups = (K + I8_KG - 1) / I8_KG, mr = i8_tile_rows(isa);
+    const ptrdiff_t panel_bytes = (ptrdiff_t)kgroups * I8_NR * I8_KG;
+    for (int p = panel_begin; p < panel_end; p++) {
+        const int cols = N - p * I8_NR < I8_NR ? N - p * I8_NR : I8_NR;
+        const uint8_t *panel = packed + (ptrdiff_t)p * panel_bytes;
+        for (int m0 = 0; m0 < M; m0 += mr) {
+            const int rows = M - m0 < mr ? M - m0 : mr;
+            i8_tile(xr, isa, panel, kgroups, w_scale + p * I8_NR, bias ? bias + p * I8_NR : NULL,
+                    out + (ptrdiff_t)m0 * out_stride + (ptrdiff_t)p * I8_NR, out_stride, cols, m0, rows);
+        }
+    }
+}
+
 /* out[m, n] for x (M, K) float32 (row stride x_stride) and the packed weight: ceil(N / 64) panels of
  * ceil(K / 4) groups x 64 columns x 4 bytes q + 128. w_scale and bias (NULL or not): ceil(N / 64) * 64
  * entries, zero-padded. group: k per activation scale, a positive multiple of 4 (>= K: one per row).
@@ -354,18 +384,44 @@ int int8_gemm_f32(const float *x, ptrdiff_t x_stride, const uint8_t *packed, con
     void *buffer = NULL;
     if (i8_prepare_rows(x, x_stride, M, K, group, num_threads, &xr, &buffer))
         return -1;
-    const int kgroups = (K + I8_KG - 1) / I8_KG, panels = (N + I8_NR - 1) / I8_NR, mr = i8_tile_rows(isa);
-    const ptrdiff_t panel_bytes = (ptrdiff_t)kgroups * I8_NR * I8_KG;
+    const int panels = (N + I8_NR - 1) / I8_NR;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1 && panels > 1)
-    for (int p = 0; p < panels; p++) {
-        const int cols = N - p * I8_NR < I8_NR ? N - p * I8_NR : I8_NR;
-        const uint8_t *panel = packed + (ptrdiff_t)p * panel_bytes;
-        for (int m0 = 0; m0 < M; m0 += mr) {
-            const int rows = M - m0 < mr ? M - m0 : mr;
-            i8_tile(&xr, isa, panel, kgroups, w_scale + p * I8_NR, bias ? bias + p * I8_NR : NULL,
-                    out + (ptrdiff_t)m0 * out_stride + (ptrdiff_t)p * I8_NR, out_stride, cols, m0, rows);
-        }
-    }
+    for (int p = 0; p < panels; p++)
+        i8_panels(&xr, isa, packed, w_scale, bias, out, out_stride, M, N, K, p, p + 1);
+    free(buffer);
+    return 0;
+}
+
+/* int8_gemm_f32's arguments in order (its task form takes them as one struct). */
+struct i8_gemm_args {
+    const float *x;
+    ptrdiff_t x_stride;
+    const uint8_t *packed;
+    const float *w_scale, *bias;
+    float *out;
+    ptrdiff_t out_stride;
+    int M, N, K, group, isa, num_threads;
+};
+
+/* int8_gemm_f32's task form (native_team.h): thread ith quantizes every x row itself (O(M K), against its share's
+ * O(M K N / nth) products) and computes its share of the panels. */
+int int8_gemm_f32_task(const void *args, int ith, int nth) {
+    const struct i8_gemm_args *a = args;
+    if (a->isa < 0 || a->isa > pagedllm_int8_gemm_best_isa())
+        return -1;
+    if (a->group <= 0 || a->group % I8_KG)
+        return -2;
+    long long b, e;
+    team_share((a->N + I8_NR - 1) / I8_NR, ith, nth, &b, &e);
+    if (a->M <= 0 || b >= e)
+        return 0;
+    struct i8_rows xr;
+    void *buffer = NULL;
+    if (i8_alloc_rows(a->M, a->K, a->group, &xr, &buffer))
+        return -1;
+    for (int m = 0; m < a->M; m++)
+        i8_quantize_rows(a->x, a->x_stride, m, a->K, a->group, &xr);
+    i8_panels(&xr, a->isa, a->packed, a->w_scale, a->bias, a->out, a->out_stride, a->M, a->N, a->K, (int)b, (int)e);
     free(buffer);
     return 0;
 }

@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #endif
 #include "native_simd.h"
+#include "native_team.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define SG_AMX 1
 #include <sys/syscall.h>
@@ -462,3 +463,56 @@ int skinny_gemm_bf16_dp_f32out(const uint16_t *x, ptrdiff_t x_stride, const uint
                                float *out, ptrdiff_t out_stride, int M, int N, int K, int num_threads) {
     SG_DP_BODY(1)
 }
+
+/* The task forms (native_team.h): thread ith computes its share of the panels, as one call on those panels alone. */
+struct sg_gemm_args {
+    const void *x;
+    ptrdiff_t x_stride;
+    const void *packed;
+    const float *bias;
+    void *out;
+    ptrdiff_t out_stride;
+    int M, N, K, num_threads;
+};
+
+/* Thread ith's panels [*first, first + count) of nr columns, and its column count; 0 for none. */
+static int sg_share(const struct sg_gemm_args *a, int nr, int ith, int nth, long long *first) {
+    long long b, e;
+    team_share((a->N + nr - 1) / nr, ith, nth, &b, &e);
+    *first = b;
+    if (b >= e)
+        return 0;
+    const long long cols = a->N - b * nr;
+    return (int)(cols < (e - b) * nr ? cols : (e - b) * nr);
+}
+
+int skinny_gemm_f32_task(const void *args, int ith, int nth) {
+    const struct sg_gemm_args *a = args;
+    long long p;
+    const int cols = sg_share(a, SG_NR, ith, nth, &p);
+    if (cols)
+        skinny_gemm_f32(a->x, a->x_stride, (const float *)a->packed + p * a->K * SG_NR,
+                        a->bias ? a->bias + p * SG_NR : NULL, (float *)a->out + p * SG_NR, a->out_stride, a->M, cols,
+                        a->K, 1);
+    return 0;
+}
+
+#if SG_DP
+#define SG_DP_TASK(NAME, OUT_T)                                                                                    \
+    int NAME##_task(const void *args, int ith, int nth) {                                                         \
+        const struct sg_gemm_args *a = args;                                                                      \
+        long long p;                                                                                              \
+        const int cols = sg_share(a, SG_DP_NR, ith, nth, &p);                                                     \
+        if (!cols)                                                                                                \
+            return 0;                                                                                             \
+        return NAME(a->x, a->x_stride, (const uint16_t *)a->packed + p * a->K * SG_DP_NR,                         \
+                    a->bias ? a->bias + p * SG_DP_NR : NULL, (OUT_T *)a->out + p * SG_DP_NR, a->out_stride, a->M, \
+                    cols, a->K, 1);                                                                               \
+    }
+SG_DP_TASK(skinny_gemm_bf16_dp, uint16_t)
+SG_DP_TASK(skinny_gemm_bf16_dp_f32out, float)
+#undef SG_DP_TASK
+#else
+int skinny_gemm_bf16_dp_task(const void *args, int ith, int nth) { return -1; }
+int skinny_gemm_bf16_dp_f32out_task(const void *args, int ith, int nth) { return -1; }
+#endif

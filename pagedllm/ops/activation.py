@@ -28,5 +28,5 @@ def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor | None:
     call, ref = prepared(ActAndMulCall, (num_rows, inter, x.stride(0), inter, act,
                                          num_threads_for(num_rows * inter * 4)))
     call.inp, call.out = x.data_ptr(), out.data_ptr()
-    recording.call_struct(ops.act_and_mul_call[x.dtype], call, ref)
+    recording.call_struct(ops.act_and_mul_call[x.dtype], call, ref, task=(ops.act_and_mul_task[x.dtype], recording.TEAM))
     return out

@@ -47,6 +47,8 @@ class GGUFDotKernel:
         self.dot = lib.gguf_dot_rows
         self.dot.argtypes = [_i, _p, _ssize, _i, _i, _p, _p, _p, _p, _i, _p, _p, _ssize, _i, _i]
         self.dot.restype = _i
+        self.quantize_task = recording.task_pointer(lib, "gguf_quantize_rows_task")
+        self.dot_task = recording.task_pointer(lib, "gguf_dot_rows_task")
         self.quantize_q8_0 = lib.gguf_quantize_q8_0
         self.quantize_q8_0.argtypes, self.quantize_q8_0.restype = [_p, _ssize, _i, _i, _p, _i], None
         self.dequantize = lib.gguf_dequantize_rows
@@ -140,7 +142,8 @@ def quantize_rows(x: torch.Tensor, k: GGUFDotKernel | None = None, path: int | N
     s16 = torch.empty(m, 2 * n // ACTIVATION_BLOCK)
     if m:
         recording.call(k.quantize, x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), m, n, q.data_ptr(),
-                       d.data_ptr(), s.data_ptr(), s16.data_ptr(), path, num_threads(m * n // 8))
+                       d.data_ptr(), s.data_ptr(), s16.data_ptr(), path, num_threads(m * n // 8),
+                       task=(k.quantize_task, recording.TEAM))
     return QuantizedRows(q, d, s, s16)
 
 

@@ -51,6 +51,7 @@ class GGUFRepackKernel:
         self.dot = lib.gguf_repack_dot
         self.dot.argtypes = [_p, _p, _p, _i, _i, _i, _i, _i, _i, _p, _p, _p, _p, _i, _p, _p, _ssize, _i]
         self.dot.restype = _i
+        self.dot_task = recording.task_pointer(lib, "gguf_repack_dot_task")
         self._lib = lib
 
 
@@ -209,7 +210,8 @@ def dot(w: RepackedWeight, x: gguf_dot.QuantizedRows, out: torch.Tensor, bias: t
                         int(w.scale.dtype == torch.float16), w.bits, w.sub, w.group, n,
                         w.in_features, x.q.data_ptr(), x.d.data_ptr(), x.s.data_ptr(), x.s16.data_ptr(), m,
                         None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-                        num_threads(m, n, w.in_features), keep=(w, bias))
+                        num_threads(m, n, w.in_features), keep=(w, bias),
+                        task=(kernel().dot_task, num_threads(m, n, w.in_features, spinning=True)))
     if rc != 0:
         raise RuntimeError("gguf_repack_dot needs AVX512-VNNI")
 

@@ -66,6 +66,7 @@ class Int8GemmKernel:
         self.gemm = lib.int8_gemm_f32
         self.gemm.argtypes = [_p, _ssize, _p, _p, _p, _p, _ssize, _i, _i, _i, _i, _i, _i]
         self.gemm.restype = _i
+        self.gemm_task = recording.task_pointer(lib, "int8_gemm_f32_task")
         self._lib = lib
 
 
@@ -177,11 +178,12 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, kernel: Int8GemmKernel | No
             None if bias is None else bias.data_ptr(), out.data_ptr(), weight.out_features, m, weight.out_features,
             weight.in_features, weight.activation_group, code,
             kernel_threads.num_threads(m, weight.out_features, weight.in_features))
+    task = (kernel.gemm_task, kernel_threads.num_threads(m, weight.out_features, weight.in_features, spinning=True))
     if torch._C._autograd._profiler_enabled():
         with torch.profiler.record_function(PROFILER_EVENT):
-            rc = recording.call(kernel.gemm, *args, keep=(weight,))
+            rc = recording.call(kernel.gemm, *args, keep=(weight,), task=task)
     else:
-        rc = recording.call(kernel.gemm, *args, keep=(weight,))
+        rc = recording.call(kernel.gemm, *args, keep=(weight,), task=task)
     if rc != 0:
         raise ValueError(f"int8_linear: the kernel refused ISA {code} (best here: {kernel.best_isa}), activation "
                          f"group {weight.activation_group}, or could not allocate its scratch rows")

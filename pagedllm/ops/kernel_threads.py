@@ -28,6 +28,9 @@ def macs_per_thread() -> int:
         else PASSIVE_MACS_PER_THREAD
 
 
-def num_threads(m: int, n: int, k: int) -> int:
-    """Threads for an (m, n, k) product (m rows, n outputs, k inputs): at least 1, at most torch's count."""
-    return max(1, min(torch.get_num_threads(), m * n * k // macs_per_thread()))
+def num_threads(m: int, n: int, k: int, spinning: bool = False) -> int:
+    """Threads for an (m, n, k) product (m rows, n outputs, k inputs): at least 1, at most torch's count.
+    ``spinning``: for a team whose threads spin between calls (a CPU decode graph's native replay), whatever the
+    wait policy: :data:`ACTIVE_MACS_PER_THREAD`."""
+    per_thread = ACTIVE_MACS_PER_THREAD if spinning else macs_per_thread()
+    return max(1, min(torch.get_num_threads(), m * n * k // per_thread))

@@ -11,11 +11,12 @@ import torch
 
 from pagedllm import envs, native
 from pagedllm.ops.calls import ActAndMulCall, RmsNormCall, RopeQkCall
+from pagedllm.ops.recording import task_pointer
 
 __all__ = ["CpuOps", "can_run", "cpu_ops", "num_threads_for", "set_enabled"]
 
 _SOURCE = native.SOURCE_DIR / "cpu_ops.c"
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 # Elements per thread below which a kernel runs on the calling thread (waking the OpenMP team costs more).
 _ELEMENTS_PER_THREAD = 262144
 
@@ -29,7 +30,7 @@ _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 class CpuOps:
     """The loaded kernels, one ctypes function per dtype (they release the GIL and trust their arguments),
-    and the ``*_call`` forms taking one struct."""
+    the ``*_call`` forms taking one struct, and the ``*_task`` forms' addresses (the same struct)."""
 
     dtypes = tuple(_SUFFIXES)
 
@@ -45,6 +46,10 @@ class CpuOps:
         self.rms_norm_call = self._functions(lib, "rms_norm", [ctypes.POINTER(RmsNormCall)], "_call")
         self.act_and_mul_call = self._functions(lib, "act_and_mul", [ctypes.POINTER(ActAndMulCall)], "_call")
         self.rope_qk_call = self._functions(lib, "rope_qk", [ctypes.POINTER(RopeQkCall)], "_call")
+        # task forms (native/native_team.h) for a CPU decode graph's native replay, one per kernel and dtype
+        self.rms_norm_task, self.act_and_mul_task, self.rope_qk_task = (
+            {dtype: task_pointer(lib, f"{name}_{suffix}_task") for dtype, suffix in _SUFFIXES.items()}
+            for name in ("rms_norm", "act_and_mul", "rope_qk"))
         self._lib = lib
 
     @staticmethod

@@ -23,7 +23,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> 
     out = torch.empty(x.shape, dtype=x.dtype)
     num_rows, dim, stride = rows
     recording.call(ops.rms_norm[x.dtype], x.data_ptr(), None, None, weight.data_ptr(), out.data_ptr(), num_rows, dim,
-                   stride, 0, dim, eps, gemma, num_threads_for(num_rows * dim), keep=(weight,))
+                   stride, 0, dim, eps, gemma, num_threads_for(num_rows * dim), keep=(weight,),
+                   task=(ops.rms_norm_task[x.dtype], recording.TEAM))
     return out
 
 
@@ -47,7 +48,8 @@ def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     call.x = call.out = x.data_ptr()
     call.x_w = None if x_weight is None else x_weight.data_ptr()
     call.residual, call.w = residual.data_ptr(), None if weight is None else weight.data_ptr()
-    recording.call_struct(ops.rms_norm_call[x.dtype], call, ref, keep=(weight, x_weight))
+    recording.call_struct(ops.rms_norm_call[x.dtype], call, ref, keep=(weight, x_weight),
+                          task=(ops.rms_norm_task[x.dtype], recording.TEAM))
     return True
 
 

@@ -40,7 +40,8 @@ def rope_qk(qkv: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, num_kv_hea
     call.qkv, call.q_out, call.cos_sin = qkv.data_ptr(), q.data_ptr(), cos_sin.data_ptr()
     call.q_weight = q_weight.data_ptr() if norm_kind else None
     call.k_weight = k_weight.data_ptr() if norm_kind else None
-    recording.call_struct(ops.rope_qk_call[qkv.dtype], call, ref, keep=(q_weight, k_weight))
+    recording.call_struct(ops.rope_qk_call[qkv.dtype], call, ref, keep=(q_weight, k_weight),
+                          task=(ops.rope_qk_task[qkv.dtype], recording.TEAM))
     return q
 
 

@@ -77,6 +77,9 @@ class SkinnyGemmKernel:
         self.gemm_bf16_dp.argtypes, self.gemm_bf16_dp.restype = _GEMM_ARGS, _i
         self.gemm_bf16_dp_f32out = lib.skinny_gemm_bf16_dp_f32out
         self.gemm_bf16_dp_f32out.argtypes, self.gemm_bf16_dp_f32out.restype = _GEMM_ARGS, _i
+        # task forms (native/native_team.h) by kernel; the AMX kernel has none (its rows are padded in Python)
+        self.tasks = {fn.__name__: recording.task_pointer(lib, f"{fn.__name__}_task")
+                      for fn in (self.gemm_f32, self.gemm_bf16_dp, self.gemm_bf16_dp_f32out)}
         self._lib = lib
 
 
@@ -230,11 +233,13 @@ def skinny_linear(x: torch.Tensor, weight: SkinnyWeight, kernel: SkinnyGemmKerne
     args = (x.data_ptr(), x.stride(0), weight.panels.data_ptr(), None if bias is None else bias.data_ptr(),
             out.data_ptr(), weight.out_features, m, weight.out_features, weight.in_features,
             torch.get_num_threads())
+    task_fn = kernel.tasks.get(gemm.__name__)
+    task = None if task_fn is None else (task_fn, recording.TEAM)
     if _profiling():
         with torch.profiler.record_function(PROFILER_EVENT):
-            recording.call(gemm, *args, keep=(weight,))
+            recording.call(gemm, *args, keep=(weight,), task=task)
     else:
-        recording.call(gemm, *args, keep=(weight,))
+        recording.call(gemm, *args, keep=(weight,), task=task)
     return out
 
 

@@ -24,7 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tensor_parallel_size
-from pagedllm.ops import gguf_dot, gguf_repack, recording
+from pagedllm.ops import gguf_dot, gguf_repack, kernel_threads, recording
 from pagedllm.quantization.base import LinearMethod, QuantizationConfig, replace_weight
 
 logger = logging.getLogger("pagedllm")
@@ -189,7 +189,8 @@ class GGUFLinearMethod(LinearMethod):
             rc = recording.call(kernel.dot, kind, blocks.data_ptr(), blocks.stride(0), n, k, rows.q.data_ptr(),
                                 rows.d.data_ptr(), rows.s.data_ptr(), rows.s16.data_ptr(), m,
                                 None if bias is None else bias.data_ptr() + 4 * start, out.data_ptr() + 4 * start,
-                                out.stride(0), path, gguf_dot.num_threads(n * k), keep=(blocks, bias))
+                                out.stride(0), path, gguf_dot.num_threads(n * k), keep=(blocks, bias),
+                                task=(kernel.dot_task, kernel_threads.num_threads(m, n, k, spinning=True)))
             if rc != 0:
                 raise MemoryError(f"gguf_dot_rows: no memory for the activation scales of {m} rows")
         return out

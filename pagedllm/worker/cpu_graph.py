@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.models.layers.linear import packing_generation
+from pagedllm.ops import graph_replay
 from pagedllm.ops.recording import Recording, recording
 
 logger = logging.getLogger("pagedllm")
@@ -130,17 +131,23 @@ def _storage(t: torch.Tensor) -> tuple[int, int] | None:
 
 
 class _Graph:
+    """One recorded pass; ``program``: its native replay (None: replayed from Python)."""
 
     def __init__(self, rec: Recording, pool: _ArenaPool, hidden: torch.Tensor, cos_sin: dict[str, torch.Tensor],
-                 out: torch.Tensor) -> None:
+                 out: torch.Tensor, program: graph_replay.Program | None) -> None:
         self.rec, self.pool, self.hidden, self.cos_sin, self.out = rec, pool, hidden, cos_sin, out
+        self.program = program
 
-    def replay(self, hidden: torch.Tensor, cos_sin: dict[str, torch.Tensor]) -> torch.Tensor:
+    def replay(self, hidden: torch.Tensor, cos_sin: dict[str, torch.Tensor]) -> bool:
+        """Writes the pass's output into ``self.out``; True when the native program ran it."""
         self.hidden.copy_(hidden)
         for key, rows in cos_sin.items():
             self.cos_sin[key].copy_(rows)
+        if self.program is not None and self.program.refresh():
+            self.program.run()
+            return True
         self.rec.replay()
-        return self.out.clone()  # the next replay overwrites self.out
+        return False
 
 
 class CpuDecodeGraphs:
@@ -156,6 +163,7 @@ class CpuDecodeGraphs:
         self.refused: dict[tuple[int, int], str] = {}
         self.num_captured = 0
         self.num_replayed = 0
+        self.num_replayed_native = 0
         self._last_key: tuple[int, int] | None = None
         self._generation = packing_generation()
         self._eager = False  # a repacking left some decoder linear without its skinny weight
@@ -196,7 +204,8 @@ class CpuDecodeGraphs:
         if graph is not None:
             self.graphs.move_to_end(key)
             self.num_replayed += 1
-            return graph.replay(hidden, cos_sin)
+            self.num_replayed_native += graph.replay(hidden, cos_sin)
+            return graph.out.clone()  # the next replay overwrites graph.out
         if key == self._last_key and key not in self.refused:
             return self._capture(key, hidden, cos_sin)
         self._last_key = key
@@ -219,10 +228,12 @@ class CpuDecodeGraphs:
             self.refused[key] = guard.refused_by
             logger.debug("CPU decode graph for %d rows, %d threads: stays eager (%s)", *key, guard.refused_by)
             return out
-        self.graphs[key] = _Graph(rec, pool, hidden, cos_sin, out)
+        program = (graph_replay.Program(rec, key[1]) if rec.tasks is not None and graph_replay.available() else None)
+        self.graphs[key] = _Graph(rec, pool, hidden, cos_sin, out, program)
         self.num_captured += 1
-        logger.debug("CPU decode graph for %d rows, %d threads: %d calls, %.1f MiB of activations kept", *key,
-                     len(rec.calls), (pool.nbytes + sum(guard.storages.values())) / 2**20)
+        logger.debug("CPU decode graph for %d rows, %d threads: %d calls (%s replay), %.1f MiB of activations kept",
+                     *key, len(rec.calls), "native" if program else "Python",
+                     (pool.nbytes + sum(guard.storages.values())) / 2**20)
         if len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
         return out.clone()
