@@ -180,6 +180,17 @@ def current_context(metadata: AttentionMetadata) -> ForwardContext | None:
     return ctx if ctx.attn_metadata is metadata else None
 
 
+def step_context(metadata: AttentionMetadata) -> ForwardContext | None:
+    """The active forward context if ``metadata`` is the metadata of one of its KV-cache groups, else None."""
+    try:
+        ctx = get_forward_context()
+    except RuntimeError:
+        return None
+    if ctx.attn_metadata is metadata or any(m is metadata for m in ctx.group_metadata):
+        return ctx
+    return None
+
+
 def attention_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
     """(Q,) and (S,) positions -> (Q, S) bool, True = attend: ``k <= q`` and, with a window W, ``k > q - W``."""
     q, k = query_pos.unsqueeze(1), key_pos.unsqueeze(0)

@@ -18,7 +18,7 @@ import torch
 
 from pagedllm import native
 from pagedllm.attention.backend import (AttentionMetadata, ForwardContext, check_shapes, current_context,
-                                        write_kv_cache)
+                                        step_context, write_kv_cache)
 from pagedllm.attention.decode_plan import DecodeCall, DecodePlan
 from pagedllm.ops import recording
 from pagedllm.attention.torch_paged import TorchPagedAttention, TorchPagedAttentionImpl
@@ -208,7 +208,8 @@ class _PrefillPlan:
 @dataclass
 class _KernelPlan:
 
-    owner: ForwardContext | None
+    owner: ForwardContext | None  # the forward context of whose KV-cache groups' metadata this plan is made
+    metadata: AttentionMetadata
     num_blocks: int
     block_tables: torch.Tensor  # (D, max_blocks) int32, unit last stride
     seq_lens: torch.Tensor  # (D,) int32 contiguous
@@ -260,9 +261,17 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
         backend = self.backend
         plan = backend.planned_decode
         owner = current_context(metadata)
-        if not (plan is not None and kv_scales is None and owner is not None and plan.owner is owner
-                and plan.matches(query, key, value, kv_cache, self.options)):
+        if kv_scales is not None or backend.kernel is None:
             return None
+        if not (plan is not None and owner is not None and plan.owner is owner
+                and plan.matches(query, key, value, kv_cache, self.options)):
+            # a layer of another KV-cache group (its own plan, not the step's DecodePlan), or no DecodePlan
+            kernel_plan = backend.kernel_plan(metadata, kv_cache)
+            if kernel_plan.owner is None or not self._plannable(query, key, value, kv_cache, metadata, kernel_plan):
+                return None
+            plan = DecodePlan(kernel_plan.owner, backend.kernel.call_fns[kv_cache.dtype], self, query, key, value,
+                              kv_cache, kernel_plan.block_tables, kernel_plan.seq_lens, kernel_plan.slots,
+                              kernel_plan.num_threads)
         call = plan.call_for(query, key, value, kv_cache, out)
         write_fn, decode_fn = backend.kernel.task_fns[kv_cache.dtype]
         name = backend.kernel.call_fns[kv_cache.dtype].__name__
@@ -271,7 +280,7 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
         rows = query.shape[0]
 
         def refresh(step: AttentionMetadata | None) -> dict[str, int] | None:
-            if step is None or not (step.num_decodes == step.num_reqs == rows) or current_context(step) is None:
+            if step is None or not (step.num_decodes == step.num_reqs == rows):
                 return None
             kernel_plan = backend.kernel_plan(step, kv_cache)
             if kernel_plan.slots is None or kernel_plan.owner is None:
@@ -290,17 +299,24 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
         kernel = backend.kernel
         owner = current_context(metadata)
         backend.planned_decode = None
-        if not (backend.plan_decodes and owner is not None and plan.owner is owner and kernel.has_openmp
-                and kv_scales is None and 0 < metadata.num_decodes == query.shape[0] == metadata.num_reqs
-                and plan.slots is not None
-                and kv_cache.dtype in _WRITE_DTYPES and query.dtype in _IO_DTYPES and query.is_contiguous()
-                and key.dtype == value.dtype == query.dtype and key.shape[0] == value.shape[0] == plan.slots.shape[0]
-                and _rows_fit(key) and _rows_fit(value) and query.is_cpu
-                and kernel.supports(kv_cache.dtype, query.shape[1], kv_cache.shape[-1])):
+        if not (backend.plan_decodes and owner is not None and plan.owner is owner and kv_scales is None
+                and self._plannable(query, key, value, kv_cache, metadata, plan)):
             return None
         backend.planned_decode = DecodePlan(owner, kernel.call_fns[kv_cache.dtype], self, query, key, value,
                                             kv_cache, plan.block_tables, plan.seq_lens, plan.slots, plan.num_threads)
         return backend.planned_decode
+
+    def _plannable(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   metadata: AttentionMetadata, plan: _KernelPlan) -> bool:
+        """Whether :meth:`forward` runs this decode-only call as one C call writing the K/V rows first (an unscaled
+        cache), which a :class:`DecodePlan` makes as well."""
+        kernel = self.backend.kernel
+        return (kernel.has_openmp and 0 < metadata.num_decodes == query.shape[0] == metadata.num_reqs
+                and plan.slots is not None
+                and kv_cache.dtype in _WRITE_DTYPES and query.dtype in _IO_DTYPES and query.is_contiguous()
+                and key.dtype == value.dtype == query.dtype and key.shape[0] == value.shape[0] == plan.slots.shape[0]
+                and _rows_fit(key) and _rows_fit(value) and query.is_cpu
+                and kernel.supports(kv_cache.dtype, query.shape[1], kv_cache.shape[-1]))
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 out: torch.Tensor, kv_scales: torch.Tensor | None = None,
@@ -377,7 +393,7 @@ class CpuPagedAttention(TorchPagedAttention):
         self.num_threads = num_threads
         self.min_tokens_per_thread = min_tokens_per_thread
         self.kernel = kernel if kernel is not None else load_kernel()
-        self._kernel_plan_cache: _KernelPlan | None = None
+        self._kernel_plans: list[_KernelPlan] = []  # this forward context's, one per KV-cache group
         self._prefill_plan_cache: _PrefillPlan | None = None
         self.plan_decodes = plan_decodes
         self.planned_decode: DecodePlan | None = None
@@ -402,9 +418,13 @@ class CpuPagedAttention(TorchPagedAttention):
         return plan
 
     def kernel_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _KernelPlan:
-        num_blocks, block_size, owner, plan = self._cached_plan(metadata, kv_cache, self._kernel_plan_cache)
-        if plan is not None:
-            return plan
+        """The decodes' validated tables, lengths and slots of ``metadata``, made once per KV-cache group and
+        forward pass (a plan outside a forward context is made per call)."""
+        owner = step_context(metadata)
+        num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+        for plan in self._kernel_plans:
+            if owner is not None and plan.owner is owner and plan.metadata is metadata and plan.num_blocks == num_blocks:
+                return plan
         num_decodes = metadata.num_decodes
         lens = metadata.seq_lens_cpu[:num_decodes]
         tables = metadata.block_tables[:num_decodes].to(device="cpu", dtype=torch.int32)
@@ -416,9 +436,11 @@ class CpuPagedAttention(TorchPagedAttention):
         num_threads = self.threads_for(sum(lens))
         ranges = ([] if not num_decodes or (self.kernel is not None and self.kernel.has_openmp)
                   else _balanced_ranges(lens, num_threads))
-        plan = _KernelPlan(owner, num_blocks, tables, seq_lens, num_threads, ranges,
+        plan = _KernelPlan(owner, metadata, num_blocks, tables, seq_lens, num_threads, ranges,
                            _checked_slots(metadata.slot_mapping, num_blocks * block_size))
-        self._kernel_plan_cache = plan if owner is not None else None
+        if owner is not None:
+            self._kernel_plans = [p for p in self._kernel_plans if p.owner is owner and p.metadata is not metadata]
+            self._kernel_plans.append(plan)
         return plan
 
     @staticmethod

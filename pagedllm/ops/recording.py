@@ -62,6 +62,7 @@ class Recording:
         self.calls: list[tuple[Callable[..., Any], tuple]] = []
         self.keep: list[Any] = []
         self.tasks: list[Task] | None = []
+        self.untasked: str | None = None  # the first call recorded without a task form
         self.refreshes: dict[Hashable, tuple[Callable[[], dict[str, int] | None], list[ctypes.Structure]]] = {}
         self.allowed_depth = 0
         self._empty, self._alias = empty, alias
@@ -78,7 +79,7 @@ class Recording:
     def add(self, fn: Callable[..., Any], args: tuple, task: tuple[int, int] | None = None) -> None:
         self.calls.append((fn, args))
         if task is None:
-            self.tasks = None
+            self._no_task(fn)
         elif self.tasks is not None:
             struct = _args_struct(tuple(fn.argtypes))(*args)
             self.tasks.append(Task(task[0], struct, task[1], fn.__name__))
@@ -89,7 +90,7 @@ class Recording:
         self.keep.append(copy)
         self.calls.append((fn, (ctypes.byref(copy),)))
         if task is None:
-            self.tasks = None
+            self._no_task(fn)
         elif self.tasks is not None:
             self.tasks.append(Task(task[0], copy, task[1], fn.__name__))
 
@@ -100,7 +101,7 @@ class Recording:
         this step's calls would differ from the recorded ones. Hooks sharing a key run once per step."""
         self.calls.append((fn, ()))
         if tasks is None:
-            self.tasks = None
+            self._no_task(fn)
             return
         if self.tasks is None:
             return
@@ -111,6 +112,11 @@ class Recording:
             for t in tasks:
                 if not any(t.args is s for s in structs):
                     structs.append(t.args)
+
+    def _no_task(self, fn: Callable[..., Any]) -> None:
+        if self.tasks is not None:
+            self.untasked = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
+        self.tasks = None
 
     def refresh(self) -> bool:
         """Write this step's per-step fields into the tasks' structs; False when a hook declines."""

@@ -232,7 +232,7 @@ class CpuDecodeGraphs:
         self.graphs[key] = _Graph(rec, pool, hidden, cos_sin, out, program)
         self.num_captured += 1
         logger.debug("CPU decode graph for %d rows, %d threads: %d calls (%s replay), %.1f MiB of activations kept",
-                     *key, len(rec.calls), "native" if program else "Python",
+                     *key, len(rec.calls), "native" if program else f"Python; without a task form: {rec.untasked}",
                      (pool.nbytes + sum(guard.storages.values())) / 2**20)
         if len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)

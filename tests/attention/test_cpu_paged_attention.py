@@ -261,7 +261,7 @@ def test_thread_split_is_bitwise_deterministic(kernel, pool_kernel, dtype):
             with set_forward_context(meta):
                 backend = CpuPagedAttention(num_threads=num_threads, kernel=k, min_tokens_per_thread=1)
                 outs.append(backend.make_impl(scale).forward(query, key, value, cache.clone(), meta))
-                plan = backend._kernel_plan_cache
+                plan, = backend._kernel_plans
                 assert plan.num_threads == num_threads
                 assert len(plan.ranges) == (0 if k.has_openmp else min(num_threads, meta.num_reqs))
     assert CpuPagedAttention(num_threads=4, kernel=kernel).kernel_plan(meta, cache).num_threads == 1  # too small
@@ -334,9 +334,9 @@ def test_plan_shared_by_layers_and_renewed_per_step(kernel):
     for query, key, value, cache, meta, expected, scale in (step1, step2):
         with set_forward_context(meta):
             layer0 = backend.make_impl(scale).forward(query, key, value, cache.clone(), meta)
-            plan = backend._kernel_plan_cache
+            plan, = backend._kernel_plans
             layer1 = backend.make_impl(scale).forward(query, key, value, cache.clone(), meta)
-            assert plan is not None and backend._kernel_plan_cache is plan
+            assert len(backend._kernel_plans) == 1 and backend._kernel_plans[0] is plan
         for out in (layer0, layer1):
             torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=0)
 

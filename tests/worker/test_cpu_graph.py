@@ -12,7 +12,8 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.ops import library as fused_ops
-from pagedllm.ops import recording, skinny_gemm
+from pagedllm import envs
+from pagedllm.ops import graph_replay, recording, skinny_gemm
 from pagedllm.worker.cpu_graph import CpuDecodeGraphs
 from tests.family_utils import family_config, make_hf_model, save_hf_folder
 
@@ -70,8 +71,56 @@ def test_replayed_steps_are_bitwise_the_eager_steps(family_dir, smollm2_path):
     graphed, llm = _run(family_dir, smollm2_path, prompts, params)
     graphs = llm.llm_engine.runner.cpu_graphs
     assert graphs is not None and graphs.num_captured > 0 and graphs.num_replayed > 0, graphs.refused
+    if graph_replay.available():
+        assert graphs.num_replayed_native == graphs.num_replayed
     assert [t for t, _ in graphed] == [t for t, _ in eager]
     assert _logprob_values(graphed) == _logprob_values(eager)
+
+
+@pytest.mark.skipif(not graph_replay.available(), reason="the native replay cannot be built here")
+@pytest.mark.parametrize("quantization", [None, "int8", "int4", "w8a8"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_replay_is_bitwise_the_python_replay_and_eager(tiny_model_dir, quantization, threads, monkeypatch):
+    """One OpenMP region per step (the native replay), one ctypes call per kernel (the Python replay, switched by
+    the environment) and no graphs give the same tokens and logprob floats, for every weight format whose decode
+    rows are recorded, on one thread and on two."""
+    prompts = _prompts(4, seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 4 * i, ignore_eos=True, logprobs=3) for i in range(4)]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        def run(**kw):
+            llm = LLM(model=str(tiny_model_dir), max_model_len=128, num_kv_blocks=64, quantization=quantization, **kw)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            lps = [[sorted((t, lp.logprob) for t, lp in step.items()) for step in o.outputs[0].logprobs]
+                   for o in outs]
+            return [o.outputs[0].token_ids for o in outs], lps, llm.llm_engine.runner.cpu_graphs
+
+        eager = run(enforce_eager=True)[:2]
+        *native, graphs = run()
+        if graphs is None:
+            pytest.skip(f"quantization={quantization} records no CPU decode graphs on this CPU")
+        assert graphs.num_replayed_native > 0 and graphs.num_replayed_native == graphs.num_replayed
+        monkeypatch.setenv(envs.CPU_GRAPH_NATIVE_REPLAY.name, "0")
+        *python, python_graphs = run()
+        assert python_graphs.num_replayed > 0 and python_graphs.num_replayed_native == 0
+    finally:
+        torch.set_num_threads(previous)
+    assert native[0] == eager[0] and python[0] == eager[0]
+    assert native[1] == eager[1], 'native logprobs'
+    assert python[1] == eager[1], 'python logprobs'
+
+
+def test_a_declined_refresh_replays_from_python(tiny_model_dir, monkeypatch):
+    """When a step's attention calls would not be the recorded ones (a refresh hook declines), that step replays
+    from Python: the same tokens, no native replay counted."""
+    prompts = _prompts(3, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    expected, _ = _greedy_tiny(tiny_model_dir, prompts, params, enforce_eager=True)
+    monkeypatch.setattr(recording.Recording, "refresh", lambda self: False)
+    got, llm = _greedy_tiny(tiny_model_dir, prompts, params)
+    graphs = llm.llm_engine.runner.cpu_graphs
+    assert got == expected and graphs.num_replayed > 0 and graphs.num_replayed_native == 0
 
 
 def test_bfloat16_steps_replay_bitwise(tiny_model_dir):
