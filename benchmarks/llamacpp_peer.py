@@ -72,24 +72,32 @@ def _engine(model: str, quantization: str | None):
     return llm
 
 
-def _child_decode(args, quantization: str | None) -> float:
-    """pagedllm's batch-1 tok/s measured in a child process under ``--wait-policy``."""
+def _child_decode(args, quantization: str | None, env: dict[str, str] | None = None) -> float:
+    """pagedllm's batch-1 tok/s measured in a child process under ``--wait-policy`` (and ``env``)."""
     cmd = [sys.executable, __file__, "--llama-bin", str(args.llama_bin), "--model", args.model, "--tokens",
            str(args.tokens), "--child-decode", quantization or "none"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True,
-                         env={**os.environ, "OMP_WAIT_POLICY": args.wait_policy})
+                         env={**os.environ, "OMP_WAIT_POLICY": args.wait_policy, **(env or {})})
     return float(out.stdout.strip().splitlines()[-1])
+
+
+_PYTHON_REPLAY = {"PAGEDLLM_CPU_GRAPH_NATIVE_REPLAY": "0"}
 
 
 def batch1_part(args) -> dict:
     in_child = args.wait_policy is not None
     engines = {q or "float32": (q if in_child else _engine(args.model, q)) for q in args.pagedllm_quantization}
-    tok_s: dict[str, list[float]] = {"llama.cpp": [], **{f"pagedllm {n}": [] for n in engines}}
+    python_replay = [q for q in args.pagedllm_quantization if args.python_replay]
+    tok_s: dict[str, list[float]] = {"llama.cpp": [], **{f"pagedllm {n}": [] for n in engines},
+                                     **{f"pagedllm {q or 'float32'} (Python replay)": [] for q in python_replay}}
     for r in range(args.rounds):
         tok_s["llama.cpp"].append(round(llama_bench(args.llama_bin, args.model, args.tokens, args.threads), 2))
         for name, llm in engines.items():
             got = _child_decode(args, llm) if in_child else pagedllm_decode(llm, args.tokens)
             tok_s[f"pagedllm {name}"].append(round(got, 2))
+        for q in python_replay:
+            got = _child_decode(args, q, _PYTHON_REPLAY)
+            tok_s[f"pagedllm {q or 'float32'} (Python replay)"].append(round(got, 2))
         print(f"batch 1 round {r}: " + ", ".join(f"{k} {v[-1]}" for k, v in tok_s.items()), flush=True)
     med = {k: sorted(v)[len(v) // 2] for k, v in tok_s.items()}
     return {"tok_s": tok_s, "over_llama_cpp": {k: round(v / med["llama.cpp"], 3) for k, v in med.items()}}
@@ -163,9 +171,14 @@ def main() -> None:
     ap.add_argument("--serve-quantization", nargs="+", default=["gguf"])
     ap.add_argument("--wait-policy", choices=["PASSIVE", "ACTIVE"], default=None,
                     help="pagedllm's OMP_WAIT_POLICY (batch 1: each timing in a child process; serve: its environment)")
+    ap.add_argument("--python-replay", action="store_true",
+                    help="batch 1 also with CPU decode graphs replayed from Python (PAGEDLLM_CPU_GRAPH_NATIVE_REPLAY=0), "
+                         "each timing in a child process under --wait-policy (default PASSIVE)")
     ap.add_argument("--child-decode", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.python_replay and args.wait_policy is None:
+        args.wait_policy = "PASSIVE"
     if args.child_decode is not None:  # a --wait-policy child: one engine, one timing, printed
         print(pagedllm_decode(_engine(args.model, None if args.child_decode == "none" else args.child_decode),
                               args.tokens))
