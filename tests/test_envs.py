@@ -24,6 +24,7 @@ CASES = {
     envs.GGUF_DOT_ISA: (envs.gguf_dot_isa, {"": "auto", "AVX2": "avx2", "scalar": "scalar"}, ["sse", "amx"]),
     envs.INT8_GEMM_ISA: (envs.int8_gemm_isa, {"": "auto", "AVX2": "avx2", "scalar": "scalar",
                                               "avx512_vnni": "avx512_vnni"}, ["amx", "sse"]),
+    envs.CPU_GRAPH_NATIVE_REPLAY: (envs.cpu_graph_native_replay, {"": True, "1": True, "0": False}, ["off"]),
     envs.ENGINE_CORES: (envs.engine_cores, {"": None, "4": 4, " 12 ": 12}, ["0", "-2", "four", "2.5"]),
     envs.API_KEY: (envs.api_key, {"": None, "sk-1": "sk-1"}, []),
 }
