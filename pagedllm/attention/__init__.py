@@ -126,6 +126,7 @@ class Attention(nn.Module):
             rec.add_python(replay)
             return out
         tasks, refresh = native
+        rec.keep.append(self.kv_cache)  # the tasks hold its address (the runner drops the graphs on a rebind)
         rec.add_python(replay, tasks, ((id(self.impl.backend), group, tuple(self.kv_cache.shape)),
                                        lambda: refresh(get_forward_context().metadata_for(group))))
         return out

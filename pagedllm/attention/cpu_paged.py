@@ -283,7 +283,7 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
             if step is None or not (step.num_decodes == step.num_reqs == rows):
                 return None
             kernel_plan = backend.kernel_plan(step, kv_cache)
-            if kernel_plan.slots is None or kernel_plan.owner is None:
+            if kernel_plan.slots is None or kernel_plan.owner is None or kernel_plan.slots.shape[0] != rows:
                 return None
             tables = kernel_plan.block_tables
             return {"block_tables": tables.data_ptr(), "block_table_stride": tables.stride(0),
@@ -439,7 +439,8 @@ class CpuPagedAttention(TorchPagedAttention):
         plan = _KernelPlan(owner, metadata, num_blocks, tables, seq_lens, num_threads, ranges,
                            _checked_slots(metadata.slot_mapping, num_blocks * block_size))
         if owner is not None:
-            self._kernel_plans = [p for p in self._kernel_plans if p.owner is owner and p.metadata is not metadata]
+            self._kernel_plans = [p for p in self._kernel_plans if p.owner is owner
+                                  and not (p.metadata is metadata and p.num_blocks == num_blocks)]
             self._kernel_plans.append(plan)
         return plan
 

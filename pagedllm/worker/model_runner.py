@@ -362,6 +362,8 @@ class ModelRunner:
                 layers[layer].kv_cache_group = g
                 layers[layer].kv_scales = scales[j] if scales else None
         self.model.bind_kv_caches(per_layer)
+        if getattr(self, "cpu_graphs", None) is not None:
+            self.cpu_graphs.clear()  # a native replay holds the caches' addresses
 
     def _new_kv_spec(self, num_blocks: int) -> KVCacheSpec:
         return KVCacheSpec(num_blocks, self.block_size, self.bytes_per_block(), self.max_model_len,
