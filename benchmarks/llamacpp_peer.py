@@ -81,7 +81,7 @@ def _child_decode(args, quantization: str | None, env: dict[str, str] | None = N
     return float(out.stdout.strip().splitlines()[-1])
 
 
-_PYTHON_REPLAY = {"PAGEDLLM_CPU_GRAPH_NATIVE_REPLAY": "0"}
+_PYTHON_REPLAY = {pagedllm.envs.CPU_GRAPH_NATIVE_REPLAY.name: "0"}
 
 
 def batch1_part(args) -> dict:

@@ -44,7 +44,9 @@ def child(name: str, batches: list[int], tokens: int) -> dict:
 def run_child(args, name: str, mode: str) -> dict:
     cmd = [sys.executable, __file__, "--child", name, "--batches", *map(str, args.batches), "--tokens",
            str(args.tokens)]
-    env = {**os.environ, "PAGEDLLM_CPU_GRAPH_NATIVE_REPLAY": MODES[mode]}
+    from pagedllm import envs
+
+    env = {**os.environ, envs.CPU_GRAPH_NATIVE_REPLAY.name: MODES[mode]}
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import pagedllm  # noqa: F401  before torch: the engine's OpenMP wait policy is set only before libgomp loads
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, envs
 from pagedllm.models.layers import attention as attention_module
 from pagedllm.models.layers import activation as activation_module
 from pagedllm.models.layers import norm as norm_module
@@ -59,6 +59,7 @@ def wrap(obj, name: str, acc: dict, key: str, clock=time.perf_counter, depth: li
 # Every entry point of the skinny GEMM library, each timed as a C kernel (gemm_bf16_dp_f32out is the
 # bfloat16 LM head's: left out, its time would count as Python; test_benchmarks checks the list).
 SKINNY_KERNELS = ("gemm_f32", "gemm_bf16_amx", "gemm_bf16_dp", "gemm_bf16_dp_f32out")
+NATIVE_REPLAY = envs.CPU_GRAPH_NATIVE_REPLAY.name  # the timed steps replay from Python (cpu_time_breakdown)
 
 
 def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
@@ -80,7 +81,8 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
 
     The CPU decode graphs (pagedllm/worker/cpu_graph.py) replay the kernel calls they recorded, so
     they are dropped once the timers are in place: the timed steps replay graphs recorded with the
-    timed kernels (two untimed steps first: one eager, one captured).
+    timed kernels (two untimed steps first: one eager, one captured), from Python
+    (``PAGEDLLM_CPU_GRAPH_NATIVE_REPLAY=0`` meanwhile: the native replay calls the C code past the timers).
     """
     from pagedllm.models.layers.linear import Linear
     from pagedllm.models.layers.norm import RMSNorm
@@ -88,6 +90,8 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    native_replay = os.environ.get(NATIVE_REPLAY)
+    os.environ[NATIVE_REPLAY] = "0"
     acc: dict[str, float] = defaultdict(float)
     clock = time.process_time
     layer = eng.runner.model.model.layers[0]
@@ -146,6 +150,10 @@ def cpu_time_breakdown(eng, num_steps: int) -> dict[str, float]:
         for table, fns in saved_tables:
             table.update(fns)
         torch.set_num_threads(threads)
+        if native_replay is None:
+            os.environ.pop(NATIVE_REPLAY, None)
+        else:
+            os.environ[NATIVE_REPLAY] = native_replay
     acc["linear"] -= acc.pop("skinny_in_linear", 0.0)  # counted in c_kernels
     outside = total - acc["linear"] - acc["c_kernels"]
     replayed = graphs is not None and graphs.num_replayed > 0

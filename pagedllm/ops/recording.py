@@ -78,10 +78,11 @@ class Recording:
 
     def add(self, fn: Callable[..., Any], args: tuple, task: tuple[int, int] | None = None) -> None:
         self.calls.append((fn, args))
-        if task is None:
+        argtypes = getattr(fn, "argtypes", None)  # None: not a ctypes function (a wrapped one)
+        if task is None or argtypes is None:
             self._no_task(fn)
         elif self.tasks is not None:
-            struct = _args_struct(tuple(fn.argtypes))(*args)
+            struct = _args_struct(tuple(argtypes))(*args)
             self.tasks.append(Task(task[0], struct, task[1], fn.__name__))
 
     def add_struct(self, fn: Callable[..., Any], struct: ctypes.Structure, task: tuple[int, int] | None = None) -> None:
