@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import pagedllm  # noqa: F401  before torch: the engine's OpenMP wait policy is set only before libgomp loads
+from pagedllm import envs
 
 import common
 
@@ -81,7 +82,7 @@ def _child_decode(args, quantization: str | None, env: dict[str, str] | None = N
     return float(out.stdout.strip().splitlines()[-1])
 
 
-_PYTHON_REPLAY = {pagedllm.envs.CPU_GRAPH_NATIVE_REPLAY.name: "0"}
+_PYTHON_REPLAY = {envs.CPU_GRAPH_NATIVE_REPLAY.name: "0"}
 
 
 def batch1_part(args) -> dict:
