@@ -4,10 +4,12 @@
  * Why one region: under OMP_WAIT_POLICY=PASSIVE (pagedllm's default, kind to a shared machine) every parallel
  * region of a kernel wakes sleeping threads through the kernel, which costs about what a batch-1 projection
  * computes, so small products ran on one thread. Here the team wakes once per step, its threads spin between the
- * step's calls (as llama.cpp's own thread pool does) and sleep again when the region ends, before any torch code
- * runs. Plain C11 atomics; no ISA-specific code. */
+ * step's calls (as llama.cpp's own thread pool does; past a bound a waiter sleeps) and sleep again when the region
+ * ends, before any torch code runs. Plain C11 atomics; no ISA-specific code. */
+#define _POSIX_C_SOURCE 200809L
 #include <sched.h>
 #include <stdatomic.h>
+#include <time.h>
 
 #include "native_team.h"
 
@@ -33,8 +35,12 @@ struct replay_entry {
     int nth;
 };
 
-/* Spins this many pause rounds before yielding the core between checks (a descheduled team mate, a busy host). */
+/* A waiter spins this many pause rounds, then yields the core this many times more, then sleeps SLEEP_NS between
+ * checks: a team mate descheduled on a busy host then costs the waiter no core (PASSIVE's point) once the step's
+ * usual waits (microseconds) are long past. */
 #define SPINS_BEFORE_YIELD 4096
+#define YIELDS_BEFORE_SLEEP 64
+#define SLEEP_NS 20000
 
 struct spin_barrier {
     _Atomic int arrived;
@@ -57,10 +63,14 @@ static void barrier_wait(struct spin_barrier *b, int nth) {
         return;
     }
     for (int spins = 0; atomic_load_explicit(&b->generation, memory_order_acquire) == generation; spins++) {
-        if (spins < SPINS_BEFORE_YIELD)
+        if (spins < SPINS_BEFORE_YIELD) {
             cpu_relax();
-        else
+        } else if (spins < SPINS_BEFORE_YIELD + YIELDS_BEFORE_SLEEP) {
             sched_yield();
+        } else {
+            const struct timespec pause = {0, SLEEP_NS};
+            nanosleep(&pause, NULL);
+        }
     }
 }
 
